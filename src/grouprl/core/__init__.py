@@ -1,0 +1,50 @@
+"""Pure tensor math of the GRPO family: advantages, KL estimators, policy losses, log-probs, presets.
+
+No model, no config object, no torch.distributed, no I/O; nothing else from grouprl is imported.
+"""
+
+from .advantages import (
+    ADVANTAGE_ESTIMATORS,
+    compute_advantages,
+    group_advantages,
+    process_advantages,
+    register_advantage_estimator,
+    rloo_advantages,
+    zero_std_groups,
+)
+from .kl import KL_ESTIMATORS, kl_estimate
+from .logprobs import token_entropy, token_logprobs
+from .losses import (
+    LOSS_AGGREGATIONS,
+    RATIO_LEVELS,
+    aggregate_loss,
+    overlong_penalty,
+    policy_loss,
+    register_loss_agg,
+    register_ratio_level,
+)
+from .presets import PRESET_KEYS, PRESETS, get_preset
+
+__all__ = [
+    "ADVANTAGE_ESTIMATORS",
+    "KL_ESTIMATORS",
+    "LOSS_AGGREGATIONS",
+    "PRESETS",
+    "PRESET_KEYS",
+    "RATIO_LEVELS",
+    "aggregate_loss",
+    "compute_advantages",
+    "get_preset",
+    "group_advantages",
+    "kl_estimate",
+    "overlong_penalty",
+    "policy_loss",
+    "process_advantages",
+    "register_advantage_estimator",
+    "register_loss_agg",
+    "register_ratio_level",
+    "rloo_advantages",
+    "token_entropy",
+    "token_logprobs",
+    "zero_std_groups",
+]

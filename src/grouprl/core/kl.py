@@ -1,0 +1,47 @@
+"""Per-token KL estimators to the reference policy (Schulman, "Approximating KL divergence", 2020).
+
+With samples drawn from the policy and δ = logp − ref_logp (log π_θ − log π_ref):
+
+    k1 = δ                       unbiased, high variance, can be negative
+    k2 = ½·δ²                    biased, low variance, ≥ 0
+    k3 = exp(−δ) + δ − 1         unbiased, ≥ 0; DeepSeekMath eq. 4: π_ref/π − log(π_ref/π) − 1
+
+Worked numbers (ALGORITHMS.md): π = 0.5, π_ref = 0.25 → δ = log 2, k3 = ½ + log 2 − 1 = 0.193147;
+π = 0.25, π_ref = 0.5 → k3 = 2 − log 2 − 1 = 0.306853.
+
+k3 is computed as expm1(−δ) + δ, the same value with an absolute rounding error of about
+eps·|δ| instead of eps (exp(−δ) − 1 rounds to ~eps first); k3 ≈ δ²/2 for small δ.
+No clamping of δ is applied (verl clamps k3 to ±10); padded positions are the caller's to mask.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+
+def _k1(delta: Tensor) -> Tensor:
+    return delta
+
+
+def _k2(delta: Tensor) -> Tensor:
+    return 0.5 * delta.square()
+
+
+def _k3(delta: Tensor) -> Tensor:
+    return torch.expm1(-delta) + delta
+
+
+KL_ESTIMATORS: dict[str, Callable[[Tensor], Tensor]] = {"k1": _k1, "k2": _k2, "k3": _k3}
+
+
+def kl_estimate(logp: Tensor, ref_logp: Tensor, kind: str = "k3") -> Tensor:
+    """Per-token KL estimate, same shape as ``logp`` (e.g. [N, T]); δ = logp − ref_logp."""
+    if kind not in KL_ESTIMATORS:
+        raise ValueError(f"kl kind={kind!r} is unknown; use one of {sorted(KL_ESTIMATORS)}")
+    if logp.shape != ref_logp.shape:
+        raise ValueError(f"logp has shape {tuple(logp.shape)} but ref_logp has {tuple(ref_logp.shape)}; "
+                         "compute both on the same completion tokens")
+    return KL_ESTIMATORS[kind](logp - ref_logp)

@@ -1,0 +1,142 @@
+"""Per-token log-probabilities and entropies from logits, chunked so [N, T, V] is never copied whole.
+
+With x = logits / τ (τ the sampling temperature) and lse = log Σ_v exp(x_v):
+
+    log π(y_t) = x_{y_t} − lse                       ∂/∂logits_v = (1[v = y_t] − p_v) / τ
+    H_t = −Σ_v p_v·log p_v                           ∂/∂logits_v = −p_v·(log p_v + H_t) / τ
+
+where p = softmax(x). Both are computed chunk by chunk over the (N, T) rows in fp32, whatever the
+logits dtype (bf16 logits are upcast one chunk at a time). Each is a ``torch.autograd.Function``
+that saves only the logits (already alive), the targets and one fp32 number per token; backward
+recomputes softmax per chunk. So peak extra memory is one fp32 chunk plus the gradient itself,
+instead of a full fp32 log-softmax copy kept alive for backward (the autograd graph of
+``log_softmax(logits.float())`` would keep one). Double backward is not supported.
+
+Outputs are fp32 ``[N, T]`` (fp64 for fp64 logits); gradients come back in the logits' dtype.
+Logits must be finite (−inf entries give NaN entropies); token ids must be valid vocabulary
+indices (not checked: that would cost a device sync on the hot path).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+from torch import Tensor
+
+CHUNK_ELEMENTS = 1 << 24  # fp32 elements per chunk: 64 MiB
+
+
+def _chunks(n: int, t: int, v: int, max_elements: int) -> Iterator[tuple[slice, slice]]:
+    """(rows, cols) slices tiling [n, t] so each logits[rows, cols] holds about max_elements."""
+    if t * v <= max_elements:
+        step = max(1, max_elements // (t * v))
+        for n0 in range(0, n, step):
+            yield slice(n0, n0 + step), slice(None)
+    else:
+        step = max(1, max_elements // v)
+        for n0 in range(n):
+            for t0 in range(0, t, step):
+                yield slice(n0, n0 + 1), slice(t0, t0 + step)
+
+
+def _compute_dtype(logits: Tensor) -> torch.dtype:
+    return torch.promote_types(logits.dtype, torch.float32)  # bf16/fp16 → fp32; fp64 stays
+
+
+def _scaled(logits: Tensor, temperature: float) -> Tensor:
+    x = logits.to(_compute_dtype(logits))  # [n, t, V]; a view if already that dtype: never modify in place
+    return x if temperature == 1.0 else x / temperature
+
+
+class _TokenLogprobs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits: Tensor, tokens: Tensor, temperature: float, max_elements: int) -> Tensor:
+        n, t, v = logits.shape
+        out = logits.new_empty((n, t), dtype=_compute_dtype(logits))  # [N, T]
+        lse = torch.empty_like(out)  # [N, T]
+        for rows, cols in _chunks(n, t, v, max_elements):
+            x = _scaled(logits[rows, cols], temperature)  # [n, t, V]
+            lse[rows, cols] = torch.logsumexp(x, dim=-1)
+            out[rows, cols] = x.gather(-1, tokens[rows, cols, None]).squeeze(-1) - lse[rows, cols]
+        ctx.save_for_backward(logits, tokens, lse)
+        ctx.temperature, ctx.max_elements = temperature, max_elements
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor):
+        logits, tokens, lse = ctx.saved_tensors
+        if not ctx.needs_input_grad[0]:
+            return None, None, None, None
+        n, t, v = logits.shape
+        tau = ctx.temperature
+        grad = torch.empty_like(logits)  # [N, T, V]
+        for rows, cols in _chunks(n, t, v, ctx.max_elements):
+            x = _scaled(logits[rows, cols], tau)  # [n, t, V]
+            g = grad_out[rows, cols, None].to(x.dtype) / tau  # [n, t, 1]
+            d = (x - lse[rows, cols, None]).exp_().mul_(-g)  # −p·g / τ, a fresh tensor
+            d.scatter_add_(-1, tokens[rows, cols, None], g)  # + 1[v = y]·g / τ
+            grad[rows, cols] = d
+        return grad, None, None, None
+
+
+class _TokenEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits: Tensor, temperature: float, max_elements: int) -> Tensor:
+        n, t, v = logits.shape
+        lse = logits.new_empty((n, t), dtype=_compute_dtype(logits))  # [N, T]
+        entropy = torch.empty_like(lse)  # [N, T]
+        for rows, cols in _chunks(n, t, v, max_elements):
+            x = _scaled(logits[rows, cols], temperature)  # [n, t, V]
+            lse[rows, cols] = torch.logsumexp(x, dim=-1)
+            logp = x - lse[rows, cols, None]  # [n, t, V]
+            # −Σ p·log p: same-sign terms, no cancellation (lse − Σ p·x loses digits when H is small)
+            entropy[rows, cols] = -(logp.exp() * logp).sum(-1)
+        ctx.save_for_backward(logits, lse, entropy)
+        ctx.temperature, ctx.max_elements = temperature, max_elements
+        return entropy
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor):
+        logits, lse, entropy = ctx.saved_tensors
+        if not ctx.needs_input_grad[0]:
+            return None, None, None
+        n, t, v = logits.shape
+        tau = ctx.temperature
+        grad = torch.empty_like(logits)  # [N, T, V]
+        for rows, cols in _chunks(n, t, v, ctx.max_elements):
+            x = _scaled(logits[rows, cols], tau)  # [n, t, V]
+            g = grad_out[rows, cols, None].to(x.dtype) / tau  # [n, t, 1]
+            logp = x - lse[rows, cols, None]  # [n, t, V]
+            # x_v − Σ_u p_u·x_u = log p_v + H
+            grad[rows, cols] = logp.exp().mul_(logp + entropy[rows, cols, None]).mul_(-g)
+        return grad, None, None
+
+
+def _check_logits(logits: Tensor, temperature: float, max_elements: int) -> None:
+    if not isinstance(logits, Tensor) or logits.dim() != 3 or not logits.is_floating_point():
+        raise ValueError(f"logits must be a float [N, T, V] tensor, got "
+                         f"{getattr(logits, 'shape', type(logits).__name__)}")
+    if not temperature > 0:
+        raise ValueError(f"temperature={temperature} must be > 0 (use the sampling temperature)")
+    if max_elements < 1:
+        raise ValueError(f"max_chunk_elements={max_elements} must be >= 1")
+
+
+def token_logprobs(logits: Tensor, tokens: Tensor, *, temperature: float = 1.0,
+                   max_chunk_elements: int = CHUNK_ELEMENTS) -> Tensor:
+    """log softmax(logits / temperature) at ``tokens``: logits [N, T, V], tokens [N, T] → fp32 [N, T]."""
+    _check_logits(logits, temperature, max_chunk_elements)
+    if not isinstance(tokens, Tensor) or tokens.shape != logits.shape[:2]:
+        raise ValueError(f"tokens has shape {tuple(getattr(tokens, 'shape', ()))}, expected "
+                         f"{tuple(logits.shape[:2])} (the [N, T] of logits)")
+    if tokens.is_floating_point() or tokens.dtype == torch.bool:
+        raise TypeError(f"tokens has dtype {tokens.dtype}; pass integer token ids")
+    return _TokenLogprobs.apply(logits, tokens.long(), float(temperature), int(max_chunk_elements))
+
+
+def token_entropy(logits: Tensor, *, temperature: float = 1.0,
+                  max_chunk_elements: int = CHUNK_ELEMENTS) -> Tensor:
+    """Entropy of softmax(logits / temperature) per position: logits [N, T, V] → fp32 [N, T]."""
+    _check_logits(logits, temperature, max_chunk_elements)
+    return _TokenEntropy.apply(logits, float(temperature), int(max_chunk_elements))

@@ -1,0 +1,326 @@
+"""policy_loss / aggregate_loss / overlong_penalty against worked numbers, naive loops and invariants."""
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from grouprl.core import LOSS_AGGREGATIONS, aggregate_loss, overlong_penalty, policy_loss
+
+AGGS = ["seq-mean-token-mean", "token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
+L_MAX = 9  # max_tokens for seq-mean-token-sum-norm in random batches (≥ T)
+
+
+def ragged_batch(seed, n, t, *, per_token_adv=False, spread=0.4):
+    """Random float64 batch with ragged right padding (lengths 0..T, at least one real token)."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(0, t + 1, (n,), generator=g)
+    lengths[0] = max(int(lengths[0]), 1)
+    mask = torch.arange(t)[None, :] < lengths[:, None]  # [N, T]
+    logp = -torch.rand(n, t, generator=g, dtype=torch.float64) * 3  # [N, T]
+    old = logp + spread * torch.randn(n, t, generator=g, dtype=torch.float64)
+    ref = logp + spread * torch.randn(n, t, generator=g, dtype=torch.float64)
+    shape = (n, t) if per_token_adv else (n,)
+    adv = torch.randn(shape, generator=g, dtype=torch.float64)
+    return logp, old, ref, adv, mask
+
+
+# ---------------------------------------------------------------- worked numbers (ALGORITHMS.md)
+
+@pytest.mark.parametrize("adv, want_loss, want_grad, clip_high", [(1.0, -1.2, 0.0, 1.0), (-1.0, 1.5, 1.5, 0.0)])
+def test_worked_clip_examples(adv, want_loss, want_grad, clip_high):
+    """ε = 0.2, ρ = 1.5. A = +1: min(1.5, 1.2) = 1.2, the clipped branch, zero gradient.
+    A = −1: min(−1.5, −1.2) = −1.5, the unclipped branch, d(−ρA)/dlogp = ρ = 1.5."""
+    logp = torch.tensor([[math.log(1.5)]], dtype=torch.float64, requires_grad=True)
+    old = torch.zeros(1, 1, dtype=torch.float64)
+    loss, stats = policy_loss(logp, old, torch.tensor([adv], dtype=torch.float64), torch.ones(1, 1, dtype=torch.bool))
+    loss.backward()
+    assert loss.item() == pytest.approx(want_loss, abs=1e-12)
+    assert logp.grad.item() == pytest.approx(want_grad, abs=1e-12)
+    assert stats["clip_frac_high"] == clip_high and stats["clip_frac_low"] == 0.0
+    assert stats["ratio_mean"] == pytest.approx(1.5, abs=1e-12)
+
+
+def test_aggregation_hand_worked():
+    """ℓ = [[1,2,3],[4,·,·]], 4 real tokens, N = 2: token-mean 10/4; seq-mean-token-mean (2 + 4)/2;
+    seq-mean-token-sum 10/2; seq-mean-token-sum-norm 10/(2·5) with L_max = 5."""
+    loss = torch.tensor([[1.0, 2, 3], [4, float("nan"), float("inf")]])
+    mask = torch.tensor([[1.0, 1, 1], [1, 0, 0]])
+    want = {"token-mean": 2.5, "seq-mean-token-mean": 3.0, "seq-mean-token-sum": 5.0,
+            "seq-mean-token-sum-norm": 1.0}
+    for mode, value in want.items():
+        assert aggregate_loss(loss, mask, mode, max_tokens=5).item() == value
+    assert aggregate_loss(loss, mask, "token-mean", normalizer=8).item() == 10 / 8
+    assert aggregate_loss(loss, mask, "seq-mean-token-mean", normalizer=4).item() == 6 / 4
+    assert aggregate_loss(loss, mask, "seq-mean-token-sum-norm", max_tokens=5, normalizer=4).item() == 10 / 20
+
+
+def test_overlong_worked_numbers():
+    """L_max 20480, L_cache 4096: soft zone starts at 16384; (16384 − 17408)/4096 = −0.25, etc."""
+    lengths = torch.tensor([100, 16384, 17408, 18432, 20480, 20481, 30000])
+    got = overlong_penalty(lengths, 20480, 4096)
+    assert got.dtype == torch.float32 and got.shape == (7,)
+    assert got.tolist() == [0.0, 0.0, -0.25, -0.5, -1.0, -1.0, -1.0]
+    assert overlong_penalty(torch.tensor([10, 11]), 10, 0).tolist() == [0.0, -1.0]  # hard cutoff
+
+
+# ---------------------------------------------------------------- naive reference
+
+def naive_policy_loss(logp, old, adv, mask, *, eps_low, eps_high, ratio_level, agg, ref, beta, kl_kind,
+                      dual_clip, delta, max_tokens):
+    """Token-by-token loops on scalar tensors (autograd follows), written straight from ALGORITHMS.md."""
+    n, t = logp.shape
+    lengths = [int(mask[i].sum()) for i in range(n)]
+    per_seq, stats = [], dict(low=0, high=0, dual=0, ratio=0.0, approx_kl=0.0, kl=0.0)
+    for i in range(n):
+        toks = [j for j in range(t) if mask[i, j]]
+        if ratio_level == "sequence":
+            s_i = torch.exp(sum((logp[i, j] - old[i, j] for j in toks), torch.tensor(0.0)) / max(len(toks), 1))
+        losses = []
+        for j in toks:
+            a = adv[i, j] if adv.dim() == 2 else adv[i]
+            if ratio_level == "token":
+                rho = torch.exp(logp[i, j] - old[i, j])
+            else:
+                rho = s_i.detach() * torch.exp(logp[i, j] - logp[i, j].detach())
+            unclipped = -a * (rho if delta is None else torch.clamp(rho, max=delta))
+            clipped = -a * torch.clamp(rho, 1 - eps_low, 1 + eps_high)
+            ell = unclipped if unclipped >= clipped else clipped
+            if dual_clip is not None and a < 0 and ell > -dual_clip * a:
+                ell = -dual_clip * a
+                stats["dual"] += 1
+            d = logp[i, j] - ref[i, j]
+            kl = {"k1": d, "k2": 0.5 * d * d, "k3": torch.exp(-d) + d - 1}[kl_kind]
+            if beta > 0:
+                ell = ell + beta * kl
+            losses.append(ell)
+            stats["low"] += bool(rho < 1 - eps_low and a < 0)
+            stats["high"] += bool(rho > 1 + eps_high and a > 0)
+            stats["ratio"] += rho.item()
+            r = math.exp(logp[i, j].item() - old[i, j].item())
+            stats["approx_kl"] += (r - 1) - math.log(r)
+            stats["kl"] += kl.item()
+        per_seq.append(losses)
+    total = sum((x for seq in per_seq for x in seq), torch.tensor(0.0))
+    if agg == "token-mean":
+        loss = total / sum(lengths)
+    elif agg == "seq-mean-token-mean":
+        loss = sum((sum(seq, torch.tensor(0.0)) / max(len(seq), 1) for seq in per_seq), torch.tensor(0.0)) / n
+    elif agg == "seq-mean-token-sum":
+        loss = total / n
+    else:
+        loss = total / (n * max_tokens)
+    count = sum(lengths)
+    return loss, {"clip_frac_low": stats["low"] / count, "clip_frac_high": stats["high"] / count,
+                  "clip_frac": (stats["low"] + stats["high"]) / count, "ratio_mean": stats["ratio"] / count,
+                  "approx_kl": stats["approx_kl"] / count, "kl": stats["kl"] / count,
+                  "dual_clip_frac": stats["dual"] / count, "num_tokens": float(count)}
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), n=st.integers(1, 5), t=st.integers(1, 6), agg=st.sampled_from(AGGS),
+       ratio_level=st.sampled_from(["token", "sequence"]), per_token_adv=st.booleans(),
+       eps=st.sampled_from([(0.2, None), (0.2, 0.28), (0.1, 0.05)]), dual_clip=st.sampled_from([None, 3.0]),
+       delta=st.sampled_from([None, 1.3]), beta=st.sampled_from([0.0, 0.04]), kl_kind=st.sampled_from(["k1", "k2", "k3"]))
+def test_policy_loss_matches_naive_loops(seed, n, t, agg, ratio_level, per_token_adv, eps, dual_clip, delta,
+                                          beta, kl_kind):
+    logp, old, ref, adv, mask = ragged_batch(seed, n, t, per_token_adv=per_token_adv, spread=0.6)
+    eps_low, eps_high = eps
+    kw = dict(eps_low=eps_low, ratio_level=ratio_level, agg=agg, beta=beta, kl_kind=kl_kind,
+              dual_clip=dual_clip, delta=delta, max_tokens=L_MAX)
+    x = logp.clone().requires_grad_()
+    loss, stats = policy_loss(x, old, adv, mask, eps_high=eps_high, ref_logp=ref, **kw)
+    loss.backward()
+    y = logp.clone().requires_grad_()
+    want, want_stats = naive_policy_loss(y, old, adv, mask, eps_high=eps_low if eps_high is None else eps_high,
+                                         ref=ref, **kw)
+    if want.requires_grad:  # not when every token is dual-clipped to the constant −c·A
+        want.backward()
+    assert loss.item() == pytest.approx(want.item(), rel=1e-10, abs=1e-12)
+    torch.testing.assert_close(x.grad, torch.zeros_like(logp) if y.grad is None else y.grad, rtol=1e-10, atol=1e-12)
+    expected_keys = set(want_stats) - ({"dual_clip_frac"} if dual_clip is None else set())
+    assert set(stats) == expected_keys
+    for key in expected_keys:
+        assert stats[key] == pytest.approx(want_stats[key], rel=1e-9, abs=1e-12), key
+
+
+# ---------------------------------------------------------------- gradients vs closed forms
+
+def agg_weights(mask, agg):
+    """∂loss/∂ℓ_{i,t} of each aggregation mode, as a [N, T] tensor."""
+    m = mask.double()
+    n = m.shape[0]
+    return {"token-mean": m / m.sum(), "seq-mean-token-mean": m / (n * m.sum(1, keepdim=True).clamp(min=1)),
+            "seq-mean-token-sum": m / n, "seq-mean-token-sum-norm": m / (n * L_MAX)}[agg]
+
+
+@pytest.mark.parametrize("agg", AGGS)
+@pytest.mark.parametrize("ratio_level", ["token", "sequence"])
+@pytest.mark.parametrize("per_token_adv", [False, True])
+def test_on_policy_gradient_is_reinforce(agg, ratio_level, per_token_adv):
+    """At ρ = 1 (old = sg[logp], μ = 1) clipping is inactive: ∂loss/∂logp_{i,t} = −A_{i,t}·w_{i,t}."""
+    logp, _, _, adv, mask = ragged_batch(7, 6, 5, per_token_adv=per_token_adv)
+    x = logp.clone().requires_grad_()
+    loss, stats = policy_loss(x, x.detach(), adv, mask, ratio_level=ratio_level, agg=agg, max_tokens=L_MAX)
+    loss.backward()
+    a = adv if per_token_adv else adv[:, None].expand_as(logp)
+    torch.testing.assert_close(x.grad, -a * agg_weights(mask, agg), rtol=1e-12, atol=1e-15)
+    torch.testing.assert_close(loss, (-a * agg_weights(mask, agg)).sum(), rtol=1e-12, atol=1e-15)
+    assert stats["ratio_mean"] == pytest.approx(1.0, abs=1e-15) and stats["clip_frac"] == 0.0
+    assert stats["approx_kl"] == 0.0
+
+
+def test_clipped_tokens_get_zero_gradient():
+    """ε = 0.2: ρ = 1.5 with A > 0 and ρ = 0.5 with A < 0 are clipped (zero grad); the other two
+    tokens are not (ρ = 1.5, A < 0; ρ = 0.5, A > 0) and get −A·ρ·w with token-mean w = 1/4."""
+    rho = torch.tensor([[1.5, 0.5, 1.5, 0.5]], dtype=torch.float64)
+    adv = torch.tensor([[1.0, -1.0, -1.0, 1.0]], dtype=torch.float64)
+    x = rho.log().requires_grad_()
+    loss, stats = policy_loss(x, torch.zeros_like(rho), adv, torch.ones_like(rho), agg="token-mean")
+    loss.backward()
+    assert x.grad.tolist() == [[0.0, 0.0, 1.5 / 4, -0.5 / 4]]
+    assert stats["clip_frac_high"] == 0.25 and stats["clip_frac_low"] == 0.25 and stats["clip_frac"] == 0.5
+
+
+def test_dual_clip_and_delta_caps():
+    """A = −1, ρ = 5: plain loss 5; dual clip c = 3 caps it at 3 (zero grad); δ = 4 caps the unclipped
+    term at 4 (zero grad). A = +1, ρ = 5 with δ = 4: clipped branch, loss −1.2."""
+    x = torch.tensor([[math.log(5.0)] * 2], dtype=torch.float64, requires_grad=True)
+    old, mask = torch.zeros(1, 2, dtype=torch.float64), torch.ones(1, 2)
+    adv = torch.tensor([[-1.0, 1.0]], dtype=torch.float64)
+    for kw, want in [({}, (5.0 - 1.2) / 2), ({"dual_clip": 3.0}, (3.0 - 1.2) / 2), ({"delta": 4.0}, (4.0 - 1.2) / 2)]:
+        x.grad = None
+        loss, stats = policy_loss(x, old, adv, mask, agg="token-mean", **kw)
+        loss.backward()
+        assert loss.item() == pytest.approx(want, abs=1e-12)
+        assert x.grad[0, 1].item() == 0.0
+        assert x.grad[0, 0].item() == pytest.approx(0.0 if kw else 2.5, abs=1e-12)
+    assert stats["clip_frac_high"] == 0.5
+    assert policy_loss(x, old, adv, mask, dual_clip=3.0)[1]["dual_clip_frac"] == 0.5
+
+
+def test_sequence_ratio_gradient_is_gspo():
+    """Per-sequence A with seq-mean-token-mean: GSPO-token gradient = the sequence-level GSPO gradient
+    ∂/∂logp_t of −min(s·A, clip(s)·A), s = exp(mean_t(logp − old))."""
+    logp, old, _, adv, mask = ragged_batch(3, 5, 6, spread=0.002)
+    x = logp.clone().requires_grad_()
+    loss, _ = policy_loss(x, old, adv, mask, ratio_level="sequence", eps_low=3e-4, eps_high=4e-4)
+    loss.backward()
+    y = logp.clone().requires_grad_()
+    m = mask.double()
+    s = torch.exp(((y - old) * m).sum(1) / m.sum(1).clamp(min=1))  # [N]
+    per_seq = torch.maximum(-adv * s, -adv * s.clamp(1 - 3e-4, 1 + 4e-4))  # [N]
+    want = torch.where(mask.any(1), per_seq, 0.0).mean()  # an empty sequence contributes 0
+    want.backward()
+    assert loss.item() == pytest.approx(want.item(), rel=1e-12)
+    torch.testing.assert_close(x.grad, y.grad, rtol=1e-10, atol=1e-15)
+    assert (x.grad == 0).any() and (x.grad != 0).any()  # some sequences clipped, some not
+
+
+# ---------------------------------------------------------------- invariants
+
+@pytest.mark.parametrize("agg", AGGS)
+@pytest.mark.parametrize("ratio_level", ["token", "sequence"])
+@pytest.mark.parametrize("float_mask", [False, True])
+def test_padding_never_contributes(agg, ratio_level, float_mask):
+    logp, old, ref, adv, mask = ragged_batch(11, 6, 7, per_token_adv=True)
+    pad = ~mask
+    assert pad.any(1).sum() >= 3
+    garbage = torch.tensor([float("nan"), float("inf"), -float("inf"), 1e30, -1e30])
+    fill = garbage[torch.arange(int(pad.sum())) % 5].double()
+
+    def dirty(x):
+        x = x.clone()
+        x[pad] = fill
+        return x
+
+    kw = dict(ratio_level=ratio_level, agg=agg, max_tokens=L_MAX, beta=0.1, dual_clip=3.0, delta=2.0)
+    m = mask.double() if float_mask else mask
+    results = []
+    for args in [(logp, old, ref, adv), tuple(dirty(v) for v in (logp, old, ref, adv))]:
+        x = args[0].clone().requires_grad_()
+        loss, stats = policy_loss(x, args[1], args[3], m, ref_logp=args[2], **kw)
+        loss.backward()
+        results.append((loss, stats, x.grad))
+    (loss0, stats0, grad0), (loss1, stats1, grad1) = results
+    assert torch.isfinite(loss0) and loss0.item() == loss1.item()
+    assert stats0 == stats1
+    assert torch.equal(grad0, grad1) and (grad1[pad] == 0).all()
+
+
+@pytest.mark.parametrize("agg", AGGS)
+@pytest.mark.parametrize("ratio_level", ["token", "sequence"])
+def test_micro_batches_and_ranks_sum_to_full_batch(agg, ratio_level):
+    """Gradient accumulation and data parallelism: each piece divides by the whole optimizer batch's
+    count (tokens for token-mean, sequences otherwise); the pieces' losses and gradients add up."""
+    logp, old, ref, adv, mask = ragged_batch(5, 8, 6, spread=0.3)
+    kw = dict(ratio_level=ratio_level, agg=agg, max_tokens=L_MAX, ref_logp=ref, beta=0.04)
+    x = logp.clone().requires_grad_()
+    full, _ = policy_loss(x, old, adv, mask, **{**kw, "ref_logp": ref})
+    full.backward()
+    normalizer = int(mask.sum()) if agg == "token-mean" else logp.shape[0]
+    y = logp.clone().requires_grad_()
+    total = 0.0
+    for rank in (torch.arange(0, 8, 2), torch.arange(1, 8, 2)):  # interleaved "ranks"
+        for micro in (rank[:1], rank[1:]):  # uneven micro-batches
+            loss, _ = policy_loss(y[micro], old[micro], adv[micro], mask[micro], **{**kw, "ref_logp": ref[micro]},
+                                  normalizer=normalizer)
+            loss.backward()
+            total += loss.item()
+    assert total == pytest.approx(full.item(), rel=1e-12)
+    torch.testing.assert_close(y.grad, x.grad, rtol=1e-12, atol=1e-15)
+
+
+def test_tensor_normalizer_and_stats_num_tokens():
+    logp, old, _, adv, mask = ragged_batch(2, 4, 5)
+    a, _ = policy_loss(logp, old, adv, mask, agg="token-mean", normalizer=torch.tensor(20.0))
+    b, stats = policy_loss(logp, old, adv, mask, agg="token-mean")
+    assert a.item() == pytest.approx(b.item() * mask.sum().item() / 20, rel=1e-12)
+    assert stats["num_tokens"] == float(mask.sum())
+    assert all(isinstance(v, float) for v in stats.values())
+
+
+# ---------------------------------------------------------------- bad input
+
+def _args(n=2, t=3):
+    return torch.zeros(n, t), torch.zeros(n, t), torch.zeros(n), torch.ones(n, t, dtype=torch.bool)
+
+
+@pytest.mark.parametrize("change, match", [
+    (dict(old_logp=torch.zeros(2, 4)), "old_logp has shape"),
+    (dict(advantages=torch.zeros(3)), "advantages has shape"),
+    (dict(mask=torch.ones(2, 2)), "mask has shape"),
+    (dict(logp=torch.zeros(6)), r"logp must be a \[N, T\]"),
+    (dict(ref_logp=torch.zeros(3, 3), beta=0.1), "ref_logp has shape"),
+    (dict(agg="mean"), "agg='mean' is unknown"),
+    (dict(ratio_level="seq"), "ratio_level='seq' is unknown"),
+    (dict(kl_kind="k4", ref_logp=torch.zeros(2, 3), beta=0.1), "kl_kind='k4' is unknown"),
+    (dict(agg="seq-mean-token-sum-norm"), "needs max_tokens"),
+    (dict(agg="seq-mean-token-sum-norm", max_tokens=0), "max_tokens=0"),
+    (dict(beta=0.04), "needs ref_logp"),
+    (dict(beta=-1.0, ref_logp=torch.zeros(2, 3)), "beta=-1.0"),
+    (dict(eps_low=-0.1), "clip ranges"),
+    (dict(dual_clip=0.5), "dual_clip=0.5"),
+    (dict(delta=1.0), "delta=1.0"),
+    (dict(normalizer=0), "normalizer=0"),
+])
+def test_policy_loss_bad_input(change, match):
+    logp, old, adv, mask = _args()
+    kw = dict(logp=logp, old_logp=old, advantages=adv, mask=mask)
+    kw.update(change)
+    with pytest.raises(ValueError, match=match):
+        policy_loss(**kw)
+
+
+def test_other_bad_input():
+    with pytest.raises(ValueError, match="agg='sum' is unknown"):
+        aggregate_loss(torch.zeros(2, 3), torch.ones(2, 3), "sum")
+    with pytest.raises(ValueError, match="per_token_loss"):
+        aggregate_loss(torch.zeros(6), torch.ones(6), "token-mean")
+    with pytest.raises(ValueError, match="cache_len=5000"):
+        overlong_penalty(torch.tensor([1]), 4096, 5000)
+    with pytest.raises(TypeError, match="lengths"):
+        overlong_penalty([1, 2], 4096, 1024)
+    assert sorted(LOSS_AGGREGATIONS) == sorted(AGGS)

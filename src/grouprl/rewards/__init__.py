@@ -1,0 +1,42 @@
+"""Reward functions for GRPO-family training, their combination, and a sandbox for untrusted code.
+
+Every reward function has TRL's signature f(prompts, completions, **columns) -> list[float | None].
+See docs/rewards.md for the list of built-ins and their parameters.
+"""
+
+from .code import code_tests, extract_code
+from .combine import RewardFunctionError, RewardScores, score_completions
+from .format import regex_match, think_format, think_format_soft
+from .math import extract_answer, math_accuracy, verify_math
+from .model import RewardModelScorer, reward_model
+from .registry import BUILTIN_REWARDS, FACTORIES, resolve_reward_func
+from .sandbox import CodeResult, run_code, run_code_batch, sandbox_mechanism
+from .shaping import completion_lengths, cosine_length, length_target, overlong_penalty, repetition_penalty
+
+__all__ = [
+    "BUILTIN_REWARDS",
+    "FACTORIES",
+    "CodeResult",
+    "RewardFunctionError",
+    "RewardModelScorer",
+    "RewardScores",
+    "code_tests",
+    "completion_lengths",
+    "cosine_length",
+    "extract_answer",
+    "extract_code",
+    "length_target",
+    "math_accuracy",
+    "overlong_penalty",
+    "regex_match",
+    "repetition_penalty",
+    "resolve_reward_func",
+    "reward_model",
+    "run_code",
+    "run_code_batch",
+    "sandbox_mechanism",
+    "score_completions",
+    "think_format",
+    "think_format_soft",
+    "verify_math",
+]

@@ -1,0 +1,190 @@
+"""Math answer correctness on top of math-verify: `verify_math` and the `math_accuracy` reward.
+
+Answer extraction, in order: the last <answer>...</answer>, the last \\boxed{...} (or \\fbox), the text
+after GSM8K's last "####", else the whole text (math-verify's own anchors such as "the final answer
+is", then the last number). The same extraction runs on the gold answer, so a GSM8K solution
+("... #### 72") or a MATH solution with \\boxed{} can be given as gold directly.
+
+Plain numbers (integers, decimals, thousands separators, simple fractions a/b) are compared exactly
+with `fractions.Fraction` without calling math-verify: the trainer's default task scores bare numbers
+on every step. Everything else goes to math-verify (LaTeX, expressions, sets, intervals).
+
+Percentages: "50%" matches gold 50 and gold 0.5 (either reading is accepted).
+
+math-verify guards parse/verify with signal.alarm, which only works on the main thread; off the main
+thread (a thread pool, the trainer's reward timeout) we call it with its timeouts disabled and the
+caller's timeout applies instead (`score_completions(timeout_s=...)`).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+from fractions import Fraction
+from typing import Any
+
+from ._text import column, completion_text
+
+_NUMBER = re.compile(r"^[-+]?(\d{1,3}(,\d{3})+|\d+)?(\.\d+)?([eE][-+]?\d+)?$")
+_PROSE = re.compile(r"(?<![\\a-zA-Z])[a-zA-Z]{3,}")
+_FRACTION = re.compile(r"^([-+]?\d+)\s*/\s*(\d+)$")
+_LAST_NUMBER = re.compile(r"[-+]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:\s*/\s*\d+)?|[-+]?\.\d+")
+_ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL | re.IGNORECASE)
+_PERCENT = re.compile(r"\s*(\\?%|\\percent|percent)\s*$")
+_TIMEOUT_S = 5
+
+
+class _DropTimeoutNotice(logging.Filter):
+    """math-verify logs a warning on every call made with its timeouts disabled; we disable them on
+    purpose off the main thread (see the module docstring)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Timeout is disabled" not in record.getMessage()
+
+
+for _name in ("math_verify.parser", "math_verify.grader", "math_verify"):
+    logging.getLogger(_name).addFilter(_DropTimeoutNotice())
+
+
+def _last_boxed(text: str) -> str | None:
+    """Content of the last \\boxed{...} / \\fbox{...}, with balanced braces; None if absent."""
+    start = max(text.rfind("\\boxed"), text.rfind("\\fbox"))
+    if start < 0:
+        return None
+    i = text.find("{", start)
+    if i < 0:
+        rest = text[start + len("\\boxed"):].strip()  # "\boxed 5"
+        return rest.split()[0].rstrip("$.") if rest else None
+    depth = 0
+    for j in range(i, len(text)):
+        if text[j] == "{":
+            depth += 1
+        elif text[j] == "}":
+            depth -= 1
+            if depth == 0:
+                return text[i + 1 : j]
+    return None
+
+
+def extract_answer(text: str) -> tuple[str, bool]:
+    """(answer text, anchored): the anchored answer (tag, box, ####) or the whole text and False."""
+    tags = _ANSWER_TAG.findall(text)
+    if tags:
+        inner = tags[-1]
+        boxed = _last_boxed(inner)
+        return (boxed if boxed is not None else inner).strip(), True
+    boxed = _last_boxed(text)
+    if boxed is not None:
+        return boxed.strip(), True
+    if "####" in text:
+        after = text.rsplit("####", 1)[1].strip()
+        return (after.splitlines()[0].strip() if after else ""), True
+    return text.strip(), False
+
+
+def _plain_number(s: str) -> Fraction | None:
+    """Exact value of a plain number ("1,250", "-3.50", ".5", "3/4", "$12", "12."), else None."""
+    s = s.strip().strip("$").strip()
+    s = s.replace("\\$", "").replace("\\!", "").replace("{,}", ",").strip()
+    if s.endswith(".") and not s.endswith(".."):
+        s = s[:-1]
+    m = _FRACTION.match(s)
+    if m:
+        den = int(m.group(2))
+        return Fraction(int(m.group(1)), den) if den else None
+    if not s or not _NUMBER.match(s) or not any(c.isdigit() for c in s):
+        return None
+    return Fraction(s.replace(",", ""))
+
+
+def _candidates(s: str) -> tuple[list[Fraction], str]:
+    """Exact values the answer may mean (two for a percentage) and the text left for math-verify."""
+    m = _PERCENT.search(s)
+    if m:
+        core = s[: m.start()]
+        value = _plain_number(core)
+        return ([value, value / 100] if value is not None else []), core
+    value = _plain_number(s)
+    return ([value] if value is not None else []), s
+
+
+def _mv_parse(text: str, anchored: bool) -> list:
+    from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse
+
+    timeout = _TIMEOUT_S if threading.current_thread() is threading.main_thread() else None
+    configs = [LatexExtractionConfig(), ExprExtractionConfig()]
+    if anchored:  # an extracted answer: read it as one math expression
+        parsed = parse(f"${text}$", configs, parsing_timeout=timeout)
+        if parsed:
+            return parsed
+    return parse(text, configs, parsing_timeout=timeout)
+
+
+def _mv_verify(gold: list, pred: list) -> bool:
+    from math_verify import verify
+
+    timeout = _TIMEOUT_S if threading.current_thread() is threading.main_thread() else None
+    return bool(verify(gold, pred, timeout_seconds=timeout))
+
+
+def _last_number(text: str) -> str | None:
+    found = _LAST_NUMBER.findall(text)
+    return found[-1] if found else None
+
+
+def _looks_like_prose(s: str) -> bool:
+    """Words outside LaTeX commands ("The total is 12 apples"): read as text, not as one expression."""
+    return bool(_PROSE.search(s))
+
+
+def _read(text: str) -> tuple[list[Fraction], list | None]:
+    """Exact values (fast path) and, when no exact value is found, math-verify's parse of the answer."""
+    answer, anchored = extract_answer(text)
+    values, core = _candidates(answer)
+    if values or not core:
+        return values, None
+    if not _looks_like_prose(core):  # an expression, anchored or bare: "\\frac{1}{2}", "(1, 2)"
+        parsed = _mv_parse(core, anchored=True)
+        if parsed or anchored:
+            return [], parsed
+    # Free text: math-verify's own anchors first ("the final answer is $...$"), else the last number.
+    parsed = _mv_parse(core, anchored=False)
+    if parsed:
+        return [], parsed
+    last = _last_number(core)
+    return (_candidates(last)[0] if last else []), None
+
+
+def _as_parsed(values: list[Fraction], parsed: list | None) -> list:
+    if parsed:
+        return parsed
+    return _mv_parse(str(values[0]), anchored=True) if values else []
+
+
+def verify_math(completion: str, gold: str) -> float | None:
+    """1.0 if the completion's final answer equals the gold answer, 0.0 if not, None when the gold
+    answer cannot be parsed (the row is skipped, never scored 0)."""
+    gold_values, gold_parsed = _read(str(gold))
+    if not gold_values and not gold_parsed:
+        return None
+    pred_values, pred_parsed = _read(completion)
+    if not pred_values and not pred_parsed:
+        return 0.0
+    if gold_values and pred_values:  # fast path: exact comparison of plain numbers
+        return 1.0 if set(gold_values) & set(pred_values) else 0.0
+    gold_mv = _as_parsed(gold_values, gold_parsed)
+    if not gold_mv:
+        return None
+    # A percentage is also tried as value / 100 (the second exact value).
+    for pred_mv in [_as_parsed(pred_values, pred_parsed)] + [_as_parsed(pred_values[1:], None)] * (len(pred_values) > 1):
+        if pred_mv and _mv_verify(gold_mv, pred_mv):
+            return 1.0
+    return 0.0
+
+
+def math_accuracy(prompts: list[Any], completions: list[Any], **kwargs: Any) -> list[float | None]:
+    """1.0 / 0.0 per completion against the gold column `answer` (or `solution`); None where the gold
+    answer cannot be parsed. Completions may be strings or chat message lists."""
+    golds = column(kwargs, ("answer", "solution"), len(completions), "math_accuracy")
+    return [None if g is None else verify_math(completion_text(c), str(g)) for c, g in zip(completions, golds)]

@@ -1,0 +1,86 @@
+"""Reward functions by name: `BUILTIN_REWARDS` and `resolve_reward_func`.
+
+An entry is either a reward function (no parameters) or a factory (parameters -> reward function),
+marked by membership in `FACTORIES`. A config names a built-in ("math_accuracy", "regex_match" with
+pattern=...) or any function by import path ("package.module:function"); with parameters, an
+imported target is called with them to build the reward function.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from typing import Any, Callable
+
+from .code import code_tests
+from .format import regex_match, think_format, think_format_soft
+from .math import math_accuracy
+from .model import reward_model
+from .shaping import cosine_length, length_target, overlong_penalty, repetition_penalty
+
+BUILTIN_REWARDS: dict[str, Callable] = {
+    "math_accuracy": math_accuracy,
+    "think_format": think_format,
+    "think_format_soft": think_format_soft,
+    "regex_match": regex_match,
+    "length_target": length_target,
+    "cosine_length": cosine_length,
+    "repetition_penalty": repetition_penalty,
+    "overlong_penalty": overlong_penalty,
+    "code_tests": code_tests,
+    "reward_model": reward_model,
+}
+FACTORIES = frozenset(
+    {"regex_match", "length_target", "cosine_length", "repetition_penalty", "overlong_penalty", "code_tests", "reward_model"}
+)
+
+
+def _build(name: str, factory: Callable, params: dict[str, Any]) -> Callable:
+    sig = inspect.signature(factory)
+    try:
+        sig.bind(**params)
+    except TypeError as e:
+        accepted = ", ".join(
+            p.name + ("" if p.default is inspect.Parameter.empty else f"={p.default!r}") for p in sig.parameters.values()
+        )
+        raise ValueError(f"reward {name!r}: {e}; its parameters are ({accepted})") from None
+    func = factory(**params)
+    func.__name__ = name
+    return func
+
+
+def resolve_reward_func(spec: str, **params: Any) -> Callable:
+    """A reward function from a built-in name or an import path "package.module:function"."""
+    if not isinstance(spec, str) or not spec:
+        raise ValueError(f"reward spec {spec!r}: give a built-in name or 'package.module:function'")
+    if spec in BUILTIN_REWARDS:
+        entry = BUILTIN_REWARDS[spec]
+        if spec in FACTORIES:
+            return _build(spec, entry, params)
+        if params:
+            raise ValueError(f"reward {spec!r} takes no parameters (got {sorted(params)})")
+        return entry
+    if ":" not in spec:
+        raise ValueError(
+            f"unknown reward {spec!r}. Built-in rewards: {', '.join(sorted(BUILTIN_REWARDS))}. "
+            "Any other function can be named by import path as 'package.module:function' "
+            "(it is called as f(prompts, completions, **columns) and returns one float or None per completion)."
+        )
+    module_name, _, attr = spec.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ValueError(f"reward {spec!r}: cannot import module {module_name!r}: {e}") from e
+    target: Any = module
+    for part in attr.split("."):
+        if not hasattr(target, part):
+            raise ValueError(f"reward {spec!r}: module {module_name!r} has no attribute {attr!r}")
+        target = getattr(target, part)
+    if not callable(target):
+        raise ValueError(f"reward {spec!r}: {attr!r} is a {type(target).__name__}, not a function")
+    if params:
+        func = target(**params)
+        if not getattr(func, "__name__", None):
+            func.__name__ = attr.rsplit(".", 1)[-1]
+        return func
+    return target

@@ -1,0 +1,48 @@
+"""resolve_reward_func: built-in names, factories with parameters, import paths, readable errors."""
+
+import pytest
+
+from grouprl.rewards import BUILTIN_REWARDS, FACTORIES, math_accuracy, resolve_reward_func
+
+EXPECTED = {"math_accuracy", "think_format", "think_format_soft", "regex_match", "length_target", "cosine_length",
+            "repetition_penalty", "overlong_penalty", "code_tests", "reward_model"}
+
+
+def test_builtin_names():
+    assert set(BUILTIN_REWARDS) == EXPECTED and FACTORIES <= EXPECTED
+
+
+def test_plain_builtin_and_factory_names():
+    assert resolve_reward_func("math_accuracy") is math_accuracy
+    f = resolve_reward_func("regex_match", pattern=r"\d")
+    assert f.__name__ == "regex_match" and f([""], ["a1"]) == [1.0]
+    g = resolve_reward_func("overlong_penalty", max_len=10, cache_len=4)
+    assert g.__name__ == "overlong_penalty" and g([""], ["x"], completion_lengths=[8]) == [-0.5]
+    assert resolve_reward_func("repetition_penalty").__name__ == "repetition_penalty"  # defaults
+
+
+def test_missing_or_unknown_parameters_list_the_accepted_ones():
+    with pytest.raises(ValueError, match=r"regex_match.*pattern"):
+        resolve_reward_func("regex_match")
+    with pytest.raises(ValueError, match=r"overlong_penalty.*max_len, cache_len"):
+        resolve_reward_func("overlong_penalty", max_len=10, cache=2)
+    with pytest.raises(ValueError, match="takes no parameters"):
+        resolve_reward_func("math_accuracy", strict=True)
+
+
+def test_unknown_name_lists_builtins_and_the_import_form():
+    with pytest.raises(ValueError) as info:
+        resolve_reward_func("accuracy")
+    msg = str(info.value)
+    assert "math_accuracy" in msg and "code_tests" in msg and "package.module:function" in msg
+
+
+def test_import_paths():
+    f = resolve_reward_func("grouprl.rewards.format:think_format")
+    assert f.__name__ == "think_format"
+    g = resolve_reward_func("grouprl.rewards.shaping:length_target", target=5)
+    assert g([""], ["xxxxx"]) == [1.0] and g.__name__ == "length_target"
+    with pytest.raises(ValueError, match="cannot import module 'no_such_pkg.mod'"):
+        resolve_reward_func("no_such_pkg.mod:f")
+    with pytest.raises(ValueError, match="module 'grouprl.rewards.format' has no attribute 'nope'"):
+        resolve_reward_func("grouprl.rewards.format:nope")

@@ -1,0 +1,125 @@
+"""Checkpoints: written whole into a temporary folder, then renamed into place.
+
+Layout of `output_dir/checkpoints/step-000010/`:
+  model/              `save_pretrained` model + tokenizer, loadable by transformers (with LoRA:
+                      the adapter merged into the base), usable as `model` for a new run
+  trainable.safetensors  the trainable weights exactly as trained (LoRA: the adapter)
+  ref.safetensors     the reference weights, only in DeepSeekMath's iterative mode
+  state.pt            optimizer, scheduler, RNG states, data position, step, eval results
+  COMPLETE            written last; a folder without it is never read
+
+A rename within one filesystem is atomic, so a run killed at any moment leaves either the new
+checkpoint complete or no trace of it beside the previous one.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, load_model, save_file, save_model
+
+_NAME = re.compile(r"^step-(\d+)$")
+
+
+def checkpoint_dir(output_dir: str | Path) -> Path:
+    return Path(output_dir) / "checkpoints"
+
+
+def list_checkpoints(output_dir: str | Path) -> list[Path]:
+    """Complete checkpoints, oldest first."""
+    root = checkpoint_dir(output_dir)
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir()
+             if (m := _NAME.match(p.name)) and (p / "COMPLETE").is_file()]
+    return [p for _, p in sorted(found)]
+
+
+def latest_checkpoint(output_dir: str | Path) -> Path | None:
+    ckpts = list_checkpoints(output_dir)
+    return ckpts[-1] if ckpts else None
+
+
+def trainable_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.detach().contiguous() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def save_checkpoint(output_dir: str | Path, step: int, *, model: torch.nn.Module, tokenizer,
+                    state: dict[str, Any], ref_model: torch.nn.Module | None = None,
+                    keep: int | None = None) -> Path:
+    root = checkpoint_dir(output_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"step-{step:06d}"
+    tmp = root / f".tmp-step-{step:06d}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    _save_export(model, tmp / "model")
+    tokenizer.save_pretrained(tmp / "model")
+    save_file(trainable_state(model), tmp / "trainable.safetensors")
+    if ref_model is not None:
+        save_model(ref_model, str(tmp / "ref.safetensors"))  # handles tied embeddings
+    torch.save(state, tmp / "state.pt")
+    _fsync_tree(tmp)
+    (tmp / "COMPLETE").write_text(f"{step}\n")
+    if final.exists():  # a checkpoint of the same step from an earlier attempt: replace it
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    _fsync_dir(root)
+    if keep:
+        for old in list_checkpoints(output_dir)[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def _is_peft(model: torch.nn.Module) -> bool:
+    return hasattr(model, "peft_config")
+
+
+def _save_export(model: torch.nn.Module, path: Path) -> None:
+    """save_pretrained form. With LoRA, the adapter is merged into a copy of the base weights
+    (merging in place and unmerging would not restore the base weights bit for bit)."""
+    if _is_peft(model):
+        model = copy.deepcopy(model).merge_and_unload()
+    model.save_pretrained(path, safe_serialization=True)
+
+
+def load_checkpoint(path: str | Path, model: torch.nn.Module,
+                    ref_model: torch.nn.Module | None = None) -> dict[str, Any]:
+    """Restore the trainable weights (and reference) into the models; return the trainer state."""
+    path = Path(path)
+    if not (path / "COMPLETE").is_file():
+        raise FileNotFoundError(f"{path} is not a complete checkpoint")
+    weights = load_file(path / "trainable.safetensors")
+    params = dict(model.named_parameters())
+    missing = [k for k in weights if k not in params]
+    if missing:
+        raise ValueError(f"checkpoint {path} has weights the model lacks ({missing[:3]}...): resume "
+                         "with the same model and LoRA settings")
+    with torch.no_grad():
+        for k, v in weights.items():
+            params[k].copy_(v)
+    if ref_model is not None and (path / "ref.safetensors").is_file():
+        load_model(ref_model, str(path / "ref.safetensors"))
+    return torch.load(path / "state.pt", weights_only=False)
+
+
+def _fsync_tree(root: Path) -> None:
+    for p in root.rglob("*"):
+        if p.is_file():
+            with open(p, "rb") as f:
+                os.fsync(f.fileno())
+    _fsync_dir(root)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

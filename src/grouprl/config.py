@@ -1,0 +1,420 @@
+"""Typed run configuration, its YAML form, command-line overrides and validation.
+
+One flat dataclass, like TRL's ``GRPOConfig``: where TRL has a name for a concept we use it
+(``num_generations``, ``max_completion_length``, ``beta``, ``epsilon``, ...). Each field carries
+its documentation as an attribute docstring; ``grouprl train --help`` prints them.
+
+Algorithm fields default to ``None`` and are filled from the preset named by ``algorithm``
+(``grouprl.core.PRESETS``); any of them set explicitly wins over the preset.
+Everything is validated in :meth:`TrainConfig.validate`, before any model is loaded.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import inspect
+import math
+import os
+import textwrap
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from grouprl.core import LOSS_AGGREGATIONS, PRESETS
+
+
+class ConfigError(ValueError):
+    """A configuration value is wrong; the message names the field and the fix."""
+
+
+@dataclass
+class TrainConfig:
+    # ---------------------------------------------------------------- model
+    model: str = ""
+    """Causal LM to train: a local folder with a `save_pretrained` model (or a hub name when online).
+    `builtin:default_policy` is the small policy shipped with grouprl."""
+    tokenizer: str | None = None
+    """Tokenizer folder or name; defaults to `model`."""
+    bf16: bool = False
+    """Run matmuls in bfloat16 (autocast; master weights and optimizer state stay fp32)."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in the backward pass to save memory."""
+    lora_r: int = 0
+    """LoRA rank; 0 trains every weight. With LoRA the reference policy is the base model with
+    the adapter disabled, so no second copy is kept."""
+    lora_alpha: float = 16.0
+    """LoRA scaling numerator (the update is scaled by lora_alpha / lora_r)."""
+    lora_dropout: float = 0.0
+    """Dropout on the LoRA branch."""
+    lora_target_modules: str | list[str] = "all-linear"
+    """Modules that get LoRA adapters: `all-linear` or a list of module names."""
+
+    # ----------------------------------------------------------------- data
+    train_data: str = ""
+    """Training prompts: a .jsonl/.json, .csv or .parquet file, or `builtin:NAME`. Needs a `prompt`
+    column (a string, or a list of chat messages); other columns reach reward functions."""
+    eval_data: str | None = None
+    """Held-out prompts in the same form; with neither eval_data nor eval_fraction, no evaluation runs."""
+    eval_fraction: float = 0.0
+    """Hold out this fraction of train_data (seeded) as the eval set when eval_data is not given."""
+    max_eval_samples: int | None = None
+    """Evaluate on at most this many eval prompts."""
+    prompt_column: str = "prompt"
+    """Name of the column holding the prompt."""
+
+    # -------------------------------------------------------------- rewards
+    reward_funcs: list[Any] = field(default_factory=list)
+    """Reward functions: built-in names, `module:function` import paths, or mappings
+    `{name: NAME, param: value}` for parametrised built-ins. Signature
+    `f(prompts, completions, **columns) -> list[float | None]` (TRL's)."""
+    reward_weights: list[float] | None = None
+    """Weight of each reward function in the summed reward; default all 1."""
+    reward_timeout_s: float | None = 60.0
+    """A reward function call that takes longer fails (or gets reward_fallback)."""
+    reward_fallback: float | None = None
+    """When set, a reward that raises, hangs or returns NaN gets this value (counted in the metrics)
+    instead of stopping the run."""
+    accuracy_reward: str | None = None
+    """Name of the reward function whose mean on greedy eval completions is reported as `accuracy`;
+    default: the first reward function."""
+
+    # ------------------------------------------------------------ algorithm
+    algorithm: str = "grpo"
+    """Preset: grpo | dr_grpo | dapo | gspo | rloo. Every field below overrides it."""
+    advantage_estimator: str | None = None
+    """`grpo` (group-relative, see scale_rewards) or `rloo` (leave-one-out). Preset by algorithm."""
+    scale_rewards: str | None = None
+    """Divide centred rewards by the std of the `group`, of the whole `batch`, or `none` (Dr. GRPO)."""
+    loss_agg: str | None = None
+    """How token losses become one number: seq-mean-token-mean | token-mean | seq-mean-token-sum |
+    seq-mean-token-sum-norm. Normalised over the whole optimizer batch."""
+    epsilon: float | None = None
+    """Lower clip range of the ratio (1 - epsilon)."""
+    epsilon_high: float | None = None
+    """Upper clip range of the ratio (1 + epsilon_high); DAPO's clip-higher uses 0.28."""
+    beta: float | None = None
+    """Weight of the per-token KL penalty to the reference policy; 0 loads no reference model."""
+    kl_estimator: str = "k3"
+    """KL estimator for the penalty: k1 | k2 | k3."""
+    importance_sampling_level: str | None = None
+    """`token` ratios (GRPO) or one `sequence` ratio per completion (GSPO)."""
+    dual_clip: float | None = None
+    """Dual-clip constant c > 1: for negative advantages the token loss is capped at -c*A."""
+    delta: float | None = None
+    """Two-sided cap: the unclipped term uses min(ratio, delta) (INTELLECT-2)."""
+    advantage_eps: float = 1e-4
+    """Added to the std before dividing."""
+    dynamic_sampling: bool | None = None
+    """DAPO: drop groups whose rewards are all equal and sample more prompts to refill the batch."""
+    max_sampling_rounds: int = 4
+    """Dynamic sampling: at most this many generation rounds per step."""
+    overlong_shaping: bool | None = None
+    """DAPO soft overlong punishment added to the reward."""
+    overlong_cache_len: int | None = None
+    """Length of DAPO's soft punishment window; default a quarter of max_completion_length."""
+    ref_update_steps: int = 0
+    """DeepSeekMath iterative mode: every K steps the reference becomes the current policy (0: never)."""
+
+    # ----------------------------------------------------------- generation
+    num_generations: int = 8
+    """Completions per prompt (G, the group size)."""
+    prompts_per_step: int = 4
+    """Prompts per step (B); a step trains on B * num_generations completions."""
+    max_prompt_length: int | None = None
+    """Prompts longer than this many tokens are cut from the left; None keeps them whole."""
+    max_completion_length: int = 256
+    """Tokens generated per completion at most."""
+    temperature: float = 1.0
+    """Sampling temperature (also divides the logits when computing log-probs, as TRL does)."""
+    top_p: float = 1.0
+    """Nucleus sampling: keep the smallest set of tokens with this much probability."""
+    top_k: int = 0
+    """Keep only the k most likely tokens; 0 keeps all."""
+    ignore_eos: bool = False
+    """Always generate max_completion_length tokens (benchmarks: both sides compute the same tokens)."""
+    mask_truncated_completions: bool = False
+    """Completions that hit max_completion_length without EOS get no loss."""
+    generation_batch_size: int | None = None
+    """Completions decoded together at most; default all of a step's completions at once."""
+
+    # ------------------------------------------------------------- optimizer
+    learning_rate: float = 1e-6
+    """AdamW peak learning rate."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    adam_beta1: float = 0.9
+    """AdamW beta1."""
+    adam_beta2: float = 0.99
+    """AdamW beta2."""
+    max_grad_norm: float | None = 1.0
+    """Clip the global gradient norm to this value; None disables clipping."""
+    warmup_steps: int = 0
+    """Linear warm-up over this many optimizer steps."""
+    lr_scheduler_type: str = "constant"
+    """Schedule after warm-up: constant | linear | cosine (decay to 0 at the last step)."""
+    num_iterations: int = 1
+    """Policy updates per rollout (PPO's mu). With 1 the ratio is exactly 1 and no old log-probs
+    are computed."""
+    micro_batch_size: int = 16
+    """Completions per forward/backward pass; gradients accumulate to the full-batch gradient."""
+
+    # -------------------------------------------------------------- schedule
+    max_steps: int = 100
+    """Training steps (each: one rollout, num_iterations optimizer steps)."""
+    logging_steps: int = 1
+    """Print and write TensorBoard every this many steps (metrics.jsonl gets every step)."""
+    eval_steps: int = 0
+    """Evaluate every this many steps (0: only before and after training)."""
+    save_steps: int = 0
+    """Checkpoint every this many steps (0: only at the end)."""
+    save_total_limit: int | None = 2
+    """Keep at most this many checkpoints (the newest)."""
+    num_logged_samples: int = 4
+    """Completions written to samples.jsonl each logging step."""
+
+    # ---------------------------------------------------------------- run
+    output_dir: str = "runs/grouprl"
+    """Where the run writes config.yaml, metrics.jsonl, TensorBoard events, samples, checkpoints,
+    summary.json and curves.png."""
+    seed: int = 0
+    """Seeds data order, sampling and initialisation."""
+    num_threads: int | None = None
+    """torch intra-op threads; default: torch's choice."""
+    progress: bool = True
+    """Show a live progress bar."""
+    report_to_tensorboard: bool = True
+    """Write TensorBoard event files under output_dir/tensorboard."""
+
+    # ------------------------------------------------------------ methods
+    def resolved(self) -> TrainConfig:
+        """A copy with the preset's values filled into every algorithm field left at None."""
+        if self.algorithm not in PRESETS:
+            raise ConfigError(
+                f"algorithm={self.algorithm!r} is unknown: choose one of {', '.join(sorted(PRESETS))}"
+            )
+        values = {k: v for k, v in PRESETS[self.algorithm].items() if getattr(self, k) is None}
+        out = dataclasses.replace(self, **values)
+        if out.overlong_cache_len is None:
+            out.overlong_cache_len = max(1, out.max_completion_length // 4)
+        return out
+
+    def validate(self, skip_paths: tuple[str, ...] = ()) -> TrainConfig:
+        """Check every field; raise ConfigError naming the field and the fix. Returns the resolved copy.
+        `skip_paths` names fields given in memory (a Dataset, reward callables) whose paths are not checked."""
+        c = self.resolved()
+        for f in dataclasses.fields(c):
+            _check_type(f.name, getattr(c, f.name), _field_types()[f.name])
+        if not c.model:
+            raise ConfigError("model is empty: pass a model folder, e.g. --model path/to/model "
+                              "(or builtin:default_policy)")
+        for name in ("model", "tokenizer", "train_data", "eval_data"):
+            if getattr(c, name) and name not in skip_paths:
+                _check_path(name, getattr(c, name))
+        if not c.train_data:
+            raise ConfigError("train_data is empty: pass a .jsonl/.csv/.parquet file with a "
+                              "`prompt` column, e.g. --train_data prompts.jsonl")
+        if c.num_generations < 2:
+            raise ConfigError(f"num_generations={c.num_generations}: GRPO needs at least 2 "
+                              "completions per prompt to form a group baseline; use 2 or more")
+        for name in ("prompts_per_step", "max_completion_length", "micro_batch_size", "max_steps",
+                     "num_iterations", "logging_steps", "max_sampling_rounds"):
+            if getattr(c, name) < 1:
+                raise ConfigError(f"{name}={getattr(c, name)} must be at least 1")
+        for name in ("eval_steps", "save_steps", "warmup_steps", "lora_r", "ref_update_steps",
+                     "top_k", "num_logged_samples"):
+            if getattr(c, name) < 0:
+                raise ConfigError(f"{name}={getattr(c, name)} must be 0 or more")
+        n = c.prompts_per_step * c.num_generations
+        if c.generation_batch_size is not None and c.generation_batch_size < 1:
+            raise ConfigError("generation_batch_size must be at least 1 (or null for all at once)")
+        if c.micro_batch_size > n:
+            raise ConfigError(f"micro_batch_size={c.micro_batch_size} exceeds the {n} completions of "
+                              f"a step (prompts_per_step * num_generations); use at most {n}")
+        if n % c.micro_batch_size:
+            raise ConfigError(f"micro_batch_size={c.micro_batch_size} does not divide the {n} "
+                              "completions of a step (prompts_per_step * num_generations = "
+                              f"{c.prompts_per_step} * {c.num_generations}); pick a divisor of {n}")
+        if not c.reward_funcs:
+            raise ConfigError("reward_funcs is empty: name at least one reward function, e.g. "
+                              "--reward_funcs '[math_accuracy]' or a `module:function` path")
+        if c.reward_weights is not None and len(c.reward_weights) != len(c.reward_funcs):
+            raise ConfigError(f"reward_weights has {len(c.reward_weights)} values but reward_funcs "
+                              f"has {len(c.reward_funcs)}: give one weight per function")
+        _check_choice("advantage_estimator", c.advantage_estimator, ("grpo", "rloo"))
+        _check_choice("scale_rewards", c.scale_rewards, ("group", "batch", "none"))
+        _check_choice("loss_agg", c.loss_agg, tuple(LOSS_AGGREGATIONS))
+        _check_choice("kl_estimator", c.kl_estimator, ("k1", "k2", "k3"))
+        _check_choice("importance_sampling_level", c.importance_sampling_level, ("token", "sequence"))
+        _check_choice("lr_scheduler_type", c.lr_scheduler_type, ("constant", "linear", "cosine"))
+        if c.epsilon <= 0 or c.epsilon_high <= 0 or c.epsilon >= 1:
+            raise ConfigError(f"epsilon={c.epsilon}, epsilon_high={c.epsilon_high}: clip ranges must "
+                              "be positive and epsilon below 1")
+        if c.beta < 0:
+            raise ConfigError(f"beta={c.beta} must be >= 0 (0 disables the KL penalty)")
+        if c.dual_clip is not None and c.dual_clip <= 1:
+            raise ConfigError(f"dual_clip={c.dual_clip} must be greater than 1 (typically 3)")
+        if c.delta is not None and c.delta <= 1:
+            raise ConfigError(f"delta={c.delta} must be greater than 1 (e.g. 4)")
+        if not (0 < c.temperature):
+            raise ConfigError(f"temperature={c.temperature} must be positive")
+        if not (0 < c.top_p <= 1):
+            raise ConfigError(f"top_p={c.top_p} must be in (0, 1]")
+        if not (0 <= c.eval_fraction < 1):
+            raise ConfigError(f"eval_fraction={c.eval_fraction} must be in [0, 1)")
+        if c.learning_rate <= 0 or not math.isfinite(c.learning_rate):
+            raise ConfigError(f"learning_rate={c.learning_rate} must be a positive number")
+        if c.ref_update_steps and c.lora_r:
+            raise ConfigError("ref_update_steps with LoRA is not supported: with LoRA the reference "
+                              "is the base model with the adapter disabled; set ref_update_steps: 0")
+        if c.overlong_shaping and not 0 < c.overlong_cache_len <= c.max_completion_length:
+            raise ConfigError(f"overlong_cache_len={c.overlong_cache_len} must be in "
+                              f"(0, max_completion_length={c.max_completion_length}]")
+        return c
+
+    # ----------------------------------------------------------- YAML / CLI
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def save_yaml(self, path: str | Path) -> None:
+        Path(path).write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> TrainConfig:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = [k for k in values if k not in known]
+        if unknown:
+            hints = [f"{k!r}" + _did_you_mean(k, known) for k in unknown]
+            raise ConfigError(f"unknown config field(s): {', '.join(hints)}; "
+                              "`grouprl train --help` lists every field")
+        return cls(**values)
+
+    @classmethod
+    def load(cls, path: str | Path | None = None, overrides: list[str] | None = None, *,
+             base: TrainConfig | None = None) -> TrainConfig:
+        """Read a YAML file (optional) over `base` (default: the field defaults) and apply
+        `--field value` overrides."""
+        values: dict[str, Any] = base.to_dict() if base is not None else {}
+        if path is not None:
+            p = Path(path)
+            if not p.is_file():
+                raise ConfigError(f"config file {str(p)!r} does not exist")
+            try:
+                loaded = yaml.safe_load(p.read_text()) or {}
+            except yaml.YAMLError as e:
+                raise ConfigError(f"config file {str(p)!r} is not valid YAML: {e}") from None
+            if not isinstance(loaded, dict):
+                raise ConfigError(f"config file {str(p)!r} must hold a mapping of field: value")
+            values.update(loaded)
+        values.update(parse_overrides(overrides or [], {f.name for f in dataclasses.fields(cls)}))
+        return cls.from_dict(values)
+
+
+def parse_overrides(args: list[str], known: set[str]) -> dict[str, Any]:
+    """`--field value` / `--field=value` pairs; values are parsed as YAML (`--beta 0.04`,
+    `--reward_funcs '[a, b]'`). Dashes in names are accepted for underscores. A bare flag is `true`."""
+    out: dict[str, Any] = {}
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith("--"):
+            raise ConfigError(f"unexpected argument {arg!r}: overrides take the form --field value")
+        name, eq, value = arg[2:].partition("=")
+        name = name.replace("-", "_")
+        if name not in known:
+            raise ConfigError(f"unknown option --{name}{_did_you_mean(name, known)}; "
+                              "`grouprl train --help` lists every field")
+        if not eq:
+            if i + 1 < len(args) and not args[i + 1].startswith("--"):
+                value = args[i + 1]
+                i += 1
+            else:
+                value = "true"
+        try:
+            out[name] = yaml.safe_load(value) if value != "" else ""
+        except yaml.YAMLError:
+            out[name] = value
+        i += 1
+    return out
+
+
+def field_docs() -> dict[str, str]:
+    """Each field's attribute docstring, read from this module's source."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(TrainConfig)))
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    docs: dict[str, str] = {}
+    for node, nxt in zip(body, body[1:]):
+        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+                and isinstance(nxt, ast.Expr) and isinstance(getattr(nxt, "value", None), ast.Constant)):
+            docs[node.target.id] = " ".join(str(nxt.value.value).split())
+    return docs
+
+
+def help_text() -> str:
+    docs = field_docs()
+    lines = ["Config fields (YAML keys, or --field value on the command line):", ""]
+    for f in dataclasses.fields(TrainConfig):
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+        lines.append(f"  --{f.name} ({_type_name(_field_types()[f.name])}, default {default!r})")
+        lines.extend("      " + s for s in textwrap.wrap(docs.get(f.name, ""), 88))
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------ helpers
+def _field_types() -> dict[str, Any]:
+    return typing.get_type_hints(TrainConfig)
+
+
+def _type_name(tp: Any) -> str:
+    return str(tp).replace("typing.", "").replace("<class '", "").replace("'>", "")
+
+
+def _check_type(name: str, value: Any, tp: Any) -> None:
+    if _matches(value, tp):
+        return
+    raise ConfigError(f"{name}={value!r} has the wrong type: expected {_type_name(tp)}")
+
+
+def _matches(value: Any, tp: Any) -> bool:
+    origin = typing.get_origin(tp)
+    if tp is Any:
+        return True
+    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+        return any(_matches(value, a) for a in typing.get_args(tp))
+    if tp is type(None):
+        return value is None
+    if origin is list:
+        (inner,) = typing.get_args(tp) or (Any,)
+        return isinstance(value, list) and all(_matches(v, inner) for v in value)
+    if tp is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, tp)
+
+
+def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ConfigError(f"{name}={value!r} is not one of: {', '.join(choices)}")
+
+
+def _check_path(name: str, value: str) -> None:
+    """Local paths must exist; `builtin:` names are checked when loaded. A model or tokenizer may
+    also be a hub id (`org/name`), unless HF_HUB_OFFLINE=1 forbids downloading it."""
+    if value.startswith("builtin:") or Path(value).expanduser().exists():
+        return
+    hub_id = (name in ("model", "tokenizer") and not value.startswith((".", "/", "~"))
+              and value.count("/") <= 1 and os.environ.get("HF_HUB_OFFLINE") != "1")
+    if not hub_id:
+        raise ConfigError(f"{name}={value!r} does not exist: check the path "
+                          f"(relative paths are resolved from {os.getcwd()})")
+
+
+def _did_you_mean(name: str, known: set[str]) -> str:
+    import difflib
+
+    close = difflib.get_close_matches(name, sorted(known), n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""

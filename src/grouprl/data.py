@@ -1,0 +1,175 @@
+"""Prompt datasets: loading, validation, the seeded prompt sampler, and prompt formatting.
+
+A dataset is any table with a `prompt` column holding a string or a list of chat messages
+(`[{"role": ..., "content": ...}]`); every other column travels with the prompt and reaches the
+reward functions as a keyword argument, one value per completion (TRL's convention).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from datasets import Dataset
+
+_READERS = {
+    ".jsonl": Dataset.from_json,
+    ".json": Dataset.from_json,
+    ".csv": Dataset.from_csv,
+    ".parquet": Dataset.from_parquet,
+}
+
+
+class DataError(ValueError):
+    """A dataset is missing, unreadable or has a malformed row; the message names the row and the fix."""
+
+
+def load_prompts(source: str | Dataset | list[dict], *, prompt_column: str = "prompt",
+                 name: str = "train_data") -> Dataset:
+    """Load and validate a prompt dataset from a file, `builtin:NAME`, a `datasets.Dataset` or rows."""
+    if isinstance(source, Dataset):
+        ds = source
+    elif isinstance(source, list):
+        ds = Dataset.from_list(source)
+    elif source.startswith("builtin:"):
+        from grouprl.tasks import builtin_dataset
+
+        try:
+            ds = Dataset.from_list(builtin_dataset(source.removeprefix("builtin:")))
+        except KeyError as e:
+            raise DataError(f"{name}={source!r}: {e.args[0]}") from None
+    else:
+        path = Path(source).expanduser()
+        reader = _READERS.get(path.suffix.lower())
+        if reader is None:
+            raise DataError(f"{name}={source!r}: unsupported file type {path.suffix!r}; "
+                            f"use one of {', '.join(_READERS)}")
+        if not path.is_file():
+            raise DataError(f"{name}={source!r} does not exist")
+        try:
+            ds = reader(str(path))
+        except Exception as e:  # noqa: BLE001 - the reader's own error is the useful part
+            raise DataError(f"{name}={source!r} could not be read as {path.suffix}: "
+                            f"{type(e).__name__}: {e}") from None
+    validate_prompts(ds, prompt_column=prompt_column, name=name)
+    return ds
+
+
+def validate_prompts(ds: Dataset, *, prompt_column: str = "prompt", name: str = "train_data") -> None:
+    if len(ds) == 0:
+        raise DataError(f"{name} has no rows: it needs at least one prompt")
+    if prompt_column not in ds.column_names:
+        raise DataError(f"{name} has no {prompt_column!r} column (columns: {ds.column_names}); "
+                        f"rename the prompt column to {prompt_column!r} or set prompt_column")
+    for i, prompt in enumerate(ds[prompt_column]):
+        problem = _prompt_problem(prompt)
+        if problem:
+            raise DataError(f"{name} row {i}: {prompt_column!r} {problem}; a prompt is a non-empty "
+                            "string or a list of {'role': ..., 'content': ...} messages")
+
+
+def _prompt_problem(prompt: Any) -> str | None:
+    if isinstance(prompt, str):
+        return None if prompt else "is an empty string"
+    if isinstance(prompt, list) and prompt:
+        for m in prompt:
+            if not (isinstance(m, dict) and isinstance(m.get("role"), str)
+                    and isinstance(m.get("content"), str)):
+                return f"has a malformed message {m!r}"
+        return None
+    return f"is {type(prompt).__name__} {prompt!r}"
+
+
+def split_eval(ds: Dataset, fraction: float, seed: int) -> tuple[Dataset, Dataset]:
+    """Hold out `fraction` of the rows (seeded) as an eval set."""
+    n_eval = max(1, round(len(ds) * fraction))
+    if n_eval >= len(ds):
+        raise DataError(f"eval_fraction={fraction} leaves no training rows out of {len(ds)}")
+    perm = torch.randperm(len(ds), generator=torch.Generator().manual_seed(seed)).tolist()
+    return ds.select(sorted(perm[n_eval:])), ds.select(sorted(perm[:n_eval]))
+
+
+class PromptSampler:
+    """Draws prompt indices epoch by epoch, each epoch a fresh seeded permutation. Its state is
+    (epoch, position), saved in checkpoints so a resumed run sees the same prompts."""
+
+    def __init__(self, num_rows: int, seed: int):
+        self.num_rows, self.seed = num_rows, seed
+        self.epoch, self.pos = 0, 0
+        self._perm = self._permutation(0)
+
+    def _permutation(self, epoch: int) -> list[int]:
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+        return torch.randperm(self.num_rows, generator=g).tolist()
+
+    def next(self, k: int) -> list[int]:
+        out: list[int] = []
+        while len(out) < k:
+            if self.pos == self.num_rows:
+                self.epoch, self.pos = self.epoch + 1, 0
+                self._perm = self._permutation(self.epoch)
+            take = min(k - len(out), self.num_rows - self.pos)
+            out += self._perm[self.pos:self.pos + take]
+            self.pos += take
+        return out
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "pos": self.pos, "num_rows": self.num_rows, "seed": self.seed}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        if state["num_rows"] != self.num_rows:
+            raise DataError(f"the checkpoint was made with {state['num_rows']} training rows, the "
+                            f"data now has {self.num_rows}: resume with the same train_data")
+        self.epoch, self.pos = state["epoch"], state["pos"]
+        self._perm = self._permutation(self.epoch)
+
+
+@dataclass
+class PromptBatch:
+    """B prompts with their token ids and the other columns of their rows."""
+
+    prompts: list[Any]            # [B] str or list of messages
+    prompt_ids: list[list[int]]   # [B][P_b]
+    columns: dict[str, list[Any]]  # column -> [B]
+
+    @property
+    def conversational(self) -> bool:
+        return bool(self.prompts) and not isinstance(self.prompts[0], str)
+
+
+class PromptFormatter:
+    """Turns prompts into token ids: strings as they are, messages through the chat template."""
+
+    def __init__(self, tokenizer, *, max_prompt_length: int | None = None):
+        self.tokenizer = tokenizer
+        self.max_prompt_length = max_prompt_length
+
+    def text(self, prompt: Any) -> str:
+        if isinstance(prompt, str):
+            return prompt
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise DataError("a prompt is a list of chat messages but the tokenizer has no chat "
+                            "template: give prompts as plain strings, or use a tokenizer with one")
+        return self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
+
+    def encode(self, prompt: Any) -> list[int]:
+        ids = self.tokenizer(self.text(prompt), add_special_tokens=False)["input_ids"]
+        if self.max_prompt_length is not None:
+            ids = ids[-self.max_prompt_length:]  # keep the end: it holds the question
+        if not ids:
+            raise DataError(f"prompt {prompt!r} encodes to no tokens")
+        return ids
+
+    def batch(self, ds: Dataset, indices: list[int], prompt_column: str) -> PromptBatch:
+        rows = ds.select(indices).to_dict()
+        prompts = rows.pop(prompt_column)
+        return PromptBatch(prompts, [self.encode(p) for p in prompts], rows)
+
+
+def completion_objects(texts: list[str], conversational: bool) -> list[Any]:
+    """Completions as reward functions receive them: strings, or TRL's assistant-message lists."""
+    if conversational:
+        return [[{"role": "assistant", "content": t}] for t in texts]
+    return list(texts)

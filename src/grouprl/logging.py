@@ -1,0 +1,118 @@
+"""Where a run's numbers go: metrics.jsonl, TensorBoard, samples.jsonl, summary.json, curves.png,
+and the live progress bar."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from tqdm.auto import tqdm
+
+CURVES = (("reward/mean", "reward (train)"), ("eval/accuracy", "eval accuracy (greedy)"),
+          ("kl", "KL to reference"), ("completion/length_mean", "completion length"))
+
+
+class RunLogger:
+    """Appends one JSON line per step to metrics.jsonl (and TensorBoard scalars). On resume from
+    step S, lines after S (written by the interrupted run after its last checkpoint) are dropped,
+    so the file reads as if the run had never stopped."""
+
+    def __init__(self, output_dir: str | Path, *, resume_step: int = 0, tensorboard: bool = True):
+        self.dir = Path(output_dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.metrics_path = self.dir / "metrics.jsonl"
+        self.samples_path = self.dir / "samples.jsonl"
+        for path in (self.metrics_path, self.samples_path):
+            _truncate_after(path, resume_step)
+        self.tb = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(str(self.dir / "tensorboard"), purge_step=resume_step + 1)
+
+    def log(self, step: int, metrics: dict[str, Any], *, tensorboard: bool = True) -> None:
+        row = {"step": step, **{k: _plain(v) for k, v in metrics.items()}}
+        with open(self.metrics_path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+        if self.tb is not None and tensorboard:
+            for k, v in row.items():
+                if k != "step" and isinstance(v, (int, float)) and math.isfinite(v):
+                    self.tb.add_scalar(k, v, step)
+
+    def log_samples(self, step: int, samples: list[dict[str, Any]]) -> None:
+        with open(self.samples_path, "a") as f:
+            for s in samples:
+                f.write(json.dumps({"step": step, **{k: _plain(v) for k, v in s.items()}}) + "\n")
+
+    def write_json(self, name: str, payload: dict[str, Any]) -> None:
+        tmp = self.dir / f".{name}.tmp"
+        tmp.write_text(json.dumps(payload, indent=2, default=_plain))
+        tmp.replace(self.dir / name)
+
+    def read_metrics(self) -> list[dict[str, Any]]:
+        if not self.metrics_path.is_file():
+            return []
+        return [json.loads(line) for line in self.metrics_path.read_text().splitlines() if line]
+
+    def plot_curves(self, path: str | Path | None = None) -> Path:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        rows = self.read_metrics()
+        fig, axes = plt.subplots(2, 2, figsize=(10, 7))
+        for ax, (key, title) in zip(axes.flat, CURVES):
+            pts = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float))]
+            if pts:
+                xs, ys = zip(*pts)
+                ax.plot(xs, ys, marker="o" if len(pts) < 30 else None, markersize=3)
+            ax.set_title(title)
+            ax.set_xlabel("step")
+            ax.grid(alpha=0.3)
+        fig.tight_layout()
+        out = Path(path) if path else self.dir / "curves.png"
+        fig.savefig(out, dpi=100)
+        plt.close(fig)
+        return out
+
+    def close(self) -> None:
+        if self.tb is not None:
+            self.tb.close()
+
+
+class Progress:
+    """A tqdm bar over training steps showing reward and KL."""
+
+    def __init__(self, total: int, initial: int, enabled: bool):
+        self.bar = tqdm(total=total, initial=initial, desc="grpo", disable=not enabled,
+                        dynamic_ncols=True, unit="step")
+
+    def update(self, metrics: dict[str, Any]) -> None:
+        post = {"reward": metrics.get("reward/mean"), "kl": metrics.get("kl"),
+                "len": metrics.get("completion/length_mean")}
+        self.bar.set_postfix({k: f"{v:.3g}" for k, v in post.items() if isinstance(v, (int, float))},
+                             refresh=False)
+        self.bar.update(1)
+
+    def write(self, text: str) -> None:
+        self.bar.write(text)
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def _truncate_after(path: Path, step: int) -> None:
+    if not path.is_file():
+        return
+    keep = [line for line in path.read_text().splitlines()
+            if line and json.loads(line).get("step", 0) <= step]
+    path.write_text("".join(line + "\n" for line in keep))
+
+
+def _plain(v: Any) -> Any:
+    if hasattr(v, "item") and getattr(v, "numel", lambda: 1)() == 1:
+        return v.item()
+    return v

@@ -1,0 +1,6 @@
+"""Generation engines behind one small interface: G completions per prompt."""
+
+from grouprl.rollout.engine import HFEngine, sample_next
+from grouprl.rollout.types import GenerationEngine, Rollout, SamplingParams
+
+__all__ = ["GenerationEngine", "HFEngine", "Rollout", "SamplingParams", "sample_next"]

@@ -1,0 +1,127 @@
+"""Sampling G completions per prompt from a Hugging Face causal LM, with a KV cache.
+
+What this engine does that `model.generate` does not, and why:
+- each prompt is prefilled once and its KV cache repeated G times (the G completions of a group
+  share the prompt), instead of prefilling B*G copies;
+- a row that has emitted EOS leaves the batch: its cache rows are dropped, so finished rows cost
+  nothing (`generate` keeps computing every row until the longest one ends);
+- `ignore_eos` makes every completion exactly `max_new_tokens` long (benchmarks need both sides
+  to compute the same tokens);
+- sampling draws from a caller-owned `torch.Generator`, so a resumed run samples the same tokens.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache
+
+from grouprl.rollout.types import Rollout, SamplingParams
+
+
+def sample_next(logits: torch.Tensor, params: SamplingParams,
+                generator: torch.Generator | None) -> torch.Tensor:
+    """One token per row from logits [n, V] with temperature, top-k and top-p; greedy if asked."""
+    if params.greedy:
+        return logits.argmax(-1)
+    logits = logits.float() / params.temperature  # [n, V]
+    if params.top_k and params.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, params.top_k, dim=-1).values[:, -1:]  # [n, 1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)  # [n, V]
+        cum = sorted_logits.softmax(-1).cumsum(-1)
+        drop_sorted = cum - sorted_logits.softmax(-1) >= params.top_p  # keep the token that crosses top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    probs = logits.softmax(-1)  # [n, V]
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)  # [n]
+
+
+@dataclass
+class HFEngine:
+    """Generation engine for any `transformers` causal LM that supports a DynamicCache."""
+
+    model: torch.nn.Module
+    eos_token_ids: tuple[int, ...]
+    pad_token_id: int
+    max_batch_size: int | None = None  # completions decoded together at most
+    autocast_dtype: torch.dtype | None = None
+
+    def sync_weights(self, model: torch.nn.Module) -> None:
+        """The engine decodes with the training model itself: nothing to copy."""
+        self.model = model
+
+    @torch.no_grad()
+    def generate(self, prompt_ids: list[list[int]], num_generations: int, params: SamplingParams,
+                 generator: torch.Generator | None = None) -> Rollout:
+        """G completions for each of B prompts; rows g*G .. g*G+G-1 belong to prompt g."""
+        per_call = max(1, (self.max_batch_size or len(prompt_ids) * num_generations) // num_generations)
+        parts = [self._generate(prompt_ids[i:i + per_call], num_generations, params, generator)
+                 for i in range(0, len(prompt_ids), per_call)]
+        return Rollout.cat(parts, self.pad_token_id)
+
+    def _generate(self, prompt_ids: list[list[int]], G: int, params: SamplingParams,
+                  generator: torch.Generator | None) -> Rollout:
+        model, T = self.model, params.max_new_tokens
+        was_training = model.training
+        model.eval()
+        device = next(model.parameters()).device
+        P = max(len(p) for p in prompt_ids)
+        ids = torch.full((len(prompt_ids), P), self.pad_token_id, dtype=torch.long)  # [B, P]
+        mask = torch.zeros((len(prompt_ids), P), dtype=torch.long)  # [B, P]
+        for b, p in enumerate(prompt_ids):  # left padding: every prompt ends at column P-1
+            ids[b, P - len(p):] = torch.tensor(p)
+            mask[b, P - len(p):] = 1
+        ids, mask = ids.to(device), mask.to(device)
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)  # [B, P]
+        ac = (torch.autocast(device.type, dtype=self.autocast_dtype)
+              if self.autocast_dtype is not None else contextlib.nullcontext())
+        eos = torch.tensor(self.eos_token_ids, device=device)
+        with ac:
+            cache = DynamicCache()
+            out = model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
+                        use_cache=True, logits_to_keep=1)
+            logits = out.logits[:, -1].repeat_interleave(G, dim=0)  # [N, V]
+            cache.batch_repeat_interleave(G)
+            N = logits.shape[0]
+            attn = mask.repeat_interleave(G, dim=0)  # [N, P]
+            next_pos = pos[:, -1].repeat_interleave(G) + 1  # [N]
+            completion = torch.full((N, T), self.pad_token_id, dtype=torch.long, device=device)
+            lengths = torch.full((N,), T, dtype=torch.long, device=device)
+            truncated = torch.ones(N, dtype=torch.bool, device=device)
+            active = torch.arange(N, device=device)  # rows still decoding
+            for t in range(T):
+                tok = sample_next(logits, params, generator)  # [n]
+                completion[active, t] = tok
+                if t == T - 1:
+                    break
+                if not params.ignore_eos:
+                    done = torch.isin(tok, eos)  # [n]
+                    if done.any():
+                        lengths[active[done]] = t + 1
+                        truncated[active[done]] = False
+                        keep = (~done).nonzero().squeeze(-1)  # [n']
+                        if keep.numel() == 0:
+                            break
+                        active, tok, attn, next_pos = active[keep], tok[keep], attn[keep], next_pos[keep]
+                        cache.batch_select_indices(keep)
+                attn = torch.cat([attn, attn.new_ones(attn.shape[0], 1)], dim=1)  # [n, P+t+1]
+                out = model(input_ids=tok[:, None], attention_mask=attn, position_ids=next_pos[:, None],
+                            past_key_values=cache, use_cache=True)
+                logits = out.logits[:, -1]  # [n, V]
+                next_pos = next_pos + 1
+        if params.ignore_eos:
+            truncated[:] = False  # every completion is exactly T tokens by request
+        model.train(was_training)
+        cmask = torch.arange(T, device=device)[None, :] < lengths[:, None]  # [N, T]
+        completion = completion.masked_fill(~cmask, self.pad_token_id)
+        return Rollout(
+            prompt_ids=ids.repeat_interleave(G, dim=0).cpu(),
+            prompt_mask=mask.repeat_interleave(G, dim=0).cpu(),
+            completion_ids=completion.cpu(),
+            completion_mask=cmask.cpu(),
+            truncated=truncated.cpu(),
+        )

@@ -1,0 +1,77 @@
+"""The containers that travel between rollout and trainer, and the engine interface."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    ignore_eos: bool = False
+    greedy: bool = False
+
+
+@dataclass
+class Rollout:
+    """N = B*G sampled completions; rows g*G .. g*G+G-1 share prompt g.
+
+    Prompts are left-padded (every prompt ends at column P-1), completions right-padded, so
+    `cat([prompt_ids, completion_ids], 1)` is a causal-LM input whose completion starts at column P.
+    """
+
+    prompt_ids: torch.Tensor       # [N, P] long
+    prompt_mask: torch.Tensor      # [N, P] long (1 = real token)
+    completion_ids: torch.Tensor   # [N, T] long
+    completion_mask: torch.Tensor  # [N, T] bool, True on real completion tokens (EOS included)
+    truncated: torch.Tensor        # [N] bool, True when no EOS came within max_new_tokens
+
+    def __len__(self) -> int:
+        return self.completion_ids.shape[0]
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        return self.completion_mask.sum(-1)  # [N]
+
+    def select(self, rows: torch.Tensor | list[int]) -> Rollout:
+        rows = torch.as_tensor(rows, dtype=torch.long)
+        return Rollout(self.prompt_ids[rows], self.prompt_mask[rows], self.completion_ids[rows],
+                       self.completion_mask[rows], self.truncated[rows])
+
+    @staticmethod
+    def cat(parts: list[Rollout], pad_token_id: int) -> Rollout:
+        """Concatenate rollouts, re-padding prompts on the left and completions on the right."""
+        if len(parts) == 1:
+            return parts[0]
+        P = max(r.prompt_ids.shape[1] for r in parts)
+        T = max(r.completion_ids.shape[1] for r in parts)
+
+        def pad(x: torch.Tensor, width: int, value, left: bool) -> torch.Tensor:
+            extra = width - x.shape[1]
+            fill = x.new_full((x.shape[0], extra), value)
+            return torch.cat([fill, x] if left else [x, fill], dim=1)
+
+        return Rollout(
+            torch.cat([pad(r.prompt_ids, P, pad_token_id, True) for r in parts]),
+            torch.cat([pad(r.prompt_mask, P, 0, True) for r in parts]),
+            torch.cat([pad(r.completion_ids, T, pad_token_id, False) for r in parts]),
+            torch.cat([pad(r.completion_mask, T, False, False) for r in parts]),
+            torch.cat([r.truncated for r in parts]),
+        )
+
+
+class GenerationEngine(Protocol):
+    """What the trainer needs from a generation engine. An external engine (vLLM, SGLang) fits
+    behind this: `generate` returns token ids, and `sync_weights` is called after every optimizer
+    step so the engine samples from the current policy."""
+
+    def generate(self, prompt_ids: list[list[int]], num_generations: int, params: SamplingParams,
+                 generator: torch.Generator | None = None) -> Rollout: ...
+
+    def sync_weights(self, model: torch.nn.Module) -> None: ...

@@ -1,0 +1,423 @@
+"""The GRPO training loop.
+
+One step, one call per stage (DESIGN.md's data path):
+
+    prompts -> rollout -> rewards -> advantages -> old/ref log-probs -> mu policy updates -> metrics
+
+Deliberate choices:
+- with num_iterations = 1 the sampling policy is the current one, so `old_logp = logp.detach()`
+  and no extra forward pass is made; old log-probs are computed only when num_iterations > 1;
+- reference log-probs are computed only when beta > 0, and no reference model exists otherwise;
+- each of the num_iterations passes is one optimizer step over the whole batch, split into
+  micro-batches whose loss normaliser is the count of the whole batch (`normalizer`), so the
+  accumulated gradient equals the full-batch gradient for every aggregation mode;
+- micro-batches are formed from completions sorted by length, so little padding is computed.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+from datasets import Dataset
+
+from grouprl.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from grouprl.config import ConfigError, TrainConfig
+from grouprl.core import compute_advantages, overlong_penalty, policy_loss, zero_std_groups
+from grouprl.data import PromptFormatter, PromptSampler, completion_objects, load_prompts, split_eval
+from grouprl.logging import Progress, RunLogger
+from grouprl.policy import MicroBatch, Reference, completion_logprobs, load_policy, load_tokenizer
+from grouprl.rewards import RewardScores, resolve_reward_func, score_completions
+from grouprl.rollout import HFEngine, Rollout, SamplingParams
+
+
+@dataclass
+class StepBatch:
+    """The completions one step trains on, with everything the rewards saw."""
+
+    rollout: Rollout
+    prompts: list[Any]              # [N] prompt of each completion
+    completions: list[str]          # [N] decoded completion text
+    rewards: torch.Tensor           # [N] weighted sum over reward functions
+    per_func: dict[str, torch.Tensor]  # name -> [N]
+    reward_metrics: dict[str, float]
+
+    def select(self, rows: torch.Tensor) -> StepBatch:
+        r = rows.tolist()
+        return StepBatch(self.rollout.select(rows), [self.prompts[i] for i in r],
+                         [self.completions[i] for i in r], self.rewards[rows],
+                         {k: v[rows] for k, v in self.per_func.items()}, self.reward_metrics)
+
+    @staticmethod
+    def cat(parts: list[StepBatch], pad_token_id: int) -> StepBatch:
+        return StepBatch(Rollout.cat([p.rollout for p in parts], pad_token_id),
+                         [x for p in parts for x in p.prompts],
+                         [x for p in parts for x in p.completions],
+                         torch.cat([p.rewards for p in parts]),
+                         {k: torch.cat([p.per_func[k] for p in parts]) for k in parts[0].per_func},
+                         parts[0].reward_metrics)
+
+
+class Trainer:
+    """GRPO and its family on a Hugging Face causal LM.
+
+    `Trainer(config).train()` is what `grouprl train` runs. In Python, datasets and reward
+    functions can also be passed directly: `Trainer(cfg, train_dataset=ds, reward_funcs=[f])`.
+    """
+
+    def __init__(self, config: TrainConfig, *, train_dataset: Dataset | None = None,
+                 eval_dataset: Dataset | None = None, reward_funcs: list[Callable] | None = None):
+        in_memory = {"train_data": train_dataset, "eval_data": eval_dataset, "reward_funcs": reward_funcs}
+        placeholders = {k: ["<in memory>"] * len(v) if k == "reward_funcs" else "<in memory>"
+                        for k, v in in_memory.items() if v is not None}
+        cfg = replace(config, **placeholders).validate(skip_paths=tuple(placeholders))
+        self.cfg = cfg = replace(cfg, **{k: getattr(config, k) for k in placeholders})
+        _seed_everything(cfg.seed)
+        if cfg.num_threads:
+            torch.set_num_threads(cfg.num_threads)
+
+        # data and reward functions first: their errors come before any model loads
+        self.train_ds = load_prompts(train_dataset if train_dataset is not None else cfg.train_data,
+                                     prompt_column=cfg.prompt_column, name="train_data")
+        self.eval_ds = None
+        if eval_dataset is not None or cfg.eval_data:
+            self.eval_ds = load_prompts(eval_dataset if eval_dataset is not None else cfg.eval_data,
+                                        prompt_column=cfg.prompt_column, name="eval_data")
+        elif cfg.eval_fraction:
+            self.train_ds, self.eval_ds = split_eval(self.train_ds, cfg.eval_fraction, cfg.seed)
+        if self.eval_ds is not None and cfg.max_eval_samples:
+            self.eval_ds = self.eval_ds.select(range(min(cfg.max_eval_samples, len(self.eval_ds))))
+        self.reward_funcs = reward_funcs or [_resolve_reward(spec) for spec in cfg.reward_funcs]
+        self.reward_names = [getattr(f, "__name__", f"reward_{i}") for i, f in enumerate(self.reward_funcs)]
+        if cfg.accuracy_reward and cfg.accuracy_reward not in self.reward_names:
+            raise ConfigError(f"accuracy_reward={cfg.accuracy_reward!r} is not one of the reward "
+                              f"functions {self.reward_names}")
+
+        # models
+        self.tokenizer = load_tokenizer(cfg.tokenizer or cfg.model)
+        self.model = load_policy(cfg.model, lora_r=cfg.lora_r, lora_alpha=cfg.lora_alpha,
+                                 lora_dropout=cfg.lora_dropout, lora_target_modules=cfg.lora_target_modules,
+                                 gradient_checkpointing=cfg.gradient_checkpointing)
+        self.model.train()
+        self.ref = Reference(self.model) if cfg.beta > 0 else None
+        self.autocast = torch.bfloat16 if cfg.bf16 else None
+        self.formatter = PromptFormatter(self.tokenizer, max_prompt_length=cfg.max_prompt_length)
+        self.engine = HFEngine(self.model, _eos_ids(self.model, self.tokenizer), self.tokenizer.pad_token_id,
+                               max_batch_size=cfg.generation_batch_size, autocast_dtype=self.autocast)
+        self.sampling = SamplingParams(cfg.max_completion_length, cfg.temperature, cfg.top_p, cfg.top_k,
+                                       cfg.ignore_eos)
+
+        # optimisation
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay,
+                                           betas=(cfg.adam_beta1, cfg.adam_beta2))
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, _schedule(cfg.lr_scheduler_type, cfg.warmup_steps, cfg.max_steps * cfg.num_iterations))
+        self.sampler = PromptSampler(len(self.train_ds), cfg.seed)
+        self.generator = torch.Generator().manual_seed(cfg.seed)
+        self.step = 0
+        self.evals: dict[str, Any] = {}
+
+    # ------------------------------------------------------------------ the loop
+    def train(self, *, resume: bool = False) -> dict[str, Any]:
+        cfg, out = self.cfg, Path(self.cfg.output_dir)
+        if resume:
+            self._resume()
+        elif latest_checkpoint(out) is not None:
+            raise ConfigError(f"output_dir={str(out)!r} already holds a run with checkpoints: pass "
+                              "--resume to continue it, or choose a new output_dir")
+        out.mkdir(parents=True, exist_ok=True)
+        cfg.save_yaml(out / "config.yaml")
+        self.logger = RunLogger(out, resume_step=self.step, tensorboard=cfg.report_to_tensorboard)
+        progress = Progress(cfg.max_steps, self.step, cfg.progress)
+        if "eval_before" not in self.evals and self.eval_ds is not None:
+            self.evals["eval_before"] = self._log_eval(0, progress)
+        while self.step < cfg.max_steps:
+            self.step += 1
+            metrics = self.train_step()
+            self.logger.log(self.step, metrics, tensorboard=self.step % cfg.logging_steps == 0)
+            progress.update(metrics)
+            if cfg.eval_steps and self.step % cfg.eval_steps == 0 and self.step < cfg.max_steps \
+                    and self.eval_ds is not None:
+                self._log_eval(self.step, progress)
+            if cfg.save_steps and self.step % cfg.save_steps == 0 and self.step < cfg.max_steps:
+                self.save()
+        if self.eval_ds is not None:
+            self.evals["eval_after"] = self._log_eval(self.step, progress)
+        progress.close()
+        self.save()
+        summary = self._summary()
+        self.logger.write_json("summary.json", summary)
+        self.logger.plot_curves()
+        self.logger.close()
+        return summary
+
+    def train_step(self) -> dict[str, Any]:
+        cfg, G = self.cfg, self.cfg.num_generations
+        t_step = time.perf_counter()
+        batch, sample_metrics, timings = self._sample()
+        advantages = compute_advantages(cfg.advantage_estimator, batch.rewards, G, scale=cfg.scale_rewards,
+                                        eps=cfg.advantage_eps)  # [N]
+        loss_mask = batch.rollout.completion_mask.clone()  # [N, T]
+        if cfg.mask_truncated_completions:
+            loss_mask &= ~batch.rollout.truncated[:, None]
+
+        t0 = time.perf_counter()
+        old_logp = self._logprobs(self.model, batch.rollout) if cfg.num_iterations > 1 else None  # [N, T]
+        ref_logp = None
+        if self.ref is not None:
+            with self.ref.context():
+                ref_logp = self._logprobs(self.ref.forward_model, batch.rollout)  # [N, T]
+        timings["time/logprobs"] = time.perf_counter() - t0
+
+        t0 = time.perf_counter()
+        update = {}
+        for it in range(cfg.num_iterations):
+            stats = self._update(batch.rollout, advantages, loss_mask, old_logp, ref_logp, with_entropy=it == 0)
+            update = stats if it == 0 else {**update, **{k: v for k, v in stats.items() if k != "entropy"}}
+        timings["time/update"] = time.perf_counter() - t0
+        if cfg.ref_update_steps and self.ref is not None and self.step % cfg.ref_update_steps == 0:
+            self.ref.reset(self.model)
+        timings["time/step"] = time.perf_counter() - t_step
+        lengths = batch.rollout.lengths.float()
+        metrics = {
+            **batch.reward_metrics, **sample_metrics,
+            "reward/mean": batch.rewards.mean().item(), "reward/std": batch.rewards.std().item()
+            if len(batch.rewards) > 1 else 0.0,
+            "advantage/mean": advantages.mean().item(), "advantage/std": advantages.std().item(),
+            "advantage/min": advantages.min().item(), "advantage/max": advantages.max().item(),
+            "completion/length_mean": lengths.mean().item(), "completion/length_min": lengths.min().item(),
+            "completion/length_max": lengths.max().item(),
+            "completion/truncated_frac": batch.rollout.truncated.float().mean().item(),
+            **update, "lr": self.scheduler.get_last_lr()[0], **timings,
+        }
+        if self.step % cfg.logging_steps == 0 and cfg.num_logged_samples:
+            self.logger.log_samples(self.step, [
+                {"prompt": batch.prompts[i], "completion": batch.completions[i],
+                 "reward": batch.rewards[i], "advantage": advantages[i]}
+                for i in range(min(cfg.num_logged_samples, len(batch.completions)))])
+        return metrics
+
+    # ------------------------------------------------------------------ stages
+    def _sample(self) -> tuple[StepBatch, dict[str, float], dict[str, float]]:
+        """Rollout and rewards. With dynamic sampling (DAPO), groups whose rewards are all equal are
+        dropped and more prompts are sampled, up to max_sampling_rounds generation rounds."""
+        cfg, B, G = self.cfg, self.cfg.prompts_per_step, self.cfg.num_generations
+        kept: list[StepBatch] = []
+        n_kept = n_groups = n_zero = rounds = 0
+        timings = {"time/generate": 0.0, "time/reward": 0.0}
+        while True:
+            rounds += 1
+            t0 = time.perf_counter()
+            prompts = self.formatter.batch(self.train_ds, self.sampler.next(B), cfg.prompt_column)
+            rollout = self.engine.generate(prompts.prompt_ids, G, self.sampling, self.generator)
+            timings["time/generate"] += time.perf_counter() - t0
+            t0 = time.perf_counter()
+            batch = self._score(rollout, prompts.prompts, prompts.columns, G)
+            timings["time/reward"] += time.perf_counter() - t0
+            flat = zero_std_groups(batch.rewards, G)  # [B]
+            n_groups, n_zero = n_groups + len(flat), n_zero + int(flat.sum())
+            if not cfg.dynamic_sampling:
+                kept = [batch]
+                break
+            rows = (~flat).repeat_interleave(G).nonzero().squeeze(-1)
+            kept.append(batch.select(rows[: (B - n_kept) * G]))
+            n_kept += len(kept[-1].completions) // G
+            if n_kept >= B or rounds >= cfg.max_sampling_rounds:
+                break
+        if n_kept == 0 and cfg.dynamic_sampling:  # nothing carries signal: train on the last round (A = 0)
+            kept = [batch]
+        metrics = {"zero_std_frac": n_zero / n_groups}
+        if cfg.dynamic_sampling:
+            metrics.update({"dynamic_sampling/rounds": rounds, "dynamic_sampling/kept_groups": n_kept})
+        return StepBatch.cat(kept, self.tokenizer.pad_token_id), metrics, timings
+
+    def _score(self, rollout: Rollout, prompts: list[Any], columns: dict[str, list], G: int) -> StepBatch:
+        cfg = self.cfg
+        ids = [row[m].tolist() for row, m in zip(rollout.completion_ids, rollout.completion_mask)]
+        texts = self.tokenizer.batch_decode(ids, skip_special_tokens=True)
+        conversational = bool(prompts) and not isinstance(prompts[0], str)
+        per_prompt = [p for p in prompts for _ in range(G)]
+        cols = {k: [v for v in vals for _ in range(G)] for k, vals in columns.items()}
+        cols.update(completion_ids=ids, completion_lengths=[len(x) for x in ids])
+        scores: RewardScores = score_completions(
+            self.reward_funcs, cfg.reward_weights, per_prompt, completion_objects(texts, conversational),
+            cols, timeout_s=cfg.reward_timeout_s, fallback=cfg.reward_fallback)
+        rewards = scores.total.float()  # [N]
+        if cfg.overlong_shaping:
+            rewards = rewards + overlong_penalty(rollout.lengths, cfg.max_completion_length,
+                                                 cfg.overlong_cache_len)
+        return StepBatch(rollout, per_prompt, texts, rewards, scores.per_func, scores.metrics)
+
+    def _micro_batches(self, rollout: Rollout) -> list[torch.Tensor]:
+        order = torch.argsort(rollout.lengths, stable=True)  # similar lengths share a micro-batch
+        return list(order.split(self.cfg.micro_batch_size))
+
+    @torch.no_grad()
+    def _logprobs(self, model: torch.nn.Module, rollout: Rollout) -> torch.Tensor:
+        out = torch.zeros(rollout.completion_ids.shape, dtype=torch.float32)  # [N, T]
+        for rows in self._micro_batches(rollout):
+            mb = MicroBatch.from_rollout(rollout, rows)
+            logp, _ = completion_logprobs(model, mb, temperature=self.cfg.temperature,
+                                          autocast_dtype=self.autocast)
+            out[rows, : logp.shape[1]] = logp.float().cpu()
+        return out
+
+    def _update(self, rollout: Rollout, advantages: torch.Tensor, loss_mask: torch.Tensor,
+                old_logp: torch.Tensor | None, ref_logp: torch.Tensor | None,
+                with_entropy: bool) -> dict[str, float]:
+        """One optimizer step over the whole batch, accumulated over micro-batches."""
+        cfg = self.cfg
+        normalizer = int(loss_mask.sum()) if cfg.loss_agg == "token-mean" else len(rollout)
+        self.optimizer.zero_grad(set_to_none=True)
+        sums: dict[str, float] = {}
+        tokens = 0
+        loss_total = 0.0
+        for rows in self._micro_batches(rollout):
+            mb = MicroBatch.from_rollout(rollout, rows)
+            logp, entropy = completion_logprobs(self.model, mb, temperature=cfg.temperature,
+                                                autocast_dtype=self.autocast, with_entropy=with_entropy)
+            T = logp.shape[1]
+            mask = loss_mask[rows, :T]  # [n, T']
+            loss, stats = policy_loss(
+                logp, old_logp[rows, :T] if old_logp is not None else logp.detach(), advantages[rows], mask,
+                eps_low=cfg.epsilon, eps_high=cfg.epsilon_high, ratio_level=cfg.importance_sampling_level,
+                agg=cfg.loss_agg, max_tokens=cfg.max_completion_length,
+                ref_logp=ref_logp[rows, :T] if ref_logp is not None else None, beta=cfg.beta,
+                kl_kind=cfg.kl_estimator, dual_clip=cfg.dual_clip, delta=cfg.delta, normalizer=normalizer)
+            loss.backward()
+            loss_total += loss.item()
+            n = int(stats.pop("num_tokens"))
+            tokens += n
+            for k, v in stats.items():
+                sums[k] = sums.get(k, 0.0) + v * n
+            if entropy is not None:
+                sums["entropy"] = sums.get("entropy", 0.0) + float(entropy[mb.completion_mask].sum())
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm or math.inf)
+        self.optimizer.step()
+        self.scheduler.step()
+        total_real = int(rollout.completion_mask.sum())
+        out = {k: v / max(tokens, 1) for k, v in sums.items() if k != "entropy"}
+        if "entropy" in sums:
+            out["entropy"] = sums["entropy"] / max(total_real, 1)
+        return {**out, "loss": loss_total, "grad_norm": float(grad_norm)}
+
+    # ------------------------------------------------------------------ eval
+    @torch.no_grad()
+    def evaluate(self, dataset: Dataset | None = None, batch_size: int = 64) -> dict[str, float]:
+        """Greedy completions on the eval set: `accuracy` is the mean of the accuracy reward
+        (default: the first reward function), `reward_mean` the mean weighted reward."""
+        ds = dataset if dataset is not None else self.eval_ds
+        params = replace(self.sampling, greedy=True)
+        parts = []
+        for start in range(0, len(ds), batch_size):
+            prompts = self.formatter.batch(ds, list(range(start, min(start + batch_size, len(ds)))),
+                                           self.cfg.prompt_column)
+            rollout = self.engine.generate(prompts.prompt_ids, 1, params)
+            parts.append(self._score(rollout, prompts.prompts, prompts.columns, 1))
+        batch = StepBatch.cat(parts, self.tokenizer.pad_token_id)
+        acc_name = self.cfg.accuracy_reward or self.reward_names[0]
+        acc = batch.per_func[acc_name]
+        return {"accuracy": float(acc.nanmean()), "reward_mean": float(batch.rewards.mean()),
+                "length_mean": float(batch.rollout.lengths.float().mean()), "num_samples": len(ds)}
+
+    def _log_eval(self, step: int, progress: Progress) -> dict[str, float]:
+        t0 = time.perf_counter()
+        result = self.evaluate()
+        result["seconds"] = time.perf_counter() - t0
+        self.logger.log(step, {f"eval/{k}": v for k, v in result.items()})
+        progress.write(f"step {step}: eval accuracy {result['accuracy']:.3f}, "
+                       f"reward {result['reward_mean']:.3f} ({result['num_samples']} prompts)")
+        return result
+
+    # ------------------------------------------------------------------ checkpoints
+    def save(self) -> Path:
+        state = {
+            "step": self.step, "sampler": self.sampler.state_dict(), "evals": self.evals,
+            "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
+            "rng": {"torch": torch.get_rng_state(), "python": random.getstate(),
+                    "numpy": np.random.get_state(), "sampling": self.generator.get_state()},
+        }
+        ref_model = self.ref.model if self.ref is not None and self.cfg.ref_update_steps else None
+        return save_checkpoint(self.cfg.output_dir, self.step, model=self.model, tokenizer=self.tokenizer,
+                               state=state, ref_model=ref_model, keep=self.cfg.save_total_limit)
+
+    def _resume(self) -> None:
+        ckpt = latest_checkpoint(self.cfg.output_dir)
+        if ckpt is None:
+            raise ConfigError(f"--resume: output_dir={self.cfg.output_dir!r} holds no complete "
+                              "checkpoint; start without --resume")
+        state = load_checkpoint(ckpt, self.model, self.ref.model if self.ref is not None else None)
+        self.step = state["step"]
+        self.sampler.load_state_dict(state["sampler"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.evals = state["evals"]
+        torch.set_rng_state(state["rng"]["torch"])
+        random.setstate(state["rng"]["python"])
+        np.random.set_state(state["rng"]["numpy"])
+        self.generator.set_state(state["rng"]["sampling"])
+
+    def _summary(self) -> dict[str, Any]:
+        rows = self.logger.read_metrics()
+        train = [r for r in rows if "reward/mean" in r]
+        summary: dict[str, Any] = {"steps": self.step, **self.evals,
+                                   "train_seconds": sum(r.get("time/step", 0.0) for r in train)}
+        if train:
+            k = max(1, len(train) // 10)
+            summary["reward_first"] = sum(r["reward/mean"] for r in train[:k]) / k
+            summary["reward_last"] = sum(r["reward/mean"] for r in train[-k:]) / k
+        return summary
+
+
+# ---------------------------------------------------------------------- helpers
+def _resolve_reward(spec: Any) -> Callable:
+    if isinstance(spec, dict):
+        params = dict(spec)
+        name = params.pop("name", None)
+        if not isinstance(name, str):
+            raise ConfigError(f"reward_funcs entry {spec!r} needs a `name` key")
+        return resolve_reward_func(name, **params)
+    if not isinstance(spec, str):
+        raise ConfigError(f"reward_funcs entry {spec!r} must be a name, a module:function path or a mapping")
+    return resolve_reward_func(spec)
+
+
+def _eos_ids(model: torch.nn.Module, tokenizer) -> tuple[int, ...]:
+    ids = set()
+    gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    for x in (gen_eos, tokenizer.eos_token_id):
+        if isinstance(x, int):
+            ids.add(x)
+        elif isinstance(x, (list, tuple)):
+            ids.update(x)
+    if not ids:
+        raise ValueError("the tokenizer and model define no EOS token: set tokenizer.eos_token")
+    return tuple(sorted(ids))
+
+
+def _schedule(kind: str, warmup: int, total: int) -> Callable[[int], float]:
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        frac = (step - warmup) / max(1, total - warmup)
+        if kind == "linear":
+            return max(0.0, 1.0 - frac)
+        if kind == "cosine":
+            return 0.5 * (1.0 + math.cos(math.pi * min(1.0, frac)))
+        return 1.0
+
+    return factor
+
+
+def _seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)

@@ -1,0 +1,116 @@
+"""Checkpoints: resume reproduces the uninterrupted run exactly; a kill while writing a checkpoint
+leaves the previous one usable; the saved model loads with transformers and trains again."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from grouprl.checkpoint import latest_checkpoint, list_checkpoints
+from grouprl.config import ConfigError
+from grouprl.trainer import Trainer
+from tests.trainer.conftest import read_metrics
+
+
+def _strip_timing(rows):
+    return [{k: v for k, v in r.items() if not k.startswith(("time/", "eval/seconds"))} for r in rows]
+
+
+class Crash(Exception):
+    pass
+
+
+def test_resume_reproduces_the_uninterrupted_run(make_cfg, tmp_path):
+    kw = dict(max_steps=5, save_steps=2, beta=0.04, num_iterations=2, warmup_steps=2,
+              lr_scheduler_type="cosine", learning_rate=1e-2)
+    full = make_cfg(output_dir=str(tmp_path / "full"), **kw)
+    Trainer(full).train()
+
+    cut = make_cfg(output_dir=str(tmp_path / "cut"), **kw)
+    trainer = Trainer(cut)
+    original = trainer.train_step
+
+    def crash_at_step_4():
+        if trainer.step == 4:
+            raise Crash
+        return original()
+
+    trainer.train_step = crash_at_step_4
+    with pytest.raises(Crash):
+        trainer.train()
+    assert latest_checkpoint(cut.output_dir).name == "step-000002"
+    assert [r["step"] for r in read_metrics(cut.output_dir)] == [1, 2, 3]  # step 3 is past the checkpoint
+
+    Trainer(cut).train(resume=True)
+    assert _strip_timing(read_metrics(cut.output_dir)) == _strip_timing(read_metrics(full.output_dir))
+    a = AutoModelForCausalLM.from_pretrained(f"{full.output_dir}/checkpoints/step-000005/model")
+    b = AutoModelForCausalLM.from_pretrained(f"{cut.output_dir}/checkpoints/step-000005/model")
+    for (n, p), q in zip(a.named_parameters(), b.parameters()):
+        assert torch.equal(p, q), n
+
+
+def test_starting_over_an_existing_run_needs_resume(make_cfg):
+    cfg = make_cfg(max_steps=1)
+    Trainer(cfg).train()
+    with pytest.raises(ConfigError, match="--resume"):
+        Trainer(cfg).train()
+
+
+def test_resume_without_checkpoint_is_a_clear_error(make_cfg):
+    with pytest.raises(ConfigError, match="no complete checkpoint"):
+        Trainer(make_cfg()).train(resume=True)
+
+
+def test_sigkill_while_writing_a_checkpoint_keeps_the_previous_one(make_cfg, tmp_path):
+    """A real SIGKILL in the middle of the second checkpoint's files; then resume finishes the run."""
+    cfg = make_cfg(max_steps=4, save_steps=2, output_dir=str(tmp_path / "run"))
+    cfg.save_yaml(tmp_path / "cfg.yaml")
+    script = textwrap.dedent(f"""
+        import os, signal
+        import grouprl.checkpoint as ck
+        from grouprl.config import TrainConfig
+        from grouprl.trainer import Trainer
+        real = ck.save_file
+        calls = []
+        def dying_save_file(tensors, path):
+            calls.append(path)
+            if len(calls) == 2:  # second checkpoint: half its files are on disk
+                real(tensors, path)
+                os.kill(os.getpid(), signal.SIGKILL)
+            real(tensors, path)
+        ck.save_file = dying_save_file
+        Trainer(TrainConfig.load({str(tmp_path / 'cfg.yaml')!r})).train()
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], cwd=os.getcwd(), capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == -9, proc.stderr[-2000:]
+    ckpts = list_checkpoints(cfg.output_dir)
+    assert [p.name for p in ckpts] == ["step-000002"]
+    leftovers = [p.name for p in (tmp_path / "run/checkpoints").iterdir() if p.name.startswith(".tmp")]
+    assert leftovers  # the half-written checkpoint is there, but never taken for a checkpoint
+    AutoModelForCausalLM.from_pretrained(ckpts[0] / "model")  # the previous one is whole
+    Trainer(cfg).train(resume=True)
+    assert [p.name for p in list_checkpoints(cfg.output_dir)] == ["step-000002", "step-000004"]
+    assert [r["step"] for r in read_metrics(cfg.output_dir) if "reward/mean" in r] == [1, 2, 3, 4]
+
+
+def test_saved_model_is_a_model_for_a_new_run(make_cfg, tmp_path):
+    first = make_cfg(max_steps=1, output_dir=str(tmp_path / "a"))
+    Trainer(first).train()
+    model_dir = latest_checkpoint(first.output_dir) / "model"
+    second = make_cfg(max_steps=1, model=str(model_dir), output_dir=str(tmp_path / "b"))
+    trainer = Trainer(second)
+    ref = AutoModelForCausalLM.from_pretrained(model_dir)
+    for p, q in zip(trainer.model.parameters(), ref.parameters()):
+        assert torch.equal(p, q)
+    trainer.train()
+
+
+def test_save_total_limit_keeps_the_newest(make_cfg):
+    cfg = make_cfg(max_steps=4, save_steps=1, save_total_limit=2)
+    Trainer(cfg).train()
+    assert [p.name for p in list_checkpoints(cfg.output_dir)] == ["step-000003", "step-000004"]

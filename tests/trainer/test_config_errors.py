@@ -1,0 +1,78 @@
+"""Each bad input fails before any model loads, with a message that names the field and the fix."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+import grouprl.trainer as trainer_mod
+from grouprl.cli import main
+from grouprl.config import ConfigError, TrainConfig
+from grouprl.data import DataError
+from grouprl.trainer import Trainer
+
+
+@pytest.fixture(autouse=True)
+def no_model_loading(monkeypatch):
+    """Every error here must come before a model is loaded."""
+    def fail(*a, **k):
+        raise AssertionError("a model was loaded before the config error was raised")
+
+    monkeypatch.setattr(trainer_mod, "load_policy", fail)
+    monkeypatch.setattr(trainer_mod, "load_tokenizer", fail)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"num_generations": 1}, "num_generations=1: GRPO needs at least 2"),
+    ({"micro_batch_size": 5}, "micro_batch_size=5 does not divide the 16 completions"),
+    ({"reward_funcs": ["no_such_reward"]}, "no_such_reward"),
+    ({"reward_funcs": ["nomodule_xyz:f"]}, "nomodule_xyz"),
+    ({"train_data": "missing/prompts.jsonl"}, "train_data='missing/prompts.jsonl' does not exist"),
+    ({"model": "./no/such/model"}, "model='./no/such/model' does not exist"),
+    ({"algorithm": "ppo"}, "algorithm='ppo' is unknown: choose one of dapo, dr_grpo, grpo, gspo, rloo"),
+    ({"loss_agg": "mean"}, "loss_agg='mean' is not one of"),
+    ({"reward_weights": [1.0, 2.0]}, "reward_weights has 2 values but reward_funcs has 1"),
+    ({"learning_rate": "fast"}, "learning_rate='fast' has the wrong type: expected float"),
+    ({"lora_r": 8, "ref_update_steps": 2}, "ref_update_steps with LoRA is not supported"),
+])
+def test_config_errors_name_the_field(make_cfg, overrides, message):
+    with pytest.raises((ConfigError, ValueError), match=message.replace("(", r"\(").replace("[", r"\[")):
+        Trainer(make_cfg(**overrides))
+
+
+def test_missing_prompt_column(make_cfg, tmp_path):
+    path = tmp_path / "bad.jsonl"
+    path.write_text(json.dumps({"question": "hi"}) + "\n")
+    with pytest.raises(DataError, match="no 'prompt' column .* rename the prompt column"):
+        Trainer(make_cfg(train_data=str(path)))
+
+
+def test_malformed_row_names_the_row(make_cfg, tmp_path):
+    path = tmp_path / "bad.jsonl"
+    path.write_text(json.dumps({"prompt": "fine"}) + "\n" + json.dumps({"prompt": ""}) + "\n")
+    with pytest.raises(DataError, match="row 1: 'prompt' is an empty string"):
+        Trainer(make_cfg(train_data=str(path)))
+
+
+def test_unknown_yaml_field_suggests_the_right_one(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("num_generation: 4\n")
+    with pytest.raises(ConfigError, match="did you mean 'num_generations'"):
+        TrainConfig.load(path)
+
+
+def test_cli_reports_errors_with_exit_code_2(capsys, tmp_path):
+    code = main(["train", "--num_generations", "1", "--output_dir", str(tmp_path / "x")])
+    assert code == 2
+    assert "num_generations=1" in capsys.readouterr().err
+
+
+def test_cli_accepts_dashes_and_lists_every_field_in_help():
+    out = subprocess.run([sys.executable, "-m", "grouprl", "train", "--help"], capture_output=True,
+                         text=True, check=True).stdout
+    for name in ("num_generations", "max_completion_length", "beta", "epsilon_high", "scale_rewards",
+                 "reward_weights", "mask_truncated_completions", "ignore_eos", "prompts_per_step"):
+        assert f"--{name} " in out
+    cfg = TrainConfig.load(None, ["--max-completion-length", "7", "--scale_rewards=batch"])
+    assert cfg.max_completion_length == 7 and cfg.scale_rewards == "batch"

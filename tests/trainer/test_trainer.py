@@ -1,0 +1,214 @@
+"""End-to-end behaviour of the trainer on a tiny random model: it learns, each path runs, the
+micro-batched update equals the full-batch update, and runs leave what they promise."""
+
+import math
+from dataclasses import replace
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from grouprl.trainer import Trainer
+from tests.trainer.conftest import read_metrics
+
+TIMING = ("time/",)
+
+
+def test_reward_rises_on_a_dense_task(make_cfg):
+    cfg = make_cfg(max_steps=30, learning_rate=5e-3, num_generations=8, prompts_per_step=2,
+                   micro_batch_size=16, logging_steps=5, report_to_tensorboard=True)
+    summary = Trainer(cfg).train()
+    rows = read_metrics(cfg.output_dir)
+    rewards = [r["reward/mean"] for r in rows]
+    first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
+    assert last > first + 0.2, (first, last)
+    assert summary["reward_last"] > summary["reward_first"]
+    out = cfg.output_dir
+    for name in ("config.yaml", "metrics.jsonl", "samples.jsonl", "summary.json", "curves.png"):
+        assert (tmp := __import__("pathlib").Path(out) / name).is_file() and tmp.stat().st_size > 0, name
+    assert any((__import__("pathlib").Path(out) / "tensorboard").iterdir())
+
+
+def test_metrics_row_has_every_promised_field(make_cfg):
+    cfg = make_cfg(max_steps=1, beta=0.04)
+    Trainer(cfg).train()
+    (row,) = read_metrics(cfg.output_dir)
+    for key in ("step", "reward/mean", "reward/std", "rewards/digit_fraction/mean",
+                "rewards/digit_fraction/std", "zero_std_frac", "advantage/mean", "advantage/std",
+                "kl", "clip_frac_low", "clip_frac_high", "entropy", "completion/length_mean",
+                "completion/length_min", "completion/length_max", "completion/truncated_frac", "lr",
+                "grad_norm", "time/generate", "time/reward", "time/logprobs", "time/update", "time/step"):
+        assert key in row, key
+    # step 1: the policy is the reference, so the KL estimate is exactly 0; the ratio is exactly 1
+    assert row["kl"] == 0.0
+    assert row["ratio_mean"] == 1.0 and row["clip_frac"] == 0.0
+    assert row["entropy"] > 0
+
+
+def test_kl_grows_from_zero_with_beta(make_cfg):
+    cfg = make_cfg(max_steps=4, beta=0.1, learning_rate=1e-2)
+    trainer = Trainer(cfg)
+    assert trainer.ref is not None and trainer.ref.model is not trainer.model
+    trainer.train()
+    kls = [r["kl"] for r in read_metrics(cfg.output_dir)]
+    assert kls[0] == 0.0 and kls[-1] > 1e-4
+
+
+def test_no_reference_model_without_beta(make_cfg):
+    trainer = Trainer(make_cfg(beta=0.0))
+    assert trainer.ref is None
+
+
+def test_mu_gt_1_uses_old_logprobs_and_clips(make_cfg):
+    cfg = make_cfg(max_steps=2, num_iterations=3, learning_rate=3e-2, epsilon=0.05)
+    trainer = Trainer(cfg)
+    calls = []
+    original = trainer._logprobs
+    trainer._logprobs = lambda model, rollout: calls.append(model) or original(model, rollout)
+    trainer.train()
+    assert len(calls) == 2  # old log-probs once per step, no reference (beta = 0)
+    rows = read_metrics(cfg.output_dir)
+    # the last of 3 passes sees a policy two optimizer steps away from the sampler
+    assert all(abs(r["ratio_mean"] - 1.0) > 1e-4 for r in rows)
+    assert any(r["clip_frac"] > 0 for r in rows)
+    assert rows[-1]["lr"] == pytest.approx(cfg.learning_rate)
+
+
+def test_mu_1_makes_no_extra_forward_pass(make_cfg):
+    trainer = Trainer(make_cfg(max_steps=1))
+    trainer._logprobs = lambda *a: pytest.fail("no old/ref log-probs needed with mu=1, beta=0")
+    trainer.train()
+
+
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+def test_micro_batches_give_the_full_batch_gradient(make_cfg, agg):
+    """Same seed, same rollout; micro_batch_size 16 vs 4: the accumulated gradients agree."""
+    grads = []
+    for mbs in (16, 4):
+        trainer = Trainer(make_cfg(loss_agg=agg, micro_batch_size=mbs, max_grad_norm=None, beta=0.05))
+        trainer.step = 1
+        trainer.logger = type("NoLog", (), {"log_samples": lambda *a: None})()
+        step = trainer.optimizer.step
+        trainer.optimizer.step = lambda: grads.append(
+            torch.cat([p.grad.flatten() for p in trainer.model.parameters()])) or step()
+        trainer.train_step()
+    full, micro = grads
+    assert full.abs().max() > 1e-4
+    assert torch.allclose(full, micro, rtol=1e-4, atol=1e-6 * float(full.abs().max()))
+
+
+def test_custom_reward_by_import_path_gets_columns(make_cfg, tmp_path, monkeypatch):
+    mod = tmp_path / "my_rewards.py"
+    mod.write_text(
+        "seen = {}\n"
+        "def answer_len(prompts, completions, answer, completion_lengths, **kw):\n"
+        "    seen['answer'] = list(answer); seen['lengths'] = list(completion_lengths)\n"
+        "    return [float(len(a)) for a in answer]\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    cfg = make_cfg(max_steps=1, reward_funcs=["my_rewards:answer_len", "tests.trainer.conftest:short_reward"],
+                   reward_weights=[1.0, 0.0])
+    Trainer(cfg).train()
+    import my_rewards
+
+    assert len(my_rewards.seen["answer"]) == 16  # 4 prompts x 4 completions
+    assert my_rewards.seen["answer"][0] == my_rewards.seen["answer"][3]  # a group shares its row
+    (row,) = read_metrics(cfg.output_dir)
+    mean_len = sum(len(a) for a in my_rewards.seen["answer"]) / 16
+    assert row["reward/mean"] == pytest.approx(mean_len)
+
+
+def test_lora_trains_only_the_adapter_and_exports_a_loadable_model(make_cfg):
+    cfg = make_cfg(max_steps=2, lora_r=4, beta=0.04, learning_rate=1e-2)
+    trainer = Trainer(cfg)
+    assert trainer.ref.uses_adapter and trainer.ref.model is None  # no second copy
+    base_before = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if "lora_" not in n}
+    trainer.train()
+    for n, p in trainer.model.named_parameters():
+        if "lora_" not in n:
+            assert torch.equal(p, base_before[n]), n
+    rows = read_metrics(cfg.output_dir)
+    assert rows[0]["kl"] == 0.0 and rows[1]["kl"] > 0  # reference = adapter disabled
+    exported = AutoModelForCausalLM.from_pretrained(f"{cfg.output_dir}/checkpoints/step-000002/model")
+    ids = torch.tensor([[5, 6, 7, 8]])
+    with torch.no_grad():
+        want = trainer.model(input_ids=ids).logits
+        got = exported(input_ids=ids).logits
+    assert torch.allclose(want, got, atol=1e-5)
+
+
+def test_dapo_dynamic_sampling_drops_flat_groups(make_cfg, tmp_path, monkeypatch):
+    mod = tmp_path / "flaky_reward.py"
+    mod.write_text(
+        "def first_prompt_flat(prompts, completions, **kw):\n"
+        "    return [0.0 if p.startswith('Say numbers 1') else float(len(c) % 2) for p, c in zip(prompts, completions)]\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    cfg = make_cfg(algorithm="dapo", max_steps=3, reward_funcs=["flaky_reward:first_prompt_flat"],
+                   max_sampling_rounds=3, num_generations=4, prompts_per_step=4)
+    trainer = Trainer(cfg)
+    assert trainer.cfg.dynamic_sampling and trainer.cfg.loss_agg == "token-mean"
+    assert trainer.cfg.epsilon_high == pytest.approx(0.28)
+    trainer.train()
+    for row in read_metrics(cfg.output_dir):
+        assert 1 <= row["dynamic_sampling/rounds"] <= 3
+        assert row["dynamic_sampling/kept_groups"] <= 4
+        if row["dynamic_sampling/kept_groups"] == 4:
+            assert row["advantage/std"] > 0
+
+
+@pytest.mark.parametrize("algorithm", ["dr_grpo", "gspo", "rloo"])
+def test_each_preset_runs(make_cfg, algorithm):
+    cfg = make_cfg(algorithm=algorithm, max_steps=1, beta=None)
+    trainer = Trainer(cfg)
+    trainer.train()
+    (row,) = read_metrics(cfg.output_dir)
+    assert math.isfinite(row["loss"]) and math.isfinite(row["grad_norm"])
+
+
+def test_eval_before_and_after_and_iterative_reference(make_cfg, tmp_path, digits_data):
+    cfg = make_cfg(max_steps=4, eval_data=str(digits_data), max_eval_samples=8, eval_steps=2,
+                   beta=0.1, ref_update_steps=2)
+    trainer = Trainer(cfg)
+    summary = trainer.train()
+    for key in ("eval_before", "eval_after"):
+        assert set(summary[key]) >= {"accuracy", "reward_mean"}
+        assert 0.0 <= summary[key]["accuracy"] <= 1.0
+    rows = read_metrics(cfg.output_dir)
+    kls = {r["step"]: r["kl"] for r in rows if "kl" in r}
+    assert kls[1] == 0.0 and kls[3] == 0.0  # the reference was reset to the policy after step 2
+    assert kls[2] > 0.0
+    assert [r["step"] for r in rows if "eval/accuracy" in r] == [0, 2, 4]
+    # with ref_update_steps the reference weights are saved for resume
+    assert (__import__("pathlib").Path(cfg.output_dir) / "checkpoints/step-000004/ref.safetensors").is_file()
+
+
+def test_bf16_and_gradient_checkpointing_run(make_cfg):
+    cfg = make_cfg(max_steps=1, bf16=True, gradient_checkpointing=True, beta=0.04)
+    Trainer(cfg).train()
+    (row,) = read_metrics(cfg.output_dir)
+    assert math.isfinite(row["loss"]) and row["kl"] == pytest.approx(0.0, abs=1e-6)
+
+
+def test_chat_prompts_in_memory_dataset_and_callable_rewards(make_cfg, tiny_model_dir, tmp_path):
+    import shutil
+
+    from datasets import Dataset
+    from transformers import AutoTokenizer
+
+    model_dir = tmp_path / "chat_model"
+    shutil.copytree(tiny_model_dir, model_dir)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    tok.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant: "
+    tok.save_pretrained(model_dir)
+    seen = {}
+
+    def record(prompts, completions, topic, **kw):
+        seen.update(prompts=prompts, completions=completions, topic=topic)
+        return [1.0] * len(completions)
+
+    ds = Dataset.from_list([{"prompt": [{"role": "user", "content": f"count {i}"}], "topic": f"t{i}"}
+                            for i in range(8)])
+    cfg = replace(make_cfg(max_steps=1, model=str(model_dir)), train_data="", reward_funcs=[])
+    Trainer(cfg, train_dataset=ds, reward_funcs=[record]).train()
+    assert seen["prompts"][0][0]["role"] == "user"
+    assert all(c[0]["role"] == "assistant" and isinstance(c[0]["content"], str) for c in seen["completions"])
+    assert seen["topic"][0] == seen["topic"][3] and len(seen["topic"]) == 16

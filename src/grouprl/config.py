@@ -211,9 +211,6 @@ class TrainConfig:
         if not c.model:
             raise ConfigError("model is empty: pass a model folder, e.g. --model path/to/model "
                               "(or builtin:default_policy)")
-        for name in ("model", "tokenizer", "train_data", "eval_data"):
-            if getattr(c, name) and name not in skip_paths:
-                _check_path(name, getattr(c, name))
         if not c.train_data:
             raise ConfigError("train_data is empty: pass a .jsonl/.csv/.parquet file with a "
                               "`prompt` column, e.g. --train_data prompts.jsonl")
@@ -273,6 +270,9 @@ class TrainConfig:
         if c.overlong_shaping and not 0 < c.overlong_cache_len <= c.max_completion_length:
             raise ConfigError(f"overlong_cache_len={c.overlong_cache_len} must be in "
                               f"(0, max_completion_length={c.max_completion_length}]")
+        for name in ("model", "tokenizer", "train_data", "eval_data"):
+            if getattr(c, name) and name not in skip_paths:
+                _check_path(name, getattr(c, name))
         return c
 
     # ----------------------------------------------------------- YAML / CLI

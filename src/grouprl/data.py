@@ -38,8 +38,8 @@ def load_prompts(source: str | Dataset | list[dict], *, prompt_column: str = "pr
 
         try:
             ds = Dataset.from_list(builtin_dataset(source.removeprefix("builtin:")))
-        except KeyError as e:
-            raise DataError(f"{name}={source!r}: {e.args[0]}") from None
+        except ValueError as e:
+            raise DataError(f"{name}={source!r}: {e}") from None
     else:
         path = Path(source).expanduser()
         reader = _READERS.get(path.suffix.lower())

@@ -12,7 +12,6 @@ setup: $(STAMP)
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet "$(TORCH_PIN)"
 	$(PY) -m pip install --quiet -e ".[test]"
 	@touch $(STAMP)
@@ -21,7 +20,7 @@ test: $(STAMP)
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -n 2 --dist loadfile
 
 demo: $(STAMP)
-	HF_HUB_OFFLINE=1 $(VENV)/bin/grouprl train
+	HF_HUB_OFFLINE=1 $(VENV)/bin/grouprl train --output_dir runs/demo-$$(date +%Y%m%d-%H%M%S)
 
 bench: $(STAMP)
 	$(PY) -m pip install --quiet -e ".[test,bench]"

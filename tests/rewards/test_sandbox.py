@@ -5,6 +5,7 @@ listener, our environment), that the call returned a failing CodeResult, and tha
 scored right after is scored correctly.
 """
 
+import contextlib
 import os
 import socket
 import tempfile
@@ -21,10 +22,26 @@ DOUBLE = "print(2 * int(input()))"
 DOUBLE_TESTS = [{"input": "3", "output": "6"}, {"input": "21\n", "output": "42\n"}]
 
 
-def sandbox_processes() -> list[int]:
-    """Pids of every live process running under any sandbox uid."""
-    lo, hi = sandbox.SLOT_BASE_UID, sandbox.SLOT_BASE_UID + sandbox.NUM_SLOTS
-    return [int(p) for p in os.listdir("/proc") if p.isdigit() and lo <= (sandbox._live_uid(p) or -1) < hi]
+@pytest.fixture
+def used_uids(monkeypatch):
+    """The sandbox uids claimed during the test (other test processes may run sandboxes concurrently)."""
+    uids = []
+    claim = sandbox._claim_uid
+
+    @contextlib.contextmanager
+    def recording_claim():
+        with claim() as uid:
+            uids.append(uid)
+            yield uid
+
+    monkeypatch.setattr(sandbox, "_claim_uid", recording_claim)
+    return uids
+
+
+def live_processes(uids) -> list[int]:
+    """Pids of live processes running under any of `uids`."""
+    wanted = set(uids) - {0}
+    return [int(p) for p in os.listdir("/proc") if p.isdigit() and sandbox._live_uid(p) in wanted]
 
 
 def assert_normal_program_scores():
@@ -165,11 +182,11 @@ except OSError as e:
     assert_normal_program_scores()
 
 
-def test_fork_bomb_is_bounded_and_leaves_no_process():
+def test_fork_bomb_is_bounded_and_leaves_no_process(used_uids):
     prog = "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n"
     res = run_code(prog, [{"input": "", "output": ""}], **FAST)
     assert res.status == "timeout" and res.passed == 0
-    assert sandbox_processes() == []
+    assert used_uids and live_processes(used_uids) == []
     assert_normal_program_scores()
 
 
@@ -208,7 +225,7 @@ print("survived")
     assert_normal_program_scores()  # we are alive and scoring
 
 
-def test_daemon_child_does_not_outlive_the_run():
+def test_daemon_child_does_not_outlive_the_run(used_uids):
     prog = """
 import os, time
 if os.fork() == 0:
@@ -220,7 +237,7 @@ print("parent done")
 """
     res = run_code(prog, [{"input": "", "output": "the daemon is gone"}], **FAST)
     assert res.status == "failed"
-    assert sandbox_processes() == []
+    assert used_uids and live_processes(used_uids) == []
     assert_normal_program_scores()
 
 
@@ -254,7 +271,7 @@ while True:
     assert_normal_program_scores()
 
 
-def test_parallel_runs_leak_no_processes_or_directories(monkeypatch, tmp_path):
+def test_parallel_runs_leak_no_processes_or_directories(monkeypatch, tmp_path, used_uids):
     if sandbox.sandbox_mechanism()[0] != "namespace":
         pytest.skip("the run directory must be traversable by the sandbox uid in rlimit mode")
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
@@ -262,7 +279,7 @@ def test_parallel_runs_leak_no_processes_or_directories(monkeypatch, tmp_path):
     programs = [DOUBLE, daemon, "while True: pass", DOUBLE] * 2
     results = run_code_batch(programs, [DOUBLE_TESTS] * len(programs), **FAST)
     assert [r.status for r in results] == ["passed", "passed", "timeout", "passed"] * 2
-    assert sandbox_processes() == []
+    assert used_uids and live_processes(used_uids) == []
     assert list(tmp_path.iterdir()) == []
 
 

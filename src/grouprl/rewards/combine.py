@@ -150,7 +150,7 @@ def _score_rows_alone(func, name, prompts, completions, columns, timeout_s, fall
         try:
             out = _call(func, _row_kwargs(prompts, completions, columns, i), timeout_s)
             values += _validate(name, out, 1, i)
-        except (Exception, _Timeout) as e:
+        except Exception as e:  # includes _Timeout
             if isinstance(e, RewardFunctionError):
                 err = e
             elif isinstance(e, _Timeout):

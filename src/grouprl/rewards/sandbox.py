@@ -16,6 +16,7 @@ Every test is one fresh sandboxed process (see `_sandbox_launch.py` for the isol
 from __future__ import annotations
 
 import fcntl
+import json
 import math
 import os
 import random
@@ -31,7 +32,6 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-import json
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _LAUNCHER = os.path.join(_HERE, "_sandbox_launch.py")
@@ -220,9 +220,10 @@ def _run_one(program, test, run_dir, uid, timeout_s, memory_mb, max_output_bytes
     if finished:
         out = out[: -len(marker)]
     err_text = err.decode("utf-8", "replace")
-    if stopped:
-        return stopped, f"{stopped.replace('_', ' ')} ({timeout_s:g} s wall)" if stopped == "timeout" else \
-            f"output exceeded {max_output_bytes} bytes"
+    if stopped == "timeout":
+        return stopped, f"timeout ({timeout_s:g} s wall)"
+    if stopped == "output_limit":
+        return stopped, f"output exceeded {max_output_bytes} bytes"
     if rc == _EXIT_SETUP and "sandbox setup failed" in err_text:
         return "sandbox_error", _last_line(err_text)
     if rc == _EXIT_SYNTAX:

@@ -6,8 +6,9 @@
     grouprl eval run.yaml --model runs/x/checkpoints/step-000100/model
     grouprl train --help                  every config field with its documentation
 
-Without a config file, the defaults are those of the embedded task (`grouprl.tasks.DEFAULT_TASK`);
-with one, they are `TrainConfig`'s own.
+Without a config file and without --model, --train_data, --eval_data or --reward_funcs, the
+defaults are those of the embedded task (`grouprl.tasks.DEFAULT_TASK`); otherwise they are
+`TrainConfig`'s own.
 """
 
 from __future__ import annotations
@@ -17,17 +18,23 @@ import json
 import sys
 
 from grouprl.config import ConfigError, TrainConfig, help_text
+from grouprl.rewards import RewardFunctionError
 
 USAGE = """grouprl train [CONFIG.yaml] [--field value ...] [--resume]
        grouprl eval  [CONFIG.yaml] [--field value ...]"""
 
 
+TASK_FIELDS = {"model", "train_data", "eval_data", "reward_funcs"}
+
+
 def build_config(config_path: str | None, overrides: list[str]) -> TrainConfig:
-    if config_path is None:
+    """With neither a config file nor any of TASK_FIELDS on the command line, the embedded task is
+    the base; otherwise TrainConfig's own defaults are."""
+    named = {a[2:].split("=")[0].replace("-", "_") for a in overrides if a.startswith("--")}
+    if config_path is None and not TASK_FIELDS & named:
         from grouprl.tasks import DEFAULT_TASK
 
-        base = TrainConfig.from_dict(dict(DEFAULT_TASK))
-        return TrainConfig.load(None, overrides, base=base)
+        return TrainConfig.load(None, overrides, base=TrainConfig.from_dict(dict(DEFAULT_TASK)))
     return TrainConfig.load(config_path, overrides)
 
 
@@ -55,6 +62,11 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, ValueError, FileNotFoundError) as e:
         print(f"grouprl {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except RewardFunctionError as e:
+        print(f"grouprl {args.command}: error: {e}\nThe run stopped; its checkpoints are intact. Fix the "
+              "reward function (or set reward_fallback to score failures with a fixed value) and "
+              "continue with --resume.", file=sys.stderr)
+        return 1
 
 
 def _train(cfg: TrainConfig, *, resume: bool) -> int:

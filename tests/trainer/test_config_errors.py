@@ -76,3 +76,18 @@ def test_cli_accepts_dashes_and_lists_every_field_in_help():
         assert f"--{name} " in out
     cfg = TrainConfig.load(None, ["--max-completion-length", "7", "--scale_rewards=batch"])
     assert cfg.max_completion_length == 7 and cfg.scale_rewards == "batch"
+
+
+def test_cli_reports_a_failing_reward_function_and_how_to_continue(tmp_path, tiny_model_dir, digits_data,
+                                                                    monkeypatch, capsys):
+    monkeypatch.undo()  # this one loads the model: the failure comes from the first reward call
+    mod = tmp_path / "broken_reward.py"
+    mod.write_text("def broken(prompts, completions, **kw):\n    raise KeyError('answer_text')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    code = main(["train", "--model", str(tiny_model_dir), "--train_data", str(digits_data),
+                 "--reward_funcs", "[broken_reward:broken]", "--num_generations", "2",
+                 "--prompts_per_step", "2", "--micro_batch_size", "4", "--max_completion_length", "4",
+                 "--output_dir", str(tmp_path / "run"), "--progress", "false"])
+    err = capsys.readouterr().err
+    assert code == 1
+    assert "broken" in err and "answer_text" in err and "--resume" in err

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 
 from grouprl.config import ConfigError, TrainConfig, help_text
 from grouprl.rewards import RewardFunctionError
@@ -80,9 +81,9 @@ def _train(cfg: TrainConfig, *, resume: bool) -> int:
 def _eval(cfg: TrainConfig) -> int:
     from grouprl.trainer import Trainer
 
-    trainer = Trainer(cfg)
-    if trainer.eval_ds is None:
+    if not cfg.eval_data and not cfg.eval_fraction:
         raise ConfigError("grouprl eval needs an eval set: set eval_data (or eval_fraction)")
+    trainer = Trainer(replace(cfg, train_data=cfg.train_data or cfg.eval_data))
     print(json.dumps(trainer.evaluate(), indent=2))
     return 0
 

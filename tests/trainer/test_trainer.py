@@ -212,3 +212,36 @@ def test_chat_prompts_in_memory_dataset_and_callable_rewards(make_cfg, tiny_mode
     assert seen["prompts"][0][0]["role"] == "user"
     assert all(c[0]["role"] == "assistant" and isinstance(c[0]["content"], str) for c in seen["completions"])
     assert seen["topic"][0] == seen["topic"][3] and len(seen["topic"]) == 16
+
+
+def test_grouprl_eval_prints_accuracy_of_a_model(tiny_model_dir, digits_data, capsys):
+    import json
+
+    from grouprl.cli import main
+
+    code = main(["eval", "--model", str(tiny_model_dir), "--eval_data", str(digits_data),
+                 "--reward_funcs", "[tests.trainer.conftest:digit_fraction]", "--max_eval_samples", "4",
+                 "--max_completion_length", "6"])
+    assert code == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["num_samples"] == 4 and 0.0 <= result["accuracy"] <= 1.0
+
+
+def test_mask_truncated_completions_removes_them_from_the_loss(make_cfg):
+    """Every completion is marked truncated and masked: the gradient is exactly zero."""
+    trainer = Trainer(make_cfg(mask_truncated_completions=True, beta=0.0))
+    trainer.step = 1
+    trainer.logger = type("NoLog", (), {"log_samples": lambda *a: None})()
+    generate = trainer.engine.generate
+
+    def all_truncated(*args, **kwargs):
+        rollout = generate(*args, **kwargs)
+        rollout.truncated[:] = True
+        return rollout
+
+    trainer.engine.generate = all_truncated
+    before = [p.detach().clone() for p in trainer.model.parameters()]
+    metrics = trainer.train_step()
+    assert metrics["completion/truncated_frac"] == 1.0 and metrics["advantage/std"] > 0
+    assert metrics["grad_norm"] == 0.0
+    assert all(torch.equal(a, b) for a, b in zip(before, trainer.model.parameters()))

@@ -52,17 +52,26 @@ def trainable_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def save_checkpoint(output_dir: str | Path, step: int, *, model: torch.nn.Module, tokenizer,
                     state: dict[str, Any], ref_model: torch.nn.Module | None = None,
-                    keep: int | None = None) -> Path:
+                    keep: int | None = None, model_state: dict[str, torch.Tensor] | None = None,
+                    ref_state: dict[str, torch.Tensor] | None = None) -> Path:
+    """Write a checkpoint. `model_state` / `ref_state` are whole state dicts gathered from a
+    sharded (FSDP2) model, written in place of the model's own (sharded) tensors."""
     root = checkpoint_dir(output_dir)
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step-{step:06d}"
     tmp = root / f".tmp-step-{step:06d}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
-    _save_export(model, tmp / "model")
+    _save_export(model, tmp / "model", model_state)
     tokenizer.save_pretrained(tmp / "model")
-    save_file(trainable_state(model), tmp / "trainable.safetensors")
-    if ref_model is not None:
+    trainable = trainable_state(model)
+    if model_state is not None:
+        trainable = {k: model_state[k].contiguous() for k in trainable}
+    save_file(trainable, tmp / "trainable.safetensors")
+    if ref_state is not None:
+        names = {n for n, _ in ref_model.named_parameters()} | {n for n, _ in ref_model.named_buffers()}
+        save_file({k: v.contiguous() for k, v in ref_state.items() if k in names}, tmp / "ref.safetensors")
+    elif ref_model is not None:
         save_model(ref_model, str(tmp / "ref.safetensors"))  # handles tied embeddings
     torch.save(state, tmp / "state.pt")
     _fsync_tree(tmp)
@@ -81,9 +90,13 @@ def _is_peft(model: torch.nn.Module) -> bool:
     return hasattr(model, "peft_config")
 
 
-def _save_export(model: torch.nn.Module, path: Path) -> None:
+def _save_export(model: torch.nn.Module, path: Path,
+                 model_state: dict[str, torch.Tensor] | None = None) -> None:
     """save_pretrained form. With LoRA, the adapter is merged into a copy of the base weights
     (merging in place and unmerging would not restore the base weights bit for bit)."""
+    if model_state is not None:  # whole weights gathered from a sharded model
+        model.save_pretrained(path, state_dict=model_state, safe_serialization=True)
+        return
     if _is_peft(model):
         model = copy.deepcopy(model).merge_and_unload()
     model.save_pretrained(path, safe_serialization=True)
@@ -92,10 +105,7 @@ def _save_export(model: torch.nn.Module, path: Path) -> None:
 def load_checkpoint(path: str | Path, model: torch.nn.Module,
                     ref_model: torch.nn.Module | None = None) -> dict[str, Any]:
     """Restore the trainable weights (and reference) into the models; return the trainer state."""
-    path = Path(path)
-    if not (path / "COMPLETE").is_file():
-        raise FileNotFoundError(f"{path} is not a complete checkpoint")
-    weights = load_file(path / "trainable.safetensors")
+    weights, ref_weights, state = read_checkpoint(path)
     params = dict(model.named_parameters())
     missing = [k for k in weights if k not in params]
     if missing:
@@ -104,9 +114,20 @@ def load_checkpoint(path: str | Path, model: torch.nn.Module,
     with torch.no_grad():
         for k, v in weights.items():
             params[k].copy_(v)
-    if ref_model is not None and (path / "ref.safetensors").is_file():
-        load_model(ref_model, str(path / "ref.safetensors"))
-    return torch.load(path / "state.pt", weights_only=False)
+    if ref_model is not None and ref_weights is not None:
+        load_model(ref_model, str(Path(path) / "ref.safetensors"))
+    return state
+
+
+def read_checkpoint(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor] | None,
+                                                dict[str, Any]]:
+    """The trainable weights, the reference weights (or None) and the trainer state, as stored."""
+    path = Path(path)
+    if not (path / "COMPLETE").is_file():
+        raise FileNotFoundError(f"{path} is not a complete checkpoint")
+    ref = load_file(path / "ref.safetensors") if (path / "ref.safetensors").is_file() else None
+    return (load_file(path / "trainable.safetensors"), ref,
+            torch.load(path / "state.pt", weights_only=False))
 
 
 def _fsync_tree(root: Path) -> None:

@@ -189,6 +189,12 @@ class TrainConfig:
     report_to_tensorboard: bool = True
     """Write TensorBoard event files under output_dir/tensorboard."""
 
+    # ---------------------------------------------------------- distributed
+    distributed_strategy: str = "ddp"
+    """Under torchrun: `ddp` keeps a whole model on every rank and averages gradients; `fsdp2`
+    shards parameters, gradients and optimizer state (torch `fully_shard`) for models that do not
+    fit one device. prompts_per_step must be a multiple of the number of processes."""
+
     # ------------------------------------------------------------ methods
     def resolved(self) -> TrainConfig:
         """A copy with the preset's values filled into every algorithm field left at None."""
@@ -267,6 +273,10 @@ class TrainConfig:
         if c.ref_update_steps and c.lora_r:
             raise ConfigError("ref_update_steps with LoRA is not supported: with LoRA the reference "
                               "is the base model with the adapter disabled; set ref_update_steps: 0")
+        _check_choice("distributed_strategy", c.distributed_strategy, ("ddp", "fsdp2"))
+        if c.distributed_strategy == "fsdp2" and c.lora_r:
+            raise ConfigError("distributed_strategy=fsdp2 with LoRA is not supported: LoRA weights are "
+                              "small enough for ddp; set distributed_strategy: ddp or lora_r: 0")
         if c.overlong_shaping and not 0 < c.overlong_cache_len <= c.max_completion_length:
             raise ConfigError(f"overlong_cache_len={c.overlong_cache_len} must be in "
                               f"(0, max_completion_length={c.max_completion_length}]")

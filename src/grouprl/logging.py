@@ -17,22 +17,31 @@ CURVES = (("reward/mean", "reward (train)"), ("eval/accuracy", "eval accuracy (g
 class RunLogger:
     """Appends one JSON line per step to metrics.jsonl (and TensorBoard scalars). On resume from
     step S, lines after S (written by the interrupted run after its last checkpoint) are dropped,
-    so the file reads as if the run had never stopped."""
+    so the file reads as if the run had never stopped.
 
-    def __init__(self, output_dir: str | Path, *, resume_step: int = 0, tensorboard: bool = True):
+    In a distributed run only rank 0 writes: the other ranks pass `enabled=False`, which makes
+    every method a no-op."""
+
+    def __init__(self, output_dir: str | Path, *, resume_step: int = 0, tensorboard: bool = True,
+                 enabled: bool = True):
         self.dir = Path(output_dir)
-        self.dir.mkdir(parents=True, exist_ok=True)
+        self.enabled = enabled
+        self.tb = None
         self.metrics_path = self.dir / "metrics.jsonl"
         self.samples_path = self.dir / "samples.jsonl"
+        if not enabled:
+            return
+        self.dir.mkdir(parents=True, exist_ok=True)
         for path in (self.metrics_path, self.samples_path):
             _truncate_after(path, resume_step)
-        self.tb = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
             self.tb = SummaryWriter(str(self.dir / "tensorboard"), purge_step=resume_step + 1)
 
     def log(self, step: int, metrics: dict[str, Any], *, tensorboard: bool = True) -> None:
+        if not self.enabled:
+            return
         row = {"step": step, **{k: _plain(v) for k, v in metrics.items()}}
         with open(self.metrics_path, "a") as f:
             f.write(json.dumps(row) + "\n")
@@ -42,21 +51,27 @@ class RunLogger:
                     self.tb.add_scalar(k, v, step)
 
     def log_samples(self, step: int, samples: list[dict[str, Any]]) -> None:
+        if not self.enabled:
+            return
         with open(self.samples_path, "a") as f:
             for s in samples:
                 f.write(json.dumps({"step": step, **{k: _plain(v) for k, v in s.items()}}) + "\n")
 
     def write_json(self, name: str, payload: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
         tmp = self.dir / f".{name}.tmp"
         tmp.write_text(json.dumps(payload, indent=2, default=_plain))
         tmp.replace(self.dir / name)
 
     def read_metrics(self) -> list[dict[str, Any]]:
-        if not self.metrics_path.is_file():
+        if not self.enabled or not self.metrics_path.is_file():
             return []
         return [json.loads(line) for line in self.metrics_path.read_text().splitlines() if line]
 
-    def plot_curves(self, path: str | Path | None = None) -> Path:
+    def plot_curves(self, path: str | Path | None = None) -> Path | None:
+        if not self.enabled:
+            return None
         import matplotlib
 
         matplotlib.use("Agg")

@@ -11,7 +11,10 @@ Deliberate choices:
 - each of the num_iterations passes is one optimizer step over the whole batch, split into
   micro-batches whose loss normaliser is the count of the whole batch (`normalizer`), so the
   accumulated gradient equals the full-batch gradient for every aggregation mode;
-- micro-batches are formed from completions sorted by length, so little padding is computed.
+- micro-batches are formed from completions sorted by length, so little padding is computed;
+- under torchrun each rank generates and scores whole groups, then the scored batch is gathered
+  so every rank computes advantages and DAPO decisions on the global batch and runs its share of
+  the micro-batches (grouprl/distributed.py explains why the update does not depend on K).
 """
 
 from __future__ import annotations
@@ -27,7 +30,8 @@ import numpy as np
 import torch
 from datasets import Dataset
 
-from grouprl.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from grouprl import distributed as D
+from grouprl.checkpoint import latest_checkpoint, load_checkpoint, read_checkpoint, save_checkpoint
 from grouprl.config import ConfigError, TrainConfig
 from grouprl.core import compute_advantages, overlong_penalty, policy_loss, zero_std_groups
 from grouprl.data import PromptFormatter, PromptSampler, completion_objects, load_prompts, split_eval
@@ -78,6 +82,11 @@ class Trainer:
                         for k, v in in_memory.items() if v is not None}
         cfg = replace(config, **placeholders).validate(skip_paths=tuple(placeholders))
         self.cfg = cfg = replace(cfg, **{k: getattr(config, k) for k in placeholders})
+        self.dist = D.init_distributed()
+        if cfg.prompts_per_step % self.dist.world_size:
+            raise ConfigError(f"prompts_per_step={cfg.prompts_per_step} does not split over "
+                              f"{self.dist.world_size} processes (each rank generates whole groups): "
+                              f"use a multiple of {self.dist.world_size}")
         _seed_everything(cfg.seed)
         if cfg.num_threads:
             torch.set_num_threads(cfg.num_threads)
@@ -105,7 +114,14 @@ class Trainer:
                                  lora_dropout=cfg.lora_dropout, lora_target_modules=cfg.lora_target_modules,
                                  gradient_checkpointing=cfg.gradient_checkpointing)
         self.model.train()
+        if self.dist.device.type == "cuda":
+            self.model.to(self.dist.device)
         self.ref = Reference(self.model) if cfg.beta > 0 else None
+        # `model` is the plain module (generation, saving); `train_model` runs the update (DDP
+        # wrapper); FSDP2 shards both in place, the reference too
+        self.train_model = D.wrap_model(self.model, self.dist, cfg.distributed_strategy)
+        if D.is_sharded(self.model) and self.ref is not None and self.ref.model is not None:
+            D.shard_model(self.ref.model)
         self.autocast = torch.bfloat16 if cfg.bf16 else None
         self.formatter = PromptFormatter(self.tokenizer, max_prompt_length=cfg.max_prompt_length)
         self.engine = HFEngine(self.model, _eos_ids(self.model, self.tokenizer), self.tokenizer.pad_token_id,
@@ -120,7 +136,7 @@ class Trainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, _schedule(cfg.lr_scheduler_type, cfg.warmup_steps, cfg.max_steps * cfg.num_iterations))
         self.sampler = PromptSampler(len(self.train_ds), cfg.seed)
-        self.generator = torch.Generator().manual_seed(cfg.seed)
+        self.generator = torch.Generator().manual_seed(cfg.seed + self.dist.rank)  # own samples per rank
         self.step = 0
         self.evals: dict[str, Any] = {}
 
@@ -132,10 +148,13 @@ class Trainer:
         elif latest_checkpoint(out) is not None:
             raise ConfigError(f"output_dir={str(out)!r} already holds a run with checkpoints: pass "
                               "--resume to continue it, or choose a new output_dir")
-        out.mkdir(parents=True, exist_ok=True)
-        cfg.save_yaml(out / "config.yaml")
-        self.logger = RunLogger(out, resume_step=self.step, tensorboard=cfg.report_to_tensorboard)
-        progress = Progress(cfg.max_steps, self.step, cfg.progress)
+        main = self.dist.is_main  # only rank 0 writes
+        if main:
+            out.mkdir(parents=True, exist_ok=True)
+            cfg.save_yaml(out / "config.yaml")
+        self.logger = RunLogger(out, resume_step=self.step, tensorboard=cfg.report_to_tensorboard,
+                                enabled=main)
+        progress = Progress(cfg.max_steps, self.step, cfg.progress and main)
         if "eval_before" not in self.evals and self.eval_ds is not None:
             self.evals["eval_before"] = self._log_eval(0, progress)
         while self.step < cfg.max_steps:
@@ -159,9 +178,37 @@ class Trainer:
         return summary
 
     def train_step(self) -> dict[str, Any]:
-        cfg, G = self.cfg, self.cfg.num_generations
+        cfg = self.cfg
         t_step = time.perf_counter()
         batch, sample_metrics, timings = self._sample()
+        advantages, update = self.update_on(batch, timings)
+        timings["time/step"] = time.perf_counter() - t_step
+        lengths = batch.rollout.lengths.float()
+        metrics = {
+            **batch.reward_metrics, **sample_metrics,
+            "reward/mean": batch.rewards.mean().item(), "reward/std": batch.rewards.std().item()
+            if len(batch.rewards) > 1 else 0.0,
+            "advantage/mean": advantages.mean().item(), "advantage/std": advantages.std().item(),
+            "advantage/min": advantages.min().item(), "advantage/max": advantages.max().item(),
+            "completion/length_mean": lengths.mean().item(), "completion/length_min": lengths.min().item(),
+            "completion/length_max": lengths.max().item(),
+            "completion/truncated_frac": batch.rollout.truncated.float().mean().item(),
+            **update, "lr": self.scheduler.get_last_lr()[0], **timings,
+        }
+        if self.step % cfg.logging_steps == 0 and cfg.num_logged_samples:
+            self.logger.log_samples(self.step, [
+                {"prompt": batch.prompts[i], "completion": batch.completions[i],
+                 "reward": batch.rewards[i], "advantage": advantages[i]}
+                for i in range(min(cfg.num_logged_samples, len(batch.completions)))])
+        return metrics
+
+    def update_on(self, batch: StepBatch, timings: dict[str, float] | None = None
+                  ) -> tuple[torch.Tensor, dict[str, float]]:
+        """Advantages, old/ref log-probs and the num_iterations optimizer steps on a scored batch
+        (the global batch: every rank passes the same one). Returns the advantages [N] and the
+        update statistics, reduced over ranks."""
+        cfg, G = self.cfg, self.cfg.num_generations
+        timings = {} if timings is None else timings
         advantages = compute_advantages(cfg.advantage_estimator, batch.rewards, G, scale=cfg.scale_rewards,
                                         eps=cfg.advantage_eps)  # [N]
         loss_mask = batch.rollout.completion_mask.clone()  # [N, T]
@@ -184,25 +231,7 @@ class Trainer:
         timings["time/update"] = time.perf_counter() - t0
         if cfg.ref_update_steps and self.ref is not None and self.step % cfg.ref_update_steps == 0:
             self.ref.reset(self.model)
-        timings["time/step"] = time.perf_counter() - t_step
-        lengths = batch.rollout.lengths.float()
-        metrics = {
-            **batch.reward_metrics, **sample_metrics,
-            "reward/mean": batch.rewards.mean().item(), "reward/std": batch.rewards.std().item()
-            if len(batch.rewards) > 1 else 0.0,
-            "advantage/mean": advantages.mean().item(), "advantage/std": advantages.std().item(),
-            "advantage/min": advantages.min().item(), "advantage/max": advantages.max().item(),
-            "completion/length_mean": lengths.mean().item(), "completion/length_min": lengths.min().item(),
-            "completion/length_max": lengths.max().item(),
-            "completion/truncated_frac": batch.rollout.truncated.float().mean().item(),
-            **update, "lr": self.scheduler.get_last_lr()[0], **timings,
-        }
-        if self.step % cfg.logging_steps == 0 and cfg.num_logged_samples:
-            self.logger.log_samples(self.step, [
-                {"prompt": batch.prompts[i], "completion": batch.completions[i],
-                 "reward": batch.rewards[i], "advantage": advantages[i]}
-                for i in range(min(cfg.num_logged_samples, len(batch.completions)))])
-        return metrics
+        return advantages, update
 
     # ------------------------------------------------------------------ stages
     def _sample(self) -> tuple[StepBatch, dict[str, float], dict[str, float]]:
@@ -215,11 +244,13 @@ class Trainer:
         while True:
             rounds += 1
             t0 = time.perf_counter()
-            prompts = self.formatter.batch(self.train_ds, self.sampler.next(B), cfg.prompt_column)
-            rollout = self.engine.generate(prompts.prompt_ids, G, self.sampling, self.generator)
+            indices = D.shard_prompts(self.dist, self.sampler.next(B))  # this rank's B/K prompts
+            prompts = self.formatter.batch(self.train_ds, indices, cfg.prompt_column)
+            with D.full_weights(self.model):
+                rollout = self.engine.generate(prompts.prompt_ids, G, self.sampling, self.generator)
             timings["time/generate"] += time.perf_counter() - t0
             t0 = time.perf_counter()
-            batch = self._score(rollout, prompts.prompts, prompts.columns, G)
+            batch = self._gather(self._score(rollout, prompts.prompts, prompts.columns, G))  # global
             timings["time/reward"] += time.perf_counter() - t0
             flat = zero_std_groups(batch.rewards, G)  # [B]
             n_groups, n_zero = n_groups + len(flat), n_zero + int(flat.sum())
@@ -255,78 +286,104 @@ class Trainer:
                                                  cfg.overlong_cache_len)
         return StepBatch(rollout, per_prompt, texts, rewards, scores.per_func, scores.metrics)
 
-    def _micro_batches(self, rollout: Rollout) -> list[torch.Tensor]:
+    def _gather(self, local: StepBatch) -> StepBatch:
+        """Every rank's scored completions, in rank order (= prompt order), on every rank."""
+        if not self.dist.enabled:
+            return local
+        parts = D.gather_objects(self.dist, local)
+        batch = StepBatch.cat(parts, self.tokenizer.pad_token_id)
+        batch.reward_metrics = _global_reward_metrics([p.reward_metrics for p in parts], batch.per_func)
+        return batch
+
+    def _micro_batches(self, rollout: Rollout) -> list[tuple[torch.Tensor, float]]:
+        """This rank's micro-batches as (rows, loss weight); weight 0 marks a padding pass."""
         order = torch.argsort(rollout.lengths, stable=True)  # similar lengths share a micro-batch
-        return list(order.split(self.cfg.micro_batch_size))
+        return D.micro_batch_plan(self.dist, list(order.split(self.cfg.micro_batch_size)))
 
     @torch.no_grad()
     def _logprobs(self, model: torch.nn.Module, rollout: Rollout) -> torch.Tensor:
+        """Log-probs [N, T] of this rank's rows (the rows of its micro-batches; others stay 0)."""
         out = torch.zeros(rollout.completion_ids.shape, dtype=torch.float32)  # [N, T]
-        for rows in self._micro_batches(rollout):
-            mb = MicroBatch.from_rollout(rollout, rows)
-            logp, _ = completion_logprobs(model, mb, temperature=self.cfg.temperature,
-                                          autocast_dtype=self.autocast)
-            out[rows, : logp.shape[1]] = logp.float().cpu()
+        with D.full_weights(model):
+            for rows, weight in self._micro_batches(rollout):
+                if weight == 0:
+                    continue
+                mb = MicroBatch.from_rollout(rollout, rows)
+                logp, _ = completion_logprobs(model, mb, temperature=self.cfg.temperature,
+                                              autocast_dtype=self.autocast)
+                out[rows, : logp.shape[1]] = logp.float().cpu()
         return out
 
     def _update(self, rollout: Rollout, advantages: torch.Tensor, loss_mask: torch.Tensor,
                 old_logp: torch.Tensor | None, ref_logp: torch.Tensor | None,
                 with_entropy: bool) -> dict[str, float]:
-        """One optimizer step over the whole batch, accumulated over micro-batches."""
-        cfg = self.cfg
+        """One optimizer step over the whole batch, accumulated over micro-batches (and ranks).
+        The normaliser counts the whole (global) batch; DDP/FSDP2 average gradients over the K
+        ranks, so each rank's loss is scaled by K to make the result their sum."""
+        cfg, K = self.cfg, self.dist.world_size
         normalizer = int(loss_mask.sum()) if cfg.loss_agg == "token-mean" else len(rollout)
         self.optimizer.zero_grad(set_to_none=True)
-        sums: dict[str, float] = {}
-        tokens = 0
-        loss_total = 0.0
-        for rows in self._micro_batches(rollout):
+        sums: dict[str, float] = {"tokens": 0.0, "loss": 0.0}
+        plan = self._micro_batches(rollout)
+        for i, (rows, weight) in enumerate(plan):
             mb = MicroBatch.from_rollout(rollout, rows)
-            logp, entropy = completion_logprobs(self.model, mb, temperature=cfg.temperature,
-                                                autocast_dtype=self.autocast, with_entropy=with_entropy)
-            T = logp.shape[1]
-            mask = loss_mask[rows, :T]  # [n, T']
-            loss, stats = policy_loss(
-                logp, old_logp[rows, :T] if old_logp is not None else logp.detach(), advantages[rows], mask,
-                eps_low=cfg.epsilon, eps_high=cfg.epsilon_high, ratio_level=cfg.importance_sampling_level,
-                agg=cfg.loss_agg, max_tokens=cfg.max_completion_length,
-                ref_logp=ref_logp[rows, :T] if ref_logp is not None else None, beta=cfg.beta,
-                kl_kind=cfg.kl_estimator, dual_clip=cfg.dual_clip, delta=cfg.delta, normalizer=normalizer)
-            loss.backward()
-            loss_total += loss.item()
-            n = int(stats.pop("num_tokens"))
-            tokens += n
+            with D.grad_sync(self.train_model, i == len(plan) - 1):
+                logp, entropy = completion_logprobs(self.train_model, mb, temperature=cfg.temperature,
+                                                    autocast_dtype=self.autocast, with_entropy=with_entropy)
+                T, dev = logp.shape[1], logp.device
+                mask = loss_mask[rows, :T].to(dev)  # [n, T']
+                loss, stats = policy_loss(
+                    logp, old_logp[rows, :T].to(dev) if old_logp is not None else logp.detach(),
+                    advantages[rows].to(dev), mask, eps_low=cfg.epsilon, eps_high=cfg.epsilon_high,
+                    ratio_level=cfg.importance_sampling_level, agg=cfg.loss_agg,
+                    max_tokens=cfg.max_completion_length,
+                    ref_logp=ref_logp[rows, :T].to(dev) if ref_logp is not None else None, beta=cfg.beta,
+                    kl_kind=cfg.kl_estimator, dual_clip=cfg.dual_clip, delta=cfg.delta, normalizer=normalizer)
+                (loss * (weight * K)).backward()
+            sums["loss"] += weight * loss.item()
+            n = weight * int(stats.pop("num_tokens"))
+            sums["tokens"] += n
             for k, v in stats.items():
                 sums[k] = sums.get(k, 0.0) + v * n
             if entropy is not None:
-                sums["entropy"] = sums.get("entropy", 0.0) + float(entropy[mb.completion_mask].sum())
+                sums["entropy"] = sums.get("entropy", 0.0) + weight * float(entropy[mb.completion_mask].sum())
         params = [p for p in self.model.parameters() if p.requires_grad]
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm or math.inf)
+        grad_norm = D.local_value(torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm or math.inf))
         self.optimizer.step()
         self.scheduler.step()
+        sums = D.all_reduce_sums(self.dist, sums)
+        tokens, loss_total = sums.pop("tokens"), sums.pop("loss")
         total_real = int(rollout.completion_mask.sum())
         out = {k: v / max(tokens, 1) for k, v in sums.items() if k != "entropy"}
         if "entropy" in sums:
             out["entropy"] = sums["entropy"] / max(total_real, 1)
-        return {**out, "loss": loss_total, "grad_norm": float(grad_norm)}
+        return {**out, "loss": loss_total, "grad_norm": grad_norm}
 
     # ------------------------------------------------------------------ eval
     @torch.no_grad()
     def evaluate(self, dataset: Dataset | None = None, batch_size: int = 64) -> dict[str, float]:
         """Greedy completions on the eval set: `accuracy` is the mean of the accuracy reward
-        (default: the first reward function), `reward_mean` the mean weighted reward."""
+        (default: the first reward function), `reward_mean` the mean weighted reward. Under
+        torchrun each rank evaluates every K-th prompt and the counts are summed."""
         ds = dataset if dataset is not None else self.eval_ds
         params = replace(self.sampling, greedy=True)
-        parts = []
-        for start in range(0, len(ds), batch_size):
-            prompts = self.formatter.batch(ds, list(range(start, min(start + batch_size, len(ds)))),
-                                           self.cfg.prompt_column)
-            rollout = self.engine.generate(prompts.prompt_ids, 1, params)
-            parts.append(self._score(rollout, prompts.prompts, prompts.columns, 1))
-        batch = StepBatch.cat(parts, self.tokenizer.pad_token_id)
+        mine = list(range(self.dist.rank, len(ds), self.dist.world_size))
         acc_name = self.cfg.accuracy_reward or self.reward_names[0]
-        acc = batch.per_func[acc_name]
-        return {"accuracy": float(acc.nanmean()), "reward_mean": float(batch.rewards.mean()),
-                "length_mean": float(batch.rollout.lengths.float().mean()), "num_samples": len(ds)}
+        sums = {"acc": 0.0, "acc_n": 0.0, "reward": 0.0, "length": 0.0}
+        with D.full_weights(self.model):
+            for start in range(0, len(mine), batch_size):
+                prompts = self.formatter.batch(ds, mine[start:start + batch_size], self.cfg.prompt_column)
+                rollout = self.engine.generate(prompts.prompt_ids, 1, params)
+                part = self._score(rollout, prompts.prompts, prompts.columns, 1)
+                acc = part.per_func[acc_name]  # [n], NaN where the function abstained
+                sums["acc"] += float(acc.nansum())
+                sums["acc_n"] += float((~acc.isnan()).sum())
+                sums["reward"] += float(part.rewards.sum())
+                sums["length"] += float(part.rollout.lengths.sum())
+        sums = D.all_reduce_sums(self.dist, sums)
+        return {"accuracy": sums["acc"] / sums["acc_n"] if sums["acc_n"] else math.nan,
+                "reward_mean": sums["reward"] / len(ds), "length_mean": sums["length"] / len(ds),
+                "num_samples": len(ds)}
 
     def _log_eval(self, step: int, progress: Progress) -> dict[str, float]:
         t0 = time.perf_counter()
@@ -339,31 +396,64 @@ class Trainer:
 
     # ------------------------------------------------------------------ checkpoints
     def save(self) -> Path:
+        """Rank 0 writes the checkpoint (FSDP2: whole state dicts gathered from every rank); every
+        rank's RNG states go in; nobody continues before it is complete."""
+        rng = D.gather_objects(self.dist, {
+            "torch": torch.get_rng_state(), "python": random.getstate(),
+            "numpy": np.random.get_state(), "sampling": self.generator.get_state()})
+        ref_model = self.ref.model if self.ref is not None and self.cfg.ref_update_steps else None
+        model_state = ref_state = None
+        if D.is_sharded(self.model):
+            model_state, optimizer_state = D.full_state(self.model, self.optimizer)
+            ref_state = D.full_state(ref_model)[0] if ref_model is not None else None
+        else:
+            optimizer_state = self.optimizer.state_dict()
         state = {
             "step": self.step, "sampler": self.sampler.state_dict(), "evals": self.evals,
-            "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
-            "rng": {"torch": torch.get_rng_state(), "python": random.getstate(),
-                    "numpy": np.random.get_state(), "sampling": self.generator.get_state()},
+            "optimizer": optimizer_state, "scheduler": self.scheduler.state_dict(), "rng": rng[0],
+            "rng_by_rank": rng, "sharded_optimizer": D.is_sharded(self.model),
         }
-        ref_model = self.ref.model if self.ref is not None and self.cfg.ref_update_steps else None
-        return save_checkpoint(self.cfg.output_dir, self.step, model=self.model, tokenizer=self.tokenizer,
-                               state=state, ref_model=ref_model, keep=self.cfg.save_total_limit)
+        path = Path(self.cfg.output_dir) / "checkpoints" / f"step-{self.step:06d}"
+        if self.dist.is_main:
+            path = save_checkpoint(self.cfg.output_dir, self.step, model=self.model, tokenizer=self.tokenizer,
+                                   state=state, ref_model=ref_model, keep=self.cfg.save_total_limit,
+                                   model_state=model_state, ref_state=ref_state)
+        D.barrier(self.dist)
+        return path
 
     def _resume(self) -> None:
         ckpt = latest_checkpoint(self.cfg.output_dir)
         if ckpt is None:
             raise ConfigError(f"--resume: output_dir={self.cfg.output_dir!r} holds no complete "
                               "checkpoint; start without --resume")
-        state = load_checkpoint(ckpt, self.model, self.ref.model if self.ref is not None else None)
+        ref_model = self.ref.model if self.ref is not None else None
+        sharded = D.is_sharded(self.model)
+        if sharded:  # every rank reads the whole weights and keeps its shard
+            weights, ref_weights, state = read_checkpoint(ckpt)
+            D.load_full_state(self.model, weights, self.optimizer,
+                              state["optimizer"] if state.get("sharded_optimizer") else None)
+            if ref_model is not None and ref_weights is not None:
+                D.load_full_state(ref_model, ref_weights)
+        else:
+            state = load_checkpoint(ckpt, self.model, ref_model)
+        if state.get("sharded_optimizer", False) != sharded:
+            raise ConfigError(f"checkpoint {ckpt} was written with distributed_strategy="
+                              f"{'fsdp2' if not sharded else 'ddp'}: resume with the same strategy")
+        if not sharded:
+            self.optimizer.load_state_dict(state["optimizer"])
         self.step = state["step"]
         self.sampler.load_state_dict(state["sampler"])
-        self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.evals = state["evals"]
-        torch.set_rng_state(state["rng"]["torch"])
-        random.setstate(state["rng"]["python"])
-        np.random.set_state(state["rng"]["numpy"])
-        self.generator.set_state(state["rng"]["sampling"])
+        by_rank = state.get("rng_by_rank", [state["rng"]])
+        rng = by_rank[self.dist.rank] if len(by_rank) == self.dist.world_size else by_rank[0]
+        torch.set_rng_state(rng["torch"])
+        random.setstate(rng["python"])
+        np.random.set_state(rng["numpy"])
+        if len(by_rank) == self.dist.world_size:
+            self.generator.set_state(rng["sampling"])
+        else:  # a different number of processes: fresh, distinct sampling streams
+            self.generator.manual_seed(self.cfg.seed + self.dist.rank + 1_000_003 * self.step)
 
     def _summary(self) -> dict[str, Any]:
         rows = self.logger.read_metrics()
@@ -378,6 +468,17 @@ class Trainer:
 
 
 # ---------------------------------------------------------------------- helpers
+def _global_reward_metrics(parts: list[dict[str, float]], per_func: dict[str, torch.Tensor]) -> dict[str, float]:
+    """Reward metrics of the gathered batch: counts summed over ranks, means and stds recomputed."""
+    out = {k: sum(p.get(k, 0.0) for p in parts) for k in parts[0] if "/num_" in k}
+    for name, v in per_func.items():
+        kept = v[~v.isnan()]
+        if kept.numel():
+            out[f"rewards/{name}/mean"] = kept.mean().item()
+            out[f"rewards/{name}/std"] = kept.std().item() if kept.numel() > 1 else 0.0
+    return out
+
+
 def _resolve_reward(spec: Any) -> Callable:
     if isinstance(spec, dict):
         params = dict(spec)

@@ -1,0 +1,224 @@
+"""Data-parallel (DDP) and sharded (FSDP2) training on torch.distributed, launched by torchrun.
+
+How one step is split over K ranks (K = WORLD_SIZE), and why the update does not depend on K:
+- every rank's PromptSampler is seeded alike, so all draw the same B prompts; rank r generates the
+  G completions of prompts r·B/K .. (r+1)·B/K − 1 (whole groups on one rank) with its own sampling
+  generator (seed + r) and scores them with the reward functions locally;
+- the scored completions (token ids, masks, rewards: small next to a model) are all-gathered, so
+  every rank holds the global batch in the order one process would: group and batch statistics,
+  the zero-std fraction and DAPO's keep/drop decisions are computed on it unchanged;
+- the update splits the global batch into the length-sorted micro-batches one process would form,
+  and rank r runs micro-batches r, r+K, r+2K, ...; each loss is normalised by the global count
+  (`normalizer`) and gradients are summed over ranks (DDP and FSDP2 average them, so each loss is
+  multiplied by K), which makes the summed gradient the single-process gradient;
+- DDP and FSDP2 need every rank to run the same number of forward/backward passes: a rank short of
+  micro-batches repeats one with its loss multiplied by 0 (`micro_batch_plan`).
+
+FSDP2 (`fully_shard` on each decoder layer, then the root) shards parameters, gradients and
+optimizer state. Generation and the no-grad log-prob passes run at different lengths on different
+ranks, so they run inside `full_weights`: every rank gathers the whole model once, in lockstep,
+decodes without any collective, then reshards.
+
+Without torchrun (no WORLD_SIZE in the environment) the context is a single process and every
+helper here is a no-op.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+
+STRATEGIES = ("ddp", "fsdp2")
+
+
+@dataclass(frozen=True)
+class DistContext:
+    """Where this process sits in the job."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    device: torch.device = torch.device("cpu")
+
+    @property
+    def is_main(self) -> bool:
+        """Rank 0 writes logs, samples and checkpoints."""
+        return self.rank == 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.world_size > 1
+
+
+def init_distributed(timeout_s: float = 600.0) -> DistContext:
+    """The process group from torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK): NCCL on CUDA,
+    gloo on CPU. Idempotent; a single-process context when not launched by torchrun. The timeout
+    bounds how long the other ranks wait when one rank fails inside a collective."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+    if world_size == 1 and not dist.is_initialized():
+        return DistContext(device=device)
+    if cuda:
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if cuda else "gloo",
+                                timeout=datetime.timedelta(seconds=timeout_s))
+    return DistContext(dist.get_rank(), dist.get_world_size(), local_rank, device)
+
+
+def destroy_distributed() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def barrier(ctx: DistContext) -> None:
+    if ctx.enabled:
+        dist.barrier()
+
+
+def gather_objects(ctx: DistContext, obj: Any) -> list[Any]:
+    """Every rank's `obj` (picklable; tensors travel on CPU), in rank order, on every rank."""
+    if not ctx.enabled:
+        return [obj]
+    out: list[Any] = [None] * ctx.world_size
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def all_reduce_sums(ctx: DistContext, values: dict[str, float]) -> dict[str, float]:
+    """Sum each named float over ranks (every rank must pass the same keys)."""
+    if not ctx.enabled or not values:
+        return dict(values)
+    keys = sorted(values)
+    t = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64, device=_comm_device(ctx))
+    dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return dict(zip(keys, t.cpu().tolist()))
+
+
+def _comm_device(ctx: DistContext) -> torch.device:
+    return ctx.device if dist.get_backend() == "nccl" else torch.device("cpu")
+
+
+def shard_prompts(ctx: DistContext, indices: list[int]) -> list[int]:
+    """This rank's contiguous slice of the step's B prompt indices (whole groups on one rank)."""
+    per_rank = len(indices) // ctx.world_size
+    return indices[ctx.rank * per_rank:(ctx.rank + 1) * per_rank]
+
+
+def micro_batch_plan(ctx: DistContext, micro_batches: list[torch.Tensor]) -> list[tuple[torch.Tensor, float]]:
+    """This rank's share of the global micro-batches (r, r+K, ...) as (rows, loss weight), padded
+    with weight-0 repeats so that every rank runs ceil(M / K) passes."""
+    mine = [(rows, 1.0) for rows in micro_batches[ctx.rank::ctx.world_size]]
+    passes = -(-len(micro_batches) // ctx.world_size)
+    return mine + [(micro_batches[0], 0.0)] * (passes - len(mine))
+
+
+# ---------------------------------------------------------------------- models
+def wrap_model(model: torch.nn.Module, ctx: DistContext, strategy: str) -> torch.nn.Module:
+    """The module the update runs forward/backward through. DDP wraps `model` (which stays the
+    plain module for generation and saving); FSDP2 shards `model` in place and returns it."""
+    if strategy not in STRATEGIES:
+        raise ValueError(f"distributed_strategy={strategy!r} is unknown: use one of {STRATEGIES}")
+    if not ctx.enabled:
+        return model
+    if strategy == "fsdp2":
+        shard_model(model)
+        return model
+    from torch.nn.parallel import DistributedDataParallel
+
+    return DistributedDataParallel(model, device_ids=[ctx.local_rank] if ctx.device.type == "cuda" else None)
+
+
+def shard_model(model: torch.nn.Module) -> torch.nn.Module:
+    """FSDP2: `fully_shard` every decoder layer (the classes a transformers model lists in
+    `_no_split_modules`), then the root, which holds the embeddings and the head."""
+    from torch.distributed.fsdp import fully_shard
+
+    layer_classes = set(getattr(model, "_no_split_modules", None) or ())
+    for module in list(model.modules()):
+        if module is not model and type(module).__name__ in layer_classes:
+            fully_shard(module)
+    fully_shard(model)
+    return model
+
+
+def is_sharded(model: torch.nn.Module | None) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
+
+
+@contextlib.contextmanager
+def full_weights(*models: torch.nn.Module | None) -> Iterator[None]:
+    """Gather FSDP2-sharded models whole for passes whose length differs across ranks (decoding,
+    no-grad log-probs): one all-gather per module on entry, none inside, reshard on exit."""
+    from torch.distributed.fsdp import FSDPModule
+
+    groups = [m for model in models if is_sharded(model) for m in model.modules() if isinstance(m, FSDPModule)]
+    for m in groups:
+        m.unshard()
+        m.set_reshard_after_forward(False, recurse=False)
+    try:
+        yield
+    finally:
+        for m in groups:
+            m.set_reshard_after_forward(True, recurse=False)
+            m.reshard()
+
+
+@contextlib.contextmanager
+def grad_sync(train_model: torch.nn.Module, enabled: bool) -> Iterator[None]:
+    """Gradient accumulation: reduce gradients across ranks only on the last micro-batch."""
+    if enabled:
+        yield
+    elif hasattr(train_model, "no_sync"):  # DDP
+        with train_model.no_sync():
+            yield
+    elif is_sharded(train_model):
+        train_model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            train_model.set_requires_gradient_sync(True)
+    else:
+        yield
+
+
+def local_value(x: torch.Tensor) -> float:
+    """A scalar that may be a DTensor (e.g. FSDP2's gradient norm) as a float."""
+    return float(x.full_tensor() if hasattr(x, "full_tensor") else x)
+
+
+# ---------------------------------------------------------------------- state
+def full_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None
+               ) -> tuple[dict[str, torch.Tensor], dict[str, Any] | None]:
+    """FSDP2: the whole model (and optimizer) state on rank 0's CPU, keyed by parameter name.
+    A collective: every rank calls it; other ranks get empty dicts."""
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                         get_state_dict)
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    if optimizer is None:
+        return get_model_state_dict(model, options=options), None
+    return get_state_dict(model, optimizer, options=options)
+
+
+def load_full_state(model: torch.nn.Module, model_state: dict[str, torch.Tensor],
+                    optimizer: torch.optim.Optimizer | None = None,
+                    optimizer_state: dict[str, Any] | None = None) -> None:
+    """FSDP2: load whole (unsharded) state dicts, each rank keeping its shard."""
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
+                                                         set_optimizer_state_dict)
+
+    options = StateDictOptions(full_state_dict=True, strict=False)
+    set_model_state_dict(model, model_state, options=options)
+    if optimizer is not None and optimizer_state is not None:
+        set_optimizer_state_dict(model, optimizer, optimizer_state, options=options)

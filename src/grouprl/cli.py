@@ -71,10 +71,16 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _train(cfg: TrainConfig, *, resume: bool) -> int:
+    from grouprl.distributed import destroy_distributed, init_distributed
     from grouprl.trainer import Trainer
 
-    summary = Trainer(cfg).train(resume=resume)
-    print(_summary_text(summary, cfg.output_dir))
+    ctx = init_distributed()  # under torchrun: one process group for the run (docs/distributed.md)
+    try:
+        summary = Trainer(cfg).train(resume=resume)
+    finally:
+        destroy_distributed()
+    if ctx.is_main:
+        print(_summary_text(summary, cfg.output_dir))
     return 0
 
 
@@ -83,8 +89,15 @@ def _eval(cfg: TrainConfig) -> int:
 
     if not cfg.eval_data and not cfg.eval_fraction:
         raise ConfigError("grouprl eval needs an eval set: set eval_data (or eval_fraction)")
-    trainer = Trainer(replace(cfg, train_data=cfg.train_data or cfg.eval_data))
-    print(json.dumps(trainer.evaluate(), indent=2))
+    from grouprl.distributed import destroy_distributed, init_distributed
+
+    ctx = init_distributed()
+    try:
+        result = Trainer(replace(cfg, train_data=cfg.train_data or cfg.eval_data)).evaluate()
+    finally:
+        destroy_distributed()
+    if ctx.is_main:
+        print(json.dumps(result, indent=2))
     return 0
 
 

@@ -99,9 +99,11 @@ class RunLogger:
 
 
 class Progress:
-    """A tqdm bar over training steps showing reward and KL."""
+    """A tqdm bar over training steps showing reward and KL. `silent` (ranks other than 0) also
+    drops the text lines."""
 
-    def __init__(self, total: int, initial: int, enabled: bool):
+    def __init__(self, total: int, initial: int, enabled: bool, *, silent: bool = False):
+        self.silent = silent
         self.bar = tqdm(total=total, initial=initial, desc="grpo", disable=not enabled,
                         dynamic_ncols=True, unit="step")
 
@@ -113,7 +115,8 @@ class Progress:
         self.bar.update(1)
 
     def write(self, text: str) -> None:
-        self.bar.write(text)
+        if not self.silent:
+            self.bar.write(text)
 
     def close(self) -> None:
         self.bar.close()

@@ -154,7 +154,7 @@ class Trainer:
             cfg.save_yaml(out / "config.yaml")
         self.logger = RunLogger(out, resume_step=self.step, tensorboard=cfg.report_to_tensorboard,
                                 enabled=main)
-        progress = Progress(cfg.max_steps, self.step, cfg.progress and main)
+        progress = Progress(cfg.max_steps, self.step, cfg.progress and main, silent=not main)
         if "eval_before" not in self.evals and self.eval_ds is not None:
             self.evals["eval_before"] = self._log_eval(0, progress)
         while self.step < cfg.max_steps:

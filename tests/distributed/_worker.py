@@ -1,0 +1,112 @@
+"""What the 2-process tests run under torchrun (and, for the 1-rank reference, in the test process).
+
+    python -m torch.distributed.run --standalone --nproc-per-node 2 -m tests.distributed._worker \\
+        MODEL_DIR DATA OUT_DIR STRATEGY
+
+Rank 0 writes OUT_DIR/grads-STRATEGY.pt: {(loss_agg, scale_rewards): (grads, loss)} for one update
+on `fixed_batch()`. With STRATEGY=fsdp2 it then trains one step on sampled rollouts, saves a
+checkpoint, resumes it into a fresh trainer and records whether every weight came back.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from grouprl import distributed as D
+from grouprl.config import TrainConfig
+from grouprl.core import LOSS_AGGREGATIONS
+from grouprl.rollout import Rollout
+from grouprl.trainer import StepBatch, Trainer
+
+SCALES = ("group", "batch", "none")
+B, G, P, T = 6, 4, 7, 9  # prompts, group size, prompt and completion width
+
+
+def config(model_dir: str, data: str, output_dir: str, **kw) -> TrainConfig:
+    values = dict(model=model_dir, train_data=data, reward_funcs=["tests.trainer.conftest:digit_fraction"],
+                  num_generations=G, prompts_per_step=B, micro_batch_size=8, max_completion_length=T,
+                  learning_rate=1e-2, max_steps=1, output_dir=output_dir, progress=False, seed=0,
+                  report_to_tensorboard=False, beta=0.04, max_grad_norm=None, num_threads=1)
+    values.update(kw)
+    return TrainConfig(**values)
+
+
+def fixed_batch() -> StepBatch:
+    """N = 24 completions of random tokens with lengths 1..T, left-padded prompts of lengths 2..P,
+    rewards with distinct group spreads and one all-equal group. The same on every process."""
+    g = torch.Generator().manual_seed(1234)
+    N = B * G
+    prompt_len = torch.randint(2, P + 1, (B,), generator=g).repeat_interleave(G)  # [N]
+    lengths = torch.randint(1, T + 1, (N,), generator=g)  # [N]
+    prompt_mask = (torch.arange(P)[None, :] >= P - prompt_len[:, None]).long()  # [N, P]
+    completion_mask = torch.arange(T)[None, :] < lengths[:, None]  # [N, T]
+    prompt_ids = torch.randint(4, 100, (B, P), generator=g).repeat_interleave(G, 0) * prompt_mask  # [N, P]
+    completion_ids = torch.randint(4, 100, (N, T), generator=g) * completion_mask  # [N, T]
+    rollout = Rollout(prompt_ids, prompt_mask, completion_ids, completion_mask, lengths == T)
+    rewards = torch.rand(N, generator=g) * torch.arange(1, B + 1).repeat_interleave(G)  # [N]
+    rewards[G:2 * G] = 0.5  # a group with no signal
+    return StepBatch(rollout, ["p"] * N, ["c"] * N, rewards, {"r": rewards.clone()}, {})
+
+
+def full_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every rank must call this (FSDP2 gathers each DTensor gradient)."""
+    out = {}
+    for name, p in model.named_parameters():
+        g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+        out[name] = g.detach().cpu().clone()
+    return out
+
+
+def update_grads(cfg: TrainConfig) -> dict[tuple[str, str], tuple[dict[str, torch.Tensor], float]]:
+    """For every loss_agg and scale_rewards: the gradient of one update on `fixed_batch()`. Plain
+    SGD with lr 0 leaves the weights alone, so every case starts from the same model."""
+    trainer = Trainer(cfg)
+    trainer.optimizer = torch.optim.SGD([p for p in trainer.model.parameters() if p.requires_grad], lr=0.0)
+    trainer.scheduler = torch.optim.lr_scheduler.LambdaLR(trainer.optimizer, lambda _: 1.0)
+    batch = fixed_batch()
+    results = {}
+    for agg in sorted(LOSS_AGGREGATIONS):
+        for scale in SCALES:
+            trainer.cfg = replace(cfg.resolved(), loss_agg=agg, scale_rewards=scale)
+            _, stats = trainer.update_on(batch)
+            results[(agg, scale)] = (full_grads(trainer.model), stats["loss"])
+    return results
+
+
+def fsdp2_train_save_resume(cfg: TrainConfig) -> dict[str, object]:
+    """One sampled FSDP2 step (generation with gathered weights, AdamW), a checkpoint, and a resume."""
+    cfg = replace(cfg, distributed_strategy="fsdp2", ref_update_steps=1, num_logged_samples=0)
+    trainer = Trainer(cfg)
+    trainer.step = 1
+    metrics = trainer.train_step()
+    path = trainer.save()
+    resumed = Trainer(cfg)
+    resumed._resume()
+    a, b = D.full_state(trainer.model, trainer.optimizer), D.full_state(resumed.model, resumed.optimizer)
+    ra, rb = D.full_state(trainer.ref.model)[0], D.full_state(resumed.ref.model)[0]
+    opt_a, opt_b = a[1].get("state", {}), b[1].get("state", {})
+    same = (all(torch.equal(a[0][k], b[0][k]) for k in a[0]) and all(torch.equal(ra[k], rb[k]) for k in ra)
+            and opt_a.keys() == opt_b.keys()
+            and all(torch.equal(torch.as_tensor(opt_a[k][s]), torch.as_tensor(opt_b[k][s]))
+                    for k in opt_a for s in opt_a[k]))
+    return {"loss": metrics["loss"], "step": resumed.step, "same_after_resume": same, "checkpoint": str(path),
+            "num_state": len(a[1].get("state", {}))}
+
+
+def main(model_dir: str, data: str, out_dir: str, strategy: str) -> None:
+    ctx = D.init_distributed()
+    cfg = config(model_dir, data, f"{out_dir}/run-{strategy}", distributed_strategy=strategy)
+    result: dict[str, object] = {"world_size": ctx.world_size, "grads": update_grads(cfg)}
+    if strategy == "fsdp2":
+        result["train"] = fsdp2_train_save_resume(cfg)
+    if ctx.is_main:
+        torch.save(result, Path(out_dir) / f"grads-{strategy}.pt")
+    D.destroy_distributed()
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:5])

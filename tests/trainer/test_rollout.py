@@ -102,3 +102,74 @@ def test_cat_repads_prompts_left_and_completions_right():
     assert c.prompt_mask.tolist() == [[1, 1], [0, 1]]
     assert c.completion_ids.tolist() == [[1, 2, 3], [4, 0, 0]]
     assert c.lengths.tolist() == [2, 1]
+
+
+# ---------------------------------------------------------------------- the fast decoder
+from grouprl.rollout.fast import FastDecoder  # noqa: E402
+
+
+def _hf_logits(model, ids, mask, autocast=None):
+    """Next-token logits [B, S, V] of the transformers forward pass, no cache."""
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    ctx = torch.autocast("cpu", dtype=autocast) if autocast else torch.autocast("cpu", enabled=False)
+    with torch.no_grad(), ctx:
+        return model(input_ids=ids, attention_mask=mask, position_ids=pos).logits.float()
+
+
+@pytest.mark.parametrize("dtype,atol", [(None, 1e-4), (torch.bfloat16, 0.15)])
+def test_fast_decoder_logits_match_transformers_forward(model_and_tok, dtype, atol):
+    """Prefill + cached steps (with a row compacted out midway) give the logits of a full forward
+    pass over the same left-padded sequences; bf16 is compared with transformers under autocast."""
+    model, tok = model_and_tok
+    prompts = [tok("What is 1+2? ")["input_ids"], tok("Hi")["input_ids"]]
+    P, G, steps = max(map(len, prompts)), 2, 6
+    ids = torch.full((2, P), tok.pad_token_id)
+    mask = torch.zeros((2, P), dtype=torch.long)
+    for b, p in enumerate(prompts):
+        ids[b, P - len(p):], mask[b, P - len(p):] = torch.tensor(p), 1
+    feed = torch.randint(4, 90, (4, steps), generator=torch.Generator().manual_seed(0))  # tokens fed per row
+    with torch.no_grad():
+        dec = FastDecoder(model, dtype=dtype)
+        got = [dec.start(ids, mask, G, steps + 1)]  # [4, V]
+        rows = torch.arange(4)
+        for t in range(steps):
+            if t == 3:  # row 1 (first prompt, second sample) leaves the batch
+                rows = torch.tensor([0, 2, 3])
+                dec.keep(torch.tensor([0, 2, 3]))
+            out = torch.full((4, got[0].shape[-1]), float("nan"))
+            out[rows] = dec.step(feed[rows, t])
+            got.append(out)
+    full_ids = torch.cat([ids.repeat_interleave(G, 0), feed], 1)
+    full_mask = torch.cat([mask.repeat_interleave(G, 0), torch.ones_like(feed)], 1)
+    want = _hf_logits(model, full_ids, full_mask, dtype)[:, P - 1:]  # [4, steps+1, V]
+    for t, g in enumerate(got):
+        live = ~g.isnan().any(-1)
+        assert live.sum() == (4 if t <= 3 else 3)
+        torch.testing.assert_close(g[live], want[live, t], atol=atol, rtol=0)
+
+
+def test_fast_and_generic_paths_sample_the_same_tokens(model_and_tok):
+    """Same generator state, same samples: the fast path changes cost, not the distribution."""
+    model, tok = model_and_tok
+    prompts = [tok("What is 1+2? ")["input_ids"], tok("x")["input_ids"]]
+    p = SamplingParams(max_new_tokens=20, temperature=3.0)
+    fast = HFEngine(model, (tok.eos_token_id,), tok.pad_token_id, fast=True)
+    slow = HFEngine(model, (tok.eos_token_id,), tok.pad_token_id, fast=False)
+    a = fast.generate(prompts, 8, p, torch.Generator().manual_seed(0))
+    b = slow.generate(prompts, 8, p, torch.Generator().manual_seed(0))
+    assert 0 < int(a.truncated.sum()) < 16  # rows finish at different steps, so compaction happens
+    assert torch.equal(a.completion_ids, b.completion_ids)
+    assert torch.equal(a.completion_mask, b.completion_mask) and torch.equal(a.truncated, b.truncated)
+
+
+def test_unsupported_models_fall_back_to_the_generic_path():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=40, n_embd=32, n_layer=1, n_head=2, n_positions=64)).eval()
+    assert not FastDecoder.supports(gpt2)
+    engine = HFEngine(gpt2, (0,), 1)
+    ro = engine.generate([[5, 6, 7], [8]], 2, SamplingParams(max_new_tokens=5, greedy=True))
+    for i, p in enumerate([[5, 6, 7], [5, 6, 7], [8], [8]]):
+        with torch.no_grad():
+            want = naive_greedy(gpt2, p, 5, 0)
+        assert ro.completion_ids[i][ro.completion_mask[i]].tolist() == want

@@ -13,11 +13,12 @@ What this engine does that `model.generate` does not, and why:
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from transformers import DynamicCache
 
+from grouprl.rollout.fast import FastDecoder
 from grouprl.rollout.types import Rollout, SamplingParams
 
 
@@ -48,13 +49,13 @@ class HFEngine:
     eos_token_ids: tuple[int, ...]
     pad_token_id: int
     max_batch_size: int | None = None  # completions decoded together at most
-    autocast_dtype: torch.dtype | None = None
+    autocast_dtype: torch.dtype | None = None  # compute dtype of generation (None: the weights' dtype)
+    fast: bool = True  # use FastDecoder for the models it supports (Llama, Qwen2)
 
     def sync_weights(self, model: torch.nn.Module) -> None:
         """The engine decodes with the training model itself: nothing to copy."""
         self.model = model
 
-    @torch.no_grad()
     def generate(self, prompt_ids: list[list[int]], num_generations: int, params: SamplingParams,
                  generator: torch.Generator | None = None) -> Rollout:
         """G completions for each of B prompts; rows g*G .. g*G+G-1 belong to prompt g."""
@@ -62,6 +63,11 @@ class HFEngine:
         parts = [self._generate(prompt_ids[i:i + per_call], num_generations, params, generator)
                  for i in range(0, len(prompt_ids), per_call)]
         return Rollout.cat(parts, self.pad_token_id)
+
+    def _decoder(self, device: torch.device):
+        if self.fast and FastDecoder.supports(self.model):
+            return FastDecoder(self.model, dtype=self.autocast_dtype)
+        return _HFDecoder(self.model, self.autocast_dtype, device)
 
     def _generate(self, prompt_ids: list[list[int]], G: int, params: SamplingParams,
                   generator: torch.Generator | None) -> Rollout:
@@ -76,19 +82,11 @@ class HFEngine:
             ids[b, P - len(p):] = torch.tensor(p)
             mask[b, P - len(p):] = 1
         ids, mask = ids.to(device), mask.to(device)
-        pos = (mask.cumsum(-1) - 1).clamp(min=0)  # [B, P]
-        ac = (torch.autocast(device.type, dtype=self.autocast_dtype)
-              if self.autocast_dtype is not None else contextlib.nullcontext())
         eos = torch.tensor(self.eos_token_ids, device=device)
-        with ac:
-            cache = DynamicCache()
-            out = model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
-                        use_cache=True, logits_to_keep=1)
-            logits = out.logits[:, -1].repeat_interleave(G, dim=0)  # [N, V]
-            cache.batch_repeat_interleave(G)
+        with torch.no_grad():
+            decoder = self._decoder(device)
+            logits = decoder.start(ids, mask, G, T)  # [N, V]
             N = logits.shape[0]
-            attn = mask.repeat_interleave(G, dim=0)  # [N, P]
-            next_pos = pos[:, -1].repeat_interleave(G) + 1  # [N]
             completion = torch.full((N, T), self.pad_token_id, dtype=torch.long, device=device)
             lengths = torch.full((N,), T, dtype=torch.long, device=device)
             truncated = torch.ones(N, dtype=torch.bool, device=device)
@@ -106,13 +104,10 @@ class HFEngine:
                         keep = (~done).nonzero().squeeze(-1)  # [n']
                         if keep.numel() == 0:
                             break
-                        active, tok, attn, next_pos = active[keep], tok[keep], attn[keep], next_pos[keep]
-                        cache.batch_select_indices(keep)
-                attn = torch.cat([attn, attn.new_ones(attn.shape[0], 1)], dim=1)  # [n, P+t+1]
-                out = model(input_ids=tok[:, None], attention_mask=attn, position_ids=next_pos[:, None],
-                            past_key_values=cache, use_cache=True)
-                logits = out.logits[:, -1]  # [n, V]
-                next_pos = next_pos + 1
+                        active, tok = active[keep], tok[keep]
+                        decoder.keep(keep)  # finished rows leave the batch
+                logits = decoder.step(tok)  # [n, V]
+            del decoder
         if params.ignore_eos:
             truncated[:] = False  # every completion is exactly T tokens by request
         model.train(was_training)
@@ -125,3 +120,39 @@ class HFEngine:
             completion_mask=cmask.cpu(),
             truncated=truncated.cpu(),
         )
+
+
+@dataclass
+class _HFDecoder:
+    """The generic path: any `transformers` causal LM with a DynamicCache (same interface as FastDecoder)."""
+
+    model: torch.nn.Module
+    autocast_dtype: torch.dtype | None
+    device: torch.device
+    cache: DynamicCache = field(default_factory=DynamicCache)
+
+    def _ac(self):
+        return (torch.autocast(self.device.type, dtype=self.autocast_dtype)
+                if self.autocast_dtype is not None else contextlib.nullcontext())
+
+    def start(self, ids: torch.Tensor, mask: torch.Tensor, G: int, max_new_tokens: int) -> torch.Tensor:
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)  # [B, P]
+        with self._ac():
+            out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=self.cache,
+                             use_cache=True, logits_to_keep=1)
+        self.cache.batch_repeat_interleave(G)
+        self.attn = mask.repeat_interleave(G, dim=0)  # [N, P]
+        self.next_pos = pos[:, -1].repeat_interleave(G) + 1  # [N]
+        return out.logits[:, -1].float().repeat_interleave(G, dim=0)  # [N, V]
+
+    def keep(self, rows: torch.Tensor) -> None:
+        self.cache.batch_select_indices(rows)
+        self.attn, self.next_pos = self.attn[rows], self.next_pos[rows]
+
+    def step(self, tok: torch.Tensor) -> torch.Tensor:
+        self.attn = torch.cat([self.attn, self.attn.new_ones(self.attn.shape[0], 1)], dim=1)  # [n, P+t+1]
+        with self._ac():
+            out = self.model(input_ids=tok[:, None], attention_mask=self.attn,
+                             position_ids=self.next_pos[:, None], past_key_values=self.cache, use_cache=True)
+        self.next_pos = self.next_pos + 1
+        return out.logits[:, -1].float()  # [n, V]

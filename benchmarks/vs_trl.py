@@ -1,0 +1,355 @@
+"""grouprl against TRL's GRPOTrainer on identical GRPO work, on this machine's CPU.
+
+    python benchmarks/vs_trl.py                      # every default workload
+    python benchmarks/vs_trl.py --workload tiny-32   # one workload; last line: ratio_steps_per_s=.. ratio_peak_rss=..
+    python benchmarks/vs_trl.py --list
+
+Each side runs in its own subprocess (so peak RSS is per side), the two alternate (grouprl, TRL,
+grouprl, TRL, ... for `--rounds`), and each run waits for an idle CPU first. A run trains
+`--steps` steps (default 12) and the figure per run is the median seconds per step over steps
+3..12; over rounds the figure is the median of the per-run medians.
+
+Identical work on both sides: the same random-init Qwen2 (built locally by
+`grouprl.tasks.tiny`), the same prompts "What is {a}+{b}? Answer: " and the same Python reward
+functions (`grouprl.rewards.math_accuracy` weight 1.0, `grouprl.tasks.arithmetic.format_reward`
+weight 0.1), G = 8, 2 prompts per step, temperature 1, lr 1e-5, mu = 1, the GRPO loss
+(`loss_type="grpo"` = grouprl's `seq-mean-token-mean`), group-std advantage scaling, clip 0.2,
+grad-norm clip 1.0, AdamW. bf16 workloads run TRL with `bf16=True` and grouprl with `bf16: true`.
+"Fixed" workloads make every completion exactly max_completion_length tokens on both sides
+(grouprl: `ignore_eos`; TRL: `min_new_tokens`), so both compute the same number of tokens.
+
+Model-FLOPs utilisation (MFU) counts the useful work of a step -- 2 FLOPs per parameter per
+token of generation (prompt prefilled once per completion-group is what a step needs: we count
+it once per completion, as TRL computes it), 6 per token of the policy update, 2 per token of
+the reference forward when beta > 0, plus attention -- against a matmul peak measured in the
+same run with the same thread count and precision.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+HERE = Path(__file__).resolve().parent
+PROMPT = "What is {a}+{b}? Answer: "
+FORMAT_WEIGHT = 0.1
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    size: str            # a key of grouprl.tasks.tiny.TINY_SIZES
+    max_tokens: int
+    beta: float = 0.04
+    bf16: bool = False
+    fixed: bool = False  # every completion exactly max_tokens long
+
+
+WORKLOADS = {w.name: w for w in [
+    Workload("tiny-32", "tiny", 32),
+    Workload("tiny-32-fixed", "tiny", 32, fixed=True),
+    Workload("tiny-32-b0", "tiny", 32, beta=0.0),
+    Workload("10m-128", "10m", 128),
+    Workload("10m-128-fixed", "10m", 128, fixed=True),
+    Workload("50m-128", "50m", 128),
+    Workload("50m-128-bf16", "50m", 128, bf16=True),
+    Workload("50m-128-fixed", "50m", 128, fixed=True),
+    Workload("50m-128-bf16-fixed", "50m", 128, bf16=True, fixed=True),
+]}
+DEFAULT = ["tiny-32", "10m-128", "50m-128", "50m-128-bf16"]
+
+
+# ---------------------------------------------------------------------------- shared pieces
+def make_rows(n: int = 512, seed: int = 0) -> list[dict]:
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        a, b = rng.randrange(100), rng.randrange(100)
+        rows.append({"prompt": PROMPT.format(a=a, b=b), "answer": str(a + b)})
+    return rows
+
+
+def reward_funcs():
+    from grouprl.rewards import math_accuracy
+    from grouprl.tasks.arithmetic import format_reward
+
+    return [math_accuracy, format_reward]
+
+
+def peak_rss_mib() -> float:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+
+
+def model_flops(model_dir: str, prompt_tokens: float, completion_tokens: list[float], beta: float) -> float:
+    """Useful FLOPs of one step from the token counts a step needs (see the module docstring)."""
+    from transformers import AutoConfig
+
+    c = AutoConfig.from_pretrained(model_dir)
+    d, L, f, V = c.hidden_size, c.num_hidden_layers, c.intermediate_size, c.vocab_size
+    per_token = L * (4 * d * d + 3 * d * f) + d * V  # weights touched per token (q,k,v,o, gate/up/down, lm_head)
+    gen = train = 0.0
+    for n in completion_tokens:
+        ctx_tokens = prompt_tokens + n
+        attn = 2 * L * d * ctx_tokens * ctx_tokens  # sum over positions of 4*d*ctx, causal (half)
+        gen += 2 * per_token * ctx_tokens + attn
+        train += 2 * per_token * ctx_tokens + attn  # one forward over prompt + completion
+    return gen + train * (3 + (1 if beta > 0 else 0))
+
+
+# ---------------------------------------------------------------------------- workers
+def worker_grouprl(w: Workload, model_dir: str, steps: int, threads: int) -> dict:
+    import torch
+    from datasets import Dataset
+
+    from grouprl.config import TrainConfig
+    from grouprl.trainer import Trainer
+
+    torch.set_num_threads(threads)
+    with tempfile.TemporaryDirectory() as out:
+        cfg = TrainConfig(
+            model=model_dir, train_data="<in memory>", reward_funcs=["math_accuracy", "format_reward"],
+            reward_weights=[1.0, FORMAT_WEIGHT], algorithm="grpo", beta=w.beta, num_generations=8,
+            prompts_per_step=2, micro_batch_size=16, max_completion_length=w.max_tokens, temperature=1.0,
+            learning_rate=1e-5, num_iterations=1, bf16=w.bf16, ignore_eos=w.fixed, max_steps=steps,
+            output_dir=out, progress=False, report_to_tensorboard=False, num_logged_samples=0,
+            num_threads=threads, seed=0, reward_timeout_s=None)
+        trainer = Trainer(cfg, train_dataset=Dataset.from_list(make_rows()), reward_funcs=reward_funcs())
+        times, stages, lengths, prompt_len = [], [], [], 0
+        for _ in range(steps):
+            trainer.step += 1
+            m = trainer.train_step()
+            times.append(m["time/step"])
+            stages.append({k.removeprefix("time/"): v for k, v in m.items() if k.startswith("time/") and k != "time/step"})
+            lengths.append(m["completion/length_mean"])
+    return {"times": times, "stages": stages, "lengths": lengths, "peak_rss_mib": peak_rss_mib()}
+
+
+def worker_trl(w: Workload, model_dir: str, steps: int, threads: int) -> dict:
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    torch.set_num_threads(threads)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    clock = {"generate": 0.0, "reward": 0.0}
+
+    def timed(fn, key):
+        def wrapper(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                clock[key] += time.perf_counter() - t0
+        wrapper.__name__ = getattr(fn, "__name__", key)
+        return wrapper
+
+    model.generate = timed(model.generate, "generate")
+    funcs = [timed(f, "reward") for f in reward_funcs()]
+    times, stages, lengths = [], [], []
+
+    class Clock(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kw):
+            self.t0 = time.perf_counter()
+            clock.update(generate=0.0, reward=0.0)
+
+        def on_step_end(self, args, state, control, **kw):
+            dt = time.perf_counter() - self.t0
+            times.append(dt)
+            stages.append({"generate": clock["generate"], "reward": clock["reward"],
+                           "other": dt - clock["generate"] - clock["reward"]})
+
+        def on_log(self, args, state, control, logs=None, **kw):
+            if logs and "completions/mean_length" in logs:
+                lengths.append(logs["completions/mean_length"])
+
+    with tempfile.TemporaryDirectory() as out:
+        args = GRPOConfig(
+            output_dir=out, per_device_train_batch_size=16, num_generations=8, generation_batch_size=16,
+            gradient_accumulation_steps=1, max_completion_length=w.max_tokens, temperature=1.0,
+            learning_rate=1e-5, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
+            max_grad_norm=1.0, beta=w.beta, epsilon=0.2, num_iterations=1, loss_type="grpo",
+            scale_rewards="group", reward_weights=[1.0, FORMAT_WEIGHT], bf16=w.bf16, use_cpu=True,
+            use_vllm=False, max_steps=steps, logging_steps=1, save_strategy="no", report_to="none",
+            disable_tqdm=True, seed=0, dataloader_num_workers=0, log_completions=False,
+            generation_kwargs={"min_new_tokens": w.max_tokens} if w.fixed else None)
+        trainer = GRPOTrainer(model=model, reward_funcs=funcs, args=args,
+                              train_dataset=Dataset.from_list(make_rows()), processing_class=tok,
+                              callbacks=[Clock()])
+        trainer.train()
+    return {"times": times, "stages": stages, "lengths": lengths, "peak_rss_mib": peak_rss_mib()}
+
+
+def matmul_peak(threads: int, budget_s: float = 1.0) -> dict:
+    """Best FLOP/s of a square matmul (n = 512, 1024) in fp32 and bf16 with `threads` threads,
+    about `budget_s` seconds per size (a CPU without bf16 instructions is very slow in bf16)."""
+    import torch
+
+    torch.set_num_threads(threads)
+    out = {}
+    for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        best = 0.0
+        for n in (512, 1024):
+            a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+            t0 = time.perf_counter()
+            a @ b  # warm-up, and a first estimate
+            first = time.perf_counter() - t0
+            if first > budget_s:
+                best = max(best, 2 * n ** 3 / first)
+                break
+            reps = max(1, int(budget_s / 3 / max(first, 1e-6)))
+            for _ in range(3):
+                t0 = time.perf_counter()
+                for _ in range(reps):
+                    a @ b
+                best = max(best, 2 * n ** 3 * reps / (time.perf_counter() - t0))
+        out[name] = best
+    return out
+
+
+# ---------------------------------------------------------------------------- driver
+def wait_idle(max_load: float, timeout_s: float) -> float:
+    t0 = time.time()
+    while True:
+        load = os.getloadavg()[0]
+        if load <= max_load or time.time() - t0 > timeout_s:
+            return load
+        time.sleep(10)
+
+
+def run_side(side: str, w: Workload, model_dir: str, steps: int, threads: int) -> dict:
+    with tempfile.NamedTemporaryFile("r", suffix=".json") as f:
+        cmd = [sys.executable, __file__, "--worker", side, "--workload", w.name, "--model-dir", model_dir,
+               "--steps", str(steps), "--threads", str(threads), "--out", f.name]
+        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL if side == "trl" else None)
+        return json.loads(Path(f.name).read_text())
+
+
+def summarize(runs: list[dict]) -> dict:
+    meds = [statistics.median(r["times"][2:]) for r in runs]
+    stage_keys = sorted({k for r in runs for s in r["stages"] for k in s})
+    stages = {k: statistics.median([statistics.median([s.get(k, 0.0) for s in r["stages"][2:]]) for r in runs])
+              for k in stage_keys}
+    lengths = [x for r in runs for x in r["lengths"][2:]]
+    return {"s_per_step": statistics.median(meds), "runs": meds, "stages": stages,
+            "peak_rss_mib": max(r["peak_rss_mib"] for r in runs),
+            "length_mean": statistics.mean(lengths) if lengths else float("nan")}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--workload", action="append", help="workload name (repeatable); default: "
+                    + ", ".join(DEFAULT))
+    ap.add_argument("--list", action="store_true")
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--rounds", type=int, default=2, help="alternations of grouprl and TRL per workload")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--max-load", type=float, default=0.5, help="wait for a 1-min load average below this")
+    ap.add_argument("--idle-timeout", type=float, default=120.0, help="give up waiting after this many seconds")
+    ap.add_argument("--only", choices=["grouprl", "trl"], help="run one side only (development)")
+    ap.add_argument("--json", help="write all results to this file")
+    ap.add_argument("--worker", choices=["grouprl", "trl"], help=argparse.SUPPRESS)
+    ap.add_argument("--model-dir", help=argparse.SUPPRESS)
+    ap.add_argument("--out", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+
+    if args.worker:
+        w = WORKLOADS[args.workload[0]]
+        fn = worker_grouprl if args.worker == "grouprl" else worker_trl
+        Path(args.out).write_text(json.dumps(fn(w, args.model_dir, args.steps, args.threads)))
+        return
+    if args.list:
+        for w in WORKLOADS.values():
+            print(w.name, asdict(w))
+        return
+    names = args.workload or DEFAULT
+    for n in names:
+        if n not in WORKLOADS:
+            sys.exit(f"--workload {n!r} is unknown: choose from {', '.join(WORKLOADS)}")
+    if args.steps < 4:
+        sys.exit(f"--steps {args.steps}: medians use steps 3.., so run at least 4 steps")
+
+    import torch
+    import transformers
+
+    from grouprl.tasks.tiny import save_tiny_model
+
+    versions = {"torch": torch.__version__, "transformers": transformers.__version__}
+    sides = [args.only] if args.only else ["grouprl", "trl"]
+    if "trl" in sides:
+        try:
+            import trl
+        except ImportError:
+            sys.exit("TRL is not installed: pip install -e '.[bench]' (or --only grouprl)")
+        versions["trl"] = trl.__version__
+    print(f"versions: {versions}, threads={args.threads}, cpus={os.cpu_count()}", flush=True)
+    load = wait_idle(args.max_load, args.idle_timeout)
+    peak = matmul_peak(args.threads)
+    print(f"matmul peak ({args.threads} threads): fp32 {peak['fp32'] / 1e12:.3f} TFLOP/s, "
+          f"bf16 {peak['bf16'] / 1e12:.3f} TFLOP/s (load {load:.2f})", flush=True)
+
+    results = {"versions": versions, "peak": peak, "workloads": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in names:
+            w = WORKLOADS[name]
+            model_dir = str(save_tiny_model(Path(tmp) / w.size, w.size, seed=0)) \
+                if not (Path(tmp) / w.size).exists() else str(Path(tmp) / w.size)
+            runs: dict[str, list[dict]] = {s: [] for s in sides}
+            loads = []
+            for r in range(args.rounds):
+                for side in sides if r % 2 == 0 else sides[::-1]:
+                    loads.append(wait_idle(args.max_load, args.idle_timeout))
+                    runs[side].append(run_side(side, w, model_dir, args.steps, args.threads))
+                    print(f"  {name} round {r + 1} {side}: "
+                          f"{statistics.median(runs[side][-1]['times'][2:]):.3f} s/step "
+                          f"(load {loads[-1]:.2f})", flush=True)
+            res = {s: summarize(v) for s, v in runs.items()}
+            n_prompt = len(PROMPT.format(a=10, b=10))  # a character tokenizer: ~one token per character
+            for s, v in res.items():
+                T = w.max_tokens if w.fixed else v["length_mean"]
+                flops = model_flops(model_dir, n_prompt, [T] * 16, w.beta)
+                v["mfu"] = flops / v["s_per_step"] / peak["bf16" if w.bf16 else "fp32"]
+            res["max_load"] = max(loads)
+            results["workloads"][name] = res
+            print(report(name, res, sides), flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+    if len(sides) == 2 and len(names) == 1:
+        g, t = results["workloads"][names[0]]["grouprl"], results["workloads"][names[0]]["trl"]
+        print(f"ratio_steps_per_s={t['s_per_step'] / g['s_per_step']:.2f} "
+              f"ratio_peak_rss={g['peak_rss_mib'] / t['peak_rss_mib']:.2f}")
+
+
+def report(name: str, res: dict, sides: list[str]) -> str:
+    lines = [f"== {name} (max load during runs {res['max_load']:.2f})"]
+    for s in sides:
+        v = res[s]
+        total = sum(v["stages"].values()) or 1.0
+        share = ", ".join(f"{k} {100 * x / total:.0f}%" for k, x in v["stages"].items())
+        lines.append(f"  {s:8s} {v['s_per_step']:.3f} s/step (runs {', '.join(f'{x:.3f}' for x in v['runs'])}), "
+                     f"peak RSS {v['peak_rss_mib']:.0f} MiB, MFU {100 * v['mfu']:.1f}%, "
+                     f"mean length {v['length_mean']:.1f}; {share}")
+    if len(sides) == 2:
+        g, t = res["grouprl"], res["trl"]
+        lines.append(f"  grouprl/TRL: {t['s_per_step'] / g['s_per_step']:.2f}x steps/s, "
+                     f"{g['peak_rss_mib'] / t['peak_rss_mib']:.2f}x peak RSS")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()

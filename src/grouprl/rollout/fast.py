@@ -1,0 +1,180 @@
+"""A lean decoder for Llama-family causal LMs (Llama, Qwen2) with a preallocated KV cache.
+
+The same math as the `transformers` forward pass of these models, per layer l:
+
+    h   = x + W_o · attn(RoPE(W_q·n1(x)), RoPE(W_k·n1(x)), W_v·n1(x))     n1, n2: RMSNorm
+    x'  = h + W_down · (silu(W_gate·n2(h)) ⊙ W_up·n2(h))
+    logits = W_lm · norm(x_L)
+
+computed without the per-step costs of the generic path: the KV cache is one tensor per layer
+allocated once for prompt + max_new_tokens columns (no `torch.cat` per step), the RoPE table is
+built once per call, W_q/W_k/W_v and W_gate/W_up are fused into one matmul each, no attention
+mask object is rebuilt per step, and rows that have finished are compacted out of the cache so
+they cost nothing afterwards.
+
+`FastDecoder.supports(model)` says whether a model fits (plain Llama/Qwen2 weights, SiLU MLP, no
+sliding window, no adapter); the engine falls back to the generic `transformers` path otherwise.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
+
+
+class FastDecoder:
+    """Prefill and single-token decode steps for one `generate` call, over a static KV cache."""
+
+    @staticmethod
+    def supports(model: torch.nn.Module) -> bool:
+        cfg = getattr(model, "config", None)
+        if cfg is None or getattr(cfg, "model_type", None) not in SUPPORTED_MODEL_TYPES:
+            return False
+        if hasattr(model, "peft_config") or not hasattr(model, "model") or not hasattr(model, "lm_head"):
+            return False
+        if getattr(cfg, "hidden_act", "silu") != "silu" or getattr(cfg, "mlp_bias", False):
+            return False
+        if "sliding_attention" in (getattr(cfg, "layer_types", None) or []):
+            return False
+        if getattr(cfg, "use_sliding_window", False):
+            return False
+        base = model.model
+        return all(hasattr(base, a) for a in ("embed_tokens", "layers", "norm", "rotary_emb"))
+
+    def __init__(self, model: torch.nn.Module, dtype: torch.dtype | None = None):
+        cfg, base = model.config, model.model
+        self.wdtype = model.lm_head.weight.dtype  # the residual stream, norms and RoPE stay in this dtype
+        self.dtype = dtype or self.wdtype  # matmuls, attention and the KV cache run in this one
+        self.H = cfg.num_attention_heads
+        self.Hkv = getattr(cfg, "num_key_value_heads", None) or self.H
+        self.D = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.H
+        self.rotary = base.rotary_emb
+        self.embed = base.embed_tokens.weight
+        self.norm = (base.norm.weight, base.norm.variance_epsilon)
+        self.lm_head = model.lm_head.weight
+        self.layers = []
+        cast = (lambda t: t.to(self.dtype)) if self.dtype != self.embed.dtype else (lambda t: t)
+        for layer in base.layers:
+            a, m = layer.self_attn, layer.mlp
+            biases = [p.bias for p in (a.q_proj, a.k_proj, a.v_proj)]
+            b_qkv = None
+            if any(b is not None for b in biases):
+                b_qkv = cast(torch.cat([b if b is not None else torch.zeros(p.out_features, device=p.weight.device,
+                                                                              dtype=p.weight.dtype)
+                                        for b, p in zip(biases, (a.q_proj, a.k_proj, a.v_proj))]))
+            self.layers.append((
+                layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon,
+                cast(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])), b_qkv,
+                cast(a.o_proj.weight), cast(a.o_proj.bias) if a.o_proj.bias is not None else None,
+                layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon,
+                cast(torch.cat([m.gate_proj.weight, m.up_proj.weight])), cast(m.down_proj.weight),
+            ))
+        self.lm_head = cast(self.lm_head)
+        self.scale = getattr(layer.self_attn, "scaling", self.D ** -0.5)
+
+    # ------------------------------------------------------------------ pieces
+    @staticmethod
+    def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        return w * xf.to(x.dtype)
+
+    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        half = x.shape[-1] // 2
+        rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return x * cos + rot * sin
+
+    def _layers(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, write, attend) -> torch.Tensor:
+        """x [n, S, d]; cos/sin [n, 1, S, D]. `write(l, k, v)` stores the new keys/values,
+        `attend(l, q)` returns the attention output [n, H, S, D]."""
+        n, S, _ = x.shape
+        H, Hkv, D = self.H, self.Hkv, self.D
+        for l, (w_in, eps1, w_qkv, b_qkv, w_o, b_o, w_post, eps2, w_gu, w_down) in enumerate(self.layers):
+            dt = self.dtype  # like autocast: matmul inputs in dt, the residual stream in wdtype
+            qkv = F.linear(self._rms(x, w_in, eps1).to(dt), w_qkv, b_qkv)  # [n, S, (H + 2 Hkv) D]
+            q, k, v = qkv.split([H * D, Hkv * D, Hkv * D], dim=-1)
+            q = self._rope(q.view(n, S, H, D).transpose(1, 2), cos, sin).to(dt)  # [n, H, S, D]
+            k = self._rope(k.view(n, S, Hkv, D).transpose(1, 2), cos, sin).to(dt)  # [n, Hkv, S, D]
+            write(l, k, v.view(n, S, Hkv, D).transpose(1, 2))
+            o = attend(l, q).transpose(1, 2).reshape(n, S, H * D)
+            x = x + F.linear(o, w_o, b_o)
+            gate, up = F.linear(self._rms(x, w_post, eps2).to(dt), w_gu).chunk(2, dim=-1)
+            x = x + F.linear(F.silu(gate) * up, w_down)
+        return x
+
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(self._rms(x, *self.norm).to(self.dtype), self.lm_head)  # [n, V]
+
+    # ------------------------------------------------------------------ the call
+    def start(self, ids: torch.Tensor, mask: torch.Tensor, G: int, max_new_tokens: int) -> torch.Tensor:
+        """Prefill B left-padded prompts ids/mask [B, P] once, repeat each prompt's cache G times,
+        and return the next-token logits [B*G, V] (fp32)."""
+        B, P = ids.shape
+        device = ids.device
+        self.P, self.cap = P, P + max_new_tokens
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)  # [B, P]
+        with torch.autocast(device.type, enabled=False):
+            cos, sin = self.rotary(self.embed[:1], torch.arange(self.cap, device=device)[None])  # [1, cap, D]
+        self.cos, self.sin = cos[0].to(self.wdtype), sin[0].to(self.wdtype)  # [cap, D]
+        N = B * G
+        self.k = [torch.empty(N, self.Hkv, self.cap, self.D, dtype=self.dtype, device=device) for _ in self.layers]
+        self.v = [torch.empty_like(t) for t in self.k]
+        self.valid = torch.zeros(N, self.cap, dtype=torch.bool, device=device)  # key columns a row may attend
+        self.valid[:, :P] = mask.bool().repeat_interleave(G, dim=0)
+        self.next_pos = pos[:, -1].repeat_interleave(G) + 1  # [N]
+        self.n, self.t = N, 0
+
+        # prefill: causal attention among each prompt's real tokens (a padding query sees itself only)
+        allowed = torch.tril(torch.ones(P, P, dtype=torch.bool, device=device))[None] & mask.bool()[:, None, :]
+        allowed |= torch.eye(P, dtype=torch.bool, device=device)[None]
+        allowed = allowed[:, None]  # [B, 1, P, P]
+        cos, sin = self.cos[pos][:, None], self.sin[pos][:, None]  # [B, 1, P, D]
+        kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+        def write(l, k, v):
+            kv[l] = (k, v)
+            self.k[l][:, :, :P] = k.repeat_interleave(G, dim=0)
+            self.v[l][:, :, :P] = v.repeat_interleave(G, dim=0)
+
+        def attend(l, q):
+            k, v = kv.pop(l)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=self.scale,
+                                                  enable_gqa=self.Hkv != self.H)
+
+        x = self._layers(F.embedding(ids, self.embed), cos, sin, write, attend)  # [B, P, d]
+        return self._logits(x[:, -1]).float().repeat_interleave(G, dim=0)  # [N, V]
+
+    def keep(self, rows: torch.Tensor) -> None:
+        """Keep only `rows` (indices into the current batch) in the cache, in that order."""
+        c = self.P + self.t
+        n = rows.numel()
+        for l in range(len(self.layers)):
+            self.k[l][:n, :, :c] = self.k[l][rows, :, :c]
+            self.v[l][:n, :, :c] = self.v[l][rows, :, :c]
+        self.valid[:n] = self.valid[rows].clone()
+        self.next_pos = self.next_pos[rows]
+        self.n = n
+
+    def step(self, tok: torch.Tensor) -> torch.Tensor:
+        """Feed one token per active row, tok [n]; returns the next-token logits [n, V] (fp32)."""
+        n, col = self.n, self.P + self.t
+        self.valid[:n, col] = True
+        pos = self.next_pos
+        cos, sin = self.cos[pos][:, None, None], self.sin[pos][:, None, None]  # [n, 1, 1, D]
+        key_mask = self.valid[:n, None, None, : col + 1]  # [n, 1, 1, col+1]
+
+        def write(l, k, v):
+            self.k[l][:n, :, col: col + 1] = k
+            self.v[l][:n, :, col: col + 1] = v
+
+        def attend(l, q):
+            return F.scaled_dot_product_attention(q, self.k[l][:n, :, : col + 1], self.v[l][:n, :, : col + 1],
+                                                  attn_mask=key_mask, scale=self.scale,
+                                                  enable_gqa=self.Hkv != self.H)
+
+        x = self._layers(F.embedding(tok[:, None], self.embed), cos, sin, write, attend)  # [n, 1, d]
+        self.next_pos = pos + 1
+        self.t += 1
+        return self._logits(x[:, 0]).float()

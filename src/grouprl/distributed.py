@@ -197,7 +197,30 @@ def local_value(x: torch.Tensor) -> float:
     return float(x.full_tensor() if hasattr(x, "full_tensor") else x)
 
 
+def merge_reward_metrics(parts: list[dict[str, float]], per_func: dict[str, torch.Tensor]) -> dict[str, float]:
+    """Reward metrics of the gathered batch from each rank's: counts (`.../num_...`) summed,
+    per-function means and stds recomputed on the gathered scores `per_func` (name -> [N])."""
+    out = {k: sum(p.get(k, 0.0) for p in parts) for k in parts[0] if "/num_" in k}
+    for name, v in per_func.items():
+        kept = v[~v.isnan()]
+        if kept.numel():
+            out[f"rewards/{name}/mean"] = kept.mean().item()
+            out[f"rewards/{name}/std"] = kept.std().item() if kept.numel() > 1 else 0.0
+    return out
+
+
 # ---------------------------------------------------------------------- state
+def checkpoint_states(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                      ref_model: torch.nn.Module | None) -> tuple[dict | None, dict, dict | None]:
+    """(model state, optimizer state, reference state) to write. Unsharded: the model's own tensors
+    are written (None, None) and the optimizer's usual state dict. FSDP2: whole state dicts keyed
+    by parameter name, gathered to rank 0 (a collective: every rank calls it)."""
+    if not is_sharded(model):
+        return None, optimizer.state_dict(), None
+    model_state, optimizer_state = full_state(model, optimizer)
+    return model_state, optimizer_state, full_state(ref_model)[0] if ref_model is not None else None
+
+
 def full_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None
                ) -> tuple[dict[str, torch.Tensor], dict[str, Any] | None]:
     """FSDP2: the whole model (and optimizer) state on rank 0's CPU, keyed by parameter name.

@@ -229,6 +229,7 @@ class Trainer:
             stats = self._update(batch.rollout, advantages, loss_mask, old_logp, ref_logp, with_entropy=it == 0)
             update = stats if it == 0 else {**update, **{k: v for k, v in stats.items() if k != "entropy"}}
         timings["time/update"] = time.perf_counter() - t0
+        self.engine.sync_weights(self.model)  # an external engine copies the new weights here
         if cfg.ref_update_steps and self.ref is not None and self.step % cfg.ref_update_steps == 0:
             self.ref.reset(self.model)
         return advantages, update
@@ -292,7 +293,7 @@ class Trainer:
             return local
         parts = D.gather_objects(self.dist, local)
         batch = StepBatch.cat(parts, self.tokenizer.pad_token_id)
-        batch.reward_metrics = _global_reward_metrics([p.reward_metrics for p in parts], batch.per_func)
+        batch.reward_metrics = D.merge_reward_metrics([p.reward_metrics for p in parts], batch.per_func)
         return batch
 
     def _micro_batches(self, rollout: Rollout) -> list[tuple[torch.Tensor, float]]:
@@ -402,12 +403,7 @@ class Trainer:
             "torch": torch.get_rng_state(), "python": random.getstate(),
             "numpy": np.random.get_state(), "sampling": self.generator.get_state()})
         ref_model = self.ref.model if self.ref is not None and self.cfg.ref_update_steps else None
-        model_state = ref_state = None
-        if D.is_sharded(self.model):
-            model_state, optimizer_state = D.full_state(self.model, self.optimizer)
-            ref_state = D.full_state(ref_model)[0] if ref_model is not None else None
-        else:
-            optimizer_state = self.optimizer.state_dict()
+        model_state, optimizer_state, ref_state = D.checkpoint_states(self.model, self.optimizer, ref_model)
         state = {
             "step": self.step, "sampler": self.sampler.state_dict(), "evals": self.evals,
             "optimizer": optimizer_state, "scheduler": self.scheduler.state_dict(), "rng": rng[0],
@@ -468,17 +464,6 @@ class Trainer:
 
 
 # ---------------------------------------------------------------------- helpers
-def _global_reward_metrics(parts: list[dict[str, float]], per_func: dict[str, torch.Tensor]) -> dict[str, float]:
-    """Reward metrics of the gathered batch: counts summed over ranks, means and stds recomputed."""
-    out = {k: sum(p.get(k, 0.0) for p in parts) for k in parts[0] if "/num_" in k}
-    for name, v in per_func.items():
-        kept = v[~v.isnan()]
-        if kept.numel():
-            out[f"rewards/{name}/mean"] = kept.mean().item()
-            out[f"rewards/{name}/std"] = kept.std().item() if kept.numel() > 1 else 0.0
-    return out
-
-
 def _resolve_reward(spec: Any) -> Callable:
     if isinstance(spec, dict):
         params = dict(spec)

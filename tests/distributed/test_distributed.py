@@ -1,23 +1,16 @@
-"""Data-parallel GRPO on 2 CPU processes (gloo), launched with torchrun as a user would.
+"""Data-parallel GRPO on 2 CPU processes (gloo), launched with torchrun as a user would
+(test_train_cli.py runs `grouprl train` itself).
 
 - the update on 2 ranks equals the update on 1 rank for every loss_agg and scale_rewards, with DDP
   and with FSDP2 (gradients to 1e-6 relative, given the same rollouts);
 - FSDP2 also generates, checkpoints (whole weights, optimizer state) and resumes;
-- `grouprl train` on 2 processes writes metrics and checkpoints from rank 0 only, and resuming
-  it reproduces the uninterrupted run;
 - the pieces that need no second process: the micro-batch plan and the prompts_per_step check.
 """
 
-import json
-import os
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-import yaml
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
@@ -25,20 +18,7 @@ from grouprl import distributed as D
 from grouprl.config import ConfigError
 from grouprl.trainer import Trainer
 from tests.distributed._worker import config, update_grads
-
-REPO = Path(__file__).resolve().parents[2]
-TIMEOUT_S = 300
-
-
-def torchrun(*args: str) -> subprocess.CompletedProcess:
-    """2 processes on this machine; --standalone picks a free rendezvous port."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *args]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    return proc
-
+from tests.distributed.launch import torchrun
 
 def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp(min=1e-30))
@@ -74,44 +54,6 @@ def test_update_on_two_ranks_equals_one_rank(strategy, one_rank_grads, tiny_mode
         for name, w in trained.items():
             assert torch.equal(params[name], w), name
         assert (ckpt / "ref.safetensors").is_file()  # ref_update_steps: the sharded reference is saved whole
-
-
-def test_two_process_train_checkpoints_and_resume_reproduces(tiny_model_dir, digits_data, tmp_path):
-    run = tmp_path / "full"
-    cfg = dict(model=str(tiny_model_dir), train_data=str(digits_data),
-               reward_funcs=["tests.trainer.conftest:digit_fraction"], num_generations=4, prompts_per_step=4,
-               micro_batch_size=4, max_completion_length=10, learning_rate=1e-2, beta=0.04,
-               eval_fraction=0.1, max_steps=3, save_steps=2, save_total_limit=3, num_logged_samples=2,
-               progress=False, report_to_tensorboard=False, num_threads=1)
-    path = tmp_path / "run.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    proc = torchrun("-m", "grouprl", "train", str(path), "--output_dir", str(run))
-    assert proc.stdout.count("done: 3 steps") == 1  # rank 0 alone prints the summary
-
-    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows if "reward/mean" in r] == [1, 2, 3]  # one row per step: rank 0 writes
-    assert sum(1 for r in rows if "eval/accuracy" in r) == 2
-    assert all(r["eval/num_samples"] == 6 for r in rows if "eval/num_samples" in r)  # 10% of 64, over both ranks
-    assert len((run / "samples.jsonl").read_text().splitlines()) == 3 * 2
-    assert [p.name for p in sorted((run / "checkpoints").iterdir())] == ["step-000002", "step-000003"]
-    state = torch.load(run / "checkpoints/step-000003/state.pt", weights_only=False)
-    streams = [r["sampling"] for r in state["rng_by_rank"]]
-    assert len(streams) == 2 and not torch.equal(*streams)  # each rank samples its own completions
-    assert state["sampler"]["pos"] == 3 * 4  # B prompts per step, whatever the number of ranks
-
-    cut = tmp_path / "cut"  # the same run stopped after its step-2 checkpoint
-    shutil.copytree(run, cut)
-    shutil.rmtree(cut / "checkpoints/step-000003")
-    torchrun("-m", "grouprl", "train", str(path), "--output_dir", str(cut), "--resume")
-
-    def strip(p):
-        return [{k: v for k, v in json.loads(x).items() if not k.startswith(("time/", "eval/seconds"))}
-                for x in (p / "metrics.jsonl").read_text().splitlines()]
-
-    assert strip(cut) == strip(run)
-    a = load_file(run / "checkpoints/step-000003/trainable.safetensors")
-    b = load_file(cut / "checkpoints/step-000003/trainable.safetensors")
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 @pytest.mark.parametrize("num_micro_batches", [1, 2, 3, 5, 6])

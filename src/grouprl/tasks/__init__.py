@@ -27,6 +27,22 @@ DEFAULT_TASK: dict[str, Any] = dict(
     eval_data="builtin:arithmetic/eval",
     reward_funcs=["math_accuracy", "grouprl.tasks.arithmetic:format_reward"],
     reward_weights=[1.0, 0.2],
+    # Measured with `scripts/build_default_policy.py --skip-build --check-rl --rl-lr 1e-4`
+    # (on-policy GRPO, group-std advantages, seq-mean-token-mean, no KL): held-out greedy
+    # accuracy 24.5 % -> 49.5 % after 10 steps, 84 % after 20, 98.5 % after 100, in 85 s of
+    # wall time on a shared 2-core machine (one torch thread). lr 2e-4 gets there in 25 steps;
+    # 1e-3 collapses the policy. Answers are at most 3 digits + EOS, hence 6 tokens.
+    num_generations=8,
+    prompts_per_step=16,
+    max_completion_length=6,
+    learning_rate=1e-4,
+    temperature=1.0,
+    max_steps=100,
+    beta=0.0,  # no KL term, so no reference model to load or run
+    micro_batch_size=128,  # the whole step (16 x 8 short completions) in one forward/backward
+    # One thread: a 0.5 M-parameter model gains little from a second one, and when another
+    # process shares the 2 cores, two threads made a warm-up step 10x slower (4.4 s vs 0.44 s).
+    num_threads=1,
 )
 
 

@@ -116,8 +116,8 @@ def _hf_logits(model, ids, mask, autocast=None):
         return model(input_ids=ids, attention_mask=mask, position_ids=pos).logits.float()
 
 
-@pytest.mark.parametrize("dtype,atol", [(None, 1e-4), (torch.bfloat16, 0.15)])
-def test_fast_decoder_logits_match_transformers_forward(model_and_tok, dtype, atol):
+@pytest.mark.parametrize("dtype,atol,fuse", [(None, 1e-4, True), (None, 1e-4, False), (torch.bfloat16, 0.15, None)])
+def test_fast_decoder_logits_match_transformers_forward(model_and_tok, dtype, atol, fuse):
     """Prefill + cached steps (with a row compacted out midway) give the logits of a full forward
     pass over the same left-padded sequences; bf16 is compared with transformers under autocast."""
     model, tok = model_and_tok
@@ -129,7 +129,7 @@ def test_fast_decoder_logits_match_transformers_forward(model_and_tok, dtype, at
         ids[b, P - len(p):], mask[b, P - len(p):] = torch.tensor(p), 1
     feed = torch.randint(4, 90, (4, steps), generator=torch.Generator().manual_seed(0))  # tokens fed per row
     with torch.no_grad():
-        dec = FastDecoder(model, dtype=dtype)
+        dec = FastDecoder(model, dtype=dtype, fuse=fuse)
         got = [dec.start(ids, mask, G, steps + 1)]  # [4, V]
         rows = torch.arange(4)
         for t in range(steps):

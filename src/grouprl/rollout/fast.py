@@ -8,7 +8,7 @@ The same math as the `transformers` forward pass of these models, per layer l:
 
 computed without the per-step costs of the generic path: the KV cache is one tensor per layer
 allocated once for prompt + max_new_tokens columns (no `torch.cat` per step), the RoPE table is
-built once per call, W_q/W_k/W_v and W_gate/W_up are fused into one matmul each, no attention
+built once per call, W_q/W_k/W_v and W_gate/W_up are fused into one matmul each (small models), no attention
 mask object is rebuilt per step, and rows that have finished are compacted out of the cache so
 they cost nothing afterwards.
 
@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
+FUSE_MAX_PARAMS = 20_000_000  # fuse projection weights only for models up to this size (see __init__)
 
 
 class FastDecoder:
@@ -40,10 +41,12 @@ class FastDecoder:
             return False
         if getattr(cfg, "use_sliding_window", False):
             return False
+        if any(type(p) is not torch.nn.Parameter for p in model.parameters()):
+            return False  # e.g. FSDP2-sharded (DTensor) parameters: the generic path handles those
         base = model.model
         return all(hasattr(base, a) for a in ("embed_tokens", "layers", "norm", "rotary_emb"))
 
-    def __init__(self, model: torch.nn.Module, dtype: torch.dtype | None = None):
+    def __init__(self, model: torch.nn.Module, dtype: torch.dtype | None = None, fuse: bool | None = None):
         cfg, base = model.config, model.model
         self.wdtype = model.lm_head.weight.dtype  # the residual stream, norms and RoPE stay in this dtype
         self.dtype = dtype or self.wdtype  # matmuls, attention and the KV cache run in this one
@@ -55,21 +58,27 @@ class FastDecoder:
         self.norm = (base.norm.weight, base.norm.variance_epsilon)
         self.lm_head = model.lm_head.weight
         self.layers = []
+        # fusing W_q/W_k/W_v and W_gate/W_up saves two matmul calls per layer and step, which is what a
+        # small model's decode step costs; for a large model the fused copies would only add memory
+        n_params = sum(p.numel() for p in model.parameters())
+        fuse = fuse if fuse is not None else n_params <= FUSE_MAX_PARAMS
         cast = (lambda t: t.to(self.dtype)) if self.dtype != self.embed.dtype else (lambda t: t)
         for layer in base.layers:
             a, m = layer.self_attn, layer.mlp
-            biases = [p.bias for p in (a.q_proj, a.k_proj, a.v_proj)]
-            b_qkv = None
-            if any(b is not None for b in biases):
-                b_qkv = cast(torch.cat([b if b is not None else torch.zeros(p.out_features, device=p.weight.device,
-                                                                              dtype=p.weight.dtype)
-                                        for b, p in zip(biases, (a.q_proj, a.k_proj, a.v_proj))]))
+            qkv = [(cast(p.weight), cast(p.bias) if p.bias is not None else None)
+                   for p in (a.q_proj, a.k_proj, a.v_proj)]
+            gu = [cast(m.gate_proj.weight), cast(m.up_proj.weight)]
+            if fuse:
+                bias = None
+                if any(b is not None for _, b in qkv):
+                    bias = torch.cat([b if b is not None else w.new_zeros(w.shape[0]) for w, b in qkv])
+                qkv = [(torch.cat([w for w, _ in qkv]), bias)]
+                gu = [torch.cat(gu)]
             self.layers.append((
-                layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon,
-                cast(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])), b_qkv,
+                layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon, qkv,
                 cast(a.o_proj.weight), cast(a.o_proj.bias) if a.o_proj.bias is not None else None,
                 layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon,
-                cast(torch.cat([m.gate_proj.weight, m.up_proj.weight])), cast(m.down_proj.weight),
+                gu, cast(m.down_proj.weight),
             ))
         self.lm_head = cast(self.lm_head)
         self.scale = getattr(layer.self_attn, "scaling", self.D ** -0.5)
@@ -91,16 +100,20 @@ class FastDecoder:
         `attend(l, q)` returns the attention output [n, H, S, D]."""
         n, S, _ = x.shape
         H, Hkv, D = self.H, self.Hkv, self.D
-        for l, (w_in, eps1, w_qkv, b_qkv, w_o, b_o, w_post, eps2, w_gu, w_down) in enumerate(self.layers):
+        for l, (w_in, eps1, qkv_w, w_o, b_o, w_post, eps2, gu_w, w_down) in enumerate(self.layers):
             dt = self.dtype  # like autocast: matmul inputs in dt, the residual stream in wdtype
-            qkv = F.linear(self._rms(x, w_in, eps1).to(dt), w_qkv, b_qkv)  # [n, S, (H + 2 Hkv) D]
-            q, k, v = qkv.split([H * D, Hkv * D, Hkv * D], dim=-1)
+            h = self._rms(x, w_in, eps1).to(dt)
+            if len(qkv_w) == 1:
+                q, k, v = F.linear(h, *qkv_w[0]).split([H * D, Hkv * D, Hkv * D], dim=-1)
+            else:
+                q, k, v = (F.linear(h, w, b) for w, b in qkv_w)  # [n, S, H*D], [n, S, Hkv*D] x 2
             q = self._rope(q.view(n, S, H, D).transpose(1, 2), cos, sin).to(dt)  # [n, H, S, D]
             k = self._rope(k.view(n, S, Hkv, D).transpose(1, 2), cos, sin).to(dt)  # [n, Hkv, S, D]
             write(l, k, v.view(n, S, Hkv, D).transpose(1, 2))
             o = attend(l, q).transpose(1, 2).reshape(n, S, H * D)
             x = x + F.linear(o, w_o, b_o)
-            gate, up = F.linear(self._rms(x, w_post, eps2).to(dt), w_gu).chunk(2, dim=-1)
+            h = self._rms(x, w_post, eps2).to(dt)
+            gate, up = F.linear(h, gu_w[0]).chunk(2, dim=-1) if len(gu_w) == 1 else (F.linear(h, w) for w in gu_w)
             x = x + F.linear(F.silu(gate) * up, w_down)
         return x
 

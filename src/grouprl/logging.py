@@ -84,6 +84,9 @@ class RunLogger:
             if pts:
                 xs, ys = zip(*pts)
                 ax.plot(xs, ys, marker="o" if len(pts) < 30 else None, markersize=3)
+            else:
+                ax.text(0.5, 0.5, "not recorded in this run", ha="center", va="center",
+                        transform=ax.transAxes, color="gray")
             ax.set_title(title)
             ax.set_xlabel("step")
             ax.grid(alpha=0.3)

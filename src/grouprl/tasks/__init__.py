@@ -32,13 +32,15 @@ DEFAULT_TASK: dict[str, Any] = dict(
     # accuracy 24.5 % -> 49.5 % after 10 steps, 84 % after 20, 98.5 % after 100, in 85 s of
     # wall time on a shared 2-core machine (one torch thread). lr 2e-4 gets there in 25 steps;
     # 1e-3 collapses the policy. Answers are at most 3 digits + EOS, hence 6 tokens.
+    # Through the trainer (`grouprl train`, beta 0.04): 24.5 % -> 99.0 % in 28 s of wall time.
     num_generations=8,
     prompts_per_step=16,
     max_completion_length=6,
     learning_rate=1e-4,
     temperature=1.0,
     max_steps=100,
-    beta=0.0,  # no KL term, so no reference model to load or run
+    beta=0.04,  # GRPO's KL penalty: the demo shows the KL curve; measured no slower to learn
+    eval_steps=10,  # an eval of the 200 held-out prompts costs ~0.15 s: draw the accuracy curve
     micro_batch_size=128,  # the whole step (16 x 8 short completions) in one forward/backward
     # One thread: a 0.5 M-parameter model gains little from a second one, and when another
     # process shares the 2 cores, two threads made a warm-up step 10x slower (4.4 s vs 0.44 s).

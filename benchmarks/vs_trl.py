@@ -59,9 +59,9 @@ class Workload:
 
 
 WORKLOADS = {w.name: w for w in [
-    Workload("tiny-32", "tiny", 32),
-    Workload("tiny-32-fixed", "tiny", 32, fixed=True),
-    Workload("tiny-32-b0", "tiny", 32, beta=0.0),
+    Workload("tiny-32", "tiny", 32, micro_batch=16),
+    Workload("tiny-32-fixed", "tiny", 32, fixed=True, micro_batch=16),
+    Workload("tiny-32-b0", "tiny", 32, beta=0.0, micro_batch=16),
     Workload("10m-128", "10m", 128),
     Workload("10m-128-fixed", "10m", 128, fixed=True),
     Workload("50m-128", "50m", 128, micro_batch=2),

@@ -173,3 +173,23 @@ def test_unsupported_models_fall_back_to_the_generic_path():
         with torch.no_grad():
             want = naive_greedy(gpt2, p, 5, 0)
         assert ro.completion_ids[i][ro.completion_mask[i]].tolist() == want
+
+
+def test_small_models_decode_on_one_thread_and_restore_the_setting(model_and_tok, monkeypatch):
+    model, tok = model_and_tok
+    seen = []
+    engine = HFEngine(model, (tok.eos_token_id,), tok.pad_token_id)
+    step = FastDecoder.step
+    monkeypatch.setattr(FastDecoder, "step", lambda self, t: (seen.append(torch.get_num_threads()), step(self, t))[1])
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        engine.generate([tok("ab")["input_ids"]], 2, SamplingParams(max_new_tokens=3, greedy=True))
+        assert seen and set(seen) == {1}  # 0.5 M parameters: below SMALL_MODEL_PARAMS
+        assert torch.get_num_threads() == 2
+        seen.clear()
+        HFEngine(model, (tok.eos_token_id,), tok.pad_token_id, decode_threads=2).generate(
+            [tok("ab")["input_ids"]], 2, SamplingParams(max_new_tokens=3, greedy=True))
+        assert set(seen) == {2}
+    finally:
+        torch.set_num_threads(before)

@@ -51,6 +51,7 @@ class HFEngine:
     max_batch_size: int | None = None  # completions decoded together at most
     autocast_dtype: torch.dtype | None = None  # compute dtype of generation (None: the weights' dtype)
     fast: bool = True  # use FastDecoder for the models it supports (Llama, Qwen2)
+    decode_threads: int | None = None  # torch threads while decoding; None: 1 for small models on CPU
 
     def sync_weights(self, model: torch.nn.Module) -> None:
         """The engine decodes with the training model itself: nothing to copy."""
@@ -63,6 +64,15 @@ class HFEngine:
         parts = [self._generate(prompt_ids[i:i + per_call], num_generations, params, generator)
                  for i in range(0, len(prompt_ids), per_call)]
         return Rollout.cat(parts, self.pad_token_id)
+
+    def _decode_threads(self, device: torch.device) -> int | None:
+        """A decode step of a small model is microseconds of work per matmul, less than what OpenMP
+        costs to fork and join threads (and far less when another process holds a core): such
+        models decode on one thread."""
+        if self.decode_threads is not None or device.type != "cpu":
+            return self.decode_threads
+        n_params = sum(p.numel() for p in self.model.parameters())
+        return 1 if n_params <= SMALL_MODEL_PARAMS else None
 
     def _decoder(self, device: torch.device):
         if self.fast and FastDecoder.supports(self.model):
@@ -83,7 +93,7 @@ class HFEngine:
             mask[b, P - len(p):] = 1
         ids, mask = ids.to(device), mask.to(device)
         eos = torch.tensor(self.eos_token_ids, device=device)
-        with torch.no_grad():
+        with torch.no_grad(), _num_threads(self._decode_threads(device)):
             decoder = self._decoder(device)
             logits = decoder.start(ids, mask, G, T)  # [N, V]
             N = logits.shape[0]
@@ -120,6 +130,22 @@ class HFEngine:
             completion_mask=cmask.cpu(),
             truncated=truncated.cpu(),
         )
+
+
+SMALL_MODEL_PARAMS = 5_000_000  # decode on a single CPU thread up to this many parameters
+
+
+@contextlib.contextmanager
+def _num_threads(n: int | None):
+    if n is None or n == torch.get_num_threads():
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 @dataclass

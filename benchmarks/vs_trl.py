@@ -62,6 +62,7 @@ WORKLOADS = {w.name: w for w in [
     Workload("tiny-32", "tiny", 32, micro_batch=16),
     Workload("tiny-32-fixed", "tiny", 32, fixed=True, micro_batch=16),
     Workload("tiny-32-b0", "tiny", 32, beta=0.0, micro_batch=16),
+    Workload("tiny-32-bf16", "tiny", 32, bf16=True, micro_batch=16),
     Workload("10m-128", "10m", 128),
     Workload("10m-128-fixed", "10m", 128, fixed=True),
     Workload("50m-128", "50m", 128, micro_batch=2),

@@ -245,3 +245,23 @@ def test_mask_truncated_completions_removes_them_from_the_loss(make_cfg):
     assert metrics["completion/truncated_frac"] == 1.0 and metrics["advantage/std"] > 0
     assert metrics["grad_norm"] == 0.0
     assert all(torch.equal(a, b) for a, b in zip(before, trainer.model.parameters()))
+
+
+def test_gpt2_model_whose_tokenizer_has_no_pad_token(make_cfg, tmp_path):
+    """Another architecture (the generic HF decode path) and a tokenizer without a pad token."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from grouprl.tasks.tiny import build_char_tokenizer
+
+    tok = build_char_tokenizer()
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=len(tok), n_embd=64, n_layer=2, n_head=2, n_positions=128,
+                                       eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id))
+    tok.pad_token = None
+    path = tmp_path / "gpt2"
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    trainer = Trainer(make_cfg(model=str(path), max_steps=2, beta=0.04))
+    assert trainer.tokenizer.pad_token_id == trainer.tokenizer.eos_token_id
+    trainer.train()
+    rows = read_metrics(trainer.cfg.output_dir)
+    assert [r["step"] for r in rows] == [1, 2] and all(math.isfinite(r["loss"]) for r in rows)

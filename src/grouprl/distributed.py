@@ -197,18 +197,6 @@ def local_value(x: torch.Tensor) -> float:
     return float(x.full_tensor() if hasattr(x, "full_tensor") else x)
 
 
-def merge_reward_metrics(parts: list[dict[str, float]], per_func: dict[str, torch.Tensor]) -> dict[str, float]:
-    """Reward metrics of the gathered batch from each rank's: counts (`.../num_...`) summed,
-    per-function means and stds recomputed on the gathered scores `per_func` (name -> [N])."""
-    out = {k: sum(p.get(k, 0.0) for p in parts) for k in parts[0] if "/num_" in k}
-    for name, v in per_func.items():
-        kept = v[~v.isnan()]
-        if kept.numel():
-            out[f"rewards/{name}/mean"] = kept.mean().item()
-            out[f"rewards/{name}/std"] = kept.std().item() if kept.numel() > 1 else 0.0
-    return out
-
-
 # ---------------------------------------------------------------------- state
 def checkpoint_states(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                       ref_model: torch.nn.Module | None) -> tuple[dict | None, dict, dict | None]:

@@ -37,7 +37,7 @@ from grouprl.core import compute_advantages, overlong_penalty, policy_loss, zero
 from grouprl.data import PromptFormatter, PromptSampler, completion_objects, load_prompts, split_eval
 from grouprl.logging import Progress, RunLogger
 from grouprl.policy import MicroBatch, Reference, completion_logprobs, load_policy, load_tokenizer
-from grouprl.rewards import RewardScores, resolve_reward_func, score_completions
+from grouprl.rewards import RewardScores, merge_reward_metrics, resolve_reward_func, score_completions
 from grouprl.rollout import HFEngine, Rollout, SamplingParams
 
 
@@ -60,12 +60,13 @@ class StepBatch:
 
     @staticmethod
     def cat(parts: list[StepBatch], pad_token_id: int) -> StepBatch:
+        """Join batches; reward counts add up, per-function means are those of the joined scores."""
+        per_func = {k: torch.cat([p.per_func[k] for p in parts]) for k in parts[0].per_func}
         return StepBatch(Rollout.cat([p.rollout for p in parts], pad_token_id),
                          [x for p in parts for x in p.prompts],
                          [x for p in parts for x in p.completions],
-                         torch.cat([p.rewards for p in parts]),
-                         {k: torch.cat([p.per_func[k] for p in parts]) for k in parts[0].per_func},
-                         parts[0].reward_metrics)
+                         torch.cat([p.rewards for p in parts]), per_func,
+                         merge_reward_metrics([p.reward_metrics for p in parts], per_func))
 
 
 class Trainer:
@@ -294,10 +295,7 @@ class Trainer:
         """Every rank's scored completions, in rank order (= prompt order), on every rank."""
         if not self.dist.enabled:
             return local
-        parts = D.gather_objects(self.dist, local)
-        batch = StepBatch.cat(parts, self.tokenizer.pad_token_id)
-        batch.reward_metrics = D.merge_reward_metrics([p.reward_metrics for p in parts], batch.per_func)
-        return batch
+        return StepBatch.cat(D.gather_objects(self.dist, local), self.tokenizer.pad_token_id)
 
     def _micro_batches(self, rollout: Rollout) -> list[tuple[torch.Tensor, float]]:
         """This rank's micro-batches as (rows, loss weight); weight 0 marks a padding pass."""

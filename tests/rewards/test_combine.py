@@ -128,3 +128,20 @@ def test_math_accuracy_under_a_timeout_runs_off_the_main_thread():
     res = score_completions([math_accuracy], None, ["q"] * 3, ["\\boxed{\\frac{1}{2}}", "0.5", "2"],
                             {"answer": ["0.5", "1/2", "0.5"]}, timeout_s=30)
     assert res.per_func["math_accuracy"].tolist() == [1.0, 1.0, 0.0]
+
+
+def test_merge_reward_metrics_sums_counts_and_recomputes_means():
+    import torch
+
+    from grouprl.rewards import merge_reward_metrics, score_completions
+
+    def half(prompts, completions, **kw):
+        return [None if c == "skip" else float(len(c)) for c in completions]
+
+    a = score_completions([half], None, ["p"] * 2, ["ab", "skip"])
+    b = score_completions([half], None, ["p"] * 3, ["a", "abcd", "skip"])
+    per_func = {"half": torch.cat([a.per_func["half"], b.per_func["half"]])}
+    merged = merge_reward_metrics([a.metrics, b.metrics], per_func)
+    assert merged["rewards/half/num_none"] == 2.0
+    assert merged["rewards/half/mean"] == pytest.approx((2 + 1 + 4) / 3)
+    assert merged["rewards/half/std"] == pytest.approx(torch.tensor([2.0, 1.0, 4.0]).std().item())

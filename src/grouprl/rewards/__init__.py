@@ -5,7 +5,7 @@ See docs/rewards.md for the list of built-ins and their parameters.
 """
 
 from .code import code_tests, extract_code
-from .combine import RewardFunctionError, RewardScores, score_completions
+from .combine import RewardFunctionError, RewardScores, merge_reward_metrics, score_completions
 from .format import regex_match, think_format, think_format_soft
 from .math import extract_answer, math_accuracy, verify_math
 from .model import RewardModelScorer, reward_model
@@ -27,6 +27,7 @@ __all__ = [
     "extract_code",
     "length_target",
     "math_accuracy",
+    "merge_reward_metrics",
     "overlong_penalty",
     "regex_match",
     "repetition_penalty",

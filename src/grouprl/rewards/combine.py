@@ -215,10 +215,7 @@ def score_completions(
         per_func[name] = r
         total += torch.where(present, w * r, torch.zeros_like(r))
         scored |= present
-        kept = r[present]
-        if kept.numel():
-            metrics[f"rewards/{name}/mean"] = kept.mean().item()
-            metrics[f"rewards/{name}/std"] = kept.std().item() if kept.numel() > 1 else 0.0
+        metrics.update(_mean_std(name, r))
         metrics[f"rewards/{name}/num_none"] = float(n - int(present.sum()))
         metrics[f"rewards/{name}/num_fallback"] = float(used)
     all_none = ~scored  # [N]
@@ -228,3 +225,21 @@ def score_completions(
         logger.warning("no reward function scored rows %s (every function returned None); their total is 0",
                        rows[:20])
     return RewardScores(total=total, per_func=per_func, metrics=metrics, all_none=all_none)
+
+
+def _mean_std(name: str, scores: Tensor) -> dict[str, float]:
+    """`rewards/<name>/mean` and `/std` over the rows the function scored (NaN = abstained)."""
+    kept = scores[~torch.isnan(scores)]
+    if not kept.numel():
+        return {}
+    return {f"rewards/{name}/mean": kept.mean().item(),
+            f"rewards/{name}/std": kept.std().item() if kept.numel() > 1 else 0.0}
+
+
+def merge_reward_metrics(parts: list[dict[str, float]], per_func: dict[str, Tensor]) -> dict[str, float]:
+    """Metrics of several scored batches joined into one: the counts (`.../num_...`) are summed, the
+    means and stds recomputed on `per_func` (name -> [N]), the joined scores."""
+    out = {k: sum(p.get(k, 0.0) for p in parts) for k in parts[0] if "/num_" in k}
+    for name, scores in per_func.items():
+        out.update(_mean_std(name, scores))
+    return out

@@ -161,6 +161,11 @@ class TrainConfig:
     are computed."""
     micro_batch_size: int = 16
     """Completions per forward/backward pass; gradients accumulate to the full-batch gradient."""
+    share_prompt_forward: bool = True
+    """In the log-prob passes, run each prompt of a micro-batch once and let its completions
+    attend to its cached keys/values: the same math on fewer tokens. Micro-batches are then formed
+    group by group. Off under gradient checkpointing, which disables the cache, and under FSDP2,
+    which frees the gathered weights after each forward pass."""
 
     # -------------------------------------------------------------- schedule
     max_steps: int = 100

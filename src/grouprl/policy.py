@@ -1,9 +1,10 @@
 """The policy and reference models: loading, LoRA, and the log-prob forward pass.
 
 The forward pass computes logits only for the positions that predict completion tokens
-(`logits_to_keep`), trims each micro-batch to its own longest prompt and completion, and turns
-logits into per-token log-probs with `core.token_logprobs`, which never materialises a full
-log-softmax copy of the logits.
+(`logits_to_keep`), trims each micro-batch to its own longest prompt and completion, runs each
+distinct prompt of a micro-batch once (its G completions share its KV cache, see
+`completion_logprobs`), and turns logits into per-token log-probs with `core.token_logprobs`,
+which never materialises a full log-softmax copy of the logits.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from grouprl.core import token_entropy, token_logprobs
 from grouprl.rollout import Rollout
@@ -87,42 +88,100 @@ class Reference:
 
 @dataclass
 class MicroBatch:
-    """A slice of a rollout, trimmed to its own longest prompt and completion."""
+    """A slice of a rollout, trimmed to its own longest prompt and completion. Each distinct
+    prompt is stored once (u <= n): `prompt_index` says which one a completion continues."""
 
-    input_ids: torch.Tensor       # [n, P' + T']
-    attention_mask: torch.Tensor  # [n, P' + T']
-    completion_ids: torch.Tensor  # [n, T']
+    prompt_ids: torch.Tensor       # [u, P'] left-padded
+    prompt_mask: torch.Tensor      # [u, P']
+    prompt_index: torch.Tensor     # [n] row -> its prompt
+    completion_ids: torch.Tensor   # [n, T']
     completion_mask: torch.Tensor  # [n, T'] bool
-    rows: torch.Tensor            # [n] rows of the rollout
+    rows: torch.Tensor             # [n] rows of the rollout
 
     @staticmethod
-    def from_rollout(rollout: Rollout, rows: torch.Tensor) -> MicroBatch:
+    def from_rollout(rollout: Rollout, rows: torch.Tensor, share_prompts: bool = False) -> MicroBatch:
         pm, cm = rollout.prompt_mask[rows], rollout.completion_mask[rows]  # [n, P], [n, T]
-        first = int((pm.sum(0) > 0).nonzero()[0]) if pm.any() else 0  # drop all-padding columns
+        pids = rollout.prompt_ids[rows]
+        if share_prompts:
+            key = torch.where(pm.bool(), pids, -1)
+            _, index = torch.unique(key, dim=0, return_inverse=True)  # [n], ids sorted by prompt
+            first = torch.full((int(index.max()) + 1,), len(rows), dtype=torch.long)
+            first = first.scatter_reduce(0, index, torch.arange(len(rows)), "amin")  # [u] a row of each
+            pids, pm = pids[first], pm[first]
+        else:
+            index = torch.arange(len(rows))
+        start = int((pm.sum(0) > 0).nonzero()[0]) if pm.any() else 0  # drop all-padding columns
         T = max(1, int(cm.sum(-1).max()))
-        cids = rollout.completion_ids[rows, :T]
-        cm = cm[:, :T]
-        ids = torch.cat([rollout.prompt_ids[rows, first:], cids], dim=1)
-        attn = torch.cat([pm[:, first:], cm.long()], dim=1)
-        return MicroBatch(ids, attn, cids, cm, rows)
+        return MicroBatch(pids[:, start:], pm[:, start:], index, rollout.completion_ids[rows, :T], cm[:, :T], rows)
+
+    @property
+    def input_ids(self) -> torch.Tensor:
+        return torch.cat([self.prompt_ids[self.prompt_index], self.completion_ids], dim=1)  # [n, P'+T']
+
+    @property
+    def attention_mask(self) -> torch.Tensor:
+        return torch.cat([self.prompt_mask[self.prompt_index], self.completion_mask.long()], dim=1)
+
+
+def can_share_prompts(model: torch.nn.Module) -> bool:
+    """The shared-prompt forward feeds the prompts' KV cache into a second forward pass: not
+    possible when gradient checkpointing turns the cache off."""
+    model = getattr(model, "module", model)
+    name = "is_activation_checkpointing" if hasattr(model, "is_activation_checkpointing") else "is_gradient_checkpointing"
+    return not getattr(model, name, False)
 
 
 def completion_logprobs(model: torch.nn.Module, mb: MicroBatch, *, temperature: float,
                         autocast_dtype: torch.dtype | None = None,
                         with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Per-token log-probs [n, T'] of the completion tokens (and their entropy when asked)."""
+    """Per-token log-probs [n, T'] of the completion tokens (and their entropy when asked).
+
+    When the micro-batch holds fewer distinct prompts than completions (u < n), each prompt is
+    run once, with a KV cache, and its completions attend to those keys and values in a second
+    pass: the same logits, and gradients that reach the prompt's activations summed over its
+    completions, for u*(P'-1) + n*T' tokens instead of n*(P'+T'). One-token prompts take the
+    single pass."""
     device = next(model.parameters()).device
-    T = mb.completion_ids.shape[1]
-    attn = mb.attention_mask.to(device)
-    pos = (attn.cumsum(-1) - 1).clamp(min=0)  # [n, P'+T'] positions skip left padding
     ac = (torch.autocast(device.type, dtype=autocast_dtype)
           if autocast_dtype is not None else contextlib.nullcontext())
     with ac:
-        logits = model(input_ids=mb.input_ids.to(device), attention_mask=attn, position_ids=pos,
-                       use_cache=False, logits_to_keep=T + 1).logits[:, :-1]  # [n, T', V]
-    logp = token_logprobs(logits, mb.completion_ids.to(device), temperature=temperature)  # [n, T']
+        if len(mb.prompt_ids) < len(mb.completion_ids) and int(mb.prompt_mask.sum(-1).min()) > 1:
+            logits = _shared_prompt_logits(model, mb, device)
+        else:
+            logits = _joint_logits(model, mb, device)
+    cids = mb.completion_ids.to(device)
+    logp = token_logprobs(logits, cids, temperature=temperature)  # [n, T']
     entropy = None
     if with_entropy:
         with torch.no_grad():
             entropy = token_entropy(logits.detach(), temperature=temperature)  # [n, T']
     return logp, entropy
+
+
+def _joint_logits(model: torch.nn.Module, mb: MicroBatch, device: torch.device) -> torch.Tensor:
+    """One pass over prompt + completion; logits [n, T', V] of the positions predicting completion tokens."""
+    T = mb.completion_ids.shape[1]
+    attn = mb.attention_mask.to(device)  # [n, P'+T']
+    pos = (attn.cumsum(-1) - 1).clamp(min=0)  # positions skip left padding
+    return model(input_ids=mb.input_ids.to(device), attention_mask=attn, position_ids=pos,
+                 use_cache=False, logits_to_keep=T + 1).logits[:, :-1]  # [n, T', V]
+
+
+def _shared_prompt_logits(model: torch.nn.Module, mb: MicroBatch, device: torch.device) -> torch.Tensor:
+    """Prompts but their last token once [u, P'-1], cached; then, over the cache rows repeated by
+    `prompt_index` (an indexing op: the backward sums a prompt's gradient over its completions),
+    each row's last prompt token and completion [n, T'] (its last token predicts nothing we need).
+    Every logit comes from the second pass, so the policy and a frozen reference go through the
+    same kernels (a KL of exactly 0 at step 1)."""
+    T = mb.completion_ids.shape[1]
+    pm, index = mb.prompt_mask.to(device), mb.prompt_index.to(device)  # [u, P'], [n]
+    head = pm[:, :-1]  # left padding: column P'-1 is every prompt's last token
+    cache = DynamicCache(config=getattr(model, "module", model).config)
+    model(input_ids=mb.prompt_ids[:, :-1].to(device), attention_mask=head,
+          position_ids=(head.cumsum(-1) - 1).clamp(min=0), past_key_values=cache, use_cache=True, logits_to_keep=1)
+    cache.batch_select_indices(index)  # [u, ...] -> [n, ...]
+    ids = torch.cat([mb.prompt_ids[:, -1:].to(device)[index], mb.completion_ids[:, : T - 1].to(device)], 1)  # [n, T']
+    attn = torch.cat([pm[index], mb.completion_mask[:, : T - 1].to(device).long()], 1)  # [n, P'+T'-1]
+    pos = (pm.sum(-1) - 1)[index, None] + torch.arange(T, device=device)[None]  # [n, T']
+    return model(input_ids=ids, attention_mask=attn, position_ids=pos, past_key_values=cache,
+                 use_cache=True).logits  # [n, T', V]

@@ -39,6 +39,11 @@ class Rollout:
     def lengths(self) -> torch.Tensor:
         return self.completion_mask.sum(-1)  # [N]
 
+    def prompt_groups(self) -> torch.Tensor:
+        """[N] long: rows with the same prompt (ids and padding) get the same id."""
+        key = torch.where(self.prompt_mask.bool(), self.prompt_ids, -1)  # [N, P]
+        return torch.unique(key, dim=0, return_inverse=True)[1]
+
     def select(self, rows: torch.Tensor | list[int]) -> Rollout:
         rows = torch.as_tensor(rows, dtype=torch.long)
         return Rollout(self.prompt_ids[rows], self.prompt_mask[rows], self.completion_ids[rows],

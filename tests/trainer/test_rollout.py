@@ -116,8 +116,9 @@ def _hf_logits(model, ids, mask, autocast=None):
         return model(input_ids=ids, attention_mask=mask, position_ids=pos).logits.float()
 
 
-@pytest.mark.parametrize("dtype,atol,fuse", [(None, 1e-4, True), (None, 1e-4, False), (torch.bfloat16, 0.15, None)])
-def test_fast_decoder_logits_match_transformers_forward(model_and_tok, dtype, atol, fuse):
+@pytest.mark.parametrize("dtype,atol,fuse,pack", [(None, 1e-4, True, False), (None, 1e-4, False, False),
+                                                   (None, 1e-4, True, True), (torch.bfloat16, 0.15, None, False)])
+def test_fast_decoder_logits_match_transformers_forward(model_and_tok, dtype, atol, fuse, pack):
     """Prefill + cached steps (with a row compacted out midway) give the logits of a full forward
     pass over the same left-padded sequences; bf16 is compared with transformers under autocast."""
     model, tok = model_and_tok
@@ -129,7 +130,8 @@ def test_fast_decoder_logits_match_transformers_forward(model_and_tok, dtype, at
         ids[b, P - len(p):], mask[b, P - len(p):] = torch.tensor(p), 1
     feed = torch.randint(4, 90, (4, steps), generator=torch.Generator().manual_seed(0))  # tokens fed per row
     with torch.no_grad():
-        dec = FastDecoder(model, dtype=dtype, fuse=fuse)
+        dec = FastDecoder(model, dtype=dtype, fuse=fuse, pack=pack)
+        assert (dec.linear is not torch.nn.functional.linear) == pack
         got = [dec.start(ids, mask, G, steps + 1)]  # [4, V]
         rows = torch.arange(4)
         for t in range(steps):
@@ -173,6 +175,17 @@ def test_unsupported_models_fall_back_to_the_generic_path():
         with torch.no_grad():
             want = naive_greedy(gpt2, p, 5, 0)
         assert ro.completion_ids[i][ro.completion_mask[i]].tolist() == want
+
+
+def test_packed_weights_only_for_larger_fp32_models_on_cpu(model_and_tok, monkeypatch):
+    """The default: oneDNN-packed weights from PACK_MIN_PARAMS parameters, fp32 only."""
+    import grouprl.rollout.fast as fast
+
+    model, _ = model_and_tok
+    assert FastDecoder(model).linear is torch.nn.functional.linear  # 0.5 M parameters: plain MKL
+    monkeypatch.setattr(fast, "PACK_MIN_PARAMS", 1000)
+    assert FastDecoder(model).linear is fast._packed_linear
+    assert FastDecoder(model, dtype=torch.bfloat16).linear is torch.nn.functional.linear
 
 
 def test_small_models_decode_on_one_thread_and_restore_the_setting(model_and_tok, monkeypatch):

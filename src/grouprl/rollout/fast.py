@@ -8,7 +8,8 @@ The same math as the `transformers` forward pass of these models, per layer l:
 
 computed without the per-step costs of the generic path: the KV cache is one tensor per layer
 allocated once for prompt + max_new_tokens columns (no `torch.cat` per step), the RoPE table is
-built once per call, W_q/W_k/W_v and W_gate/W_up are fused into one matmul each (small models), no attention
+built once per call, W_q/W_k/W_v and W_gate/W_up are fused into one matmul each (small models),
+larger models on CPU use weights packed once per call for oneDNN's small-batch matmul, no attention
 mask object is rebuilt per step, and rows that have finished are compacted out of the cache so
 they cost nothing afterwards.
 
@@ -23,6 +24,32 @@ import torch.nn.functional as F
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
 FUSE_MAX_PARAMS = 20_000_000  # fuse projection weights only for models up to this size (see __init__)
+PACK_MIN_PARAMS = 5_000_000  # on CPU in fp32, models from this size decode with oneDNN-packed weights
+
+
+def _pack(w: torch.Tensor) -> torch.Tensor:
+    """The weight [out, in] reordered into oneDNN's blocked layout for a batch of ~16 rows."""
+    return torch.ops.mkldnn._reorder_linear_weight(w, 16)
+
+
+def _packed_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
+
+
+def _can_pack(model: torch.nn.Module, dtype: torch.dtype) -> bool:
+    """oneDNN-packed weights: measured 1.4x (50 M) to 1.9x (10 M) faster than MKL's sgemm for the
+    16-row decode matmuls on this project's CPU (weights read from memory once per step, in the
+    blocked order the kernel wants); slower for tiny models, whose matrices sit in cache."""
+    w = model.lm_head.weight
+    if w.device.type != "cpu" or dtype != torch.float32 or w.dtype != torch.float32:
+        return False
+    if not torch.backends.mkldnn.is_available() or sum(p.numel() for p in model.parameters()) < PACK_MIN_PARAMS:
+        return False
+    try:
+        x = torch.randn(3, w.shape[1])
+        return torch.allclose(_packed_linear(x, _pack(w)), F.linear(x, w), rtol=1e-4, atol=1e-5)
+    except (RuntimeError, AttributeError):  # a torch build without these oneDNN ops
+        return False
 
 
 class FastDecoder:
@@ -46,7 +73,8 @@ class FastDecoder:
         base = model.model
         return all(hasattr(base, a) for a in ("embed_tokens", "layers", "norm", "rotary_emb"))
 
-    def __init__(self, model: torch.nn.Module, dtype: torch.dtype | None = None, fuse: bool | None = None):
+    def __init__(self, model: torch.nn.Module, dtype: torch.dtype | None = None, fuse: bool | None = None,
+                 pack: bool | None = None):
         cfg, base = model.config, model.model
         self.wdtype = model.lm_head.weight.dtype  # the residual stream, norms and RoPE stay in this dtype
         self.dtype = dtype or self.wdtype  # matmuls, attention and the KV cache run in this one
@@ -63,6 +91,9 @@ class FastDecoder:
         n_params = sum(p.numel() for p in model.parameters())
         fuse = fuse if fuse is not None else n_params <= FUSE_MAX_PARAMS
         cast = (lambda t: t.to(self.dtype)) if self.dtype != self.embed.dtype else (lambda t: t)
+        pack = pack if pack is not None else _can_pack(model, self.dtype)
+        self.linear = _packed_linear if pack else F.linear
+        mat = _pack if pack else cast  # weight matrices (biases stay plain)
         for layer in base.layers:
             a, m = layer.self_attn, layer.mlp
             qkv = [(cast(p.weight), cast(p.bias) if p.bias is not None else None)
@@ -75,12 +106,13 @@ class FastDecoder:
                 qkv = [(torch.cat([w for w, _ in qkv]), bias)]
                 gu = [torch.cat(gu)]
             self.layers.append((
-                layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon, qkv,
-                cast(a.o_proj.weight), cast(a.o_proj.bias) if a.o_proj.bias is not None else None,
+                layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon,
+                [(mat(w), b) for w, b in qkv],
+                mat(a.o_proj.weight), cast(a.o_proj.bias) if a.o_proj.bias is not None else None,
                 layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon,
-                gu, cast(m.down_proj.weight),
+                [mat(w) for w in gu], mat(m.down_proj.weight),
             ))
-        self.lm_head = cast(self.lm_head)
+        self.lm_head = mat(self.lm_head)
         self.scale = getattr(layer.self_attn, "scaling", self.D ** -0.5)
 
     # ------------------------------------------------------------------ pieces
@@ -104,21 +136,24 @@ class FastDecoder:
             dt = self.dtype  # like autocast: matmul inputs in dt, the residual stream in wdtype
             h = self._rms(x, w_in, eps1).to(dt)
             if len(qkv_w) == 1:
-                q, k, v = F.linear(h, *qkv_w[0]).split([H * D, Hkv * D, Hkv * D], dim=-1)
+                q, k, v = self.linear(h, *qkv_w[0]).split([H * D, Hkv * D, Hkv * D], dim=-1)
             else:
-                q, k, v = (F.linear(h, w, b) for w, b in qkv_w)  # [n, S, H*D], [n, S, Hkv*D] x 2
+                q, k, v = (self.linear(h, w, b) for w, b in qkv_w)  # [n, S, H*D], [n, S, Hkv*D] x 2
             q = self._rope(q.view(n, S, H, D).transpose(1, 2), cos, sin).to(dt)  # [n, H, S, D]
             k = self._rope(k.view(n, S, Hkv, D).transpose(1, 2), cos, sin).to(dt)  # [n, Hkv, S, D]
             write(l, k, v.view(n, S, Hkv, D).transpose(1, 2))
             o = attend(l, q).transpose(1, 2).reshape(n, S, H * D)
-            x = x + F.linear(o, w_o, b_o)
+            x = x + self.linear(o, w_o, b_o)
             h = self._rms(x, w_post, eps2).to(dt)
-            gate, up = F.linear(h, gu_w[0]).chunk(2, dim=-1) if len(gu_w) == 1 else (F.linear(h, w) for w in gu_w)
-            x = x + F.linear(F.silu(gate) * up, w_down)
+            if len(gu_w) == 1:
+                gate, up = self.linear(h, gu_w[0]).chunk(2, dim=-1)
+            else:
+                gate, up = (self.linear(h, w) for w in gu_w)
+            x = x + self.linear(F.silu(gate) * up, w_down)
         return x
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(self._rms(x, *self.norm).to(self.dtype), self.lm_head)  # [n, V]
+        return self.linear(self._rms(x, *self.norm).to(self.dtype), self.lm_head)  # [n, V]
 
     # ------------------------------------------------------------------ the call
     def start(self, ids: torch.Tensor, mask: torch.Tensor, G: int, max_new_tokens: int) -> torch.Tensor:

@@ -36,7 +36,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -238,7 +238,8 @@ def wait_idle(max_load: float, timeout_s: float) -> float:
 def run_side(side: str, w: Workload, model_dir: str, steps: int, threads: int) -> dict:
     with tempfile.NamedTemporaryFile("r", suffix=".json") as f:
         cmd = [sys.executable, __file__, "--worker", side, "--workload", w.name, "--model-dir", model_dir,
-               "--steps", str(steps), "--threads", str(threads), "--out", f.name]
+               "--steps", str(steps), "--threads", str(threads), "--out", f.name,
+               "--micro-batch", str(w.micro_batch)]
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL if side == "trl" else None)
         return json.loads(Path(f.name).read_text())
 
@@ -265,12 +266,15 @@ def main() -> None:
     ap.add_argument("--max-load", type=float, default=0.5, help="wait for a 1-min load average below this")
     ap.add_argument("--idle-timeout", type=float, default=120.0, help="give up waiting after this many seconds")
     ap.add_argument("--only", choices=["grouprl", "trl"], help="run one side only (development)")
+    ap.add_argument("--micro-batch", type=int, help="grouprl's micro_batch_size (default: the workload's)")
     ap.add_argument("--json", help="write all results to this file")
     ap.add_argument("--worker", choices=["grouprl", "trl"], help=argparse.SUPPRESS)
     ap.add_argument("--model-dir", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     args = ap.parse_args()
 
+    if args.micro_batch:
+        WORKLOADS.update({k: replace(w, micro_batch=args.micro_batch) for k, w in WORKLOADS.items()})
     if args.worker:
         w = WORKLOADS[args.workload[0]]
         fn = worker_grouprl if args.worker == "grouprl" else worker_trl

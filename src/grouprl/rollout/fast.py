@@ -86,13 +86,13 @@ class FastDecoder:
         self.norm = (base.norm.weight, base.norm.variance_epsilon)
         self.lm_head = model.lm_head.weight
         self.layers = []
-        # fusing W_q/W_k/W_v and W_gate/W_up saves two matmul calls per layer and step, which is what a
-        # small model's decode step costs; for a large model the fused copies would only add memory
-        n_params = sum(p.numel() for p in model.parameters())
-        fuse = fuse if fuse is not None else n_params <= FUSE_MAX_PARAMS
         cast = (lambda t: t.to(self.dtype)) if self.dtype != self.embed.dtype else (lambda t: t)
         pack = pack if pack is not None else _can_pack(model, self.dtype)
         self.linear = _packed_linear if pack else F.linear
+        # fusing W_q/W_k/W_v and W_gate/W_up saves two matmul calls per layer and step, which is what a
+        # small model's decode step costs; for a large model the fused copies would only add memory,
+        # unless its weights are packed, which copies them anyway
+        fuse = fuse if fuse is not None else (pack or sum(p.numel() for p in model.parameters()) <= FUSE_MAX_PARAMS)
         mat = _pack if pack else cast  # weight matrices (biases stay plain)
         for layer in base.layers:
             a, m = layer.self_attn, layer.mlp

@@ -63,7 +63,7 @@ def main() -> None:
         times: dict[bool, list[tuple[float, float]]] = {True: [], False: []}
         for r in range(args.repeats + 1):
             for share in (True, False) if r % 2 else (False, True):
-                trainer.share_prompts = share
+                trainer.share_min_tokens = 0 if share else None
                 t0 = time.perf_counter()
                 with trainer.ref.context():
                     trainer._logprobs(trainer.ref.forward_model, rollout)

@@ -166,6 +166,11 @@ class TrainConfig:
     attend to its cached keys/values: the same math on fewer tokens. Micro-batches are then formed
     group by group. Off under gradient checkpointing, which disables the cache, and under FSDP2,
     which frees the gathered weights after each forward pass."""
+    share_prompt_min_tokens: int = 64
+    """A micro-batch runs its prompts once only when that saves at least this many tokens
+    (completions x prompt length - distinct prompts x (prompt length - 1)): the extra pass reads
+    every weight once more, which costs about as much as 2 x (matmul FLOP/s) / (memory bytes/s)
+    tokens -- ~40 on the CPU measured in benchmarks/, several hundred on a GPU."""
 
     # -------------------------------------------------------------- schedule
     max_steps: int = 100
@@ -232,7 +237,7 @@ class TrainConfig:
                      "num_iterations", "logging_steps", "max_sampling_rounds"):
             if getattr(c, name) < 1:
                 raise ConfigError(f"{name}={getattr(c, name)} must be at least 1")
-        for name in ("eval_steps", "save_steps", "warmup_steps", "lora_r", "ref_update_steps",
+        for name in ("eval_steps", "save_steps", "warmup_steps", "lora_r", "ref_update_steps", "share_prompt_min_tokens",
                      "top_k", "num_logged_samples"):
             if getattr(c, name) < 0:
                 raise ConfigError(f"{name}={getattr(c, name)} must be 0 or more")

@@ -99,20 +99,23 @@ class MicroBatch:
     rows: torch.Tensor             # [n] rows of the rollout
 
     @staticmethod
-    def from_rollout(rollout: Rollout, rows: torch.Tensor, share_prompts: bool = False) -> MicroBatch:
+    def from_rollout(rollout: Rollout, rows: torch.Tensor, share_min_tokens: int | None = None) -> MicroBatch:
+        """`share_min_tokens`: store each distinct prompt once when that saves the forward pass at
+        least this many tokens (n*P' - u*(P'-1)); None never does."""
         pm, cm = rollout.prompt_mask[rows], rollout.completion_mask[rows]  # [n, P], [n, T]
         pids = rollout.prompt_ids[rows]
-        if share_prompts:
-            key = torch.where(pm.bool(), pids, -1)
-            _, index = torch.unique(key, dim=0, return_inverse=True)  # [n], ids sorted by prompt
-            first = torch.full((int(index.max()) + 1,), len(rows), dtype=torch.long)
-            first = first.scatter_reduce(0, index, torch.arange(len(rows)), "amin")  # [u] a row of each
-            pids, pm = pids[first], pm[first]
-        else:
-            index = torch.arange(len(rows))
         start = int((pm.sum(0) > 0).nonzero()[0]) if pm.any() else 0  # drop all-padding columns
+        pids, pm = pids[:, start:], pm[:, start:]  # [n, P']
         T = max(1, int(cm.sum(-1).max()))
-        return MicroBatch(pids[:, start:], pm[:, start:], index, rollout.completion_ids[rows, :T], cm[:, :T], rows)
+        n, index = len(rows), torch.arange(len(rows))
+        if share_min_tokens is not None:
+            key = torch.where(pm.bool(), pids, -1)
+            _, inverse = torch.unique(key, dim=0, return_inverse=True)  # [n], ids sorted by prompt
+            u, width = int(inverse.max()) + 1, pids.shape[1]
+            if n * width - u * (width - 1) >= max(share_min_tokens, 1):
+                first = torch.full((u,), n, dtype=torch.long).scatter_reduce(0, inverse, index, "amin")  # [u]
+                pids, pm, index = pids[first], pm[first], inverse
+        return MicroBatch(pids, pm, index, rollout.completion_ids[rows, :T], cm[:, :T], rows)
 
     @property
     def input_ids(self) -> torch.Tensor:

@@ -126,8 +126,8 @@ class Trainer:
             D.shard_model(self.ref.model)
         self.autocast = torch.bfloat16 if cfg.bf16 else None
         # FSDP2 frees the gathered weights after each forward: the prompt pass's graph would lose them
-        self.share_prompts = (cfg.share_prompt_forward and can_share_prompts(self.model)
-                              and not D.is_sharded(self.model))
+        shared = cfg.share_prompt_forward and can_share_prompts(self.model) and not D.is_sharded(self.model)
+        self.share_min_tokens = cfg.share_prompt_min_tokens if shared else None
         self.formatter = PromptFormatter(self.tokenizer, max_prompt_length=cfg.max_prompt_length)
         self.engine = HFEngine(self.model, _eos_ids(self.model, self.tokenizer), self.tokenizer.pad_token_id,
                                max_batch_size=cfg.generation_batch_size, autocast_dtype=self.autocast)
@@ -304,7 +304,7 @@ class Trainer:
     def _micro_batches(self, rollout: Rollout) -> list[tuple[torch.Tensor, float]]:
         """This rank's micro-batches as (rows, loss weight); weight 0 marks a padding pass."""
         order = torch.argsort(rollout.lengths, stable=True)  # similar lengths share a micro-batch
-        if self.share_prompts:  # ... and a group's completions stay together, so its prompt runs once
+        if self.share_min_tokens is not None:  # ... and a group's completions stay together: its prompt runs once
             group = rollout.prompt_groups()[order]
             order = order[torch.argsort(group, stable=True)]
         return D.micro_batch_plan(self.dist, list(order.split(self.cfg.micro_batch_size)))
@@ -317,7 +317,7 @@ class Trainer:
             for rows, weight in self._micro_batches(rollout):
                 if weight == 0:
                     continue
-                mb = MicroBatch.from_rollout(rollout, rows, self.share_prompts)
+                mb = MicroBatch.from_rollout(rollout, rows, self.share_min_tokens)
                 logp, _ = completion_logprobs(model, mb, temperature=self.cfg.temperature,
                                               autocast_dtype=self.autocast)
                 out[rows, : logp.shape[1]] = logp.float().cpu()
@@ -335,7 +335,7 @@ class Trainer:
         sums: dict[str, float] = {"tokens": 0.0, "loss": 0.0}
         plan = self._micro_batches(rollout)
         for i, (rows, weight) in enumerate(plan):
-            mb = MicroBatch.from_rollout(rollout, rows, self.share_prompts)
+            mb = MicroBatch.from_rollout(rollout, rows, self.share_min_tokens)
             with D.grad_sync(self.train_model, i == len(plan) - 1):
                 logp, entropy = completion_logprobs(self.train_model, mb, temperature=cfg.temperature,
                                                     autocast_dtype=self.autocast, with_entropy=with_entropy)

@@ -31,7 +31,7 @@ def ragged_rollout(prompt_lens: list[int], G: int, seed: int = 0) -> Rollout:
 
 def logprobs_and_grads(model, rollout, share: bool, autocast=None):
     model.zero_grad(set_to_none=True)
-    mb = MicroBatch.from_rollout(rollout, torch.arange(len(rollout)), share)
+    mb = MicroBatch.from_rollout(rollout, torch.arange(len(rollout)), 0 if share else None)
     logp, _ = completion_logprobs(model, mb, temperature=0.7, autocast_dtype=autocast)  # [n, T']
     assert logp.shape == mb.completion_ids.shape
     loss = (logp * mb.completion_mask).sum() / mb.completion_mask.sum()
@@ -51,12 +51,15 @@ def model(tiny_model_dir):
 
 def test_micro_batch_stores_each_prompt_once_and_maps_rows_back():
     r = ragged_rollout([3, 9, 5], G=4)
-    mb = MicroBatch.from_rollout(r, torch.arange(12), share_prompts=True)
+    mb = MicroBatch.from_rollout(r, torch.arange(12), share_min_tokens=0)
     assert mb.prompt_ids.shape == (3, 9) and mb.prompt_index.shape == (12,)
     assert torch.equal(mb.input_ids[:, :P], r.prompt_ids) and torch.equal(mb.attention_mask[:, :P], r.prompt_mask)
     unshared = MicroBatch.from_rollout(r, torch.arange(12))
     assert unshared.prompt_ids.shape == (12, 9) and torch.equal(unshared.input_ids, mb.input_ids)
     assert r.prompt_groups().unique().numel() == 3
+    # 12 rows of width 9 -> 3 prompts of 8 + the last token per row: saves 12*9 - 3*8 = 84 tokens
+    assert MicroBatch.from_rollout(r, torch.arange(12), share_min_tokens=84).prompt_ids.shape[0] == 3
+    assert MicroBatch.from_rollout(r, torch.arange(12), share_min_tokens=85).prompt_ids.shape[0] == 12
 
 
 def test_shared_forward_matches_single_pass_values_and_gradients(model):
@@ -75,7 +78,7 @@ def test_frozen_reference_gives_bitwise_the_same_logprobs(model):
     """KL = 0 exactly at step 1 needs the reference (no grad) and the policy on identical kernels."""
     ref = copy.deepcopy(model).eval().requires_grad_(False)
     r = ragged_rollout([4, 6], G=3, seed=1)
-    mb = MicroBatch.from_rollout(r, torch.arange(len(r)), share_prompts=True)
+    mb = MicroBatch.from_rollout(r, torch.arange(len(r)), share_min_tokens=0)
     policy_logp, _ = completion_logprobs(model, mb, temperature=1.0)
     with torch.no_grad():
         ref_logp, _ = completion_logprobs(ref, mb, temperature=1.0)
@@ -101,7 +104,7 @@ def test_lora_shared_forward_matches_with_and_without_adapter(tiny_model_dir):
     assert torch.allclose(shared, joint, atol=1e-5, rtol=0)
     assert all(rel(g_shared[n], g) < 1e-5 for n, g in g_joint.items()) and g_joint.keys() == g_shared.keys()
     with torch.no_grad(), lora.disable_adapter():
-        mbs = [MicroBatch.from_rollout(r, torch.arange(len(r)), s) for s in (False, True)]
+        mbs = [MicroBatch.from_rollout(r, torch.arange(len(r)), s) for s in (None, 0)]
         base = [completion_logprobs(lora, mb, temperature=0.7)[0].masked_fill(~mb.completion_mask, 0.0)
                 for mb in mbs]
     assert torch.allclose(base[0], base[1], atol=1e-5, rtol=0)
@@ -133,7 +136,7 @@ def test_trainer_micro_batches_keep_groups_together(make_cfg):
     for rows, weight in plan:
         assert weight == 1.0 and groups[rows].unique().numel() == 1
         assert torch.equal(r.lengths[rows], r.lengths[rows].sort().values)  # length-sorted inside
-    trainer.share_prompts = False
+    trainer.share_min_tokens = None
     assert any(groups[rows].unique().numel() > 1 for rows, _ in trainer._micro_batches(r))
 
 

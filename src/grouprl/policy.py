@@ -112,7 +112,7 @@ class MicroBatch:
             key = torch.where(pm.bool(), pids, -1)
             _, inverse = torch.unique(key, dim=0, return_inverse=True)  # [n], ids sorted by prompt
             u, width = int(inverse.max()) + 1, pids.shape[1]
-            if n * width - u * (width - 1) >= max(share_min_tokens, 1):
+            if u < n and n * width - u * (width - 1) >= share_min_tokens:
                 first = torch.full((u,), n, dtype=torch.long).scatter_reduce(0, inverse, index, "amin")  # [u]
                 pids, pm, index = pids[first], pm[first], inverse
         return MicroBatch(pids, pm, index, rollout.completion_ids[rows, :T], cm[:, :T], rows)

@@ -74,6 +74,21 @@ def test_shared_forward_matches_single_pass_values_and_gradients(model):
         assert rel(g_shared[name], g) < 1e-5, (name, rel(g_shared[name], g))
 
 
+def test_other_architectures_share_too():
+    """Not only Llama/Qwen2: GPT-2 (absolute positions, its own cache layout) gives the same values."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=90, n_embd=32, n_layer=2, n_head=2, n_positions=64, resid_pdrop=0.0,
+                                      embd_pdrop=0.0, attn_pdrop=0.0)).train()
+    r = ragged_rollout([3, 9, 5], G=4)
+    _, joint, g_joint = logprobs_and_grads(gpt2, r, share=False)
+    mb, shared, g_shared = logprobs_and_grads(gpt2, r, share=True)
+    assert mb.prompt_ids.shape[0] == 3
+    assert torch.allclose(shared, joint, atol=1e-5, rtol=0)
+    assert all(rel(g_shared[n], g) < 1e-5 for n, g in g_joint.items() if g.norm() > 0)
+
+
 def test_frozen_reference_gives_bitwise_the_same_logprobs(model):
     """KL = 0 exactly at step 1 needs the reference (no grad) and the policy on identical kernels."""
     ref = copy.deepcopy(model).eval().requires_grad_(False)

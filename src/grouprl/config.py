@@ -43,6 +43,10 @@ class TrainConfig:
     """Run matmuls in bfloat16 (autocast; master weights and optimizer state stay fp32)."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass to save memory."""
+    disable_dropout: bool = True
+    """Set the policy's dropout to 0 (its saved config is unchanged). With dropout on, the
+    policy's log-probs are random: the ratio at the first step is not 1, the KL to the
+    reference not 0, and the clipping acts on noise."""
     lora_r: int = 0
     """LoRA rank; 0 trains every weight. With LoRA the reference policy is the base model with
     the adapter disabled, so no second copy is kept."""

@@ -42,10 +42,12 @@ def load_tokenizer(name: str):
 
 def load_policy(name: str, *, lora_r: int = 0, lora_alpha: float = 16.0, lora_dropout: float = 0.0,
                 lora_target_modules: str | list[str] = "all-linear",
-                gradient_checkpointing: bool = False) -> torch.nn.Module:
+                gradient_checkpointing: bool = False, disable_dropout: bool = True) -> torch.nn.Module:
     """Load a causal LM in fp32 (bf16 runs under autocast) and wrap it with LoRA when asked."""
     model = AutoModelForCausalLM.from_pretrained(resolve_model_path(name), dtype=torch.float32)
     model.config.use_cache = False
+    if disable_dropout:
+        switch_off_dropout(model)
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if lora_r:
@@ -55,6 +57,16 @@ def load_policy(name: str, *, lora_r: int = 0, lora_alpha: float = 16.0, lora_dr
             r=lora_r, lora_alpha=lora_alpha, lora_dropout=lora_dropout,
             target_modules=lora_target_modules, task_type="CAUSAL_LM"))
     return model
+
+
+def switch_off_dropout(model: torch.nn.Module) -> None:
+    """Dropout 0 in every module: `nn.Dropout` layers and the attention-probability dropout that
+    transformers' attention modules keep as a float attribute. The saved config is left as it was."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+        if isinstance(getattr(module, "attention_dropout", None), float):
+            module.attention_dropout = 0.0
 
 
 class Reference:

@@ -114,7 +114,7 @@ class Trainer:
         self.tokenizer = load_tokenizer(cfg.tokenizer or cfg.model)
         self.model = load_policy(cfg.model, lora_r=cfg.lora_r, lora_alpha=cfg.lora_alpha,
                                  lora_dropout=cfg.lora_dropout, lora_target_modules=cfg.lora_target_modules,
-                                 gradient_checkpointing=cfg.gradient_checkpointing)
+                                 gradient_checkpointing=cfg.gradient_checkpointing, disable_dropout=cfg.disable_dropout)
         self.model.train()
         if self.dist.device.type == "cuda":
             self.model.to(self.dist.device)

@@ -265,3 +265,22 @@ def test_gpt2_model_whose_tokenizer_has_no_pad_token(make_cfg, tmp_path):
     trainer.train()
     rows = read_metrics(trainer.cfg.output_dir)
     assert [r["step"] for r in rows] == [1, 2] and all(math.isfinite(r["loss"]) for r in rows)
+    # GPT-2's configs carry dropout 0.1: switched off by default, so step 1 has KL exactly 0
+    assert rows[0]["kl"] == 0.0 and trainer.model.config.resid_pdrop == 0.1  # the saved config keeps it
+    noisy = Trainer(make_cfg(model=str(path), max_steps=1, beta=0.04, disable_dropout=False,
+                             output_dir=str(tmp_path / "noisy")))
+    noisy.train()
+    assert read_metrics(noisy.cfg.output_dir)[0]["kl"] > 0.0  # dropout on: the policy's log-probs are random
+
+
+def test_switch_off_dropout_makes_train_mode_deterministic(tiny_model_dir, tmp_path):
+    """nn.Dropout layers and transformers' float `attention_dropout` attributes both go to 0."""
+    from grouprl.policy import load_policy
+
+    AutoModelForCausalLM.from_pretrained(tiny_model_dir, attention_dropout=0.5).save_pretrained(tmp_path / "m")
+    ids = torch.randint(4, 90, (2, 12), generator=torch.Generator().manual_seed(0))
+    for disable in (True, False):
+        model = load_policy(str(tmp_path / "m"), disable_dropout=disable).train()
+        a, b = (model(input_ids=ids).logits for _ in range(2))
+        assert torch.equal(a, b) == disable
+        assert model.config.attention_dropout == 0.5  # what gets saved is unchanged

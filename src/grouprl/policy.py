@@ -18,7 +18,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from grouprl.core import token_entropy, token_logprobs
-from grouprl.rollout import Rollout
+from grouprl.rollout import Rollout, same_prompt_ids
 
 
 def resolve_model_path(name: str) -> str:
@@ -121,8 +121,7 @@ class MicroBatch:
         T = max(1, int(cm.sum(-1).max()))
         n, index = len(rows), torch.arange(len(rows))
         if share_min_tokens is not None:
-            key = torch.where(pm.bool(), pids, -1)
-            _, inverse = torch.unique(key, dim=0, return_inverse=True)  # [n], ids sorted by prompt
+            inverse = same_prompt_ids(pids, pm)  # [n]
             u, width = int(inverse.max()) + 1, pids.shape[1]
             if u < n and n * width - u * (width - 1) >= share_min_tokens:
                 first = torch.full((u,), n, dtype=torch.long).scatter_reduce(0, inverse, index, "amin")  # [u]

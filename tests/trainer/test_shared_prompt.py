@@ -131,8 +131,9 @@ def test_bf16_autocast_shared_forward_stays_close(model):
     _, joint, _ = logprobs_and_grads(model, r, share=False, autocast=torch.bfloat16)
     _, shared, _ = logprobs_and_grads(model, r, share=True, autocast=torch.bfloat16)
     _, exact, _ = logprobs_and_grads(model, r, share=False)
-    assert (shared - exact).abs().max() < 0.1 and (joint - exact).abs().max() < 0.1  # bf16 rounding
-    assert (shared - joint).abs().max() < 0.1
+    # bf16 rounding: both paths measured within 0.006 of fp32 here; their equality is tested in fp32
+    assert (shared - exact).abs().max() < 0.02 and (joint - exact).abs().max() < 0.02
+    assert (shared - joint).abs().max() < 0.02
 
 
 def test_gradient_checkpointing_turns_sharing_off(tiny_model_dir):

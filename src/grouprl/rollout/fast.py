@@ -36,14 +36,14 @@ def _packed_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = No
     return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
 
 
-def _can_pack(model: torch.nn.Module, dtype: torch.dtype) -> bool:
+def _can_pack(model: torch.nn.Module, dtype: torch.dtype, n_params: int) -> bool:
     """oneDNN-packed weights: measured 1.4x (50 M) to 1.9x (10 M) faster than MKL's sgemm for the
     16-row decode matmuls on this project's CPU (weights read from memory once per step, in the
     blocked order the kernel wants); slower for tiny models, whose matrices sit in cache."""
     w = model.lm_head.weight
     if w.device.type != "cpu" or dtype != torch.float32 or w.dtype != torch.float32:
         return False
-    if not torch.backends.mkldnn.is_available() or sum(p.numel() for p in model.parameters()) < PACK_MIN_PARAMS:
+    if not torch.backends.mkldnn.is_available() or n_params < PACK_MIN_PARAMS:
         return False
     try:
         x = torch.randn(3, w.shape[1])
@@ -87,12 +87,13 @@ class FastDecoder:
         self.lm_head = model.lm_head.weight
         self.layers = []
         cast = (lambda t: t.to(self.dtype)) if self.dtype != self.embed.dtype else (lambda t: t)
-        pack = pack if pack is not None else _can_pack(model, self.dtype)
+        n_params = sum(p.numel() for p in model.parameters())
+        pack = pack if pack is not None else _can_pack(model, self.dtype, n_params)
         self.linear = _packed_linear if pack else F.linear
         # fusing W_q/W_k/W_v and W_gate/W_up saves two matmul calls per layer and step, which is what a
         # small model's decode step costs; for a large model the fused copies would only add memory,
         # unless its weights are packed, which copies them anyway
-        fuse = fuse if fuse is not None else (pack or sum(p.numel() for p in model.parameters()) <= FUSE_MAX_PARAMS)
+        fuse = fuse if fuse is not None else (pack or n_params <= FUSE_MAX_PARAMS)
         mat = _pack if pack else cast  # weight matrices (biases stay plain)
         for layer in base.layers:
             a, m = layer.self_attn, layer.mlp

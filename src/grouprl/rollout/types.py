@@ -41,8 +41,7 @@ class Rollout:
 
     def prompt_groups(self) -> torch.Tensor:
         """[N] long: rows with the same prompt (ids and padding) get the same id."""
-        key = torch.where(self.prompt_mask.bool(), self.prompt_ids, -1)  # [N, P]
-        return torch.unique(key, dim=0, return_inverse=True)[1]
+        return same_prompt_ids(self.prompt_ids, self.prompt_mask)
 
     def select(self, rows: torch.Tensor | list[int]) -> Rollout:
         rows = torch.as_tensor(rows, dtype=torch.long)
@@ -69,6 +68,13 @@ class Rollout:
             torch.cat([pad(r.completion_mask, T, False, False) for r in parts]),
             torch.cat([r.truncated for r in parts]),
         )
+
+
+def same_prompt_ids(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> torch.Tensor:
+    """[n] long from left-padded prompts [n, P]: equal prompts get equal ids, numbered 0..u-1 in
+    sorted order of their tokens."""
+    key = torch.where(prompt_mask.bool(), prompt_ids, -1)  # [n, P]
+    return torch.unique(key, dim=0, return_inverse=True)[1]
 
 
 class GenerationEngine(Protocol):

@@ -3,7 +3,7 @@
 The program is the last fenced code block (```python, ```py, ```python3 or an unlabelled ```) of the
 completion; a completion without one scores 0.0. Tests come from the `tests` column (a list of
 {"input", "output"} or {"assert"} dicts per row; a JSON string of that list is accepted too); a row
-with no tests scores None (skipped). Programs run in the sandbox (`grouprl.rewards.sandbox`),
+with no tests scores None (skipped). Programs run in the sandbox (`grouprl.sandbox`),
 concurrently, one worker per core.
 """
 
@@ -14,7 +14,7 @@ import re
 from typing import Any, Callable
 
 from ._text import column, completion_text
-from .sandbox import run_code_batch
+from grouprl.sandbox import run_code_batch
 
 _ANY_FENCE = re.compile(r"```[ \t]*([\w+-]*)[ \t]*\n(.*?)```", re.DOTALL)
 

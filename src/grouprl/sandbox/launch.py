@@ -1,6 +1,6 @@
 """Sandbox launcher: runs as the calling user (root in our CI), isolates, drops privileges, execs the harness.
 
-Started by `grouprl.rewards.sandbox` as `python -I -S -B _sandbox_launch.py CONFIG_JSON`, in its own
+Started by `grouprl.sandbox.runner` as `python -I -S -B launch.py CONFIG_JSON`, in its own
 session (process group). Standard library only: it never imports grouprl. Steps in "namespace" mode:
 
 1. unshare(CLONE_NEWNS | CLONE_NEWNET | CLONE_NEWPID): a private mount table, a network namespace with

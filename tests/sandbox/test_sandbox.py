@@ -12,8 +12,8 @@ import tempfile
 
 import pytest
 
-from grouprl.rewards import sandbox
-from grouprl.rewards.sandbox import CodeResult, run_code, run_code_batch
+from grouprl.sandbox import runner as sandbox
+from grouprl.sandbox import CodeResult, run_code, run_code_batch
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="the sandbox needs a POSIX host")
 

@@ -1,7 +1,7 @@
 """Run untrusted Python programs against tests, isolated: `run_code`, `run_code_batch`, `CodeResult`.
 
-Every test is one fresh sandboxed process (see `_sandbox_launch.py` for the isolation steps and
-`_sandbox_harness.py` for how a test is judged). This module owns what happens around it:
+Every test is one fresh sandboxed process (see `launch.py` for the isolation steps and
+`harness.py` for how a test is judged). This module owns what happens around it:
 
 - a dedicated uid per concurrent run (when we are root), claimed with a file lock from a pool, so
   RLIMIT_NPROC (which counts per uid) bounds one run's processes and never another's, and so every
@@ -34,8 +34,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
-_LAUNCHER = os.path.join(_HERE, "_sandbox_launch.py")
-_HARNESS = os.path.join(_HERE, "_sandbox_harness.py")
+_LAUNCHER = os.path.join(_HERE, "launch.py")
+_HARNESS = os.path.join(_HERE, "harness.py")
 
 SLOT_BASE_UID = 1_900_000_000  # far above any real account; uid = gid = base + slot
 NUM_SLOTS = 256

@@ -10,7 +10,7 @@ from .format import regex_match, think_format, think_format_soft
 from .math import extract_answer, math_accuracy, verify_math
 from .model import RewardModelScorer, reward_model
 from .registry import BUILTIN_REWARDS, FACTORIES, resolve_reward_func
-from grouprl.sandbox import CodeResult, run_code, run_code_batch, sandbox_mechanism
+from grouprl.sandbox import CodeResult, SandboxUnavailableError, run_code, run_code_batch, sandbox_mechanism
 from .shaping import completion_lengths, cosine_length, length_target, overlong_penalty, repetition_penalty
 
 __all__ = [
@@ -20,6 +20,7 @@ __all__ = [
     "RewardFunctionError",
     "RewardModelScorer",
     "RewardScores",
+    "SandboxUnavailableError",
     "code_tests",
     "completion_lengths",
     "cosine_length",

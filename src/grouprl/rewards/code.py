@@ -14,7 +14,7 @@ import re
 from typing import Any, Callable
 
 from ._text import column, completion_text
-from grouprl.sandbox import run_code_batch
+from grouprl.sandbox import run_code_batch, sandbox_mechanism
 
 _ANY_FENCE = re.compile(r"```[ \t]*([\w+-]*)[ \t]*\n(.*?)```", re.DOTALL)
 
@@ -32,9 +32,15 @@ def _row_tests(value: Any) -> list[dict] | None:
 
 
 def code_tests(
-    timeout_s: float = 5.0, memory_mb: int = 512, max_workers: int | None = None
+    timeout_s: float = 5.0, memory_mb: int = 512, max_workers: int | None = None, isolation: str = "strict"
 ) -> Callable[..., list[float | None]]:
-    """Factory: the code reward with sandbox limits per test (`run_code`'s timeout_s and memory_mb)."""
+    """Factory: the code reward with sandbox limits per test (`run_code`'s timeout_s and memory_mb).
+
+    isolation="strict" refuses (SandboxUnavailableError) where no namespace sandbox works; "weak"
+    accepts the rlimit fallback there. The choice is checked when the reward is built, so a run
+    fails before its first step, not in the middle of one.
+    """
+    sandbox_mechanism(isolation)
 
     def code_tests(prompts: list[Any], completions: list[Any], **kwargs: Any) -> list[float | None]:
         all_tests = [_row_tests(t) for t in column(kwargs, ("tests",), len(completions), "code_tests")]
@@ -42,7 +48,7 @@ def code_tests(
         todo = [i for i, (p, t) in enumerate(zip(programs, all_tests)) if p is not None and t]
         results = run_code_batch(
             [programs[i] for i in todo], [all_tests[i] for i in todo],
-            max_workers=max_workers, timeout_s=timeout_s, memory_mb=memory_mb,
+            max_workers=max_workers, timeout_s=timeout_s, memory_mb=memory_mb, isolation=isolation,
         )
         scores: list[float | None] = [None if not t else 0.0 for t in all_tests]
         for i, res in zip(todo, results):
@@ -51,4 +57,5 @@ def code_tests(
             scores[i] = res.passed / res.total
         return scores
 
+    code_tests.sandbox_isolation = isolation  # the trainer logs the sandbox in force for such rewards
     return code_tests

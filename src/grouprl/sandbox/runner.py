@@ -1,22 +1,32 @@
 """Run untrusted Python programs against tests, isolated: `run_code`, `run_code_batch`, `CodeResult`.
 
-Every test is one fresh sandboxed process (see `launch.py` for the isolation steps and
-`harness.py` for how a test is judged). This module owns what happens around it:
+Every test is one fresh sandboxed process (`launch.py` isolates, `harness.py` judges the test). This
+module owns what happens around it:
 
-- a dedicated uid per concurrent run (when we are root), claimed with a file lock from a pool, so
-  RLIMIT_NPROC (which counts per uid) bounds one run's processes and never another's, and so every
-  process left behind can be found by uid and killed;
-- a wall-clock deadline per test, stdout/stderr read with a byte cap, the whole process group and every
-  process of the run's uid killed when the test ends, the temporary directory removed;
-- choosing the mechanism once per process: "namespace" (network + mount + PID namespaces, tmpfs, uid
-  drop) when the kernel allows it, else "rlimit" (uid drop when root, rlimits, audit-hook socket block).
-  `GROUPRL_SANDBOX_MODE=rlimit` forces the fallback; `GROUPRL_SANDBOX_PYTHON` picks the interpreter.
+- choosing the mechanism once per process (`sandbox_mechanism()`, a probe run):
+  "namespace" when we are root (new mount, network, PID, IPC and UTS namespaces, a minimal read-only
+  root, and a dedicated uid per concurrent run); "userns" when we are not root and the kernel allows
+  unprivileged user namespaces (the same walls inside a user namespace owned by the caller); "rlimit",
+  weak isolation (rlimits and an audit hook), only when asked for: `GROUPRL_SANDBOX_MODE=rlimit`, or
+  `isolation="weak"` when neither isolating mode works. Otherwise `SandboxUnavailableError` says what
+  is missing and how to get it: the default is never a silent weak sandbox;
+- a dedicated uid per concurrent run when root, claimed with a file lock from a pool, so RLIMIT_NPROC
+  (counted per uid) bounds one run's processes and never another's, and every process left behind can
+  be found by uid and killed. Without root the user namespace does that job: RLIMIT_NPROC is counted
+  per user namespace (Linux >= 5.14) and the PID namespace takes every process with it;
+- a wall-clock deadline per test, stdout/stderr read with a byte cap, the process group killed when
+  the test ends, the temporary directory removed; any failure of this machinery is a
+  `CodeResult(status="sandbox_error")`, never a stray OSError.
+
+`GROUPRL_SANDBOX_MODE` (auto | namespace | userns | rlimit) forces a mode; `GROUPRL_SANDBOX_PYTHON`
+picks the interpreter.
 """
 
 from __future__ import annotations
 
 import fcntl
 import json
+import logging
 import math
 import os
 import random
@@ -32,6 +42,9 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import NamedTuple
+
+logger = logging.getLogger(__name__)
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _LAUNCHER = os.path.join(_HERE, "launch.py")
@@ -41,9 +54,41 @@ SLOT_BASE_UID = 1_900_000_000  # far above any real account; uid = gid = base + 
 NUM_SLOTS = 256
 NPROC = 32  # processes + threads a run may hold
 NOFILE = 64
+MODES = ("namespace", "userns", "rlimit")
+ISOLATION = ("strict", "weak")
 _EXIT_SYNTAX, _EXIT_CPU, _EXIT_SETUP = 3, 124, 125
 _LOCK_DIR = "/tmp/grouprl-sandbox-slots"  # fixed (not $TMPDIR): every process on the host must agree
 _STOP_STATUSES = ("timeout", "syntax_error", "sandbox_error", "output_limit")
+_FIX = (
+    "To isolate without root, allow unprivileged user namespaces: in Docker or Podman run the container "
+    "with `--security-opt seccomp=unconfined` (the default seccomp profile blocks them); on Debian or older "
+    "Ubuntu `sysctl -w kernel.unprivileged_userns_clone=1`; on Ubuntu 23.10+ "
+    "`sysctl -w kernel.apparmor_restrict_unprivileged_userns=0`; where /proc/sys/user/max_user_namespaces "
+    "is 0, `sysctl -w user.max_user_namespaces=10000`. Or run as root with CAP_SYS_ADMIN. To run untrusted "
+    "code with weak isolation instead (rlimits and an audit hook, not a security boundary), opt in with "
+    "GROUPRL_SANDBOX_MODE=rlimit or isolation='weak' (code_tests(..., isolation='weak'))."
+)
+
+
+class SandboxUnavailableError(RuntimeError):
+    """No isolating mechanism works on this host, and weak isolation was not asked for."""
+
+
+class SandboxMechanism(NamedTuple):
+    """What `run_code` uses: mode ("namespace", "userns" or "rlimit") and the interpreter."""
+
+    mode: str
+    python: str
+
+    @property
+    def weak(self) -> bool:
+        return self.mode == "rlimit"
+
+    def describe(self) -> str:
+        what = {"namespace": "namespaces and a per-run uid (root)",
+                "userns": "namespaces inside an unprivileged user namespace",
+                "rlimit": "WEAK: rlimits and an audit hook only, no isolation from the host"}[self.mode]
+        return f"{self.mode} ({what}), interpreter {self.python}"
 
 
 @dataclass
@@ -71,23 +116,47 @@ class CodeResult:
 # ---------------------------------------------------------------- mechanism choice (once per process)
 
 _mechanism_lock = threading.Lock()
-_mechanism: tuple[str, str] | None = None
+_probed: dict[str, SandboxMechanism | SandboxUnavailableError] = {}  # "strict:<forced mode>" / "rlimit"
+_warned_weak = False
 
 
-def sandbox_mechanism() -> tuple[str, str]:
-    """(mode, interpreter) in force: mode is "namespace" or "rlimit". Probed on first use, then cached."""
-    global _mechanism
+def sandbox_mechanism(isolation: str = "strict") -> SandboxMechanism:
+    """The mechanism `run_code(..., isolation=isolation)` uses. Probed on first use, then cached.
+
+    Raises SandboxUnavailableError (what failed, and how to fix it) when no isolating mode works and
+    weak isolation was not asked for; ValueError for a bad GROUPRL_SANDBOX_MODE or isolation.
+    """
+    global _warned_weak
+    if isolation not in ISOLATION:
+        raise ValueError(f"isolation={isolation!r}: use 'strict' (namespaces, refuse otherwise) or 'weak' "
+                         "(fall back to rlimits and an audit hook when namespaces are unavailable)")
+    forced = os.environ.get("GROUPRL_SANDBOX_MODE") or "auto"
+    if forced not in ("auto",) + MODES:
+        raise ValueError(f"GROUPRL_SANDBOX_MODE={forced!r}: use one of auto, {', '.join(MODES)}")
     with _mechanism_lock:
-        if _mechanism is None:
-            _mechanism = _probe()
-        return _mechanism
+        if forced != "rlimit":
+            key = f"strict:{forced}"
+            if key not in _probed:
+                modes = [forced] if forced != "auto" else ["namespace", "userns"] if os.geteuid() == 0 else ["userns"]
+                _probed[key] = _probe(modes)
+            found = _probed[key]
+            if isinstance(found, SandboxMechanism):
+                return found
+            if isolation == "strict" or forced != "auto":
+                raise found
+        if "rlimit" not in _probed:
+            _probed["rlimit"] = _probe(["rlimit"])
+        found = _probed["rlimit"]
+        if isinstance(found, SandboxUnavailableError):
+            raise found
+        if not _warned_weak:
+            _warned_weak = True
+            logger.warning("grouprl sandbox: untrusted code runs with %s. %s", found.describe(),
+                           "Forced by GROUPRL_SANDBOX_MODE=rlimit." if forced == "rlimit" else _FIX)
+        return found
 
 
-def _probe() -> tuple[str, str]:
-    forced = os.environ.get("GROUPRL_SANDBOX_MODE")
-    if forced not in (None, "", "namespace", "rlimit"):
-        raise ValueError(f"GROUPRL_SANDBOX_MODE={forced!r}: use 'namespace' or 'rlimit'")
-    modes = [forced] if forced else (["namespace", "rlimit"] if os.geteuid() == 0 else ["rlimit"])
+def _probe(modes: list[str]) -> SandboxMechanism | SandboxUnavailableError:
     pythons = [os.environ.get("GROUPRL_SANDBOX_PYTHON") or ""]
     if not pythons[0]:
         pythons = [os.path.realpath(sys.executable), "/usr/bin/python3", "/usr/local/bin/python3"]
@@ -97,9 +166,14 @@ def _probe() -> tuple[str, str]:
         for python in pythons:
             res = _run_tests("print(6 * 7)", [{"input": "", "output": "42"}], 10.0, 256, 1 << 16, 8, mode, python)
             if res.status == "passed":
-                return mode, python
-            errors.append(f"{mode} with {python}: {res.status} {res.detail}")
-    raise RuntimeError("no working sandbox: " + "; ".join(errors))
+                return SandboxMechanism(mode, python)
+            errors.append(f"{mode} with {python}: {res.status}: {res.detail}")
+    tried = "; ".join(errors)
+    if modes == ["rlimit"]:
+        return SandboxUnavailableError(f"the weak sandbox does not run either: {tried}")
+    return SandboxUnavailableError(
+        f"no isolating sandbox works here (running as uid {os.geteuid()}), so untrusted code is not run. "
+        f"Tried: {tried}. {_FIX}")
 
 
 # ---------------------------------------------------------------- public API
@@ -113,6 +187,7 @@ def run_code(
     memory_mb: int = 512,
     max_output_bytes: int = 1 << 20,
     disk_mb: int = 64,
+    isolation: str = "strict",
 ) -> CodeResult:
     """Run `program` (Python source) on each test in a sandbox; count the tests passed.
 
@@ -121,16 +196,15 @@ def run_code(
     in its namespace). timeout_s is wall time per test (CPU time is limited to ceil(timeout_s));
     after a timeout, a syntax error or an output overflow the remaining tests are not run and count
     as failed. memory_mb bounds the address space, disk_mb the writable tmpfs and any file's size.
+    isolation="strict" (default) raises SandboxUnavailableError where no namespace mechanism works;
+    "weak" then runs with rlimits and an audit hook only, and logs a warning once.
     """
     if not tests:
         return CodeResult(0, 0, "no_tests", "no tests given")
     for i, t in enumerate(tests):
         if not isinstance(t, dict) or not ({"input", "output"} <= t.keys() or "assert" in t):
             raise ValueError(f"test {i} is {t!r}: a test is {{'input': str, 'output': str}} or {{'assert': str}}")
-    try:
-        mode, python = sandbox_mechanism()
-    except RuntimeError as e:
-        return CodeResult(0, len(tests), "sandbox_error", str(e)[:300], ["sandbox_error"] * len(tests))
+    mode, python = sandbox_mechanism(isolation)
     return _run_tests(program, tests, timeout_s, memory_mb, max_output_bytes, disk_mb, mode, python)
 
 
@@ -140,6 +214,7 @@ def run_code_batch(
     """`run_code` over many programs concurrently, one thread per core by default; order preserved."""
     if len(programs) != len(tests):
         raise ValueError(f"{len(programs)} programs but {len(tests)} test lists: give one test list per program")
+    sandbox_mechanism(kwargs.get("isolation", "strict"))  # refuse before starting any thread
     workers = max_workers or os.cpu_count() or 1
     with ThreadPoolExecutor(max_workers=workers) as pool:
         return list(pool.map(lambda pt: run_code(pt[0], pt[1], **kwargs), zip(programs, tests)))
@@ -152,30 +227,35 @@ def _run_tests(program, tests, timeout_s, memory_mb, max_output_bytes, disk_mb, 
     start = time.monotonic()
     statuses: list[str] = []
     detail = ""
-    with _claim_uid() as uid:
-        run_dir = tempfile.mkdtemp(prefix="grouprl-sbx-")
-        try:
-            _write(os.path.join(run_dir, "program.py"), program)
-            shutil.copyfile(_HARNESS, os.path.join(run_dir, "harness.py"))
-            if mode == "rlimit":
-                work = os.path.join(run_dir, "work")
-                os.mkdir(work, 0o700)
+    try:
+        with _claim_uid(per_run=mode != "userns") as uid:
+            run_dir = tempfile.mkdtemp(prefix="grouprl-sbx-")
+            try:
+                _write(os.path.join(run_dir, "program.py"), program)
+                shutil.copyfile(_HARNESS, os.path.join(run_dir, "harness.py"))
+                if mode == "rlimit":
+                    work = os.path.join(run_dir, "work")
+                    os.mkdir(work, 0o700)
+                    if uid:
+                        os.chmod(run_dir, 0o711)  # the sandbox uid may traverse, not list
+                        os.chown(work, uid, uid)
+                for i, test in enumerate(tests):
+                    status, why = _run_one(program, test, run_dir, uid, timeout_s, memory_mb,
+                                           max_output_bytes, disk_mb, mode, python)
+                    statuses.append(status)
+                    if status != "passed" and not detail:
+                        detail = f"test {i}: {why}"
+                    if status in _STOP_STATUSES:
+                        statuses += ["not_run"] * (len(tests) - len(statuses))
+                        break
+            finally:
                 if uid:
-                    os.chmod(run_dir, 0o711)  # the sandbox uid may traverse, not list
-                    os.chown(work, uid, uid)
-            for i, test in enumerate(tests):
-                status, why = _run_one(program, test, run_dir, uid, timeout_s, memory_mb,
-                                       max_output_bytes, disk_mb, mode, python)
-                statuses.append(status)
-                if status != "passed" and not detail:
-                    detail = f"test {i}: {why}"
-                if status in _STOP_STATUSES:
-                    statuses += ["not_run"] * (len(tests) - len(statuses))
-                    break
-        finally:
-            if uid:
-                _kill_uid(uid)
-            shutil.rmtree(run_dir, ignore_errors=True)
+                    _kill_uid(uid)
+                shutil.rmtree(run_dir, ignore_errors=True)
+    except OSError as e:  # our machinery (a full /tmp, no processes left to start one): never the program's fault
+        i = min(len(statuses), len(tests) - 1)
+        statuses = statuses[:i] + ["sandbox_error"] + ["not_run"] * (len(tests) - i - 1)
+        detail = f"test {i}: the sandbox failed: {type(e).__name__}: {e}"
     passed = statuses.count("passed")
     first_bad = next((s for s in statuses if s != "passed"), "passed")
     return CodeResult(passed, len(tests), first_bad, detail, statuses, time.monotonic() - start,
@@ -183,9 +263,12 @@ def _run_tests(program, tests, timeout_s, memory_mb, max_output_bytes, disk_mb, 
 
 
 def _write(path, text, mode=0o444):
-    with open(path, "w", encoding="utf-8") as f:
+    """Write a fresh file (unlinked first: an earlier test's copy is read-only to us when we are not root)."""
+    if os.path.lexists(path):
+        os.unlink(path)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
         f.write(text)
-    os.chmod(path, mode)
 
 
 def _run_one(program, test, run_dir, uid, timeout_s, memory_mb, max_output_bytes, disk_mb, mode, python):
@@ -359,9 +442,9 @@ def _live_uid(pid: str) -> int | None:
 
 
 @contextmanager
-def _claim_uid():
-    """Yield a sandbox uid no other run (thread or process) holds, or 0 when not root (no uid drop)."""
-    if os.geteuid() != 0:
+def _claim_uid(per_run: bool = True):
+    """Yield a sandbox uid no other run (thread or process) holds; 0 when not root or not `per_run`."""
+    if not per_run or os.geteuid() != 0:
         yield 0
         return
     lock_dir = _LOCK_DIR

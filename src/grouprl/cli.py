@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 from dataclasses import replace
 
 from grouprl.config import ConfigError, TrainConfig, help_text
-from grouprl.rewards import RewardFunctionError
+from grouprl.rewards import RewardFunctionError, SandboxUnavailableError
 
 USAGE = """grouprl train [CONFIG.yaml] [--field value ...] [--resume]
        grouprl eval  [CONFIG.yaml] [--field value ...]"""
@@ -55,12 +56,16 @@ def main(argv: list[str] | None = None) -> int:
         if args.help:
             print(help_text())
         return 0 if args.help else 2
+    notices = logging.getLogger("grouprl")  # grouprl's own notices: the sandbox in force, warnings
+    if not any(isinstance(h, _StderrHandler) for h in notices.handlers):
+        notices.addHandler(_StderrHandler())
+        notices.setLevel(logging.INFO)
     try:
         cfg = build_config(args.config, overrides)
         if args.command == "train":
             return _train(cfg, resume=args.resume)
         return _eval(cfg)
-    except (ConfigError, ValueError, FileNotFoundError) as e:
+    except (ConfigError, ValueError, FileNotFoundError, SandboxUnavailableError) as e:
         print(f"grouprl {args.command}: error: {e}", file=sys.stderr)
         return 2
     except RewardFunctionError as e:
@@ -68,6 +73,13 @@ def main(argv: list[str] | None = None) -> int:
               "reward function (or set reward_fallback to score failures with a fixed value) and "
               "continue with --resume.", file=sys.stderr)
         return 1
+
+
+class _StderrHandler(logging.Handler):
+    """Prints a record to the sys.stderr of the moment (not the one at import)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        print(f"grouprl: {record.getMessage()}", file=sys.stderr)
 
 
 def _train(cfg: TrainConfig, *, resume: bool) -> int:

@@ -19,6 +19,7 @@ Deliberate choices:
 
 from __future__ import annotations
 
+import logging
 import math
 import random
 import time
@@ -38,8 +39,11 @@ from grouprl.data import PromptFormatter, PromptSampler, completion_objects, loa
 from grouprl.logging import Progress, RunLogger
 from grouprl.policy import (MicroBatch, Reference, can_share_prompts, completion_logprobs, load_policy,
                             load_tokenizer)
-from grouprl.rewards import RewardScores, merge_reward_metrics, resolve_reward_func, score_completions
+from grouprl.rewards import (RewardScores, merge_reward_metrics, resolve_reward_func, sandbox_mechanism,
+                             score_completions)
 from grouprl.rollout import HFEngine, Rollout, SamplingParams
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -109,6 +113,10 @@ class Trainer:
         if cfg.accuracy_reward and cfg.accuracy_reward not in self.reward_names:
             raise ConfigError(f"accuracy_reward={cfg.accuracy_reward!r} is not one of the reward "
                               f"functions {self.reward_names}")
+        isolations = {getattr(f, "sandbox_isolation", "") for f in self.reward_funcs} - {""}
+        for sandbox in sorted({sandbox_mechanism(i).describe() for i in isolations}):
+            if self.dist.is_main:  # once per run: which walls hold the programs the rewards execute
+                logger.info("sandbox for untrusted code: %s", sandbox)
 
         # models
         self.tokenizer = load_tokenizer(cfg.tokenizer or cfg.model)

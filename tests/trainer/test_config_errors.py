@@ -1,6 +1,7 @@
 """Each bad input fails before any model loads, with a message that names the field and the fix."""
 
 import json
+import logging
 import subprocess
 import sys
 
@@ -10,6 +11,8 @@ import grouprl.trainer as trainer_mod
 from grouprl.cli import main
 from grouprl.config import ConfigError, TrainConfig
 from grouprl.data import DataError
+from grouprl.sandbox import SandboxUnavailableError, sandbox_mechanism
+from grouprl.sandbox import runner as sandbox_runner
 from grouprl.trainer import Trainer
 
 
@@ -91,3 +94,32 @@ def test_cli_reports_a_failing_reward_function_and_how_to_continue(tmp_path, tin
     err = capsys.readouterr().err
     assert code == 1
     assert "broken" in err and "answer_text" in err and "--resume" in err
+
+
+@pytest.fixture
+def no_isolating_sandbox(monkeypatch):
+    """This host as if namespaces were unavailable (the real thing runs in tests/sandbox/test_unprivileged.py)."""
+    monkeypatch.delenv("GROUPRL_SANDBOX_MODE", raising=False)
+    refusal = SandboxUnavailableError("no isolating sandbox works here: user namespaces are refused")
+    monkeypatch.setattr(sandbox_runner, "_probed", {"strict:auto": refusal})
+    monkeypatch.setattr(sandbox_runner, "_warned_weak", False)
+
+
+def test_a_code_reward_without_an_isolating_sandbox_stops_the_run_at_start(make_cfg, no_isolating_sandbox, capsys,
+                                                                           tmp_path, tiny_model_dir, digits_data):
+    with pytest.raises(SandboxUnavailableError, match="user namespaces are refused"):
+        Trainer(make_cfg(reward_funcs=["code_tests"]))
+    code = main(["train", "--model", str(tiny_model_dir), "--train_data", str(digits_data),
+                 "--reward_funcs", "[code_tests]", "--output_dir", str(tmp_path / "x")])
+    assert code == 2 and "user namespaces are refused" in capsys.readouterr().err
+
+
+def test_the_trainer_logs_the_sandbox_in_force_once(make_cfg, no_isolating_sandbox, monkeypatch, caplog):
+    monkeypatch.undo()  # loads the model; the sandbox is this host's own
+    monkeypatch.setattr(sandbox_runner, "_warned_weak", False)
+    with caplog.at_level(logging.INFO, logger="grouprl"):
+        Trainer(make_cfg(reward_funcs=["tests.trainer.conftest:digit_fraction",
+                                       {"name": "code_tests", "isolation": "weak"}, "code_tests"]))
+    lines = [r.getMessage() for r in caplog.records if r.name == "grouprl.trainer"]
+    mech = sandbox_mechanism()
+    assert lines == [f"sandbox for untrusted code: {mech.describe()}"] and not mech.weak

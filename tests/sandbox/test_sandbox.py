@@ -263,7 +263,8 @@ def test_a_fork_bomb_does_not_starve_a_concurrent_run():
     thread.start()
     try:
         time.sleep(1.5)  # the bomb has held its whole process budget for a while by now
-        normal = sandboxed("import os\nif os.fork() == 0:\n    os._exit(0)\nos.wait()\n" + DOUBLE, DOUBLE_TESTS, **FAST)
+        normal = sandboxed("import os\nif os.fork() == 0:\n    os._exit(0)\nos.wait()\n" + DOUBLE, DOUBLE_TESTS,
+                           timeout_s=5.0, memory_mb=128)  # a loaded CI machine must not make this flaky
     finally:
         thread.join()
     if not REFUSED:

@@ -105,17 +105,25 @@ def _write(path, data, mode):
     os.chmod(path, mode)
 
 
+def _mirror(path, root):
+    """The host's `path` at root + path: a symbolic link copied as such, a directory or file bound read-only."""
+    if os.path.islink(path):
+        os.symlink(os.readlink(path), root + path)
+    elif os.path.isdir(path):
+        os.mkdir(root + path)
+        _bind_ro(path, root + path)
+    elif os.path.isfile(path):
+        _write(root + path, b"", 0o644)
+        _bind_ro(path, root + path)
+
+
 def _build_root(cfg, files, userns):
     """Populate a tmpfs with the minimal view (module docstring, step 3) and pivot_root into it."""
     root = NEW_ROOT
     size_kb = 4096 + 2 * sum(len(d) for d in files.values()) // 1024
     _mount("tmpfs", root, "tmpfs", MS_NOSUID | MS_NODEV, f"size={size_kb}k,mode=0755")
     for path in SYSTEM_DIRS:
-        if os.path.islink(path):
-            os.symlink(os.readlink(path), root + path)
-        elif os.path.isdir(path):
-            os.mkdir(root + path)
-            _bind_ro(path, root + path)
+        _mirror(path, root)
     for path in _interpreter_dirs():
         os.makedirs(root + path, 0o755)
         _bind_ro(path, root + path)
@@ -125,14 +133,7 @@ def _build_root(cfg, files, userns):
     _write(root + "/etc/group", f"sandbox:x:{gid}:\n".encode(), 0o644)
     _write(root + "/etc/hosts", b"127.0.0.1 localhost\n::1 localhost\n", 0o644)
     for path in ETC_FILES:
-        if os.path.islink(path):
-            os.symlink(os.readlink(path), root + path)
-        elif os.path.isdir(path):
-            os.mkdir(root + path)
-            _bind_ro(path, root + path)
-        elif os.path.isfile(path):
-            _write(root + path, b"", 0o644)
-            _bind_ro(path, root + path)
+        _mirror(path, root)
     os.mkdir(root + "/dev", 0o755)
     for name in DEVICES:
         _write(root + "/dev/" + name, b"", 0o666)

@@ -24,7 +24,7 @@ from typing import Any
 
 import yaml
 
-from grouprl.core import LOSS_AGGREGATIONS, PRESETS
+from grouprl.core import IS_MODES, LOSS_AGGREGATIONS, PRESETS
 
 
 class ConfigError(ValueError):
@@ -144,6 +144,26 @@ class TrainConfig:
     """Completions that hit max_completion_length without EOS get no loss."""
     generation_batch_size: int | None = None
     """Completions decoded together at most; default all of a step's completions at once."""
+
+    # ---------------------------------------------- sampler/trainer mismatch
+    vllm_importance_sampling_correction: bool | None = None
+    """Correct for an engine that samples with other kernels than the trainer (vLLM; its rollouts
+    carry the sampler's log-probs): the policy loss of each token is weighted by a function of the
+    ratio pi_old(trainer) / pi_sampler (docs/vllm.md). None (default): on whenever the rollout
+    carries the sampler's log-probs, so on with vLLM and off with the built-in engine, which samples
+    from the trainer's own model; true: on, and an error if the engine returns none; false: off.
+    It needs the trainer's pi_old even with num_iterations = 1: one extra no-grad forward pass over
+    the batch per step."""
+    vllm_importance_sampling_mode: str = "sequence_mask"
+    """token_truncate | token_mask | sequence_truncate | sequence_mask: the ratio per token or per
+    completion (exp of the summed log-ratio), truncated at the cap (TIS, Yao et al. 2025) or masked
+    outside [vllm_importance_sampling_min, cap]. Default sequence_mask, TRL's default."""
+    vllm_importance_sampling_cap: float = 3.0
+    """C: *_truncate modes cap the ratio at C, *_mask modes drop ratios above it. Default 3, TRL's;
+    the TIS paper uses 2 with token_truncate. At least 1, so a token with no mismatch keeps weight 1."""
+    vllm_importance_sampling_min: float = 0.0
+    """Lower bound C_min of the *_mask modes, in [0, 1]: ratios below it are dropped too. Default 0,
+    TRL's (mask above the cap only); verl's mask mode defaults to 1/cap."""
 
     # ------------------------------------------------------------- optimizer
     learning_rate: float = 1e-6
@@ -267,6 +287,17 @@ class TrainConfig:
         _check_choice("kl_estimator", c.kl_estimator, ("k1", "k2", "k3"))
         _check_choice("importance_sampling_level", c.importance_sampling_level, ("token", "sequence"))
         _check_choice("lr_scheduler_type", c.lr_scheduler_type, ("constant", "linear", "cosine"))
+        _check_choice("vllm_importance_sampling_mode", c.vllm_importance_sampling_mode, tuple(IS_MODES))
+        if not c.vllm_importance_sampling_cap >= 1:
+            raise ConfigError(f"vllm_importance_sampling_cap={c.vllm_importance_sampling_cap} must be at "
+                              "least 1, so that a token with no mismatch keeps weight 1 (TRL uses 3, TIS 2)")
+        if not 0 <= c.vllm_importance_sampling_min <= 1:
+            raise ConfigError(f"vllm_importance_sampling_min={c.vllm_importance_sampling_min} must be in "
+                              "[0, 1] (0: mask only ratios above vllm_importance_sampling_cap)")
+        if c.vllm_importance_sampling_min > 0 and c.vllm_importance_sampling_mode.endswith("_truncate"):
+            raise ConfigError(f"vllm_importance_sampling_min={c.vllm_importance_sampling_min} has no effect "
+                              f"with vllm_importance_sampling_mode={c.vllm_importance_sampling_mode}, which "
+                              "only truncates from above: use token_mask or sequence_mask, or set it to 0")
         if c.epsilon <= 0 or c.epsilon_high <= 0 or c.epsilon >= 1:
             raise ConfigError(f"epsilon={c.epsilon}, epsilon_high={c.epsilon_high}: clip ranges must "
                               "be positive and epsilon below 1")

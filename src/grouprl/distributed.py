@@ -103,6 +103,16 @@ def all_reduce_sums(ctx: DistContext, values: dict[str, float]) -> dict[str, flo
     return dict(zip(keys, t.cpu().tolist()))
 
 
+def all_reduce_tensor(ctx: DistContext, x: torch.Tensor) -> torch.Tensor:
+    """Elementwise sum of a CPU tensor over ranks, as a new tensor (e.g. log-probs each rank
+    filled for its own rows: the sum is the whole batch)."""
+    if not ctx.enabled:
+        return x
+    t = x.to(_comm_device(ctx), copy=True)
+    dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t.cpu()
+
+
 def _comm_device(ctx: DistContext) -> torch.device:
     return ctx.device if dist.get_backend() == "nccl" else torch.device("cpu")
 

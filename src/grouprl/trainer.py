@@ -6,7 +6,9 @@ One step, one call per stage (DESIGN.md's data path):
 
 Deliberate choices:
 - with num_iterations = 1 the sampling policy is the current one, so `old_logp = logp.detach()`
-  and no extra forward pass is made; old log-probs are computed only when num_iterations > 1;
+  and no extra forward pass is made; old log-probs are computed only when num_iterations > 1, or
+  when the rollout carries the sampler's own log-probs (vLLM) and the importance-sampling correction
+  compares them with the trainer's (core/importance.py);
 - reference log-probs are computed only when beta > 0, and no reference model exists otherwise;
 - each of the num_iterations passes is one optimizer step over the whole batch, split into
   micro-batches whose loss normaliser is the count of the whole batch (`normalizer`), so the
@@ -34,7 +36,7 @@ from datasets import Dataset
 from grouprl import distributed as D
 from grouprl.checkpoint import latest_checkpoint, load_checkpoint, read_checkpoint, save_checkpoint
 from grouprl.config import ConfigError, TrainConfig
-from grouprl.core import compute_advantages, overlong_penalty, policy_loss, zero_std_groups
+from grouprl.core import compute_advantages, importance_weights, overlong_penalty, policy_loss, zero_std_groups
 from grouprl.data import PromptFormatter, PromptSampler, completion_objects, load_prompts, split_eval
 from grouprl.logging import Progress, RunLogger
 from grouprl.policy import (MicroBatch, Reference, can_share_prompts, completion_logprobs, load_policy,
@@ -232,23 +234,26 @@ class Trainer:
             loss_mask &= ~batch.rollout.truncated[:, None]
 
         t0 = time.perf_counter()
-        old_logp = self._logprobs(self.model, batch.rollout) if cfg.num_iterations > 1 else None  # [N, T]
+        correct = self._corrects_sampler(batch.rollout)
+        old_logp = self._logprobs(self.model, batch.rollout) if cfg.num_iterations > 1 or correct else None  # [N, T]
         ref_logp = None
         if self.ref is not None:
             with self.ref.context():
                 ref_logp = self._logprobs(self.ref.forward_model, batch.rollout)  # [N, T]
         timings["time/logprobs"] = time.perf_counter() - t0
+        is_weights, is_metrics = self._importance_weights(batch.rollout, old_logp) if correct else (None, {})
 
         t0 = time.perf_counter()
         update = {}
         for it in range(cfg.num_iterations):
-            stats = self._update(batch.rollout, advantages, loss_mask, old_logp, ref_logp, with_entropy=it == 0)
+            stats = self._update(batch.rollout, advantages, loss_mask, old_logp, ref_logp, is_weights,
+                                 with_entropy=it == 0)
             update = stats if it == 0 else {**update, **{k: v for k, v in stats.items() if k != "entropy"}}
         timings["time/update"] = time.perf_counter() - t0
         self.engine.sync_weights(self.model)  # an external engine copies the new weights here
         if cfg.ref_update_steps and self.ref is not None and self.step % cfg.ref_update_steps == 0:
             self.ref.reset(self.model)
-        return advantages, update
+        return advantages, {**update, **is_metrics}
 
     # ------------------------------------------------------------------ stages
     def _sample(self) -> tuple[StepBatch, dict[str, float], dict[str, float]]:
@@ -317,6 +322,27 @@ class Trainer:
             order = order[torch.argsort(group, stable=True)]
         return D.micro_batch_plan(self.dist, list(order.split(self.cfg.micro_batch_size)))
 
+    def _corrects_sampler(self, rollout: Rollout) -> bool:
+        """Whether the sampler/trainer mismatch is corrected: by default whenever the engine returned
+        the log-probs it sampled with (Rollout.sampling_logp)."""
+        setting = self.cfg.vllm_importance_sampling_correction
+        if setting and rollout.sampling_logp is None:
+            raise ConfigError("vllm_importance_sampling_correction=true, but the engine returned no sampling "
+                              "log-probs: the built-in engine samples from the trainer's own model, so there "
+                              "is no mismatch to correct; sample with vLLM, or leave the field unset")
+        return rollout.sampling_logp is not None and setting is not False
+
+    def _importance_weights(self, rollout: Rollout, old_logp: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+        """Sampler/trainer importance-sampling weights [N, T] for the policy loss, and the mismatch
+        metrics of the whole batch under `is/`. `old_logp` holds this rank's rows; summed over ranks,
+        the whole batch."""
+        cfg = self.cfg
+        weights, stats = importance_weights(
+            D.all_reduce_tensor(self.dist, old_logp), rollout.sampling_logp, rollout.completion_mask,
+            cfg.vllm_importance_sampling_mode, cap=cfg.vllm_importance_sampling_cap,
+            cap_min=cfg.vllm_importance_sampling_min)  # [N, T]
+        return weights, {f"is/{k}": v for k, v in stats.items()}
+
     @torch.no_grad()
     def _logprobs(self, model: torch.nn.Module, rollout: Rollout) -> torch.Tensor:
         """Log-probs [N, T] of this rank's rows (the rows of its micro-batches; others stay 0)."""
@@ -333,7 +359,7 @@ class Trainer:
 
     def _update(self, rollout: Rollout, advantages: torch.Tensor, loss_mask: torch.Tensor,
                 old_logp: torch.Tensor | None, ref_logp: torch.Tensor | None,
-                with_entropy: bool) -> dict[str, float]:
+                is_weights: torch.Tensor | None, with_entropy: bool) -> dict[str, float]:
         """One optimizer step over the whole batch, accumulated over micro-batches (and ranks).
         The normaliser counts the whole (global) batch; DDP/FSDP2 average gradients over the K
         ranks, so each rank's loss is scaled by K to make the result their sum."""
@@ -355,7 +381,8 @@ class Trainer:
                     ratio_level=cfg.importance_sampling_level, agg=cfg.loss_agg,
                     max_tokens=cfg.max_completion_length,
                     ref_logp=ref_logp[rows, :T].to(dev) if ref_logp is not None else None, beta=cfg.beta,
-                    kl_kind=cfg.kl_estimator, dual_clip=cfg.dual_clip, delta=cfg.delta, normalizer=normalizer)
+                    kl_kind=cfg.kl_estimator, dual_clip=cfg.dual_clip, delta=cfg.delta, normalizer=normalizer,
+                    token_weights=is_weights[rows, :T].to(dev) if is_weights is not None else None)
                 (loss * (weight * K)).backward()
             sums["loss"] += weight * loss.item()
             n = weight * int(stats.pop("num_tokens"))

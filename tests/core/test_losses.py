@@ -238,10 +238,11 @@ def test_padding_never_contributes(agg, ratio_level, float_mask):
 
     kw = dict(ratio_level=ratio_level, agg=agg, max_tokens=L_MAX, beta=0.1, dual_clip=3.0, delta=2.0)
     m = mask.double() if float_mask else mask
+    weights = 0.5 + torch.rand(logp.shape, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
     results = []
-    for args in [(logp, old, ref, adv), tuple(dirty(v) for v in (logp, old, ref, adv))]:
+    for args in [(logp, old, ref, adv, weights), tuple(dirty(v) for v in (logp, old, ref, adv, weights))]:
         x = args[0].clone().requires_grad_()
-        loss, stats = policy_loss(x, args[1], args[3], m, ref_logp=args[2], **kw)
+        loss, stats = policy_loss(x, args[1], args[3], m, ref_logp=args[2], token_weights=args[4], **kw)
         loss.backward()
         results.append((loss, stats, x.grad))
     (loss0, stats0, grad0), (loss1, stats1, grad1) = results
@@ -256,9 +257,10 @@ def test_micro_batches_and_ranks_sum_to_full_batch(agg, ratio_level):
     """Gradient accumulation and data parallelism: each piece divides by the whole optimizer batch's
     count (tokens for token-mean, sequences otherwise); the pieces' losses and gradients add up."""
     logp, old, ref, adv, mask = ragged_batch(5, 8, 6, spread=0.3)
+    weights = torch.rand(logp.shape, generator=torch.Generator().manual_seed(4), dtype=torch.float64) * 2
     kw = dict(ratio_level=ratio_level, agg=agg, max_tokens=L_MAX, ref_logp=ref, beta=0.04)
     x = logp.clone().requires_grad_()
-    full, _ = policy_loss(x, old, adv, mask, **{**kw, "ref_logp": ref})
+    full, _ = policy_loss(x, old, adv, mask, **{**kw, "ref_logp": ref}, token_weights=weights)
     full.backward()
     normalizer = int(mask.sum()) if agg == "token-mean" else logp.shape[0]
     y = logp.clone().requires_grad_()
@@ -266,11 +268,36 @@ def test_micro_batches_and_ranks_sum_to_full_batch(agg, ratio_level):
     for rank in (torch.arange(0, 8, 2), torch.arange(1, 8, 2)):  # interleaved "ranks"
         for micro in (rank[:1], rank[1:]):  # uneven micro-batches
             loss, _ = policy_loss(y[micro], old[micro], adv[micro], mask[micro], **{**kw, "ref_logp": ref[micro]},
-                                  normalizer=normalizer)
+                                  normalizer=normalizer, token_weights=weights[micro])
             loss.backward()
             total += loss.item()
     assert total == pytest.approx(full.item(), rel=1e-12)
     torch.testing.assert_close(y.grad, x.grad, rtol=1e-12, atol=1e-15)
+
+
+@pytest.mark.parametrize("agg", AGGS)
+def test_token_weights_scale_the_clipped_term_only(agg):
+    """Each token's loss depends on its own logp only, so per token ∂L/∂logp = w·g_pg + g_kl, with
+    g_pg the gradient without weights and β = 0, and g_kl the gradient of the KL term alone
+    (A = 0 makes the clipped term 0). No gradient reaches the weights; w = 1 changes nothing."""
+    logp, old, ref, adv, mask = ragged_batch(6, 5, 6, spread=0.3)
+    w = torch.rand(logp.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64).requires_grad_()
+    kw = dict(agg=agg, max_tokens=L_MAX, ref_logp=ref, dual_clip=3.0)
+
+    def grad(advantages, beta, token_weights=None):
+        x = logp.clone().requires_grad_()
+        loss, _ = policy_loss(x, old, advantages, mask, beta=beta, token_weights=token_weights, **kw)
+        loss.backward()
+        return loss, x.grad
+
+    loss_pg, g_pg = grad(adv, 0.0)
+    _, g_kl = grad(torch.zeros_like(adv), 0.1)
+    _, g = grad(adv, 0.1, w)
+    assert (g_pg[mask] != 0).float().mean() > 0.5 and (g_kl[mask] != 0).all()
+    torch.testing.assert_close(g, w.detach() * g_pg + g_kl, rtol=1e-12, atol=1e-15)
+    assert w.grad is None
+    loss_one, g_one = grad(adv, 0.0, torch.ones_like(logp))
+    assert loss_one.item() == loss_pg.item() and torch.equal(g_one, g_pg)
 
 
 def test_tensor_normalizer_and_stats_num_tokens():
@@ -294,6 +321,7 @@ def _args(n=2, t=3):
     (dict(mask=torch.ones(2, 2)), "mask has shape"),
     (dict(logp=torch.zeros(6)), r"logp must be a \[N, T\]"),
     (dict(ref_logp=torch.zeros(3, 3), beta=0.1), "ref_logp has shape"),
+    (dict(token_weights=torch.ones(2)), "token_weights has shape"),
     (dict(agg="mean"), "agg='mean' is unknown"),
     (dict(ratio_level="seq"), "ratio_level='seq' is unknown"),
     (dict(kl_kind="k4", ref_logp=torch.zeros(2, 3), beta=0.1), "kl_kind='k4' is unknown"),

@@ -3,9 +3,10 @@
     python -m torch.distributed.run --standalone --nproc-per-node 2 -m tests.distributed._worker \\
         MODEL_DIR DATA OUT_DIR STRATEGY
 
-Rank 0 writes OUT_DIR/grads-STRATEGY.pt: {(loss_agg, scale_rewards): (grads, loss)} for one update
-on `fixed_batch()`. With STRATEGY=fsdp2 it then trains one step on sampled rollouts, saves a
-checkpoint, resumes it into a fresh trainer and records whether every weight came back.
+Rank 0 writes OUT_DIR/grads-STRATEGY.pt: {(loss_agg, scale_rewards): (grads, stats)} for one update
+on `fixed_batch()`, and the same for ("is", mode): the batch with the sampler's log-probs, corrected.
+With STRATEGY=fsdp2 it then trains one step on sampled rollouts, saves a checkpoint, resumes it
+into a fresh trainer and records whether every weight came back.
 """
 
 from __future__ import annotations
@@ -53,6 +54,16 @@ def fixed_batch() -> StepBatch:
     return StepBatch(rollout, ["p"] * N, ["c"] * N, rewards, {"r": rewards.clone()}, {})
 
 
+def with_sampling_logp(batch: StepBatch) -> StepBatch:
+    """The batch as if a separate sampler had drawn it: log-probs in [-5.4, -3.9] on real tokens
+    (the tiny model gives these random tokens -4.6 +- 0.2)."""
+    r = batch.rollout
+    q = -3.9 - 1.5 * torch.rand(r.completion_ids.shape, generator=torch.Generator().manual_seed(99))  # [N, T]
+    rollout = Rollout(r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask, r.truncated,
+                      q * r.completion_mask)
+    return StepBatch(rollout, batch.prompts, batch.completions, batch.rewards, batch.per_func, batch.reward_metrics)
+
+
 def full_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Every rank must call this (FSDP2 gathers each DTensor gradient)."""
     out = {}
@@ -62,9 +73,10 @@ def full_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def update_grads(cfg: TrainConfig) -> dict[tuple[str, str], tuple[dict[str, torch.Tensor], float]]:
-    """For every loss_agg and scale_rewards: the gradient of one update on `fixed_batch()`. Plain
-    SGD with lr 0 leaves the weights alone, so every case starts from the same model."""
+def update_grads(cfg: TrainConfig) -> dict[tuple[str, str], tuple[dict[str, torch.Tensor], dict[str, float]]]:
+    """For every loss_agg and scale_rewards, and for the importance-sampling correction: the gradient
+    and stats of one update on `fixed_batch()`. Plain SGD with lr 0 leaves the weights alone, so every
+    case starts from the same model."""
     trainer = Trainer(cfg)
     trainer.optimizer = torch.optim.SGD([p for p in trainer.model.parameters() if p.requires_grad], lr=0.0)
     trainer.scheduler = torch.optim.lr_scheduler.LambdaLR(trainer.optimizer, lambda _: 1.0)
@@ -74,7 +86,11 @@ def update_grads(cfg: TrainConfig) -> dict[tuple[str, str], tuple[dict[str, torc
         for scale in SCALES:
             trainer.cfg = replace(cfg.resolved(), loss_agg=agg, scale_rewards=scale)
             _, stats = trainer.update_on(batch)
-            results[(agg, scale)] = (full_grads(trainer.model), stats["loss"])
+            results[(agg, scale)] = (full_grads(trainer.model), stats)
+    for mode in ("token_truncate", "sequence_mask"):
+        trainer.cfg = replace(cfg.resolved(), vllm_importance_sampling_mode=mode, vllm_importance_sampling_cap=2.0)
+        _, stats = trainer.update_on(with_sampling_logp(batch))
+        results[("is", mode)] = (full_grads(trainer.model), stats)
     return results
 
 

@@ -2,7 +2,8 @@
 (test_train_cli.py runs `grouprl train` itself).
 
 - the update on 2 ranks equals the update on 1 rank for every loss_agg and scale_rewards, with DDP
-  and with FSDP2 (gradients to 1e-6 relative, given the same rollouts);
+  and with FSDP2 (gradients to 1e-6 relative, given the same rollouts), and with the sampler/trainer
+  importance-sampling correction, whose mismatch metrics cover the whole batch on every rank;
 - FSDP2 also generates, checkpoints (whole weights, optimizer state) and resumes;
 - the pieces that need no second process: the micro-batch plan and the prompts_per_step check.
 """
@@ -44,14 +45,20 @@ def test_update_on_two_ranks_equals_one_rank(strategy, one_rank_grads, tiny_mode
     result = torch.load(tmp_path / f"grads-{strategy}.pt", weights_only=False)
     assert result["world_size"] == 2
     one_rank = one_rank_grads(strategy == "ddp")
-    assert result["grads"].keys() == one_rank.keys() and len(one_rank) == 12  # 4 aggs x 3 scales
-    for case, (expected, loss1) in one_rank.items():
-        got, loss2 = result["grads"][case]
+    assert result["grads"].keys() == one_rank.keys() and len(one_rank) == 14  # 4 aggs x 3 scales, 2 IS modes
+    for case, (expected, stats1) in one_rank.items():
+        got, stats2 = result["grads"][case]
+        loss1, loss2 = stats1["loss"], stats2["loss"]
         assert got.keys() == expected.keys()
         for name, g in expected.items():
             assert g.norm() > 0, (case, name)
             assert relative_error(got[name], g) < 1e-6, (case, name, relative_error(got[name], g))
         assert abs(loss2 - loss1) <= 1e-6 * max(1.0, abs(loss1)), (case, loss1, loss2)
+        mismatch = {k: v for k, v in stats1.items() if k.startswith("is/")}
+        assert bool(mismatch) == (case[0] == "is")  # the whole batch's metrics, on every rank
+        assert {k: stats2[k] for k in mismatch} == pytest.approx(mismatch, rel=1e-6), case
+    frac = one_rank[("is", "sequence_mask")][1]["is/frac_corrected"]
+    assert 0 < frac < 1, frac  # the mask drops some completions and keeps others
     if strategy == "fsdp2":  # one sampled step with the sharded model, its checkpoint, its resume
         train = result["train"]
         assert train["step"] == 1 and train["same_after_resume"] and train["num_state"] > 0
@@ -86,6 +93,7 @@ def test_single_process_helpers_are_no_ops():
     assert (ctx.rank, ctx.world_size, ctx.is_main, ctx.enabled) == (0, 1, True, False)
     assert D.gather_objects(ctx, {"a": 1}) == [{"a": 1}]
     assert D.all_reduce_sums(ctx, {"x": 2.5}) == {"x": 2.5}
+    assert torch.equal(D.all_reduce_tensor(ctx, torch.ones(2, 3)), torch.ones(2, 3))
     assert D.shard_prompts(ctx, [5, 3, 9]) == [5, 3, 9]
     model = torch.nn.Linear(2, 2)
     assert D.wrap_model(model, ctx, "fsdp2") is model

@@ -38,6 +38,12 @@ def no_model_loading(monkeypatch):
     ({"reward_weights": [1.0, 2.0]}, "reward_weights has 2 values but reward_funcs has 1"),
     ({"learning_rate": "fast"}, "learning_rate='fast' has the wrong type: expected float"),
     ({"lora_r": 8, "ref_update_steps": 2}, "ref_update_steps with LoRA is not supported"),
+    ({"vllm_importance_sampling_mode": "tis"}, "vllm_importance_sampling_mode='tis' is not one of"),
+    ({"vllm_importance_sampling_cap": 0.5}, "vllm_importance_sampling_cap=0.5 must be at least 1"),
+    ({"vllm_importance_sampling_min": 2.0}, "vllm_importance_sampling_min=2.0 must be in [0, 1]"),
+    ({"vllm_importance_sampling_mode": "token_truncate", "vllm_importance_sampling_min": 0.5},
+     "vllm_importance_sampling_min=0.5 has no effect with vllm_importance_sampling_mode=token_truncate"),
+    ({"vllm_importance_sampling_correction": "yes"}, "vllm_importance_sampling_correction='yes' has the wrong type"),
 ])
 def test_config_errors_name_the_field(make_cfg, overrides, message):
     with pytest.raises((ConfigError, ValueError), match=message.replace("(", r"\(").replace("[", r"\[")):

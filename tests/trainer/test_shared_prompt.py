@@ -158,14 +158,16 @@ def test_trainer_micro_batches_keep_groups_together(make_cfg):
 
 def test_trainer_update_is_the_same_with_and_without_sharing(tiny_model_dir, digits_data, tmp_path):
     """One optimizer step on a fixed batch (ragged prompts, four loss aggregations, three reward
-    scalings): the gradients and the loss do not depend on share_prompt_forward."""
+    scalings, two importance-sampling modes): the gradients and the loss do not depend on
+    share_prompt_forward."""
     from tests.distributed._worker import config, update_grads
 
     on, off = (update_grads(config(str(tiny_model_dir), str(digits_data), str(tmp_path / f"run{s}"),
                                    share_prompt_forward=s)) for s in (True, False))
-    assert on.keys() == off.keys() and len(on) == 12
-    for case, (grads, loss) in off.items():
-        grads_on, loss_on = on[case]
+    assert on.keys() == off.keys() and len(on) == 14
+    for case, (grads, stats) in off.items():
+        grads_on, stats_on = on[case]
+        loss, loss_on = stats["loss"], stats_on["loss"]
         assert abs(loss_on - loss) <= 1e-5 * max(1.0, abs(loss)), case
         for name, g in grads.items():
             assert g.norm() > 0 and rel(grads_on[name], g) < 1e-5, (case, name, rel(grads_on[name], g))

@@ -1,4 +1,5 @@
-"""Pure tensor math of the GRPO family: advantages, KL estimators, policy losses, log-probs, presets.
+"""Pure tensor math of the GRPO family: advantages, KL estimators, policy losses, log-probs, presets,
+and the sampler/trainer importance-sampling correction.
 
 No model, no config object, no torch.distributed, no I/O; nothing else from grouprl is imported.
 """
@@ -12,6 +13,7 @@ from .advantages import (
     rloo_advantages,
     zero_std_groups,
 )
+from .importance import IS_MODES, importance_weights, register_is_mode
 from .kl import KL_ESTIMATORS, kl_estimate
 from .logprobs import token_entropy, token_logprobs
 from .losses import (
@@ -27,6 +29,7 @@ from .presets import PRESET_KEYS, PRESETS, get_preset
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
+    "IS_MODES",
     "KL_ESTIMATORS",
     "LOSS_AGGREGATIONS",
     "PRESETS",
@@ -36,11 +39,13 @@ __all__ = [
     "compute_advantages",
     "get_preset",
     "group_advantages",
+    "importance_weights",
     "kl_estimate",
     "overlong_penalty",
     "policy_loss",
     "process_advantages",
     "register_advantage_estimator",
+    "register_is_mode",
     "register_loss_agg",
     "register_ratio_level",
     "rloo_advantages",

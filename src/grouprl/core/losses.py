@@ -6,6 +6,8 @@ Per token (PPO clip, Schulman et al. 2017; GRPO, DeepSeekMath eq. 3), with ρ th
     dual clip (Ye et al. 2020), tokens with A < 0:   ℓ = min(ℓ, −c·A)
     δ (INTELLECT-2 two-sided cap): the unclipped term uses min(ρ, δ)
     KL penalty (DeepSeekMath):                       ℓ += β·KL_{i,t}   (see kl.py)
+    token weights (importance.py, sampler/trainer IS correction): the clipped term, before the KL
+    penalty is added, is multiplied by sg[weight_{i,t}]; TRL and verl leave the KL term unweighted too
 
 Ratio levels (``RATIO_LEVELS``):
     "token"    ρ_{i,t} = exp(logp − old)
@@ -132,10 +134,10 @@ def aggregate_loss(per_token_loss: Tensor, mask: Tensor, mode: str, *, max_token
     return agg_fn(loss, valid, max_tokens=max_tokens, normalizer=normalizer)
 
 
-def _check_inputs(logp, old_logp, advantages, mask, ref_logp) -> None:
+def _check_inputs(logp, old_logp, advantages, mask, ref_logp, token_weights) -> None:
     if not isinstance(logp, Tensor) or logp.dim() != 2:
         raise ValueError(f"logp must be a [N, T] tensor, got {getattr(logp, 'shape', type(logp))}")
-    for name, x in (("old_logp", old_logp), ("ref_logp", ref_logp)):
+    for name, x in (("old_logp", old_logp), ("ref_logp", ref_logp), ("token_weights", token_weights)):
         if x is not None and (not isinstance(x, Tensor) or x.shape != logp.shape):
             raise ValueError(f"{name} has shape {tuple(getattr(x, 'shape', ()))}, expected "
                              f"{tuple(logp.shape)} like logp")
@@ -149,16 +151,18 @@ def policy_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor
                 agg: str = "seq-mean-token-mean", max_tokens: int | None = None,
                 ref_logp: Tensor | None = None, beta: float = 0.0, kl_kind: str = "k3",
                 dual_clip: float | None = None, delta: float | None = None,
-                normalizer: float | Tensor | None = None) -> tuple[Tensor, dict[str, float]]:
+                normalizer: float | Tensor | None = None,
+                token_weights: Tensor | None = None) -> tuple[Tensor, dict[str, float]]:
     """Clipped surrogate loss (scalar) and detached stats; see the module docstring.
 
-    logp, old_logp, ref_logp, mask  # [N, T];  advantages  # [N] or [N, T]
+    logp, old_logp, ref_logp, mask, token_weights  # [N, T];  advantages  # [N] or [N, T]
     mask is bool or 0/1 float (nonzero = real completion token). eps_high=None means eps_low.
+    token_weights (detached) multiply each token's clipped term; they leave the normaliser alone.
     Stats (Python floats, means over this call's real tokens): clip_frac_low (ρ < 1−ε_low, A < 0),
     clip_frac_high (ρ > 1+ε_high, A > 0), clip_frac, ratio_mean, approx_kl, num_tokens; kl (the
     ``kl_kind`` estimate to ref) whenever ref_logp is given; dual_clip_frac when dual_clip is set.
     """
-    _check_inputs(logp, old_logp, advantages, mask, ref_logp)
+    _check_inputs(logp, old_logp, advantages, mask, ref_logp, token_weights)
     valid = _bool_mask(mask, logp.shape)  # [N, T]
     ratio_fn = _lookup(RATIO_LEVELS, ratio_level, "ratio_level")
     _lookup(LOSS_AGGREGATIONS, agg, "agg")
@@ -192,6 +196,8 @@ def policy_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor
         cap = -dual_clip * adv  # [N, T]
         dual_active = (adv < 0) & (per_token > cap)
         per_token = torch.where(dual_active, cap, per_token)
+    if token_weights is not None:
+        per_token = per_token * torch.where(valid, token_weights.detach(), zero)  # [N, T]
     kl = None
     if ref_logp is not None:
         kl = kl_estimate(logp, torch.where(valid, ref_logp.detach(), zero), kl_kind)  # [N, T]

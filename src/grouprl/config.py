@@ -498,11 +498,11 @@ def _check_gguf(model: str, gguf_file: str | None, tokenizer: str | None) -> tup
                           "pip install 'grouprl[gguf]' (or pip install gguf)")
     if gguf_file is None:
         folder, gguf_file = path.parent, path.name
+    elif model.startswith("builtin:") or path.is_file():
+        raise ConfigError(f"gguf_file={gguf_file!r} needs model to be the folder that holds it, and "
+                          f"model={model!r} is not a folder: set model to the file's folder")
     elif not path.exists():  # a hub id (allowed by _check_path when online): transformers downloads the file
         return model, gguf_file
-    elif not path.is_dir():
-        raise ConfigError(f"gguf_file={gguf_file!r} needs model to be the folder that holds it, and "
-                          f"model={model!r} is a file: set model to its folder")
     else:
         folder = path
     file = folder / gguf_file

@@ -163,7 +163,7 @@ def test_tokenizer_and_chat_template_come_from_the_gguf(gguf_dir):
     assert prompt == "<bos>user\nhi<eos><bos>assistant\n"
 
 
-def test_training_a_gguf_model_saves_plain_safetensors(make_cfg, gguf_dir, llama, tiny_model_dir, monkeypatch):
+def test_training_a_gguf_model_saves_plain_safetensors(make_cfg, gguf_dir, llama, monkeypatch):
     """`model: path/to/file.gguf`, two steps; every checkpoint is a folder plain transformers loads
     (no quantization config, no gguf package) with the trained weights and the GGUF's tokenizer."""
     cfg = make_cfg(model=str(gguf_dir / "tiny.gguf"), max_steps=2, save_steps=1, save_total_limit=None)
@@ -175,17 +175,18 @@ def test_training_a_gguf_model_saves_plain_safetensors(make_cfg, gguf_dir, llama
     assert (saved.model, saved.gguf_file) == (str(gguf_dir), "tiny.gguf")  # the run's config reloads
 
     monkeypatch.setitem(sys.modules, "gguf", None)  # `import gguf` fails from here on
-    for step in (1, 2):
+    reloaded = {}
+    for step in (1, 2):  # step 2 is the final model
         folder = f"{run}/checkpoints/step-{step:06d}/model"
         assert "quantization_config" not in json.loads(open(f"{folder}/config.json").read())
-        reloaded = AutoModelForCausalLM.from_pretrained(folder)
+        reloaded[step] = AutoModelForCausalLM.from_pretrained(folder)
         tok = AutoTokenizer.from_pretrained(folder)
         assert tok.chat_template == CHAT_TEMPLATE and tok("a b").input_ids == [69, 4, 70]
     ids = torch.tensor([[5, 40, 41, 42, 7, 9]])  # [1, 6]
     trainer.model.eval()
     with torch.no_grad():
-        assert torch.equal(reloaded(ids).logits, trainer.model(ids).logits)
-        assert not torch.equal(reloaded(ids).logits, llama[0](ids).logits)  # training moved the weights
+        assert torch.equal(reloaded[2](ids).logits, trainer.model(ids).logits)
+        assert not torch.equal(reloaded[2](ids).logits, llama[0](ids).logits)  # training moved the weights
 
 
 def test_tokenizer_field_overrides_the_gguf_tokenizer(make_cfg, gguf_dir, tiny_model_dir):
@@ -233,9 +234,12 @@ def test_gguf_config_errors_name_the_field_and_the_fix(make_cfg, bad_inputs, no_
     assert message.format(**bad_inputs) in str(err.value)
 
 
-def test_gguf_file_needs_a_folder(make_cfg, digits_data, no_model_loading):
-    with pytest.raises(ConfigError, match="gguf_file='tiny.gguf' needs model to be the folder that holds it"):
-        Trainer(make_cfg(model=str(digits_data), gguf_file="tiny.gguf"))
+@pytest.mark.parametrize("model", ["data", "builtin:default_policy"])
+def test_gguf_file_needs_a_folder(make_cfg, digits_data, no_model_loading, model):
+    model = str(digits_data) if model == "data" else model
+    with pytest.raises(ConfigError, match=f"gguf_file='tiny.gguf' needs model to be the folder that holds it, "
+                                          f"and model='{model}' is not a folder"):
+        Trainer(make_cfg(model=model, gguf_file="tiny.gguf"))
 
 
 def test_missing_gguf_package_says_how_to_install_it(make_cfg, gguf_dir, no_model_loading, monkeypatch):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import importlib.util
 import inspect
 import math
 import os
@@ -35,10 +36,17 @@ class ConfigError(ValueError):
 class TrainConfig:
     # ---------------------------------------------------------------- model
     model: str = ""
-    """Causal LM to train: a local folder with a `save_pretrained` model (or a hub name when online).
-    `builtin:default_policy` is the small policy shipped with grouprl."""
+    """Causal LM to train: a local folder with a `save_pretrained` model (or a hub name when online),
+    or a llama.cpp `.gguf` file (see gguf_file). `builtin:default_policy` is the small policy
+    shipped with grouprl."""
+    gguf_file: str | None = None
+    """A GGUF file (llama.cpp's format) in the `model` folder, named as in transformers'
+    `from_pretrained(model, gguf_file=...)`; `model` may also be the path of the .gguf file itself.
+    Its weights are dequantized for training (fp32 master weights, as for any model; `bf16` still
+    means autocast), its tokenizer and chat template are read from it unless `tokenizer` is set,
+    and checkpoints are plain safetensors folders. Needs `pip install 'grouprl[gguf]'`."""
     tokenizer: str | None = None
-    """Tokenizer folder or name; defaults to `model`."""
+    """Tokenizer folder or name; defaults to `model` (for a GGUF model: the tokenizer in the file)."""
     bf16: bool = False
     """Run matmuls in bfloat16 (autocast; master weights and optimizer state stay fp32)."""
     gradient_checkpointing: bool = False
@@ -328,6 +336,7 @@ class TrainConfig:
         for name in ("model", "tokenizer", "train_data", "eval_data"):
             if getattr(c, name) and name not in skip_paths:
                 _check_path(name, getattr(c, name))
+        c.model, c.gguf_file = _check_gguf(c.model, c.gguf_file, c.tokenizer)
         return c
 
     # ----------------------------------------------------------- YAML / CLI
@@ -466,6 +475,47 @@ def _check_path(name: str, value: str) -> None:
     if not hub_id:
         raise ConfigError(f"{name}={value!r} does not exist: check the path "
                           f"(relative paths are resolved from {os.getcwd()})")
+
+
+def _check_gguf(model: str, gguf_file: str | None, tokenizer: str | None) -> tuple[str, str | None]:
+    """A GGUF model as (folder or hub id, file name); `model: dir/m.gguf` becomes ("dir", "m.gguf").
+    Runs after `_check_path`, so a local `model` exists."""
+    if tokenizer is not None and tokenizer.endswith(".gguf"):
+        raise ConfigError(f"tokenizer={tokenizer!r} is a GGUF file: a GGUF tokenizer is read from the model's "
+                          "own file; leave tokenizer unset, or point it at a tokenizer folder")
+    path = Path(model).expanduser()
+    if gguf_file is None and not model.endswith(".gguf"):
+        found = sorted(p.name for p in path.glob("*.gguf")) if path.is_dir() else []
+        if found and not (path / "config.json").is_file():
+            raise ConfigError(f"model={model!r} holds no config.json but GGUF file(s) {', '.join(found)}: "
+                              f"name the one to train with gguf_file: {found[0]} (or model: {path / found[0]})")
+        return model, None
+    if gguf_file is not None and model.endswith(".gguf"):
+        raise ConfigError(f"gguf_file={gguf_file!r} is set and model={model!r} is itself a GGUF file: set "
+                          "model to the folder that holds the file, or drop gguf_file")
+    if importlib.util.find_spec("gguf") is None:
+        raise ConfigError(f"model={model!r} is a GGUF model and reading it needs the gguf package: "
+                          "pip install 'grouprl[gguf]' (or pip install gguf)")
+    if gguf_file is None:
+        folder, gguf_file = path.parent, path.name
+    elif model.startswith("builtin:") or path.is_file():
+        raise ConfigError(f"gguf_file={gguf_file!r} needs model to be the folder that holds it, and "
+                          f"model={model!r} is not a folder: set model to the file's folder")
+    elif not path.exists():  # a hub id (allowed by _check_path when online): transformers downloads the file
+        return model, gguf_file
+    else:
+        folder = path
+    file = folder / gguf_file
+    if not file.is_file():
+        found = sorted(p.name for p in folder.glob("*.gguf"))
+        raise ConfigError(f"gguf_file={gguf_file!r} is not in the model folder {str(folder)!r}, which holds "
+                          + (f"the GGUF file(s) {', '.join(found)}" if found else "no .gguf file")
+                          + ": check the name")
+    with open(file, "rb") as f:
+        if f.read(4) != b"GGUF":
+            raise ConfigError(f"{str(file)!r} is not a GGUF file (it does not start with the GGUF magic "
+                              "bytes): point model/gguf_file at a llama.cpp .gguf file")
+    return str(folder), gguf_file
 
 
 def _did_you_mean(name: str, known: set[str]) -> str:

@@ -31,8 +31,9 @@ def resolve_model_path(name: str) -> str:
     return str(Path(name).expanduser()) if Path(name).expanduser().exists() else name
 
 
-def load_tokenizer(name: str):
-    tok = AutoTokenizer.from_pretrained(resolve_model_path(name))
+def load_tokenizer(name: str, gguf_file: str | None = None):
+    """The tokenizer of a model folder or hub id, or the one stored in its GGUF file `gguf_file`."""
+    tok = AutoTokenizer.from_pretrained(resolve_model_path(name), gguf_file=gguf_file)
     if tok.pad_token_id is None:  # e.g. GPT-2, Llama: pad with EOS (padding is always masked out)
         if tok.eos_token is None:
             raise ValueError(f"tokenizer {name!r} has neither a pad nor an EOS token: add one")
@@ -40,11 +41,13 @@ def load_tokenizer(name: str):
     return tok
 
 
-def load_policy(name: str, *, lora_r: int = 0, lora_alpha: float = 16.0, lora_dropout: float = 0.0,
-                lora_target_modules: str | list[str] = "all-linear",
+def load_policy(name: str, *, gguf_file: str | None = None, lora_r: int = 0, lora_alpha: float = 16.0,
+                lora_dropout: float = 0.0, lora_target_modules: str | list[str] = "all-linear",
                 gradient_checkpointing: bool = False, disable_dropout: bool = True) -> torch.nn.Module:
-    """Load a causal LM in fp32 (bf16 runs under autocast) and wrap it with LoRA when asked."""
-    model = AutoModelForCausalLM.from_pretrained(resolve_model_path(name), dtype=torch.float32)
+    """Load a causal LM in fp32 (bf16 runs under autocast) and wrap it with LoRA when asked. With
+    `gguf_file`, the model is that GGUF file in the folder (or hub repo) `name`, dequantized."""
+    model = AutoModelForCausalLM.from_pretrained(resolve_model_path(name), dtype=torch.float32,
+                                                 **_gguf_kwargs(gguf_file))
     model.config.use_cache = False
     if disable_dropout:
         switch_off_dropout(model)
@@ -57,6 +60,21 @@ def load_policy(name: str, *, lora_r: int = 0, lora_alpha: float = 16.0, lora_dr
             r=lora_r, lora_alpha=lora_alpha, lora_dropout=lora_dropout,
             target_modules=lora_target_modules, task_type="CAUSAL_LM"))
     return model
+
+
+def _gguf_kwargs(gguf_file: str | None) -> dict:
+    """`from_pretrained` arguments that read a GGUF file as plain weights. `dequantize=True` unpacks
+    every block (transformers may otherwise keep them packed, which cannot be trained) and drops the
+    quantization config, without which `save_pretrained` refuses ("quantized with gguf and is not
+    serializable"); so checkpoints are ordinary safetensors folders. Transformers releases without
+    `GgufConfig` always dequantize."""
+    if gguf_file is None:
+        return {}
+    import transformers
+
+    if not hasattr(transformers, "GgufConfig"):
+        return {"gguf_file": gguf_file}
+    return {"gguf_file": gguf_file, "quantization_config": transformers.GgufConfig(dequantize=True)}
 
 
 def switch_off_dropout(model: torch.nn.Module) -> None:

@@ -121,8 +121,8 @@ class Trainer:
                 logger.info("sandbox for untrusted code: %s", sandbox)
 
         # models
-        self.tokenizer = load_tokenizer(cfg.tokenizer or cfg.model)
-        self.model = load_policy(cfg.model, lora_r=cfg.lora_r, lora_alpha=cfg.lora_alpha,
+        self.tokenizer = load_tokenizer(cfg.tokenizer or cfg.model, None if cfg.tokenizer else cfg.gguf_file)
+        self.model = load_policy(cfg.model, gguf_file=cfg.gguf_file, lora_r=cfg.lora_r, lora_alpha=cfg.lora_alpha,
                                  lora_dropout=cfg.lora_dropout, lora_target_modules=cfg.lora_target_modules,
                                  gradient_checkpointing=cfg.gradient_checkpointing, disable_dropout=cfg.disable_dropout)
         self.model.train()

@@ -1,0 +1,28 @@
+"""Tools the policy calls during a rollout: schemas, call parsing, execution, rendering (docs/tools.md).
+
+- `Tool`, `resolve_tool(s)`: a tool from a typed, documented function (schema from transformers'
+  `get_json_schema`), a built-in name ("python") or "package.module:function".
+- `get_tool_parser(tokenizer, tools)`: parses an assistant turn into `ToolCall`s (and `ParseError`s)
+  in the format of the model's chat template.
+"""
+
+from .base import Tool, ToolCall, check_call
+from .parsing import FORMATS, ParsedTurn, ParseError, ToolCallParser, detect_format, get_tool_parser
+from .python import python_tool
+from .registry import BUILTIN_TOOLS, resolve_tool, resolve_tools
+
+__all__ = [
+    "BUILTIN_TOOLS",
+    "FORMATS",
+    "ParseError",
+    "ParsedTurn",
+    "Tool",
+    "ToolCall",
+    "ToolCallParser",
+    "check_call",
+    "detect_format",
+    "get_tool_parser",
+    "python_tool",
+    "resolve_tool",
+    "resolve_tools",
+]

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from .base import Tool
+from .base import Tool, ToolCall
 from .execute import ToolResult
 
 
@@ -26,7 +26,7 @@ def render_tool_messages(tokenizer: Any, results: Sequence[ToolResult],
     if not results:
         raise ValueError("no tool results to render: a turn without calls is not followed by tool messages")
     schemas = [t.schema for t in tools.values()] if tools else None
-    calls = [{"type": "function", "function": {"name": r.name or "unknown", "arguments": {}}} for r in results]
+    calls = [ToolCall(r.name or "unknown", {}).as_message_part() for r in results]
     user = [{"role": "user", "content": "."}]
     turn = user + [{"role": "assistant", "content": "", "tool_calls": calls}]
 

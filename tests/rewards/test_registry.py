@@ -46,3 +46,18 @@ def test_import_paths():
         resolve_reward_func("no_such_pkg.mod:f")
     with pytest.raises(ValueError, match="module 'grouprl.rewards.format' has no attribute 'nope'"):
         resolve_reward_func("grouprl.rewards.format:nope")
+
+
+class Constant:
+    """A reward factory whose rewards are callable objects, without a __name__ of their own."""
+
+    def __init__(self, value: float):
+        self.value = value
+
+    def __call__(self, prompts, completions, **columns):
+        return [self.value] * len(completions)
+
+
+def test_an_unnamed_reward_from_an_imported_factory_is_named_after_the_attribute():
+    f = resolve_reward_func(f"{__name__}:Constant", value=0.5)
+    assert f.__name__ == "Constant" and f([""], ["a", "b"]) == [0.5, 0.5]

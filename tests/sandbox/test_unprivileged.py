@@ -1,7 +1,7 @@
 """The sandbox suite again, as an unprivileged user: with user namespaces, and without them (refused).
 
-Most people who train do not run as root, so test_sandbox.py and test_modes.py run twice more here,
-each in a child pytest:
+Most people who train do not run as root, so test_sandbox.py, test_modes.py and test_program.py run
+twice more here, each in a child pytest:
 - as uid 65534 with RLIMIT_NPROC set (root ignores it), where user namespaces are allowed: the
   sandbox must give the same containment as root ("userns");
 - as an unprivileged uid inside no_userns.py, where user namespaces cannot be made (as under
@@ -30,7 +30,7 @@ import grouprl
 UID = 65534  # nobody
 NPROC = 512  # the uid's whole process budget, for the sandboxes and the child pytest together
 HERE = Path(__file__).parent
-TESTS = ["test_sandbox.py", "test_modes.py"]
+TESTS = ["test_sandbox.py", "test_modes.py", "test_program.py"]
 
 
 def _copy_tree(dest: Path) -> None:

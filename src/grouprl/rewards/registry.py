@@ -8,10 +8,10 @@ imported target is called with them to build the reward function.
 
 from __future__ import annotations
 
-import importlib
 import inspect
 from typing import Any, Callable
 
+from ..importpath import import_callable
 from .code import code_tests
 from .format import regex_match, think_format, think_format_soft
 from .math import math_accuracy
@@ -66,21 +66,10 @@ def resolve_reward_func(spec: str, **params: Any) -> Callable:
             "Any other function can be named by import path as 'package.module:function' "
             "(it is called as f(prompts, completions, **columns) and returns one float or None per completion)."
         )
-    module_name, _, attr = spec.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ValueError(f"reward {spec!r}: cannot import module {module_name!r}: {e}") from e
-    target: Any = module
-    for part in attr.split("."):
-        if not hasattr(target, part):
-            raise ValueError(f"reward {spec!r}: module {module_name!r} has no attribute {attr!r}")
-        target = getattr(target, part)
-    if not callable(target):
-        raise ValueError(f"reward {spec!r}: {attr!r} is a {type(target).__name__}, not a function")
+    target = import_callable(spec, "reward")
     if params:
         func = target(**params)
         if not getattr(func, "__name__", None):
-            func.__name__ = attr.rsplit(".", 1)[-1]
+            func.__name__ = spec.partition(":")[2].rsplit(".", 1)[-1]
         return func
     return target

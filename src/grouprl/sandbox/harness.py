@@ -59,8 +59,8 @@ def _run():
     except SystemExit as e:
         sys.stderr.write(f"SystemExit({e.code!r})\n")
         return 1
-    except BaseException:
-        traceback.print_exc(limit=-3)
+    except BaseException as e:  # the program's last frames, without the harness's own (`_run`)
+        traceback.print_exception(type(e), e, e.__traceback__.tb_next, limit=-3)
         return 1
     try:
         sys.stdout.flush()

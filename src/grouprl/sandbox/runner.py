@@ -1,4 +1,5 @@
-"""Run untrusted Python programs against tests, isolated: `run_code`, `run_code_batch`, `CodeResult`.
+"""Run untrusted Python programs, isolated: against tests (`run_code`, `run_code_batch`, `CodeResult`) or
+once for their output (`run_program`, `ProgramResult`).
 
 Every test is one fresh sandboxed process (`launch.py` isolates, `harness.py` judges the test). This
 module owns what happens around it:
@@ -220,6 +221,50 @@ def run_code_batch(
         return list(pool.map(lambda pt: run_code(pt[0], pt[1], **kwargs), zip(programs, tests)))
 
 
+@dataclass
+class ProgramResult:
+    """What one run of a program printed, and how it ended: `run_program`'s answer.
+
+    status: "ok" (exited 0), "error" (raised or exited non-zero; `detail` says how), "syntax_error",
+    "timeout", "memory_limit", "output_limit" (stdout passed the cap: the program was stopped and
+    `stdout` holds what came before), "sandbox_error" (ours, not the program's; cause in `detail`).
+    """
+
+    status: str
+    stdout: str
+    stderr: str
+    detail: str = ""
+    duration_s: float = 0.0
+    mechanism: str = ""
+
+
+def run_program(
+    program: str,
+    *,
+    timeout_s: float = 5.0,
+    memory_mb: int = 512,
+    max_output_bytes: int = 1 << 20,
+    disk_mb: int = 64,
+    isolation: str = "strict",
+) -> ProgramResult:
+    """Run `program` (Python source) once in a sandbox, stdin empty; return its stdout and stderr.
+
+    The same sandbox, limits and `isolation` as `run_code` (one fresh process tree; stdout and stderr
+    are each read up to max_output_bytes), without tests to judge: the `python` tool's runner.
+    """
+    mode, python = sandbox_mechanism(isolation)
+    start = time.monotonic()
+    try:
+        with _prepared_run(program, mode) as (run_dir, uid):
+            end = _launch({"input": ""}, run_dir, uid, timeout_s, memory_mb, max_output_bytes, disk_mb, mode, python)
+    except OSError as e:  # our machinery, never the program's fault
+        return ProgramResult("sandbox_error", "", "", f"the sandbox failed: {type(e).__name__}: {e}",
+                             time.monotonic() - start, f"{mode} ({python})")
+    status, detail = _end_status(end, timeout_s, memory_mb, max_output_bytes)
+    return ProgramResult(status, end.stdout.decode("utf-8", "replace"), end.stderr, detail,
+                         time.monotonic() - start, f"{mode} ({python})")
+
+
 # ---------------------------------------------------------------- one program, all its tests
 
 
@@ -228,30 +273,15 @@ def _run_tests(program, tests, timeout_s, memory_mb, max_output_bytes, disk_mb, 
     statuses: list[str] = []
     detail = ""
     try:
-        with _claim_uid(per_run=mode != "userns") as uid:
-            run_dir = tempfile.mkdtemp(prefix="grouprl-sbx-")
-            try:
-                _write(os.path.join(run_dir, "program.py"), program)
-                shutil.copyfile(_HARNESS, os.path.join(run_dir, "harness.py"))
-                if mode == "rlimit":
-                    work = os.path.join(run_dir, "work")
-                    os.mkdir(work, 0o700)
-                    if uid:
-                        os.chmod(run_dir, 0o711)  # the sandbox uid may traverse, not list
-                        os.chown(work, uid, uid)
-                for i, test in enumerate(tests):
-                    status, why = _run_one(program, test, run_dir, uid, timeout_s, memory_mb,
-                                           max_output_bytes, disk_mb, mode, python)
-                    statuses.append(status)
-                    if status != "passed" and not detail:
-                        detail = f"test {i}: {why}"
-                    if status in _STOP_STATUSES:
-                        statuses += ["not_run"] * (len(tests) - len(statuses))
-                        break
-            finally:
-                if uid:
-                    _kill_uid(uid)
-                shutil.rmtree(run_dir, ignore_errors=True)
+        with _prepared_run(program, mode) as (run_dir, uid):
+            for i, test in enumerate(tests):
+                status, why = _run_one(test, run_dir, uid, timeout_s, memory_mb, max_output_bytes, disk_mb, mode, python)
+                statuses.append(status)
+                if status != "passed" and not detail:
+                    detail = f"test {i}: {why}"
+                if status in _STOP_STATUSES:
+                    statuses += ["not_run"] * (len(tests) - len(statuses))
+                    break
     except OSError as e:  # our machinery (a full /tmp, no processes left to start one): never the program's fault
         i = min(len(statuses), len(tests) - 1)
         statuses = statuses[:i] + ["sandbox_error"] + ["not_run"] * (len(tests) - i - 1)
@@ -260,6 +290,28 @@ def _run_tests(program, tests, timeout_s, memory_mb, max_output_bytes, disk_mb, 
     first_bad = next((s for s in statuses if s != "passed"), "passed")
     return CodeResult(passed, len(tests), first_bad, detail, statuses, time.monotonic() - start,
                       f"{mode} ({python})")
+
+
+@contextmanager
+def _prepared_run(program, mode):
+    """Yield (run_dir, uid): a claimed uid (0 when none) and a fresh directory holding the program and
+    the harness. Afterwards every process of the uid is killed and the directory removed."""
+    with _claim_uid(per_run=mode != "userns") as uid:
+        run_dir = tempfile.mkdtemp(prefix="grouprl-sbx-")
+        try:
+            _write(os.path.join(run_dir, "program.py"), program)
+            shutil.copyfile(_HARNESS, os.path.join(run_dir, "harness.py"))
+            if mode == "rlimit":
+                work = os.path.join(run_dir, "work")
+                os.mkdir(work, 0o700)
+                if uid:
+                    os.chmod(run_dir, 0o711)  # the sandbox uid may traverse, not list
+                    os.chown(work, uid, uid)
+            yield run_dir, uid
+        finally:
+            if uid:
+                _kill_uid(uid)
+            shutil.rmtree(run_dir, ignore_errors=True)
 
 
 def _write(path, text, mode=0o444):
@@ -271,8 +323,19 @@ def _write(path, text, mode=0o444):
         f.write(text)
 
 
-def _run_one(program, test, run_dir, uid, timeout_s, memory_mb, max_output_bytes, disk_mb, mode, python):
-    """Run one test; return (status, reason)."""
+class _Exit(NamedTuple):
+    """How one sandboxed process ended: its stdout (without the harness's marker), stderr, exit code,
+    why we stopped it ("timeout", "output_limit" or ""), and whether the harness finished normally."""
+
+    stdout: bytes
+    stderr: str
+    rc: int
+    stopped: str
+    finished: bool
+
+
+def _launch(test, run_dir, uid, timeout_s, memory_mb, max_output_bytes, disk_mb, mode, python) -> _Exit:
+    """Run the prepared program once in a fresh sandbox, with `test`'s stdin or after it its assert."""
     is_assert = "assert" in test
     test_path = os.path.join(run_dir, "test.py")
     if os.path.exists(test_path):
@@ -284,7 +347,7 @@ def _run_one(program, test, run_dir, uid, timeout_s, memory_mb, max_output_bytes
     nonce = secrets.token_hex(16).encode()
     cfg = {
         "mode": mode, "python": python, "run_dir": run_dir, "has_test": is_assert,
-        "uid": uid, "gid": uid, "cpu_s": max(1, math.ceil(timeout_s)), "as_bytes": memory_mb << 20,
+        "uid": uid, "gid": uid, "cpu_s": _cpu_s(timeout_s), "as_bytes": memory_mb << 20,
         "fsize_bytes": disk_mb << 20, "disk_mb": disk_mb, "nproc": NPROC, "nofile": NOFILE,
     }
     r, w = os.pipe()
@@ -302,30 +365,48 @@ def _run_one(program, test, run_dir, uid, timeout_s, memory_mb, max_output_bytes
     finished = out.endswith(marker)
     if finished:
         out = out[: -len(marker)]
-    err_text = err.decode("utf-8", "replace")
-    if stopped == "timeout":
-        return stopped, f"timeout ({timeout_s:g} s wall)"
-    if stopped == "output_limit":
-        return stopped, f"output exceeded {max_output_bytes} bytes"
-    if rc == _EXIT_SETUP and "sandbox setup failed" in err_text:
-        return "sandbox_error", _last_line(err_text)
-    if rc == _EXIT_SYNTAX:
-        return "syntax_error", _last_line(err_text)
-    if rc == _EXIT_CPU or rc == 128 + signal.SIGXCPU:
-        return "timeout", f"CPU limit ({cfg['cpu_s']} s)"
-    if "MemoryError" in err_text:
+    return _Exit(out, err.decode("utf-8", "replace"), rc, stopped, finished)
+
+
+def _cpu_s(timeout_s: float) -> int:
+    return max(1, math.ceil(timeout_s))
+
+
+def _end_status(end: _Exit, timeout_s, memory_mb, max_output_bytes) -> tuple[str, str]:
+    """(status, reason) for how the process ended, whatever it was asked: ("ok", "") when it exited 0."""
+    if end.stopped == "timeout":
+        return "timeout", f"timeout ({timeout_s:g} s wall)"
+    if end.stopped == "output_limit":
+        return "output_limit", f"output exceeded {max_output_bytes} bytes"
+    if end.rc == _EXIT_SETUP and "sandbox setup failed" in end.stderr:
+        return "sandbox_error", _last_line(end.stderr)
+    if end.rc == _EXIT_SYNTAX:
+        return "syntax_error", _last_line(end.stderr)
+    if end.rc == _EXIT_CPU or end.rc == 128 + signal.SIGXCPU:
+        return "timeout", f"CPU limit ({_cpu_s(timeout_s)} s)"
+    if "MemoryError" in end.stderr:
         return "memory_limit", f"MemoryError (address space limit {memory_mb} MiB)"
-    if rc != 0:
-        if is_assert and "AssertionError" in err_text:
-            return "failed", _last_line(err_text)
-        if rc > 128:
-            return "error", f"killed by {_signal_name(rc - 128)}"
-        return "error", _last_line(err_text) or f"exit code {rc}"
+    if end.rc > 128:
+        return "error", f"killed by {_signal_name(end.rc - 128)}"
+    if end.rc != 0:
+        return "error", _last_line(end.stderr) or f"exit code {end.rc}"
+    return "ok", ""
+
+
+def _run_one(test, run_dir, uid, timeout_s, memory_mb, max_output_bytes, disk_mb, mode, python):
+    """Run one test; return (status, reason)."""
+    end = _launch(test, run_dir, uid, timeout_s, memory_mb, max_output_bytes, disk_mb, mode, python)
+    status, why = _end_status(end, timeout_s, memory_mb, max_output_bytes)
+    is_assert = "assert" in test
+    if status == "error" and is_assert and "AssertionError" in end.stderr:
+        return "failed", _last_line(end.stderr)
+    if status != "ok":
+        return status, why
     if is_assert:
-        if not finished:
+        if not end.finished:
             return "error", "the program exited before the test ran"
         return "passed", ""
-    got = _normalise(out.decode("utf-8", "replace"))
+    got = _normalise(end.stdout.decode("utf-8", "replace"))
     expected = _normalise(str(test["output"]))
     if got == expected:
         return "passed", ""

@@ -1,0 +1,76 @@
+"""Tools from plain functions: `Tool`, `ToolCall`, `check_call`.
+
+A tool is a Python function (or `async def`) with a type hint on every parameter and a Google-style
+docstring. Its JSON schema, which the chat template shows the model, is transformers' own
+`get_json_schema(func)`, never written by hand here.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from transformers.utils import get_json_schema
+
+HOW = ("A tool is a function with a type hint on every parameter and a Google-style docstring: a summary "
+       "line, then `Args:` with one `name: description` line per parameter (transformers.utils."
+       "get_json_schema builds the schema the model sees from them).")
+
+
+@dataclass(frozen=True)
+class Tool:
+    """A callable the model may call by `name`, with the JSON schema that describes it."""
+
+    name: str
+    func: Callable[..., Any]
+    schema: dict = field(repr=False)  # {"type": "function", "function": {"name", "description", "parameters"}}
+
+    @classmethod
+    def from_function(cls, func: Callable[..., Any]) -> Tool:
+        """Build a tool from `func`; ValueError naming the function and the fix when it cannot describe itself."""
+        name = getattr(func, "__name__", repr(func))
+        try:
+            schema = get_json_schema(func)
+        except Exception as e:  # transformers' DocstringParsingException / TypeHintParsingException
+            raise ValueError(f"tool {name}: {e}. {HOW}") from None
+        return cls(name, func, schema)
+
+    @property
+    def is_async(self) -> bool:
+        return inspect.iscoroutinefunction(self.func)
+
+    @property
+    def parameters(self) -> dict:
+        """The schema's parameters: {"type": "object", "properties": {...}, "required": [...]}."""
+        return self.schema["function"].get("parameters", {})
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """One call the model asked for: a tool name and its keyword arguments."""
+
+    name: str
+    arguments: dict[str, Any]
+
+    def as_message_part(self) -> dict:
+        """The call as an assistant message's `tool_calls` entry, the form chat templates render."""
+        return {"type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+
+
+def check_call(call: ToolCall, tools: dict[str, Tool]) -> str | None:
+    """Why `call` cannot be made (unknown tool, missing or unexpected arguments), or None when it can."""
+    tool = tools.get(call.name)
+    if tool is None:
+        known = ", ".join(sorted(tools)) or "none"
+        return f"unknown tool {call.name!r}; the tools are: {known}"
+    properties, required = tool.parameters.get("properties", {}), tool.parameters.get("required", [])
+    missing = [p for p in required if p not in call.arguments]
+    unexpected = [a for a in call.arguments if a not in properties]
+    if not (missing or unexpected):
+        return None
+    problems = ([f"missing {', '.join(map(repr, missing))}"] if missing else []) + (
+        [f"unexpected {', '.join(map(repr, unexpected))}"] if unexpected else [])
+    signature = ", ".join(f"{p}: {spec.get('type', 'any')}" + ("" if p in required else " (optional)")
+                          for p, spec in properties.items())
+    return f"bad arguments for {call.name}: {'; '.join(problems)}. It takes ({signature})"

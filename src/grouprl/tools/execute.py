@@ -1,0 +1,159 @@
+"""Running parsed tool calls: `execute_calls` -> `ToolBatch` of `ToolResult`s.
+
+Rows run concurrently, each row's calls one after another in the order the model wrote them (a
+later call may rely on an earlier one's effect). A plain function runs in a daemon thread of its
+own, an `async def` tool is awaited on one event loop; at most `max_concurrency` calls run at once.
+Every call is bounded by `timeout_s`. Nothing a tool does raises here: an exception, a timeout, an
+unknown tool or bad arguments become a result whose content tells the model what went wrong, and
+whose status counts it. Python cannot kill a thread: a timed-out plain function runs on, abandoned,
+and cannot block interpreter exit; an `async def` tool is cancelled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from .base import Tool, ToolCall, check_call
+from .parsing import ParseError
+
+STATUSES = ("ok", "error", "timeout", "parse_error")
+
+
+@dataclass(frozen=True)
+class ToolResult:
+    """One call's answer. status: "ok", "error" (raised, unknown tool, bad arguments), "timeout",
+    "parse_error" (the call could not be read; nothing ran)."""
+
+    name: str | None  # the tool called; None for a call that could not be read
+    content: str  # what the model is shown
+    status: str
+    duration_s: float = 0.0
+
+    @property
+    def message(self) -> dict:
+        """The result as a chat message with role "tool"."""
+        return {"role": "tool", "content": self.content} | ({"name": self.name} if self.name else {})
+
+
+@dataclass(frozen=True)
+class ToolBatch:
+    """The results of one `execute_calls`, one list per row, in the order of the calls."""
+
+    results: list[list[ToolResult]]
+    wall_s: float  # the whole batch, start to end
+
+    def count(self, status: str) -> int:
+        """Results with this status (one of `STATUSES`)."""
+        if status not in STATUSES:
+            raise ValueError(f"status {status!r}: a tool result's status is one of {', '.join(STATUSES)}")
+        return sum(r.status == status for row in self.results for r in row)
+
+    @property
+    def num_calls(self) -> int:
+        """Calls that were read and attempted (parse errors are not calls)."""
+        return sum(r.status != "parse_error" for row in self.results for r in row)
+
+    @property
+    def tool_time_s(self) -> float:
+        """Time spent in tools, summed over calls."""
+        return sum(r.duration_s for row in self.results for r in row)
+
+
+def execute_calls(calls: Sequence[Sequence[ToolCall | ParseError]], tools: dict[str, Tool], *,
+                  timeout_s: float = 30.0, max_concurrency: int = 16) -> ToolBatch:
+    """Run each row's calls (a ParseError passes through as a "parse_error" result); see the module doc.
+
+    The event loop runs in a thread of its own, so this works from any caller, a notebook included.
+    """
+    if not timeout_s > 0:
+        raise ValueError(f"timeout_s={timeout_s}: a tool call needs a positive time limit in seconds")
+    if max_concurrency < 1:
+        raise ValueError(f"max_concurrency={max_concurrency}: at least one call must be able to run")
+    start = time.monotonic()
+    with ThreadPoolExecutor(1, thread_name_prefix="grouprl-tools") as loop_thread:
+        results = loop_thread.submit(asyncio.run, _run_rows(calls, tools, timeout_s, max_concurrency)).result()
+    return ToolBatch(results, time.monotonic() - start)
+
+
+async def _run_rows(rows, tools, timeout_s, max_concurrency) -> list[list[ToolResult]]:
+    slots = asyncio.Semaphore(max_concurrency)
+
+    async def run_row(row: Sequence[ToolCall | ParseError]) -> list[ToolResult]:
+        out = []
+        for call in row:
+            if isinstance(call, ParseError):
+                out.append(ToolResult(None, call.message, "parse_error"))
+                continue
+            async with slots:
+                out.append(await _run_call(call, tools, timeout_s))
+        return out
+
+    return list(await asyncio.gather(*(run_row(row) for row in rows)))
+
+
+async def _run_call(call: ToolCall, tools: dict[str, Tool], timeout_s: float) -> ToolResult:
+    problem = check_call(call, tools)
+    if problem is not None:
+        return ToolResult(call.name, f"error: {problem}", "error")
+    tool = tools[call.name]
+    start = time.monotonic()
+    pending = _awaited(tool.func, call.arguments) if tool.is_async else _in_daemon_thread(tool.func, call.arguments)
+    task = asyncio.ensure_future(pending)
+    done, _ = await asyncio.wait({task}, timeout=timeout_s)  # not wait_for: a tool's own TimeoutError is an error
+    took = time.monotonic() - start
+    if not done:
+        task.cancel()
+        return ToolResult(call.name, f"error: {call.name} did not finish within {timeout_s:g} s", "timeout", took)
+    try:
+        value = task.result()
+    except BaseException as e:  # even SystemExit, or a CancelledError of the tool's own
+        return ToolResult(call.name, f"error: {call.name} raised {type(e).__name__}: {e}", "error", took)
+    return ToolResult(call.name, _as_text(value), "ok", took)
+
+
+async def _awaited(func: Callable[..., Any], kwargs: dict) -> Any:
+    return await func(**kwargs)  # called inside the task, so even a call that fails to start is the task's error
+
+
+def _in_daemon_thread(func: Callable[..., Any], kwargs: dict) -> asyncio.Future:
+    """`func(**kwargs)` in a new daemon thread; the future settles on the calling loop."""
+    loop = asyncio.get_running_loop()
+    future = loop.create_future()
+
+    def settle(value: Any, error: BaseException | None) -> None:
+        if future.done():  # a timed-out call's future was cancelled
+            return
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(value)
+
+    def target() -> None:
+        try:
+            value, error = func(**kwargs), None
+        except BaseException as e:  # even SystemExit: a tool never takes the trainer down
+            value, error = None, e if isinstance(e, Exception) else RuntimeError(repr(e))
+        try:
+            loop.call_soon_threadsafe(settle, value, error)
+        except RuntimeError:  # the loop has closed: this call timed out and was abandoned
+            pass
+
+    threading.Thread(target=target, daemon=True, name=f"tool-{getattr(func, '__name__', 'func')}").start()
+    return future
+
+
+def _as_text(value: Any) -> str:
+    """A tool's return value as the model sees it: a string as is, anything else as JSON (else str())."""
+    if isinstance(value, str):
+        return value
+    try:
+        return json.dumps(value)
+    except (TypeError, ValueError):
+        return str(value)

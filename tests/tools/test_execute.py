@@ -1,0 +1,168 @@
+"""execute_calls: rows run concurrently; a tool that raises, hangs, is unknown or gets bad arguments
+answers with an error and never raises; async tools are awaited; the counts add up."""
+
+import asyncio
+import threading
+import time
+
+import pytest
+
+from grouprl.tools import ParseError, ToolCall, ToolResult, execute_calls, resolve_tools
+
+from .conftest import add
+
+RELEASE = threading.Event()  # set at the end of the module: lets the abandoned hanging threads finish
+
+
+def divide(a: float, b: float) -> float:
+    """Divide.
+
+    Args:
+        a: Numerator.
+        b: Denominator.
+    """
+    return a / b
+
+
+def hang(seconds: float) -> str:
+    """Wait, then answer.
+
+    Args:
+        seconds: How long to wait.
+    """
+    RELEASE.wait(seconds)
+    return "woke up"
+
+
+async def slow_echo(text: str, delay: float) -> dict:
+    """Echo after a delay.
+
+    Args:
+        text: What to echo.
+        delay: Seconds to wait first.
+    """
+    await asyncio.sleep(delay)
+    return {"echo": text}
+
+
+def leave(code: int) -> str:
+    """Exit the interpreter.
+
+    Args:
+        code: The exit status.
+    """
+    raise SystemExit(code)
+
+
+def timeout_inside() -> str:
+    """Fail with the tool's own TimeoutError.
+    """
+    raise TimeoutError("upstream did not answer")
+
+
+TOOLS = resolve_tools([add, divide, hang, slow_echo, leave, timeout_inside])
+
+
+@pytest.fixture(scope="module", autouse=True)
+def release_hanging_threads():
+    yield
+    RELEASE.set()
+
+
+def test_ok_error_timeout_async_in_one_batch():
+    calls = [
+        [ToolCall("add", {"a": 2, "b": 3}), ToolCall("divide", {"a": 1, "b": 0})],
+        [ToolCall("hang", {"seconds": 60}), ToolCall("add", {"a": 1})],
+        [ToolCall("slow_echo", {"text": "hi", "delay": 0.2})],
+        [ToolCall("slow_echo", {"text": "late", "delay": 60})],
+    ]
+    start = time.monotonic()
+    batch = execute_calls(calls, TOOLS, timeout_s=1.0)
+    took = time.monotonic() - start
+    assert [[(r.name, r.content, r.status) for r in row] for row in batch.results] == [
+        [("add", "5", "ok"), ("divide", "error: divide raised ZeroDivisionError: division by zero", "error")],
+        [("hang", "error: hang did not finish within 1 s", "timeout"), ("add", "1", "ok")],
+        [("slow_echo", '{"echo": "hi"}', "ok")],
+        [("slow_echo", "error: slow_echo did not finish within 1 s", "timeout")],
+    ]
+    # rows ran concurrently: the two 1 s timeouts overlap (one after another would take over 2 s)
+    assert 1.0 <= took < 1.9, took
+    assert (batch.num_calls, batch.count("ok"), batch.count("error"), batch.count("timeout")) == (6, 3, 1, 2)
+    timed_out = [r.duration_s for row in batch.results for r in row if r.status == "timeout"]
+    assert all(1.0 <= d < 1.5 for d in timed_out), timed_out
+    assert batch.tool_time_s >= sum(timed_out) + 0.2 and batch.wall_s >= took - 0.05
+
+
+def test_calls_within_a_row_run_in_order():
+    seen = []
+
+    def record(tag: str) -> str:
+        """Record a tag.
+
+        Args:
+            tag: The tag.
+        """
+        time.sleep(0.05 if tag == "first" else 0)
+        seen.append(tag)
+        return tag
+
+    batch = execute_calls([[ToolCall("record", {"tag": "first"}), ToolCall("record", {"tag": "second"})]],
+                          resolve_tools([record]))
+    assert seen == ["first", "second"] and [r.content for r in batch.results[0]] == ["first", "second"]
+
+
+def test_max_concurrency_bounds_the_calls_running_at_once():
+    calls = [[ToolCall("slow_echo", {"text": str(i), "delay": 0.3})] for i in range(3)]
+    start = time.monotonic()
+    execute_calls(calls, TOOLS, max_concurrency=3)
+    together = time.monotonic() - start
+    start = time.monotonic()
+    batch = execute_calls(calls, TOOLS, max_concurrency=1)
+    alone = time.monotonic() - start
+    assert together < 0.6 <= 0.9 <= alone, (together, alone)
+    assert [row[0].content for row in batch.results] == ['{"echo": "0"}', '{"echo": "1"}', '{"echo": "2"}']
+
+
+def test_unknown_tool_bad_arguments_and_parse_errors_never_raise():
+    bad = ParseError("invalid JSON (Expecting value at line 1 column 1)", "<tool_call>x</tool_call>")
+    batch = execute_calls([[ToolCall("mul", {"a": 1}), ToolCall("add", {"x": 1}), bad], []], TOOLS)
+    assert [(r.name, r.content, r.status) for r in batch.results[0]] == [
+        ("mul", "error: unknown tool 'mul'; the tools are: add, divide, hang, leave, slow_echo, timeout_inside",
+         "error"),
+        ("add", "error: bad arguments for add: missing 'a'; unexpected 'x'. It takes (a: integer, b: integer "
+                "(optional))", "error"),
+        (None, "error: could not read this tool call: invalid JSON (Expecting value at line 1 column 1).",
+         "parse_error"),
+    ]
+    assert batch.results[1] == []
+    assert (batch.num_calls, batch.count("error"), batch.count("parse_error")) == (2, 2, 1)
+
+
+def test_system_exit_and_a_tools_own_timeout_error_are_errors():
+    batch = execute_calls([[ToolCall("leave", {"code": 3})], [ToolCall("timeout_inside", {})]], TOOLS, timeout_s=5)
+    assert [(r.content, r.status) for row in batch.results for r in row] == [
+        ("error: leave raised RuntimeError: SystemExit(3)", "error"),
+        ("error: timeout_inside raised TimeoutError: upstream did not answer", "error"),
+    ]
+
+
+def test_results_as_tool_messages():
+    assert ToolResult("add", "5", "ok").message == {"role": "tool", "content": "5", "name": "add"}
+    assert ToolResult(None, "error: x", "parse_error").message == {"role": "tool", "content": "error: x"}
+
+
+def test_works_inside_a_running_event_loop():
+    async def caller():
+        return execute_calls([[ToolCall("slow_echo", {"text": "x", "delay": 0})]], TOOLS)
+
+    assert asyncio.run(caller()).results[0][0].content == '{"echo": "x"}'
+
+
+def test_bad_limits():
+    with pytest.raises(ValueError, match="timeout_s=0: a tool call needs a positive time limit in seconds"):
+        execute_calls([], TOOLS, timeout_s=0)
+    with pytest.raises(ValueError, match="max_concurrency=0: at least one call must be able to run"):
+        execute_calls([], TOOLS, max_concurrency=0)
+    with pytest.raises(ValueError, match="status 'timed_out': a tool result's status is one of ok, error, timeout, "
+                                         "parse_error"):
+        execute_calls([], TOOLS).count("timed_out")

@@ -1,0 +1,173 @@
+"""Tool calls parsed per chat-template family, malformed calls included, and the choice of parser."""
+
+import pytest
+
+from grouprl.tools import ParseError, ToolCall, ToolCallParser, get_tool_parser, resolve_tools
+
+from .conftest import add, build_qwen_tokenizer, web_lookup
+
+TOOLS = resolve_tools([add, web_lookup])
+HERMES_HINT = 'Write each call as <tool_call>\n{"name": <tool name>, "arguments": {<argument>: <value>}}\n</tool_call>'
+UNKNOWN = "error: could not read this tool call: unknown tool '{}'; the tools are: add, web_lookup."
+LLAMA3_HINT = 'Write a call as the whole message: {"name": <tool name>, "parameters": {<argument>: <value>}}'
+# transformers' own parsing, declared for Qwen2.5 (the tokenizer_config.json key `response_template`)
+QWEN_RESPONSE_TEMPLATE = {
+    "defaults": {"role": "assistant"},
+    "start_anchor": "<|im_start|>assistant\n",
+    "fields": {
+        "tool_calls": {"open_pattern": r"\s*<tool_call>", "close": "</tool_call>", "repeats": True,
+                       "content": "json", "transform": {"type": "function", "function": "{content}"}},
+        "content": {"close_pattern": r"\s*<\|im_end\|>", "content": "text"},
+    },
+}
+
+
+def hermes(text):
+    return ToolCallParser("hermes", TOOLS).parse(text)
+
+
+def llama3(text):
+    return ToolCallParser("llama3", TOOLS).parse(text)
+
+
+# ---------------------------------------------------------------- hermes: Qwen2.5, Qwen3, Hermes
+
+
+def test_hermes_calls_and_content():
+    text = ('Let me add.\n<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>\n'
+            '<tool_call>{"name": "web_lookup", "arguments": {"query": "GRPO"}}</tool_call>')
+    turn = hermes(text)
+    assert turn.content == "Let me add."
+    assert turn.calls == [ToolCall("add", {"a": 2, "b": 3}), ToolCall("web_lookup", {"query": "GRPO"})]
+    assert turn.num_parse_errors == 0
+    assert turn.as_message() == {"role": "assistant", "content": "Let me add.", "tool_calls": [
+        {"type": "function", "function": {"name": "add", "arguments": {"a": 2, "b": 3}}},
+        {"type": "function", "function": {"name": "web_lookup", "arguments": {"query": "GRPO"}}}]}
+
+
+def test_hermes_no_call():
+    turn = hermes("The answer is 5.")
+    assert (turn.content, turn.calls, turn.as_message()) == (
+        "The answer is 5.", [], {"role": "assistant", "content": "The answer is 5."})
+
+
+def test_hermes_arguments_as_a_json_string_are_decoded():
+    turn = hermes('<tool_call>{"name": "add", "arguments": "{\\"a\\": 1}"}</tool_call>')
+    assert turn.calls == [ToolCall("add", {"a": 1})]
+
+
+@pytest.mark.parametrize("body, reason", [
+    ('{"name": "add", "arguments": {"a": 1,}}', "invalid JSON (Expecting property name enclosed in double quotes at "
+                                                "line 1 column 38)"),
+    ('["add", 1]', "expected a JSON object, got list"),
+    ('{"arguments": {"a": 1}}', 'the call has no "name"'),
+    ('{"name": "add", "arguments": [1, 2]}', "the arguments of add are not a JSON object"),
+])
+def test_hermes_malformed_call_is_a_parse_error_in_its_place(body, reason):
+    text = f'<tool_call>{body}</tool_call><tool_call>{{"name": "add", "arguments": {{"a": 7}}}}</tool_call>'
+    turn = hermes(text)
+    assert turn.calls == [ParseError(reason, f"<tool_call>{body}</tool_call>", HERMES_HINT), ToolCall("add", {"a": 7})]
+    assert turn.num_parse_errors == 1
+    assert turn.calls[0].message == f"error: could not read this tool call: {reason}. {HERMES_HINT}"
+
+
+def test_hermes_unknown_tool_and_missing_arguments_are_parse_errors():
+    turn = hermes('<tool_call>{"name": "mul", "arguments": {"a": 1}}</tool_call>'
+                  '<tool_call>{"name": "add", "arguments": {}}</tool_call>')
+    assert [c.message for c in turn.calls] == [
+        UNKNOWN.format("mul"),
+        "error: could not read this tool call: bad arguments for add: missing 'a'. It takes (a: integer, b: integer "
+        "(optional)).",
+    ]
+
+
+def test_hermes_unclosed_call():
+    turn = hermes('Sure.\n<tool_call>{"name": "add", "arguments": {"a": 1}')
+    assert turn.content == "Sure."
+    assert turn.calls == [ParseError("<tool_call> is not closed by </tool_call>",
+                                     '<tool_call>{"name": "add", "arguments": {"a": 1}', HERMES_HINT)]
+
+
+# ---------------------------------------------------------------- llama3: Llama 3.1-3.3 JSON
+
+
+def test_llama3_json_call_with_parameters():
+    turn = llama3('{"name": "add", "parameters": {"a": 2, "b": 3}}')
+    assert (turn.content, turn.calls) == ("", [ToolCall("add", {"a": 2, "b": 3})])
+
+
+def test_llama3_python_tag_form_several_calls_and_turn_end():
+    text = ('<|python_tag|>{"name": "add", "parameters": {"a": 1}}; '
+            '{"name": "web_lookup", "arguments": {"query": "x"}}<|eom_id|>')
+    assert llama3(text).calls == [ToolCall("add", {"a": 1}), ToolCall("web_lookup", {"query": "x"})]
+
+
+def test_llama3_plain_answers_hold_no_call():
+    for text in ("The sum is 5.", '{"answer": 5}', 'I would call {"name": "add"} here'):
+        turn = llama3(text)
+        assert (turn.content, turn.calls) == (text, [])
+
+
+def test_llama3_malformed_calls():
+    turn = llama3('{"name": "add", "parameters": {"a": 1}; {"name": ')
+    assert turn.calls == [ParseError("invalid JSON (Expecting ',' delimiter at character 38)",
+                                     '{"name": "add", "parameters": {"a": 1}; {"name":', LLAMA3_HINT)]
+    turn = llama3("<|python_tag|>brave_search.call(query='x')")
+    assert turn.calls == [ParseError("invalid JSON (Expecting value at character 0)",
+                                     "brave_search.call(query='x')", LLAMA3_HINT)]
+    turn = llama3('{"name": "add", "parameters": {"a": 1}} {"name": "nope", "parameters": {}}')
+    assert turn.calls[0] == ToolCall("add", {"a": 1})
+    assert turn.calls[1].message == UNKNOWN.format("nope")
+
+
+# ---------------------------------------------------------------- transformers' response parsing
+
+
+def test_template_parser_uses_the_tokenizers_response_template():
+    tok = build_qwen_tokenizer()
+    tok.response_template = QWEN_RESPONSE_TEMPLATE
+    parser = get_tool_parser(tok, TOOLS)
+    assert parser.format == "template"
+    prefix = "<|im_start|>user\nadd 2 and 3<|im_end|>\n<|im_start|>assistant\n"
+    generated = 'Adding.\n<tool_call>\n{"name": "add", "arguments": {"a": "2", "b": 3}}\n</tool_call><|im_end|>'
+    turn = parser.parse(generated, prefix=prefix)
+    # the tool's schema casts "2" to 2 (transformers' parse_response with tools=)
+    assert (turn.content, turn.calls) == ("Adding.", [ToolCall("add", {"a": 2, "b": 3})])
+    turn = parser.parse('<tool_call>{"name": "mul", "arguments": {}}</tool_call>', prefix=prefix)
+    assert turn.calls[0].message == UNKNOWN.format("mul")
+
+
+def test_template_parser_malformed_json_fails_the_whole_turn():
+    tok = build_qwen_tokenizer()
+    tok.response_template = QWEN_RESPONSE_TEMPLATE
+    text = '<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call><tool_call>{"name": </tool_call>'
+    turn = get_tool_parser(tok, TOOLS).parse(text)
+    assert turn.calls == [ParseError("json parser could not parse region as JSON.", text)]
+    assert turn.calls[0].message == "error: could not read this tool call: json parser could not parse region as JSON."
+
+
+# ---------------------------------------------------------------- which parser
+
+
+def test_parser_from_the_chat_template_text_or_by_name():
+    tok = build_qwen_tokenizer()
+    assert get_tool_parser(tok, TOOLS).format == "hermes"
+    tok.chat_template = '{{ "<|start_header_id|>" }}{%- if tools %}{{ "<|python_tag|>" }}{% endif %}'
+    assert get_tool_parser(tok, TOOLS).format == "llama3"
+    tok.chat_template = {"default": "{{ messages }}", "tool_use": "{{ '<tool_call>' }}"}
+    assert get_tool_parser(tok, TOOLS).format == "hermes"
+    tok.chat_template = "{% for m in messages %}{{ m.content }}{% endfor %}"
+    assert get_tool_parser(tok, TOOLS, "llama3").format == "llama3"
+    with pytest.raises(ValueError, match="cannot tell how this tokenizer's model writes tool calls.*Name the format "
+                                         "with tool_parser: one of hermes, llama3, template"):
+        get_tool_parser(tok, TOOLS)
+
+
+def test_bad_parser_names():
+    tok = build_qwen_tokenizer()
+    with pytest.raises(ValueError, match="tool_parser='qwen': use one of hermes, llama3, template "
+                                         r"\(hermes: Qwen2.5, Qwen3, Hermes"):
+        get_tool_parser(tok, TOOLS, "qwen")
+    with pytest.raises(ValueError, match="tool_parser='template' needs a tokenizer with a response_template.*set "
+                                         "tool_parser to hermes or llama3"):
+        get_tool_parser(tok, TOOLS, "template")

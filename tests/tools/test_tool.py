@@ -1,0 +1,98 @@
+"""Tools from functions (schema by transformers' get_json_schema) and tools by name (resolve_tool)."""
+
+import pytest
+from transformers.utils import get_json_schema
+
+from grouprl.tools import BUILTIN_TOOLS, Tool, ToolCall, check_call, resolve_tool, resolve_tools
+
+from .conftest import add, web_lookup
+
+
+def untyped(a):
+    """Untyped.
+
+    Args:
+        a: A value.
+    """
+
+
+def undocumented(a: int) -> int:
+    return a
+
+
+def test_schema_is_transformers_get_json_schema():
+    tool = Tool.from_function(add)
+    assert (tool.name, tool.func, tool.is_async) == ("add", add, False)
+    assert tool.schema == get_json_schema(add)
+    assert tool.schema["function"]["parameters"] == {
+        "type": "object",
+        "properties": {"a": {"type": "integer", "description": "The first integer."},
+                       "b": {"type": "integer", "description": "The second integer."}},
+        "required": ["a"],
+    }
+
+
+def test_async_function():
+    async def fetch(url: str) -> str:
+        """Fetch a page.
+
+        Args:
+            url: Where.
+        """
+        return url
+
+    assert Tool.from_function(fetch).is_async
+
+
+@pytest.mark.parametrize("func, why", [
+    (untyped, "Argument a is missing a type hint in function untyped"),
+    (undocumented, "Cannot generate JSON schema for undocumented because it has no docstring!"),
+])
+def test_a_function_that_cannot_describe_itself_fails_naming_it_and_the_fix(func, why):
+    with pytest.raises(ValueError) as err:
+        Tool.from_function(func)
+    msg = str(err.value)
+    assert msg.startswith(f"tool {func.__name__}: {why}. A tool is a function with a type hint on every parameter")
+    assert "`Args:` with one `name: description` line per parameter" in msg
+
+
+def test_check_call():
+    tools = resolve_tools([add])
+    assert check_call(ToolCall("add", {"a": 1}), tools) is None
+    assert check_call(ToolCall("mul", {}), tools) == "unknown tool 'mul'; the tools are: add"
+    assert check_call(ToolCall("add", {"b": 1, "c": 2}), tools) == (
+        "bad arguments for add: missing 'a'; unexpected 'c'. It takes (a: integer, b: integer (optional))")
+
+
+def test_resolve_by_function_by_import_path_and_builtin():
+    assert resolve_tool(add).name == "add"
+    tool = resolve_tool("tests.tools.conftest:web_lookup")
+    assert (tool.name, tool.func) == ("web_lookup", web_lookup)
+    assert resolve_tool(tool) is tool
+    python = resolve_tool("python", timeout_s=3.0)
+    assert python.name == "python" and python.schema["function"]["parameters"]["required"] == ["code"]
+    assert list(resolve_tools(["python", add, "tests.tools.conftest:web_lookup"])) == ["python", "add", "web_lookup"]
+    assert set(BUILTIN_TOOLS) == {"python"}
+
+
+def test_an_import_path_with_parameters_is_a_factory():
+    tool = resolve_tool("tests.tools.conftest:make_lookup", prefix=">")
+    assert (tool.name, tool.func("x")) == ("lookup", ">x")
+
+
+def test_resolve_errors_name_the_problem_and_the_fix():
+    with pytest.raises(ValueError, match=r"unknown tool 'calculator'\. Built-in tools: python\. Any other "
+                                         r"function can be named by import path as 'package\.module:function'"):
+        resolve_tool("calculator")
+    with pytest.raises(ValueError, match="tool 'no_such.mod:f': cannot import module 'no_such.mod'"):
+        resolve_tool("no_such.mod:f")
+    with pytest.raises(ValueError, match="module 'tests.tools.conftest' has no attribute 'nope'"):
+        resolve_tool("tests.tools.conftest:nope")
+    with pytest.raises(ValueError, match=r"tool 'python': got an unexpected keyword argument 'timeout'; its "
+                                         r"parameters are \(timeout_s=10.0, memory_mb=512, max_output_chars=2000, "
+                                         r"isolation='strict'\)"):
+        resolve_tool("python", timeout=3)
+    with pytest.raises(ValueError, match=r"tool 'add' is a function already; it takes no parameters \(got \['b'\]\)"):
+        resolve_tool(add, b=1)
+    with pytest.raises(ValueError, match="two tools are named 'add': the model calls tools by name, so rename one"):
+        resolve_tools([add, add])

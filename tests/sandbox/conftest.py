@@ -1,3 +1,5 @@
+import time
+
 import pytest
 from situation import become_subreaper, live_children
 
@@ -12,4 +14,7 @@ def no_process_outlives_a_test():
     """After every sandbox test no process started through it is alive (see situation.become_subreaper)."""
     before = set(live_children())
     yield
+    deadline = time.monotonic() + 2.0  # SIGKILL is delivered asynchronously: a process may still be exiting
+    while set(live_children()) - before and time.monotonic() < deadline:
+        time.sleep(0.02)
     assert set(live_children()) - before == set()

@@ -21,7 +21,8 @@ from grouprl.sandbox import CodeResult, SandboxUnavailableError, run_code
 
 EXPECT = os.environ.get("GROUPRL_TEST_SANDBOX_EXPECT") or ("namespace" if os.geteuid() == 0 else "userns")
 REFUSED = EXPECT == "refuse"
-FAST = dict(timeout_s=1.5, memory_mb=128)
+FAST = dict(timeout_s=1.5, memory_mb=128)  # for programs that must hit a limit: a timeout costs 1.5 s
+OK = dict(timeout_s=15.0, memory_mb=128)  # for programs that must finish: a loaded CI machine must not time them out
 DOUBLE = "print(2 * int(input()))"
 DOUBLE_TESTS = [{"input": "3", "output": "6"}, {"input": "21\n", "output": "42\n"}]
 PR_SET_CHILD_SUBREAPER = 36
@@ -37,7 +38,7 @@ def sandboxed(program: str, tests: list[dict], **kwargs) -> CodeResult | None:
 
 
 def assert_normal_program_scores():
-    res = sandboxed(DOUBLE, DOUBLE_TESTS + [{"input": "5", "output": "11"}], **FAST)
+    res = sandboxed(DOUBLE, DOUBLE_TESTS + [{"input": "5", "output": "11"}], **OK)
     if not REFUSED:
         assert (res.passed, res.total, res.status, res.test_status) == (2, 3, "failed", ["passed", "passed", "failed"])
 

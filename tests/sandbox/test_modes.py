@@ -7,7 +7,7 @@ import logging
 import os
 
 import pytest
-from situation import DOUBLE, DOUBLE_TESTS, EXPECT, FAST, REFUSED
+from situation import DOUBLE, DOUBLE_TESTS, EXPECT, FAST, OK, REFUSED
 
 from grouprl.sandbox import SandboxUnavailableError, run_code, sandbox_mechanism
 from grouprl.sandbox import runner
@@ -39,8 +39,8 @@ def test_the_mechanism_in_force_is_the_expected_one():
 
 def test_weak_isolation_only_when_asked_and_warned_once(fresh_probe, caplog):
     with caplog.at_level(logging.WARNING, logger="grouprl.sandbox"):
-        first = run_code(DOUBLE, DOUBLE_TESTS, isolation="weak", **FAST)
-        second = run_code(NO_NETWORK, [{"input": "", "output": "no network"}], isolation="weak", **FAST)
+        first = run_code(DOUBLE, DOUBLE_TESTS, isolation="weak", **OK)
+        second = run_code(NO_NETWORK, [{"input": "", "output": "no network"}], isolation="weak", **OK)
     assert (first.status, second.status) == ("passed", "passed")
     warnings = [r for r in caplog.records if "WEAK" in r.getMessage()]
     if REFUSED:  # no namespaces: the opt-in runs the weak sandbox, and says so once
@@ -54,9 +54,9 @@ def test_forced_rlimit_mode_blocks_sockets_and_warns(fresh_probe, monkeypatch, c
     monkeypatch.setenv("GROUPRL_SANDBOX_MODE", "rlimit")
     with caplog.at_level(logging.WARNING, logger="grouprl.sandbox"):
         assert sandbox_mechanism().mode == "rlimit"
-        assert run_code(BLOCKED_SOCKET, [{"input": "", "output": "blocked"}], **FAST).status == "passed"
+        assert run_code(BLOCKED_SOCKET, [{"input": "", "output": "blocked"}], **OK).status == "passed"
         assert run_code("while True: pass", [{"input": "", "output": ""}], **FAST).status == "timeout"
-        res = run_code(DOUBLE, DOUBLE_TESTS + [{"input": "5", "output": "11"}], **FAST)
+        res = run_code(DOUBLE, DOUBLE_TESTS + [{"input": "5", "output": "11"}], **OK)
     assert res.test_status == ["passed", "passed", "failed"]
     assert [r.getMessage() for r in caplog.records if "WEAK" in r.getMessage()] == [
         f"grouprl sandbox: untrusted code runs with {sandbox_mechanism().describe()}. "

@@ -15,9 +15,10 @@ import threading
 import time
 
 import pytest
-from situation import DOUBLE, DOUBLE_TESTS, EXPECT, FAST, REFUSED, assert_normal_program_scores, sandboxed
+from situation import DOUBLE, DOUBLE_TESTS, EXPECT, FAST, OK, REFUSED, assert_normal_program_scores, sandboxed
 
 from grouprl.sandbox import CodeResult, run_code_batch, sandbox_mechanism
+from grouprl.sandbox import process
 from grouprl.sandbox import runner as sandbox
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="the sandbox needs a POSIX host")
@@ -28,7 +29,7 @@ MINIMAL_ROOT = {"bin", "dev", "etc", "lib", "lib32", "lib64", "libx32", "proc", 
 def used_uids(monkeypatch):
     """The per-run uids claimed during the test, when root (other test processes may run sandboxes)."""
     uids = []
-    claim = sandbox._claim_uid
+    claim = sandbox.claim_uid
 
     @contextlib.contextmanager
     def recording_claim(per_run=True):
@@ -36,21 +37,21 @@ def used_uids(monkeypatch):
             uids.append(uid)
             yield uid
 
-    monkeypatch.setattr(sandbox, "_claim_uid", recording_claim)
+    monkeypatch.setattr(sandbox, "claim_uid", recording_claim)
     return uids
 
 
 def live_processes(uids) -> list[int]:
     """Pids of live processes running under any of `uids` (0, "no per-run uid", is never counted)."""
     wanted = set(uids) - {0}
-    return [int(p) for p in os.listdir("/proc") if p.isdigit() and sandbox._live_uid(p) in wanted]
+    return [int(p) for p in os.listdir("/proc") if p.isdigit() and process.live_uid(p) in wanted]
 
 
 # ---------------------------------------------------------------- scoring
 
 
 def test_stdin_stdout_tests_count_and_compare_after_stripping_trailing_whitespace():
-    res = sandboxed("n = int(input())\nprint(n * 2, '  ')\nprint()\n", DOUBLE_TESTS, **FAST)
+    res = sandboxed("n = int(input())\nprint(n * 2, '  ')\nprint()\n", DOUBLE_TESTS, **OK)
     if not REFUSED:
         assert isinstance(res, CodeResult)
         assert (res.passed, res.total, res.status) == (2, 2, "passed")
@@ -59,7 +60,7 @@ def test_stdin_stdout_tests_count_and_compare_after_stripping_trailing_whitespac
 
 
 def test_wrong_answer_is_failed_with_a_readable_detail():
-    res = sandboxed("print(7)", [{"input": "", "output": "6"}], **FAST)
+    res = sandboxed("print(7)", [{"input": "", "output": "6"}], **OK)
     if not REFUSED:
         assert (res.passed, res.status) == (0, "failed")
         assert "expected '6', got '7'" in res.detail
@@ -68,23 +69,23 @@ def test_wrong_answer_is_failed_with_a_readable_detail():
 def test_assert_tests_run_in_the_program_namespace():
     prog = "def add(a, b):\n    return a + b\n"
     tests = [{"assert": "assert add(1, 2) == 3"}, {"assert": "assert add(2, 2) == 5"}, {"assert": "assert add(0, 0) == 0"}]
-    res = sandboxed(prog, tests, **FAST)
+    res = sandboxed(prog, tests, **OK)
     if not REFUSED:
         assert (res.passed, res.total, res.test_status) == (2, 3, ["passed", "failed", "passed"])
 
 
 @pytest.mark.parametrize("leave", ["import os\nos._exit(0)", "import sys\nsys.exit(0)", "exit()"])
 def test_leaving_early_does_not_pass_an_assert_test(leave):
-    res = sandboxed(leave, [{"assert": "assert False"}], **FAST)
+    res = sandboxed(leave, [{"assert": "assert False"}], **OK)
     if not REFUSED:
         assert res.passed == 0 and res.status in ("failed", "error")
 
 
 def test_runtime_error_and_syntax_error():
-    res = sandboxed("raise KeyError('boom')", DOUBLE_TESTS, **FAST)
+    res = sandboxed("raise KeyError('boom')", DOUBLE_TESTS, **OK)
     if not REFUSED:
         assert (res.passed, res.status) == (0, "error") and "KeyError" in res.detail
-    res = sandboxed("def f(:\n", DOUBLE_TESTS, **FAST)
+    res = sandboxed("def f(:\n", DOUBLE_TESTS, **OK)
     if not REFUSED:
         assert (res.status, res.test_status) == ("syntax_error", ["syntax_error", "not_run"])
 
@@ -104,9 +105,9 @@ def test_batch_runs_in_parallel_and_keeps_order():
         run_code_batch(programs, tests[:2])
     if REFUSED:
         with pytest.raises(sandbox.SandboxUnavailableError):
-            run_code_batch(programs, tests, **FAST)
+            run_code_batch(programs, tests, **OK)
         return
-    results = run_code_batch(programs, tests, **FAST)
+    results = run_code_batch(programs, tests, **OK)
     assert [r.passed for r in results] == [1] * 6
 
 
@@ -132,7 +133,7 @@ for path in {paths!r}:
         seen.append(path + ": " + text[:40])
 print("leaked " + " | ".join(seen) if seen else "contained")
 """
-    res = sandboxed(prog, [{"input": "", "output": "contained"}], **FAST)
+    res = sandboxed(prog, [{"input": "", "output": "contained"}], **OK)
     if not REFUSED:
         assert (res.status, res.passed) == ("passed", 1), res.detail
         assert "TOPSECRET" not in res.detail
@@ -142,13 +143,13 @@ print("leaked " + " | ".join(seen) if seen else "contained")
 def test_the_host_tree_is_not_there():
     """Only the minimal read-only view: no /home, /root's files, /work, /var, /opt, /srv of the host."""
     if REFUSED:
-        sandboxed("print(1)", [{"input": "", "output": "1"}], **FAST)
+        sandboxed("print(1)", [{"input": "", "output": "1"}], **OK)
         return
     mech = sandbox_mechanism()
     # the interpreter's installation is visible (read-only) wherever it lives, e.g. /root/.pyenv/...
     allowed = MINIMAL_ROOT | {os.path.realpath(mech.python).split("/")[1]}
     prog = "import os\nprint(' '.join(sorted(os.listdir('/'))))\n"
-    res = sandboxed(prog, [{"input": "", "output": "x"}], **FAST)
+    res = sandboxed(prog, [{"input": "", "output": "x"}], **OK)
     got = set(res.detail.split("got '")[1].rstrip("'").split())
     assert got <= allowed and {"tmp", "usr", "sandbox"} <= got, got
 
@@ -172,7 +173,7 @@ for path in {targets!r}:
         pass
 print("wrote", len(wrote))
 """
-    res = sandboxed(prog, [{"input": "", "output": f"wrote {len(targets)}"}], **FAST)
+    res = sandboxed(prog, [{"input": "", "output": f"wrote {len(targets)}"}], **OK)
     if not REFUSED:
         assert res.status == "failed"
     for path in targets[:-2]:
@@ -197,7 +198,7 @@ except OSError as e:
     print("blocked", type(e).__name__)
 """
     try:
-        res = sandboxed(prog, [{"input": "", "output": "connected"}], **FAST)
+        res = sandboxed(prog, [{"input": "", "output": "connected"}], **OK)
         with pytest.raises(BlockingIOError):
             server.accept()  # nobody connected to us
     finally:
@@ -219,7 +220,7 @@ for path in ("/proc/self/environ", "/proc/1/environ"):
         pass
 print("leaked" if "hunter2" in seen else "clean")
 """
-    res = sandboxed(prog, [{"input": "", "output": "leaked"}], **FAST)
+    res = sandboxed(prog, [{"input": "", "output": "leaked"}], **OK)
     if not REFUSED:
         assert res.status == "failed" and "got 'clean'" in res.detail
     assert_normal_program_scores()
@@ -249,7 +250,7 @@ while True:
     n += 1
 print(n)
 """
-    res = sandboxed(prog, [{"input": "", "output": "-1"}], **FAST)
+    res = sandboxed(prog, [{"input": "", "output": "-1"}], **OK)
     if not REFUSED:
         children = int(res.detail.split("got '")[1].rstrip("'"))
         assert 0 < children < sandbox.NPROC, res.detail
@@ -305,7 +306,7 @@ for pid in (os.getppid(), {os.getpid()}, 1):
         print(pid, type(e).__name__)
 print("survived")
 """
-    res = sandboxed(prog, [{"input": "", "output": "killed everyone"}], **FAST)
+    res = sandboxed(prog, [{"input": "", "output": "killed everyone"}], **OK)
     if not REFUSED:
         assert res.status in ("failed", "error") and res.passed == 0
     assert_normal_program_scores()  # we are alive and scoring
@@ -321,7 +322,7 @@ if os.fork() == 0:
     os._exit(0)
 print("parent done")
 """
-    res = sandboxed(prog, [{"input": "", "output": "the daemon is gone"}], **FAST)
+    res = sandboxed(prog, [{"input": "", "output": "the daemon is gone"}], **OK)
     if not REFUSED:
         assert res.status == "failed"
     assert live_processes(used_uids) == []
@@ -330,7 +331,7 @@ print("parent done")
 
 def test_nested_user_namespace_is_refused():
     prog = "import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\nprint(libc.unshare(0x10000000))\n"
-    res = sandboxed(prog, [{"input": "", "output": "-1"}], **FAST)
+    res = sandboxed(prog, [{"input": "", "output": "-1"}], **OK)
     if not REFUSED:
         assert res.status == "passed", res.detail
     assert_normal_program_scores()
@@ -344,7 +345,7 @@ while True:
         f.write(b"x" * (1 << 20))
     i += 1
 """
-    res = sandboxed(prog, [{"input": "", "output": ""}], disk_mb=8, **FAST)
+    res = sandboxed(prog, [{"input": "", "output": ""}], disk_mb=8, **OK)
     if not REFUSED:
         assert res.status in ("error", "timeout") and res.passed == 0
         assert "No space left" in res.detail or "File too large" in res.detail, res.detail
@@ -359,7 +360,7 @@ def test_parallel_runs_leak_no_processes_or_directories(monkeypatch, tmp_path, u
         with pytest.raises(sandbox.SandboxUnavailableError):
             run_code_batch(programs, [DOUBLE_TESTS] * len(programs), **FAST)
     else:
-        results = run_code_batch(programs, [DOUBLE_TESTS] * len(programs), **FAST)
+        results = run_code_batch(programs, [DOUBLE_TESTS] * len(programs), timeout_s=5.0, memory_mb=128)
         assert [r.status for r in results] == ["passed", "passed", "timeout", "passed"] * 2
     assert live_processes(used_uids) == []
     assert list(tmp_path.iterdir()) == []

@@ -17,6 +17,13 @@ pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="the sandbox nee
 
 @pytest.fixture(scope="module")
 def tools():
+    """Limits a normal program never meets, even on a loaded machine."""
+    return resolve_tools([python_tool(timeout_s=15.0, memory_mb=128, max_output_chars=200)])
+
+
+@pytest.fixture(scope="module")
+def fast_tools():
+    """For programs that must hit the time limit."""
     return resolve_tools([python_tool(timeout_s=1.5, memory_mb=128, max_output_chars=200)])
 
 
@@ -39,8 +46,8 @@ def test_stderr_traceback_and_syntax_error(tools):
     ]
 
 
-def test_limits_are_said_plainly(tools):
-    assert run(tools, "print('working', flush=True)\nwhile True:\n    pass",
+def test_limits_are_said_plainly(fast_tools):
+    assert run(fast_tools, "print('working', flush=True)\nwhile True:\n    pass",
                "a = []\nwhile True:\n    a.append(bytearray(10**7))",
                "import os\nos._exit(4)") == [
         ("ok", "working\n[timeout: stopped after 1.5 s]"),
@@ -57,7 +64,7 @@ def test_long_output_keeps_head_and_tail():
     assert run(out, "print('x' * 30 + 'END')") == [("ok", "xxxxx\n[... 23 characters cut ...]\nxxEND")]
 
 
-def test_hostile_calls_are_contained_and_the_next_call_works(tools, tmp_path):
+def test_hostile_calls_are_contained_and_the_next_call_works(tools, fast_tools, tmp_path):
     secret = tmp_path / "secret.txt"
     secret.write_text("TOPSECRET-0b7e")
     server = socket.socket()
@@ -72,7 +79,7 @@ def test_hostile_calls_are_contained_and_the_next_call_works(tools, tmp_path):
                "s.sendall(b'exfiltrated')\nprint('connected')")
     fork_bomb = "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass"
     try:
-        results = run(tools, read_files, network, fork_bomb)
+        results = run(tools, read_files, network) + run(fast_tools, fork_bomb)
         with pytest.raises(BlockingIOError):
             server.accept()  # nobody connected to the host's listener
     finally:

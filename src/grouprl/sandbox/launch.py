@@ -7,10 +7,10 @@ Started by `grouprl.sandbox.runner` as `python -I -S -B launch.py CONFIG_JSON`, 
    (one mapping, setgroups denied); the launcher holds capabilities over the namespaces it creates and
    none on the host. Both modes then get new mount, network, PID, IPC and UTS namespaces, and every
    mount is made private so nothing propagates back to the host.
-2. fork: the child is PID 1 of the new PID namespace, in a session of its own. When it exits the kernel
-   kills every process left in the namespace, so no daemon outlives the run; when the launcher dies
-   (the caller kills its process group at the deadline) the child gets SIGKILL. The launcher waits and
-   exits with the child's status (128 + signal when killed by a signal).
+2. fork: the child is PID 1 of the new PID namespace. When it exits the kernel kills every process left
+   in the namespace, so no daemon outlives the run. At the deadline the caller kills the launcher's
+   process group, the child with it; a child that left the group dies of its parent-death signal. The
+   launcher waits and exits with the child's status (128 + signal when killed by a signal).
 3. In the child, a new root on a tmpfs: read-only bind mounts of /usr, /bin, /sbin, /lib* and the
    interpreter's installation; a generated /etc (an account file naming only the sandbox user, the
    loader cache); /dev with null, zero, full, random, urandom; a fresh /proc (only the sandbox's
@@ -270,7 +270,6 @@ def main():
             _wait_and_exit(pid)
         try:
             os.close(alive_w)
-            os.setsid()  # a session of its own: kill(0) and killpg from inside never reach the launcher
             _build_root(cfg, files, userns)
             _set_limits(cfg, userns)
             _drop_privileges(cfg, isolated=True)

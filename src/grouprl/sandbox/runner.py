@@ -25,17 +25,13 @@ picks the interpreter.
 
 from __future__ import annotations
 
-import fcntl
 import json
 import logging
 import math
 import os
-import random
 import secrets
-import selectors
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import threading
@@ -45,20 +41,19 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from .process import claim_uid, execute, kill_uid
+
 logger = logging.getLogger(__name__)
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _LAUNCHER = os.path.join(_HERE, "launch.py")
 _HARNESS = os.path.join(_HERE, "harness.py")
 
-SLOT_BASE_UID = 1_900_000_000  # far above any real account; uid = gid = base + slot
-NUM_SLOTS = 256
 NPROC = 32  # processes + threads a run may hold
 NOFILE = 64
 MODES = ("namespace", "userns", "rlimit")
 ISOLATION = ("strict", "weak")
 _EXIT_SYNTAX, _EXIT_CPU, _EXIT_SETUP = 3, 124, 125
-_LOCK_DIR = "/tmp/grouprl-sandbox-slots"  # fixed (not $TMPDIR): every process on the host must agree
 _STOP_STATUSES = ("timeout", "syntax_error", "sandbox_error", "output_limit")
 _FIX = (
     "To isolate without root, allow unprivileged user namespaces: in Docker or Podman run the container "
@@ -296,7 +291,7 @@ def _run_tests(program, tests, timeout_s, memory_mb, max_output_bytes, disk_mb, 
 def _prepared_run(program, mode):
     """Yield (run_dir, uid): a claimed uid (0 when none) and a fresh directory holding the program and
     the harness. Afterwards every process of the uid is killed and the directory removed."""
-    with _claim_uid(per_run=mode != "userns") as uid:
+    with claim_uid(per_run=mode != "userns") as uid:
         run_dir = tempfile.mkdtemp(prefix="grouprl-sbx-")
         try:
             _write(os.path.join(run_dir, "program.py"), program)
@@ -310,7 +305,7 @@ def _prepared_run(program, mode):
             yield run_dir, uid
         finally:
             if uid:
-                _kill_uid(uid)
+                kill_uid(uid)
             shutil.rmtree(run_dir, ignore_errors=True)
 
 
@@ -356,7 +351,7 @@ def _launch(test, run_dir, uid, timeout_s, memory_mb, max_output_bytes, disk_mb,
     cfg["nonce_fd"] = r
     try:
         with open(stdin_path, "rb") as stdin:
-            out, err, rc, stopped = _execute(
+            out, err, rc, stopped = execute(
                 [python, "-I", "-S", "-B", _LAUNCHER, json.dumps(cfg)], stdin, r, uid, timeout_s, max_output_bytes
             )
     finally:
@@ -427,122 +422,3 @@ def _signal_name(num: int) -> str:
         return signal.Signals(num).name
     except ValueError:
         return f"signal {num}"
-
-
-# ---------------------------------------------------------------- process handling
-
-
-def _execute(argv, stdin, pass_fd, uid, timeout_s, cap):
-    """Start the launcher, read stdout/stderr (each capped at `cap` bytes) until exit or deadline.
-
-    Returns (stdout, stderr, returncode, stopped) where stopped is "timeout", "output_limit" or "".
-    Whatever happens, the process group and every process of `uid` are killed before returning.
-    """
-    env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8"}
-    proc = subprocess.Popen(
-        argv, stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.PIPE, pass_fds=(pass_fd,),
-        start_new_session=True, env=env, cwd="/",
-    )
-    out_fd, err_fd = proc.stdout.fileno(), proc.stderr.fileno()
-    bufs = {out_fd: bytearray(), err_fd: bytearray()}
-    stopped = ""
-    deadline = time.monotonic() + timeout_s
-    hard_stop = None  # after a kill or exit, stop waiting for EOF at this time
-    sel = selectors.DefaultSelector()
-    try:
-        for f in (proc.stdout, proc.stderr):
-            sel.register(f, selectors.EVENT_READ)
-        while sel.get_map():
-            now = time.monotonic()
-            if hard_stop is not None and now >= hard_stop:
-                break
-            if hard_stop is None and now >= deadline:
-                stopped = "timeout"
-                _kill(proc, uid)
-                hard_stop = now + 1.0
-            elif hard_stop is None and proc.poll() is not None:
-                hard_stop = now + 0.5  # exited: drain what is left, then kill anything holding the pipes
-            for key, _ in sel.select(timeout=0.05):
-                data = os.read(key.fd, 1 << 16)
-                if not data:
-                    sel.unregister(key.fileobj)
-                    continue
-                buf = bufs[key.fd]
-                room = cap - len(buf)
-                buf += data[:room]
-                if len(data) > room and key.fd == out_fd and not stopped:
-                    stopped = "output_limit"
-                    _kill(proc, uid)
-                    hard_stop = time.monotonic() + 1.0
-    finally:
-        sel.close()
-        _kill(proc, uid)
-        proc.stdout.close()
-        proc.stderr.close()
-        rc = proc.wait()
-    return bytes(bufs[out_fd]), bytes(bufs[err_fd]), rc, stopped
-
-
-def _kill(proc, uid):
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-    if uid:
-        _kill_uid(uid)
-
-
-def _kill_uid(uid: int) -> None:
-    """SIGKILL every live process whose real uid is `uid` until none is left (forks race the scan)."""
-    for _ in range(100):
-        found = False
-        for name in os.listdir("/proc"):
-            if name.isdigit() and _live_uid(name) == uid:
-                found = True
-                try:
-                    os.kill(int(name), signal.SIGKILL)
-                except OSError:
-                    pass
-        if not found:
-            return
-        time.sleep(0.01)
-
-
-def _live_uid(pid: str) -> int | None:
-    """Real uid of /proc/<pid>, None for zombies (already dead, waiting to be reaped) and vanished pids."""
-    try:
-        with open(f"/proc/{pid}/status", "rb") as f:
-            for line in f:
-                if line.startswith(b"State:") and line.split()[1] in (b"Z", b"X"):
-                    return None
-                if line.startswith(b"Uid:"):
-                    return int(line.split()[1])
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
-
-
-@contextmanager
-def _claim_uid(per_run: bool = True):
-    """Yield a sandbox uid no other run (thread or process) holds; 0 when not root or not `per_run`."""
-    if not per_run or os.geteuid() != 0:
-        yield 0
-        return
-    lock_dir = _LOCK_DIR
-    os.makedirs(lock_dir, mode=0o700, exist_ok=True)
-    while True:
-        for slot in random.sample(range(NUM_SLOTS), NUM_SLOTS):
-            fd = os.open(os.path.join(lock_dir, f"slot-{slot}.lock"), os.O_CREAT | os.O_RDWR, 0o600)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                os.close(fd)
-                continue
-            uid = SLOT_BASE_UID + slot
-            try:
-                _kill_uid(uid)  # leftovers of a crashed earlier holder
-                yield uid
-            finally:
-                os.close(fd)  # releases the lock
-            return
-        time.sleep(0.05)

@@ -102,6 +102,32 @@ def test_cat_repads_prompts_left_and_completions_right():
     assert c.prompt_mask.tolist() == [[1, 1], [0, 1]]
     assert c.completion_ids.tolist() == [[1, 2, 3], [4, 0, 0]]
     assert c.lengths.tolist() == [2, 1]
+    assert c.sampling_logp is None
+
+
+def _with_logp(a: Rollout, logp: list[list[float]]) -> Rollout:
+    return Rollout(a.prompt_ids, a.prompt_mask, a.completion_ids, a.completion_mask, a.truncated,
+                   torch.tensor(logp))
+
+
+def test_sampling_logp_travels_through_select_and_cat():
+    a = _with_logp(Rollout(torch.tensor([[7, 8], [5, 6]]), torch.tensor([[1, 1], [1, 1]]),
+                           torch.tensor([[1, 2, 3], [4, 0, 0]]), torch.tensor([[True, True, True], [True, False, False]]),
+                           torch.tensor([True, False])), [[-0.5, -1.0, -2.0], [-0.25, 0.0, 0.0]])
+    b = _with_logp(Rollout(torch.tensor([[9]]), torch.tensor([[1]]), torch.tensor([[4]]),
+                           torch.tensor([[True]]), torch.tensor([True])), [[-3.0]])
+    assert a.select([1]).sampling_logp.tolist() == [[-0.25, 0.0, 0.0]]
+    c = Rollout.cat([a.select([1, 0]), b], pad_token_id=0)
+    assert c.sampling_logp.dtype == torch.float32
+    assert c.sampling_logp.tolist() == [[-0.25, 0.0, 0.0], [-0.5, -1.0, -2.0], [-3.0, 0.0, 0.0]]
+    assert c.select(torch.tensor([2])).sampling_logp.tolist() == [[-3.0, 0.0, 0.0]]
+
+
+def test_cat_refuses_sampling_logp_on_some_parts_only():
+    a = Rollout(torch.tensor([[7]]), torch.tensor([[1]]), torch.tensor([[1]]),
+                torch.tensor([[True]]), torch.tensor([True]))
+    with pytest.raises(ValueError, match="sampling_logp is set on 1 of 2 parts"):
+        Rollout.cat([a, _with_logp(a, [[-1.0]])], pad_token_id=0)
 
 
 # ---------------------------------------------------------------------- the fast decoder

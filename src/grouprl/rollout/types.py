@@ -24,6 +24,11 @@ class Rollout:
 
     Prompts are left-padded (every prompt ends at column P-1), completions right-padded, so
     `cat([prompt_ids, completion_ids], 1)` is a causal-LM input whose completion starts at column P.
+
+    `sampling_logp` is optional: an engine that samples outside the trainer's model (vLLM) returns
+    the log-prob of each completion token under the distribution it actually drew from (temperature
+    applied, renormalised over the top-k/top-p set), 0 on padding. The trainer uses it to correct
+    the sampler/trainer mismatch. HFEngine samples from the trainer's own model and returns None.
     """
 
     prompt_ids: torch.Tensor       # [N, P] long
@@ -31,6 +36,7 @@ class Rollout:
     completion_ids: torch.Tensor   # [N, T] long
     completion_mask: torch.Tensor  # [N, T] bool, True on real completion tokens (EOS included)
     truncated: torch.Tensor        # [N] bool, True when no EOS came within max_new_tokens
+    sampling_logp: torch.Tensor | None = None  # [N, T] float32, sampler's log-prob, 0 on padding
 
     def __len__(self) -> int:
         return self.completion_ids.shape[0]
@@ -46,13 +52,19 @@ class Rollout:
     def select(self, rows: torch.Tensor | list[int]) -> Rollout:
         rows = torch.as_tensor(rows, dtype=torch.long)
         return Rollout(self.prompt_ids[rows], self.prompt_mask[rows], self.completion_ids[rows],
-                       self.completion_mask[rows], self.truncated[rows])
+                       self.completion_mask[rows], self.truncated[rows],
+                       None if self.sampling_logp is None else self.sampling_logp[rows])
 
     @staticmethod
     def cat(parts: list[Rollout], pad_token_id: int) -> Rollout:
-        """Concatenate rollouts, re-padding prompts on the left and completions on the right."""
+        """Concatenate rollouts, re-padding prompts on the left and completions on the right.
+        `sampling_logp` must be on all parts or on none."""
         if len(parts) == 1:
             return parts[0]
+        has_logp = [r.sampling_logp is not None for r in parts]
+        if any(has_logp) and not all(has_logp):
+            raise ValueError(f"Rollout.cat: sampling_logp is set on {sum(has_logp)} of {len(parts)} parts; "
+                             "an engine must return it on every rollout or on none")
         P = max(r.prompt_ids.shape[1] for r in parts)
         T = max(r.completion_ids.shape[1] for r in parts)
 
@@ -67,6 +79,7 @@ class Rollout:
             torch.cat([pad(r.completion_ids, T, pad_token_id, False) for r in parts]),
             torch.cat([pad(r.completion_mask, T, False, False) for r in parts]),
             torch.cat([r.truncated for r in parts]),
+            torch.cat([pad(r.sampling_logp, T, 0.0, False) for r in parts]) if all(has_logp) else None,
         )
 
 

@@ -131,6 +131,7 @@ class Trainer:
         self.formatter = PromptFormatter(self.tokenizer, max_prompt_length=cfg.max_prompt_length)
         self.engine = HFEngine(self.model, _eos_ids(self.model, self.tokenizer), self.tokenizer.pad_token_id,
                                max_batch_size=cfg.generation_batch_size, autocast_dtype=self.autocast)
+        self.weights_version = 0  # grows with every change of the policy's weights (engine sync)
         self.sampling = SamplingParams(cfg.max_completion_length, cfg.temperature, cfg.top_p, cfg.top_k,
                                        cfg.ignore_eos)
 
@@ -237,7 +238,7 @@ class Trainer:
             stats = self._update(batch.rollout, advantages, loss_mask, old_logp, ref_logp, with_entropy=it == 0)
             update = stats if it == 0 else {**update, **{k: v for k, v in stats.items() if k != "entropy"}}
         timings["time/update"] = time.perf_counter() - t0
-        self.engine.sync_weights(self.model)  # an external engine copies the new weights here
+        self.engine.sync_weights(self.model, self.weights_version)  # an external engine copies them
         if cfg.ref_update_steps and self.ref is not None and self.step % cfg.ref_update_steps == 0:
             self.ref.reset(self.model)
         return advantages, update
@@ -359,6 +360,7 @@ class Trainer:
         params = [p for p in self.model.parameters() if p.requires_grad]
         grad_norm = D.local_value(torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm or math.inf))
         self.optimizer.step()
+        self.weights_version += 1
         self.scheduler.step()
         sums = D.all_reduce_sums(self.dist, sums)
         tokens, loss_total = sums.pop("tokens"), sums.pop("loss")
@@ -458,6 +460,8 @@ class Trainer:
             self.generator.set_state(rng["sampling"])
         else:  # a different number of processes: fresh, distinct sampling streams
             self.generator.manual_seed(self.cfg.seed + self.dist.rank + 1_000_003 * self.step)
+        self.weights_version += 1  # the checkpoint's weights replaced the initial ones
+        self.engine.sync_weights(self.model, self.weights_version)
 
     def _summary(self) -> dict[str, Any]:
         rows = self.logger.read_metrics()

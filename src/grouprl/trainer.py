@@ -37,9 +37,9 @@ from grouprl.core import compute_advantages, overlong_penalty, policy_loss, zero
 from grouprl.data import PromptFormatter, PromptSampler, completion_objects, load_prompts, split_eval
 from grouprl.logging import Progress, RunLogger
 from grouprl.policy import (MicroBatch, Reference, can_share_prompts, completion_logprobs, load_policy,
-                            load_tokenizer)
+                            load_tokenizer, resolve_model_path)
 from grouprl.rewards import RewardScores, merge_reward_metrics, resolve_reward_func, score_completions
-from grouprl.rollout import HFEngine, Rollout, SamplingParams
+from grouprl.rollout import GenerationEngine, HFEngine, Rollout, SamplingParams
 
 
 @dataclass
@@ -129,8 +129,7 @@ class Trainer:
         shared = cfg.share_prompt_forward and can_share_prompts(self.model) and not D.is_sharded(self.model)
         self.share_min_tokens = cfg.share_prompt_min_tokens if shared else None
         self.formatter = PromptFormatter(self.tokenizer, max_prompt_length=cfg.max_prompt_length)
-        self.engine = HFEngine(self.model, _eos_ids(self.model, self.tokenizer), self.tokenizer.pad_token_id,
-                               max_batch_size=cfg.generation_batch_size, autocast_dtype=self.autocast)
+        self.engine = _make_engine(cfg, self.model, self.tokenizer, self.dist.rank, self.autocast)
         self.weights_version = 0  # grows with every change of the policy's weights (engine sync)
         self.sampling = SamplingParams(cfg.max_completion_length, cfg.temperature, cfg.top_p, cfg.top_k,
                                        cfg.ignore_eos)
@@ -238,7 +237,9 @@ class Trainer:
             stats = self._update(batch.rollout, advantages, loss_mask, old_logp, ref_logp, with_entropy=it == 0)
             update = stats if it == 0 else {**update, **{k: v for k, v in stats.items() if k != "entropy"}}
         timings["time/update"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
         self.engine.sync_weights(self.model, self.weights_version)  # an external engine copies them
+        timings["time/sync_weights"] = time.perf_counter() - t0
         if cfg.ref_update_steps and self.ref is not None and self.step % cfg.ref_update_steps == 0:
             self.ref.reset(self.model)
         return advantages, update
@@ -463,6 +464,10 @@ class Trainer:
         self.weights_version += 1  # the checkpoint's weights replaced the initial ones
         self.engine.sync_weights(self.model, self.weights_version)
 
+    def close(self) -> None:
+        """Release the generation engine (a colocated vLLM engine's memory); call once done."""
+        self.engine.close()
+
     def _summary(self) -> dict[str, Any]:
         rows = self.logger.read_metrics()
         train = [r for r in rows if "reward/mean" in r]
@@ -486,6 +491,21 @@ def _resolve_reward(spec: Any) -> Callable:
     if not isinstance(spec, str):
         raise ConfigError(f"reward_funcs entry {spec!r} must be a name, a module:function path or a mapping")
     return resolve_reward_func(spec)
+
+
+def _make_engine(cfg: TrainConfig, model: torch.nn.Module, tokenizer, rank: int,
+                 autocast: torch.dtype | None) -> GenerationEngine:
+    """The one place that picks the generation engine; the loop only sees GenerationEngine."""
+    eos, pad = _eos_ids(model, tokenizer), tokenizer.pad_token_id
+    if not cfg.use_vllm:
+        return HFEngine(model, eos, pad, max_batch_size=cfg.generation_batch_size, autocast_dtype=autocast)
+    from grouprl.rollout.vllm import VLLMEngine
+
+    return VLLMEngine(resolve_model_path(cfg.model), eos_token_ids=eos, pad_token_id=pad,
+                      dtype=cfg.vllm_dtype or ("bfloat16" if cfg.bf16 else "float32"),
+                      gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
+                      max_model_len=cfg.vllm_max_model_length, enforce_eager=cfg.vllm_enforce_eager,
+                      enable_sleep_mode=cfg.vllm_enable_sleep_mode, seed=cfg.seed + rank)
 
 
 def _eos_ids(model: torch.nn.Module, tokenizer) -> tuple[int, ...]:

@@ -35,6 +35,12 @@ def no_model_loading(monkeypatch):
     ({"reward_weights": [1.0, 2.0]}, "reward_weights has 2 values but reward_funcs has 1"),
     ({"learning_rate": "fast"}, "learning_rate='fast' has the wrong type: expected float"),
     ({"lora_r": 8, "ref_update_steps": 2}, "ref_update_steps with LoRA is not supported"),
+    ({"use_vllm": True, "vllm_mode": "server"}, "vllm_mode=server is not implemented yet: use vllm_mode: colocate"),
+    ({"vllm_mode": "remote"}, "vllm_mode='remote' is not one of: colocate, server"),
+    ({"vllm_gpu_memory_utilization": 1.5}, "vllm_gpu_memory_utilization=1.5 must be in (0, 1]"),
+    ({"vllm_dtype": "fp8"}, "vllm_dtype='fp8' is not one of: float32, bfloat16, float16, auto"),
+    ({"vllm_max_model_length": 10}, "vllm_max_model_length=10 is shorter than max_prompt_length"),
+    ({"use_vllm": True, "temperature": 3.0}, "temperature=3.0 with use_vllm: vLLM samples at temperatures in [0.01, 2]"),
 ])
 def test_config_errors_name_the_field(make_cfg, overrides, message):
     with pytest.raises((ConfigError, ValueError), match=message.replace("(", r"\(").replace("[", r"\[")):

@@ -19,6 +19,7 @@ Deliberate choices:
 
 from __future__ import annotations
 
+import contextlib
 import math
 import random
 import time
@@ -257,7 +258,7 @@ class Trainer:
             t0 = time.perf_counter()
             indices = D.shard_prompts(self.dist, self.sampler.next(B))  # this rank's B/K prompts
             prompts = self.formatter.batch(self.train_ds, indices, cfg.prompt_column)
-            with D.full_weights(self.model):
+            with self._generation_weights():
                 rollout = self.engine.generate(prompts.prompt_ids, G, self.sampling, self.generator)
             timings["time/generate"] += time.perf_counter() - t0
             t0 = time.perf_counter()
@@ -382,7 +383,7 @@ class Trainer:
         mine = list(range(self.dist.rank, len(ds), self.dist.world_size))
         acc_name = self.cfg.accuracy_reward or self.reward_names[0]
         sums = {"acc": 0.0, "acc_n": 0.0, "reward": 0.0, "length": 0.0}
-        with D.full_weights(self.model):
+        with self._generation_weights():
             for start in range(0, len(mine), batch_size):
                 prompts = self.formatter.batch(ds, mine[start:start + batch_size], self.cfg.prompt_column)
                 rollout = self.engine.generate(prompts.prompt_ids, 1, params)
@@ -396,6 +397,11 @@ class Trainer:
         return {"accuracy": sums["acc"] / sums["acc_n"] if sums["acc_n"] else math.nan,
                 "reward_mean": sums["reward"] / len(ds), "length_mean": sums["length"] / len(ds),
                 "num_samples": len(ds)}
+
+    def _generation_weights(self):
+        """FSDP2: an engine that decodes with the policy itself needs its weights whole (one gather
+        per phase); an engine holding its own copy (vLLM) needs nothing gathered."""
+        return D.full_weights(self.model) if self.engine.decodes_with_policy else contextlib.nullcontext()
 
     def _log_eval(self, step: int, progress: Progress) -> dict[str, float]:
         t0 = time.perf_counter()

@@ -1,6 +1,6 @@
 """Weight sync into the colocated engine: after an optimizer step and a sync vLLM's log-probs are the
 trainer's; without the sync they are not; a version already sent is not sent again; LoRA is
-sent merged and leaves the base weights untouched."""
+sent merged and leaves the base weights untouched; one engine per process; no sleep mode on CPU."""
 
 import pytest
 import torch
@@ -8,6 +8,7 @@ import torch
 from tests.rollout._vllm import LOGP_ATOL, make_engine, max_logp_gap
 from grouprl.policy import load_policy, load_tokenizer
 from grouprl.rollout import SamplingParams
+from grouprl.rollout.vllm import VLLMEngine
 
 PROMPTS = ["Say numbers 1: ", "abc", "What is 7+8? "]
 
@@ -80,3 +81,13 @@ def test_building_a_second_engine_closes_the_first(tiny_model_dir, tok, prompts)
     with pytest.raises(RuntimeError, match="this VLLMEngine was closed"):
         first.generate(prompts, 1, SamplingParams(max_new_tokens=2, greedy=True))
     assert second.generate(prompts, 1, SamplingParams(max_new_tokens=2, greedy=True)).completion_ids.shape == (3, 2)
+
+
+def test_sleep_mode_is_refused_where_vllm_has_none(tiny_model_dir, tok):
+    from vllm.platforms import current_platform
+
+    if current_platform.is_sleep_mode_available():
+        pytest.skip(f"vLLM has sleep mode on {current_platform.device_type}")
+    with pytest.raises(ValueError, match="vllm_enable_sleep_mode: vLLM has no sleep mode on this platform"):
+        VLLMEngine(str(tiny_model_dir), eos_token_ids=(tok.eos_token_id,), pad_token_id=tok.pad_token_id,
+                   enable_sleep_mode=True)

@@ -95,7 +95,10 @@ class GenerationEngine(Protocol):
     behind this: `generate` returns token ids, and `sync_weights` is called after every optimizer
     step (and after a resume loads weights) so the engine samples from the current policy.
     `version` grows whenever the weights change: an engine that copies weights sends nothing when
-    it already holds that version."""
+    it already holds that version. `decodes_with_policy` says whether `generate` runs the training
+    model itself (then FSDP2 must gather its weights first) or the engine's own copy."""
+
+    decodes_with_policy: bool
 
     def generate(self, prompt_ids: list[list[int]], num_generations: int, params: SamplingParams,
                  generator: torch.Generator | None = None) -> Rollout: ...

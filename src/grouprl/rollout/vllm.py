@@ -13,10 +13,11 @@ How it meets the engine contract, and why:
 - `sync_weights` reloads the weights through vLLM's `reload_weights` (the CPU layers repack their
   weights, so the model's `load_weights` cannot be called directly), in checkpoint names, one
   tensor at a time, then resets the prefix cache (its keys/values came from the old weights).
-  LoRA sends merged weights W + BA computed out of place: vLLM's LoRA path would need its LoRA
-  kernels at every decode step, a max rank fixed at start-up and a new adapter id every step,
-  and samples through other kernels than the merged model the trainer's ratio refers to; merging
-  in place and unmerging would leave rounding drift in the frozen base, which is the reference;
+  LoRA sends the merged weights W + BA, computed out of place. vLLM's LoRA path would move only
+  the adapter, but it runs extra LoRA kernels at every decode step, fixes `max_lora_rank` at
+  start-up, needs a new adapter registered every step, and on CPU turns vLLM's compilation off;
+  a full-weight copy per step is small next to generation for models that fit colocated.
+  Merging in place and unmerging would leave rounding drift in the frozen base (the reference);
 - the engine core runs in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`): the weights are
   handed over as tensors, without serialisation. Under torchrun each rank holds its own engine
   (`external_launcher`, which reuses the trainer's process group).
@@ -57,6 +58,7 @@ class VLLMEngine:
     clears them, so building a second engine first shuts the previous one down (`close`)."""
 
     _live: weakref.ref[VLLMEngine] | None = None
+    decodes_with_policy = False  # vLLM samples with its own copy of the weights
 
     def __init__(self, model_path: str, *, eos_token_ids: tuple[int, ...], pad_token_id: int,
                  dtype: str = "float32", gpu_memory_utilization: float = 0.3,

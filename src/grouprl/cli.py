@@ -87,9 +87,13 @@ def _train(cfg: TrainConfig, *, resume: bool) -> int:
     from grouprl.trainer import Trainer
 
     ctx = init_distributed()  # under torchrun: one process group for the run (docs/distributed.md)
+    trainer = None
     try:
-        summary = Trainer(cfg).train(resume=resume)
+        trainer = Trainer(cfg)
+        summary = trainer.train(resume=resume)
     finally:
+        if trainer is not None:
+            trainer.close()  # before the process group goes: vLLM tears its groups down with it
         destroy_distributed()
     if ctx.is_main:
         print(_summary_text(summary, cfg.output_dir))
@@ -104,9 +108,13 @@ def _eval(cfg: TrainConfig) -> int:
     from grouprl.distributed import destroy_distributed, init_distributed
 
     ctx = init_distributed()
+    trainer = None
     try:
-        result = Trainer(replace(cfg, train_data=cfg.train_data or cfg.eval_data)).evaluate()
+        trainer = Trainer(replace(cfg, train_data=cfg.train_data or cfg.eval_data))
+        result = trainer.evaluate()
     finally:
+        if trainer is not None:
+            trainer.close()
         destroy_distributed()
     if ctx.is_main:
         print(json.dumps(result, indent=2))

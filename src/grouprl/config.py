@@ -231,6 +231,28 @@ class TrainConfig:
     report_to_tensorboard: bool = True
     """Write TensorBoard event files under output_dir/tensorboard."""
 
+    # ----------------------------------------------------------------- vLLM
+    use_vllm: bool = False
+    """Sample the rollouts with vLLM instead of the built-in engine (`pip install grouprl[vllm]`;
+    on CPU-only machines see docs/distributed.md). The policy's weights are copied into vLLM after
+    every optimizer step."""
+    vllm_mode: str = "colocate"
+    """`colocate`: a vLLM engine inside each training process, sharing its device. (`server`, a
+    separate vLLM server, is not implemented yet.)"""
+    vllm_gpu_memory_utilization: float = 0.3
+    """Share of the GPU's memory vLLM may take for its weights and KV cache; the rest stays for the
+    policy and the optimizer. On CPU the KV cache is VLLM_CPU_KVCACHE_SPACE GiB (default 1) instead."""
+    vllm_enable_sleep_mode: bool = False
+    """Between rollouts vLLM moves its weights to host memory and frees its KV cache, so the update
+    has the GPU to itself; waking up costs a host-to-device copy. Not available on CPU."""
+    vllm_dtype: str | None = None
+    """dtype vLLM computes in: float32 | bfloat16 | float16 | auto (the checkpoint's, vLLM's rule).
+    None follows the trainer: bfloat16 with bf16, float32 otherwise."""
+    vllm_max_model_length: int | None = None
+    """Longest prompt + completion vLLM serves; None takes the model config's maximum."""
+    vllm_enforce_eager: bool = False
+    """Run vLLM without CUDA graphs / torch.compile: slower decoding, faster start-up."""
+
     # ---------------------------------------------------------- distributed
     distributed_strategy: str = "ddp"
     """Under torchrun: `ddp` keeps a whole model on every rank and averages gradients; `fsdp2`
@@ -333,6 +355,7 @@ class TrainConfig:
         if c.overlong_shaping and not 0 < c.overlong_cache_len <= c.max_completion_length:
             raise ConfigError(f"overlong_cache_len={c.overlong_cache_len} must be in "
                               f"(0, max_completion_length={c.max_completion_length}]")
+        _check_vllm(c)
         for name in ("model", "tokenizer", "train_data", "eval_data"):
             if getattr(c, name) and name not in skip_paths:
                 _check_path(name, getattr(c, name))
@@ -463,6 +486,26 @@ def _matches(value: Any, tp: Any) -> bool:
 def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
     if value not in choices:
         raise ConfigError(f"{name}={value!r} is not one of: {', '.join(choices)}")
+
+
+def _check_vllm(c: TrainConfig) -> None:
+    _check_choice("vllm_mode", c.vllm_mode, ("colocate", "server"))
+    if c.vllm_mode == "server":
+        raise ConfigError("vllm_mode=server is not implemented yet: use vllm_mode: colocate "
+                          "(a vLLM engine inside each training process)")
+    if not 0 < c.vllm_gpu_memory_utilization <= 1:
+        raise ConfigError(f"vllm_gpu_memory_utilization={c.vllm_gpu_memory_utilization} must be in (0, 1]")
+    if c.vllm_dtype is not None:
+        _check_choice("vllm_dtype", c.vllm_dtype, ("float32", "bfloat16", "float16", "auto"))
+    if c.vllm_max_model_length is not None:
+        needed = (c.max_prompt_length or 1) + c.max_completion_length
+        if c.vllm_max_model_length < needed:
+            raise ConfigError(f"vllm_max_model_length={c.vllm_max_model_length} is shorter than "
+                              f"max_prompt_length + max_completion_length = {needed}: raise it or leave it null")
+    if c.use_vllm and not 0.01 <= c.temperature <= 2:
+        raise ConfigError(f"temperature={c.temperature} with use_vllm: vLLM samples at temperatures in "
+                          "[0.01, 2] only (it raises lower ones to 0.01, which the trainer's log-probs "
+                          "would not know); pick one in that range")
 
 
 def _check_path(name: str, value: str) -> None:

@@ -21,6 +21,7 @@ Deliberate choices:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import random
@@ -40,10 +41,10 @@ from grouprl.core import compute_advantages, importance_weights, overlong_penalt
 from grouprl.data import PromptFormatter, PromptSampler, completion_objects, load_prompts, split_eval
 from grouprl.logging import Progress, RunLogger
 from grouprl.policy import (MicroBatch, Reference, can_share_prompts, completion_logprobs, load_policy,
-                            load_tokenizer)
+                            load_tokenizer, resolve_model_path)
 from grouprl.rewards import (RewardScores, merge_reward_metrics, resolve_reward_func, sandbox_mechanism,
                              score_completions)
-from grouprl.rollout import HFEngine, Rollout, SamplingParams
+from grouprl.rollout import GenerationEngine, HFEngine, Rollout, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -139,8 +140,8 @@ class Trainer:
         shared = cfg.share_prompt_forward and can_share_prompts(self.model) and not D.is_sharded(self.model)
         self.share_min_tokens = cfg.share_prompt_min_tokens if shared else None
         self.formatter = PromptFormatter(self.tokenizer, max_prompt_length=cfg.max_prompt_length)
-        self.engine = HFEngine(self.model, _eos_ids(self.model, self.tokenizer), self.tokenizer.pad_token_id,
-                               max_batch_size=cfg.generation_batch_size, autocast_dtype=self.autocast)
+        self.engine = _make_engine(cfg, self.model, self.tokenizer, self.dist.rank, self.autocast)
+        self.weights_version = 0  # grows with every change of the policy's weights (engine sync)
         self.sampling = SamplingParams(cfg.max_completion_length, cfg.temperature, cfg.top_p, cfg.top_k,
                                        cfg.ignore_eos)
 
@@ -250,7 +251,9 @@ class Trainer:
                                  with_entropy=it == 0)
             update = stats if it == 0 else {**update, **{k: v for k, v in stats.items() if k != "entropy"}}
         timings["time/update"] = time.perf_counter() - t0
-        self.engine.sync_weights(self.model)  # an external engine copies the new weights here
+        t0 = time.perf_counter()
+        self.engine.sync_weights(self.model, self.weights_version)  # an external engine copies them
+        timings["time/sync_weights"] = time.perf_counter() - t0
         if cfg.ref_update_steps and self.ref is not None and self.step % cfg.ref_update_steps == 0:
             self.ref.reset(self.model)
         return advantages, {**update, **is_metrics}
@@ -268,7 +271,7 @@ class Trainer:
             t0 = time.perf_counter()
             indices = D.shard_prompts(self.dist, self.sampler.next(B))  # this rank's B/K prompts
             prompts = self.formatter.batch(self.train_ds, indices, cfg.prompt_column)
-            with D.full_weights(self.model):
+            with self._generation_weights():
                 rollout = self.engine.generate(prompts.prompt_ids, G, self.sampling, self.generator)
             timings["time/generate"] += time.perf_counter() - t0
             t0 = time.perf_counter()
@@ -394,6 +397,7 @@ class Trainer:
         params = [p for p in self.model.parameters() if p.requires_grad]
         grad_norm = D.local_value(torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm or math.inf))
         self.optimizer.step()
+        self.weights_version += 1
         self.scheduler.step()
         sums = D.all_reduce_sums(self.dist, sums)
         tokens, loss_total = sums.pop("tokens"), sums.pop("loss")
@@ -414,7 +418,7 @@ class Trainer:
         mine = list(range(self.dist.rank, len(ds), self.dist.world_size))
         acc_name = self.cfg.accuracy_reward or self.reward_names[0]
         sums = {"acc": 0.0, "acc_n": 0.0, "reward": 0.0, "length": 0.0}
-        with D.full_weights(self.model):
+        with self._generation_weights():
             for start in range(0, len(mine), batch_size):
                 prompts = self.formatter.batch(ds, mine[start:start + batch_size], self.cfg.prompt_column)
                 rollout = self.engine.generate(prompts.prompt_ids, 1, params)
@@ -428,6 +432,11 @@ class Trainer:
         return {"accuracy": sums["acc"] / sums["acc_n"] if sums["acc_n"] else math.nan,
                 "reward_mean": sums["reward"] / len(ds), "length_mean": sums["length"] / len(ds),
                 "num_samples": len(ds)}
+
+    def _generation_weights(self):
+        """FSDP2: an engine that decodes with the policy itself needs its weights whole (one gather
+        per phase); an engine holding its own copy (vLLM) needs nothing gathered."""
+        return D.full_weights(self.model) if self.engine.decodes_with_policy else contextlib.nullcontext()
 
     def _log_eval(self, step: int, progress: Progress) -> dict[str, float]:
         t0 = time.perf_counter()
@@ -493,6 +502,12 @@ class Trainer:
             self.generator.set_state(rng["sampling"])
         else:  # a different number of processes: fresh, distinct sampling streams
             self.generator.manual_seed(self.cfg.seed + self.dist.rank + 1_000_003 * self.step)
+        self.weights_version += 1  # the checkpoint's weights replaced the initial ones
+        self.engine.sync_weights(self.model, self.weights_version)
+
+    def close(self) -> None:
+        """Release the generation engine (a colocated vLLM engine's memory); call once done."""
+        self.engine.close()
 
     def _summary(self) -> dict[str, Any]:
         rows = self.logger.read_metrics()
@@ -517,6 +532,21 @@ def _resolve_reward(spec: Any) -> Callable:
     if not isinstance(spec, str):
         raise ConfigError(f"reward_funcs entry {spec!r} must be a name, a module:function path or a mapping")
     return resolve_reward_func(spec)
+
+
+def _make_engine(cfg: TrainConfig, model: torch.nn.Module, tokenizer, rank: int,
+                 autocast: torch.dtype | None) -> GenerationEngine:
+    """The one place that picks the generation engine; the loop only sees GenerationEngine."""
+    eos, pad = _eos_ids(model, tokenizer), tokenizer.pad_token_id
+    if not cfg.use_vllm:
+        return HFEngine(model, eos, pad, max_batch_size=cfg.generation_batch_size, autocast_dtype=autocast)
+    from grouprl.rollout.vllm import VLLMEngine
+
+    return VLLMEngine(resolve_model_path(cfg.model), eos_token_ids=eos, pad_token_id=pad,
+                      dtype=cfg.vllm_dtype or ("bfloat16" if cfg.bf16 else "float32"),
+                      gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
+                      max_model_len=cfg.vllm_max_model_length, enforce_eager=cfg.vllm_enforce_eager,
+                      enable_sleep_mode=cfg.vllm_enable_sleep_mode, seed=cfg.seed + rank)
 
 
 def _eos_ids(model: torch.nn.Module, tokenizer) -> tuple[int, ...]:

@@ -44,6 +44,12 @@ def no_model_loading(monkeypatch):
     ({"vllm_importance_sampling_mode": "token_truncate", "vllm_importance_sampling_min": 0.5},
      "vllm_importance_sampling_min=0.5 has no effect with vllm_importance_sampling_mode=token_truncate"),
     ({"vllm_importance_sampling_correction": "yes"}, "vllm_importance_sampling_correction='yes' has the wrong type"),
+    ({"use_vllm": True, "vllm_mode": "server"}, "vllm_mode=server is not implemented yet: use vllm_mode: colocate"),
+    ({"vllm_mode": "remote"}, "vllm_mode='remote' is not one of: colocate, server"),
+    ({"vllm_gpu_memory_utilization": 1.5}, "vllm_gpu_memory_utilization=1.5 must be in (0, 1]"),
+    ({"vllm_dtype": "fp8"}, "vllm_dtype='fp8' is not one of: float32, bfloat16, float16, auto"),
+    ({"vllm_max_model_length": 10}, "vllm_max_model_length=10 is shorter than max_prompt_length"),
+    ({"use_vllm": True, "temperature": 3.0}, "temperature=3.0 with use_vllm: vLLM samples at temperatures in [0.01, 2]"),
 ])
 def test_config_errors_name_the_field(make_cfg, overrides, message):
     with pytest.raises((ConfigError, ValueError), match=message.replace("(", r"\(").replace("[", r"\[")):

@@ -52,10 +52,14 @@ class HFEngine:
     autocast_dtype: torch.dtype | None = None  # compute dtype of generation (None: the weights' dtype)
     fast: bool = True  # use FastDecoder for the models it supports (Llama, Qwen2)
     decode_threads: int | None = None  # torch threads while decoding; None: 1 for small models on CPU
+    decodes_with_policy = True  # the engine runs the training model itself (class attribute)
 
-    def sync_weights(self, model: torch.nn.Module) -> None:
+    def sync_weights(self, model: torch.nn.Module, version: int) -> None:
         """The engine decodes with the training model itself: nothing to copy."""
         self.model = model
+
+    def close(self) -> None:
+        """Nothing to release: the engine holds only the training model."""
 
     def generate(self, prompt_ids: list[list[int]], num_generations: int, params: SamplingParams,
                  generator: torch.Generator | None = None) -> Rollout:

@@ -93,9 +93,17 @@ def same_prompt_ids(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> torc
 class GenerationEngine(Protocol):
     """What the trainer needs from a generation engine. An external engine (vLLM, SGLang) fits
     behind this: `generate` returns token ids, and `sync_weights` is called after every optimizer
-    step so the engine samples from the current policy."""
+    step (and after a resume loads weights) so the engine samples from the current policy.
+    `version` grows whenever the weights change: an engine that copies weights sends nothing when
+    it already holds that version. `decodes_with_policy` says whether `generate` runs the training
+    model itself (then FSDP2 must gather its weights first) or the engine's own copy."""
+
+    decodes_with_policy: bool
 
     def generate(self, prompt_ids: list[list[int]], num_generations: int, params: SamplingParams,
                  generator: torch.Generator | None = None) -> Rollout: ...
 
-    def sync_weights(self, model: torch.nn.Module) -> None: ...
+    def sync_weights(self, model: torch.nn.Module, version: int) -> None: ...
+
+    def close(self) -> None:
+        """Release what the engine holds (an external engine's memory and processes)."""

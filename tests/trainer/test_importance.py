@@ -27,8 +27,13 @@ class SamplerWithLogprobs:
         self.last = (rollout, logp)
         return rollout
 
-    def sync_weights(self, model):
-        self.engine.sync_weights(model)
+    decodes_with_policy = True  # it samples with the trainer's own engine
+
+    def sync_weights(self, model, version):
+        self.engine.sync_weights(model, version)
+
+    def close(self):
+        self.engine.close()
 
 
 def one_step(make_cfg, perturb=None, *, forbid_logprobs=False, **overrides):

@@ -502,6 +502,10 @@ def _check_vllm(c: TrainConfig) -> None:
         if c.vllm_max_model_length < needed:
             raise ConfigError(f"vllm_max_model_length={c.vllm_max_model_length} is shorter than "
                               f"max_prompt_length + max_completion_length = {needed}: raise it or leave it null")
+    if c.vllm_importance_sampling_correction and not c.use_vllm:
+        raise ConfigError("vllm_importance_sampling_correction=true without use_vllm: the built-in engine samples "
+                          "from the trainer's own model, so there is no sampler/trainer mismatch to correct; set "
+                          "use_vllm: true, or leave the field unset")
     if c.use_vllm and not 0.01 <= c.temperature <= 2:
         raise ConfigError(f"temperature={c.temperature} with use_vllm: vLLM samples at temperatures in "
                           "[0.01, 2] only (it raises lower ones to 0.01, which the trainer's log-probs "

@@ -327,13 +327,9 @@ class Trainer:
 
     def _corrects_sampler(self, rollout: Rollout) -> bool:
         """Whether the sampler/trainer mismatch is corrected: by default whenever the engine returned
-        the log-probs it sampled with (Rollout.sampling_logp)."""
-        setting = self.cfg.vllm_importance_sampling_correction
-        if setting and rollout.sampling_logp is None:
-            raise ConfigError("vllm_importance_sampling_correction=true, but the engine returned no sampling "
-                              "log-probs: the built-in engine samples from the trainer's own model, so there "
-                              "is no mismatch to correct; sample with vLLM, or leave the field unset")
-        return rollout.sampling_logp is not None and setting is not False
+        the log-probs it sampled with (Rollout.sampling_logp; config validation requires use_vllm when
+        the correction is forced on)."""
+        return rollout.sampling_logp is not None and self.cfg.vllm_importance_sampling_correction is not False
 
     def _importance_weights(self, rollout: Rollout, old_logp: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
         """Sampler/trainer importance-sampling weights [N, T] for the policy loss, and the mismatch

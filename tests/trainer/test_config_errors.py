@@ -44,6 +44,7 @@ def no_model_loading(monkeypatch):
     ({"vllm_importance_sampling_mode": "token_truncate", "vllm_importance_sampling_min": 0.5},
      "vllm_importance_sampling_min=0.5 has no effect with vllm_importance_sampling_mode=token_truncate"),
     ({"vllm_importance_sampling_correction": "yes"}, "vllm_importance_sampling_correction='yes' has the wrong type"),
+    ({"vllm_importance_sampling_correction": True}, "vllm_importance_sampling_correction=true without use_vllm"),
     ({"use_vllm": True, "vllm_mode": "server"}, "vllm_mode=server is not implemented yet: use vllm_mode: colocate"),
     ({"vllm_mode": "remote"}, "vllm_mode='remote' is not one of: colocate, server"),
     ({"vllm_gpu_memory_utilization": 1.5}, "vllm_gpu_memory_utilization=1.5 must be in (0, 1]"),

@@ -7,7 +7,6 @@ import math
 import pytest
 import torch
 
-from grouprl.config import ConfigError
 from grouprl.trainer import Trainer
 
 
@@ -128,10 +127,3 @@ def test_correction_off_is_the_plain_update_with_no_extra_pass(make_cfg):
                                vllm_importance_sampling_correction=False)
     assert torch.equal(plain, off)
     assert not any(k.startswith("is/") for k in metrics)
-
-
-def test_correction_forced_on_without_sampler_logprobs_fails_clearly(make_cfg):
-    trainer = Trainer(make_cfg(vllm_importance_sampling_correction=True))
-    trainer.step = 1
-    with pytest.raises(ConfigError, match="vllm_importance_sampling_correction=true, but the engine returned no"):
-        trainer.train_step()

@@ -159,7 +159,7 @@ class TrainConfig:
     carry the sampler's log-probs): the policy loss of each token is weighted by a function of the
     ratio pi_old(trainer) / pi_sampler (docs/vllm.md). None (default): on whenever the rollout
     carries the sampler's log-probs, so on with vLLM and off with the built-in engine, which samples
-    from the trainer's own model; true: on, and an error if the engine returns none; false: off.
+    from the trainer's own model; true: on (needs use_vllm); false: off.
     It needs the trainer's pi_old even with num_iterations = 1: one extra no-grad forward pass over
     the batch per step."""
     vllm_importance_sampling_mode: str = "sequence_mask"

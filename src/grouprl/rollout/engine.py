@@ -19,7 +19,7 @@ import torch
 from transformers import DynamicCache
 
 from grouprl.rollout.fast import FastDecoder
-from grouprl.rollout.types import Rollout, SamplingParams
+from grouprl.rollout.types import Rollout, SamplingParams, left_pad_prompts
 
 
 def sample_next(logits: torch.Tensor, params: SamplingParams,
@@ -89,12 +89,7 @@ class HFEngine:
         was_training = model.training
         model.eval()
         device = next(model.parameters()).device
-        P = max(len(p) for p in prompt_ids)
-        ids = torch.full((len(prompt_ids), P), self.pad_token_id, dtype=torch.long)  # [B, P]
-        mask = torch.zeros((len(prompt_ids), P), dtype=torch.long)  # [B, P]
-        for b, p in enumerate(prompt_ids):  # left padding: every prompt ends at column P-1
-            ids[b, P - len(p):] = torch.tensor(p)
-            mask[b, P - len(p):] = 1
+        ids, mask = left_pad_prompts(prompt_ids, self.pad_token_id)  # [B, P]
         ids, mask = ids.to(device), mask.to(device)
         eos = torch.tensor(self.eos_token_ids, device=device)
         with torch.no_grad(), _num_threads(self._decode_threads(device)):

@@ -83,6 +83,18 @@ class Rollout:
         )
 
 
+def left_pad_prompts(prompt_ids: list[list[int]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded ids [B, P] and mask [B, P] (1 on real tokens): every prompt ends at column P-1,
+    the layout `Rollout` promises for its prompts."""
+    P = max(len(p) for p in prompt_ids)
+    ids = torch.full((len(prompt_ids), P), pad_token_id, dtype=torch.long)  # [B, P]
+    mask = torch.zeros((len(prompt_ids), P), dtype=torch.long)  # [B, P]
+    for b, p in enumerate(prompt_ids):
+        ids[b, P - len(p):] = torch.tensor(p, dtype=torch.long)
+        mask[b, P - len(p):] = 1
+    return ids, mask
+
+
 def same_prompt_ids(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> torch.Tensor:
     """[n] long from left-padded prompts [n, P]: equal prompts get equal ids, numbered 0..u-1 in
     sorted order of their tokens."""

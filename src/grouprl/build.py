@@ -1,0 +1,81 @@
+"""What the trainer builds once at start: the generation engine, reward functions from config
+entries, the EOS ids, the learning-rate schedule and the seeds. Kept out of trainer.py so the loop
+reads top to bottom."""
+
+from __future__ import annotations
+
+import math
+import random
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from grouprl.config import ConfigError, TrainConfig
+from grouprl.policy import resolve_model_path
+from grouprl.rewards import resolve_reward_func
+from grouprl.rollout import GenerationEngine, HFEngine
+
+
+def resolve_reward(spec: Any) -> Callable:
+    """A reward function from a `reward_funcs` entry: a name, a module:function path, or a mapping
+    with `name` and the function's parameters."""
+    if isinstance(spec, dict):
+        params = dict(spec)
+        name = params.pop("name", None)
+        if not isinstance(name, str):
+            raise ConfigError(f"reward_funcs entry {spec!r} needs a `name` key")
+        return resolve_reward_func(name, **params)
+    if not isinstance(spec, str):
+        raise ConfigError(f"reward_funcs entry {spec!r} must be a name, a module:function path or a mapping")
+    return resolve_reward_func(spec)
+
+
+def make_engine(cfg: TrainConfig, model: torch.nn.Module, tokenizer, rank: int,
+                autocast: torch.dtype | None) -> GenerationEngine:
+    """The one place that picks the generation engine; the loop only sees GenerationEngine."""
+    eos, pad = eos_ids(model, tokenizer), tokenizer.pad_token_id
+    if not cfg.use_vllm:
+        return HFEngine(model, eos, pad, max_batch_size=cfg.generation_batch_size, autocast_dtype=autocast)
+    from grouprl.rollout.vllm import VLLMEngine
+
+    return VLLMEngine(resolve_model_path(cfg.model), eos_token_ids=eos, pad_token_id=pad,
+                      dtype=cfg.vllm_dtype or ("bfloat16" if cfg.bf16 else "float32"),
+                      gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
+                      max_model_len=cfg.vllm_max_model_length, enforce_eager=cfg.vllm_enforce_eager,
+                      enable_sleep_mode=cfg.vllm_enable_sleep_mode, seed=cfg.seed + rank)
+
+
+def eos_ids(model: torch.nn.Module, tokenizer) -> tuple[int, ...]:
+    """Every id that ends a completion: the generation config's and the tokenizer's EOS."""
+    ids = set()
+    gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    for x in (gen_eos, tokenizer.eos_token_id):
+        if isinstance(x, int):
+            ids.add(x)
+        elif isinstance(x, (list, tuple)):
+            ids.update(x)
+    if not ids:
+        raise ValueError("the tokenizer and model define no EOS token: set tokenizer.eos_token")
+    return tuple(sorted(ids))
+
+
+def lr_schedule(kind: str, warmup: int, total: int) -> Callable[[int], float]:
+    """LambdaLR factor: linear warmup over `warmup` steps, then constant, linear or cosine decay."""
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        frac = (step - warmup) / max(1, total - warmup)
+        if kind == "linear":
+            return max(0.0, 1.0 - frac)
+        if kind == "cosine":
+            return 0.5 * (1.0 + math.cos(math.pi * min(1.0, frac)))
+        return 1.0
+
+    return factor
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)

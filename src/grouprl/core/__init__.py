@@ -25,6 +25,7 @@ from .losses import (
     register_loss_agg,
     register_ratio_level,
 )
+from .policy_losses import LOSS_TYPES, LossParams, register_loss_type
 from .presets import PRESET_KEYS, PRESETS, get_preset
 
 __all__ = [
@@ -32,6 +33,8 @@ __all__ = [
     "IS_MODES",
     "KL_ESTIMATORS",
     "LOSS_AGGREGATIONS",
+    "LOSS_TYPES",
+    "LossParams",
     "PRESETS",
     "PRESET_KEYS",
     "RATIO_LEVELS",
@@ -47,6 +50,7 @@ __all__ = [
     "register_advantage_estimator",
     "register_is_mode",
     "register_loss_agg",
+    "register_loss_type",
     "register_ratio_level",
     "rloo_advantages",
     "token_entropy",

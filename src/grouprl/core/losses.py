@@ -153,7 +153,8 @@ def policy_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor
                 ref_logp: Tensor | None = None, beta: float = 0.0, kl_kind: str = "k3",
                 dual_clip: float | None = None, delta: float | None = None,
                 normalizer: float | Tensor | None = None, token_weights: Tensor | None = None,
-                loss_type: str = "clip") -> tuple[Tensor, dict[str, float]]:
+                loss_type: str = "clip", sapo_tau_pos: float = 1.0,
+                sapo_tau_neg: float = 1.05) -> tuple[Tensor, dict[str, float]]:
     """Clipped surrogate loss (scalar) and detached stats; see the module docstring.
 
     logp, old_logp, ref_logp, mask, token_weights  # [N, T];  advantages  # [N] or [N, T]
@@ -182,6 +183,12 @@ def policy_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor
         raise ValueError(f"dual_clip={dual_clip} must be > 1 (typical 3) or None")
     if delta is not None and delta <= 1:
         raise ValueError(f"delta={delta} must be > 1 (INTELLECT-2 uses 4) or None")
+    if loss_type != "clip" and (dual_clip is not None or delta is not None or ratio_level != "token"):
+        raise ValueError(f"loss_type={loss_type!r} acts on token ratios without the PPO clip: dual_clip, "
+                         "delta and ratio_level='sequence' apply to loss_type='clip' only; drop them")
+    if not (sapo_tau_pos > 0 and sapo_tau_neg > 0):
+        raise ValueError(f"sapo_tau_pos={sapo_tau_pos}, sapo_tau_neg={sapo_tau_neg} must be > 0 "
+                         "(SAPO uses 1.0 and 1.05)")
 
     # Padding goes first: nothing downstream may see garbage, not even through 0·inf.
     zero = logp.new_zeros(())
@@ -191,7 +198,8 @@ def policy_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor
     adv = torch.where(valid, adv[:, None] if adv.dim() == 1 else adv, zero)  # [N, T]
 
     ratio = ratio_fn(logp, old_logp, valid)  # [N, T]
-    params = LossParams(eps_low=eps_low, eps_high=eps_high, dual_clip=dual_clip, delta=delta)
+    params = LossParams(eps_low=eps_low, eps_high=eps_high, dual_clip=dual_clip, delta=delta,
+                        sapo_tau_pos=sapo_tau_pos, sapo_tau_neg=sapo_tau_neg)
     per_token, flags = loss_fn(logp, ratio, adv, params)  # [N, T]
     if token_weights is not None:
         per_token = per_token * torch.where(valid, token_weights.detach(), zero)  # [N, T]

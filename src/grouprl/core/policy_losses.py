@@ -9,6 +9,27 @@ aggregates. Every loss type sees padding already zeroed (A = 0 and logp = old th
             dual clip (Ye et al. 2020), tokens with A < 0:  ℓ = min(ℓ, −c·A)
             δ (INTELLECT-2 two-sided cap): the unclipped term uses min(ρ, δ)
             Tokens whose clipped branch is active get no gradient.
+
+    "cispo" CISPO, MiniMax-M1 (arXiv 2506.13585) §3.1: clip the importance-sampling weight,
+            not the update, and stop its gradient:
+                ℓ = −sg[clip(ρ, 1−ε_low, 1+ε_high)]·A·log π_θ,     ∂ℓ/∂logp = −clip(ρ)·A
+            so every token keeps a gradient (the clip only bounds its size). The value of ℓ is not a
+            surrogate of the return (it holds log π); only its gradient matters. The paper sets no
+            lower bound in practice ("ε_low large"): ε_low = 1 gives 1−ε_low = 0. Aggregated by
+            token-mean over the batch (1/Σ|o_i|). Departure from TRL: TRL clamps ρ at ``epsilon_high``
+            itself (recommending 5.0); we follow the paper's 1+ε_high, so the cispo preset's
+            ε_high = 4 is the same cap of 5 (ScaleRL, arXiv 2510.13786, as TRL reports). flags:
+            ``is_clip_frac``, the fraction of tokens whose weight was clipped.
+
+    "sapo"  SAPO, Gao et al. 2025 (Qwen, arXiv 2511.20347) §3: a smooth gate instead of the clip,
+                f(ρ) = σ(τ·(ρ − 1))·4/τ,   τ = τ_pos if A > 0 else τ_neg,   ℓ = −f(ρ)·A
+            ∂ℓ/∂logp = −4·σ(1 − σ)·ρ·A, the weight 4σ(1−σ) = 1 at ρ = 1 (the plain policy gradient
+            on-policy) and decays smoothly as ρ leaves 1, faster for τ_neg > τ_pos (negative
+            advantages). Paper defaults τ_pos = 1.0, τ_neg = 1.05; sequence-mean aggregation
+            (1/G Σ_i 1/|o_i| Σ_t, seq-mean-token-mean). TRL and verl compute the same gate.
+
+cispo and sapo act on token ratios only (GSPO's sequence ratio is a clip variant): policy_loss
+rejects them with ratio_level="sequence", as it rejects dual_clip and delta, which only "clip" reads.
 """
 
 from __future__ import annotations
@@ -28,6 +49,8 @@ class LossParams:
     eps_high: float = 0.2
     dual_clip: float | None = None
     delta: float | None = None
+    sapo_tau_pos: float = 1.0
+    sapo_tau_neg: float = 1.05
 
 
 LossTypeFn = Callable[[Tensor, Tensor, Tensor, LossParams], tuple[Tensor, dict[str, Tensor]]]
@@ -64,3 +87,20 @@ def clip_loss(logp: Tensor, ratio: Tensor, adv: Tensor, p: LossParams) -> tuple[
         per_token = torch.where(dual_active, cap, per_token)
         flags["dual_clip_frac"] = dual_active
     return per_token, flags
+
+
+@register_loss_type("cispo")
+def cispo_loss(logp: Tensor, ratio: Tensor, adv: Tensor, p: LossParams) -> tuple[Tensor, dict[str, Tensor]]:
+    """CISPO (module docstring): −sg[clip(ρ, 1−ε_low, 1+ε_high)]·A·logp."""
+    rho = ratio.detach()  # [N, T]
+    weight = rho.clamp(1 - p.eps_low, 1 + p.eps_high)  # [N, T], sg[clip(ρ)]
+    clipped = (rho > 1 + p.eps_high) | (rho < 1 - p.eps_low)
+    return -weight * adv * logp, {"is_clip_frac": clipped}
+
+
+@register_loss_type("sapo")
+def sapo_loss(logp: Tensor, ratio: Tensor, adv: Tensor, p: LossParams) -> tuple[Tensor, dict[str, Tensor]]:
+    """SAPO (module docstring): −σ(τ(ρ − 1))·4/τ·A with τ = τ_pos for A > 0, τ_neg otherwise."""
+    tau = torch.where(adv > 0, p.sapo_tau_pos, p.sapo_tau_neg).to(ratio.dtype)  # [N, T]
+    gate = torch.sigmoid(tau * (ratio - 1)) * (4 / tau)  # [N, T]
+    return -gate * adv, {}

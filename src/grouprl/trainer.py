@@ -200,7 +200,7 @@ class Trainer:
         """Advantages, old/ref log-probs and the num_iterations optimizer steps on a scored batch
         (the global batch: every rank passes the same one). Returns the advantages [N] and the
         update statistics, reduced over ranks."""
-        cfg, G = self.cfg, self.cfg.num_generations
+        cfg = self.cfg
         timings = {} if timings is None else timings
         advantages = step_advantages(cfg, batch)  # [N]
         loss_mask = batch.rollout.completion_mask.clone()  # [N, T]

@@ -4,6 +4,7 @@ config combinations that make no sense fail before any model loads."""
 import math
 
 import pytest
+import torch
 
 from grouprl.config import ConfigError
 from grouprl.trainer import Trainer
@@ -67,3 +68,46 @@ def test_variant_config_errors(make_cfg, overrides, message):
 def test_cispo_accepts_epsilon_one_as_no_lower_bound(make_cfg):
     cfg = make_cfg(algorithm="cispo", beta=None).validate()
     assert (cfg.epsilon, cfg.epsilon_high, cfg.loss_type) == (1.0, 4.0, "cispo")
+
+
+@pytest.mark.parametrize("overrides", [
+    {"algorithm": "opsm", "loss_type": "cispo", "epsilon": 1.0, "epsilon_high": 0.05, "num_iterations": 2,
+     "off_policy_mask_threshold": 0.0},
+    {"algorithm": "gdpo", "loss_type": "sapo", "sapo_temperature_neg": 2.0, "num_iterations": 2,
+     "reward_funcs": ["tests.trainer.conftest:digit_fraction", "tests.trainer.conftest:short_reward"]},
+])
+def test_off_policy_variants_give_the_full_batch_gradient_in_micro_batches(make_cfg, overrides):
+    """Same seed, same rollout; micro_batch_size 16 vs 4 over two updates per rollout (the second is
+    off-policy: CISPO clips, SAPO gates, the sequence mask drops with δ = 0): the accumulated gradients
+    agree. After each update the micro-batched run takes the full run's weights, so that the second
+    update starts from the same policy (Adam's first step turns float noise in near-zero gradients
+    into lr-sized differences). (top_entropy_quantile is the exception, tests/core/test_token_masks.py.)"""
+    grads, weights, stats = [], [], []
+    for run, mbs in enumerate((16, 4)):
+        trainer = Trainer(make_cfg(micro_batch_size=mbs, max_grad_norm=None, beta=0.05, learning_rate=3e-2,
+                                   **overrides))
+        trainer.step = 1
+        trainer.logger = type("NoLog", (), {"log_samples": lambda *a: None})()
+        params = list(trainer.model.parameters())
+        step = trainer.optimizer.step
+
+        def record_and_step(params=params, step=step, run=run):
+            grads.append(torch.cat([p.grad.flatten() for p in params]))
+            step()
+            with torch.no_grad():
+                if run == 0:
+                    weights.append([p.detach().clone() for p in params])
+                else:
+                    for p, w in zip(params, weights[len(grads) - 3]):
+                        p.copy_(w)
+
+        trainer.optimizer.step = record_and_step
+        stats.append(trainer.train_step())
+    full, micro = grads[:2], grads[2:]
+    for f, m in zip(full, micro):
+        assert f.abs().max() > 1e-4
+        assert torch.allclose(f, m, rtol=1e-4, atol=1e-6 * float(f.abs().max()))
+    assert stats[0]["ratio_mean"] != 1.0  # the second update really was off-policy
+    for key in ("off_policy_mask/dropped_frac", "is_clip_frac"):
+        if key in stats[0]:
+            assert stats[0][key] == pytest.approx(stats[1][key]) and stats[0][key] > 0, key

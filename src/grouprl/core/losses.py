@@ -155,15 +155,17 @@ def policy_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor
                 normalizer: float | Tensor | None = None, token_weights: Tensor | None = None,
                 loss_type: str = "clip", sapo_tau_pos: float = 1.0,
                 sapo_tau_neg: float = 1.05) -> tuple[Tensor, dict[str, float]]:
-    """Clipped surrogate loss (scalar) and detached stats; see the module docstring.
+    """Policy loss (scalar) and detached stats; see the module docstring.
 
     logp, old_logp, ref_logp, mask, token_weights  # [N, T];  advantages  # [N] or [N, T]
     mask is bool or 0/1 float (nonzero = real completion token). eps_high=None means eps_low.
-    token_weights (detached) multiply each token's clipped term; they leave the normaliser alone.
+    token_weights (detached) multiply each token's policy term; they leave the normaliser alone.
+    loss_type picks the per-token term (``LOSS_TYPES``: "clip", "cispo", "sapo"; policy_losses.py);
+    eps_low/eps_high bound cispo's IS weight too; sapo_tau_pos/neg are SAPO's gate temperatures.
     Stats (Python floats, means over this call's real tokens): clip_frac_low (ρ < 1−ε_low, A < 0),
     clip_frac_high (ρ > 1+ε_high, A > 0), clip_frac, ratio_mean, approx_kl, num_tokens; kl (the
     ``kl_kind`` estimate to ref) whenever ref_logp is given; the loss type's flags (dual_clip_frac
-    when dual_clip is set with "clip").
+    when dual_clip is set with "clip", is_clip_frac with "cispo").
     """
     _check_inputs(logp, old_logp, advantages, mask, ref_logp, token_weights)
     valid = _bool_mask(mask, logp.shape)  # [N, T]

@@ -355,7 +355,8 @@ class TrainConfig:
             raise ConfigError(f"vllm_importance_sampling_min={c.vllm_importance_sampling_min} has no effect "
                               f"with vllm_importance_sampling_mode={c.vllm_importance_sampling_mode}, which "
                               "only truncates from above: use token_mask or sequence_mask, or set it to 0")
-        if c.epsilon <= 0 or c.epsilon_high <= 0 or c.epsilon > 1 or (c.epsilon == 1 and c.loss_type != "cispo"):
+        max_epsilon_ok = c.epsilon < 1 or (c.epsilon == 1 and c.loss_type == "cispo")
+        if c.epsilon <= 0 or c.epsilon_high <= 0 or not max_epsilon_ok:
             raise ConfigError(f"epsilon={c.epsilon}, epsilon_high={c.epsilon_high}: clip ranges must "
                               "be positive and epsilon below 1 (at most 1 with loss_type cispo: no lower bound)")
         if c.beta < 0:

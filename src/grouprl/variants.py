@@ -33,7 +33,7 @@ def loss_token_weights(cfg: TrainConfig, rollout: Rollout, rows: torch.Tensor, l
                        old_logp: torch.Tensor | None, is_weights: torch.Tensor | None
                        ) -> tuple[torch.Tensor | None, dict[str, float]]:
     """Token weights [n, T'] for the micro-batch ``rows`` (None when nothing re-weights), and stats.
-    logp, entropy, mask  # [n, T'] on the model's device; advantages  # [n]; old_logp, is_weights,
+    logp, entropy, mask  # [n, T'] on the model's device; advantages  # [n] (or [n, T]); old_logp, is_weights,
     rollout.sampling_logp  # [N, T] for the whole batch (CPU)."""
     T, dev = logp.shape[1], logp.device
     weights = is_weights[rows, :T].to(dev) if is_weights is not None else None  # [n, T']
@@ -47,7 +47,8 @@ def loss_token_weights(cfg: TrainConfig, rollout: Rollout, rows: torch.Tensor, l
         sampler = rollout.sampling_logp if rollout.sampling_logp is not None else old_logp  # [N, T]
         keep_seq = torch.ones(len(rows), dtype=torch.bool, device=dev)  # [n]; on-policy: nothing to drop
         if sampler is not None:
-            keep_seq = off_policy_sequence_mask(logp, sampler[rows, :T].to(dev), advantages, mask,
+            adv = advantages[:, :T] if advantages.dim() == 2 else advantages  # [n] or per token [n, T']
+            keep_seq = off_policy_sequence_mask(logp, sampler[rows, :T].to(dev), adv, mask,
                                                 cfg.off_policy_mask_threshold)  # [n]
         stats["off_policy_mask/dropped_frac"] = int((mask & ~keep_seq[:, None]).sum()) / n_real
         keep = keep_seq[:, None].to(logp.dtype).expand_as(logp)  # [n, T']

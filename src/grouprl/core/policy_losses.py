@@ -101,6 +101,6 @@ def cispo_loss(logp: Tensor, ratio: Tensor, adv: Tensor, p: LossParams) -> tuple
 @register_loss_type("sapo")
 def sapo_loss(logp: Tensor, ratio: Tensor, adv: Tensor, p: LossParams) -> tuple[Tensor, dict[str, Tensor]]:
     """SAPO (module docstring): −σ(τ(ρ − 1))·4/τ·A with τ = τ_pos for A > 0, τ_neg otherwise."""
-    tau = torch.where(adv > 0, ratio.new_tensor(p.sapo_tau_pos), ratio.new_tensor(p.sapo_tau_neg))  # [N, T], τ in ρ's dtype
+    tau = torch.where(adv > 0, ratio.new_tensor(p.sapo_tau_pos), ratio.new_tensor(p.sapo_tau_neg))  # [N, T]
     gate = torch.sigmoid(tau * (ratio - 1)) * (4 / tau)  # [N, T]
     return -gate * adv, {}

@@ -2,22 +2,22 @@
 
 Keys are the trainer's config field names; every value stays overridable by the user.
 
-| preset                | advantage                    | loss  | aggregation         | ε_low / ε_high | β    | extras                             |
-|-----------------------|------------------------------|-------|---------------------|----------------|------|------------------------------------|
-| grpo                  | group std                    | clip  | seq-mean-token-mean | 0.2 / 0.2      | 0.04 | —                                  |
-| dr_grpo               | none (mean only)             | clip  | seq-mean-token-sum-norm | 0.2 / 0.2  | 0    | —                                  |
-| dapo                  | group std                    | clip  | token-mean          | 0.2 / 0.28     | 0    | dynamic sampling, overlong shaping |
-| gspo                  | group std                    | clip  | seq-mean-token-mean | 3e-4 / 4e-4    | 0    | sequence-level ratio               |
-| rloo                  | leave-one-out                | clip  | token-mean          | 0.2 / 0.2      | 0    | —                                  |
-| cispo                 | group std                    | cispo | token-mean          | 1 / 4          | 0    | IS weight clipped to [0, 5]        |
-| sapo                  | group std                    | sapo  | seq-mean-token-mean | — (τ 1 / 1.05) | 0    | soft gate                          |
-| bnpo                  | group std                    | clip  | token-mean          | 0.2 / 0.2      | 0    | = token-mean over the whole batch  |
-| gdpo                  | group std, per reward        | clip  | seq-mean-token-mean | 0.2 / 0.2      | 0    | normalize_then_sum                 |
-| top_entropy           | group std                    | clip  | token-mean          | 0.2 / 0.28     | 0    | dapo + top 20 % entropy tokens     |
-| opsm                  | group std                    | clip  | seq-mean-token-mean | 0.2 / 0.2      | 0    | off-policy sequence mask δ = 0.5   |
-| reinforce_pp          | batch mean / std             | clip  | token-mean          | 0.2 / 0.2      | 0    | —                                  |
-| reinforce_pp_baseline | group mean, batch std        | clip  | token-mean          | 0.2 / 0.2      | 0    | —                                  |
-| grpo_passk            | r_max − r_2nd on the best    | clip  | token-mean          | 0.2 / 0.2      | 0    | —                                  |
+| preset                | advantage              | loss  | aggregation             | ε_low/ε_high | β    | extras                  |
+|-----------------------|------------------------|-------|-------------------------|--------------|------|-------------------------|
+| grpo                  | group std              | clip  | seq-mean-token-mean     | 0.2 / 0.2    | 0.04 | —                       |
+| dr_grpo               | none (mean only)       | clip  | seq-mean-token-sum-norm | 0.2 / 0.2    | 0    | —                       |
+| dapo                  | group std              | clip  | token-mean              | 0.2 / 0.28   | 0    | dyn. sampling, overlong |
+| gspo                  | group std              | clip  | seq-mean-token-mean     | 3e-4 / 4e-4  | 0    | sequence-level ratio    |
+| rloo                  | leave-one-out          | clip  | token-mean              | 0.2 / 0.2    | 0    | —                       |
+| cispo                 | group std              | cispo | token-mean              | 1 / 4        | 0    | IS weight in [0, 5]     |
+| sapo                  | group std              | sapo  | seq-mean-token-mean     | unused       | 0    | τ 1.0 / 1.05            |
+| bnpo                  | group std              | clip  | token-mean              | 0.2 / 0.2    | 0    | = token-mean            |
+| gdpo                  | group std, per reward  | clip  | seq-mean-token-mean     | 0.2 / 0.2    | 0    | normalize_then_sum      |
+| top_entropy           | group std              | clip  | token-mean              | 0.2 / 0.28   | 0    | dapo + top 20 % entropy |
+| opsm                  | group std              | clip  | seq-mean-token-mean     | 0.2 / 0.2    | 0    | off-policy mask δ 0.5   |
+| reinforce_pp          | batch mean / std       | clip  | token-mean              | 0.2 / 0.2    | 0    | —                       |
+| reinforce_pp_baseline | group mean, batch std  | clip  | token-mean              | 0.2 / 0.2    | 0    | —                       |
+| grpo_passk            | r_max − r_2nd, best    | clip  | token-mean              | 0.2 / 0.2    | 0    | —                       |
 
 Sources: DeepSeekMath (grpo), arXiv 2503.20783 (dr_grpo), arXiv 2503.14476 (dapo),
 arXiv 2507.18071 (gspo), Ahmadian et al. 2024 (rloo). rloo uses scale_rewards="none": the

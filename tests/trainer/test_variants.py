@@ -111,3 +111,23 @@ def test_off_policy_variants_give_the_full_batch_gradient_in_micro_batches(make_
     for key in ("off_policy_mask/dropped_frac", "is_clip_frac"):
         if key in stats[0]:
             assert stats[0][key] == pytest.approx(stats[1][key]) and stats[0][key] > 0, key
+
+
+def test_step_advantages_follows_multi_objective_aggregation(make_cfg):
+    """sum_then_normalize feeds the weighted total to the estimator; normalize_then_sum (GDPO) reads
+    each reward function's scores, in reward_funcs order, with reward_weights."""
+    from types import SimpleNamespace
+
+    from grouprl.core import compute_advantages, normalize_then_sum
+    from grouprl.variants import step_advantages
+
+    funcs = ["tests.trainer.conftest:digit_fraction", "tests.trainer.conftest:short_reward"]
+    f1, f2 = torch.tensor([10.0, 0, 0, 0]), torch.tensor([0.0, 1, 1, float("nan")])
+    batch = SimpleNamespace(per_func={"digit_fraction": f1, "short_reward": f2}, rewards=f1 + 2 * f2.nan_to_num())
+    summed = step_advantages(make_cfg(reward_funcs=funcs, reward_weights=[1.0, 2.0], num_generations=4).validate(),
+                             batch)
+    assert torch.equal(summed, compute_advantages("grpo", batch.rewards, 4))
+    gdpo = make_cfg(algorithm="gdpo", beta=None, reward_funcs=funcs, reward_weights=[1.0, 2.0], num_generations=4)
+    got = step_advantages(gdpo.validate(), batch)
+    assert torch.equal(got, normalize_then_sum(torch.stack([f1, f2], -1), [1.0, 2.0], 4))
+    assert not torch.allclose(got, summed)

@@ -1,11 +1,11 @@
 """More advantage estimators (registered in ``ADVANTAGE_ESTIMATORS``) and GDPO's multi-reward
 aggregation. Rewards arrive flat, ``rewards  # [N]``, each prompt's G completions consecutive.
 
-    REINFORCE++ (Hu et al. 2025, arXiv 2501.03262, §3), "reinforce_pp":
+    REINFORCE++ (Hu et al. 2025, arXiv 2501.03262 v9, global advantage normalisation), "reinforce_pp":
         A_i = (r_i − mean_batch(r)) / (std_batch(r) + eps)
       the global batch is the baseline and the scale; no group. scale="none" keeps only the mean.
 
-    REINFORCE++-baseline (same paper, §3, the group-baseline form for reasoning tasks), "reinforce_pp_baseline":
+    REINFORCE++-baseline (same paper, "REINFORCE++ w/ Baseline"), "reinforce_pp_baseline":
         A'_i = r_i − mean_g(r),   A_i = (A'_i − mean_batch(A')) / (std_batch(A') + eps)
       the group mean removes the prompt's difficulty, the global batch std sets the scale. It differs
       from GRPO's scale="batch", which divides by the std of the raw rewards r: here the std is that
@@ -19,7 +19,8 @@ aggregation. Rewards arrive flat, ``rewards  # [N]``, each prompt's G completion
       unscaled, scale="none", which the grpo_passk preset follows.
 
     GDPO (Liu et al. 2026, "Group reward-Decoupled normalization Policy Optimization",
-      arXiv 2601.05242, §3), ``normalize_then_sum``: with K reward functions r_k,
+      arXiv 2601.05242, its method: decoupled normalisation), ``normalize_then_sum``: with K reward
+      functions r_k,
         A_k = (r_k − mean_g(r_k)) / (std_g(r_k) + eps)     each function within its group
         S = Σ_k w_k·A_k,   A = (S − mean_batch(S)) / (std_batch(S) + eps)
       Summing first and normalising the sum (the default, GRPO) lets the function with the largest

@@ -21,7 +21,8 @@ aggregates. Every loss type sees padding already zeroed (A = 0 and logp = old th
             ε_high = 4 is the same cap of 5 (ScaleRL, arXiv 2510.13786, as TRL reports). flags:
             ``is_clip_frac``, the fraction of tokens whose weight was clipped.
 
-    "sapo"  SAPO, Gao et al. 2025 (Qwen, arXiv 2511.20347) §3: a smooth gate instead of the clip,
+    "sapo"  SAPO, Gao et al. 2025 (Qwen, arXiv 2511.20347), the method section's gate f_{i,t}: a smooth
+            gate instead of the clip,
                 f(ρ) = σ(τ·(ρ − 1))·4/τ,   τ = τ_pos if A > 0 else τ_neg,   ℓ = −f(ρ)·A
             ∂ℓ/∂logp = −4·σ(1 − σ)·ρ·A, the weight 4σ(1−σ) = 1 at ρ = 1 (the plain policy gradient
             on-policy) and decays smoothly as ρ leaves 1, faster for τ_neg > τ_pos (negative

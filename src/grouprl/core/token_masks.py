@@ -1,9 +1,9 @@
 """Which tokens carry gradient: masks that multiply the policy term as token weights (policy_loss's
 ``token_weights``; the KL penalty and the loss normaliser are left alone, as in both sources).
 
-Top-entropy tokens (Wang et al. 2025, "Beyond the 80/20 Rule", arXiv 2506.01939, §5, building on
-DAPO): only the tokens whose entropy H_{i,t} reaches the (1−ρ) quantile τ_ρ of the batch's token
-entropies keep a gradient,
+Top-entropy tokens (Wang et al. 2025, "Beyond the 80/20 Rule", arXiv 2506.01939, the RLVR objective
+restricted to high-entropy "forking" tokens, building on DAPO): only the tokens whose entropy
+H_{i,t} reaches the (1−ρ) quantile τ_ρ of the batch's token entropies keep a gradient,
 
     keep_{i,t} = 1[H_{i,t} ≥ τ_ρ],   τ_ρ = quantile_{1−ρ}{H over real tokens},   ρ = 0.2 in the paper.
 

@@ -109,7 +109,8 @@ class TrainConfig:
     multi_objective_aggregation: str | None = None
     """With several reward functions: `sum_then_normalize` (the weighted sum is the reward, then the
     estimator) or `normalize_then_sum` (GDPO: each function normalised within its group, the
-    weighted sum whitened over the batch; needs advantage_estimator grpo)."""
+    weighted sum whitened over the batch; needs advantage_estimator grpo). dynamic_sampling and the
+    zero_std_frac metric still judge a group by its summed reward."""
     loss_type: str | None = None
     """Per-token policy term: `clip` (PPO/GRPO clipped surrogate), `cispo` (clipped, stop-gradient IS
     weight times log-prob: every token keeps a gradient; epsilon/epsilon_high bound the weight to

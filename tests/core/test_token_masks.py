@@ -45,6 +45,15 @@ def test_top_entropy_matches_a_sorted_loop(seed, rho):
     assert int(got.sum()) == pytest.approx(rho * len(values), abs=1.0)
 
 
+@pytest.mark.parametrize("n", [1, 2, 3, 7, 100])
+def test_top_entropy_threshold_is_torch_quantile(n):
+    """The hand-rolled interpolation (no 2**24-element cap) picks the same tokens as torch.quantile."""
+    h = torch.rand(1, n, generator=torch.Generator().manual_seed(n), dtype=F64)
+    mask = torch.ones(1, n, dtype=torch.bool)
+    for rho in (0.01, 0.2, 0.5, 0.99, 1.0):
+        assert torch.equal(top_entropy_mask(h, mask, rho), h >= torch.quantile(h[mask], 1 - rho))
+
+
 def test_masked_tokens_get_no_gradient_and_keep_the_normaliser():
     """As the paper (and TRL): 1[H ≥ τ] multiplies the policy term; the token-mean still divides by
     every real token, so the kept tokens' gradients are unchanged, the others are 0."""

@@ -7,9 +7,9 @@ H_{i,t} reaches the (1−ρ) quantile τ_ρ of the batch's token entropies keep 
 
     keep_{i,t} = 1[H_{i,t} ≥ τ_ρ],   τ_ρ = quantile_{1−ρ}{H over real tokens},   ρ = 0.2 in the paper.
 
-The quantile is linear interpolation (torch.quantile; TRL's choice, the paper does not say). The
-entropies come from the same forward pass as the log-probs, so the quantile is taken over the
-tokens of one micro-batch (on one rank). Departure: the paper's τ_ρ is over the whole batch B; a
+The quantile interpolates linearly between sorted values (torch.quantile's rule; TRL's choice, the
+paper does not say). The entropies come from the same forward pass as the log-probs, so the
+quantile is taken over the tokens of one micro-batch (on one rank). Departure: the paper's τ_ρ is over the whole batch B; a
 micro-batch quantile equals it only when the micro-batch is the whole optimizer batch (one
 micro-batch, one rank). Smaller micro-batches choose their top ρ each, so the update does change
 with micro_batch_size (about ρ of each micro-batch's tokens is kept instead of ρ of the batch's) —
@@ -55,7 +55,11 @@ def top_entropy_mask(entropy: Tensor, mask: Tensor, quantile: float) -> Tensor:
     if quantile == 1 or not valid.any():
         return valid
     h = entropy.detach().double()  # [N, T]
-    threshold = torch.quantile(h[valid], 1 - quantile)  # scalar τ_ρ
+    values = h[valid].sort().values  # [K] real tokens' entropies, ascending
+    pos = (1 - quantile) * (values.numel() - 1)  # torch.quantile's linear rule, without its 2**24 cap
+    lo = int(pos)
+    hi = min(lo + 1, values.numel() - 1)
+    threshold = values[lo] + (pos - lo) * (values[hi] - values[lo])  # scalar τ_ρ
     return valid & (torch.where(valid, h, -torch.inf) >= threshold)  # [N, T]
 
 

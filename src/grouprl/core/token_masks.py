@@ -9,11 +9,11 @@ H_{i,t} reaches the (1−ρ) quantile τ_ρ of the batch's token entropies keep 
 
 The quantile interpolates linearly between sorted values (torch.quantile's rule; TRL's choice, the
 paper does not say). The entropies come from the same forward pass as the log-probs, so the
-quantile is taken over the tokens of one micro-batch (on one rank). Departure: the paper's τ_ρ is over the whole batch B; a
-micro-batch quantile equals it only when the micro-batch is the whole optimizer batch (one
-micro-batch, one rank). Smaller micro-batches choose their top ρ each, so the update does change
-with micro_batch_size (about ρ of each micro-batch's tokens is kept instead of ρ of the batch's) —
-the one aggregation in grouprl that is not micro-batch invariant. TRL takes the quantile over the
+quantile is taken over the tokens of one micro-batch (on one rank). Departure: the paper's τ_ρ
+is over the whole batch B; a micro-batch quantile equals it only when the micro-batch is the whole
+optimizer batch (one micro-batch, one rank). Smaller micro-batches choose their top ρ each, so
+the update does change with micro_batch_size (about ρ of each micro-batch's tokens is kept instead
+of ρ of the batch's) — the one option in grouprl that is not micro-batch invariant. TRL takes the quantile over the
 micro-batch gathered across ranks, so its result changes with the per-device batch too.
 
 Off-policy sequence masking (DeepSeek-V3.2, arXiv 2512.02556, eq. 9): a completion with negative

@@ -25,7 +25,7 @@ from typing import Any
 
 import yaml
 
-from grouprl.core import IS_MODES, LOSS_AGGREGATIONS, PRESETS
+from grouprl.core import ADVANTAGE_ESTIMATORS, IS_MODES, LOSS_AGGREGATIONS, LOSS_TYPES, PRESETS
 
 
 class ConfigError(ValueError):
@@ -96,11 +96,38 @@ class TrainConfig:
 
     # ------------------------------------------------------------ algorithm
     algorithm: str = "grpo"
-    """Preset: grpo | dr_grpo | dapo | gspo | rloo. Every field below overrides it."""
+    """Preset: grpo | dr_grpo | dapo | gspo | rloo | cispo | sapo | bnpo | gdpo | top_entropy | opsm |
+    reinforce_pp | reinforce_pp_baseline | grpo_passk (README's algorithm table). Every field below
+    overrides it."""
     advantage_estimator: str | None = None
-    """`grpo` (group-relative, see scale_rewards) or `rloo` (leave-one-out). Preset by algorithm."""
+    """`grpo` (group-relative, see scale_rewards), `rloo` (leave-one-out), `reinforce_pp` (whitened
+    over the batch), `reinforce_pp_baseline` (group mean removed, then the batch std) or `grpo_passk`
+    (only each group's best completion: r_max - r_second_max). Preset by algorithm."""
     scale_rewards: str | None = None
-    """Divide centred rewards by the std of the `group`, of the whole `batch`, or `none` (Dr. GRPO)."""
+    """Divide centred rewards by the std of the `group`, of the whole `batch`, or `none` (Dr. GRPO).
+    The reinforce_pp estimators normalise over the batch: `batch` or `none`."""
+    multi_objective_aggregation: str | None = None
+    """With several reward functions: `sum_then_normalize` (the weighted sum is the reward, then the
+    estimator) or `normalize_then_sum` (GDPO: each function normalised within its group, the
+    weighted sum whitened over the batch; needs advantage_estimator grpo). dynamic_sampling and the
+    zero_std_frac metric still judge a group by its summed reward."""
+    loss_type: str | None = None
+    """Per-token policy term: `clip` (PPO/GRPO clipped surrogate), `cispo` (clipped, stop-gradient IS
+    weight times log-prob: every token keeps a gradient; epsilon/epsilon_high bound the weight to
+    [1-epsilon, 1+epsilon_high], epsilon=1 for no lower bound) or `sapo` (smooth sigmoid gate,
+    sapo_temperature_pos/neg)."""
+    sapo_temperature_pos: float = 1.0
+    """SAPO gate temperature for tokens with positive advantage (paper: 1.0)."""
+    sapo_temperature_neg: float = 1.05
+    """SAPO gate temperature for the others (paper: 1.05; higher decays their gradient faster)."""
+    top_entropy_quantile: float | None = None
+    """Only this top fraction of each micro-batch's tokens by entropy carries the policy gradient
+    (Beyond the 80/20 rule: 0.2); 1 keeps all. The quantile is over a micro-batch, so the update
+    depends on micro_batch_size unless it is the whole batch."""
+    off_policy_mask_threshold: float | None = None
+    """DeepSeek-V3.2: drop completions with negative advantage whose mean log(pi_sampler/pi_theta)
+    per token exceeds this (TRL suggests 0.5); None: off. Acts only off-policy (num_iterations > 1,
+    or a sampler with its own log-probs such as vLLM)."""
     loss_agg: str | None = None
     """How token losses become one number: seq-mean-token-mean | token-mean | seq-mean-token-sum |
     seq-mean-token-sum-norm. Normalised over the whole optimizer batch."""
@@ -311,8 +338,9 @@ class TrainConfig:
         if c.reward_weights is not None and len(c.reward_weights) != len(c.reward_funcs):
             raise ConfigError(f"reward_weights has {len(c.reward_weights)} values but reward_funcs "
                               f"has {len(c.reward_funcs)}: give one weight per function")
-        _check_choice("advantage_estimator", c.advantage_estimator, ("grpo", "rloo"))
+        _check_choice("advantage_estimator", c.advantage_estimator, tuple(ADVANTAGE_ESTIMATORS))
         _check_choice("scale_rewards", c.scale_rewards, ("group", "batch", "none"))
+        _check_variants(c)
         _check_choice("loss_agg", c.loss_agg, tuple(LOSS_AGGREGATIONS))
         _check_choice("kl_estimator", c.kl_estimator, ("k1", "k2", "k3"))
         _check_choice("importance_sampling_level", c.importance_sampling_level, ("token", "sequence"))
@@ -328,9 +356,10 @@ class TrainConfig:
             raise ConfigError(f"vllm_importance_sampling_min={c.vllm_importance_sampling_min} has no effect "
                               f"with vllm_importance_sampling_mode={c.vllm_importance_sampling_mode}, which "
                               "only truncates from above: use token_mask or sequence_mask, or set it to 0")
-        if c.epsilon <= 0 or c.epsilon_high <= 0 or c.epsilon >= 1:
+        max_epsilon_ok = c.epsilon < 1 or (c.epsilon == 1 and c.loss_type == "cispo")
+        if c.epsilon <= 0 or c.epsilon_high <= 0 or not max_epsilon_ok:
             raise ConfigError(f"epsilon={c.epsilon}, epsilon_high={c.epsilon_high}: clip ranges must "
-                              "be positive and epsilon below 1")
+                              "be positive and epsilon below 1 (at most 1 with loss_type cispo: no lower bound)")
         if c.beta < 0:
             raise ConfigError(f"beta={c.beta} must be >= 0 (0 disables the KL penalty)")
         if c.dual_clip is not None and c.dual_clip <= 1:
@@ -486,6 +515,41 @@ def _matches(value: Any, tp: Any) -> bool:
 def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
     if value not in choices:
         raise ConfigError(f"{name}={value!r} is not one of: {', '.join(choices)}")
+
+
+def _check_variants(c: TrainConfig) -> None:
+    """The loss and advantage variants, and the combinations that make no sense."""
+    _check_choice("loss_type", c.loss_type, tuple(LOSS_TYPES))
+    _check_choice("multi_objective_aggregation", c.multi_objective_aggregation,
+                  ("sum_then_normalize", "normalize_then_sum"))
+    if c.loss_type != "clip":
+        for name, value, off in (("dual_clip", c.dual_clip, None), ("delta", c.delta, None),
+                                 ("importance_sampling_level", c.importance_sampling_level, "token")):
+            if value != off:
+                raise ConfigError(f"{name}={value!r} with loss_type={c.loss_type}: it shapes the PPO clip, "
+                                  f"which {c.loss_type} replaces; set {name}: {off if off else 'null'} "
+                                  "or loss_type: clip")
+    if not (c.sapo_temperature_pos > 0 and c.sapo_temperature_neg > 0):
+        raise ConfigError(f"sapo_temperature_pos={c.sapo_temperature_pos}, sapo_temperature_neg="
+                          f"{c.sapo_temperature_neg} must be positive (SAPO uses 1.0 and 1.05)")
+    if c.advantage_estimator.startswith("reinforce_pp") and c.scale_rewards == "group":
+        raise ConfigError(f"advantage_estimator={c.advantage_estimator} normalises over the whole batch: "
+                          "set scale_rewards: batch (the paper's) or none")
+    if c.multi_objective_aggregation == "normalize_then_sum":
+        if c.advantage_estimator != "grpo":
+            raise ConfigError(f"multi_objective_aggregation=normalize_then_sum (GDPO) normalises each reward "
+                              f"function within its group itself; advantage_estimator={c.advantage_estimator} "
+                              "has no meaning there: set advantage_estimator: grpo")
+        if c.overlong_shaping:
+            raise ConfigError("overlong_shaping with multi_objective_aggregation=normalize_then_sum: the length "
+                              "penalty is added to the summed reward, which GDPO does not use; set "
+                              "overlong_shaping: false, or write the penalty as a reward function")
+    if not 0 < c.top_entropy_quantile <= 1:
+        raise ConfigError(f"top_entropy_quantile={c.top_entropy_quantile} must be in (0, 1] (the paper "
+                          "keeps the top 0.2 of tokens by entropy; 1 keeps all)")
+    if c.off_policy_mask_threshold is not None and not c.off_policy_mask_threshold >= 0:
+        raise ConfigError(f"off_policy_mask_threshold={c.off_policy_mask_threshold} must be >= 0 "
+                          "(a mean log-ratio per token; TRL suggests 0.5) or null to switch it off")
 
 
 def _check_vllm(c: TrainConfig) -> None:

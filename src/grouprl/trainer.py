@@ -39,13 +39,14 @@ from grouprl.batch import StepBatch
 from grouprl.build import lr_schedule, make_engine, resolve_reward, seed_everything
 from grouprl.checkpoint import latest_checkpoint, load_checkpoint, read_checkpoint, save_checkpoint
 from grouprl.config import ConfigError, TrainConfig
-from grouprl.core import compute_advantages, importance_weights, overlong_penalty, policy_loss, zero_std_groups
+from grouprl.core import importance_weights, overlong_penalty, policy_loss, zero_std_groups
 from grouprl.data import PromptFormatter, PromptSampler, completion_objects, load_prompts, split_eval
 from grouprl.logging import Progress, RunLogger
 from grouprl.policy import (MicroBatch, Reference, can_share_prompts, completion_logprobs, load_policy,
                             load_tokenizer)
 from grouprl.rewards import RewardScores, sandbox_mechanism, score_completions
 from grouprl.rollout import Rollout, SamplingParams
+from grouprl.variants import loss_token_weights, step_advantages
 
 logger = logging.getLogger(__name__)
 
@@ -199,10 +200,9 @@ class Trainer:
         """Advantages, old/ref log-probs and the num_iterations optimizer steps on a scored batch
         (the global batch: every rank passes the same one). Returns the advantages [N] and the
         update statistics, reduced over ranks."""
-        cfg, G = self.cfg, self.cfg.num_generations
+        cfg = self.cfg
         timings = {} if timings is None else timings
-        advantages = compute_advantages(cfg.advantage_estimator, batch.rewards, G, scale=cfg.scale_rewards,
-                                        eps=cfg.advantage_eps)  # [N]
+        advantages = step_advantages(cfg, batch)  # [N]
         loss_mask = batch.rollout.completion_mask.clone()  # [N, T]
         if cfg.mask_truncated_completions:
             loss_mask &= ~batch.rollout.truncated[:, None]
@@ -221,7 +221,7 @@ class Trainer:
         update = {}
         for it in range(cfg.num_iterations):
             stats = self._update(batch.rollout, advantages, loss_mask, old_logp, ref_logp, is_weights,
-                                 with_entropy=it == 0)
+                                 with_entropy=it == 0 or cfg.top_entropy_quantile < 1)
             update = stats if it == 0 else {**update, **{k: v for k, v in stats.items() if k != "entropy"}}
         timings["time/update"] = time.perf_counter() - t0
         t0 = time.perf_counter()
@@ -347,6 +347,8 @@ class Trainer:
                                                     autocast_dtype=self.autocast, with_entropy=with_entropy)
                 T, dev = logp.shape[1], logp.device
                 mask = loss_mask[rows, :T].to(dev)  # [n, T']
+                weights, mask_stats = loss_token_weights(cfg, rollout, rows, logp, entropy, mask,
+                                                         advantages[rows].to(dev), old_logp, is_weights)
                 loss, stats = policy_loss(
                     logp, old_logp[rows, :T].to(dev) if old_logp is not None else logp.detach(),
                     advantages[rows].to(dev), mask, eps_low=cfg.epsilon, eps_high=cfg.epsilon_high,
@@ -354,8 +356,10 @@ class Trainer:
                     max_tokens=cfg.max_completion_length,
                     ref_logp=ref_logp[rows, :T].to(dev) if ref_logp is not None else None, beta=cfg.beta,
                     kl_kind=cfg.kl_estimator, dual_clip=cfg.dual_clip, delta=cfg.delta, normalizer=normalizer,
-                    token_weights=is_weights[rows, :T].to(dev) if is_weights is not None else None)
+                    token_weights=weights, loss_type=cfg.loss_type, sapo_tau_pos=cfg.sapo_temperature_pos,
+                    sapo_tau_neg=cfg.sapo_temperature_neg)
                 (loss * (weight * K)).backward()
+            stats.update(mask_stats)
             sums["loss"] += weight * loss.item()
             n = weight * int(stats.pop("num_tokens"))
             sums["tokens"] += n

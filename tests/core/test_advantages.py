@@ -185,7 +185,7 @@ def test_process_all_equal_group_is_exactly_zero():
     (lambda: group_advantages(torch.tensor([float("inf"), 0.0]), 2), ValueError, "not finite"),
     (lambda: group_advantages(torch.ones(4), 2, scale="std"), ValueError, "scale='std'"),
     (lambda: group_advantages(torch.ones(4), 2, eps=-1.0), ValueError, "eps"),
-    (lambda: compute_advantages("ppo", torch.ones(4), 2), ValueError, "'grpo', 'rloo'"),
+    (lambda: compute_advantages("ppo", torch.ones(4), 2), ValueError, "'grpo', 'grpo_passk', 'reinforce_pp', 'reinforce_pp_baseline', 'rloo'"),
     (lambda: rloo_advantages(torch.ones(3), 1), ValueError, "group_size=1"),
     (lambda: zero_std_groups(torch.ones(5), 2), ValueError, "group_size=2"),
     (lambda: process_advantages([[1.0], [0.0]], [[0]], 2, 3), ValueError, "step_ends has 1"),

@@ -9,31 +9,52 @@ from grouprl.core import (
     PRESET_KEYS,
     PRESETS,
     RATIO_LEVELS,
+    aggregate_loss,
     compute_advantages,
     get_preset,
     policy_loss,
 )
 
-# transcribed from the "Named presets" table of ALGORITHMS.md
+# transcribed from the "Named presets" table of ALGORITHMS.md and the README's algorithm table
 TABLE = {
-    # name: (estimator, scale, agg, eps_low, eps_high, beta, ratio level, dynamic sampling, overlong)
+    # name: (estimator, scale, agg, eps_low, eps_high, beta, ratio level, dynamic sampling, overlong,
+    #        loss type, multi-objective aggregation, top-entropy quantile, off-policy mask δ)
     "grpo": ("grpo", "group", "seq-mean-token-mean", 0.2, 0.2, 0.04, "token", False, False),
     "dr_grpo": ("grpo", "none", "seq-mean-token-sum-norm", 0.2, 0.2, 0.0, "token", False, False),
     "dapo": ("grpo", "group", "token-mean", 0.2, 0.28, 0.0, "token", True, True),
     "gspo": ("grpo", "group", "seq-mean-token-mean", 3e-4, 4e-4, 0.0, "sequence", False, False),
     "rloo": ("rloo", "none", "token-mean", 0.2, 0.2, 0.0, "token", False, False),
+    "cispo": ("grpo", "group", "token-mean", 1.0, 4.0, 0.0, "token", False, False, "cispo"),
+    "sapo": ("grpo", "group", "seq-mean-token-mean", 0.2, 0.2, 0.0, "token", False, False, "sapo"),
+    "bnpo": ("grpo", "group", "token-mean", 0.2, 0.2, 0.0, "token", False, False),
+    "gdpo": ("grpo", "group", "seq-mean-token-mean", 0.2, 0.2, 0.0, "token", False, False, "clip",
+             "normalize_then_sum"),
+    "top_entropy": ("grpo", "group", "token-mean", 0.2, 0.28, 0.0, "token", True, True, "clip",
+                    "sum_then_normalize", 0.2),
+    "opsm": ("grpo", "group", "seq-mean-token-mean", 0.2, 0.2, 0.0, "token", False, False, "clip",
+             "sum_then_normalize", 1.0, 0.5),
+    "reinforce_pp": ("reinforce_pp", "batch", "token-mean", 0.2, 0.2, 0.0, "token", False, False),
+    "reinforce_pp_baseline": ("reinforce_pp_baseline", "batch", "token-mean", 0.2, 0.2, 0.0, "token", False, False),
+    "grpo_passk": ("grpo_passk", "none", "token-mean", 0.2, 0.2, 0.0, "token", False, False),
 }
+DEFAULTS = ("clip", "sum_then_normalize", 1.0, None)  # loss type .. off-policy δ when not listed
+
+
+def row(name):
+    values = TABLE[name]
+    return values + DEFAULTS[len(values) - 9:]
 
 
 @pytest.mark.parametrize("name", sorted(TABLE))
 def test_preset_matches_table(name):
-    assert get_preset(name) == dict(zip(PRESET_KEYS, TABLE[name]))
+    assert get_preset(name) == dict(zip(PRESET_KEYS, row(name)))
 
 
 def test_exact_keys_and_names():
     assert set(PRESETS) == set(TABLE)
     assert PRESET_KEYS == ("advantage_estimator", "scale_rewards", "loss_agg", "epsilon", "epsilon_high", "beta",
-                           "importance_sampling_level", "dynamic_sampling", "overlong_shaping")
+                           "importance_sampling_level", "dynamic_sampling", "overlong_shaping", "loss_type",
+                           "multi_objective_aggregation", "top_entropy_quantile", "off_policy_mask_threshold")
     for preset in PRESETS.values():
         assert tuple(preset) == PRESET_KEYS
 
@@ -48,7 +69,8 @@ def test_preset_values_drive_the_core(name):
     logp = -torch.rand(6, 4, generator=torch.Generator().manual_seed(0), requires_grad=True)
     loss, stats = policy_loss(logp, logp.detach(), adv, torch.ones(6, 4), eps_low=p["epsilon"],
                               eps_high=p["epsilon_high"], ratio_level=p["importance_sampling_level"],
-                              agg=p["loss_agg"], max_tokens=4, beta=p["beta"], ref_logp=logp.detach())
+                              agg=p["loss_agg"], max_tokens=4, beta=p["beta"], ref_logp=logp.detach(),
+                              loss_type=p["loss_type"])
     assert torch.isfinite(loss) and stats["clip_frac"] == 0.0
 
 
@@ -61,3 +83,19 @@ def test_get_preset_returns_a_copy():
 def test_unknown_preset_lists_known():
     with pytest.raises(ValueError, match="unknown algorithm preset 'ppo'.*grpo, dr_grpo, dapo, gspo, rloo"):
         get_preset("ppo")
+
+
+def test_bnpo_is_token_mean_over_the_whole_batch():
+    """BNPO's batch-token normaliser is grouprl's token-mean: the normaliser counts the whole optimizer
+    batch. Per-token losses, micro-batch A: [1] (1 token), B: [2, 2, 2] (3 tokens). The batch: (1 + 6)/4
+    = 1.75, and the micro-batches with normalizer = 4 give 1/4 + 6/4 = 1.75 too. TRL's bnpo divides each
+    micro-batch by its own count and averages over the accumulation steps: (1/1 + 6/3)/2 = 1.5."""
+    p = get_preset("bnpo")
+    assert p["loss_agg"] == "token-mean" and p["loss_type"] == "clip"
+    loss = torch.tensor([[1.0, 0, 0], [2, 2, 2]])
+    mask = torch.tensor([[1, 0, 0], [1, 1, 1]])
+    full = aggregate_loss(loss, mask, p["loss_agg"]).item()
+    micro = sum(aggregate_loss(loss[i:i + 1], mask[i:i + 1], p["loss_agg"], normalizer=4).item() for i in (0, 1))
+    assert full == micro == 1.75
+    local = sum(aggregate_loss(loss[i:i + 1], mask[i:i + 1], p["loss_agg"]).item() for i in (0, 1)) / 2
+    assert local == 1.5

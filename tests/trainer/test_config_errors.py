@@ -33,7 +33,7 @@ def no_model_loading(monkeypatch):
     ({"reward_funcs": ["nomodule_xyz:f"]}, "nomodule_xyz"),
     ({"train_data": "missing/prompts.jsonl"}, "train_data='missing/prompts.jsonl' does not exist"),
     ({"model": "./no/such/model"}, "model='./no/such/model' does not exist"),
-    ({"algorithm": "ppo"}, "algorithm='ppo' is unknown: choose one of dapo, dr_grpo, grpo, gspo, rloo"),
+    ({"algorithm": "ppo"}, "algorithm='ppo' is unknown: choose one of bnpo, cispo, dapo, dr_grpo, gdpo, grpo, "),
     ({"loss_agg": "mean"}, "loss_agg='mean' is not one of"),
     ({"reward_weights": [1.0, 2.0]}, "reward_weights has 2 values but reward_funcs has 1"),
     ({"learning_rate": "fast"}, "learning_rate='fast' has the wrong type: expected float"),

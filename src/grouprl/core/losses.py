@@ -1,13 +1,13 @@
 """Clipped policy loss of the GRPO family, its aggregation modes, and DAPO length shaping.
 
-Per token (PPO clip, Schulman et al. 2017; GRPO, DeepSeekMath eq. 3), with ρ the importance ratio:
+Per token, with ρ the importance ratio and ℓ from the loss type (``LOSS_TYPES``, policy_losses.py:
+"clip", the PPO/GRPO clipped surrogate, by default):
 
-    ℓ_{i,t} = max(−A·min(ρ, δ), −A·clip(ρ, 1−ε_low, 1+ε_high))    (= −min(ρA, clip(ρ)A) without δ)
-    dual clip (Ye et al. 2020), tokens with A < 0:   ℓ = min(ℓ, −c·A)
-    δ (INTELLECT-2 two-sided cap): the unclipped term uses min(ρ, δ)
+    ℓ_{i,t} = LOSS_TYPE(ρ, A)                         e.g. max(−A·ρ, −A·clip(ρ, 1−ε_low, 1+ε_high))
     KL penalty (DeepSeekMath):                       ℓ += β·KL_{i,t}   (see kl.py)
-    token weights (importance.py, sampler/trainer IS correction): the clipped term, before the KL
-    penalty is added, is multiplied by sg[weight_{i,t}]; TRL and verl leave the KL term unweighted too
+    token weights (importance.py, sampler/trainer IS correction; token_masks.py): the policy term,
+    before the KL penalty is added, is multiplied by sg[weight_{i,t}]; TRL and verl leave the KL
+    term unweighted too
 
 Ratio levels (``RATIO_LEVELS``):
     "token"    ρ_{i,t} = exp(logp − old)
@@ -41,6 +41,7 @@ import torch
 from torch import Tensor
 
 from .kl import KL_ESTIMATORS, kl_estimate
+from .policy_losses import LOSS_TYPES, LossParams
 
 RatioFn = Callable[[Tensor, Tensor, Tensor], Tensor]
 AggFn = Callable[..., Tensor]
@@ -151,20 +152,25 @@ def policy_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor
                 agg: str = "seq-mean-token-mean", max_tokens: int | None = None,
                 ref_logp: Tensor | None = None, beta: float = 0.0, kl_kind: str = "k3",
                 dual_clip: float | None = None, delta: float | None = None,
-                normalizer: float | Tensor | None = None,
-                token_weights: Tensor | None = None) -> tuple[Tensor, dict[str, float]]:
-    """Clipped surrogate loss (scalar) and detached stats; see the module docstring.
+                normalizer: float | Tensor | None = None, token_weights: Tensor | None = None,
+                loss_type: str = "clip", sapo_tau_pos: float = 1.0,
+                sapo_tau_neg: float = 1.05) -> tuple[Tensor, dict[str, float]]:
+    """Policy loss (scalar) and detached stats; see the module docstring.
 
     logp, old_logp, ref_logp, mask, token_weights  # [N, T];  advantages  # [N] or [N, T]
     mask is bool or 0/1 float (nonzero = real completion token). eps_high=None means eps_low.
-    token_weights (detached) multiply each token's clipped term; they leave the normaliser alone.
+    token_weights (detached) multiply each token's policy term; they leave the normaliser alone.
+    loss_type picks the per-token term (``LOSS_TYPES``: "clip", "cispo", "sapo"; policy_losses.py);
+    eps_low/eps_high bound cispo's IS weight too; sapo_tau_pos/neg are SAPO's gate temperatures.
     Stats (Python floats, means over this call's real tokens): clip_frac_low (ρ < 1−ε_low, A < 0),
     clip_frac_high (ρ > 1+ε_high, A > 0), clip_frac, ratio_mean, approx_kl, num_tokens; kl (the
-    ``kl_kind`` estimate to ref) whenever ref_logp is given; dual_clip_frac when dual_clip is set.
+    ``kl_kind`` estimate to ref) whenever ref_logp is given; the loss type's flags (dual_clip_frac
+    when dual_clip is set with "clip", is_clip_frac with "cispo").
     """
     _check_inputs(logp, old_logp, advantages, mask, ref_logp, token_weights)
     valid = _bool_mask(mask, logp.shape)  # [N, T]
     ratio_fn = _lookup(RATIO_LEVELS, ratio_level, "ratio_level")
+    loss_fn = _lookup(LOSS_TYPES, loss_type, "loss_type")
     _lookup(LOSS_AGGREGATIONS, agg, "agg")
     _lookup(KL_ESTIMATORS, kl_kind, "kl_kind")
     eps_high = eps_low if eps_high is None else eps_high
@@ -179,6 +185,12 @@ def policy_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor
         raise ValueError(f"dual_clip={dual_clip} must be > 1 (typical 3) or None")
     if delta is not None and delta <= 1:
         raise ValueError(f"delta={delta} must be > 1 (INTELLECT-2 uses 4) or None")
+    if loss_type != "clip" and (dual_clip is not None or delta is not None or ratio_level != "token"):
+        raise ValueError(f"loss_type={loss_type!r} acts on token ratios without the PPO clip: dual_clip, "
+                         "delta and ratio_level='sequence' apply to loss_type='clip' only; drop them")
+    if not (sapo_tau_pos > 0 and sapo_tau_neg > 0):
+        raise ValueError(f"sapo_tau_pos={sapo_tau_pos}, sapo_tau_neg={sapo_tau_neg} must be > 0 "
+                         "(SAPO uses 1.0 and 1.05)")
 
     # Padding goes first: nothing downstream may see garbage, not even through 0·inf.
     zero = logp.new_zeros(())
@@ -188,14 +200,9 @@ def policy_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor
     adv = torch.where(valid, adv[:, None] if adv.dim() == 1 else adv, zero)  # [N, T]
 
     ratio = ratio_fn(logp, old_logp, valid)  # [N, T]
-    ratio_unclipped = ratio if delta is None else ratio.clamp(max=delta)
-    pg_unclipped = -adv * ratio_unclipped  # [N, T]
-    pg_clipped = -adv * ratio.clamp(1 - eps_low, 1 + eps_high)  # [N, T]
-    per_token = torch.maximum(pg_unclipped, pg_clipped)  # [N, T]
-    if dual_clip is not None:
-        cap = -dual_clip * adv  # [N, T]
-        dual_active = (adv < 0) & (per_token > cap)
-        per_token = torch.where(dual_active, cap, per_token)
+    params = LossParams(eps_low=eps_low, eps_high=eps_high, dual_clip=dual_clip, delta=delta,
+                        sapo_tau_pos=sapo_tau_pos, sapo_tau_neg=sapo_tau_neg)
+    per_token, flags = loss_fn(logp, ratio, adv, params)  # [N, T]
     if token_weights is not None:
         per_token = per_token * torch.where(valid, token_weights.detach(), zero)  # [N, T]
     kl = None
@@ -224,8 +231,8 @@ def policy_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor
         }
         if kl is not None:
             values["kl"] = masked_mean(kl)
-        if dual_clip is not None:
-            values["dual_clip_frac"] = (dual_active & valid).sum() / denom
+        for name, flag in flags.items():
+            values[name] = (flag & valid).sum() / denom
         floats = torch.stack([v.double() for v in values.values()]).tolist()  # one device sync
     return loss, dict(zip(values, floats))
 

@@ -175,7 +175,7 @@ class Trainer:
         batch, sample_metrics, timings = self._sample()
         advantages, update = self.update_on(batch, timings)
         timings["time/step"] = time.perf_counter() - t_step
-        lengths = batch.rollout.lengths.float()
+        lengths = batch.rollout.action_lengths.float()  # the policy's own tokens
         metrics = {
             **batch.reward_metrics, **sample_metrics,
             "reward/mean": batch.rewards.mean().item(), "reward/std": batch.rewards.std().item()
@@ -203,7 +203,7 @@ class Trainer:
         timings = {} if timings is None else timings
         advantages = compute_advantages(cfg.advantage_estimator, batch.rewards, G, scale=cfg.scale_rewards,
                                         eps=cfg.advantage_eps)  # [N]
-        loss_mask = batch.rollout.completion_mask.clone()  # [N, T]
+        loss_mask = batch.rollout.action_mask.clone()  # [N, T] the policy's own tokens
         if cfg.mask_truncated_completions:
             loss_mask &= ~batch.rollout.truncated[:, None]
 
@@ -310,7 +310,7 @@ class Trainer:
         the whole batch."""
         cfg = self.cfg
         weights, stats = importance_weights(
-            D.all_reduce_tensor(self.dist, old_logp), rollout.sampling_logp, rollout.completion_mask,
+            D.all_reduce_tensor(self.dist, old_logp), rollout.sampling_logp, rollout.action_mask,
             cfg.vllm_importance_sampling_mode, cap=cfg.vllm_importance_sampling_cap,
             cap_min=cfg.vllm_importance_sampling_min)  # [N, T]
         return weights, {f"is/{k}": v for k, v in stats.items()}
@@ -362,7 +362,8 @@ class Trainer:
             for k, v in stats.items():
                 sums[k] = sums.get(k, 0.0) + v * n
             if entropy is not None:
-                sums["entropy"] = sums.get("entropy", 0.0) + weight * float(entropy[mb.completion_mask].sum())
+                acts = rollout.action_mask[rows, :T].to(entropy.device)  # [n, T']
+                sums["entropy"] = sums.get("entropy", 0.0) + weight * float(entropy[acts].sum())
         params = [p for p in self.model.parameters() if p.requires_grad]
         grad_norm = D.local_value(torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm or math.inf))
         self.optimizer.step()
@@ -370,7 +371,7 @@ class Trainer:
         self.scheduler.step()
         sums = D.all_reduce_sums(self.dist, sums)
         tokens, loss_total = sums.pop("tokens"), sums.pop("loss")
-        total_real = int(rollout.completion_mask.sum())
+        total_real = int(rollout.action_mask.sum())
         out = {k: v / max(tokens, 1) for k, v in sums.items() if k != "entropy"}
         if "entropy" in sums:
             out["entropy"] = sums["entropy"] / max(total_real, 1)
@@ -396,7 +397,7 @@ class Trainer:
                 sums["acc"] += float(acc.nansum())
                 sums["acc_n"] += float((~acc.isnan()).sum())
                 sums["reward"] += float(part.rewards.sum())
-                sums["length"] += float(part.rollout.lengths.sum())
+                sums["length"] += float(part.rollout.action_lengths.sum())
         sums = D.all_reduce_sums(self.dist, sums)
         return {"accuracy": sums["acc"] / sums["acc_n"] if sums["acc_n"] else math.nan,
                 "reward_mean": sums["reward"] / len(ds), "length_mean": sums["length"] / len(ds),

@@ -81,16 +81,35 @@ class Trajectories:
     """What `MultiTurnDriver.generate` returns: the tokens and, per row, the conversation."""
 
     rollout: Rollout
-    messages: list[list[dict]]         # [N] the assistant, tool and observation messages, in order
-    stop_reasons: list[str]            # [N] one of STOP_REASONS
+    messages: list[list[dict]] | None  # [N] the assistant, tool and observation messages, in order
+    stop_reasons: list[str] | None     # [N] one of STOP_REASONS
     env_rewards: list[float] | None    # [N] summed environment rewards, None without an environment
     counts: dict[str, float] = field(default_factory=dict)  # sums behind `trajectory_metrics`
+
+    def reward_columns(self) -> dict[str, list]:
+        """Extra columns for reward functions: `env_reward` when an environment gave rewards."""
+        return {} if self.env_rewards is None else {"env_reward": list(self.env_rewards)}
+
+
+class SingleTurn:
+    """The plain rollout behind the same call as `MultiTurnDriver.generate`: one engine call, no
+    messages (the trainer decodes the completions)."""
+
+    def __init__(self, engine: GenerationEngine):
+        self.engine = engine
+
+    def generate(self, prompt_ids: list[list[int]], num_generations: int, params: SamplingParams,
+                 generator: torch.Generator | None = None, **rows: Any) -> Trajectories:
+        return Trajectories(self.engine.generate(prompt_ids, num_generations, params, generator), None, None, None)
 
 
 def trajectory_metrics(counts: dict[str, float]) -> dict[str, float]:
     """Metrics from `Trajectories.counts` (summed over rounds and ranks): per-trajectory means of tool
     calls, tool errors (raised or timed out), parse failures and turns; the fraction of trajectories
-    that stopped for each reason; seconds spent in tools and environments."""
+    that stopped for each reason; seconds spent in tools and environments. Empty for a single-turn
+    rollout (no counts)."""
+    if not counts:
+        return {}
     n = max(counts.get("trajectories", 0.0), 1.0)
     out = {f"multiturn/{k}_per_trajectory": counts.get(k, 0.0) / n
            for k in ("tool_calls", "tool_errors", "tool_timeouts", "parse_failures", "turns")}
@@ -136,7 +155,8 @@ class MultiTurnDriver:
         messages: list[list[dict]] = [[] for _ in range(N)]
         reason: list[str | None] = [None] * N
         turns, calls = [0] * N, [0] * N
-        counts = dict.fromkeys(("tool_errors", "tool_timeouts", "parse_failures", "tool_seconds", "env_seconds"), 0.0)
+        counts = dict.fromkeys(("tool_calls", "tool_errors", "tool_timeouts", "parse_failures", "tool_seconds",
+                                "env_seconds"), 0.0)
         envs, env_rewards = None, None
         if self.environment is not None:
             envs, env_rewards = [self.environment() for _ in range(N)], [0.0] * N
@@ -182,7 +202,7 @@ class MultiTurnDriver:
                 logp[i] += [0.0] * len(ctx)
                 messages[i] += answer
             active = [i for i in active if reason[i] is None]
-        counts.update(trajectories=N, turns=sum(turns), tool_calls=sum(calls),
+        counts.update(trajectories=N, turns=sum(turns),
                       **{f"stop_{r}": sum(x == r for x in reason) for r in STOP_REASONS})
         rollout = self._rollout(prompt, ids, act, logp if has_logp else None, reason)
         return Trajectories(rollout, messages, list(reason), env_rewards, counts)
@@ -206,6 +226,7 @@ class MultiTurnDriver:
             return {}
         batch = execute_calls([t.calls for t in run.values()], self.tools, timeout_s=self.tool_timeout_s,
                               max_concurrency=self.max_concurrency)
+        counts["tool_calls"] += batch.num_calls  # calls made (a ParseError is none, but counts to the limit)
         counts["tool_errors"] += batch.count("error") + batch.count("timeout")
         counts["tool_timeouts"] += batch.count("timeout")
         counts["parse_failures"] += batch.count("parse_error")

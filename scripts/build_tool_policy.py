@@ -131,14 +131,24 @@ def warm_up(args):
 
 # ---------------------------------------------------------------- GRPO check: the trainer itself
 def check_rl(args) -> None:
+    """GRPO through grouprl's Trainer on TOOL_TASK; the held-out figures before and after, measured
+    with `evaluate` above (greedy and sampled accuracy and correct tool use, 200 problems)."""
     from grouprl.config import TrainConfig
     from grouprl.trainer import Trainer
 
     cfg = TrainConfig(**{**TOOL_TASK, "model": str(args.out), "output_dir": args.rl_out, "max_steps": args.rl_steps,
                          "learning_rate": args.rl_lr, "report_to_tensorboard": False})
+    trainer = Trainer(cfg)
+    tok, held_out = trainer.tokenizer, eval_rows()
+    print(f"[rl] before  {fmt(evaluate(trainer.model, tok, held_out, samples=8))}", flush=True)
     t0 = time.time()
-    summary = Trainer(cfg).train()
-    print(f"[rl] {json.dumps(summary)}  ({time.time() - t0:.0f}s)", flush=True)
+    summary = trainer.train()
+    seconds = time.time() - t0
+    print(f"[rl] after   {fmt(evaluate(trainer.model, tok, held_out, samples=8))}", flush=True)
+    rows = [r for r in trainer.logger.read_metrics() if "reward/mean" in r]
+    print(f"[rl] {len(rows)} steps in {seconds:.0f} s (evals included); train-batch correct tool use "
+          f"{rows[0]['rewards/correct_tool_use/mean']:.3f} -> {rows[-1]['rewards/correct_tool_use/mean']:.3f}; "
+          f"summary {json.dumps({k: v for k, v in summary.items() if not isinstance(v, dict)})}", flush=True)
 
 
 def main() -> None:

@@ -76,15 +76,15 @@ def warmup_batch(tok, pairs, batch_size: int, tool_fraction: float, rng: random.
 def evaluate(model, tok, rows, *, samples: int = 4) -> dict[str, float]:
     tools = resolve_tools([mul])
     engine = HFEngine(model, (tok.eos_token_id,), tok.pad_token_id)
-    driver = MultiTurnDriver(engine, tok, TurnLimits(TOOL_TASK["max_completion_length"], max_turns=2,
+    driver = MultiTurnDriver(tok, TurnLimits(TOOL_TASK["max_completion_length"], max_turns=2,
                                                      max_tool_calls=1),
                              tools=tools, parser=get_tool_parser(tok, tools), eos_token_ids=(tok.eos_token_id,))
     prompts = [tok.apply_chat_template(r["prompt"], tokenize=False) for r in rows]
     ids = [tok(p, add_special_tokens=False)["input_ids"] for p in prompts]
     cols = {k: [r[k] for r in rows] for k in ("answer", "a", "b")}
     params = SamplingParams(TOOL_TASK["max_completion_length"], temperature=1.0)
-    greedy = driver.generate(ids, 1, replace(params, greedy=True)).messages
-    drawn = driver.generate(ids, samples, params, torch.Generator().manual_seed(0)).messages
+    greedy = driver.generate(engine, ids, 1, replace(params, greedy=True)).messages
+    drawn = driver.generate(engine, ids, samples, params, torch.Generator().manual_seed(0)).messages
     rep = {k: [v for v in vals for _ in range(samples)] for k, vals in cols.items()}
     model.train()
     return {
@@ -111,7 +111,8 @@ def warm_up(args):
     pairs = [(r["a"], r["b"]) for r in train_rows()]
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.98), weight_decay=0.01)
     warmup = max(1, args.steps // 20)
-    schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup) * max(0.05, 1 - s / args.steps))
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / warmup) * max(0.05, 1 - s / args.steps))
     t0 = time.time()
     for step in range(1, args.steps + 1):
         model.train()
@@ -179,7 +180,8 @@ def main() -> None:
         args.out.mkdir(parents=True, exist_ok=True)
         model.save_pretrained(args.out)
         tok.save_pretrained(args.out)
-        (args.out / "build_stats.json").write_text(json.dumps({k: round(v, 1) for k, v in stats.items()}, indent=1) + "\n")
+        rounded = {k: round(v, 1) for k, v in stats.items()}
+        (args.out / "build_stats.json").write_text(json.dumps(rounded, indent=1) + "\n")
         print(f"saved to {args.out} ({sum(f.stat().st_size for f in args.out.iterdir()) / 2**20:.2f} MiB)")
     if args.check_rl:
         check_rl(args)

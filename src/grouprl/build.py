@@ -125,13 +125,13 @@ def resolve_environment(spec: str | type | None) -> type | None:
     return env
 
 
-def make_rollouts(cfg: TrainConfig, engine: GenerationEngine, model: torch.nn.Module, tokenizer, formatter,
-                  tools: dict, environment: type | None):
+def make_rollouts(cfg: TrainConfig, model: torch.nn.Module, tokenizer, formatter, tools: dict,
+                  environment: type | None):
     """The rollout stage: one engine call (SingleTurn), or the multi-turn driver with tools or an environment."""
     from grouprl.rollout.multiturn import MultiTurnDriver, SingleTurn, TurnLimits
 
     if not tools and environment is None:
-        return SingleTurn(engine)
+        return SingleTurn()
     parser = None
     if tools:
         from grouprl.tools import get_tool_parser
@@ -141,6 +141,6 @@ def make_rollouts(cfg: TrainConfig, engine: GenerationEngine, model: torch.nn.Mo
         except ValueError as e:
             raise ConfigError(f"tools: {e}") from None
     limits = TurnLimits(cfg.max_completion_length, max_turns=cfg.max_turns, max_tool_calls=cfg.max_tool_calls)
-    return MultiTurnDriver(engine, tokenizer, limits, tools=tools, parser=parser, environment=environment,
+    return MultiTurnDriver(tokenizer, limits, tools=tools, parser=parser, environment=environment,
                            encode=formatter.encode, eos_token_ids=eos_ids(model, tokenizer),
                            tool_timeout_s=cfg.tool_timeout_s)

@@ -119,7 +119,7 @@ class Trainer:
         self.formatter = PromptFormatter(self.tokenizer, max_prompt_length=cfg.max_prompt_length,
                                          tools=[t.schema for t in self.tools.values()])
         self.engine = make_engine(cfg, self.model, self.tokenizer, self.dist.rank, self.autocast)
-        self.rollouts = make_rollouts(cfg, self.engine, self.model, self.tokenizer, self.formatter, self.tools,
+        self.rollouts = make_rollouts(cfg, self.model, self.tokenizer, self.formatter, self.tools,
                                       self.environment)  # one engine call, or turns with tools / an environment
         self.weights_version = 0  # grows with every change of the policy's weights (engine sync)
         self.sampling = SamplingParams(cfg.max_completion_length, cfg.temperature, cfg.top_p, cfg.top_k,
@@ -252,7 +252,7 @@ class Trainer:
             indices = D.shard_prompts(self.dist, self.sampler.next(B))  # this rank's B/K prompts
             prompts = self.formatter.batch(self.train_ds, indices, cfg.prompt_column)
             with self._generation_weights():
-                traj = self.rollouts.generate(prompts.prompt_ids, G, self.sampling, self.generator,
+                traj = self.rollouts.generate(self.engine, prompts.prompt_ids, G, self.sampling, self.generator,
                                               prompts=prompts.prompts, columns=prompts.columns)
             timings["time/generate"] += time.perf_counter() - t0
             counts = {k: counts.get(k, 0.0) + v for k, v in traj.counts.items()}
@@ -404,7 +404,7 @@ class Trainer:
         with self._generation_weights():
             for start in range(0, len(mine), batch_size):
                 prompts = self.formatter.batch(ds, mine[start:start + batch_size], self.cfg.prompt_column)
-                traj = self.rollouts.generate(prompts.prompt_ids, 1, params, prompts=prompts.prompts,
+                traj = self.rollouts.generate(self.engine, prompts.prompt_ids, 1, params, prompts=prompts.prompts,
                                               columns=prompts.columns)
                 part = self._score(traj, prompts.prompts, prompts.columns, 1)
                 acc = part.per_func[acc_name]  # [n], NaN where the function abstained

@@ -25,6 +25,12 @@ class ScriptedEngine:
 
     decodes_with_policy = True
 
+    def sync_weights(self, model, version):
+        """Scripted: no weights."""
+
+    def close(self):
+        """Nothing held."""
+
     def __init__(self, tokenizer, script):
         self.tok, self.script, self.calls = tokenizer, script, []
 
@@ -57,12 +63,22 @@ def prompt_ids(tok, tools, questions):
                                     tokenize=True, return_dict=False) for q in questions]
 
 
-def driver(tok, script, tools=None, **limits):
+def driver(tok, script, tools=None, tool_timeout_s=30.0, **limits):
     tools = tools or resolve_tools([add])
-    engine = ScriptedEngine(tok, script)
     limits = {"max_completion_length": 400, **limits}
-    return MultiTurnDriver(engine, tok, TurnLimits(**limits), tools=tools, parser=get_tool_parser(tok, tools),
-                           eos_token_ids=(tok.eos_token_id,)), tools
+    multiturn = MultiTurnDriver(tok, TurnLimits(**limits), tools=tools, parser=get_tool_parser(tok, tools),
+                                eos_token_ids=(tok.eos_token_id,), tool_timeout_s=tool_timeout_s)
+    return Driver(ScriptedEngine(tok, script), multiturn), tools
+
+
+class Driver:
+    """The driver bound to its engine, as the trainer calls it."""
+
+    def __init__(self, engine, driver):
+        self.engine, self.driver = engine, driver
+
+    def generate(self, *args, **kwargs):
+        return self.driver.generate(self.engine, *args, **kwargs)
 
 
 def adder(text):
@@ -204,8 +220,8 @@ def test_environment_end_to_end(tok):
     engine = ScriptedEngine(tok, bisect)
     encode = lambda msgs: tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True,  # noqa: E731
                                                   return_dict=False)
-    drv = MultiTurnDriver(engine, tok, TurnLimits(400, max_turns=5), environment=GuessEnv, encode=encode,
-                          eos_token_ids=(tok.eos_token_id,))
+    drv = Driver(engine, MultiTurnDriver(tok, TurnLimits(400, max_turns=5), environment=GuessEnv, encode=encode,
+                                         eos_token_ids=(tok.eos_token_id,)))
     prompts = [[{"role": "user", "content": "Play."}]] * 2
     traj = drv.generate([encode(p) for p in prompts], 2, SamplingParams(max_new_tokens=1), prompts=prompts,
                         columns={"target": ["2", "7"]})
@@ -239,7 +255,6 @@ def test_hostile_python_calls_are_contained_and_the_rollout_continues(tok, tmp_p
 
     tools = resolve_tools([python_tool(timeout_s=2.0, memory_mb=128, max_output_chars=300)])
     drv, _ = driver(tok, script, tools=tools, max_completion_length=1200)
-    drv.tool_timeout_s = 30.0
     traj = drv.generate(prompt_ids(tok, tools, list(codes)), 1, SamplingParams(max_new_tokens=1))
     assert traj.stop_reasons == ["answer"] * 4  # every row went on to its next turn
     results = [[m["content"] for m in msgs if m["role"] == "tool"][0] for msgs in traj.messages]

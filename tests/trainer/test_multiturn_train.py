@@ -26,8 +26,8 @@ def _rollout(context: list[int]) -> Rollout:
     ctx = torch.tensor(context).repeat(2, 1)  # [2, 4]
     completion = torch.cat([acts[:, :4], ctx, acts[:, 4:]], 1)  # [2, 12]
     action = torch.tensor([True] * 4 + [False] * 4 + [True] * 4).repeat(2, 1)  # [2, 12]
-    return Rollout(prompt, torch.ones_like(prompt), completion, torch.ones_like(action), torch.zeros(2, dtype=torch.bool),
-                   action_mask=action)
+    return Rollout(prompt, torch.ones_like(prompt), completion, torch.ones_like(action),
+                   torch.zeros(2, dtype=torch.bool), action_mask=action)
 
 
 def test_context_tokens_carry_no_gradient_and_do_not_change_the_actions_gradient(make_cfg, monkeypatch):
@@ -60,7 +60,7 @@ def test_context_tokens_carry_no_gradient_and_do_not_change_the_actions_gradient
         logps.append(logp.detach().clone())
         assert torch.equal(logp.grad[:, 4:8], torch.zeros(2, 4))  # context: no gradient at all
         want = (-advantages[:, None] / 16).expand(2, 8)  # 16 action tokens in the batch
-        torch.testing.assert_close(logp.grad[:, torch.tensor(ro.action_mask[0])], want, rtol=1e-6, atol=0)
+        torch.testing.assert_close(logp.grad[:, ro.action_mask[0]], want, rtol=1e-6, atol=0)
         assert stats["entropy"] > 0
     assert torch.equal(grads[0], grads[1])
     assert not torch.allclose(logps[0][:, 8:], logps[1][:, 8:])  # the later actions saw the context
@@ -157,7 +157,7 @@ def test_environment_through_the_trainer(chat_cfg):
                          max_completion_length=200)
     trainer = Trainer(cfg, train_dataset=rows, reward_funcs=[env_reward])
     replies = {"Start": "first reply", "Go on": "second"}
-    trainer.rollouts.engine = ScriptedEngine(trainer.tokenizer, lambda text: replies[text.split("user\n")[-1][:5]])
+    trainer.engine = ScriptedEngine(trainer.tokenizer, lambda text: replies[text.split("user\n")[-1][:5]])
     trainer.train()
     completions, rewards = SEEN[0]
     assert completions == [[{"role": "assistant", "content": "first reply"}, {"role": "user", "content": "Go on."},

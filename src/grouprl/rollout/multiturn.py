@@ -93,14 +93,12 @@ class Trajectories:
 
 class SingleTurn:
     """The plain rollout behind the same call as `MultiTurnDriver.generate`: one engine call, no
-    messages (the trainer decodes the completions)."""
+    messages (the trainer decodes the completions). The engine is an argument of each call: the
+    trainer owns it (weight syncs, closing) and may swap it."""
 
-    def __init__(self, engine: GenerationEngine):
-        self.engine = engine
-
-    def generate(self, prompt_ids: list[list[int]], num_generations: int, params: SamplingParams,
-                 generator: torch.Generator | None = None, **rows: Any) -> Trajectories:
-        return Trajectories(self.engine.generate(prompt_ids, num_generations, params, generator), None, None, None)
+    def generate(self, engine: GenerationEngine, prompt_ids: list[list[int]], num_generations: int,
+                 params: SamplingParams, generator: torch.Generator | None = None, **rows: Any) -> Trajectories:
+        return Trajectories(engine.generate(prompt_ids, num_generations, params, generator), None, None, None)
 
 
 def trajectory_metrics(counts: dict[str, float]) -> dict[str, float]:
@@ -123,7 +121,7 @@ class MultiTurnDriver:
     """Multi-turn rollouts over any `GenerationEngine` (module docstring). `tools` with a `parser`,
     or an `environment` factory (called once per trajectory, no arguments); not both."""
 
-    def __init__(self, engine: GenerationEngine, tokenizer: Any, limits: TurnLimits, *,
+    def __init__(self, tokenizer: Any, limits: TurnLimits, *,
                  tools: dict[str, Tool] | None = None, parser: ToolCallParser | None = None,
                  environment: Callable[[], Environment] | None = None, encode: Callable[[Any], list[int]] | None = None,
                  eos_token_ids: tuple[int, ...] = (), tool_timeout_s: float = 30.0, max_concurrency: int = 16):
@@ -134,16 +132,17 @@ class MultiTurnDriver:
             raise ValueError("tools need a parser (grouprl.tools.get_tool_parser) to read the model's calls")
         if environment is not None and encode is None:
             raise ValueError("an environment needs `encode` (prompt messages -> ids) for its first observation")
-        self.engine, self.tokenizer, self.limits = engine, tokenizer, limits
+        self.tokenizer, self.limits = tokenizer, limits
         self.tools, self.parser, self.environment, self.encode = tools or {}, parser, environment, encode
         self.eos = set(eos_token_ids) or {tokenizer.eos_token_id}
         self.tool_timeout_s, self.max_concurrency = tool_timeout_s, max_concurrency
 
-    def generate(self, prompt_ids: list[list[int]], num_generations: int, params: SamplingParams,
-                 generator: torch.Generator | None = None, *, prompts: list[Any] | None = None,
-                 columns: dict[str, list] | None = None) -> Trajectories:
-        """G trajectories for each of B prompts (rows g*G .. g*G+G-1 share prompt g). `prompts` and
-        `columns` (the dataset rows, B each) are what an environment's `reset` receives."""
+    def generate(self, engine: GenerationEngine, prompt_ids: list[list[int]], num_generations: int,
+                 params: SamplingParams, generator: torch.Generator | None = None, *,
+                 prompts: list[Any] | None = None, columns: dict[str, list] | None = None) -> Trajectories:
+        """G trajectories for each of B prompts (rows g*G .. g*G+G-1 share prompt g), each turn one
+        `engine.generate` call. `prompts` and `columns` (the dataset rows, B each) are what an
+        environment's `reset` receives."""
         G, T = num_generations, self.limits.max_completion_length
         if params.ignore_eos:
             raise ValueError("ignore_eos=True: a multi-turn rollout ends a turn at EOS; switch it off")
@@ -169,9 +168,9 @@ class MultiTurnDriver:
             room = {i: T - len(ids[i]) for i in active}
             p = replace(params, max_new_tokens=max(room.values()))
             if first and envs is None:  # each prompt prefilled once, its cache shared by its G rows
-                ro = self.engine.generate(prompt_ids, G, p, generator)
+                ro = engine.generate(prompt_ids, G, p, generator)
             else:
-                ro = self.engine.generate([prompt[i] + ids[i] for i in active], 1, p, generator)
+                ro = engine.generate([prompt[i] + ids[i] for i in active], 1, p, generator)
             has_logp = ro.sampling_logp is not None if has_logp is None else has_logp
             first = False
             ended: dict[int, ParsedTurn] = {}

@@ -40,6 +40,7 @@ Instances of a batch run concurrently (threads; `async def` methods are awaited)
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -164,43 +165,45 @@ class MultiTurnDriver:
             counts["env_seconds"] += time.perf_counter() - t0
         has_logp, first = None, True
         active = list(range(N))
-        while active:
-            room = {i: T - len(ids[i]) for i in active}
-            p = replace(params, max_new_tokens=max(room.values()))
-            if first and envs is None:  # each prompt prefilled once, its cache shared by its G rows
-                ro = engine.generate(prompt_ids, G, p, generator)
-            else:
-                ro = engine.generate([prompt[i] + ids[i] for i in active], 1, p, generator)
-            has_logp = ro.sampling_logp is not None if has_logp is None else has_logp
-            first = False
-            ended: dict[int, ParsedTurn] = {}
-            for j, i in enumerate(active):
-                new = ro.completion_ids[j][ro.completion_mask[j]].tolist()[: room[i]]
-                ids[i] += new
-                act[i] += [True] * len(new)
-                if has_logp:
-                    logp[i] += ro.sampling_logp[j][: len(new)].tolist()
-                turns[i] += 1
-                if not new or new[-1] not in self.eos:  # cut by the budget before its end of turn
-                    text = self.tokenizer.decode(new, skip_special_tokens=True)
-                    messages[i].append({"role": "assistant", "content": text})
-                    reason[i] = "max_length"
-                    continue
-                text = self.tokenizer.decode(new[:-1], skip_special_tokens=False)
-                turn = self.parser.parse(text) if self.parser is not None else ParsedTurn(text)
-                messages[i].append(turn.as_message())
-                ended[i] = turn
-            context = self._answer_tools(ended, reason, turns, calls, counts) if envs is None \
-                else self._step_envs(envs, ended, reason, turns, env_rewards, messages, counts)
-            for i, (ctx, answer) in context.items():
-                if len(ids[i]) + len(ctx) >= T:  # no room left for another turn after these messages
-                    reason[i] = "max_length"
-                    continue
-                ids[i] += ctx
-                act[i] += [False] * len(ctx)
-                logp[i] += [0.0] * len(ctx)
-                messages[i] += answer
-            active = [i for i in active if reason[i] is None]
+        keep = getattr(engine, "keep_conversations", None)  # the built-in engine continues from its KV cache
+        with keep() if keep is not None else contextlib.nullcontext():
+            while active:
+                room = {i: T - len(ids[i]) for i in active}
+                p = replace(params, max_new_tokens=max(room.values()))
+                if first and envs is None:  # each prompt prefilled once, its cache shared by its G rows
+                    ro = engine.generate(prompt_ids, G, p, generator)
+                else:
+                    ro = engine.generate([prompt[i] + ids[i] for i in active], 1, p, generator)
+                has_logp = ro.sampling_logp is not None if has_logp is None else has_logp
+                first = False
+                ended: dict[int, ParsedTurn] = {}
+                for j, i in enumerate(active):
+                    new = ro.completion_ids[j][ro.completion_mask[j]].tolist()[: room[i]]
+                    ids[i] += new
+                    act[i] += [True] * len(new)
+                    if has_logp:
+                        logp[i] += ro.sampling_logp[j][: len(new)].tolist()
+                    turns[i] += 1
+                    if not new or new[-1] not in self.eos:  # cut by the budget before its end of turn
+                        text = self.tokenizer.decode(new, skip_special_tokens=True)
+                        messages[i].append({"role": "assistant", "content": text})
+                        reason[i] = "max_length"
+                        continue
+                    text = self.tokenizer.decode(new[:-1], skip_special_tokens=False)
+                    turn = self.parser.parse(text) if self.parser is not None else ParsedTurn(text)
+                    messages[i].append(turn.as_message())
+                    ended[i] = turn
+                context = self._answer_tools(ended, reason, turns, calls, counts) if envs is None \
+                    else self._step_envs(envs, ended, reason, turns, env_rewards, messages, counts)
+                for i, (ctx, answer) in context.items():
+                    if len(ids[i]) + len(ctx) >= T:  # no room left for another turn after these messages
+                        reason[i] = "max_length"
+                        continue
+                    ids[i] += ctx
+                    act[i] += [False] * len(ctx)
+                    logp[i] += [0.0] * len(ctx)
+                    messages[i] += answer
+                active = [i for i in active if reason[i] is None]
         counts.update(trajectories=N, turns=sum(turns),
                       **{f"stop_{r}": sum(x == r for x in reason) for r in STOP_REASONS})
         rollout = self._rollout(prompt, ids, act, logp if has_logp else None, reason)

@@ -25,9 +25,10 @@ How a row stops (`Trajectories.stop_reasons`, and `Rollout.truncated`):
     max_tool_calls  the turn's calls would take the trajectory past max_tool_calls
                     (they are not run)                                                  truncated True
 
-Continuation: a later turn passes the whole conversation as the prompt. The built-in engine
-prefills it again (one forward pass over prompt + completion so far per turn; it does not keep its
-KV cache between calls); vLLM reuses the cached prefix (VLLMEngine runs with enable_prefix_caching).
+Continuation: a later turn passes the whole conversation as the prompt. The driver opens the
+engine's `keep_conversations()` when it has one: the built-in engine then continues each row from
+the KV cache it kept when the row's previous turn ended (only the new tokens are prefilled); vLLM
+reuses the cached prefix (VLLMEngine runs with enable_prefix_caching); any other engine prefills.
 Rows finish at different turns; the next call holds only the rows still going.
 
 Environments (docs/tools.md): a class named by import path, one instance per trajectory, with

@@ -155,12 +155,11 @@ class HFEngine:
             truncated=truncated.cpu(),
         )
 
-
     def _keep_rows(self, decoder: FastDecoder, prompt_ids: list[list[int]], G: int, completion: torch.Tensor,
                    active: torch.Tensor, rows: torch.Tensor, t: int) -> None:
-        """Store the caches of `rows` (of the active batch), which just sampled EOS at step t: the
-        keys/values of their prompt and first t tokens, under the token tuple of the EOS-ended
-        sequence minus its last token (the prompt of the next turn starts with all of it)."""
+        """Keep the caches of `rows` (of the active batch), which just sampled EOS at step t: the
+        keys/values of their prompt and first t tokens (the EOS was never fed), under the tokens of
+        prompt + completion up to that EOS, with which the next turn's prompt starts."""
         for r, kv in zip(rows.tolist(), decoder.snapshot(rows)):
             n = int(active[r])
             key = tuple(prompt_ids[n // G] + completion[n, : t + 1].tolist())

@@ -54,4 +54,5 @@ def test_grpo_raises_accuracy_and_correct_tool_use(tmp_path):
     before, after = summary["eval_before"], summary["eval_after"]
     assert after["accuracy"] >= before["accuracy"] + 0.3
     tool_use = [r["rewards/correct_tool_use/mean"] for r in trainer.logger.read_metrics() if "reward/mean" in r]
-    assert tool_use[-1] > tool_use[0]
+    # measured: 0.20, 0.41, 0.41, 0.56, 0.63, 0.67, 0.73, 0.50 (accuracy 0 -> 0.89)
+    assert sum(tool_use[4:]) / 4 >= sum(tool_use[:2]) / 2 + 0.2

@@ -119,6 +119,27 @@ def trajectory_metrics(counts: dict[str, float]) -> dict[str, float]:
     return out
 
 
+@dataclass
+class _Row:
+    """One trajectory while it is generated."""
+
+    prompt: list[int]
+    ids: list[int] = field(default_factory=list)  # the completion so far
+    act: list[bool] = field(default_factory=list)  # per token: the policy sampled it
+    logp: list[float] = field(default_factory=list)  # per token: the sampler's log-prob (0 on context)
+    messages: list[dict] = field(default_factory=list)
+    stop: str | None = None  # one of STOP_REASONS once it stopped
+    turns: int = 0
+    calls: int = 0  # calls attempted, malformed ones included (what max_tool_calls counts)
+    env: Any = None
+    env_reward: float = 0.0
+
+    def add(self, tokens: list[int], *, action: bool, logp: list[float] | None = None) -> None:
+        self.ids += tokens
+        self.act += [action] * len(tokens)
+        self.logp += logp if logp is not None else [0.0] * len(tokens)
+
+
 class MultiTurnDriver:
     """Multi-turn rollouts over any `GenerationEngine` (module docstring). `tools` with a `parser`,
     or an `environment` factory (called once per trajectory, no arguments); not both."""
@@ -148,159 +169,146 @@ class MultiTurnDriver:
         G, T = num_generations, self.limits.max_completion_length
         if params.ignore_eos:
             raise ValueError("ignore_eos=True: a multi-turn rollout ends a turn at EOS; switch it off")
-        N = len(prompt_ids) * G
-        prompt = [list(p) for p in prompt_ids for _ in range(G)]  # [N][P_i]
-        ids: list[list[int]] = [[] for _ in range(N)]  # [N][T_i] completion so far
-        act: list[list[bool]] = [[] for _ in range(N)]
-        logp: list[list[float]] = [[] for _ in range(N)]
-        messages: list[list[dict]] = [[] for _ in range(N)]
-        reason: list[str | None] = [None] * N
-        turns, calls = [0] * N, [0] * N
+        rows = [_Row(list(p)) for p in prompt_ids for _ in range(G)]
         counts = dict.fromkeys(("tool_calls", "tool_errors", "tool_timeouts", "parse_failures", "tool_seconds",
                                 "env_seconds"), 0.0)
-        envs, env_rewards = None, None
         if self.environment is not None:
-            envs, env_rewards = [self.environment() for _ in range(N)], [0.0] * N
             t0 = time.perf_counter()
-            prompt = self._reset(envs, prompt, prompts, columns or {}, G)
+            self._reset(rows, prompts, columns or {}, G)
             counts["env_seconds"] += time.perf_counter() - t0
-        has_logp, first = None, True
-        active = list(range(N))
         keep = getattr(engine, "keep_conversations", None)  # the built-in engine continues from its KV cache
+        active, first, has_logp = rows, True, None
         with keep() if keep is not None else contextlib.nullcontext():
             while active:
-                room = {i: T - len(ids[i]) for i in active}
-                p = replace(params, max_new_tokens=max(room.values()))
-                if first and envs is None:  # each prompt prefilled once, its cache shared by its G rows
+                room = [T - len(r.ids) for r in active]
+                p = replace(params, max_new_tokens=max(room))
+                if first and self.environment is None:  # each prompt prefilled once, its cache shared by its G rows
                     ro = engine.generate(prompt_ids, G, p, generator)
                 else:
-                    ro = engine.generate([prompt[i] + ids[i] for i in active], 1, p, generator)
-                has_logp = ro.sampling_logp is not None if has_logp is None else has_logp
-                first = False
-                ended: dict[int, ParsedTurn] = {}
-                for j, i in enumerate(active):
-                    new = ro.completion_ids[j][ro.completion_mask[j]].tolist()[: room[i]]
-                    ids[i] += new
-                    act[i] += [True] * len(new)
-                    if has_logp:
-                        logp[i] += ro.sampling_logp[j][: len(new)].tolist()
-                    turns[i] += 1
-                    if not new or new[-1] not in self.eos:  # cut by the budget before its end of turn
-                        text = self.tokenizer.decode(new, skip_special_tokens=True)
-                        messages[i].append({"role": "assistant", "content": text})
-                        reason[i] = "max_length"
+                    ro = engine.generate([r.prompt + r.ids for r in active], 1, p, generator)
+                first, has_logp = False, (ro.sampling_logp is not None) if has_logp is None else has_logp
+                ended = [(r, turn) for j, r in enumerate(active)
+                         if (turn := self._read_turn(r, ro, j, room[j], has_logp)) is not None]
+                answers = self._answer_tools(ended, counts) if self.environment is None \
+                    else self._step_envs(ended, counts)
+                for r, (context, messages) in answers:
+                    if len(r.ids) + len(context) >= T:  # no room left for another turn after these messages
+                        r.stop = "max_length"
                         continue
-                    text = self.tokenizer.decode(new[:-1], skip_special_tokens=False)
-                    turn = self.parser.parse(text) if self.parser is not None else ParsedTurn(text)
-                    messages[i].append(turn.as_message())
-                    ended[i] = turn
-                context = self._answer_tools(ended, reason, turns, calls, counts) if envs is None \
-                    else self._step_envs(envs, ended, reason, turns, env_rewards, messages, counts)
-                for i, (ctx, answer) in context.items():
-                    if len(ids[i]) + len(ctx) >= T:  # no room left for another turn after these messages
-                        reason[i] = "max_length"
-                        continue
-                    ids[i] += ctx
-                    act[i] += [False] * len(ctx)
-                    logp[i] += [0.0] * len(ctx)
-                    messages[i] += answer
-                active = [i for i in active if reason[i] is None]
-        counts.update(trajectories=N, turns=sum(turns),
-                      **{f"stop_{r}": sum(x == r for x in reason) for r in STOP_REASONS})
-        rollout = self._rollout(prompt, ids, act, logp if has_logp else None, reason)
-        return Trajectories(rollout, messages, list(reason), env_rewards, counts)
+                    r.add(context, action=False)
+                    r.messages += messages
+                active = [r for r in active if r.stop is None]
+        counts.update(trajectories=len(rows), turns=sum(r.turns for r in rows),
+                      **{f"stop_{s}": sum(r.stop == s for r in rows) for s in STOP_REASONS})
+        env_rewards = [r.env_reward for r in rows] if self.environment is not None else None
+        return Trajectories(self._rollout(rows, has_logp), [r.messages for r in rows], [r.stop for r in rows],
+                            env_rewards, counts)
+
+    def _read_turn(self, row: _Row, ro: Rollout, j: int, room: int, has_logp: bool) -> ParsedTurn | None:
+        """Append row j of this turn's rollout to `row` (cut to its room); the parsed turn when it
+        ended with EOS, else None (the row stops: max_length)."""
+        new = ro.completion_ids[j][ro.completion_mask[j]].tolist()[:room]
+        row.add(new, action=True, logp=ro.sampling_logp[j][: len(new)].tolist() if has_logp else None)
+        row.turns += 1
+        if not new or new[-1] not in self.eos:  # cut by the budget before its end of turn
+            row.messages.append({"role": "assistant", "content": self.tokenizer.decode(new, skip_special_tokens=True)})
+            row.stop = "max_length"
+            return None
+        text = self.tokenizer.decode(new[:-1], skip_special_tokens=False)
+        turn = self.parser.parse(text) if self.parser is not None else ParsedTurn(text)
+        row.messages.append(turn.as_message())
+        return turn
 
     # ------------------------------------------------------------------ between turns
-    def _answer_tools(self, ended: dict[int, ParsedTurn], reason: list, turns: list[int], calls: list[int],
-                      counts: dict[str, float]) -> dict[int, tuple[list[int], list[dict]]]:
+    def _answer_tools(self, ended: list[tuple[_Row, ParsedTurn]], counts: dict[str, float]
+                      ) -> list[tuple[_Row, tuple[list[int], list[dict]]]]:
         """Run the calls of the turns that made some; the rendered tool messages per row."""
-        run: dict[int, ParsedTurn] = {}
-        for i, turn in ended.items():
+        run: list[tuple[_Row, ParsedTurn]] = []
+        for row, turn in ended:
             if not turn.calls:
-                reason[i] = "answer"
-            elif turns[i] >= self.limits.max_turns:
-                reason[i] = "max_turns"
-            elif calls[i] + len(turn.calls) > self.limits.max_tool_calls:
-                reason[i] = "max_tool_calls"
+                row.stop = "answer"
+            elif row.turns >= self.limits.max_turns:
+                row.stop = "max_turns"
+            elif row.calls + len(turn.calls) > self.limits.max_tool_calls:
+                row.stop = "max_tool_calls"
             else:
-                run[i] = turn
-                calls[i] += len(turn.calls)
+                run.append((row, turn))
+                row.calls += len(turn.calls)
         if not run:
-            return {}
-        batch = execute_calls([t.calls for t in run.values()], self.tools, timeout_s=self.tool_timeout_s,
+            return []
+        batch = execute_calls([turn.calls for _, turn in run], self.tools, timeout_s=self.tool_timeout_s,
                               max_concurrency=self.max_concurrency)
         counts["tool_calls"] += batch.num_calls  # calls made (a ParseError is none, but counts to the limit)
         counts["tool_errors"] += batch.count("error") + batch.count("timeout")
         counts["tool_timeouts"] += batch.count("timeout")
         counts["parse_failures"] += batch.count("parse_error")
         counts["tool_seconds"] += batch.wall_s
-        return {i: (render_tool_messages(self.tokenizer, results, self.tools), [r.message for r in results])
-                for i, results in zip(run, batch.results)}
+        return [(row, (render_tool_messages(self.tokenizer, results, self.tools), [r.message for r in results]))
+                for (row, _), results in zip(run, batch.results)]
 
-    def _step_envs(self, envs: list, ended: dict[int, ParsedTurn], reason: list, turns: list[int],
-                   env_rewards: list[float], messages: list[list[dict]], counts: dict[str, float]
-                   ) -> dict[int, tuple[list[int], list[dict]]]:
-        """Each ended turn's environment steps (concurrently); the rendered observations per row."""
+    def _step_envs(self, ended: list[tuple[_Row, ParsedTurn]], counts: dict[str, float]
+                   ) -> list[tuple[_Row, tuple[list[int], list[dict]]]]:
+        """Each ended turn's environment step (concurrently); the rendered observations per row."""
         if not ended:
-            return {}
+            return []
         t0 = time.perf_counter()
-        rows = list(ended)
-        outs = _concurrently([(envs[i].step, (messages[i][-1],)) for i in rows])
+        outs = _concurrently([(row.env.step, (row.messages[-1],)) for row, _ in ended])
         counts["env_seconds"] += time.perf_counter() - t0
-        context = {}
-        for i, out in zip(rows, outs):
+        answers = []
+        for (row, _), out in zip(ended, outs):
+            name = type(row.env).__name__
             if not (isinstance(out, tuple) and len(out) in (2, 3)):
-                raise TypeError(f"{type(envs[i]).__name__}.step returned {out!r}: return (observation, done) or "
+                raise TypeError(f"{name}.step returned {out!r}: return (observation, done) or "
                                 "(observation, done, reward)")
             observation, done = out[0], bool(out[1])
             if len(out) == 3 and out[2] is not None:
-                env_rewards[i] += float(out[2])
+                row.env_reward += float(out[2])
             if done:
-                reason[i] = "env_done"
+                row.stop = "env_done"
                 continue
-            if turns[i] >= self.limits.max_turns:
-                reason[i] = "max_turns"
+            if row.turns >= self.limits.max_turns:
+                row.stop = "max_turns"
                 continue
-            obs = _as_messages(observation, f"{type(envs[i]).__name__}.step")
+            obs = _as_messages(observation, f"{name}.step")
             if not obs:
-                raise ValueError(f"{type(envs[i]).__name__}.step returned no observation and done=False: "
+                raise ValueError(f"{name}.step returned no observation and done=False: "
                                  "the policy needs something to answer, or return done=True")
-            context[i] = (render_after_turn(self.tokenizer, obs, self.tools or None), obs)
-        return context
+            answers.append((row, (render_after_turn(self.tokenizer, obs, self.tools or None), obs)))
+        return answers
 
-    def _reset(self, envs: list, prompt: list[list[int]], prompts: list[Any] | None, columns: dict[str, list],
-               G: int) -> list[list[int]]:
-        """Each environment's first observation, appended to its row's prompt messages (re-encoded)."""
+    def _reset(self, rows: list[_Row], prompts: list[Any] | None, columns: dict[str, list], G: int) -> None:
+        """One environment per row; each first observation appended to its row's prompt messages (re-encoded)."""
         if prompts is None:
             raise ValueError("an environment's reset receives the dataset row: pass prompts= (and columns=)")
-        rows = [{"prompt": prompts[b], **{k: v[b] for k, v in columns.items()}} for b in range(len(prompts))
+        data = [{"prompt": prompts[b], **{k: v[b] for k, v in columns.items()}} for b in range(len(prompts))
                 for _ in range(G)]
-        outs = _concurrently([(env.reset, (), row) for env, row in zip(envs, rows)])
-        for i, (obs, row) in enumerate(zip(outs, rows)):
+        for row in rows:
+            row.env = self.environment()
+        outs = _concurrently([(row.env.reset, (), d) for row, d in zip(rows, data)])
+        for row, obs, d in zip(rows, outs, data):
             if obs is None:
                 continue
-            if not isinstance(row["prompt"], list):
-                raise ValueError(f"{type(envs[i]).__name__}.reset returned an observation but the prompt is a "
+            if not isinstance(d["prompt"], list):
+                raise ValueError(f"{type(row.env).__name__}.reset returned an observation but the prompt is a "
                                  "string: give the dataset's prompts as chat messages, or return None")
-            prompt[i] = self.encode(row["prompt"] + _as_messages(obs, f"{type(envs[i]).__name__}.reset"))
-        return prompt
+            row.prompt = self.encode(d["prompt"] + _as_messages(obs, f"{type(row.env).__name__}.reset"))
 
-    def _rollout(self, prompt: list[list[int]], ids: list[list[int]], act: list[list[bool]],
-                 logp: list[list[float]] | None, reason: list) -> Rollout:
+    def _rollout(self, rows: list[_Row], has_logp: bool) -> Rollout:
         pad = self.tokenizer.pad_token_id
-        pids, pmask = left_pad_prompts(prompt, pad)  # [N, P]
-        N, T = len(ids), max(1, max(len(x) for x in ids))
+        pids, pmask = left_pad_prompts([r.prompt for r in rows], pad)  # [N, P]
+        N, T = len(rows), max(1, max(len(r.ids) for r in rows))
         cids = torch.full((N, T), pad, dtype=torch.long)  # [N, T]
         cmask = torch.zeros((N, T), dtype=torch.bool)
         amask = torch.zeros((N, T), dtype=torch.bool)
-        slogp = torch.zeros((N, T), dtype=torch.float32) if logp is not None else None
-        for i, row in enumerate(ids):
-            cids[i, : len(row)] = torch.tensor(row, dtype=torch.long)
-            cmask[i, : len(row)] = True
-            amask[i, : len(row)] = torch.tensor(act[i], dtype=torch.bool)
+        slogp = torch.zeros((N, T), dtype=torch.float32) if has_logp else None
+        for i, r in enumerate(rows):
+            n = len(r.ids)
+            cids[i, :n] = torch.tensor(r.ids, dtype=torch.long)
+            cmask[i, :n] = True
+            amask[i, :n] = torch.tensor(r.act, dtype=torch.bool)
             if slogp is not None:
-                slogp[i, : len(row)] = torch.tensor(logp[i], dtype=torch.float32)
-        truncated = torch.tensor([r in TRUNCATING for r in reason], dtype=torch.bool)  # [N]
+                slogp[i, :n] = torch.tensor(r.logp, dtype=torch.float32)
+        truncated = torch.tensor([r.stop in TRUNCATING for r in rows], dtype=torch.bool)  # [N]
         return Rollout(pids, pmask, cids, cmask, truncated, slogp, amask)
 
 

@@ -79,3 +79,68 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
+
+
+def resolve_multiturn(cfg: TrainConfig, tools: list[Callable] | None = None) -> tuple[dict, type | None]:
+    """The tools (`Trainer(tools=...)` or the config's) and the environment class, imported before
+    any model loads."""
+    return resolve_tool_specs(tools if tools is not None else cfg.tools), resolve_environment(cfg.environment)
+
+
+def resolve_tool_specs(specs: list[Any]) -> dict:
+    """name -> Tool from `tools` entries (a name, a module:function path, a mapping with `name` and
+    the tool's parameters, or a function); ConfigError naming the entry otherwise."""
+    from grouprl.tools import resolve_tool
+
+    tools = {}
+    for spec in specs:
+        try:
+            if isinstance(spec, dict):
+                params = dict(spec)
+                tool = resolve_tool(params.pop("name"), **params)
+            else:
+                tool = resolve_tool(spec)
+        except (ValueError, TypeError, ImportError) as e:
+            raise ConfigError(f"tools entry {spec!r}: {e}") from None
+        if tool.name in tools:
+            raise ConfigError(f"two tools are named {tool.name!r}: the model calls tools by name, so rename one")
+        tools[tool.name] = tool
+    return tools
+
+
+def resolve_environment(spec: str | type | None) -> type | None:
+    """The environment class from `environment: package.module:Class` (or the class itself)."""
+    if spec is None or isinstance(spec, type):
+        return spec
+    from grouprl.importpath import import_callable
+
+    try:
+        env = import_callable(spec, "environment")
+    except (ValueError, ImportError) as e:
+        raise ConfigError(str(e)) from None
+    missing = [m for m in ("reset", "step") if not callable(getattr(env, m, None))]
+    if missing:
+        raise ConfigError(f"environment={spec!r} has no {' or '.join(missing)} method: an environment has "
+                          "reset(**row) -> first observation and step(assistant_message) -> (observation, done)")
+    return env
+
+
+def make_rollouts(cfg: TrainConfig, model: torch.nn.Module, tokenizer, formatter, tools: dict,
+                  environment: type | None):
+    """The rollout stage: one engine call (SingleTurn), or the multi-turn driver with tools or an environment."""
+    from grouprl.rollout.multiturn import MultiTurnDriver, SingleTurn, TurnLimits
+
+    if not tools and environment is None:
+        return SingleTurn()
+    parser = None
+    if tools:
+        from grouprl.tools import get_tool_parser
+
+        try:
+            parser = get_tool_parser(tokenizer, tools, cfg.tool_parser)
+        except ValueError as e:
+            raise ConfigError(f"tools: {e}") from None
+    limits = TurnLimits(cfg.max_completion_length, max_turns=cfg.max_turns, max_tool_calls=cfg.max_tool_calls)
+    return MultiTurnDriver(tokenizer, limits, tools=tools, parser=parser, environment=environment,
+                           encode=formatter.encode, eos_token_ids=eos_ids(model, tokenizer),
+                           tool_timeout_s=cfg.tool_timeout_s)

@@ -286,6 +286,28 @@ class TrainConfig:
     shards parameters, gradients and optimizer state (torch `fully_shard`) for models that do not
     fit one device. prompts_per_step must be a multiple of the number of processes."""
 
+    # ---------------------------------------------- tools and multi-turn
+    tools: list[Any] = field(default_factory=list)
+    """Tools the policy may call during a rollout (docs/tools.md): `python` (our sandbox), any
+    typed, documented function as `package.module:function`, or a mapping `{name: python,
+    timeout_s: 5}` for a tool built with parameters. Their schemas reach the model through the
+    chat template; each rollout then runs turn by turn (rollout/multiturn.py)."""
+    tool_parser: str | None = None
+    """How the model writes tool calls: hermes (Qwen2.5/3, Hermes) | llama3 | template (the
+    tokenizer's response_template). None: picked from the tokenizer and its chat template."""
+    max_tool_calls: int = 8
+    """Tool calls per trajectory at most; a turn whose calls would pass it ends the trajectory
+    (stop reason max_tool_calls, truncated)."""
+    max_turns: int = 8
+    """Assistant turns per trajectory at most (stop reason max_turns, truncated). The whole
+    trajectory, tool results included, also fits in max_completion_length tokens."""
+    tool_timeout_s: float = 30.0
+    """A tool call that runs longer is abandoned and the model is told so."""
+    environment: str | None = None
+    """A multi-turn environment class, `package.module:Class` (docs/tools.md): one instance per
+    trajectory, `reset(**row)` gives the first observation, `step(assistant_message)` returns
+    (observation, done[, reward]). Not together with tools."""
+
     # ------------------------------------------------------------ methods
     def resolved(self) -> TrainConfig:
         """A copy with the preset's values filled into every algorithm field left at None."""
@@ -385,6 +407,7 @@ class TrainConfig:
             raise ConfigError(f"overlong_cache_len={c.overlong_cache_len} must be in "
                               f"(0, max_completion_length={c.max_completion_length}]")
         _check_vllm(c)
+        _check_tools(c)
         for name in ("model", "tokenizer", "train_data", "eval_data"):
             if getattr(c, name) and name not in skip_paths:
                 _check_path(name, getattr(c, name))
@@ -574,6 +597,33 @@ def _check_vllm(c: TrainConfig) -> None:
         raise ConfigError(f"temperature={c.temperature} with use_vllm: vLLM samples at temperatures in "
                           "[0.01, 2] only (it raises lower ones to 0.01, which the trainer's log-probs "
                           "would not know); pick one in that range")
+
+
+def _check_tools(c: TrainConfig) -> None:
+    """Multi-turn fields; the tools and the environment themselves are imported by the trainer (still
+    before any model loads)."""
+    from grouprl.tools import FORMATS
+
+    for i, spec in enumerate(c.tools):
+        if not (isinstance(spec, str) and spec) and not (isinstance(spec, dict) and isinstance(spec.get("name"), str)) \
+                and not callable(spec):
+            raise ConfigError(f"tools[{i}]={spec!r}: name a tool as `python`, `package.module:function`, or a "
+                              "mapping {name: python, timeout_s: 5}")
+    if c.tool_parser is not None:
+        _check_choice("tool_parser", c.tool_parser, FORMATS)
+    for name in ("max_tool_calls", "max_turns"):
+        if getattr(c, name) < 1:
+            raise ConfigError(f"{name}={getattr(c, name)} must be at least 1")
+    if not c.tool_timeout_s > 0:
+        raise ConfigError(f"tool_timeout_s={c.tool_timeout_s} must be a positive number of seconds")
+    if c.tools and c.environment:
+        raise ConfigError("tools and environment are both set: an environment answers every assistant turn "
+                          "itself, so let it run the tools it offers; set one of them")
+    if c.environment is not None and ":" not in c.environment:
+        raise ConfigError(f"environment={c.environment!r}: name the class by import path, `package.module:Class`")
+    if (c.tools or c.environment) and c.ignore_eos:
+        raise ConfigError("ignore_eos=true with tools or an environment: a multi-turn rollout ends each turn at "
+                          "EOS; set ignore_eos: false")
 
 
 def _check_path(name: str, value: str) -> None:

@@ -142,9 +142,10 @@ class PromptBatch:
 class PromptFormatter:
     """Turns prompts into token ids: strings as they are, messages through the chat template."""
 
-    def __init__(self, tokenizer, *, max_prompt_length: int | None = None):
+    def __init__(self, tokenizer, *, max_prompt_length: int | None = None, tools: list[dict] | None = None):
         self.tokenizer = tokenizer
         self.max_prompt_length = max_prompt_length
+        self.tools = tools or None  # tool schemas the chat template shows the model
 
     def text(self, prompt: Any) -> str:
         if isinstance(prompt, str):
@@ -152,7 +153,7 @@ class PromptFormatter:
         if not getattr(self.tokenizer, "chat_template", None):
             raise DataError("a prompt is a list of chat messages but the tokenizer has no chat "
                             "template: give prompts as plain strings, or use a tokenizer with one")
-        return self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
+        return self.tokenizer.apply_chat_template(prompt, tools=self.tools, add_generation_prompt=True, tokenize=False)
 
     def encode(self, prompt: Any) -> list[int]:
         ids = self.tokenizer(self.text(prompt), add_special_tokens=False)["input_ids"]

@@ -23,11 +23,12 @@ from grouprl.rollout import Rollout, same_prompt_ids
 
 def resolve_model_path(name: str) -> str:
     if name.startswith("builtin:"):
-        from grouprl.tasks import DEFAULT_POLICY_DIR
+        from grouprl.tasks import DEFAULT_POLICY_DIR, TOOL_POLICY_DIR
 
-        if name != "builtin:default_policy":
-            raise ValueError(f"model={name!r} is unknown: the built-in model is builtin:default_policy")
-        return str(DEFAULT_POLICY_DIR)
+        builtin = {"builtin:default_policy": DEFAULT_POLICY_DIR, "builtin:tool_policy": TOOL_POLICY_DIR}
+        if name not in builtin:
+            raise ValueError(f"model={name!r} is unknown: the built-in models are {', '.join(builtin)}")
+        return str(builtin[name])
     return str(Path(name).expanduser()) if Path(name).expanduser().exists() else name
 
 

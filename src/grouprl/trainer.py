@@ -36,7 +36,7 @@ from datasets import Dataset
 
 from grouprl import distributed as D
 from grouprl.batch import StepBatch
-from grouprl.build import lr_schedule, make_engine, resolve_reward, seed_everything
+from grouprl.build import lr_schedule, make_engine, make_rollouts, resolve_multiturn, resolve_reward, seed_everything
 from grouprl.checkpoint import latest_checkpoint, load_checkpoint, read_checkpoint, save_checkpoint
 from grouprl.config import ConfigError, TrainConfig
 from grouprl.core import importance_weights, overlong_penalty, policy_loss, zero_std_groups
@@ -46,6 +46,7 @@ from grouprl.policy import (MicroBatch, Reference, can_share_prompts, completion
                             load_tokenizer)
 from grouprl.rewards import RewardScores, sandbox_mechanism, score_completions
 from grouprl.rollout import Rollout, SamplingParams
+from grouprl.rollout.multiturn import Trajectories, trajectory_metrics
 from grouprl.variants import loss_token_weights, step_advantages
 
 logger = logging.getLogger(__name__)
@@ -54,14 +55,16 @@ logger = logging.getLogger(__name__)
 class Trainer:
     """GRPO and its family on a Hugging Face causal LM.
 
-    `Trainer(config).train()` is what `grouprl train` runs. In Python, datasets and reward
-    functions can also be passed directly: `Trainer(cfg, train_dataset=ds, reward_funcs=[f])`.
+    `Trainer(config).train()` is what `grouprl train` runs. In Python, datasets, reward functions
+    and tools can also be passed directly: `Trainer(cfg, train_dataset=ds, reward_funcs=[f], tools=[g])`.
     """
 
     def __init__(self, config: TrainConfig, *, train_dataset: Dataset | None = None,
-                 eval_dataset: Dataset | None = None, reward_funcs: list[Callable] | None = None):
-        in_memory = {"train_data": train_dataset, "eval_data": eval_dataset, "reward_funcs": reward_funcs}
-        placeholders = {k: ["<in memory>"] * len(v) if k == "reward_funcs" else "<in memory>"
+                 eval_dataset: Dataset | None = None, reward_funcs: list[Callable] | None = None,
+                 tools: list[Callable] | None = None):
+        in_memory = {"train_data": train_dataset, "eval_data": eval_dataset, "reward_funcs": reward_funcs,
+                     "tools": tools}
+        placeholders = {k: ["<in memory>"] * len(v) if k in ("reward_funcs", "tools") else "<in memory>"
                         for k, v in in_memory.items() if v is not None}
         cfg = replace(config, **placeholders).validate(skip_paths=tuple(placeholders))
         self.cfg = cfg = replace(cfg, **{k: getattr(config, k) for k in placeholders})
@@ -91,6 +94,7 @@ class Trainer:
             raise ConfigError(f"accuracy_reward={cfg.accuracy_reward!r} is not one of the reward "
                               f"functions {self.reward_names}")
         isolations = {getattr(f, "sandbox_isolation", "") for f in self.reward_funcs} - {""}
+        self.tools, self.environment = resolve_multiturn(cfg, tools)
         for sandbox in sorted({sandbox_mechanism(i).describe() for i in isolations}):
             if self.dist.is_main:  # once per run: which walls hold the programs the rewards execute
                 logger.info("sandbox for untrusted code: %s", sandbox)
@@ -113,8 +117,11 @@ class Trainer:
         # FSDP2 frees the gathered weights after each forward: the prompt pass's graph would lose them
         shared = cfg.share_prompt_forward and can_share_prompts(self.model) and not D.is_sharded(self.model)
         self.share_min_tokens = cfg.share_prompt_min_tokens if shared else None
-        self.formatter = PromptFormatter(self.tokenizer, max_prompt_length=cfg.max_prompt_length)
+        self.formatter = PromptFormatter(self.tokenizer, max_prompt_length=cfg.max_prompt_length,
+                                         tools=[t.schema for t in self.tools.values()])
         self.engine = make_engine(cfg, self.model, self.tokenizer, self.dist.rank, self.autocast)
+        self.rollouts = make_rollouts(cfg, self.model, self.tokenizer, self.formatter, self.tools,
+                                      self.environment)  # one engine call, or turns with tools / an environment
         self.weights_version = 0  # grows with every change of the policy's weights (engine sync)
         self.sampling = SamplingParams(cfg.max_completion_length, cfg.temperature, cfg.top_p, cfg.top_k,
                                        cfg.ignore_eos)
@@ -176,7 +183,7 @@ class Trainer:
         batch, sample_metrics, timings = self._sample()
         advantages, update = self.update_on(batch, timings)
         timings["time/step"] = time.perf_counter() - t_step
-        lengths = batch.rollout.lengths.float()
+        lengths = batch.rollout.action_lengths.float()  # the policy's own tokens
         metrics = {
             **batch.reward_metrics, **sample_metrics,
             "reward/mean": batch.rewards.mean().item(), "reward/std": batch.rewards.std().item()
@@ -203,7 +210,7 @@ class Trainer:
         cfg = self.cfg
         timings = {} if timings is None else timings
         advantages = step_advantages(cfg, batch)  # [N]
-        loss_mask = batch.rollout.completion_mask.clone()  # [N, T]
+        loss_mask = batch.rollout.action_mask.clone()  # [N, T] the policy's own tokens
         if cfg.mask_truncated_completions:
             loss_mask &= ~batch.rollout.truncated[:, None]
 
@@ -238,17 +245,19 @@ class Trainer:
         cfg, B, G = self.cfg, self.cfg.prompts_per_step, self.cfg.num_generations
         kept: list[StepBatch] = []
         n_kept = n_groups = n_zero = rounds = 0
-        timings = {"time/generate": 0.0, "time/reward": 0.0}
+        timings, counts = {"time/generate": 0.0, "time/reward": 0.0}, {}
         while True:
             rounds += 1
             t0 = time.perf_counter()
             indices = D.shard_prompts(self.dist, self.sampler.next(B))  # this rank's B/K prompts
             prompts = self.formatter.batch(self.train_ds, indices, cfg.prompt_column)
             with self._generation_weights():
-                rollout = self.engine.generate(prompts.prompt_ids, G, self.sampling, self.generator)
+                traj = self.rollouts.generate(self.engine, prompts.prompt_ids, G, self.sampling, self.generator,
+                                              prompts=prompts.prompts, columns=prompts.columns)
             timings["time/generate"] += time.perf_counter() - t0
+            counts = {k: counts.get(k, 0.0) + v for k, v in traj.counts.items()}
             t0 = time.perf_counter()
-            batch = self._gather(self._score(rollout, prompts.prompts, prompts.columns, G))  # global
+            batch = self._gather(self._score(traj, prompts.prompts, prompts.columns, G))  # global
             timings["time/reward"] += time.perf_counter() - t0
             flat = zero_std_groups(batch.rewards, G)  # [B]
             n_groups, n_zero = n_groups + len(flat), n_zero + int(flat.sum())
@@ -263,20 +272,24 @@ class Trainer:
         if n_kept == 0 and cfg.dynamic_sampling:  # nothing carries signal: train on the last round (A = 0)
             kept = [batch]
         metrics = {"zero_std_frac": n_zero / n_groups}
+        metrics.update(trajectory_metrics(D.all_reduce_sums(self.dist, counts)))  # multi-turn: tools, turns, stops
         if cfg.dynamic_sampling:
             metrics.update({"dynamic_sampling/rounds": rounds, "dynamic_sampling/kept_groups": n_kept})
         return StepBatch.cat(kept, self.tokenizer.pad_token_id), metrics, timings
 
-    def _score(self, rollout: Rollout, prompts: list[Any], columns: dict[str, list], G: int) -> StepBatch:
-        cfg = self.cfg
+    def _score(self, traj: Trajectories, prompts: list[Any], columns: dict[str, list], G: int) -> StepBatch:
+        """Rewards; reward functions see a multi-turn rollout's messages (and `env_reward`)."""
+        cfg, rollout = self.cfg, traj.rollout
         ids = [row[m].tolist() for row, m in zip(rollout.completion_ids, rollout.completion_mask)]
         texts = self.tokenizer.batch_decode(ids, skip_special_tokens=True)
         conversational = bool(prompts) and not isinstance(prompts[0], str)
         per_prompt = [p for p in prompts for _ in range(G)]
         cols = {k: [v for v in vals for _ in range(G)] for k, vals in columns.items()}
         cols.update(completion_ids=ids, completion_lengths=[len(x) for x in ids])
+        cols.update(traj.reward_columns())
+        completions = traj.messages or completion_objects(texts, conversational)
         scores: RewardScores = score_completions(
-            self.reward_funcs, cfg.reward_weights, per_prompt, completion_objects(texts, conversational),
+            self.reward_funcs, cfg.reward_weights, per_prompt, completions,
             cols, timeout_s=cfg.reward_timeout_s, fallback=cfg.reward_fallback)
         rewards = scores.total.float()  # [N]
         if cfg.overlong_shaping:
@@ -310,7 +323,7 @@ class Trainer:
         the whole batch."""
         cfg = self.cfg
         weights, stats = importance_weights(
-            D.all_reduce_tensor(self.dist, old_logp), rollout.sampling_logp, rollout.completion_mask,
+            D.all_reduce_tensor(self.dist, old_logp), rollout.sampling_logp, rollout.action_mask,
             cfg.vllm_importance_sampling_mode, cap=cfg.vllm_importance_sampling_cap,
             cap_min=cfg.vllm_importance_sampling_min)  # [N, T]
         return weights, {f"is/{k}": v for k, v in stats.items()}
@@ -366,7 +379,8 @@ class Trainer:
             for k, v in stats.items():
                 sums[k] = sums.get(k, 0.0) + v * n
             if entropy is not None:
-                sums["entropy"] = sums.get("entropy", 0.0) + weight * float(entropy[mb.completion_mask].sum())
+                acts = rollout.action_mask[rows, :T].to(entropy.device)  # [n, T']
+                sums["entropy"] = sums.get("entropy", 0.0) + weight * float(entropy[acts].sum())
         params = [p for p in self.model.parameters() if p.requires_grad]
         grad_norm = D.local_value(torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm or math.inf))
         self.optimizer.step()
@@ -374,7 +388,7 @@ class Trainer:
         self.scheduler.step()
         sums = D.all_reduce_sums(self.dist, sums)
         tokens, loss_total = sums.pop("tokens"), sums.pop("loss")
-        total_real = int(rollout.completion_mask.sum())
+        total_real = int(rollout.action_mask.sum())
         out = {k: v / max(tokens, 1) for k, v in sums.items() if k != "entropy"}
         if "entropy" in sums:
             out["entropy"] = sums["entropy"] / max(total_real, 1)
@@ -394,13 +408,14 @@ class Trainer:
         with self._generation_weights():
             for start in range(0, len(mine), batch_size):
                 prompts = self.formatter.batch(ds, mine[start:start + batch_size], self.cfg.prompt_column)
-                rollout = self.engine.generate(prompts.prompt_ids, 1, params)
-                part = self._score(rollout, prompts.prompts, prompts.columns, 1)
+                traj = self.rollouts.generate(self.engine, prompts.prompt_ids, 1, params, prompts=prompts.prompts,
+                                              columns=prompts.columns)
+                part = self._score(traj, prompts.prompts, prompts.columns, 1)
                 acc = part.per_func[acc_name]  # [n], NaN where the function abstained
                 sums["acc"] += float(acc.nansum())
                 sums["acc_n"] += float((~acc.isnan()).sum())
                 sums["reward"] += float(part.rewards.sum())
-                sums["length"] += float(part.rollout.lengths.sum())
+                sums["length"] += float(part.rollout.action_lengths.sum())
         sums = D.all_reduce_sums(self.dist, sums)
         return {"accuracy": sums["acc"] / sums["acc_n"] if sums["acc_n"] else math.nan,
                 "reward_mean": sums["reward"] / len(ds), "length_mean": sums["length"] / len(ds),

@@ -7,7 +7,11 @@ What this engine does that `model.generate` does not, and why:
   nothing (`generate` keeps computing every row until the longest one ends);
 - `ignore_eos` makes every completion exactly `max_new_tokens` long (benchmarks need both sides
   to compute the same tokens);
-- sampling draws from a caller-owned `torch.Generator`, so a resumed run samples the same tokens.
+- sampling draws from a caller-owned `torch.Generator`, so a resumed run samples the same tokens;
+- inside `keep_conversations()` (the multi-turn driver's rollouts), each row that ends with EOS
+  leaves its keys/values behind, and a later call whose prompt extends that row's tokens (the
+  conversation so far) copies them in and prefills only the new tokens (FastDecoder models; the
+  generic path prefills the whole prompt).
 """
 
 from __future__ import annotations
@@ -53,6 +57,18 @@ class HFEngine:
     fast: bool = True  # use FastDecoder for the models it supports (Llama, Qwen2)
     decode_threads: int | None = None  # torch threads while decoding; None: 1 for small models on CPU
     decodes_with_policy = True  # the engine runs the training model itself (class attribute)
+    _kept: dict | None = field(default=None, init=False, repr=False)  # token tuple -> (k, v), see keep_conversations
+
+    @contextlib.contextmanager
+    def keep_conversations(self):
+        """Within this block, rows that end with EOS keep their KV cache, and a later `generate`
+        (num_generations=1) whose prompt extends one of them continues from it. The weights must
+        not change inside the block (the kept keys/values are theirs)."""
+        self._kept = {}
+        try:
+            yield self
+        finally:
+            self._kept = None
 
     def sync_weights(self, model: torch.nn.Module, version: int) -> None:
         """The engine decodes with the training model itself: nothing to copy."""
@@ -65,7 +81,9 @@ class HFEngine:
                  generator: torch.Generator | None = None) -> Rollout:
         """G completions for each of B prompts; rows g*G .. g*G+G-1 belong to prompt g."""
         per_call = max(1, (self.max_batch_size or len(prompt_ids) * num_generations) // num_generations)
-        parts = [self._generate(prompt_ids[i:i + per_call], num_generations, params, generator)
+        kept = self._kept  # the previous call's rows (keep_conversations); this call's rows replace them
+        self._kept = {} if kept is not None else None
+        parts = [self._generate(prompt_ids[i:i + per_call], num_generations, params, generator, kept)
                  for i in range(0, len(prompt_ids), per_call)]
         return Rollout.cat(parts, self.pad_token_id)
 
@@ -84,7 +102,7 @@ class HFEngine:
         return _HFDecoder(self.model, self.autocast_dtype, device)
 
     def _generate(self, prompt_ids: list[list[int]], G: int, params: SamplingParams,
-                  generator: torch.Generator | None) -> Rollout:
+                  generator: torch.Generator | None, kept: dict | None = None) -> Rollout:
         model, T = self.model, params.max_new_tokens
         was_training = model.training
         model.eval()
@@ -94,7 +112,12 @@ class HFEngine:
         eos = torch.tensor(self.eos_token_ids, device=device)
         with torch.no_grad(), _num_threads(self._decode_threads(device)):
             decoder = self._decoder(device)
-            logits = decoder.start(ids, mask, G, T)  # [N, V]
+            keeps = kept is not None and isinstance(decoder, FastDecoder) and not params.ignore_eos
+            prefix = _prefixes(kept, prompt_ids) if keeps and G == 1 else None
+            if prefix is not None and any(x is not None for x in prefix):
+                logits = decoder.start_from(ids, mask, T, prefix)  # [N, V]
+            else:
+                logits = decoder.start(ids, mask, G, T)  # [N, V]
             N = logits.shape[0]
             completion = torch.full((N, T), self.pad_token_id, dtype=torch.long, device=device)
             lengths = torch.full((N,), T, dtype=torch.long, device=device)
@@ -107,6 +130,8 @@ class HFEngine:
                     break
                 if not params.ignore_eos:
                     done = torch.isin(tok, eos)  # [n]
+                    if done.any() and keeps:  # a conversation may go on from these rows' caches
+                        self._keep_rows(decoder, prompt_ids, G, completion, active, done.nonzero().squeeze(-1), t)
                     if done.any():
                         lengths[active[done]] = t + 1
                         truncated[active[done]] = False
@@ -129,6 +154,26 @@ class HFEngine:
             completion_mask=cmask.cpu(),
             truncated=truncated.cpu(),
         )
+
+    def _keep_rows(self, decoder: FastDecoder, prompt_ids: list[list[int]], G: int, completion: torch.Tensor,
+                   active: torch.Tensor, rows: torch.Tensor, t: int) -> None:
+        """Keep the caches of `rows` (of the active batch), which just sampled EOS at step t: the
+        keys/values of their prompt and first t tokens (the EOS was never fed), under the tokens of
+        prompt + completion up to that EOS, with which the next turn's prompt starts."""
+        for r, kv in zip(rows.tolist(), decoder.snapshot(rows)):
+            n = int(active[r])
+            key = tuple(prompt_ids[n // G] + completion[n, : t + 1].tolist())
+            self._kept[key] = kv
+
+
+def _prefixes(kept: dict, prompt_ids: list[list[int]]) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
+    """For each prompt, the kept cache of the longest kept sequence it strictly extends, or None."""
+    by_length = sorted(kept, key=len, reverse=True)
+    out = []
+    for p in prompt_ids:
+        match = next((k for k in by_length if len(k) < len(p) and tuple(p[: len(k)]) == k), None)
+        out.append(None if match is None else kept[match])
+    return out
 
 
 SMALL_MODEL_PARAMS = 5_000_000  # decode on a single CPU thread up to this many parameters

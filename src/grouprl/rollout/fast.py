@@ -195,6 +195,65 @@ class FastDecoder:
         x = self._layers(F.embedding(ids, self.embed), cos, sin, write, attend)  # [B, P, d]
         return self._logits(x[:, -1]).float().repeat_interleave(G, dim=0)  # [N, V]
 
+    def start_from(self, ids: torch.Tensor, mask: torch.Tensor, max_new_tokens: int,
+                   prefix: list[tuple[torch.Tensor, torch.Tensor] | None]) -> torch.Tensor:
+        """`start` with G = 1 for rows whose first c_b real tokens were computed before: `prefix[b]`
+        is None or (k, v) [layers, Hkv, c_b, D] of those tokens (`snapshot`), c_b < the row's real
+        length. Their keys/values are copied in and only the columns from the earliest uncomputed
+        one on are run (a row's cached tokens inside that window are recomputed, the same values).
+        Returns the next-token logits [B, V], as `start` does."""
+        B, P = ids.shape
+        device = ids.device
+        self.P, self.cap = P, P + max_new_tokens
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)  # [B, P]
+        with torch.autocast(device.type, enabled=False):
+            cos, sin = self.rotary(self.embed[:1], torch.arange(self.cap, device=device)[None])  # [1, cap, D]
+        self.cos, self.sin = cos[0].to(self.wdtype), sin[0].to(self.wdtype)  # [cap, D]
+        self.k = [torch.zeros(B, self.Hkv, self.cap, self.D, dtype=self.dtype, device=device) for _ in self.layers]
+        self.v = [torch.zeros_like(t) for t in self.k]
+        self.valid = torch.zeros(B, self.cap, dtype=torch.bool, device=device)
+        self.valid[:, :P] = mask.bool()
+        self.next_pos = pos[:, -1] + 1  # [B]
+        self.n, self.t = B, 0
+        first = P - mask.sum(-1)  # [B] column of each row's first real token
+        done = first.clone()  # [B] columns before this one hold cached keys/values
+        for b, cached in enumerate(prefix):
+            if cached is None:
+                continue
+            k, v = cached
+            c = k.shape[2]
+            for l in range(len(self.layers)):
+                self.k[l][b, :, first[b]: first[b] + c] = k[l].to(self.dtype)
+                self.v[l][b, :, first[b]: first[b] + c] = v[l].to(self.dtype)
+            done[b] += c
+        w0 = int(done.min())  # the window [w0, P) is computed for every row
+        allowed = torch.tril(torch.ones(P, P, dtype=torch.bool, device=device))[None] & mask.bool()[:, None, :]
+        allowed |= torch.eye(P, dtype=torch.bool, device=device)[None]
+        allowed = allowed[:, None, w0:]  # [B, 1, P-w0, P]
+        cos, sin = self.cos[pos[:, w0:]][:, None], self.sin[pos[:, w0:]][:, None]  # [B, 1, P-w0, D]
+
+        def write(l, k, v):
+            self.k[l][:, :, w0:P] = k
+            self.v[l][:, :, w0:P] = v
+
+        def attend(l, q):
+            return F.scaled_dot_product_attention(q, self.k[l][:, :, :P], self.v[l][:, :, :P], attn_mask=allowed,
+                                                  scale=self.scale, enable_gqa=self.Hkv != self.H)
+
+        x = self._layers(F.embedding(ids[:, w0:], self.embed), cos, sin, write, attend)  # [B, P-w0, d]
+        return self._logits(x[:, -1]).float()  # [B, V]
+
+    def snapshot(self, rows: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The keys/values of every real token fed so far, per row of the current batch: (k, v)
+        [layers, Hkv, c, D] each, copied (compaction overwrites the cache)."""
+        c = self.P + self.t
+        out = []
+        for r in rows.tolist():
+            cols = self.valid[r, :c]
+            out.append((torch.stack([k[r][:, :c][:, cols] for k in self.k]),
+                        torch.stack([v[r][:, :c][:, cols] for v in self.v])))
+        return out
+
     def keep(self, rows: torch.Tensor) -> None:
         """Keep only `rows` (indices into the current batch) in the cache, in that order."""
         c = self.P + self.t

@@ -29,21 +29,42 @@ class Rollout:
     the log-prob of each completion token under the distribution it actually drew from (temperature
     applied, renormalised over the top-k/top-p set), 0 on padding. The trainer uses it to correct
     the sampler/trainer mismatch. HFEngine samples from the trainer's own model and returns None.
+
+    `action_mask` says which completion tokens the policy sampled (its actions) and which the
+    trainer inserted as context (tool results, chat-template glue between turns, see
+    rollout/multiturn.py). The loss, KL, entropy, importance correction and completion-length
+    metrics read it; the log-prob pass conditions on every real token (`completion_mask`). Left
+    None, it is `completion_mask` (a single-turn rollout: every real token is an action).
+    `sampling_logp` is 0 on context tokens.
     """
 
     prompt_ids: torch.Tensor       # [N, P] long
     prompt_mask: torch.Tensor      # [N, P] long (1 = real token)
     completion_ids: torch.Tensor   # [N, T] long
     completion_mask: torch.Tensor  # [N, T] bool, True on real completion tokens (EOS included)
-    truncated: torch.Tensor        # [N] bool, True when no EOS came within max_new_tokens
+    truncated: torch.Tensor        # [N] bool, True when no EOS came within max_new_tokens (multi-turn: a limit stopped it)
     sampling_logp: torch.Tensor | None = None  # [N, T] float32, sampler's log-prob, 0 on padding
+    action_mask: torch.Tensor | None = None  # [N, T] bool, True on tokens the policy sampled
+
+    def __post_init__(self) -> None:
+        if self.action_mask is None:
+            self.action_mask = self.completion_mask.clone()  # [N, T]
+        elif (self.action_mask & ~self.completion_mask).any():
+            raise ValueError("Rollout.action_mask marks padding as an action: every action is a real "
+                             "completion token (action_mask <= completion_mask)")
 
     def __len__(self) -> int:
         return self.completion_ids.shape[0]
 
     @property
     def lengths(self) -> torch.Tensor:
+        """Real completion tokens per row [N]: the policy's and, in a multi-turn rollout, the context."""
         return self.completion_mask.sum(-1)  # [N]
+
+    @property
+    def action_lengths(self) -> torch.Tensor:
+        """Tokens the policy sampled per row [N] (what completion-length metrics report)."""
+        return self.action_mask.sum(-1)  # [N]
 
     def prompt_groups(self) -> torch.Tensor:
         """[N] long: rows with the same prompt (ids and padding) get the same id."""
@@ -53,7 +74,8 @@ class Rollout:
         rows = torch.as_tensor(rows, dtype=torch.long)
         return Rollout(self.prompt_ids[rows], self.prompt_mask[rows], self.completion_ids[rows],
                        self.completion_mask[rows], self.truncated[rows],
-                       None if self.sampling_logp is None else self.sampling_logp[rows])
+                       None if self.sampling_logp is None else self.sampling_logp[rows],
+                       self.action_mask[rows])
 
     @staticmethod
     def cat(parts: list[Rollout], pad_token_id: int) -> Rollout:
@@ -80,6 +102,7 @@ class Rollout:
             torch.cat([pad(r.completion_mask, T, False, False) for r in parts]),
             torch.cat([r.truncated for r in parts]),
             torch.cat([pad(r.sampling_logp, T, 0.0, False) for r in parts]) if all(has_logp) else None,
+            torch.cat([pad(r.action_mask, T, False, False) for r in parts]),
         )
 
 

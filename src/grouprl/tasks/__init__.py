@@ -12,13 +12,16 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from grouprl.tasks import arithmetic
+from grouprl.tasks import arithmetic, products
 
 DEFAULT_POLICY_DIR = Path(__file__).resolve().parent / "default_policy"
+TOOL_POLICY_DIR = Path(__file__).resolve().parent / "tool_policy"
 
 BUILTIN_DATASETS = {
     "arithmetic/train": arithmetic.train_rows,
     "arithmetic/eval": arithmetic.eval_rows,
+    "products/train": products.train_rows,
+    "products/eval": products.eval_rows,
 }
 
 DEFAULT_TASK: dict[str, Any] = dict(
@@ -44,6 +47,31 @@ DEFAULT_TASK: dict[str, Any] = dict(
     micro_batch_size=128,  # the whole step (16 x 8 short completions) in one forward/backward
     # One thread: a 0.5 M-parameter model gains little from a second one, and when another
     # process shares the 2 cores, two threads made a warm-up step 10x slower (4.4 s vs 0.44 s).
+    num_threads=1,
+)
+
+
+# The embedded tool-use task (tasks/products.py): products the policy cannot compute, a calculator
+# tool it can call. Measured figures: README, "Tools and multi-turn rollouts".
+TOOL_TASK: dict[str, Any] = dict(
+    model=str(TOOL_POLICY_DIR),
+    train_data="builtin:products/train",
+    eval_data="builtin:products/eval",
+    tools=["grouprl.tasks.products:mul"],
+    reward_funcs=["grouprl.tasks.products:product_accuracy", "grouprl.tasks.products:correct_tool_use"],
+    reward_weights=[1.0, 0.0],  # correct_tool_use is logged (rewards/correct_tool_use/mean), not rewarded
+    max_turns=2,
+    max_tool_calls=1,
+    tool_timeout_s=5.0,
+    num_generations=8,
+    prompts_per_step=16,
+    max_completion_length=80,  # the call (~52 tokens), the result (~7) and the answer (~6)
+    learning_rate=3e-4,
+    temperature=1.0,
+    max_steps=30,
+    beta=0.0,
+    eval_steps=10,
+    micro_batch_size=64,
     num_threads=1,
 )
 

@@ -13,7 +13,7 @@ from .execute import STATUSES, ToolBatch, ToolResult, execute_calls
 from .parsing import FORMATS, ParsedTurn, ParseError, ToolCallParser, detect_format, get_tool_parser
 from .python import python_tool
 from .registry import BUILTIN_TOOLS, resolve_tool, resolve_tools
-from .render import render_tool_messages
+from .render import render_after_turn, render_tool_messages
 
 __all__ = [
     "BUILTIN_TOOLS",
@@ -31,6 +31,7 @@ __all__ = [
     "execute_calls",
     "get_tool_parser",
     "python_tool",
+    "render_after_turn",
     "render_tool_messages",
     "resolve_tool",
     "resolve_tools",

@@ -25,17 +25,27 @@ def render_tool_messages(tokenizer: Any, results: Sequence[ToolResult],
     the next assistant header. ValueError when the template cannot be continued this way."""
     if not results:
         raise ValueError("no tool results to render: a turn without calls is not followed by tool messages")
-    schemas = [t.schema for t in tools.values()] if tools else None
     calls = [ToolCall(r.name or "unknown", {}).as_message_part() for r in results]
+    return render_after_turn(tokenizer, [r.message for r in results], tools, calls)
+
+
+def render_after_turn(tokenizer: Any, messages: Sequence[dict], tools: dict[str, Tool] | None = None,
+                      calls: Sequence[dict] | None = None) -> list[int]:
+    """Token ids to append after the policy's end-of-turn token: `messages` (tool results, or an
+    environment's observations as user messages), then the next assistant header. `calls`: the
+    `tool_calls` of the stand-in assistant turn (a template may check that tool messages follow calls)."""
+    if not messages:
+        raise ValueError("no messages to render after the assistant turn")
+    schemas = [t.schema for t in tools.values()] if tools else None
     user = [{"role": "user", "content": "."}]
-    turn = user + [{"role": "assistant", "content": "", "tool_calls": calls}]
+    turn = user + [{"role": "assistant", "content": ""} | ({"tool_calls": list(calls)} if calls else {})]
 
     def render(messages: list[dict], generation_prompt: bool = False) -> str:
         return tokenizer.apply_chat_template(messages, tools=schemas, tokenize=False,
                                              add_generation_prompt=generation_prompt)
 
     before, base = render(user), render(turn)
-    full = render(turn + [r.message for r in results], generation_prompt=True)
+    full = render(turn + list(messages), generation_prompt=True)
     if not base.startswith(before) or not full.startswith(base):
         raise ValueError("this chat template renders earlier turns differently once tool messages follow, so tool "
                          "results cannot be appended as tokens; use a template that renders a conversation "

@@ -1,0 +1,339 @@
+"""The multi-turn driver: tool calls and environment steps between generation calls, above any engine.
+
+Each of the N = B*G rows is one trajectory. A turn is one `engine.generate` call over the rows still
+going; between turns the driver reads each row's assistant turn and appends what answers it:
+
+    turn 1   engine.generate(prompts, G)               assistant tokens up to the end-of-turn (EOS) token
+             tools: parse the calls (the model's template format), run them (rows concurrently),
+                    render the tool messages with the chat template -> token ids
+             environment: env.step(assistant message) -> observation messages, done
+             -> appended as context tokens (action_mask False)
+    turn k   engine.generate(prompt + completion so far, 1)   for the rows still going
+
+The completion of a row is every turn's tokens and every inserted message's tokens, in order; the
+`Rollout`'s `action_mask` is True only on tokens the policy sampled, so the loss, KL and entropy see
+the policy's actions while the log-prob pass conditions on the whole conversation.
+
+How a row stops (`Trajectories.stop_reasons`, and `Rollout.truncated`):
+
+    answer          the turn ended with EOS and called no tool                          truncated False
+    env_done        the environment said done                                           truncated False
+    max_length      the budget of max_completion_length tokens (actions and context
+                    together) ran out inside a turn, or the next messages would leave
+                    no room for another turn                                            truncated True
+    max_turns       the max_turns-th assistant turn still called a tool                  truncated True
+    max_tool_calls  the turn's calls would take the trajectory past max_tool_calls
+                    (they are not run)                                                  truncated True
+
+Continuation: a later turn passes the whole conversation as the prompt. The driver opens the
+engine's `keep_conversations()` when it has one: the built-in engine then continues each row from
+the KV cache it kept when the row's previous turn ended (only the new tokens are prefilled); vLLM
+reuses the cached prefix (VLLMEngine runs with enable_prefix_caching); any other engine prefills.
+Rows finish at different turns; the next call holds only the rows still going.
+
+Environments (docs/tools.md): a class named by import path, one instance per trajectory, with
+`reset(**row) -> first observation` (None, a string: a user message, or a list of messages appended
+to the prompt) and `step(assistant_message) -> (observation, done)` or `(observation, done, reward)`;
+a reward is summed per trajectory and reaches reward functions as the column `env_reward`.
+Instances of a batch run concurrently (threads; `async def` methods are awaited).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Protocol
+
+import torch
+
+from grouprl.rollout.types import GenerationEngine, Rollout, SamplingParams, left_pad_prompts
+from grouprl.tools import (ParsedTurn, Tool, ToolCallParser, execute_calls, render_after_turn,
+                           render_tool_messages)
+
+STOP_REASONS = ("answer", "env_done", "max_length", "max_turns", "max_tool_calls")
+TRUNCATING = ("max_length", "max_turns", "max_tool_calls")
+
+
+class Environment(Protocol):
+    """A stateful task the policy acts in, turn by turn (one instance per trajectory)."""
+
+    def reset(self, **row: Any) -> str | list[dict] | None: ...
+
+    def step(self, message: dict) -> tuple[str | list[dict], bool] | tuple[str | list[dict], bool, float]: ...
+
+
+@dataclass(frozen=True)
+class TurnLimits:
+    max_completion_length: int  # tokens per trajectory, the policy's and the inserted context together
+    max_turns: int = 8  # assistant turns per trajectory
+    max_tool_calls: int = 8  # tool calls per trajectory
+
+    def __post_init__(self) -> None:
+        for name in ("max_completion_length", "max_turns", "max_tool_calls"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)}: a multi-turn rollout needs at least 1")
+
+
+@dataclass
+class Trajectories:
+    """What `MultiTurnDriver.generate` returns: the tokens and, per row, the conversation."""
+
+    rollout: Rollout
+    messages: list[list[dict]] | None  # [N] the assistant, tool and observation messages, in order
+    stop_reasons: list[str] | None     # [N] one of STOP_REASONS
+    env_rewards: list[float] | None    # [N] summed environment rewards, None without an environment
+    counts: dict[str, float] = field(default_factory=dict)  # sums behind `trajectory_metrics`
+
+    def reward_columns(self) -> dict[str, list]:
+        """Extra columns for reward functions: `env_reward` when an environment gave rewards."""
+        return {} if self.env_rewards is None else {"env_reward": list(self.env_rewards)}
+
+
+class SingleTurn:
+    """The plain rollout behind the same call as `MultiTurnDriver.generate`: one engine call, no
+    messages (the trainer decodes the completions). The engine is an argument of each call: the
+    trainer owns it (weight syncs, closing) and may swap it."""
+
+    def generate(self, engine: GenerationEngine, prompt_ids: list[list[int]], num_generations: int,
+                 params: SamplingParams, generator: torch.Generator | None = None, **rows: Any) -> Trajectories:
+        return Trajectories(engine.generate(prompt_ids, num_generations, params, generator), None, None, None)
+
+
+def trajectory_metrics(counts: dict[str, float]) -> dict[str, float]:
+    """Metrics from `Trajectories.counts` (summed over rounds and ranks): per-trajectory means of tool
+    calls, tool errors (raised or timed out), parse failures and turns; the fraction of trajectories
+    that stopped for each reason; seconds spent in tools and environments. Empty for a single-turn
+    rollout (no counts)."""
+    if not counts:
+        return {}
+    n = max(counts.get("trajectories", 0.0), 1.0)
+    out = {f"multiturn/{k}_per_trajectory": counts.get(k, 0.0) / n
+           for k in ("tool_calls", "tool_errors", "tool_timeouts", "parse_failures", "turns")}
+    out.update({f"multiturn/stop_{r}_frac": counts.get(f"stop_{r}", 0.0) / n for r in STOP_REASONS})
+    out["time/tools"] = counts.get("tool_seconds", 0.0)
+    out["time/environment"] = counts.get("env_seconds", 0.0)
+    return out
+
+
+@dataclass
+class _Row:
+    """One trajectory while it is generated."""
+
+    prompt: list[int]
+    ids: list[int] = field(default_factory=list)  # the completion so far
+    act: list[bool] = field(default_factory=list)  # per token: the policy sampled it
+    logp: list[float] = field(default_factory=list)  # per token: the sampler's log-prob (0 on context)
+    messages: list[dict] = field(default_factory=list)
+    stop: str | None = None  # one of STOP_REASONS once it stopped
+    turns: int = 0
+    calls: int = 0  # calls attempted, malformed ones included (what max_tool_calls counts)
+    env: Any = None
+    env_reward: float = 0.0
+
+    def add(self, tokens: list[int], *, action: bool, logp: list[float] | None = None) -> None:
+        self.ids += tokens
+        self.act += [action] * len(tokens)
+        self.logp += logp if logp is not None else [0.0] * len(tokens)
+
+
+class MultiTurnDriver:
+    """Multi-turn rollouts over any `GenerationEngine` (module docstring). `tools` with a `parser`,
+    or an `environment` factory (called once per trajectory, no arguments); not both."""
+
+    def __init__(self, tokenizer: Any, limits: TurnLimits, *,
+                 tools: dict[str, Tool] | None = None, parser: ToolCallParser | None = None,
+                 environment: Callable[[], Environment] | None = None, encode: Callable[[Any], list[int]] | None = None,
+                 eos_token_ids: tuple[int, ...] = (), tool_timeout_s: float = 30.0, max_concurrency: int = 16):
+        if bool(tools) == (environment is not None):
+            raise ValueError("a multi-turn rollout needs tools or an environment (one of them: an environment "
+                             "answers every assistant turn itself, so it runs any tools it offers)")
+        if tools and parser is None:
+            raise ValueError("tools need a parser (grouprl.tools.get_tool_parser) to read the model's calls")
+        if environment is not None and encode is None:
+            raise ValueError("an environment needs `encode` (prompt messages -> ids) for its first observation")
+        self.tokenizer, self.limits = tokenizer, limits
+        self.tools, self.parser, self.environment, self.encode = tools or {}, parser, environment, encode
+        self.eos = set(eos_token_ids) or {tokenizer.eos_token_id}
+        self.tool_timeout_s, self.max_concurrency = tool_timeout_s, max_concurrency
+
+    def generate(self, engine: GenerationEngine, prompt_ids: list[list[int]], num_generations: int,
+                 params: SamplingParams, generator: torch.Generator | None = None, *,
+                 prompts: list[Any] | None = None, columns: dict[str, list] | None = None) -> Trajectories:
+        """G trajectories for each of B prompts (rows g*G .. g*G+G-1 share prompt g), each turn one
+        `engine.generate` call. `prompts` and `columns` (the dataset rows, B each) are what an
+        environment's `reset` receives."""
+        G, T = num_generations, self.limits.max_completion_length
+        if params.ignore_eos:
+            raise ValueError("ignore_eos=True: a multi-turn rollout ends a turn at EOS; switch it off")
+        rows = [_Row(list(p)) for p in prompt_ids for _ in range(G)]
+        counts = dict.fromkeys(("tool_calls", "tool_errors", "tool_timeouts", "parse_failures", "tool_seconds",
+                                "env_seconds"), 0.0)
+        if self.environment is not None:
+            t0 = time.perf_counter()
+            self._reset(rows, prompts, columns or {}, G)
+            counts["env_seconds"] += time.perf_counter() - t0
+        keep = getattr(engine, "keep_conversations", None)  # the built-in engine continues from its KV cache
+        active, first, has_logp = rows, True, None
+        with keep() if keep is not None else contextlib.nullcontext():
+            while active:
+                room = [T - len(r.ids) for r in active]
+                p = replace(params, max_new_tokens=max(room))
+                if first and self.environment is None:  # each prompt prefilled once, its cache shared by its G rows
+                    ro = engine.generate(prompt_ids, G, p, generator)
+                else:
+                    ro = engine.generate([r.prompt + r.ids for r in active], 1, p, generator)
+                first, has_logp = False, (ro.sampling_logp is not None) if has_logp is None else has_logp
+                ended = [(r, turn) for j, r in enumerate(active)
+                         if (turn := self._read_turn(r, ro, j, room[j], has_logp)) is not None]
+                answers = self._answer_tools(ended, counts) if self.environment is None \
+                    else self._step_envs(ended, counts)
+                for r, (context, messages) in answers:
+                    if len(r.ids) + len(context) >= T:  # no room left for another turn after these messages
+                        r.stop = "max_length"
+                        continue
+                    r.add(context, action=False)
+                    r.messages += messages
+                active = [r for r in active if r.stop is None]
+        counts.update(trajectories=len(rows), turns=sum(r.turns for r in rows),
+                      **{f"stop_{s}": sum(r.stop == s for r in rows) for s in STOP_REASONS})
+        env_rewards = [r.env_reward for r in rows] if self.environment is not None else None
+        return Trajectories(self._rollout(rows, has_logp), [r.messages for r in rows], [r.stop for r in rows],
+                            env_rewards, counts)
+
+    def _read_turn(self, row: _Row, ro: Rollout, j: int, room: int, has_logp: bool) -> ParsedTurn | None:
+        """Append row j of this turn's rollout to `row` (cut to its room); the parsed turn when it
+        ended with EOS, else None (the row stops: max_length)."""
+        new = ro.completion_ids[j][ro.completion_mask[j]].tolist()[:room]
+        row.add(new, action=True, logp=ro.sampling_logp[j][: len(new)].tolist() if has_logp else None)
+        row.turns += 1
+        if not new or new[-1] not in self.eos:  # cut by the budget before its end of turn
+            row.messages.append({"role": "assistant", "content": self.tokenizer.decode(new, skip_special_tokens=True)})
+            row.stop = "max_length"
+            return None
+        text = self.tokenizer.decode(new[:-1], skip_special_tokens=False)
+        turn = self.parser.parse(text) if self.parser is not None else ParsedTurn(text)
+        row.messages.append(turn.as_message())
+        return turn
+
+    # ------------------------------------------------------------------ between turns
+    def _answer_tools(self, ended: list[tuple[_Row, ParsedTurn]], counts: dict[str, float]
+                      ) -> list[tuple[_Row, tuple[list[int], list[dict]]]]:
+        """Run the calls of the turns that made some; the rendered tool messages per row."""
+        run: list[tuple[_Row, ParsedTurn]] = []
+        for row, turn in ended:
+            if not turn.calls:
+                row.stop = "answer"
+            elif row.turns >= self.limits.max_turns:
+                row.stop = "max_turns"
+            elif row.calls + len(turn.calls) > self.limits.max_tool_calls:
+                row.stop = "max_tool_calls"
+            else:
+                run.append((row, turn))
+                row.calls += len(turn.calls)
+        if not run:
+            return []
+        batch = execute_calls([turn.calls for _, turn in run], self.tools, timeout_s=self.tool_timeout_s,
+                              max_concurrency=self.max_concurrency)
+        counts["tool_calls"] += batch.num_calls  # calls made (a ParseError is none, but counts to the limit)
+        counts["tool_errors"] += batch.count("error") + batch.count("timeout")
+        counts["tool_timeouts"] += batch.count("timeout")
+        counts["parse_failures"] += batch.count("parse_error")
+        counts["tool_seconds"] += batch.wall_s
+        return [(row, (render_tool_messages(self.tokenizer, results, self.tools), [r.message for r in results]))
+                for (row, _), results in zip(run, batch.results)]
+
+    def _step_envs(self, ended: list[tuple[_Row, ParsedTurn]], counts: dict[str, float]
+                   ) -> list[tuple[_Row, tuple[list[int], list[dict]]]]:
+        """Each ended turn's environment step (concurrently); the rendered observations per row."""
+        if not ended:
+            return []
+        t0 = time.perf_counter()
+        outs = _concurrently([(row.env.step, (row.messages[-1],)) for row, _ in ended])
+        counts["env_seconds"] += time.perf_counter() - t0
+        answers = []
+        for (row, _), out in zip(ended, outs):
+            name = type(row.env).__name__
+            if not (isinstance(out, tuple) and len(out) in (2, 3)):
+                raise TypeError(f"{name}.step returned {out!r}: return (observation, done) or "
+                                "(observation, done, reward)")
+            observation, done = out[0], bool(out[1])
+            if len(out) == 3 and out[2] is not None:
+                row.env_reward += float(out[2])
+            if done:
+                row.stop = "env_done"
+                continue
+            if row.turns >= self.limits.max_turns:
+                row.stop = "max_turns"
+                continue
+            obs = _as_messages(observation, f"{name}.step")
+            if not obs:
+                raise ValueError(f"{name}.step returned no observation and done=False: "
+                                 "the policy needs something to answer, or return done=True")
+            answers.append((row, (render_after_turn(self.tokenizer, obs, self.tools or None), obs)))
+        return answers
+
+    def _reset(self, rows: list[_Row], prompts: list[Any] | None, columns: dict[str, list], G: int) -> None:
+        """One environment per row; each first observation appended to its row's prompt messages (re-encoded)."""
+        if prompts is None:
+            raise ValueError("an environment's reset receives the dataset row: pass prompts= (and columns=)")
+        data = [{"prompt": prompts[b], **{k: v[b] for k, v in columns.items()}} for b in range(len(prompts))
+                for _ in range(G)]
+        for row in rows:
+            row.env = self.environment()
+        outs = _concurrently([(row.env.reset, (), d) for row, d in zip(rows, data)])
+        for row, obs, d in zip(rows, outs, data):
+            if obs is None:
+                continue
+            if not isinstance(d["prompt"], list):
+                raise ValueError(f"{type(row.env).__name__}.reset returned an observation but the prompt is a "
+                                 "string: give the dataset's prompts as chat messages, or return None")
+            row.prompt = self.encode(d["prompt"] + _as_messages(obs, f"{type(row.env).__name__}.reset"))
+
+    def _rollout(self, rows: list[_Row], has_logp: bool) -> Rollout:
+        pad = self.tokenizer.pad_token_id
+        pids, pmask = left_pad_prompts([r.prompt for r in rows], pad)  # [N, P]
+        N, T = len(rows), max(1, max(len(r.ids) for r in rows))
+        cids = torch.full((N, T), pad, dtype=torch.long)  # [N, T]
+        cmask = torch.zeros((N, T), dtype=torch.bool)
+        amask = torch.zeros((N, T), dtype=torch.bool)
+        slogp = torch.zeros((N, T), dtype=torch.float32) if has_logp else None
+        for i, r in enumerate(rows):
+            n = len(r.ids)
+            cids[i, :n] = torch.tensor(r.ids, dtype=torch.long)
+            cmask[i, :n] = True
+            amask[i, :n] = torch.tensor(r.act, dtype=torch.bool)
+            if slogp is not None:
+                slogp[i, :n] = torch.tensor(r.logp, dtype=torch.float32)
+        truncated = torch.tensor([r.stop in TRUNCATING for r in rows], dtype=torch.bool)  # [N]
+        return Rollout(pids, pmask, cids, cmask, truncated, slogp, amask)
+
+
+def _as_messages(observation: Any, where: str) -> list[dict]:
+    """An observation as chat messages: a string is one user message."""
+    if observation is None:
+        return []
+    if isinstance(observation, str):
+        return [{"role": "user", "content": observation}]
+    if isinstance(observation, dict):
+        observation = [observation]
+    if not (isinstance(observation, list) and all(isinstance(m, dict) and "role" in m for m in observation)):
+        raise TypeError(f"{where} returned {observation!r}: an observation is a string or a list of "
+                        "{'role': ..., 'content': ...} messages")
+    return list(observation)
+
+
+def _call(fn: Callable, args: tuple, kwargs: dict) -> Any:
+    out = fn(*args, **kwargs)
+    return asyncio.run(out) if inspect.isawaitable(out) else out
+
+
+def _concurrently(jobs: list[tuple]) -> list[Any]:
+    """Run (fn, args[, kwargs]) jobs in threads, results in order; an exception propagates (a bug in
+    an environment is the user's to see, unlike a tool's failure, which the model is shown)."""
+    with ThreadPoolExecutor(max(1, min(16, len(jobs))), thread_name_prefix="grouprl-env") as pool:
+        futures = [pool.submit(_call, job[0], job[1], job[2] if len(job) > 2 else {}) for job in jobs]
+        return [f.result() for f in futures]

@@ -1,0 +1,265 @@
+"""The multi-turn driver over a scripted engine: token layout against the chat template, the action
+mask, every stop reason, rows finishing at different turns, environments, hostile python calls.
+
+The scripted engine answers each prompt (the conversation so far, decoded) with the text its script
+chooses, so each test knows exactly what the policy "said"; the driver itself is the real one.
+"""
+
+import os
+import re
+
+import pytest
+import torch
+
+from grouprl.rollout import Rollout, SamplingParams
+from grouprl.rollout.types import left_pad_prompts
+from grouprl.rollout.multiturn import MultiTurnDriver, TurnLimits
+from grouprl.tools import get_tool_parser, python_tool, resolve_tools
+from tests.tools.conftest import add, build_qwen_tokenizer
+
+CALL = '<tool_call>\n{{"name": "add", "arguments": {{"a": {a}, "b": {b}}}}}\n</tool_call>'
+
+
+class ScriptedEngine:
+    """generate() answers each row with `script(conversation_text)` + EOS, cut to max_new_tokens."""
+
+    decodes_with_policy = True
+
+    def sync_weights(self, model, version):
+        """Scripted: no weights."""
+
+    def close(self):
+        """Nothing held."""
+
+    def __init__(self, tokenizer, script):
+        self.tok, self.script, self.calls = tokenizer, script, []
+
+    def generate(self, prompt_ids, num_generations, params, generator=None):
+        self.calls.append(len(prompt_ids) * num_generations)
+        rows = []
+        for p in prompt_ids:
+            text = self.tok.decode(p, skip_special_tokens=False)
+            for g in range(num_generations):
+                out = self.tok(self.script(text), add_special_tokens=False)["input_ids"] + [self.tok.eos_token_id]
+                rows.append(out[: params.max_new_tokens])
+        T = max(len(r) for r in rows)
+        ids = torch.full((len(rows), T), self.tok.pad_token_id)
+        mask = torch.zeros((len(rows), T), dtype=torch.bool)
+        for i, r in enumerate(rows):
+            ids[i, : len(r)], mask[i, : len(r)] = torch.tensor(r), True
+        pids, pmask = left_pad_prompts([p for p in prompt_ids for _ in range(num_generations)], self.tok.pad_token_id)
+        truncated = torch.tensor([r[-1] != self.tok.eos_token_id for r in rows])
+        return Rollout(pids, pmask, ids, mask, truncated)
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return build_qwen_tokenizer()
+
+
+def prompt_ids(tok, tools, questions):
+    schemas = [t.schema for t in tools.values()]
+    return [tok.apply_chat_template([{"role": "user", "content": q}], tools=schemas, add_generation_prompt=True,
+                                    tokenize=True, return_dict=False) for q in questions]
+
+
+def driver(tok, script, tools=None, tool_timeout_s=30.0, **limits):
+    tools = tools or resolve_tools([add])
+    limits = {"max_completion_length": 400, **limits}
+    multiturn = MultiTurnDriver(tok, TurnLimits(**limits), tools=tools, parser=get_tool_parser(tok, tools),
+                                eos_token_ids=(tok.eos_token_id,), tool_timeout_s=tool_timeout_s)
+    return Driver(ScriptedEngine(tok, script), multiturn), tools
+
+
+class Driver:
+    """The driver bound to its engine, as the trainer calls it."""
+
+    def __init__(self, engine, driver):
+        self.engine, self.driver = engine, driver
+
+    def generate(self, *args, **kwargs):
+        return self.driver.generate(self.engine, *args, **kwargs)
+
+
+def adder(text):
+    """Call add once per question number; answer with the last tool result."""
+    results = re.findall(r"<tool_response>\n(.*?)\n</tool_response>", text)
+    if not results:
+        n = int(re.search(r"Q(\d+)", text).group(1))
+        return CALL.format(a=n, b=10)
+    return f"The answer is {results[-1]}."
+
+
+def test_one_tool_round_trip_matches_the_chat_template_token_for_token(tok):
+    drv, tools = driver(tok, adder)
+    P = SamplingParams(max_new_tokens=1)
+    traj = drv.generate(prompt_ids(tok, tools, ["Q7"]), 2, P)
+    ro = traj.rollout
+    assert traj.stop_reasons == ["answer", "answer"] and not ro.truncated.any()
+    conversation = [{"role": "user", "content": "Q7"},
+                    {"role": "assistant", "content": "", "tool_calls": [
+                        {"type": "function", "function": {"name": "add", "arguments": {"a": 7, "b": 10}}}]},
+                    {"role": "tool", "name": "add", "content": "17"},
+                    {"role": "assistant", "content": "The answer is 17."}]
+    schemas = [t.schema for t in tools.values()]
+    full = tok.apply_chat_template(conversation, tools=schemas, tokenize=False)
+    prompt = tok.decode(ro.prompt_ids[0], skip_special_tokens=False)
+    completion = tok.decode(ro.completion_ids[0][ro.completion_mask[0]], skip_special_tokens=False)
+    assert prompt + completion == full.removesuffix("\n")  # the template's glue after the last <|im_end|>
+    # actions: exactly the two assistant turns (each with its <|im_end|>); the rest is context
+    actions = tok.decode(ro.completion_ids[0][ro.action_mask[0]], skip_special_tokens=False)
+    first = CALL.format(a=7, b=10) + "<|im_end|>"
+    assert actions == first + "The answer is 17.<|im_end|>"
+    context = tok.decode(ro.completion_ids[0][ro.completion_mask[0] & ~ro.action_mask[0]], skip_special_tokens=False)
+    assert context == "\n<|im_start|>user\n<tool_response>\n17\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    assert traj.messages[0] == conversation[1:]
+    assert traj.counts["tool_calls"] == 2 and traj.counts["turns"] == 4 and traj.counts["stop_answer"] == 2
+    assert drv.engine.calls == [2, 2]  # turn 1 over both rows, turn 2 over both rows
+
+
+def test_rows_finish_at_different_turns_and_the_rest_keep_going(tok):
+    def script(text):  # Q0 answers at once, Qk calls k times
+        k = int(re.search(r"Q(\d+)", text).group(1))
+        done = text.count("<tool_response>")
+        return CALL.format(a=done, b=1) if done < k else f"done after {done}"
+
+    drv, tools = driver(tok, script, max_turns=8)
+    traj = drv.generate(prompt_ids(tok, tools, ["Q0", "Q1", "Q3"]), 1, SamplingParams(max_new_tokens=1))
+    assert traj.stop_reasons == ["answer"] * 3
+    assert [m[-1]["content"] for m in traj.messages] == ["done after 0", "done after 1", "done after 3"]
+    assert drv.engine.calls == [3, 2, 1, 1]  # rows leave the batch as they answer
+    assert [int(r.sum()) for r in traj.rollout.action_mask] != [int(r.sum()) for r in traj.rollout.completion_mask]
+
+
+def test_turn_and_call_limits(tok):
+    always = lambda text: CALL.format(a=1, b=2)  # noqa: E731
+    drv, tools = driver(tok, always, max_turns=3)
+    traj = drv.generate(prompt_ids(tok, tools, ["Q1"]), 1, SamplingParams(max_new_tokens=1))
+    assert traj.stop_reasons == ["max_turns"] and traj.rollout.truncated.tolist() == [True]
+    assert traj.counts["turns"] == 3 and traj.counts["tool_calls"] == 2  # the 3rd turn's call is not run
+    assert [m["role"] for m in traj.messages[0]] == ["assistant", "tool"] * 2 + ["assistant"]
+
+    twice = lambda text: CALL.format(a=1, b=2) + "\n" + CALL.format(a=3, b=4)  # noqa: E731
+    drv, tools = driver(tok, twice, max_tool_calls=3)
+    traj = drv.generate(prompt_ids(tok, tools, ["Q1"]), 1, SamplingParams(max_new_tokens=1))
+    assert traj.stop_reasons == ["max_tool_calls"] and traj.counts["tool_calls"] == 2
+    assert traj.rollout.truncated.tolist() == [True]
+
+
+def test_budget_counts_actions_and_context_together(tok):
+    drv, tools = driver(tok, adder, max_completion_length=60)
+    traj = drv.generate(prompt_ids(tok, tools, ["Q5"]), 1, SamplingParams(max_new_tokens=1))
+    ro = traj.rollout
+    # the call (~55 tokens) fits; its tool message would leave no room for another turn
+    assert traj.stop_reasons == ["max_length"] and ro.truncated.tolist() == [True]
+    assert int(ro.completion_mask.sum()) <= 60 and ro.action_mask.equal(ro.completion_mask)
+    drv, tools = driver(tok, adder, max_completion_length=20)  # cut inside the first turn
+    traj = drv.generate(prompt_ids(tok, tools, ["Q5"]), 1, SamplingParams(max_new_tokens=1))
+    assert traj.stop_reasons == ["max_length"] and int(traj.rollout.completion_mask.sum()) == 20
+    assert traj.counts["tool_calls"] == 0
+
+
+def test_malformed_and_failing_calls_are_fed_back(tok):
+    def boom(x: int) -> int:
+        """Fail.
+
+        Args:
+            x: Anything.
+        """
+        raise RuntimeError("no luck")
+
+    def script(text):
+        seen = text.count("<tool_response>")
+        if seen == 0:
+            return '<tool_call>\n{"name": "add", "arguments": {"a": 1 "b": 2}}\n</tool_call>'
+        if seen == 1:
+            return '<tool_call>\n{"name": "boom", "arguments": {"x": 1}}\n</tool_call>'
+        return "giving up"
+
+    drv, tools = driver(tok, script, tools=resolve_tools([add, boom]), max_completion_length=1000)
+    traj = drv.generate(prompt_ids(tok, tools, ["Q1"]), 1, SamplingParams(max_new_tokens=1))
+    tool_msgs = [m["content"] for m in traj.messages[0] if m["role"] == "tool"]
+    assert tool_msgs[0].startswith("error: could not read this tool call: invalid JSON")
+    assert tool_msgs[1] == "error: boom raised RuntimeError: no luck"
+    assert traj.stop_reasons == ["answer"]
+    assert traj.counts["parse_failures"] == 1 and traj.counts["tool_errors"] == 1
+
+
+class GuessEnv:
+    """Guess the hidden number (the row's `target`): each wrong guess gets "higher"/"lower"."""
+
+    instances = []
+
+    def __init__(self):
+        self.guesses = 0
+        GuessEnv.instances.append(self)
+
+    def reset(self, prompt, target):
+        self.target = int(target)
+        return "Guess a number from 0 to 9."
+
+    def step(self, message):
+        self.guesses += 1
+        guess = int(message["content"])
+        if guess == self.target:
+            return [], True, 1.0 - 0.1 * (self.guesses - 1)
+        return ("higher" if guess < self.target else "lower"), False, 0.0
+
+
+def bisect(text):
+    """Guess 0, then move one step in the direction the environment says."""
+    guesses = re.findall(r"<\|im_start\|>assistant\n(\d)", text)
+    if not guesses:
+        return "0"
+    last = text.rsplit("<|im_start|>user\n", 1)[-1]
+    return str(int(guesses[-1]) + (1 if last.startswith("higher") else -1))
+
+
+def test_environment_end_to_end(tok):
+    GuessEnv.instances = []
+    engine = ScriptedEngine(tok, bisect)
+    encode = lambda msgs: tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True,  # noqa: E731
+                                                  return_dict=False)
+    drv = Driver(engine, MultiTurnDriver(tok, TurnLimits(400, max_turns=5), environment=GuessEnv, encode=encode,
+                                         eos_token_ids=(tok.eos_token_id,)))
+    prompts = [[{"role": "user", "content": "Play."}]] * 2
+    traj = drv.generate([encode(p) for p in prompts], 2, SamplingParams(max_new_tokens=1), prompts=prompts,
+                        columns={"target": ["2", "7"]})
+    assert len(GuessEnv.instances) == 4  # one per trajectory
+    # target 2: guesses 0, 1, 2; target 7 needs 8 guesses, so the 5-turn limit stops it
+    assert traj.stop_reasons == ["env_done", "env_done", "max_turns", "max_turns"]
+    assert traj.env_rewards == pytest.approx([0.8, 0.8, 0.0, 0.0])
+    assert [m["content"] for m in traj.messages[0]] == ["0", "higher", "1", "higher", "2"]
+    prompt = tok.decode(traj.rollout.prompt_ids[0][traj.rollout.prompt_mask[0].bool()], skip_special_tokens=False)
+    assert prompt.endswith("<|im_start|>user\nPlay.<|im_end|>\n<|im_start|>user\nGuess a number from 0 to 9."
+                           "<|im_end|>\n<|im_start|>assistant\n")
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="the sandbox needs a POSIX host")
+def test_hostile_python_calls_are_contained_and_the_rollout_continues(tok, tmp_path):
+    secret = tmp_path / "secret.txt"
+    secret.write_text("TOPSECRET-13")
+    codes = {
+        "Q1": f"print(open({str(secret)!r}).read())",
+        "Q2": "import socket\nsocket.create_connection(('1.1.1.1', 80), timeout=1)\nprint('connected')",
+        "Q3": "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass",
+        "Q4": "print(6 * 7)",
+    }
+
+    def script(text):
+        q = re.search(r"(Q\d)", text).group(1)
+        if "<tool_response>" not in text:
+            return '<tool_call>\n{"name": "python", "arguments": {"code": %s}}\n</tool_call>' % (
+                __import__("json").dumps(codes[q]))
+        return "finished"
+
+    tools = resolve_tools([python_tool(timeout_s=2.0, memory_mb=128, max_output_chars=300)])
+    drv, _ = driver(tok, script, tools=tools, max_completion_length=1200)
+    traj = drv.generate(prompt_ids(tok, tools, list(codes)), 1, SamplingParams(max_new_tokens=1))
+    assert traj.stop_reasons == ["answer"] * 4  # every row went on to its next turn
+    results = [[m["content"] for m in msgs if m["role"] == "tool"][0] for msgs in traj.messages]
+    assert "TOPSECRET" not in results[0] and "Error: " in results[0].splitlines()[-1]  # e.g. FileNotFoundError
+    assert "connected" not in results[1] and "Error: " in results[1].splitlines()[-1]  # e.g. network unreachable
+    assert results[2].endswith("[timeout: stopped after 2 s]")  # the fork bomb, killed with its children
+    assert results[3] == "42"
+    assert secret.read_text() == "TOPSECRET-13"

@@ -122,7 +122,7 @@ class VLLMServerEngine:
             raise VLLMServerError(f"vLLM server {self.host}:{self.port} did not answer within "
                                   f"vllm_server_timeout_s={self.timeout_s:g} s ({what}): {self._hint()}; "
                                   f"raise the timeout if it is only slow") from e
-        except self._requests.ConnectionError as e:
+        except self._requests.RequestException as e:  # refused, reset, dropped mid-answer
             raise VLLMServerError(f"vLLM server {self.host}:{self.port} is unreachable ({what}: "
                                   f"{type(e).__name__}): {self._hint()}") from e
         return r

@@ -24,6 +24,7 @@ from dataclasses import replace
 
 from grouprl.config import ConfigError, TrainConfig, help_text
 from grouprl.rewards import RewardFunctionError, SandboxUnavailableError
+from grouprl.rollout.vllm_server import VLLMServerError
 
 USAGE = """grouprl train [CONFIG.yaml] [--field value ...] [--resume]
        grouprl eval  [CONFIG.yaml] [--field value ...]
@@ -74,6 +75,10 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, ValueError, FileNotFoundError, SandboxUnavailableError) as e:
         print(f"grouprl {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except VLLMServerError as e:
+        print(f"grouprl {args.command}: error: {e}\nThe run stopped; the checkpoints it wrote are intact. Start "
+              "the server again (grouprl vllm-serve), then run again; --resume continues from the last checkpoint.", file=sys.stderr)
+        return 1
     except RewardFunctionError as e:
         print(f"grouprl {args.command}: error: {e}\nThe run stopped; its checkpoints are intact. Fix the "
               "reward function (or set reward_fallback to score failures with a fixed value) and "

@@ -257,8 +257,8 @@ class TrainConfig:
     importance-sampling correction (trainer's pi_old over the sampler's log-probs) covers that.
     Needs use_vllm with vllm_mode: server (docs/vllm.md says why)."""
     max_staleness: int = 1
-    """async_rollouts: the most optimizer steps a sample's weights may lag the trainer's when it
-    is trained on; the number of batches generated ahead. 0 is synchronous training."""
+    """async_rollouts: the most training steps (weight syncs) a sample's weights may lag the
+    trainer's when it is trained on; the number of batches generated ahead. 0 is synchronous."""
     vllm_gpu_memory_utilization: float = 0.3
     """Share of the GPU's memory vLLM may take for its weights and KV cache; the rest stays for the
     policy and the optimizer. On CPU the KV cache is VLLM_CPU_KVCACHE_SPACE GiB (default 1) instead."""

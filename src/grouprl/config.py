@@ -246,7 +246,8 @@ class TrainConfig:
     """vllm_mode=server: port of the vLLM server."""
     vllm_server_timeout_s: float = 240.0
     """vllm_mode=server: longest wait for the server: to come up at start, to answer a request,
-    to load new weights. Past it the run stops with an error naming the server."""
+    to load new weights. Past it the run stops with an error naming the server. A request returns
+    whole completions, so this must exceed the longest generation (8k tokens at 40 tok/s: 200 s)."""
     vllm_server_weight_dir: str | None = None
     """vllm_mode=server: directory where rank 0 writes the new weights for the server to load
     (one file at a time, deleted once loaded): it must be readable by the server under the same

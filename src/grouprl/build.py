@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import random
+from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
@@ -37,6 +38,15 @@ def make_engine(cfg: TrainConfig, model: torch.nn.Module, tokenizer, rank: int,
     eos, pad = eos_ids(model, tokenizer), tokenizer.pad_token_id
     if not cfg.use_vllm:
         return HFEngine(model, eos, pad, max_batch_size=cfg.generation_batch_size, autocast_dtype=autocast)
+    if cfg.vllm_mode == "server":
+        from grouprl.rollout.vllm_server import VLLMServerEngine
+
+        world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+        engine = VLLMServerEngine(cfg.vllm_server_host, cfg.vllm_server_port, eos_token_ids=eos, pad_token_id=pad,
+                                  weight_dir=cfg.vllm_server_weight_dir or str(Path(cfg.output_dir) / "vllm_weights"),
+                                  timeout_s=cfg.vllm_server_timeout_s, rank=rank, world_size=world)
+        engine.sync_weights(model, 0)  # the server may hold another run's weights: send ours first
+        return engine
     from grouprl.rollout.vllm import VLLMEngine
 
     return VLLMEngine(resolve_model_path(cfg.model), eos_token_ids=eos, pad_token_id=pad,

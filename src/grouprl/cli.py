@@ -5,6 +5,8 @@
     grouprl train run.yaml --resume       continue the run in output_dir from its latest checkpoint
     grouprl eval run.yaml --model runs/x/checkpoints/step-000100/model
     grouprl train --help                  every config field with its documentation
+    grouprl vllm-serve MODEL [--tensor-parallel-size K] [--host H] [--port P] [vLLM flags...]
+                                          a vLLM server for vllm_mode: server (docs/vllm.md)
 
 Without a config file and without --model, --train_data, --eval_data or --reward_funcs, the
 defaults are those of the embedded task (`grouprl.tasks.DEFAULT_TASK`); otherwise they are
@@ -16,14 +18,17 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from dataclasses import replace
 
 from grouprl.config import ConfigError, TrainConfig, help_text
 from grouprl.rewards import RewardFunctionError, SandboxUnavailableError
+from grouprl.rollout.vllm_server import VLLMServerError
 
 USAGE = """grouprl train [CONFIG.yaml] [--field value ...] [--resume]
-       grouprl eval  [CONFIG.yaml] [--field value ...]"""
+       grouprl eval  [CONFIG.yaml] [--field value ...]
+       grouprl vllm-serve MODEL [--tensor-parallel-size K] [--host H] [--port P] [vLLM flags ...]"""
 
 
 TASK_FIELDS = {"model", "train_data", "eval_data", "reward_funcs"}
@@ -42,6 +47,8 @@ def build_config(config_path: str | None, overrides: list[str]) -> TrainConfig:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["vllm-serve"]:
+        return vllm_serve(argv[1:])
     parser = argparse.ArgumentParser(prog="grouprl", usage=USAGE, add_help=False)
     parser.add_argument("command", nargs="?", choices=("train", "eval"))
     parser.add_argument("config", nargs="?")
@@ -68,6 +75,10 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, ValueError, FileNotFoundError, SandboxUnavailableError) as e:
         print(f"grouprl {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except VLLMServerError as e:
+        print(f"grouprl {args.command}: error: {e}\nThe run stopped; the checkpoints it wrote are intact. Start "
+              "the server again (grouprl vllm-serve), then run again; --resume continues from the last checkpoint.", file=sys.stderr)
+        return 1
     except RewardFunctionError as e:
         print(f"grouprl {args.command}: error: {e}\nThe run stopped; its checkpoints are intact. Fix the "
               "reward function (or set reward_fallback to score failures with a fixed value) and "
@@ -119,6 +130,24 @@ def _eval(cfg: TrainConfig) -> int:
     if ctx.is_main:
         print(json.dumps(result, indent=2))
     return 0
+
+
+def vllm_serve(argv: list[str]) -> int:
+    """Run vLLM's OpenAI server with grouprl's weight-update extension. This process becomes the
+    server (exec): a signal to it stops the server. Flags it does not know go to vLLM (`--dtype`,
+    `--data-parallel-size`, `--enforce-eager`, ...)."""
+    from grouprl.rollout.vllm_server import serve_command
+
+    parser = argparse.ArgumentParser(prog="grouprl vllm-serve", description=vllm_serve.__doc__)
+    parser.add_argument("model", help="checkpoint directory or hub id: the model the trainer starts from")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1)
+    parser.add_argument("--host", default="127.0.0.1", help="0.0.0.0 to serve other nodes (a private network: "
+                        "the server's /collective_rpc runs code the extension defines)")
+    parser.add_argument("--port", type=int, default=8000)
+    args, extra = parser.parse_known_args(argv)
+    cmd, env = serve_command(args.model, host=args.host, port=args.port,
+                             tensor_parallel_size=args.tensor_parallel_size, extra=tuple(extra))
+    os.execve(cmd[0], cmd, env)
 
 
 def _summary_text(summary: dict, output_dir: str) -> str:

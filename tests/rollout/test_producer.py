@@ -1,0 +1,74 @@
+"""RolloutProducer with a fake engine (no model): the staleness of each batch is the queue depth
+reached, never more than max_staleness; no batch is generated across a weight sync; depth 0 is
+the synchronous order of calls; an engine error reaches the trainer's thread."""
+
+import threading
+import time
+
+import pytest
+import torch
+
+from grouprl.rollout import Rollout
+from grouprl.rollout.producer import RolloutProducer
+
+
+class FakeEngine:
+    """Holds a weights version; `generate` records the version at its start and at its end."""
+
+    decodes_with_policy = False
+
+    def __init__(self, fail_at: int | None = None):
+        self.version, self.log, self.fail_at = 0, [], fail_at
+        self.threads: set[str] = set()
+
+    def sync_weights(self, model, version):
+        self.log.append(("sync", version))
+        self.version = version
+
+    def generate(self, prompt: int) -> Rollout:
+        self.threads.add(threading.current_thread().name)
+        start = self.version
+        if prompt == self.fail_at:
+            raise ConnectionError("server gone")
+        time.sleep(0.01)  # long enough for a sync to slip in, were it allowed to
+        self.log.append(("generate", prompt, start, self.version))
+        one = torch.zeros((1, 1), dtype=torch.long)
+        return Rollout(one, one, one, one.bool(), torch.zeros(1, dtype=torch.bool))
+
+    def close(self):
+        pass
+
+
+def train(depth: int, steps: int, engine: FakeEngine | None = None) -> tuple[list[int], FakeEngine]:
+    engine = engine or FakeEngine()
+    counter = iter(range(1000))
+    producer = RolloutProducer(engine, lambda: next(counter), engine.generate, max_staleness=depth)
+    staleness = []
+    for step in range(1, steps + 1):
+        produced = producer.next()
+        staleness.append(produced.staleness)
+        assert produced.synced == engine.log[[e[:2] for e in engine.log].index(("generate", produced.prompts))][2]
+        producer.sync_weights(None, step)  # the update of this step
+    producer.close()
+    return staleness, engine
+
+
+@pytest.mark.parametrize("depth", [0, 1, 2, 3])
+def test_staleness_ramps_to_the_depth_and_stays_there(depth):
+    staleness, engine = train(depth, steps=8)
+    assert staleness == [min(step, depth) for step in range(8)]
+    generated = [e for e in engine.log if e[0] == "generate"]
+    assert all(start == end for _, _, start, end in generated)  # one version per batch, never a mix
+    assert [p for _, p, _, _ in generated] == list(range(len(generated)))  # prompts in order
+
+
+def test_depth_0_generates_in_the_callers_thread_in_step_order():
+    _, engine = train(0, steps=3)
+    assert engine.threads == {threading.current_thread().name}
+    assert engine.log == [("generate", 0, 0, 0), ("sync", 1), ("generate", 1, 1, 1), ("sync", 2),
+                          ("generate", 2, 2, 2), ("sync", 3)]
+
+
+def test_an_engine_error_in_the_background_reaches_the_trainer():
+    with pytest.raises(ConnectionError, match="server gone"):
+        train(1, steps=5, engine=FakeEngine(fail_at=2))

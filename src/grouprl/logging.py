@@ -69,6 +69,18 @@ class RunLogger:
             return []
         return [json.loads(line) for line in self.metrics_path.read_text().splitlines() if line]
 
+    def summary(self, steps: int, evals: dict[str, Any]) -> dict[str, Any]:
+        """summary.json: the evaluations, the training time, and the mean reward over the first and
+        the last tenth of the steps."""
+        train = [r for r in self.read_metrics() if "reward/mean" in r]
+        summary: dict[str, Any] = {"steps": steps, **evals,
+                                   "train_seconds": sum(r.get("time/step", 0.0) for r in train)}
+        if train:
+            k = max(1, len(train) // 10)
+            summary["reward_first"] = sum(r["reward/mean"] for r in train[:k]) / k
+            summary["reward_last"] = sum(r["reward/mean"] for r in train[-k:]) / k
+        return summary
+
     def plot_curves(self, path: str | Path | None = None) -> Path | None:
         if not self.enabled:
             return None

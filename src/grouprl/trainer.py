@@ -39,7 +39,7 @@ from grouprl.batch import StepBatch
 from grouprl.build import lr_schedule, make_engine, make_rollouts, resolve_multiturn, resolve_reward, seed_everything
 from grouprl.checkpoint import latest_checkpoint, load_checkpoint, read_checkpoint, save_checkpoint
 from grouprl.config import ConfigError, TrainConfig
-from grouprl.core import importance_weights, overlong_penalty, policy_loss, zero_std_groups
+from grouprl.core import overlong_penalty, policy_loss, zero_std_groups
 from grouprl.data import PromptFormatter, PromptSampler, completion_objects, load_prompts, split_eval
 from grouprl.logging import Progress, RunLogger
 from grouprl.policy import (MicroBatch, Reference, can_share_prompts, completion_logprobs, load_policy,
@@ -48,7 +48,7 @@ from grouprl.rewards import RewardScores, sandbox_mechanism, score_completions
 from grouprl.rollout import Rollout, SamplingParams
 from grouprl.rollout.multiturn import Trajectories, trajectory_metrics
 from grouprl.rollout.producer import RolloutProducer
-from grouprl.variants import loss_token_weights, step_advantages
+from grouprl.variants import corrects_sampler, loss_token_weights, sampler_weights, step_advantages
 
 logger = logging.getLogger(__name__)
 
@@ -174,7 +174,7 @@ class Trainer:
             self.evals["eval_after"] = self._log_eval(self.step, progress)
         progress.close()
         self.save()
-        summary = self._summary()
+        summary = self.logger.summary(self.step, self.evals)
         self.logger.write_json("summary.json", summary)
         self.logger.plot_curves()
         self.logger.close()
@@ -218,14 +218,15 @@ class Trainer:
             loss_mask &= ~batch.rollout.truncated[:, None]
 
         t0 = time.perf_counter()
-        correct = self._corrects_sampler(batch.rollout)
+        correct = corrects_sampler(cfg, batch.rollout)
         old_logp = self._logprobs(self.model, batch.rollout) if cfg.num_iterations > 1 or correct else None  # [N, T]
         ref_logp = None
         if self.ref is not None:
             with self.ref.context():
                 ref_logp = self._logprobs(self.ref.forward_model, batch.rollout)  # [N, T]
         timings["time/logprobs"] = time.perf_counter() - t0
-        is_weights, is_metrics = self._importance_weights(batch.rollout, old_logp) if correct else (None, {})
+        is_weights, is_metrics = (sampler_weights(cfg, batch.rollout, D.all_reduce_tensor(self.dist, old_logp))
+                                  if correct else (None, {}))  # old_logp summed over ranks: the whole batch
 
         t0 = time.perf_counter()
         update = {}
@@ -325,23 +326,6 @@ class Trainer:
             group = rollout.prompt_groups()[order]
             order = order[torch.argsort(group, stable=True)]
         return D.micro_batch_plan(self.dist, list(order.split(self.cfg.micro_batch_size)))
-
-    def _corrects_sampler(self, rollout: Rollout) -> bool:
-        """Whether the sampler/trainer mismatch is corrected: by default whenever the engine returned
-        the log-probs it sampled with (Rollout.sampling_logp; config validation requires use_vllm when
-        the correction is forced on)."""
-        return rollout.sampling_logp is not None and self.cfg.vllm_importance_sampling_correction is not False
-
-    def _importance_weights(self, rollout: Rollout, old_logp: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
-        """Sampler/trainer importance-sampling weights [N, T] for the policy loss, and the mismatch
-        metrics of the whole batch under `is/`. `old_logp` holds this rank's rows; summed over ranks,
-        the whole batch."""
-        cfg = self.cfg
-        weights, stats = importance_weights(
-            D.all_reduce_tensor(self.dist, old_logp), rollout.sampling_logp, rollout.action_mask,
-            cfg.vllm_importance_sampling_mode, cap=cfg.vllm_importance_sampling_cap,
-            cap_min=cfg.vllm_importance_sampling_min)  # [N, T]
-        return weights, {f"is/{k}": v for k, v in stats.items()}
 
     @torch.no_grad()
     def _logprobs(self, model: torch.nn.Module, rollout: Rollout) -> torch.Tensor:
@@ -512,14 +496,3 @@ class Trainer:
         """Release the generation engine (a colocated vLLM engine's memory); call once done."""
         self.rollouts.close()
         self.engine.close()
-
-    def _summary(self) -> dict[str, Any]:
-        rows = self.logger.read_metrics()
-        train = [r for r in rows if "reward/mean" in r]
-        summary: dict[str, Any] = {"steps": self.step, **self.evals,
-                                   "train_seconds": sum(r.get("time/step", 0.0) for r in train)}
-        if train:
-            k = max(1, len(train) // 10)
-            summary["reward_first"] = sum(r["reward/mean"] for r in train[:k]) / k
-            summary["reward_last"] = sum(r["reward/mean"] for r in train[-k:]) / k
-        return summary

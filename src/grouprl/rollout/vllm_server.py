@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from grouprl.rollout.types import Rollout, SamplingParams, left_pad_prompts
+from grouprl.rollout.types import Rollout, SamplingParams, sampled_rollout
 from grouprl.rollout.vllm import _repack_tied_lm_head, checkpoint_weights
 
 EXTENSION = "grouprl.rollout.vllm_server.WeightReceiver"
@@ -210,21 +210,10 @@ class VLLMServerEngine:
         bodies = [{**common, "prompt": list(p), "seed": s} for p, s in zip(prompt_ids, seeds)]
         answers = list(self._pool.map(lambda b: self._post("/v1/completions", b, what="generate"), bodies))
 
-        N = B * G
-        ids = torch.full((N, T), self.pad_token_id, dtype=torch.long)  # [N, T]
-        logp = torch.zeros((N, T), dtype=torch.float32)  # [N, T]
-        lengths = torch.zeros(N, dtype=torch.long)  # [N]
-        for b, answer in enumerate(answers):
-            for c in sorted(answer["choices"], key=lambda c: c["index"]):
-                i, n = b * G + c["index"], len(c["token_ids"])
-                ids[i, :n] = torch.tensor(c["token_ids"])
-                logp[i, :n] = torch.tensor(c["logprobs"]["token_logprobs"], dtype=torch.float32)
-                lengths[i] = n
-        mask = torch.arange(T)[None, :] < lengths[:, None]  # [N, T]
-        last = ids.gather(1, (lengths - 1).clamp(min=0)[:, None]).squeeze(1)  # [N]
-        truncated = ~torch.isin(last, torch.tensor(self.eos_token_ids))  # [N]
-        if params.ignore_eos:
-            truncated[:] = False  # every completion is exactly T tokens by request
-        prompt, prompt_mask = left_pad_prompts(prompt_ids, self.pad_token_id)  # [B, P]
-        return Rollout(prompt.repeat_interleave(G, 0), prompt_mask.repeat_interleave(G, 0), ids, mask,
-                       truncated, sampling_logp=logp)
+        choices = [c for answer in answers for c in sorted(answer["choices"], key=lambda c: c["index"])]
+        if len(choices) != B * G:
+            raise VLLMServerError(f"the vLLM server {self.host}:{self.port} answered {len(choices)} completions for "
+                                  f"{B} prompts x {G}: is it another model or server version?")
+        return sampled_rollout(prompt_ids, G, [c["token_ids"] for c in choices],
+                               [c["logprobs"]["token_logprobs"] for c in choices],
+                               T, self.eos_token_ids, self.pad_token_id, params.ignore_eos)

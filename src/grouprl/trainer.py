@@ -404,13 +404,17 @@ class Trainer:
         mine = list(range(self.dist.rank, len(ds), self.dist.world_size))
         acc_name = self.cfg.accuracy_reward or self.reward_names[0]
         sums = {"acc": 0.0, "acc_n": 0.0, "reward": 0.0, "length": 0.0}
+        sums.update({f"{k}/{name}": 0.0 for name in self.reward_names for k in ("sum", "n")})
         with self._generation_weights():
             for start in range(0, len(mine), batch_size):
                 prompts = self.formatter.batch(ds, mine[start:start + batch_size], self.cfg.prompt_column)
                 traj = self.turns.generate(self.engine, prompts.prompt_ids, 1, params, prompts=prompts.prompts,
                                            columns=prompts.columns)
                 part = self._score(traj, prompts.prompts, prompts.columns, 1)
-                acc = part.per_func[acc_name]  # [n], NaN where the function abstained
+                for name, scores in part.per_func.items():  # [n], NaN where the function abstained
+                    sums[f"sum/{name}"] += float(scores.nansum())
+                    sums[f"n/{name}"] += float((~scores.isnan()).sum())
+                acc = part.per_func[acc_name]
                 sums["acc"] += float(acc.nansum())
                 sums["acc_n"] += float((~acc.isnan()).sum())
                 sums["reward"] += float(part.rewards.sum())
@@ -418,7 +422,9 @@ class Trainer:
         sums = D.all_reduce_sums(self.dist, sums)
         return {"accuracy": sums["acc"] / sums["acc_n"] if sums["acc_n"] else math.nan,
                 "reward_mean": sums["reward"] / len(ds), "length_mean": sums["length"] / len(ds),
-                "num_samples": len(ds)}
+                "num_samples": len(ds),
+                **{f"rewards/{n}": sums[f"sum/{n}"] / sums[f"n/{n}"] if sums[f"n/{n}"] else math.nan
+                   for n in self.reward_names}}
 
     def _generation_weights(self):
         """FSDP2: an engine that decodes with the policy itself needs its weights whole (one gather

@@ -90,6 +90,10 @@ class TrainConfig:
     reward_fallback: float | None = None
     """When set, a reward that raises, hangs or returns NaN gets this value (counted in the metrics)
     instead of stopping the run."""
+    step_delimiter: str = "\n"
+    """Process supervision: a reward function that returns (k, reward) step pairs with an int k
+    means the k-th piece of the completion split after each occurrence of this string
+    (docs/rewards.md, "Step rewards")."""
     accuracy_reward: str | None = None
     """Name of the reward function whose mean on greedy eval completions is reported as `accuracy`;
     default: the first reward function."""
@@ -98,7 +102,10 @@ class TrainConfig:
     algorithm: str = "grpo"
     """Preset: grpo | dr_grpo | dapo | gspo | rloo. Every field below overrides it."""
     advantage_estimator: str | None = None
-    """`grpo` (group-relative, see scale_rewards) or `rloo` (leave-one-out). Preset by algorithm."""
+    """`grpo` (group-relative, see scale_rewards), `rloo` (leave-one-out), or `process` (process
+    supervision, DeepSeekMath 4.1.3: reward functions may return step rewards; each token's
+    advantage is the sum of the normalised rewards of the steps ending at or after it, the outcome
+    reward counting as a final step). Preset by algorithm."""
     scale_rewards: str | None = None
     """Divide centred rewards by the std of the `group`, of the whole `batch`, or `none` (Dr. GRPO)."""
     loss_agg: str | None = None
@@ -311,7 +318,9 @@ class TrainConfig:
         if c.reward_weights is not None and len(c.reward_weights) != len(c.reward_funcs):
             raise ConfigError(f"reward_weights has {len(c.reward_weights)} values but reward_funcs "
                               f"has {len(c.reward_funcs)}: give one weight per function")
-        _check_choice("advantage_estimator", c.advantage_estimator, ("grpo", "rloo"))
+        _check_choice("advantage_estimator", c.advantage_estimator, ("grpo", "rloo", "process"))
+        if not c.step_delimiter:
+            raise ConfigError("step_delimiter is empty: step rewards by index need a delimiter, e.g. '\\n'")
         _check_choice("scale_rewards", c.scale_rewards, ("group", "batch", "none"))
         _check_choice("loss_agg", c.loss_agg, tuple(LOSS_AGGREGATIONS))
         _check_choice("kl_estimator", c.kl_estimator, ("k1", "k2", "k3"))

@@ -10,6 +10,7 @@ from .combine import RewardFunctionError, RewardScores, merge_reward_metrics, sc
 from .format import regex_match, think_format, think_format_soft
 from .math import extract_answer, math_accuracy, verify_math
 from .model import RewardModelScorer, reward_model
+from .prm import ProcessRewardModel, process_reward_model
 from .process import CharOffset, ProcessRewards, process_rewards, split_steps, token_char_ends
 from .registry import BUILTIN_REWARDS, FACTORIES, resolve_reward_func
 from grouprl.sandbox import CodeResult, SandboxUnavailableError, run_code, run_code_batch, sandbox_mechanism
@@ -19,6 +20,7 @@ __all__ = [
     "BUILTIN_REWARDS",
     "CharOffset",
     "FACTORIES",
+    "ProcessRewardModel",
     "ProcessRewards",
     "CodeResult",
     "RewardFunctionError",
@@ -34,6 +36,7 @@ __all__ = [
     "math_accuracy",
     "merge_reward_metrics",
     "overlong_penalty",
+    "process_reward_model",
     "process_rewards",
     "regex_match",
     "repetition_penalty",

@@ -12,13 +12,15 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from grouprl.tasks import arithmetic
+from grouprl.tasks import arithmetic, chain
 
 DEFAULT_POLICY_DIR = Path(__file__).resolve().parent / "default_policy"
 
 BUILTIN_DATASETS = {
     "arithmetic/train": arithmetic.train_rows,
     "arithmetic/eval": arithmetic.eval_rows,
+    "chain/train": chain.train_rows,  # process supervision: one step per partial sum (chain.py)
+    "chain/eval": chain.eval_rows,
 }
 
 DEFAULT_TASK: dict[str, Any] = dict(

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from grouprl.rewards import merge_reward_metrics
+from grouprl.rewards import ProcessRewards, merge_reward_metrics
 from grouprl.rollout import Rollout
 
 
@@ -22,12 +22,14 @@ class StepBatch:
     rewards: torch.Tensor           # [N] weighted sum over reward functions
     per_func: dict[str, torch.Tensor]  # name -> [N]
     reward_metrics: dict[str, float]
+    steps: ProcessRewards | None = None  # token-level step rewards (advantage_estimator: process)
 
     def select(self, rows: torch.Tensor) -> StepBatch:
         r = rows.tolist()
         return StepBatch(self.rollout.select(rows), [self.prompts[i] for i in r],
                          [self.completions[i] for i in r], self.rewards[rows],
-                         {k: v[rows] for k, v in self.per_func.items()}, self.reward_metrics)
+                         {k: v[rows] for k, v in self.per_func.items()}, self.reward_metrics,
+                         None if self.steps is None else self.steps.select(rows))
 
     @staticmethod
     def cat(parts: list[StepBatch], pad_token_id: int) -> StepBatch:
@@ -37,4 +39,5 @@ class StepBatch:
                          [x for p in parts for x in p.prompts],
                          [x for p in parts for x in p.completions],
                          torch.cat([p.rewards for p in parts]), per_func,
-                         merge_reward_metrics([p.reward_metrics for p in parts], per_func))
+                         merge_reward_metrics([p.reward_metrics for p in parts], per_func),
+                         None if parts[0].steps is None else ProcessRewards.cat([p.steps for p in parts]))

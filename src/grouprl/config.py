@@ -90,6 +90,10 @@ class TrainConfig:
     reward_fallback: float | None = None
     """When set, a reward that raises, hangs or returns NaN gets this value (counted in the metrics)
     instead of stopping the run."""
+    step_delimiter: str = "\n"
+    """Process supervision: a reward function that returns (k, reward) step pairs with an int k
+    means the k-th piece of the completion split after each occurrence of this string
+    (docs/rewards.md, "Step rewards")."""
     accuracy_reward: str | None = None
     """Name of the reward function whose mean on greedy eval completions is reported as `accuracy`;
     default: the first reward function."""
@@ -101,8 +105,11 @@ class TrainConfig:
     overrides it."""
     advantage_estimator: str | None = None
     """`grpo` (group-relative, see scale_rewards), `rloo` (leave-one-out), `reinforce_pp` (whitened
-    over the batch), `reinforce_pp_baseline` (group mean removed, then the batch std) or `grpo_passk`
-    (only each group's best completion: r_max - r_second_max). Preset by algorithm."""
+    over the batch), `reinforce_pp_baseline` (group mean removed, then the batch std), `grpo_passk`
+    (only each group's best completion: r_max - r_second_max), or `process` (process supervision,
+    DeepSeekMath 4.1.3: reward functions may return step rewards; each token's advantage is the sum
+    of the normalised rewards of the steps ending at or after it, the outcome reward counting as a
+    final step). Preset by algorithm."""
     scale_rewards: str | None = None
     """Divide centred rewards by the std of the `group`, of the whole `batch`, or `none` (Dr. GRPO).
     The reinforce_pp estimators normalise over the batch: `batch` or `none`."""
@@ -381,7 +388,13 @@ class TrainConfig:
         if c.reward_weights is not None and len(c.reward_weights) != len(c.reward_funcs):
             raise ConfigError(f"reward_weights has {len(c.reward_weights)} values but reward_funcs "
                               f"has {len(c.reward_funcs)}: give one weight per function")
-        _check_choice("advantage_estimator", c.advantage_estimator, tuple(ADVANTAGE_ESTIMATORS))
+        _check_choice("advantage_estimator", c.advantage_estimator, (*ADVANTAGE_ESTIMATORS, "process"))
+        if not c.step_delimiter:
+            raise ConfigError("step_delimiter is empty: step rewards by index need a delimiter, e.g. '\\n'")
+        if c.advantage_estimator == "process" and (c.tools or c.environment):
+            raise ConfigError("advantage_estimator=process with tools or an environment: step rewards are "
+                              "offsets into one completion's text, which a multi-turn trajectory is not; "
+                              "use an outcome estimator (grpo) for multi-turn runs")
         _check_choice("scale_rewards", c.scale_rewards, ("group", "batch", "none"))
         _check_variants(c)
         _check_choice("loss_agg", c.loss_agg, tuple(LOSS_AGGREGATIONS))

@@ -44,7 +44,7 @@ from grouprl.data import PromptFormatter, PromptSampler, completion_objects, loa
 from grouprl.logging import Progress, RunLogger
 from grouprl.policy import (MicroBatch, Reference, can_share_prompts, completion_logprobs, load_policy,
                             load_tokenizer)
-from grouprl.rewards import RewardScores, sandbox_mechanism, score_completions
+from grouprl.rewards import RewardScores, process_rewards, sandbox_mechanism, score_completions
 from grouprl.rollout import Rollout, SamplingParams
 from grouprl.rollout.multiturn import Trajectories, trajectory_metrics
 from grouprl.rollout.producer import RolloutProducer
@@ -187,12 +187,13 @@ class Trainer:
         advantages, update = self.update_on(batch, timings)
         timings["time/step"] = time.perf_counter() - t_step
         lengths = batch.rollout.action_lengths.float()  # the policy's own tokens
+        adv = advantages[batch.rollout.action_mask] if advantages.dim() == 2 else advantages  # per token: actions
         metrics = {
-            **batch.reward_metrics, **sample_metrics,
+            **batch.reward_metrics, **sample_metrics, **(batch.steps.metrics() if batch.steps else {}),
             "reward/mean": batch.rewards.mean().item(), "reward/std": batch.rewards.std().item()
             if len(batch.rewards) > 1 else 0.0,
-            "advantage/mean": advantages.mean().item(), "advantage/std": advantages.std().item(),
-            "advantage/min": advantages.min().item(), "advantage/max": advantages.max().item(),
+            "advantage/mean": adv.mean().item(), "advantage/std": adv.std().item(),
+            "advantage/min": adv.min().item(), "advantage/max": adv.max().item(),
             "completion/length_mean": lengths.mean().item(), "completion/length_min": lengths.min().item(),
             "completion/length_max": lengths.max().item(),
             "completion/truncated_frac": batch.rollout.truncated.float().mean().item(),
@@ -201,18 +202,20 @@ class Trainer:
         if self.step % cfg.logging_steps == 0 and cfg.num_logged_samples:
             self.logger.log_samples(self.step, [
                 {"prompt": batch.prompts[i], "completion": batch.completions[i],
-                 "reward": batch.rewards[i], "advantage": advantages[i]}
+                 "reward": batch.rewards[i],
+                 "advantage": advantages[i] if advantages.dim() == 1 else advantages[i, :int(lengths[i])].tolist()}
                 for i in range(min(cfg.num_logged_samples, len(batch.completions)))])
         return metrics
 
     def update_on(self, batch: StepBatch, timings: dict[str, float] | None = None
                   ) -> tuple[torch.Tensor, dict[str, float]]:
         """Advantages, old/ref log-probs and the num_iterations optimizer steps on a scored batch
-        (the global batch: every rank passes the same one). Returns the advantages [N] and the
-        update statistics, reduced over ranks."""
+        (the global batch: every rank passes the same one). Returns the advantages ([N], one per
+        completion, or [N, T], one per token under process supervision) and the update statistics,
+        reduced over ranks."""
         cfg = self.cfg
         timings = {} if timings is None else timings
-        advantages = step_advantages(cfg, batch)  # [N]
+        advantages = step_advantages(cfg, batch)  # [N] or [N, T]
         loss_mask = batch.rollout.action_mask.clone()  # [N, T] the policy's own tokens
         if cfg.mask_truncated_completions:
             loss_mask &= ~batch.rollout.truncated[:, None]
@@ -306,12 +309,13 @@ class Trainer:
         completions = traj.messages or completion_objects(texts, conversational)
         scores: RewardScores = score_completions(
             self.reward_funcs, cfg.reward_weights, per_prompt, completions,
-            cols, timeout_s=cfg.reward_timeout_s, fallback=cfg.reward_fallback)
-        rewards = scores.total.float()  # [N]
-        if cfg.overlong_shaping:
-            rewards = rewards + overlong_penalty(rollout.lengths, cfg.max_completion_length,
-                                                 cfg.overlong_cache_len)
-        return StepBatch(rollout, per_prompt, texts, rewards, scores.per_func, scores.metrics)
+            cols, timeout_s=cfg.reward_timeout_s, fallback=cfg.reward_fallback, step_delimiter=cfg.step_delimiter)
+        shaping = (overlong_penalty(rollout.lengths, cfg.max_completion_length, cfg.overlong_cache_len)
+                   if cfg.overlong_shaping else None)  # [N]
+        rewards = scores.total.float() if shaping is None else scores.total.float() + shaping  # [N]
+        steps = process_rewards(scores.steps, scores.per_func, cfg.reward_weights, ids, texts, self.tokenizer,
+                                shaping, estimator=cfg.advantage_estimator)
+        return StepBatch(rollout, per_prompt, texts, rewards, scores.per_func, scores.metrics, steps)
 
     def _gather(self, local: StepBatch) -> StepBatch:
         """Every rank's scored completions, in rank order (= prompt order), on every rank."""
@@ -359,11 +363,12 @@ class Trainer:
                                                     autocast_dtype=self.autocast, with_entropy=with_entropy)
                 T, dev = logp.shape[1], logp.device
                 mask = loss_mask[rows, :T].to(dev)  # [n, T']
-                weights, mask_stats = loss_token_weights(cfg, rollout, rows, logp, entropy, mask,
-                                                         advantages[rows].to(dev), old_logp, is_weights)
+                adv = (advantages[rows] if advantages.dim() == 1 else advantages[rows, :T]).to(dev)  # [n] or [n, T']
+                weights, mask_stats = loss_token_weights(cfg, rollout, rows, logp, entropy, mask, adv, old_logp,
+                                                         is_weights)
                 loss, stats = policy_loss(
                     logp, old_logp[rows, :T].to(dev) if old_logp is not None else logp.detach(),
-                    advantages[rows].to(dev), mask, eps_low=cfg.epsilon, eps_high=cfg.epsilon_high,
+                    adv, mask, eps_low=cfg.epsilon, eps_high=cfg.epsilon_high,
                     ratio_level=cfg.importance_sampling_level, agg=cfg.loss_agg,
                     max_tokens=cfg.max_completion_length,
                     ref_logp=ref_logp[rows, :T].to(dev) if ref_logp is not None else None, beta=cfg.beta,

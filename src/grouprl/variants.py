@@ -1,7 +1,8 @@
 """The trainer's glue to the algorithm variants of ``grouprl.core``: the config's plain values in,
 one call per place in the loop.
 
-- ``step_advantages``: advantages [N] of a scored batch, from the summed reward (the estimator) or,
+- ``step_advantages``: advantages [N] of a scored batch, from the summed reward (the estimator),
+  per token [N, T] from step rewards (process supervision), or,
   with ``multi_objective_aggregation: normalize_then_sum`` (GDPO), from each reward function's scores;
 - ``corrects_sampler`` / ``sampler_weights``: whether and how the sampler/trainer mismatch is
   corrected (core/importance.py), with the `is/` metrics;
@@ -21,8 +22,12 @@ from grouprl.rollout import Rollout
 
 
 def step_advantages(cfg: TrainConfig, batch: StepBatch) -> torch.Tensor:
-    """Advantages [N] of the (global) batch."""
+    """Advantages of the (global) batch: [N], or [N, T] (one per token) under process supervision,
+    where `batch.steps` holds the step rewards (rewards/process.py)."""
     G = cfg.num_generations
+    if batch.steps is not None:
+        return batch.steps.advantages(G, batch.rollout.completion_ids.shape[1], scale=cfg.scale_rewards,
+                                      eps=cfg.advantage_eps)  # [N, T]
     if cfg.multi_objective_aggregation == "normalize_then_sum":
         per_func = torch.stack(list(batch.per_func.values()), dim=-1)  # [N, K], NaN where a function abstained
         return normalize_then_sum(per_func, cfg.reward_weights, G, scale=cfg.scale_rewards, eps=cfg.advantage_eps)

@@ -5,7 +5,7 @@ import pytest
 from grouprl.rewards import BUILTIN_REWARDS, FACTORIES, math_accuracy, resolve_reward_func
 
 EXPECTED = {"math_accuracy", "think_format", "think_format_soft", "regex_match", "length_target", "cosine_length",
-            "repetition_penalty", "overlong_penalty", "code_tests", "reward_model"}
+            "repetition_penalty", "overlong_penalty", "code_tests", "reward_model", "process_reward_model"}
 
 
 def test_builtin_names():

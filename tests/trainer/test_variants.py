@@ -123,7 +123,8 @@ def test_step_advantages_follows_multi_objective_aggregation(make_cfg):
 
     funcs = ["tests.trainer.conftest:digit_fraction", "tests.trainer.conftest:short_reward"]
     f1, f2 = torch.tensor([10.0, 0, 0, 0]), torch.tensor([0.0, 1, 1, float("nan")])
-    batch = SimpleNamespace(per_func={"digit_fraction": f1, "short_reward": f2}, rewards=f1 + 2 * f2.nan_to_num())
+    batch = SimpleNamespace(per_func={"digit_fraction": f1, "short_reward": f2}, rewards=f1 + 2 * f2.nan_to_num(),
+                            steps=None)  # outcome rewards only
     summed = step_advantages(make_cfg(reward_funcs=funcs, reward_weights=[1.0, 2.0], num_generations=4).validate(),
                              batch)
     assert torch.equal(summed, compute_advantages("grpo", batch.rewards, 4))

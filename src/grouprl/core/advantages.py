@@ -15,6 +15,9 @@ Process supervision (DeepSeekMath §4.1.3): completion i has steps j with reward
 at token index(j). Normalise over all step rewards R of the group, r̃ = (r − mean(R)) / (std(R) + eps),
 and give token t the sum of the normalised rewards of the steps ending at or after it:
 A_{i,t} = Σ_{index(j) ≥ t} r̃_i^(j).  Computed as a scatter at the step ends and a reverse cumsum.
+``scale`` works as for outcome rewards: "group" is the paper's std(R), "batch" the std of every step
+reward in the batch, "none" only centres. With one step per completion, at its last token, this is
+outcome supervision: every token of completion i gets group_advantages(...)_i (§4.1.2).
 
 Deliberate choices:
 - A group whose rewards are all exactly equal gets advantage exactly 0 (no 0/0, no eps noise),
@@ -140,7 +143,7 @@ def compute_advantages(estimator: str, rewards: Tensor, group_size: int, *, scal
 
 
 def process_advantages(step_rewards: Sequence[Sequence[float]], step_ends: Sequence[Sequence[int]],
-                       group_size: int, num_tokens: int, *, eps: float = 1e-4,
+                       group_size: int, num_tokens: int, *, scale: str = "group", eps: float = 1e-4,
                        unbiased: bool = True) -> Tensor:
     """Process-supervision advantages [N, T] (T = num_tokens), DeepSeekMath §4.1.3.
 
@@ -155,8 +158,7 @@ def process_advantages(step_rewards: Sequence[Sequence[float]], step_ends: Seque
                          "give one list of step ends per completion")
     if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 1:
         raise ValueError(f"num_tokens={num_tokens!r} must be a positive int (completion length T)")
-    if eps < 0:
-        raise ValueError(f"eps={eps} must be >= 0")
+    _check_scale(scale, eps)
     rows: list[int] = []
     for i, (r_i, e_i) in enumerate(zip(step_rewards, step_ends)):
         if len(r_i) != len(e_i):
@@ -179,10 +181,13 @@ def process_advantages(step_rewards: Sequence[Sequence[float]], step_ends: Seque
     centered = r - mean[group]  # [K]
     sq = r.new_zeros(b).index_add_(0, group, centered**2)  # [B]
     std = (sq / (count - (1 if unbiased else 0)).clamp(min=1)).sqrt()  # [B]
+    if scale == "batch":  # one std over every step reward of the batch
+        std = (r - r.mean()).pow(2).sum().div(max(len(r) - (1 if unbiased else 0), 1)).sqrt().expand(b)  # [B]
+    denom = std[group] + eps if scale != "none" else torch.ones_like(r)  # [K]
     r_max = r.new_full((b,), -torch.inf).scatter_reduce_(0, group, r, "amax")
     r_min = r.new_full((b,), torch.inf).scatter_reduce_(0, group, r, "amin")
     flat = (r_max == r_min)[group]  # [K] step belongs to an all-equal group (incl. a single step)
-    r_norm = torch.where(flat, torch.zeros_like(r), centered / (std[group] + eps))  # [K]
+    r_norm = torch.where(flat, torch.zeros_like(r), centered / denom)  # [K]
 
     at_end = r.new_zeros(n, num_tokens).index_put_((row, end), r_norm, accumulate=True)  # [N, T]
     return at_end.flip(1).cumsum(1).flip(1).float()  # [N, T]: A_{i,t} = Σ_{end_j ≥ t} r̃_j

@@ -1,6 +1,7 @@
 """Reward functions for GRPO-family training, their combination, and a sandbox for untrusted code.
 
-Every reward function has TRL's signature f(prompts, completions, **columns) -> list[float | None].
+Every reward function has TRL's signature f(prompts, completions, **columns) -> list[float | None]; for process
+supervision a row's value may instead be a list of (end, reward) step pairs (process.py).
 See docs/rewards.md for the list of built-ins and their parameters.
 """
 
@@ -9,13 +10,18 @@ from .combine import RewardFunctionError, RewardScores, merge_reward_metrics, sc
 from .format import regex_match, think_format, think_format_soft
 from .math import extract_answer, math_accuracy, verify_math
 from .model import RewardModelScorer, reward_model
+from .prm import ProcessRewardModel, process_reward_model
+from .process import CharOffset, ProcessRewards, process_rewards, split_steps, token_char_ends
 from .registry import BUILTIN_REWARDS, FACTORIES, resolve_reward_func
 from grouprl.sandbox import CodeResult, SandboxUnavailableError, run_code, run_code_batch, sandbox_mechanism
 from .shaping import completion_lengths, cosine_length, length_target, overlong_penalty, repetition_penalty
 
 __all__ = [
     "BUILTIN_REWARDS",
+    "CharOffset",
     "FACTORIES",
+    "ProcessRewardModel",
+    "ProcessRewards",
     "CodeResult",
     "RewardFunctionError",
     "RewardModelScorer",
@@ -30,6 +36,8 @@ __all__ = [
     "math_accuracy",
     "merge_reward_metrics",
     "overlong_penalty",
+    "process_reward_model",
+    "process_rewards",
     "regex_match",
     "repetition_penalty",
     "resolve_reward_func",
@@ -38,7 +46,9 @@ __all__ = [
     "run_code_batch",
     "sandbox_mechanism",
     "score_completions",
+    "split_steps",
     "think_format",
     "think_format_soft",
+    "token_char_ends",
     "verify_math",
 ]

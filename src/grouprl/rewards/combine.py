@@ -1,8 +1,10 @@
 """Combining reward functions: `score_completions` -> `RewardScores`.
 
 total_i = Σ_f w_f · r_{f,i}, summing only the functions that scored row i (None = missing, i.e. a
-nansum). A row that every function left None gets total 0 and is flagged in `all_none` and counted
-in the metrics: the trainer decides what to do with it.
+nansum). A function may also return, for a row, a list of (end, reward) step pairs (process
+supervision, see process.py): they are checked here, kept in `RewardScores.steps`, and the row's
+score is the mean of its step rewards. A row that every function left None gets total 0 and is
+flagged in `all_none` and counted in the metrics: the trainer decides what to do with it.
 
 Faults never become silent zeros. A function that raises, runs past `timeout_s`, returns the wrong
 number of values, a non-number, NaN or ±inf raises `RewardFunctionError` naming the function (and the
@@ -24,6 +26,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ._text import completion_text
+from .process import StepList, is_step_list, parse_steps
+
 logger = logging.getLogger(__name__)
 
 
@@ -42,6 +47,8 @@ class RewardScores:
     per_func: dict[str, Tensor]  # name -> [N] float32, NaN where the function returned None
     metrics: dict[str, float] = field(default_factory=dict)
     all_none: Tensor | None = None  # [N] bool, rows no function scored
+    steps: dict[str, list[StepList | None]] = field(default_factory=dict)  # name -> [N] step rewards
+    # (character end, reward), None where the function gave a float or None; functions with steps only
 
 
 class _Timeout(Exception):
@@ -70,8 +77,10 @@ def _call(func: Callable, kwargs: dict, timeout_s: float | None) -> Any:
     return box["value"]
 
 
-def _validate(name: str, out: Any, n: int, row_offset: int = 0) -> list[float | None]:
-    """Check one function's output; return floats / None. Raises RewardFunctionError."""
+def _validate(name: str, out: Any, completions: list, delimiter: str, row_offset: int = 0
+              ) -> list[float | StepList | None]:
+    """Check one function's output; return floats / step lists / None. Raises RewardFunctionError."""
+    n = len(completions)
     if isinstance(out, Tensor) or hasattr(out, "tolist"):
         out = out.tolist()
     if not isinstance(out, Sequence) or isinstance(out, (str, bytes)):
@@ -79,10 +88,16 @@ def _validate(name: str, out: Any, n: int, row_offset: int = 0) -> list[float | 
                                   "with one float (or None) per completion")
     if len(out) != n:
         raise RewardFunctionError(name, f"returned {len(out)} values for {n} completions")
-    values: list[float | None] = []
+    values: list[float | StepList | None] = []
     for i, v in enumerate(out):
         if v is None:
             values.append(None)
+            continue
+        if is_step_list(v):
+            try:
+                values.append(parse_steps(v, completion_text(completions[i]), delimiter))
+            except ValueError as e:
+                raise RewardFunctionError(name, str(e), row_offset + i) from None
             continue
         if not isinstance(v, numbers.Real):
             raise RewardFunctionError(name, f"returned {v!r} ({type(v).__name__}), not a number or None",
@@ -110,7 +125,8 @@ def _row_kwargs(prompts: list, completions: list, columns: dict, i: int) -> dict
 
 
 def _score_one(func: Callable, name: str, prompts: list, completions: list, columns: dict,
-               timeout_s: float | None, fallback: float | None) -> tuple[list[float | None], int]:
+               timeout_s: float | None, fallback: float | None, delimiter: str
+               ) -> tuple[list[float | StepList | None], int]:
     """One function's validated scores and how many rows got the fallback."""
     n = len(completions)
     try:
@@ -122,9 +138,10 @@ def _score_one(func: Callable, name: str, prompts: list, completions: list, colu
         logger.warning("%s; using fallback %s for all %d rows", err, fallback, n)
         return [fallback] * n, n
     except Exception as batch_error:
-        return _score_rows_alone(func, name, prompts, completions, columns, timeout_s, fallback, batch_error)
+        return _score_rows_alone(func, name, prompts, completions, columns, timeout_s, fallback,
+                                 delimiter, batch_error)
     try:
-        return _validate(name, out, n), 0
+        return _validate(name, out, completions, delimiter), 0
     except RewardFunctionError as err:
         if fallback is None:
             raise
@@ -134,7 +151,7 @@ def _score_one(func: Callable, name: str, prompts: list, completions: list, colu
         values, used = [], 0
         for i, v in enumerate(out.tolist() if hasattr(out, "tolist") else out):
             try:
-                values.append(_validate(name, [v], 1, i)[0])
+                values.append(_validate(name, [v], completions[i:i + 1], delimiter, i)[0])
             except RewardFunctionError as row_err:
                 logger.warning("%s; using fallback %s", row_err, fallback)
                 values.append(fallback)
@@ -142,14 +159,14 @@ def _score_one(func: Callable, name: str, prompts: list, completions: list, colu
         return values, used
 
 
-def _score_rows_alone(func, name, prompts, completions, columns, timeout_s, fallback, batch_error):
+def _score_rows_alone(func, name, prompts, completions, columns, timeout_s, fallback, delimiter, batch_error):
     """The batch call raised: call each row alone to name the failing row(s)."""
     values: list[float | None] = []
     used = 0
     for i in range(len(completions)):
         try:
             out = _call(func, _row_kwargs(prompts, completions, columns, i), timeout_s)
-            values += _validate(name, out, 1, i)
+            values += _validate(name, out, completions[i:i + 1], delimiter, i)
         except Exception as e:  # includes _Timeout
             if isinstance(e, RewardFunctionError):
                 err = e
@@ -180,11 +197,13 @@ def score_completions(
     *,
     timeout_s: float | None = None,
     fallback: float | None = None,
+    step_delimiter: str = "\n",
 ) -> RewardScores:
     """Score N completions with every reward function; weighted nansum, per-function scores, metrics.
 
     Each function is called as f(prompts=..., completions=..., **columns) — keyword arguments, as TRL
     does. `columns` maps a dataset column to its N values. See the module docstring for faults.
+    `step_delimiter` splits a completion into steps for step rewards given by step index.
     """
     n = len(completions)
     columns = dict(columns or {})
@@ -208,8 +227,12 @@ def score_completions(
     metrics: dict[str, float] = {}
     total = torch.zeros(n, dtype=torch.float32)  # [N]
     scored = torch.zeros(n, dtype=torch.bool)  # [N]
+    steps: dict[str, list[StepList | None]] = {}
     for func, name, w in zip(funcs, _unique_names(funcs), weights):
-        values, used = _score_one(func, name, prompts, completions, columns, timeout_s, fallback)
+        values, used = _score_one(func, name, prompts, completions, columns, timeout_s, fallback, step_delimiter)
+        if any(isinstance(v, list) for v in values):
+            steps[name] = [v if isinstance(v, list) else None for v in values]
+            values = [_step_mean(v) if isinstance(v, list) else v for v in values]
         r = torch.tensor([math.nan if v is None else v for v in values], dtype=torch.float32)  # [N]
         present = ~torch.isnan(r)  # [N]
         per_func[name] = r
@@ -224,7 +247,11 @@ def score_completions(
         rows = all_none.nonzero().flatten().tolist()
         logger.warning("no reward function scored rows %s (every function returned None); their total is 0",
                        rows[:20])
-    return RewardScores(total=total, per_func=per_func, metrics=metrics, all_none=all_none)
+    return RewardScores(total=total, per_func=per_func, metrics=metrics, all_none=all_none, steps=steps)
+
+
+def _step_mean(steps: StepList) -> float | None:
+    return sum(r for _, r in steps) / len(steps) if steps else None
 
 
 def _mean_std(name: str, scores: Tensor) -> dict[str, float]:

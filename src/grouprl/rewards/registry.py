@@ -16,6 +16,7 @@ from .code import code_tests
 from .format import regex_match, think_format, think_format_soft
 from .math import math_accuracy
 from .model import reward_model
+from .prm import process_reward_model
 from .shaping import cosine_length, length_target, overlong_penalty, repetition_penalty
 
 BUILTIN_REWARDS: dict[str, Callable] = {
@@ -29,9 +30,11 @@ BUILTIN_REWARDS: dict[str, Callable] = {
     "overlong_penalty": overlong_penalty,
     "code_tests": code_tests,
     "reward_model": reward_model,
+    "process_reward_model": process_reward_model,
 }
 FACTORIES = frozenset(
-    {"regex_match", "length_target", "cosine_length", "repetition_penalty", "overlong_penalty", "code_tests", "reward_model"}
+    {"regex_match", "length_target", "cosine_length", "repetition_penalty", "overlong_penalty", "code_tests", "reward_model",
+     "process_reward_model"}
 )
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from grouprl.tasks import arithmetic, chat_arithmetic, products
+from grouprl.tasks import arithmetic, chain, chat_arithmetic, products
 
 DEFAULT_POLICY_DIR = Path(__file__).resolve().parent / "default_policy"
 TOOL_POLICY_DIR = Path(__file__).resolve().parent / "tool_policy"
@@ -24,6 +24,8 @@ BUILTIN_DATASETS = {
     "products/eval": products.eval_rows,
     "chat_arithmetic/train": chat_arithmetic.train_rows,  # chat prompts for a pretrained instruct model
     "chat_arithmetic/eval": chat_arithmetic.eval_rows,
+    "chain/train": chain.train_rows,  # process supervision: one step per partial sum (chain.py)
+    "chain/eval": chain.eval_rows,
 }
 
 DEFAULT_TASK: dict[str, Any] = dict(

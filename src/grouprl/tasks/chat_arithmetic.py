@@ -9,11 +9,12 @@ Two scorings of the same completion:
 - lenient, `math_accuracy`: the last number of the reply (or the boxed one) equals the sum;
 - strict, `boxed_accuracy` here: the answer must sit in \\boxed{} and be right.
 
-The training reward is lenient correctness plus a small bonus for using \\boxed{}
-(`boxed_format`, weight 0.2 in examples/smollm2_chat_arithmetic.yaml). SmolLM2-135M-Instruct
+The training reward in examples/smollm2_chat_arithmetic.yaml is lenient correctness plus half a
+point for a right answer inside \\boxed{} (`boxed_accuracy`, weight 0.5). SmolLM2-135M-Instruct
 almost never boxes its answer at first, so a strict-only reward is 0 for nearly every sample:
-every group has zero spread, zero advantage, and GRPO learns nothing. The lenient term gives a
-gradient from the first step; the bonus then pulls the format along once some samples box.
+every group has zero spread, zero advantage, and GRPO learns nothing. A bonus for boxing anything
+(`boxed_format`) is hacked: the policy boxes random numbers. The lenient term gives a gradient
+from the first step; the strict bonus pays for the format only together with the right answer.
 
 Operands are two-digit (10..99): the untrained model gets a few of these right greedily and
 more by sampling, which is what GRPO needs. A seeded draw of `EVAL_SIZE` problems is held out.

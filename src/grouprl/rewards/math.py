@@ -1,9 +1,15 @@
 """Math answer correctness on top of math-verify: `verify_math` and the `math_accuracy` reward.
 
 Answer extraction, in order: the last <answer>...</answer>, the last \\boxed{...} (or \\fbox), the text
-after GSM8K's last "####", else the whole text (math-verify's own anchors such as "the final answer
-is", then the last number). The same extraction runs on the gold answer, so a GSM8K solution
-("... #### 72") or a MATH solution with \\boxed{} can be given as gold directly.
+after GSM8K's last "####", else the whole text. Whole text is read by its final answer: the first
+math segment ($...$, \\(...\\), \\[...\\]) or number after its last "answer is" / "answer:", else
+the later of its last math segment and its last number. Never by the first expression in it: "83 + 26
+equals 87." restates the question and then answers 87, and scoring the restated "83 + 26" (what
+math-verify's free-text parse picks) was a reward a policy learnt to hack. For the same reason a
+reply that is arithmetic on plain numbers ("83 + 26", "2 + 2 = 5", \\boxed{6 \\times 7}) is read by
+its last number, not evaluated; any other expression is (\\boxed{2^{10}} = 1024).
+The same extraction runs on the gold answer, so a GSM8K solution ("... #### 72") or a MATH
+solution with \\boxed{} can be given as gold directly.
 
 Plain numbers (integers, decimals, thousands separators, simple fractions a/b) are compared exactly
 with `fractions.Fraction` without calling math-verify: the trainer's default task scores bare numbers
@@ -32,6 +38,9 @@ _FRACTION = re.compile(r"^([-+]?\d+)\s*/\s*(\d+)$")
 _LAST_NUMBER = re.compile(r"[-+]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:\s*/\s*\d+)?|[-+]?\.\d+")
 _ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL | re.IGNORECASE)
 _PERCENT = re.compile(r"\s*(\\?%|\\percent|percent)\s*$")
+_ANSWER_PHRASE = re.compile(r"\banswer\s*(?:is\b|:|=)", re.IGNORECASE)
+_MATH_SEGMENT = re.compile(r"\$\$(.+?)\$\$|\$([^$]+?)\$|\\\((.+?)\\\)|\\\[(.+?)\\\]", re.DOTALL)
+_ARITHMETIC = re.compile(r"^(?=.*\d\s*(?:[-+*/×÷·=]|\\times|\\cdot|\\div))(?:[\s\d.,()+\-*/×÷·=]|\\times|\\cdot|\\div)+$")
 _TIMEOUT_S = 5
 
 
@@ -128,11 +137,6 @@ def _mv_verify(gold: list, pred: list) -> bool:
     return bool(verify(gold, pred, timeout_seconds=timeout))
 
 
-def _last_number(text: str) -> str | None:
-    found = _LAST_NUMBER.findall(text)
-    return found[-1] if found else None
-
-
 def _looks_like_prose(s: str) -> bool:
     """Words outside LaTeX commands ("The total is 12 apples"): read as text, not as one expression."""
     return bool(_PROSE.search(s))
@@ -144,16 +148,40 @@ def _read(text: str) -> tuple[list[Fraction], list | None]:
     values, core = _candidates(answer)
     if values or not core:
         return values, None
-    if not _looks_like_prose(core):  # an expression, anchored or bare: "\\frac{1}{2}", "(1, 2)"
+    if not _looks_like_prose(core) and not _ARITHMETIC.match(core):
+        # one expression: "\\frac{1}{2}", "(1, 2)", an anchored "2^{10}"
         parsed = _mv_parse(core, anchored=True)
         if parsed or anchored:
             return [], parsed
-    # Free text: math-verify's own anchors first ("the final answer is $...$"), else the last number.
-    parsed = _mv_parse(core, anchored=False)
-    if parsed:
-        return [], parsed
-    last = _last_number(core)
-    return (_candidates(last)[0] if last else []), None
+    return _read_final(core)
+
+
+def _read_final(text: str) -> tuple[list[Fraction], list | None]:
+    """Free text by its final answer: the first math segment or number after its last "answer is",
+    else the later of its last math segment and its last number (module docstring)."""
+    phrases = list(_ANSWER_PHRASE.finditer(text))
+    tail = text[phrases[-1].end():] if phrases else text
+    items = [m for m in _MATH_SEGMENT.finditer(tail) if not _looks_like_prose(_segment(m))]
+    items += list(_LAST_NUMBER.finditer(tail))
+    if not items:
+        return [], None
+    item = min(items, key=lambda m: m.start()) if phrases else max(items, key=lambda m: m.end())
+    if item.re is _LAST_NUMBER:
+        return _candidates(item.group())[0], None
+    inner = _segment(item).strip()
+    values, core = _candidates(inner)
+    if values:
+        return values, None
+    if not _ARITHMETIC.match(core):
+        parsed = _mv_parse(core, anchored=True)
+        if parsed:
+            return [], parsed
+    numbers = _LAST_NUMBER.findall(inner)  # "$83 + 26 = 109$": what the computation comes to
+    return (_candidates(numbers[-1])[0] if numbers else []), None
+
+
+def _segment(m: re.Match) -> str:
+    return next(g for g in m.groups() if g is not None)
 
 
 def _as_parsed(values: list[Fraction], parsed: list | None) -> list:

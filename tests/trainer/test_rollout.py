@@ -92,6 +92,25 @@ def test_top_k_and_top_p_restrict_support():
     assert nucleus == {0, 1}
 
 
+def test_sampling_draws_the_categorical_distribution():
+    """Frequencies of 200,000 draws (one row repeated) match the probabilities within 4.5 standard
+    errors, a zero-probability token is never drawn, and the last token of a 49k vocabulary gets
+    its share."""
+    probs = torch.tensor([0.5, 0.0, 0.3, 0.15, 0.05])
+    n = 200_000
+    logits = probs.log().expand(n, -1)  # log 0 = -inf: probability 0 after softmax
+    g = torch.Generator().manual_seed(0)
+    counts = torch.bincount(sample_next(logits, SamplingParams(1), g), minlength=5).double()
+    assert counts[1] == 0
+    se = (probs.double() * (1 - probs.double()) / n).sqrt()
+    assert ((counts / n - probs.double()).abs() <= 4.5 * se).all()
+    V = 49_152
+    p = torch.full((V,), (1 - 1e-3) / (V - 1), dtype=torch.float64)
+    p[-1] = 1e-3
+    draws = sample_next(p.log().float().expand(20_000, -1), SamplingParams(1), g)
+    assert 5 <= int((draws == V - 1).sum()) <= 40  # expected 20
+
+
 def test_cat_repads_prompts_left_and_completions_right():
     a = Rollout(torch.tensor([[7, 8]]), torch.tensor([[1, 1]]), torch.tensor([[1, 2, 3]]),
                 torch.tensor([[True, True, False]]), torch.tensor([False]))
@@ -131,6 +150,7 @@ def test_cat_refuses_sampling_logp_on_some_parts_only():
 
 
 # ---------------------------------------------------------------------- the fast decoder
+from grouprl.precision import cpu_bf16_flags  # noqa: E402
 from grouprl.rollout.fast import FastDecoder  # noqa: E402
 
 
@@ -143,10 +163,13 @@ def _hf_logits(model, ids, mask, autocast=None):
 
 
 @pytest.mark.parametrize("dtype,atol,fuse,pack", [(None, 1e-4, True, False), (None, 1e-4, False, False),
-                                                   (None, 1e-4, True, True), (torch.bfloat16, 0.15, None, False)])
+                                                   (None, 1e-4, True, True), (torch.bfloat16, 0.15, None, False),
+                                                   (torch.bfloat16, 0.15, True, True)])
 def test_fast_decoder_logits_match_transformers_forward(model_and_tok, dtype, atol, fuse, pack):
     """Prefill + cached steps (with a row compacted out midway) give the logits of a full forward
     pass over the same left-padded sequences; bf16 is compared with transformers under autocast."""
+    if pack and dtype == torch.bfloat16 and not cpu_bf16_flags():
+        pytest.skip("packed bf16 weights need a CPU with native bf16 (precision.py)")
     model, tok = model_and_tok
     prompts = [tok("What is 1+2? ")["input_ids"], tok("Hi")["input_ids"]]
     P, G, steps = max(map(len, prompts)), 2, 6
@@ -204,14 +227,16 @@ def test_unsupported_models_fall_back_to_the_generic_path():
 
 
 def test_packed_weights_only_for_larger_fp32_models_on_cpu(model_and_tok, monkeypatch):
-    """The default: oneDNN-packed weights from PACK_MIN_PARAMS parameters, fp32 only."""
+    """The default: oneDNN-packed weights from PACK_MIN_PARAMS parameters, in fp32, and in bf16
+    where oneDNN has bf16 kernels."""
     import grouprl.rollout.fast as fast
 
     model, _ = model_and_tok
     assert FastDecoder(model).linear is torch.nn.functional.linear  # 0.5 M parameters: plain MKL
     monkeypatch.setattr(fast, "PACK_MIN_PARAMS", 1000)
     assert FastDecoder(model).linear is fast._packed_linear
-    assert FastDecoder(model, dtype=torch.bfloat16).linear is torch.nn.functional.linear
+    bf16_packs = torch.ops.mkldnn._is_mkldnn_bf16_supported()  # oneDNN has bf16 kernels for this CPU
+    assert (FastDecoder(model, dtype=torch.bfloat16).linear is fast._packed_linear) == bf16_packs
 
 
 def test_small_models_decode_on_one_thread_and_restore_the_setting(model_and_tok, monkeypatch):

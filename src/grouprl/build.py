@@ -50,7 +50,7 @@ def make_engine(cfg: TrainConfig, model: torch.nn.Module, tokenizer, rank: int,
     from grouprl.rollout.vllm import VLLMEngine
 
     return VLLMEngine(resolve_model_path(cfg.model), eos_token_ids=eos, pad_token_id=pad,
-                      dtype=cfg.vllm_dtype or ("bfloat16" if cfg.bf16 else "float32"),
+                      dtype=cfg.vllm_dtype or ("bfloat16" if autocast is not None else "float32"),
                       gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
                       max_model_len=cfg.vllm_max_model_length, enforce_eager=cfg.vllm_enforce_eager,
                       enable_sleep_mode=cfg.vllm_enable_sleep_mode, seed=cfg.seed + rank)

@@ -47,8 +47,11 @@ class TrainConfig:
     and checkpoints are plain safetensors folders. Needs `pip install 'grouprl[gguf]'`."""
     tokenizer: str | None = None
     """Tokenizer folder or name; defaults to `model` (for a GGUF model: the tokenizer in the file)."""
-    bf16: bool = False
-    """Run matmuls in bfloat16 (autocast; master weights and optimizer state stay fp32)."""
+    bf16: bool | str = "auto"
+    """Run matmuls in bfloat16 (autocast; master weights, gradients and optimizer state stay fp32).
+    `auto`: where the hardware multiplies bf16 natively (a bf16-capable CUDA GPU, a CPU with
+    AVX512-BF16 or AMX), fp32 elsewhere; `true` on other hardware is refused, since emulated bf16
+    runs many times slower than fp32 (grouprl/precision.py); `false`: fp32."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass to save memory."""
     disable_dropout: bool = True
@@ -302,7 +305,8 @@ class TrainConfig:
     has the GPU to itself; waking up costs a host-to-device copy. Not available on CPU."""
     vllm_dtype: str | None = None
     """dtype vLLM computes in: float32 | bfloat16 | float16 | auto (the checkpoint's, vLLM's rule).
-    None follows the trainer: bfloat16 with bf16, float32 otherwise."""
+    None follows the trainer: bfloat16 when its bf16 is on (`auto` resolved for the device), float32
+    otherwise."""
     vllm_max_model_length: int | None = None
     """Longest prompt + completion vLLM serves; None takes the model config's maximum."""
     vllm_enforce_eager: bool = False
@@ -355,6 +359,8 @@ class TrainConfig:
         c = self.resolved()
         for f in dataclasses.fields(c):
             _check_type(f.name, getattr(c, f.name), _field_types()[f.name])
+        if isinstance(c.bf16, str) and c.bf16 != "auto":
+            raise ConfigError(f"bf16={c.bf16!r} is not one of: auto, true, false")
         if not c.model:
             raise ConfigError("model is empty: pass a model folder, e.g. --model path/to/model "
                               "(or builtin:default_policy)")

@@ -44,6 +44,7 @@ from grouprl.data import PromptFormatter, PromptSampler, completion_objects, loa
 from grouprl.logging import Progress, RunLogger
 from grouprl.policy import (MicroBatch, Reference, can_share_prompts, completion_logprobs, load_policy,
                             load_tokenizer)
+from grouprl.precision import native_bf16, resolve_bf16
 from grouprl.rewards import RewardScores, process_rewards, sandbox_mechanism, score_completions
 from grouprl.rollout import Rollout, SamplingParams
 from grouprl.rollout.multiturn import Trajectories, trajectory_metrics
@@ -100,6 +101,11 @@ class Trainer:
             if self.dist.is_main:  # once per run: which walls hold the programs the rewards execute
                 logger.info("sandbox for untrusted code: %s", sandbox)
 
+        self.autocast = torch.bfloat16 if resolve_bf16(cfg.bf16, self.dist.device) else None  # precision.py
+        if self.dist.is_main:
+            logger.info("matmuls in %s (bf16=%s: %s)", "bf16 autocast" if self.autocast else "fp32", cfg.bf16,
+                        native_bf16(self.dist.device)[1])
+
         # models
         self.tokenizer = load_tokenizer(cfg.tokenizer or cfg.model, None if cfg.tokenizer else cfg.gguf_file)
         self.model = load_policy(cfg.model, gguf_file=cfg.gguf_file, lora_r=cfg.lora_r, lora_alpha=cfg.lora_alpha,
@@ -114,7 +120,6 @@ class Trainer:
         self.train_model = D.wrap_model(self.model, self.dist, cfg.distributed_strategy)
         if D.is_sharded(self.model) and self.ref is not None and self.ref.model is not None:
             D.shard_model(self.ref.model)
-        self.autocast = torch.bfloat16 if cfg.bf16 else None
         # FSDP2 frees the gathered weights after each forward: the prompt pass's graph would lose them
         shared = cfg.share_prompt_forward and can_share_prompts(self.model) and not D.is_sharded(self.model)
         self.share_min_tokens = cfg.share_prompt_min_tokens if shared else None

@@ -8,6 +8,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from grouprl.precision import cpu_bf16_flags
 from grouprl.trainer import Trainer
 from tests.trainer.conftest import read_metrics
 
@@ -181,6 +182,7 @@ def test_eval_before_and_after_and_iterative_reference(make_cfg, tmp_path, digit
     assert (__import__("pathlib").Path(cfg.output_dir) / "checkpoints/step-000004/ref.safetensors").is_file()
 
 
+@pytest.mark.skipif(not cpu_bf16_flags(), reason="bf16: true is refused on a CPU without native bf16")
 def test_bf16_and_gradient_checkpointing_run(make_cfg):
     cfg = make_cfg(max_steps=1, bf16=True, gradient_checkpointing=True, beta=0.04)
     Trainer(cfg).train()

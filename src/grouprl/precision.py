@@ -1,0 +1,78 @@
+"""Which precision the policy's matmuls run in: `bf16: auto | true | false`.
+
+bf16 here always means autocast: master weights, gradients and optimizer state stay fp32, and
+log-probs are computed in fp32 from the (bf16) logits (core/logprobs.py). It pays only where the
+hardware multiplies bf16 natively:
+
+- a CUDA GPU that reports bf16 support (Ampere and later);
+- an x86 CPU with AVX512-BF16 or AMX-BF16 instructions (`lscpu` flags avx512_bf16, amx_bf16).
+
+Elsewhere torch emulates bf16 arithmetic: a CPU with AVX-512 but no bf16 instructions converts on
+the fly, and an AVX2-only CPU falls off oneDNN's fast path altogether; benchmarks/README.md has
+the matmul rates measured with oneDNN held to each instruction set. So `auto` (the default) takes
+bf16 exactly where it is native and fp32 elsewhere, and `true` on hardware without native bf16 is
+refused with the reason instead of running many times slower.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import torch
+
+from grouprl.config import ConfigError
+
+_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
+
+
+@lru_cache(maxsize=None)
+def cpu_bf16_flags() -> tuple[str, ...]:
+    """The native-bf16 instruction sets of this CPU, by the names `lscpu` prints."""
+    found = []
+    probes = {"avx512_bf16": "_is_avx512_bf16_supported", "amx_bf16": "_is_amx_tile_supported"}
+    for flag, probe in probes.items():
+        fn = getattr(torch.cpu, probe, None)
+        if fn is not None:
+            if fn():
+                found.append(flag)
+        elif flag in _proc_cpuinfo_flags():
+            found.append(flag)
+    return tuple(found)
+
+
+def _proc_cpuinfo_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def native_bf16(device: torch.device) -> tuple[bool, str]:
+    """(whether `device` multiplies bf16 natively, the reason in words)."""
+    if device.type == "cuda":
+        ok = torch.cuda.is_bf16_supported()
+        name = torch.cuda.get_device_name(device)
+        return ok, f"{name} {'supports' if ok else 'does not support'} bf16"
+    if device.type == "cpu":
+        flags = cpu_bf16_flags()
+        if flags:
+            return True, f"this CPU has {' and '.join(flags)}"
+        return False, f"this CPU has neither of {', '.join(_CPU_FLAGS)} (torch would emulate bf16 matmuls)"
+    return False, f"device type {device.type!r} is not one grouprl knows to multiply bf16 natively"
+
+
+def resolve_bf16(setting: bool | str, device: torch.device) -> bool:
+    """The `bf16` config value made definite for `device`: `auto` follows `native_bf16`, `True` on
+    hardware without native bf16 is a ConfigError naming the hardware and the fix."""
+    native, why = native_bf16(device)
+    if setting == "auto":
+        return native
+    if setting is True and not native:
+        raise ConfigError(f"bf16=true: {why}, so bf16 autocast would run many times slower than fp32 "
+                          "(benchmarks/README.md, 'bf16 on CPUs'); set bf16: auto (bf16 where native, "
+                          "fp32 elsewhere) or bf16: false")
+    return bool(setting)

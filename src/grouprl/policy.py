@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
-from grouprl.core import token_entropy, token_logprobs
+from grouprl.core import token_logprobs, token_logprobs_and_entropy
 from grouprl.rollout import Rollout, same_prompt_ids
 
 
@@ -183,12 +183,9 @@ def completion_logprobs(model: torch.nn.Module, mb: MicroBatch, *, temperature: 
         else:
             logits = _joint_logits(model, mb, device)
     cids = mb.completion_ids.to(device)
-    logp = token_logprobs(logits, cids, temperature=temperature)  # [n, T']
-    entropy = None
-    if with_entropy:
-        with torch.no_grad():
-            entropy = token_entropy(logits.detach(), temperature=temperature)  # [n, T']
-    return logp, entropy
+    if with_entropy:  # one pass over the [n, T', V] logits for both
+        return token_logprobs_and_entropy(logits, cids, temperature=temperature)  # [n, T'] each
+    return token_logprobs(logits, cids, temperature=temperature), None  # [n, T']
 
 
 def _joint_logits(model: torch.nn.Module, mb: MicroBatch, device: torch.device) -> torch.Tensor:

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from grouprl.core import token_entropy, token_logprobs
+from grouprl.core import token_entropy, token_logprobs, token_logprobs_and_entropy
 
 # chunk budgets with V = 11, T = 5: whole batch in one chunk; 2 rows per chunk; 2 tokens per chunk (T·V
 # over budget); one token per chunk (budget below V)
@@ -39,6 +39,41 @@ def test_values_match_log_softmax(chunk, temperature, dtype):
     ent = token_entropy(logits, temperature=temperature, max_chunk_elements=chunk)
     assert ent.shape == (3, 5) and ent.dtype == torch.float32
     torch.testing.assert_close(ent.double(), ref_entropy(logits, temperature), rtol=1e-6, atol=2e-6)
+
+
+@pytest.mark.parametrize("chunk", CHUNKS)
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_one_pass_gives_both_values_and_the_logprob_gradient(chunk, temperature, dtype):
+    """token_logprobs_and_entropy: the fp64 references' values; the gradient of token_logprobs
+    bitwise (the same backward); no gradient through the entropy."""
+    logits, tokens = make(dtype=dtype)
+    x = logits.clone().requires_grad_()
+    logp, ent = token_logprobs_and_entropy(x, tokens, temperature=temperature, max_chunk_elements=chunk)
+    assert logp.shape == ent.shape == (3, 5) and logp.dtype == ent.dtype == torch.promote_types(dtype, torch.float32)
+    tol = dict(rtol=1e-12, atol=1e-12) if dtype == torch.float64 else dict(rtol=1e-6, atol=2e-6)
+    torch.testing.assert_close(logp.double(), ref_logprobs(logits, tokens, temperature), **tol)
+    torch.testing.assert_close(ent.double(), ref_entropy(logits, temperature), **tol)
+    assert not ent.requires_grad
+    up = torch.randn(3, 5, generator=torch.Generator().manual_seed(1)).to(logp.dtype)
+    (logp * up).sum().backward()
+    y = logits.clone().requires_grad_()
+    (token_logprobs(y, tokens, temperature=temperature, max_chunk_elements=chunk) * up).sum().backward()
+    assert torch.equal(x.grad, y.grad)
+
+
+def test_one_pass_entropy_stays_exact_when_nearly_deterministic():
+    """One logit 30 above 999 others: H = 2.9e-9, a thousandth of fp32's resolution at lse = 30, so
+    lse − Σ p·x would keep no digit of it. The two non-negative terms keep it to 4 %: Σ e·d / s
+    exactly, log s (1e-10) rounds to 0 in fp32, as it does in token_entropy."""
+    logits = torch.zeros(2, 3, 1000)
+    logits[..., 7] = 30.0
+    tokens = torch.full((2, 3), 7)
+    _, ent = token_logprobs_and_entropy(logits, tokens)
+    want = ref_entropy(logits, 1.0)
+    assert (want > 0).all() and (want < 1e-8).all()
+    torch.testing.assert_close(ent.double(), want, rtol=4e-2, atol=0)
+    torch.testing.assert_close(ent, token_entropy(logits), rtol=1e-6, atol=0)
 
 
 @pytest.mark.parametrize("chunk", CHUNKS)

@@ -21,7 +21,7 @@ from .advantage_variants import (
 )
 from .importance import IS_MODES, importance_weights, register_is_mode
 from .kl import KL_ESTIMATORS, kl_estimate
-from .logprobs import token_entropy, token_logprobs
+from .logprobs import token_entropy, token_logprobs, token_logprobs_and_entropy
 from .losses import (
     LOSS_AGGREGATIONS,
     RATIO_LEVELS,
@@ -68,5 +68,6 @@ __all__ = [
     "rloo_advantages",
     "token_entropy",
     "token_logprobs",
+    "token_logprobs_and_entropy",
     "zero_std_groups",
 ]

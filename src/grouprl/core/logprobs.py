@@ -34,7 +34,11 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor
 
-CHUNK_ELEMENTS = 1 << 24  # fp32 elements per chunk: 64 MiB
+# fp32 elements per chunk, by device type. On CPU a chunk that stays in cache is what counts: on
+# [16, 64, 49152] logits (2 threads) forward + backward took 94 ms (bf16) / 151 ms (fp32) in 4 MiB
+# chunks against 360 / 298 ms in 64 MiB ones. On a GPU, fewer and larger chunks launch fewer kernels.
+CHUNK_ELEMENTS = {"cpu": 1 << 20}
+DEFAULT_CHUNK_ELEMENTS = 1 << 24  # 64 MiB of fp32
 
 
 def _chunks(n: int, t: int, v: int, max_elements: int) -> Iterator[tuple[slice, slice]]:
@@ -151,13 +155,20 @@ class _TokenEntropy(torch.autograd.Function):
         return grad, None, None
 
 
-def _check_logits(logits: Tensor, temperature: float, max_elements: int) -> None:
+def _chunk_budget(logits: Tensor, max_elements: int | None) -> int:
+    """`max_chunk_elements` as given, or the default for the logits' device (None)."""
+    if max_elements is None:
+        return CHUNK_ELEMENTS.get(logits.device.type, DEFAULT_CHUNK_ELEMENTS)
+    return int(max_elements)
+
+
+def _check_logits(logits: Tensor, temperature: float, max_elements: int | None) -> None:
     if not isinstance(logits, Tensor) or logits.dim() != 3 or not logits.is_floating_point():
         raise ValueError(f"logits must be a float [N, T, V] tensor, got "
                          f"{getattr(logits, 'shape', type(logits).__name__)}")
     if not temperature > 0:
         raise ValueError(f"temperature={temperature} must be > 0 (use the sampling temperature)")
-    if max_elements < 1:
+    if max_elements is not None and max_elements < 1:
         raise ValueError(f"max_chunk_elements={max_elements} must be >= 1")
 
 
@@ -170,24 +181,26 @@ def _check_tokens(logits: Tensor, tokens: Tensor) -> None:
 
 
 def token_logprobs(logits: Tensor, tokens: Tensor, *, temperature: float = 1.0,
-                   max_chunk_elements: int = CHUNK_ELEMENTS) -> Tensor:
+                   max_chunk_elements: int | None = None) -> Tensor:
     """log softmax(logits / temperature) at ``tokens``: logits [N, T, V], tokens [N, T] → fp32 [N, T]."""
     _check_logits(logits, temperature, max_chunk_elements)
     _check_tokens(logits, tokens)
-    return _TokenLogprobs.apply(logits, tokens.long(), float(temperature), int(max_chunk_elements))
+    budget = _chunk_budget(logits, max_chunk_elements)
+    return _TokenLogprobs.apply(logits, tokens.long(), float(temperature), budget)
 
 
 def token_entropy(logits: Tensor, *, temperature: float = 1.0,
-                  max_chunk_elements: int = CHUNK_ELEMENTS) -> Tensor:
+                  max_chunk_elements: int | None = None) -> Tensor:
     """Entropy of softmax(logits / temperature) per position: logits [N, T, V] → fp32 [N, T]."""
     _check_logits(logits, temperature, max_chunk_elements)
-    return _TokenEntropy.apply(logits, float(temperature), int(max_chunk_elements))
+    return _TokenEntropy.apply(logits, float(temperature), _chunk_budget(logits, max_chunk_elements))
 
 
 def token_logprobs_and_entropy(logits: Tensor, tokens: Tensor, *, temperature: float = 1.0,
-                               max_chunk_elements: int = CHUNK_ELEMENTS) -> tuple[Tensor, Tensor]:
+                               max_chunk_elements: int | None = None) -> tuple[Tensor, Tensor]:
     """`token_logprobs` and `token_entropy` from one pass: fp32 [N, T] each; only the log-probs
     carry a gradient (the entropy is a metric or a mask here)."""
     _check_logits(logits, temperature, max_chunk_elements)
     _check_tokens(logits, tokens)
-    return _TokenLogprobsEntropy.apply(logits, tokens.long(), float(temperature), int(max_chunk_elements))
+    budget = _chunk_budget(logits, max_chunk_elements)
+    return _TokenLogprobsEntropy.apply(logits, tokens.long(), float(temperature), budget)

@@ -11,8 +11,8 @@ stopping; `--set ignore_eos=true` for fixed length), full fine-tuning, beta 0. T
 is a warm-up and is not counted; the figures are medians over the other steps of the trainer's
 own timings (time/generate, time/logprobs, time/update, ...). Last line: `s_per_step=...`.
 
-Utilisation: the useful FLOPs of a step (vs_trl.model_flops: 2 per parameter per token
-generated and per token of a forward pass, 3 passes' worth for the update) divided by the step
+Utilisation: the useful FLOPs of a step (vs_trl.model_flops: each prompt once per group, each
+completion token once; 2 per weight per token generated, 6 per token updated) divided by the step
 time, against the best fp32 and bf16 matmul FLOP/s measured in the same process with the same
 thread count, before and after the steps (on a shared machine the better reading is the truer).
 `--profile FILE` also runs one more step under torch.profiler and writes its top operators.
@@ -63,6 +63,7 @@ def main() -> None:
                       num_logged_samples=0, num_threads=args.threads, eval_data=None,
                       max_steps=args.steps + 2, **fields)
         trainer = Trainer(cfg)
+        bf16 = trainer.autocast is not None
         print(f"bf16={trainer.autocast is not None} attn={trainer.model.config._attn_implementation} "
               f"micro_batch_size={cfg.micro_batch_size} lora_r={cfg.lora_r} load {os.getloadavg()[0]:.2f}",
               flush=True)
@@ -77,7 +78,8 @@ def main() -> None:
             if i:
                 rows.append(times)
                 G = cfg.num_generations * cfg.prompts_per_step
-                flops.append(model_flops(args.model, n_prompt, [m["completion/length_mean"]] * G, cfg.beta))
+                flops.append(model_flops(args.model, n_prompt, [m["completion/length_mean"]] * G, cfg.beta,
+                                         group_size=cfg.num_generations))
         if args.profile:
             from torch.profiler import ProfilerActivity, profile
 
@@ -90,7 +92,7 @@ def main() -> None:
     med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
     step = med["step"]
     achieved = statistics.median(flops) / step
-    dtype = "bf16" if cfg.bf16 else "fp32"
+    dtype = "bf16" if bf16 else "fp32"
     print("median: " + ", ".join(f"{k} {v:.2f} s" for k, v in med.items()))
     print(f"matmul peak ({args.threads} threads): fp32 {peak['fp32'] / 1e12:.3f}, bf16 {peak['bf16'] / 1e12:.3f} "
           f"TFLOP/s; step achieves {achieved / 1e12:.3f} TFLOP/s = {100 * achieved / peak[dtype]:.1f}% of the "

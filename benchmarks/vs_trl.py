@@ -3,6 +3,13 @@
     python benchmarks/vs_trl.py                      # every default workload
     python benchmarks/vs_trl.py --workload tiny-32   # one workload; last line: ratio_steps_per_s=.. ratio_peak_rss=..
     python benchmarks/vs_trl.py --list
+    python benchmarks/vs_trl.py --workload smollm2-135m --smollm2 models/smollm2   # a real model
+
+`smollm2-*` workloads train SmolLM2-135M-Instruct (the folder scripts/fetch_smollm2.py writes) on
+`builtin:chat_arithmetic` chat prompts with the example's rewards (`math_accuracy` weight 1,
+`chat_arithmetic:boxed_accuracy` weight 0.5), 64 tokens, beta 0, lr 2e-5. bf16 workloads run only
+where the CPU multiplies bf16 natively (grouprl.precision); elsewhere they are skipped with a line
+that says so.
 
 Each side runs in its own subprocess (so peak RSS is per side), the two alternate (grouprl, TRL,
 grouprl, TRL, ... for `--rounds`), and each run waits for an idle CPU first. A run trains
@@ -18,11 +25,12 @@ grad-norm clip 1.0, AdamW. bf16 workloads run TRL with `bf16=True` and grouprl w
 "Fixed" workloads make every completion exactly max_completion_length tokens on both sides
 (grouprl: `ignore_eos`; TRL: `min_new_tokens`), so both compute the same number of tokens.
 
-Model-FLOPs utilisation (MFU) counts the useful work of a step -- 2 FLOPs per parameter per
-token of generation (prompt prefilled once per completion-group is what a step needs: we count
-it once per completion, as TRL computes it), 6 per token of the policy update, 2 per token of
-the reference forward when beta > 0, plus attention -- against a matmul peak measured in the
-same run with the same thread count and precision.
+Model-FLOPs utilisation (MFU) counts the useful work of a step (`model_flops`): each prompt once
+per group and each completion token once, 2 FLOPs per weight per token to generate, 6 to update
+(forward and backward), 2 more for the reference forward when beta > 0, the LM head at completion
+positions only, plus causal attention -- against a matmul peak measured in the same run with the
+same thread count and precision. Work a side repeats (a prompt run once per completion) is not
+useful work and lowers its MFU.
 """
 
 from __future__ import annotations
@@ -56,6 +64,8 @@ class Workload:
     bf16: bool = False
     fixed: bool = False  # every completion exactly max_tokens long
     micro_batch: int = 4  # grouprl's micro_batch_size (same gradient for any value; smaller = less memory)
+    task: str = "sum"    # "sum": "What is a+b? Answer: " text prompts; "chat": builtin:chat_arithmetic
+    lr: float = 1e-5
 
 
 WORKLOADS = {w.name: w for w in [
@@ -69,12 +79,17 @@ WORKLOADS = {w.name: w for w in [
     Workload("50m-128-bf16", "50m", 128, bf16=True, micro_batch=2),
     Workload("50m-128-fixed", "50m", 128, fixed=True, micro_batch=2),
     Workload("50m-128-bf16-fixed", "50m", 128, bf16=True, fixed=True, micro_batch=2),
-]}
+] + [Workload(f"smollm2-135m{'-bf16' * bf16}{'-fixed' * fixed}", "smollm2", 64, beta=0.0, bf16=bf16, fixed=fixed,
+              micro_batch=16, task="chat", lr=2e-5) for bf16 in (False, True) for fixed in (False, True)]}
 DEFAULT = ["tiny-32", "10m-128", "50m-128", "50m-128-bf16"]
 
 
 # ---------------------------------------------------------------------------- shared pieces
-def make_rows(n: int = 512, seed: int = 0) -> list[dict]:
+def make_rows(task: str = "sum", n: int = 512, seed: int = 0) -> list[dict]:
+    if task == "chat":  # [{"role": "user", "content": "What is 37+48? Put the final answer in \\boxed{}."}]
+        from grouprl.tasks.chat_arithmetic import train_rows
+
+        return train_rows()[:n]
     rng = random.Random(seed)
     rows = []
     for _ in range(n):
@@ -83,11 +98,16 @@ def make_rows(n: int = 512, seed: int = 0) -> list[dict]:
     return rows
 
 
-def reward_funcs():
-    from grouprl.rewards import math_accuracy
-    from grouprl.tasks.arithmetic import format_reward
+REWARDS = {  # task -> (reward functions, weights): the same on both sides
+    "sum": (["math_accuracy", "grouprl.tasks.arithmetic:format_reward"], [1.0, FORMAT_WEIGHT]),
+    "chat": (["math_accuracy", "grouprl.tasks.chat_arithmetic:boxed_accuracy"], [1.0, 0.5]),
+}
 
-    return [math_accuracy, format_reward]
+
+def reward_funcs(task: str):
+    from grouprl.rewards import resolve_reward_func
+
+    return [resolve_reward_func(name) for name in REWARDS[task][0]]
 
 
 def peak_rss_mib() -> float:
@@ -96,20 +116,25 @@ def peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
 
 
-def model_flops(model_dir: str, prompt_tokens: float, completion_tokens: list[float], beta: float) -> float:
-    """Useful FLOPs of one step from the token counts a step needs (see the module docstring)."""
+def model_flops(model_dir: str, prompt_tokens: float, completion_tokens: list[float], beta: float,
+                group_size: int) -> float:
+    """Useful FLOPs of one step (module docstring): prompts of `prompt_tokens` once per group of
+    `group_size` completions, completions of the given lengths, GQA-aware weights, the LM head at
+    completion positions, causal attention over prompt + completion."""
     from transformers import AutoConfig
 
     c = AutoConfig.from_pretrained(model_dir)
     d, L, f, V = c.hidden_size, c.num_hidden_layers, c.intermediate_size, c.vocab_size
-    per_token = L * (4 * d * d + 3 * d * f) + d * V  # weights touched per token (q,k,v,o, gate/up/down, lm_head)
-    gen = train = 0.0
-    for n in completion_tokens:
-        ctx_tokens = prompt_tokens + n
-        attn = 2 * L * d * ctx_tokens * ctx_tokens  # sum over positions of 4*d*ctx, causal (half)
-        gen += 2 * per_token * ctx_tokens + attn
-        train += 2 * per_token * ctx_tokens + attn  # one forward over prompt + completion
-    return gen + train * (3 + (1 if beta > 0 else 0))
+    H = c.num_attention_heads
+    D = getattr(c, "head_dim", None) or d // H
+    kv = (getattr(c, "num_key_value_heads", None) or H) * D
+    body = L * (2 * d * H * D + 2 * d * kv + 3 * d * f)  # weights per token: q, o; k, v; gate, up, down
+    groups = len(completion_tokens) / group_size
+    P = prompt_tokens
+    tokens = groups * P + sum(completion_tokens)
+    attn = 2 * L * H * D * (groups * P * P + sum(2 * T * P + T * T for T in completion_tokens))  # 4·HD per causal pair
+    forward = 2 * body * tokens + 2 * d * V * sum(completion_tokens) + attn
+    return forward * (1 + 3 + (1 if beta > 0 else 0))  # generate, update (forward + backward), reference
 
 
 # ---------------------------------------------------------------------------- workers
@@ -122,21 +147,23 @@ def worker_grouprl(w: Workload, model_dir: str, steps: int, threads: int) -> dic
 
     torch.set_num_threads(threads)
     with tempfile.TemporaryDirectory() as out:
+        names, weights = REWARDS[w.task]
         cfg = TrainConfig(
-            model=model_dir, train_data="<in memory>", reward_funcs=["math_accuracy", "format_reward"],
-            reward_weights=[1.0, FORMAT_WEIGHT], algorithm="grpo", beta=w.beta, num_generations=8,
+            model=model_dir, train_data="<in memory>", reward_funcs=names,
+            reward_weights=weights, algorithm="grpo", beta=w.beta, num_generations=8,
             prompts_per_step=2, micro_batch_size=w.micro_batch, max_completion_length=w.max_tokens, temperature=1.0,
-            learning_rate=1e-5, num_iterations=1, bf16=w.bf16, ignore_eos=w.fixed, max_steps=steps,
+            learning_rate=w.lr, num_iterations=1, bf16=w.bf16, ignore_eos=w.fixed, max_steps=steps,
             output_dir=out, progress=False, report_to_tensorboard=False, num_logged_samples=0,
             num_threads=threads, seed=0, reward_timeout_s=None)
-        trainer = Trainer(cfg, train_dataset=Dataset.from_list(make_rows()), reward_funcs=reward_funcs())
+        trainer = Trainer(cfg, train_dataset=Dataset.from_list(make_rows(w.task)), reward_funcs=reward_funcs(w.task))
         times, stages, lengths = [], [], []
         for _ in range(steps):
             trainer.step += 1
             t0 = time.perf_counter()
             m = trainer.train_step()
             times.append(time.perf_counter() - t0)
-            stages.append({k.removeprefix("time/"): v for k, v in m.items() if k.startswith("time/") and k != "time/step"})
+            stages.append({k.removeprefix("time/"): v for k, v in m.items()  # generate_engine is part of generate
+                           if k.startswith("time/") and k not in ("time/step", "time/generate_engine")})
             lengths.append(m["completion/length_mean"])
     return {"times": times, "stages": stages, "lengths": lengths, "peak_rss_mib": peak_rss_mib()}
 
@@ -163,7 +190,7 @@ def worker_trl(w: Workload, model_dir: str, steps: int, threads: int) -> dict:
         return wrapper
 
     model.generate = timed(model.generate, "generate")
-    funcs = [timed(f, "reward") for f in reward_funcs()]
+    funcs = [timed(f, "reward") for f in reward_funcs(w.task)]
     times, stages, lengths = [], [], []
 
     class Clock(TrainerCallback):
@@ -185,14 +212,14 @@ def worker_trl(w: Workload, model_dir: str, steps: int, threads: int) -> dict:
         args = GRPOConfig(
             output_dir=out, per_device_train_batch_size=16, num_generations=8, generation_batch_size=16,
             gradient_accumulation_steps=1, max_completion_length=w.max_tokens, temperature=1.0,
-            learning_rate=1e-5, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
+            learning_rate=w.lr, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
             max_grad_norm=1.0, beta=w.beta, epsilon=0.2, num_iterations=1, loss_type="grpo",
-            scale_rewards="group", reward_weights=[1.0, FORMAT_WEIGHT], bf16=w.bf16, use_cpu=True,
+            scale_rewards="group", reward_weights=REWARDS[w.task][1], bf16=w.bf16, use_cpu=True,
             use_vllm=False, max_steps=steps, logging_steps=1, save_strategy="no", report_to="none",
             disable_tqdm=True, seed=0, dataloader_num_workers=0, log_completions=False,
             generation_kwargs={"min_new_tokens": w.max_tokens} if w.fixed else None)
         trainer = GRPOTrainer(model=model, reward_funcs=funcs, args=args,
-                              train_dataset=Dataset.from_list(make_rows()), processing_class=tok,
+                              train_dataset=Dataset.from_list(make_rows(w.task)), processing_class=tok,
                               callbacks=[Clock()])
         trainer.train()
     return {"times": times, "stages": stages, "lengths": lengths, "peak_rss_mib": peak_rss_mib()}
@@ -268,6 +295,8 @@ def main() -> None:
     ap.add_argument("--only", choices=["grouprl", "trl"], help="run one side only (development)")
     ap.add_argument("--micro-batch", type=int, help="grouprl's micro_batch_size (default: the workload's)")
     ap.add_argument("--json", help="write all results to this file")
+    ap.add_argument("--smollm2", default="models/smollm2",
+                    help="the SmolLM2-135M-Instruct folder for smollm2-* workloads (scripts/fetch_smollm2.py)")
     ap.add_argument("--worker", choices=["grouprl", "trl"], help=argparse.SUPPRESS)
     ap.add_argument("--model-dir", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
@@ -294,7 +323,16 @@ def main() -> None:
     import torch
     import transformers
 
+    from grouprl.precision import native_bf16
     from grouprl.tasks.tiny import save_tiny_model
+
+    native, why = native_bf16(torch.device("cpu"))
+    for n in [n for n in names if WORKLOADS[n].bf16 and not native]:
+        print(f"skipping {n}: {why}; bf16 would not be a fair comparison here", flush=True)
+        names.remove(n)
+    if any(WORKLOADS[n].size == "smollm2" for n in names) and not (Path(args.smollm2) / "config.json").is_file():
+        sys.exit(f"--smollm2 {args.smollm2}: no converted model there; run "
+                 f"python scripts/fetch_smollm2.py {args.smollm2} first")
 
     versions = {"torch": torch.__version__, "transformers": transformers.__version__}
     sides = [args.only] if args.only else ["grouprl", "trl"]
@@ -319,8 +357,12 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for name in names:
             w = WORKLOADS[name]
-            model_dir = str(save_tiny_model(Path(tmp) / w.size, w.size, seed=0)) \
-                if not (Path(tmp) / w.size).exists() else str(Path(tmp) / w.size)
+            if w.size == "smollm2":
+                model_dir = str(Path(args.smollm2).resolve())
+            elif (Path(tmp) / w.size).exists():
+                model_dir = str(Path(tmp) / w.size)
+            else:
+                model_dir = str(save_tiny_model(Path(tmp) / w.size, w.size, seed=0))
             measure_peak()
             runs: dict[str, list[dict]] = {s: [] for s in sides}
             loads = []
@@ -333,10 +375,10 @@ def main() -> None:
                           f"(load {loads[-1]:.2f})", flush=True)
             measure_peak()
             res = {s: summarize(v) for s, v in runs.items()}
-            n_prompt = len(PROMPT.format(a=10, b=10))  # a character tokenizer: ~one token per character
+            n_prompt = prompt_tokens(w, model_dir)
             for s, v in res.items():
                 T = w.max_tokens if w.fixed else v["length_mean"]
-                flops = model_flops(model_dir, n_prompt, [T] * 16, w.beta)
+                flops = model_flops(model_dir, n_prompt, [T] * 16, w.beta, group_size=8)
                 v["mfu"] = flops / v["s_per_step"] / peak["bf16" if w.bf16 else "fp32"]
             res["max_load"] = max(loads)
             res["peak"] = dict(peak)
@@ -348,6 +390,20 @@ def main() -> None:
         g, t = results["workloads"][names[0]]["grouprl"], results["workloads"][names[0]]["trl"]
         print(f"ratio_steps_per_s={t['s_per_step'] / g['s_per_step']:.2f} "
               f"ratio_peak_rss={g['peak_rss_mib'] / t['peak_rss_mib']:.2f}")
+
+
+def prompt_tokens(w: Workload, model_dir: str) -> float:
+    """Mean prompt length in tokens of the workload's rows (chat prompts through the chat template)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    rows = make_rows(w.task)[:64]
+    if w.task == "chat":
+        lengths = [len(tok.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=True,
+                                               return_dict=True)["input_ids"]) for r in rows]
+    else:
+        lengths = [len(tok(r["prompt"])["input_ids"]) for r in rows]
+    return statistics.mean(lengths)
 
 
 def report(name: str, res: dict, sides: list[str]) -> str:

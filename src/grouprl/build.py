@@ -49,11 +49,30 @@ def make_engine(cfg: TrainConfig, model: torch.nn.Module, tokenizer, rank: int,
         return engine
     from grouprl.rollout.vllm import VLLMEngine
 
-    return VLLMEngine(resolve_model_path(cfg.model), eos_token_ids=eos, pad_token_id=pad,
+    return VLLMEngine(vllm_start_folder(cfg, model, rank), eos_token_ids=eos, pad_token_id=pad,
                       dtype=cfg.vllm_dtype or ("bfloat16" if autocast is not None else "float32"),
                       gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
                       max_model_len=cfg.vllm_max_model_length, enforce_eager=cfg.vllm_enforce_eager,
                       enable_sleep_mode=cfg.vllm_enable_sleep_mode, seed=cfg.seed + rank)
+
+
+def vllm_start_folder(cfg: TrainConfig, model: torch.nn.Module, rank: int) -> str:
+    """The folder a colocated vLLM engine starts from: the model's own, or for a GGUF model (which
+    vLLM would read with its own, different dequantizer, if at all) the policy's dequantized
+    weights written once as a plain safetensors folder under output_dir/vllm_start/."""
+    if not cfg.gguf_file:
+        return resolve_model_path(cfg.model)
+    from safetensors.torch import save_file
+
+    from grouprl.rollout.vllm import checkpoint_weights
+
+    folder = Path(cfg.output_dir) / "vllm_start" / f"rank-{rank}"
+    folder.mkdir(parents=True, exist_ok=True)
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base.config.save_pretrained(folder)
+    save_file({k: v.contiguous() for k, v in checkpoint_weights(model)}, str(folder / "model.safetensors"),
+              metadata={"format": "pt"})
+    return str(folder)
 
 
 def eos_ids(model: torch.nn.Module, tokenizer) -> tuple[int, ...]:

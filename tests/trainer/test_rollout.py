@@ -213,6 +213,44 @@ def test_fast_and_generic_paths_sample_the_same_tokens(model_and_tok):
     assert torch.equal(a.completion_mask, b.completion_mask) and torch.equal(a.truncated, b.truncated)
 
 
+def _lora(model, dropout=0.0, seed=0):
+    """A LoRA copy of `model` whose B matrices are random (PEFT starts them at 0: no change)."""
+    import copy
+
+    from peft import LoraConfig, get_peft_model
+
+    peft = get_peft_model(copy.deepcopy(model), LoraConfig(r=4, lora_alpha=8, lora_dropout=dropout,
+                                                           target_modules="all-linear"))
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in peft.named_parameters():
+            if "lora_B" in name:
+                p.copy_(0.3 * torch.randn(p.shape, generator=g))
+    return peft.eval()
+
+
+def test_lora_models_decode_fast_from_merged_weights(model_and_tok):
+    """Prefill and steps of the fast decoder over a LoRA model give the adapter's own logits (not
+    the base model's); with adapter dropout it falls back to the generic path."""
+    model, tok = model_and_tok
+    peft = _lora(model)
+    assert FastDecoder.supports(peft) and not FastDecoder.supports(_lora(model, dropout=0.1))
+    ids = torch.tensor([tok("What is 1+2? ")["input_ids"]])  # [1, P]
+    feed = torch.tensor([[7, 30, 41]])
+    with torch.no_grad():
+        dec = FastDecoder(peft)
+        got = [dec.start(ids, torch.ones_like(ids), 1, 4)] + [dec.step(feed[:, t]) for t in range(3)]
+        full = torch.cat([ids, feed], 1)
+        want = peft(input_ids=full).logits[0, ids.shape[1] - 1:]  # [4, V]
+        base = model(input_ids=full).logits[0, ids.shape[1] - 1:]
+    got = torch.cat(got)  # [4, V]
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+    assert (got - base).abs().max() > 0.1  # the adapter changes the logits, and the decoder sees it
+    engine = HFEngine(peft, (tok.eos_token_id,), tok.pad_token_id)
+    with torch.no_grad():
+        assert isinstance(engine._decoder(torch.device("cpu")), FastDecoder)
+
+
 def test_unsupported_models_fall_back_to_the_generic_path():
     from transformers import GPT2Config, GPT2LMHeadModel
 

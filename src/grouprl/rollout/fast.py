@@ -13,8 +13,11 @@ larger models on CPU use weights packed once per call for oneDNN's small-batch m
 mask object is rebuilt per step, and rows that have finished are compacted out of the cache so
 they cost nothing afterwards.
 
-`FastDecoder.supports(model)` says whether a model fits (plain Llama/Qwen2 weights, SiLU MLP, no
-sliding window, no adapter); the engine falls back to the generic `transformers` path otherwise.
+`FastDecoder.supports(model)` says whether a model fits (Llama/Qwen2 weights, SiLU MLP, no sliding
+window); the engine falls back to the generic `transformers` path otherwise. A PEFT model with LoRA
+adapters (no adapter dropout) decodes from merged weights W + s·BA, built per call as the cast or
+packed copies are: the same logits as the adapter's forward, and on SmolLM2-135M with r = 16 the
+generic path took 3.5x as long.
 """
 
 from __future__ import annotations
@@ -58,15 +61,51 @@ def _can_pack(model: torch.nn.Module, dtype: torch.dtype, n_params: int) -> bool
         return False
 
 
+def _lora_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    return [m for m in model.modules() if hasattr(m, "base_layer") and hasattr(m, "get_delta_weight")]
+
+
+def _mergeable_lora(model: torch.nn.Module) -> bool:
+    """Every adapted module is a LoRA linear layer without dropout (dropout would make the
+    adapter's forward random, which merged weights cannot reproduce)."""
+    for m in _lora_layers(model):
+        if not isinstance(m.base_layer, torch.nn.Linear):
+            return False
+        drop = getattr(m, "lora_dropout", {})
+        if any(isinstance(d, torch.nn.Dropout) and d.p > 0 for d in getattr(drop, "values", lambda: [])()):
+            return False
+    return True
+
+
+def _weight(layer: torch.nn.Module) -> torch.Tensor:
+    """A linear layer's weight [out, in]; for a LoRA layer W + Σ s·BA over its active adapters
+    (a new tensor, detached), unless its adapters are merged in already or disabled."""
+    base = getattr(layer, "base_layer", None)
+    if base is None:
+        return layer.weight
+    if getattr(layer, "merged", False) or getattr(layer, "disable_adapters", False):
+        return base.weight
+    with torch.no_grad():
+        return base.weight + sum(layer.get_delta_weight(a) for a in layer.active_adapters)
+
+
+def _bias(layer: torch.nn.Module) -> torch.Tensor | None:
+    return getattr(layer, "base_layer", layer).bias
+
+
 class FastDecoder:
     """Prefill and single-token decode steps for one `generate` call, over a static KV cache."""
 
     @staticmethod
     def supports(model: torch.nn.Module) -> bool:
+        if hasattr(model, "peft_config"):
+            if not _mergeable_lora(model):
+                return False
+            model = model.get_base_model()
         cfg = getattr(model, "config", None)
         if cfg is None or getattr(cfg, "model_type", None) not in SUPPORTED_MODEL_TYPES:
             return False
-        if hasattr(model, "peft_config") or not hasattr(model, "model") or not hasattr(model, "lm_head"):
+        if not hasattr(model, "model") or not hasattr(model, "lm_head"):
             return False
         if getattr(cfg, "hidden_act", "silu") != "silu" or getattr(cfg, "mlp_bias", False):
             return False
@@ -81,6 +120,8 @@ class FastDecoder:
 
     def __init__(self, model: torch.nn.Module, dtype: torch.dtype | None = None, fuse: bool | None = None,
                  pack: bool | None = None):
+        if hasattr(model, "get_base_model"):  # PEFT: LoRA layers are read as merged weights (_weight)
+            model = model.get_base_model()
         cfg, base = model.config, model.model
         self.wdtype = model.lm_head.weight.dtype  # the residual stream, norms and RoPE stay in this dtype
         self.dtype = dtype or self.wdtype  # matmuls run in this one
@@ -94,7 +135,7 @@ class FastDecoder:
         self.rotary = base.rotary_emb
         self.embed = base.embed_tokens.weight
         self.norm = (base.norm.weight, base.norm.variance_epsilon)
-        self.lm_head = model.lm_head.weight
+        self.lm_head = _weight(model.lm_head)
         self.layers = []
         cast = (lambda t: t.to(self.dtype)) if self.dtype != self.embed.dtype else (lambda t: t)
         n_params = sum(p.numel() for p in model.parameters())
@@ -107,9 +148,9 @@ class FastDecoder:
         mat = (lambda t: _pack(cast(t))) if pack else cast  # weight matrices (biases stay plain)
         for layer in base.layers:
             a, m = layer.self_attn, layer.mlp
-            qkv = [(cast(p.weight), cast(p.bias) if p.bias is not None else None)
+            qkv = [(cast(_weight(p)), cast(_bias(p)) if _bias(p) is not None else None)
                    for p in (a.q_proj, a.k_proj, a.v_proj)]
-            gu = [cast(m.gate_proj.weight), cast(m.up_proj.weight)]
+            gu = [cast(_weight(m.gate_proj)), cast(_weight(m.up_proj))]
             if fuse:
                 bias = None
                 if any(b is not None for _, b in qkv):
@@ -119,9 +160,9 @@ class FastDecoder:
             self.layers.append((
                 layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon,
                 [(mat(w), b) for w, b in qkv],
-                mat(a.o_proj.weight), cast(a.o_proj.bias) if a.o_proj.bias is not None else None,
+                mat(_weight(a.o_proj)), cast(_bias(a.o_proj)) if _bias(a.o_proj) is not None else None,
                 layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon,
-                [mat(w) for w in gu], mat(m.down_proj.weight),
+                [mat(w) for w in gu], mat(_weight(m.down_proj)),
             ))
         self.lm_head = mat(self.lm_head)
         self.scale = getattr(layer.self_attn, "scaling", self.D ** -0.5)

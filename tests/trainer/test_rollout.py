@@ -105,9 +105,9 @@ def test_sampling_draws_the_categorical_distribution():
     se = (probs.double() * (1 - probs.double()) / n).sqrt()
     assert ((counts / n - probs.double()).abs() <= 4.5 * se).all()
     V = 49_152
-    p = torch.full((V,), (1 - 1e-3) / (V - 1), dtype=torch.float64)
-    p[-1] = 1e-3
-    draws = sample_next(p.log().float().expand(20_000, -1), SamplingParams(1), g)
+    p = torch.full((V,), (1 - 2e-2) / (V - 1), dtype=torch.float64)
+    p[-1] = 2e-2
+    draws = sample_next(p.log().float().expand(1_000, -1), SamplingParams(1), g)  # [1000, V]: ~0.6 GB at peak
     assert 5 <= int((draws == V - 1).sum()) <= 40  # expected 20
 
 

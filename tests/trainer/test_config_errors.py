@@ -140,6 +140,7 @@ def test_the_trainer_logs_the_sandbox_in_force_once(make_cfg, no_isolating_sandb
     with caplog.at_level(logging.INFO, logger="grouprl"):
         Trainer(make_cfg(reward_funcs=["tests.trainer.conftest:digit_fraction",
                                        {"name": "code_tests", "isolation": "weak"}, "code_tests"]))
-    lines = [r.getMessage() for r in caplog.records if r.name == "grouprl.trainer" and "sandbox" in r.getMessage()]
+    lines = [r.getMessage() for r in caplog.records if r.name == "grouprl.trainer"]
+    lines = [line for line in lines if "sandbox" in line]  # the trainer also logs its precision
     mech = sandbox_mechanism()
     assert lines == [f"sandbox for untrusted code: {mech.describe()}"] and not mech.weak

@@ -55,8 +55,8 @@ def _can_pack(model: torch.nn.Module, dtype: torch.dtype, n_params: int) -> bool
     try:
         x = torch.randn(3, w.shape[1]).to(dtype)
         want = F.linear(x, w.to(dtype)).float()
-        return torch.allclose(_packed_linear(x, _pack(w.to(dtype))).float(), want,
-                              rtol=1e-4 if dtype == torch.float32 else 2e-2, atol=1e-5 if dtype == torch.float32 else 5e-2)
+        rtol, atol = (1e-4, 1e-5) if dtype == torch.float32 else (2e-2, 5e-2)
+        return torch.allclose(_packed_linear(x, _pack(w.to(dtype))).float(), want, rtol=rtol, atol=atol)
     except (RuntimeError, AttributeError):  # a torch build without these oneDNN ops
         return False
 

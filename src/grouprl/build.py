@@ -12,6 +12,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from grouprl.checkpoint import save_model_folder
 from grouprl.config import ConfigError, TrainConfig
 from grouprl.policy import resolve_model_path
 from grouprl.rewards import resolve_reward_func
@@ -62,16 +63,8 @@ def vllm_start_folder(cfg: TrainConfig, model: torch.nn.Module, rank: int) -> st
     weights written once as a plain safetensors folder under output_dir/vllm_start/."""
     if not cfg.gguf_file:
         return resolve_model_path(cfg.model)
-    from safetensors.torch import save_file
-
-    from grouprl.rollout.vllm import checkpoint_weights
-
     folder = Path(cfg.output_dir) / "vllm_start" / f"rank-{rank}"
-    folder.mkdir(parents=True, exist_ok=True)
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    base.config.save_pretrained(folder)
-    save_file({k: v.contiguous() for k, v in checkpoint_weights(model)}, str(folder / "model.safetensors"),
-              metadata={"format": "pt"})
+    save_model_folder(model, folder)  # as a checkpoint's model/ (LoRA merged)
     return str(folder)
 
 

@@ -62,7 +62,7 @@ def save_checkpoint(output_dir: str | Path, step: int, *, model: torch.nn.Module
     tmp = root / f".tmp-step-{step:06d}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
-    _save_export(model, tmp / "model", model_state)
+    save_model_folder(model, tmp / "model", model_state)
     tokenizer.save_pretrained(tmp / "model")
     trainable = trainable_state(model)
     if model_state is not None:
@@ -90,9 +90,9 @@ def _is_peft(model: torch.nn.Module) -> bool:
     return hasattr(model, "peft_config")
 
 
-def _save_export(model: torch.nn.Module, path: Path,
-                 model_state: dict[str, torch.Tensor] | None = None) -> None:
-    """save_pretrained form. With LoRA, the adapter is merged into a copy of the base weights
+def save_model_folder(model: torch.nn.Module, path: Path,
+                      model_state: dict[str, torch.Tensor] | None = None) -> None:
+    """The model in save_pretrained form (safetensors, no quantization config). With LoRA, the adapter is merged into a copy of the base weights
     (merging in place and unmerging would not restore the base weights bit for bit)."""
     if model_state is not None:  # whole weights gathered from a sharded model
         model.save_pretrained(path, state_dict=model_state, safe_serialization=True)

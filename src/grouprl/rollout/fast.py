@@ -61,36 +61,32 @@ def _can_pack(model: torch.nn.Module, dtype: torch.dtype, n_params: int) -> bool
         return False
 
 
-def _lora_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    return [m for m in model.modules() if hasattr(m, "base_layer") and hasattr(m, "get_delta_weight")]
+def is_lora_layer(module: torch.nn.Module) -> bool:
+    """A PEFT LoRA layer: the wrapped `base_layer` plus low-rank deltas."""
+    return hasattr(module, "base_layer") and hasattr(module, "get_delta_weight")
+
+
+def merged_weight(layer: torch.nn.Module) -> torch.Tensor:
+    """A linear layer's weight [out, in]; for a LoRA layer W + Σ s·BA over its active adapters
+    (a new tensor, detached), unless its adapters are merged in already or disabled. The fast
+    decoder and the vLLM weight sync (`rollout/vllm.py`) both read LoRA weights through this."""
+    if not is_lora_layer(layer):
+        return layer.weight
+    if getattr(layer, "merged", False) or getattr(layer, "disable_adapters", False):
+        return layer.base_layer.weight
+    with torch.no_grad():
+        return layer.base_layer.weight + sum(layer.get_delta_weight(a) for a in layer.active_adapters)
 
 
 def _mergeable_lora(model: torch.nn.Module) -> bool:
     """Every adapted module is a LoRA linear layer without dropout (dropout would make the
     adapter's forward random, which merged weights cannot reproduce)."""
-    for m in _lora_layers(model):
+    for m in filter(is_lora_layer, model.modules()):
         if not isinstance(m.base_layer, torch.nn.Linear):
             return False
-        drop = getattr(m, "lora_dropout", {})
-        if any(isinstance(d, torch.nn.Dropout) and d.p > 0 for d in getattr(drop, "values", lambda: [])()):
+        if any(isinstance(d, torch.nn.Dropout) and d.p > 0 for d in m.lora_dropout.values()):
             return False
     return True
-
-
-def _weight(layer: torch.nn.Module) -> torch.Tensor:
-    """A linear layer's weight [out, in]; for a LoRA layer W + Σ s·BA over its active adapters
-    (a new tensor, detached), unless its adapters are merged in already or disabled."""
-    base = getattr(layer, "base_layer", None)
-    if base is None:
-        return layer.weight
-    if getattr(layer, "merged", False) or getattr(layer, "disable_adapters", False):
-        return base.weight
-    with torch.no_grad():
-        return base.weight + sum(layer.get_delta_weight(a) for a in layer.active_adapters)
-
-
-def _bias(layer: torch.nn.Module) -> torch.Tensor | None:
-    return getattr(layer, "base_layer", layer).bias
 
 
 class FastDecoder:
@@ -120,7 +116,7 @@ class FastDecoder:
 
     def __init__(self, model: torch.nn.Module, dtype: torch.dtype | None = None, fuse: bool | None = None,
                  pack: bool | None = None):
-        if hasattr(model, "get_base_model"):  # PEFT: LoRA layers are read as merged weights (_weight)
+        if hasattr(model, "get_base_model"):  # PEFT: LoRA layers are read as merged weights
             model = model.get_base_model()
         cfg, base = model.config, model.model
         self.wdtype = model.lm_head.weight.dtype  # the residual stream, norms and RoPE stay in this dtype
@@ -135,9 +131,14 @@ class FastDecoder:
         self.rotary = base.rotary_emb
         self.embed = base.embed_tokens.weight
         self.norm = (base.norm.weight, base.norm.variance_epsilon)
-        self.lm_head = _weight(model.lm_head)
+        self.lm_head = merged_weight(model.lm_head)
         self.layers = []
         cast = (lambda t: t.to(self.dtype)) if self.dtype != self.embed.dtype else (lambda t: t)
+
+        def cast_bias(layer: torch.nn.Module) -> torch.Tensor | None:
+            bias = getattr(layer, "base_layer", layer).bias
+            return None if bias is None else cast(bias)
+
         n_params = sum(p.numel() for p in model.parameters())
         pack = pack if pack is not None else _can_pack(model, self.dtype, n_params)
         self.linear = _packed_linear if pack else F.linear
@@ -148,9 +149,8 @@ class FastDecoder:
         mat = (lambda t: _pack(cast(t))) if pack else cast  # weight matrices (biases stay plain)
         for layer in base.layers:
             a, m = layer.self_attn, layer.mlp
-            qkv = [(cast(_weight(p)), cast(_bias(p)) if _bias(p) is not None else None)
-                   for p in (a.q_proj, a.k_proj, a.v_proj)]
-            gu = [cast(_weight(m.gate_proj)), cast(_weight(m.up_proj))]
+            qkv = [(cast(merged_weight(p)), cast_bias(p)) for p in (a.q_proj, a.k_proj, a.v_proj)]
+            gu = [cast(merged_weight(m.gate_proj)), cast(merged_weight(m.up_proj))]
             if fuse:
                 bias = None
                 if any(b is not None for _, b in qkv):
@@ -160,9 +160,9 @@ class FastDecoder:
             self.layers.append((
                 layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon,
                 [(mat(w), b) for w, b in qkv],
-                mat(_weight(a.o_proj)), cast(_bias(a.o_proj)) if _bias(a.o_proj) is not None else None,
+                mat(merged_weight(a.o_proj)), cast_bias(a.o_proj),
                 layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon,
-                [mat(w) for w in gu], mat(_weight(m.down_proj)),
+                [mat(w) for w in gu], mat(merged_weight(m.down_proj)),
             ))
         self.lm_head = mat(self.lm_head)
         self.scale = getattr(layer.self_attn, "scaling", self.D ** -0.5)

@@ -34,6 +34,7 @@ from typing import Iterator
 import numpy as np
 import torch
 
+from grouprl.rollout.fast import is_lora_layer, merged_weight
 from grouprl.rollout.types import Rollout, SamplingParams, sampled_rollout
 
 INSTALL_HINT = ("pip install 'grouprl[vllm]' on a CUDA machine; on a CPU-only machine "
@@ -162,19 +163,18 @@ def checkpoint_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tens
     A PEFT model yields W + BA for each adapted weight, under the base model's names; an FSDP2
     model gathers one parameter at a time (a collective: every rank iterates)."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    adapted = {name: m for name, m in base.named_modules()
-               if hasattr(m, "base_layer") and hasattr(m, "get_delta_weight")}
+    adapted = {name: m for name, m in base.named_modules() if is_lora_layer(m)}
     for name, param in base.named_parameters():
         if ".lora_" in name:
             continue
         module, _, leaf = name.rpartition(".")
-        tensor = param.detach()
-        if hasattr(tensor, "full_tensor"):  # FSDP2 DTensor shard -> whole tensor
-            tensor = tensor.full_tensor()
         lora = adapted.get(module.removesuffix(".base_layer"))
         if lora is not None and leaf == "weight":
-            with torch.no_grad():
-                tensor = tensor + sum(lora.get_delta_weight(a) for a in lora.active_adapters)
+            tensor = merged_weight(lora)  # W + BA (LoRA and FSDP2 never meet: a config error)
+        else:
+            tensor = param.detach()
+            if hasattr(tensor, "full_tensor"):  # FSDP2 DTensor shard -> whole tensor
+                tensor = tensor.full_tensor()
         yield name.replace(".base_layer.", "."), tensor
 
 

@@ -103,7 +103,7 @@ def summarize(runs: list[list[dict]]) -> dict[str, float]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--size", default="10m", help="grouprl.tasks.tiny size")
+    ap.add_argument("--size", default="10m", help="grouprl.tasks.testing size")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=8)
@@ -117,7 +117,7 @@ def main() -> None:
         Path(args.out).write_text(json.dumps(result))
         return
 
-    from grouprl.tasks.tiny import save_tiny_model
+    from grouprl.tasks.testing import save_tiny_model
 
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = str(save_tiny_model(Path(tmp) / args.size, args.size, seed=0))

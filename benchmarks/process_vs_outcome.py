@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 from grouprl.config import TrainConfig
 from grouprl.tasks.chain import chain_answer, chain_steps, partial_sums, train_rows
-from grouprl.tasks.tiny import build_tiny_model
+from grouprl.tasks.testing import build_tiny_model
 from grouprl.trainer import Trainer
 
 def chain_line_fraction(prompts, completions, steps, **kwargs) -> list[float]:

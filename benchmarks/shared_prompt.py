@@ -22,7 +22,7 @@ import torch
 
 from grouprl.config import TrainConfig
 from grouprl.rollout import Rollout
-from grouprl.tasks.tiny import save_tiny_model
+from grouprl.tasks.testing import save_tiny_model
 from grouprl.trainer import Trainer
 
 
@@ -36,7 +36,7 @@ def random_rollout(B: int, G: int, P: int, T: int, vocab: int, seed: int = 0) ->
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--size", default="10m", help="a key of grouprl.tasks.tiny.TINY_SIZES")
+    ap.add_argument("--size", default="10m", help="a key of grouprl.tasks.testing.TINY_SIZES")
     ap.add_argument("--prompts", type=int, default=2)
     ap.add_argument("--group", type=int, default=8)
     ap.add_argument("--prompt-len", type=int, default=120)

@@ -94,7 +94,7 @@ def summarize(runs: list[dict]) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--size", action="append", help="grouprl.tasks.tiny size (repeatable); default 10m, 50m")
+    ap.add_argument("--size", action="append", help="grouprl.tasks.testing size (repeatable); default 10m, 50m")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--steps", type=int, default=5)
@@ -108,7 +108,7 @@ def main() -> None:
         Path(args.out).write_text(json.dumps(result))
         return
 
-    from grouprl.tasks.tiny import save_tiny_model
+    from grouprl.tasks.testing import save_tiny_model
 
     for size in args.size or ["10m", "50m"]:
         with tempfile.TemporaryDirectory() as tmp:

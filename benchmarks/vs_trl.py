@@ -17,7 +17,7 @@ grouprl, TRL, ... for `--rounds`), and each run waits for an idle CPU first. A r
 3..12; over rounds the figure is the median of the per-run medians.
 
 Identical work on both sides: the same random-init Qwen2 (built locally by
-`grouprl.tasks.tiny`), the same prompts "What is {a}+{b}? Answer: " and the same Python reward
+`grouprl.tasks.testing`), the same prompts "What is {a}+{b}? Answer: " and the same Python reward
 functions (`grouprl.rewards.math_accuracy` weight 1.0, `grouprl.tasks.arithmetic.format_reward`
 weight 0.1), G = 8, 2 prompts per step, temperature 1, lr 1e-5, mu = 1, the GRPO loss
 (`loss_type="grpo"` = grouprl's `seq-mean-token-mean`), group-std advantage scaling, clip 0.2,
@@ -58,7 +58,7 @@ FORMAT_WEIGHT = 0.1
 @dataclass(frozen=True)
 class Workload:
     name: str
-    size: str            # a key of grouprl.tasks.tiny.TINY_SIZES
+    size: str            # a key of grouprl.tasks.testing.TINY_SIZES
     max_tokens: int
     beta: float = 0.04
     bf16: bool = False
@@ -324,7 +324,7 @@ def main() -> None:
     import transformers
 
     from grouprl.precision import native_bf16
-    from grouprl.tasks.tiny import save_tiny_model
+    from grouprl.tasks.testing import save_tiny_model
 
     native, why = native_bf16(torch.device("cpu"))
     for n in [n for n in names if WORKLOADS[n].bf16 and not native]:

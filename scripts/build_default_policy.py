@@ -38,7 +38,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from grouprl.tasks import DEFAULT_POLICY_DIR, DEFAULT_TASK
 from grouprl.tasks.arithmetic import PROMPT_TEMPLATE, eval_rows, format_reward, operands, train_rows
-from grouprl.tasks.tiny import build_char_tokenizer, build_qwen2
+from grouprl.tasks.testing import build_char_tokenizer, build_qwen2
 
 
 # ---------------------------------------------------------------- data

@@ -35,7 +35,7 @@ from grouprl.rollout.multiturn import MultiTurnDriver, TurnLimits
 from grouprl.tasks import TOOL_POLICY_DIR, TOOL_TASK
 from grouprl.tasks.products import (add_chat_tokens, correct_tool_use, estimate, eval_rows, mul, product_accuracy,
                                     train_rows)
-from grouprl.tasks.tiny import build_char_tokenizer, build_qwen2
+from grouprl.tasks.testing import build_char_tokenizer, build_qwen2
 from grouprl.tools import get_tool_parser, resolve_tools
 
 

@@ -36,20 +36,21 @@ from datasets import Dataset
 
 from grouprl import distributed as D
 from grouprl.batch import StepBatch
-from grouprl.build import lr_schedule, make_engine, make_rollouts, resolve_multiturn, resolve_reward, seed_everything
 from grouprl.checkpoint import latest_checkpoint, load_checkpoint, read_checkpoint, save_checkpoint
 from grouprl.config import ConfigError, TrainConfig
 from grouprl.core import overlong_penalty, policy_loss, zero_std_groups
 from grouprl.data import PromptFormatter, PromptSampler, completion_objects, load_prompts, split_eval
-from grouprl.logging import Progress, RunLogger
+from grouprl.generation import make_engine, make_rollouts, resolve_multiturn
+from grouprl.optim import make_optimizer
+from grouprl.runlog import Progress, RunLogger
 from grouprl.policy import (MicroBatch, Reference, can_share_prompts, completion_logprobs, load_policy,
                             load_tokenizer)
 from grouprl.precision import native_bf16, resolve_bf16
-from grouprl.rewards import RewardScores, process_rewards, sandbox_mechanism, score_completions
+from grouprl.rewards import RewardScores, process_rewards, resolve_reward_spec, sandbox_mechanism, score_completions
 from grouprl.rollout import Rollout, SamplingParams
-from grouprl.rollout.multiturn import Trajectories, trajectory_metrics
+from grouprl.rollout.types import Trajectories, trajectory_metrics
 from grouprl.rollout.producer import RolloutProducer
-from grouprl.variants import corrects_sampler, loss_token_weights, sampler_weights, step_advantages
+from grouprl.objective import corrects_sampler, loss_token_weights, sampler_weights, step_advantages
 
 logger = logging.getLogger(__name__)
 
@@ -75,7 +76,9 @@ class Trainer:
             raise ConfigError(f"prompts_per_step={cfg.prompts_per_step} does not split over "
                               f"{self.dist.world_size} processes (each rank generates whole groups): "
                               f"use a multiple of {self.dist.world_size}")
-        seed_everything(cfg.seed)
+        random.seed(cfg.seed)
+        np.random.seed(cfg.seed)
+        torch.manual_seed(cfg.seed)
         if cfg.num_threads:
             torch.set_num_threads(cfg.num_threads)
 
@@ -90,7 +93,7 @@ class Trainer:
             self.train_ds, self.eval_ds = split_eval(self.train_ds, cfg.eval_fraction, cfg.seed)
         if self.eval_ds is not None and cfg.max_eval_samples:
             self.eval_ds = self.eval_ds.select(range(min(cfg.max_eval_samples, len(self.eval_ds))))
-        self.reward_funcs = reward_funcs or [resolve_reward(spec) for spec in cfg.reward_funcs]
+        self.reward_funcs = reward_funcs or [_reward_from_config(spec) for spec in cfg.reward_funcs]
         self.reward_names = [getattr(f, "__name__", f"reward_{i}") for i, f in enumerate(self.reward_funcs)]
         if cfg.accuracy_reward and cfg.accuracy_reward not in self.reward_names:
             raise ConfigError(f"accuracy_reward={cfg.accuracy_reward!r} is not one of the reward "
@@ -125,7 +128,7 @@ class Trainer:
         self.share_min_tokens = cfg.share_prompt_min_tokens if shared else None
         self.formatter = PromptFormatter(self.tokenizer, max_prompt_length=cfg.max_prompt_length,
                                          tools=[t.schema for t in self.tools.values()])
-        self.engine = make_engine(cfg, self.model, self.tokenizer, self.dist.rank, self.autocast)
+        self.engine = make_engine(cfg, self.model, self.tokenizer, self.dist, self.autocast)
         self.turns = make_rollouts(cfg, self.model, self.tokenizer, self.formatter, self.tools,
                                    self.environment)  # one engine call, or turns with tools / an environment
         self.weights_version = 0  # grows with every change of the policy's weights (engine sync)
@@ -134,15 +137,7 @@ class Trainer:
         self.rollouts = RolloutProducer(self.engine, self._draw_prompts, self._generate,
                                         cfg.max_staleness if cfg.async_rollouts else 0)  # rollout/producer.py
 
-        # optimisation
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        # fused AdamW: one kernel over all parameters, same update (8x faster than the per-parameter
-        # loop on CPU at 50M parameters); sharded (DTensor) parameters keep the default implementation
-        fused = all(type(p) is torch.nn.Parameter for p in params) or None
-        self.optimizer = torch.optim.AdamW(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay,
-                                           betas=(cfg.adam_beta1, cfg.adam_beta2), fused=fused)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lr_schedule(cfg.lr_scheduler_type, cfg.warmup_steps, cfg.max_steps * cfg.num_iterations))
+        self.optimizer, self.scheduler = make_optimizer(cfg, self.model)  # optim.py
         self.sampler = PromptSampler(len(self.train_ds), cfg.seed)
         self.generator = torch.Generator().manual_seed(cfg.seed + self.dist.rank)  # own samples per rank
         self.step = 0
@@ -512,3 +507,10 @@ class Trainer:
         """Release the generation engine (a colocated vLLM engine's memory); call once done."""
         self.rollouts.close()
         self.engine.close()
+
+
+def _reward_from_config(spec: Any) -> Callable:
+    try:
+        return resolve_reward_spec(spec)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None

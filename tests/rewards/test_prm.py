@@ -7,7 +7,7 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen2ForTokenClassification
 
 from grouprl.rewards import CharOffset, resolve_reward_func
-from grouprl.tasks.tiny import build_char_tokenizer
+from grouprl.tasks.testing import build_char_tokenizer
 
 PROMPT, COMPLETION = "2+3+4=", "5\n9\n"  # two steps, each ending in its newline
 

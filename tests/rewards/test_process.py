@@ -11,7 +11,7 @@ from grouprl.core import process_advantages
 from grouprl.rewards import (CharOffset, RewardFunctionError, process_rewards, score_completions, split_steps,
                              token_char_ends)
 from grouprl.rewards.process import parse_steps, token_index
-from grouprl.tasks.tiny import build_char_tokenizer
+from grouprl.tasks.testing import build_char_tokenizer
 
 
 # ---------------------------------------------------------------- steps in text

@@ -5,12 +5,12 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from grouprl.rollout import HFEngine, SamplingParams
-from grouprl.rollout.fast import FastDecoder
+from grouprl.rollout.llama_decoder import FastDecoder
 from grouprl.rollout.multiturn import MultiTurnDriver, TurnLimits
 from grouprl.rollout.types import left_pad_prompts
 from grouprl.tasks import TOOL_POLICY_DIR
 from grouprl.tasks.products import mul, train_rows
-from grouprl.tasks.tiny import build_tiny_model
+from grouprl.tasks.testing import build_tiny_model
 from grouprl.tools import get_tool_parser, resolve_tools
 
 

@@ -11,7 +11,7 @@ import re
 import pytest
 import torch
 
-from grouprl.rollout import Rollout, SamplingParams
+from grouprl.rollout import GenerationEngine, Rollout, SamplingParams
 from grouprl.rollout.types import left_pad_prompts
 from grouprl.rollout.multiturn import MultiTurnDriver, TurnLimits
 from grouprl.tools import get_tool_parser, python_tool, resolve_tools
@@ -20,7 +20,7 @@ from tests.tools.conftest import add, build_qwen_tokenizer
 CALL = '<tool_call>\n{{"name": "add", "arguments": {{"a": {a}, "b": {b}}}}}\n</tool_call>'
 
 
-class ScriptedEngine:
+class ScriptedEngine(GenerationEngine):
     """generate() answers each row with `script(conversation_text)` + EOS, cut to max_new_tokens."""
 
     decodes_with_policy = True

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from grouprl.tasks.tiny import build_char_tokenizer
+from grouprl.tasks.testing import build_char_tokenizer
 
 QWEN_TEMPLATE = (Path(__file__).parent / "qwen2_5_chat_template.jinja").read_text()
 

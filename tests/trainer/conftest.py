@@ -4,7 +4,7 @@ from pathlib import Path
 import pytest
 
 from grouprl.config import TrainConfig
-from grouprl.tasks.tiny import save_tiny_model
+from grouprl.tasks.testing import save_tiny_model
 
 
 @pytest.fixture(scope="session")

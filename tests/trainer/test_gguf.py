@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Llama
 import grouprl.trainer as trainer_mod
 from grouprl.config import ConfigError, TrainConfig
 from grouprl.policy import load_policy, load_tokenizer
-from grouprl.tasks.tiny import build_char_tokenizer
+from grouprl.tasks.testing import build_char_tokenizer
 from grouprl.trainer import Trainer
 from tests.trainer.conftest import read_metrics
 

@@ -7,10 +7,11 @@ import math
 import pytest
 import torch
 
+from grouprl.rollout import GenerationEngine
 from grouprl.trainer import Trainer
 
 
-class SamplerWithLogprobs:
+class SamplerWithLogprobs(GenerationEngine):
     """Wraps the trainer's engine; `sampling_logp = trainer log-probs + perturb(rollout)` on real tokens."""
 
     def __init__(self, trainer: Trainer, perturb):

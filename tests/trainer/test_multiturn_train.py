@@ -11,7 +11,7 @@ import grouprl.trainer as trainer_module
 from grouprl.batch import StepBatch
 from grouprl.config import ConfigError
 from grouprl.rollout import Rollout
-from grouprl.tasks.tiny import build_qwen2
+from grouprl.tasks.testing import build_qwen2
 from grouprl.trainer import Trainer
 from tests.rollout.test_multiturn import ScriptedEngine
 from tests.tools.conftest import add, build_qwen_tokenizer

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from grouprl.rollout import HFEngine, Rollout, SamplingParams, sample_next
-from grouprl.tasks.tiny import build_tiny_model
+from grouprl.tasks.testing import build_tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -151,7 +151,7 @@ def test_cat_refuses_sampling_logp_on_some_parts_only():
 
 # ---------------------------------------------------------------------- the fast decoder
 from grouprl.precision import cpu_bf16_flags  # noqa: E402
-from grouprl.rollout.fast import FastDecoder  # noqa: E402
+from grouprl.rollout.llama_decoder import FastDecoder  # noqa: E402
 
 
 def _hf_logits(model, ids, mask, autocast=None):
@@ -267,7 +267,7 @@ def test_unsupported_models_fall_back_to_the_generic_path():
 def test_packed_weights_only_for_larger_fp32_models_on_cpu(model_and_tok, monkeypatch):
     """The default: oneDNN-packed weights from PACK_MIN_PARAMS parameters, in fp32, and in bf16
     where oneDNN has bf16 kernels."""
-    import grouprl.rollout.fast as fast
+    import grouprl.rollout.llama_decoder as fast
 
     model, _ = model_and_tok
     assert FastDecoder(model).linear is torch.nn.functional.linear  # 0.5 M parameters: plain MKL

@@ -253,7 +253,7 @@ def test_gpt2_model_whose_tokenizer_has_no_pad_token(make_cfg, tmp_path):
     """Another architecture (the generic HF decode path) and a tokenizer without a pad token."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from grouprl.tasks.tiny import build_char_tokenizer
+    from grouprl.tasks.testing import build_char_tokenizer
 
     tok = build_char_tokenizer()
     model = GPT2LMHeadModel(GPT2Config(vocab_size=len(tok), n_embd=64, n_layer=2, n_head=2, n_positions=128,

@@ -119,7 +119,7 @@ def test_step_advantages_follows_multi_objective_aggregation(make_cfg):
     from types import SimpleNamespace
 
     from grouprl.core import compute_advantages, normalize_then_sum
-    from grouprl.variants import step_advantages
+    from grouprl.objective import step_advantages
 
     funcs = ["tests.trainer.conftest:digit_fraction", "tests.trainer.conftest:short_reward"]
     f1, f2 = torch.tensor([10.0, 0, 0, 0]), torch.tensor([0.0, 1, 1, float("nan")])

@@ -13,7 +13,7 @@ import json
 import re
 from typing import Any, Callable
 
-from ._text import column, completion_text
+from .text import column, completion_text
 from grouprl.sandbox import run_code_batch, sandbox_mechanism
 
 _ANY_FENCE = re.compile(r"```[ \t]*([\w+-]*)[ \t]*\n(.*?)```", re.DOTALL)

@@ -26,19 +26,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ._text import completion_text
+from .errors import RewardFunctionError
+from .text import completion_text
 from .process import StepList, is_step_list, parse_steps
 
 logger = logging.getLogger(__name__)
-
-
-class RewardFunctionError(RuntimeError):
-    """A reward function failed; `func` names it, `row` is the row index when known."""
-
-    def __init__(self, func: str, message: str, row: int | None = None):
-        where = f"reward function {func!r}" + (f" on row {row}" if row is not None else "")
-        super().__init__(f"{where}: {message}")
-        self.func, self.row = func, row
 
 
 @dataclass

@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 from typing import Any, Callable
 
-from ._text import completion_text
+from .text import completion_text
 
 _STRICT = re.compile(r"\s*<think>(.*?)</think>\s*<answer>(.*?)</answer>\s*", re.DOTALL)
 _TAGS = ("<think>", "</think>", "<answer>", "</answer>")

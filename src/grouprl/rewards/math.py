@@ -30,7 +30,7 @@ import threading
 from fractions import Fraction
 from typing import Any
 
-from ._text import column, completion_text
+from .text import column, completion_text
 
 _NUMBER = re.compile(r"^[-+]?(\d{1,3}(,\d{3})+|\d+)?(\.\d+)?([eE][-+]?\d+)?$")
 _PROSE = re.compile(r"(?<![\\a-zA-Z])[a-zA-Z]{3,}")

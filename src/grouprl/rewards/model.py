@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ._text import completion_text, prompt_text
+from .text import completion_text, prompt_text
 
 
 def _as_messages(prompt: Any) -> list[dict]:

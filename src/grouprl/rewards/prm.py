@@ -29,7 +29,7 @@ import itertools
 import math
 from typing import Any
 
-from ._text import completion_text, prompt_text
+from .text import completion_text, prompt_text
 from .model import _as_messages
 from .process import CharOffset, split_steps
 

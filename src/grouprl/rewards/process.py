@@ -42,6 +42,8 @@ from torch import Tensor
 
 from grouprl.core import process_advantages
 
+from .errors import RewardFunctionError
+
 StepList = list[tuple[int, float]]  # (exclusive character end, reward), sorted by end
 
 
@@ -195,8 +197,6 @@ def process_rewards(steps: dict[str, list[StepList | None]], per_func: dict[str,
     Under any ``estimator`` but "process": None, and step rewards are an error (they would be lost)."""
     if estimator != "process":
         if steps:
-            from .combine import RewardFunctionError
-
             name = next(iter(steps))
             row = next(i for i, s in enumerate(steps[name]) if s is not None)
             raise RewardFunctionError(name, f"returned step rewards (a list of (end, reward) pairs), but "

@@ -76,3 +76,17 @@ def resolve_reward_func(spec: str, **params: Any) -> Callable:
             func.__name__ = spec.partition(":")[2].rsplit(".", 1)[-1]
         return func
     return target
+
+
+def resolve_reward_spec(spec: Any) -> Callable:
+    """A reward function from a `reward_funcs` config entry: a name, a module:function path, or a
+    mapping with `name` and the function's parameters."""
+    if isinstance(spec, dict):
+        params = dict(spec)
+        name = params.pop("name", None)
+        if not isinstance(name, str):
+            raise ValueError(f"reward_funcs entry {spec!r} needs a `name` key")
+        return resolve_reward_func(name, **params)
+    if not isinstance(spec, str):
+        raise ValueError(f"reward_funcs entry {spec!r} must be a name, a module:function path or a mapping")
+    return resolve_reward_func(spec)

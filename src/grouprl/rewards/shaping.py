@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 from typing import Any, Callable
 
-from ._text import column, completion_text
+from .text import column, completion_text
 from .math import verify_math
 
 RewardFunc = Callable[..., list]

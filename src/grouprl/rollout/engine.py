@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
-from grouprl.rollout.fast import FastDecoder
-from grouprl.rollout.types import Rollout, SamplingParams, left_pad_prompts
+from grouprl.rollout.llama_decoder import FastDecoder
+from grouprl.rollout.types import GenerationEngine, Rollout, SamplingParams, left_pad_prompts
 
 
 def sample_next(logits: torch.Tensor, params: SamplingParams,
@@ -57,7 +57,7 @@ def _inverse_cdf(probs: torch.Tensor, generator: torch.Generator | None) -> torc
 
 
 @dataclass
-class HFEngine:
+class HFEngine(GenerationEngine):
     """Generation engine for any `transformers` causal LM that supports a DynamicCache."""
 
     model: torch.nn.Module

@@ -26,7 +26,7 @@ How a row stops (`Trajectories.stop_reasons`, and `Rollout.truncated`):
                     (they are not run)                                                  truncated True
 
 Continuation: a later turn passes the whole conversation as the prompt. The driver opens the
-engine's `keep_conversations()` when it has one: the built-in engine then continues each row from
+engine's `keep_conversations()` (GenerationEngine): the built-in engine then continues each row from
 the KV cache it kept when the row's previous turn ended (only the new tokens are prefilled); vLLM
 reuses the cached prefix (VLLMEngine runs with enable_prefix_caching); any other engine prefills.
 Rows finish at different turns; the next call holds only the rows still going.
@@ -41,7 +41,6 @@ Instances of a batch run concurrently (threads; `async def` methods are awaited)
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import inspect
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -50,13 +49,11 @@ from typing import Any, Callable, Protocol
 
 import torch
 
-from grouprl.rollout.types import GenerationEngine, Rollout, SamplingParams, left_pad_prompts
+from grouprl.importpath import import_callable
+from grouprl.rollout.types import (STOP_REASONS, TRUNCATING, GenerationEngine, Rollout, SamplingParams, Trajectories,
+                                   left_pad_prompts)
 from grouprl.tools import (ParsedTurn, Tool, ToolCallParser, execute_calls, render_after_turn,
                            render_tool_messages)
-
-STOP_REASONS = ("answer", "env_done", "max_length", "max_turns", "max_tool_calls")
-TRUNCATING = ("max_length", "max_turns", "max_tool_calls")
-
 
 class Environment(Protocol):
     """A stateful task the policy acts in, turn by turn (one instance per trajectory)."""
@@ -76,47 +73,6 @@ class TurnLimits:
         for name in ("max_completion_length", "max_turns", "max_tool_calls"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)}: a multi-turn rollout needs at least 1")
-
-
-@dataclass
-class Trajectories:
-    """What `MultiTurnDriver.generate` returns: the tokens and, per row, the conversation."""
-
-    rollout: Rollout
-    messages: list[list[dict]] | None  # [N] the assistant, tool and observation messages, in order
-    stop_reasons: list[str] | None     # [N] one of STOP_REASONS
-    env_rewards: list[float] | None    # [N] summed environment rewards, None without an environment
-    counts: dict[str, float] = field(default_factory=dict)  # sums behind `trajectory_metrics`
-
-    def reward_columns(self) -> dict[str, list]:
-        """Extra columns for reward functions: `env_reward` when an environment gave rewards."""
-        return {} if self.env_rewards is None else {"env_reward": list(self.env_rewards)}
-
-
-class SingleTurn:
-    """The plain rollout behind the same call as `MultiTurnDriver.generate`: one engine call, no
-    messages (the trainer decodes the completions). The engine is an argument of each call: the
-    trainer owns it (weight syncs, closing) and may swap it."""
-
-    def generate(self, engine: GenerationEngine, prompt_ids: list[list[int]], num_generations: int,
-                 params: SamplingParams, generator: torch.Generator | None = None, **rows: Any) -> Trajectories:
-        return Trajectories(engine.generate(prompt_ids, num_generations, params, generator), None, None, None)
-
-
-def trajectory_metrics(counts: dict[str, float]) -> dict[str, float]:
-    """Metrics from `Trajectories.counts` (summed over rounds and ranks): per-trajectory means of tool
-    calls, tool errors (raised or timed out), parse failures and turns; the fraction of trajectories
-    that stopped for each reason; seconds spent in tools and environments. Empty for a single-turn
-    rollout (no counts)."""
-    if not counts:
-        return {}
-    n = max(counts.get("trajectories", 0.0), 1.0)
-    out = {f"multiturn/{k}_per_trajectory": counts.get(k, 0.0) / n
-           for k in ("tool_calls", "tool_errors", "tool_timeouts", "parse_failures", "turns")}
-    out.update({f"multiturn/stop_{r}_frac": counts.get(f"stop_{r}", 0.0) / n for r in STOP_REASONS})
-    out["time/tools"] = counts.get("tool_seconds", 0.0)
-    out["time/environment"] = counts.get("env_seconds", 0.0)
-    return out
 
 
 @dataclass
@@ -176,9 +132,8 @@ class MultiTurnDriver:
             t0 = time.perf_counter()
             self._reset(rows, prompts, columns or {}, G)
             counts["env_seconds"] += time.perf_counter() - t0
-        keep = getattr(engine, "keep_conversations", None)  # the built-in engine continues from its KV cache
         active, first, has_logp = rows, True, None
-        with keep() if keep is not None else contextlib.nullcontext():
+        with engine.keep_conversations():  # the built-in engine continues from its KV cache
             while active:
                 room = [T - len(r.ids) for r in active]
                 p = replace(params, max_new_tokens=max(room))
@@ -337,3 +292,16 @@ def _concurrently(jobs: list[tuple]) -> list[Any]:
     with ThreadPoolExecutor(max(1, min(16, len(jobs))), thread_name_prefix="grouprl-env") as pool:
         futures = [pool.submit(_call, job[0], job[1], job[2] if len(job) > 2 else {}) for job in jobs]
         return [f.result() for f in futures]
+
+
+def resolve_environment(spec: str | type | None) -> type | None:
+    """The environment class from `environment: package.module:Class` (or the class itself);
+    ValueError when it cannot be imported or lacks `reset`/`step`."""
+    if spec is None or isinstance(spec, type):
+        return spec
+    env = import_callable(spec, "environment")
+    missing = [m for m in ("reset", "step") if not callable(getattr(env, m, None))]
+    if missing:
+        raise ValueError(f"environment={spec!r} has no {' or '.join(missing)} method: an environment has "
+                         "reset(**row) -> first observation and step(assistant_message) -> (observation, done)")
+    return env

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Protocol
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any, ContextManager, Protocol
 
 import torch
 
@@ -164,3 +165,54 @@ class GenerationEngine(Protocol):
 
     def close(self) -> None:
         """Release what the engine holds (an external engine's memory and processes)."""
+
+    def keep_conversations(self) -> ContextManager[None]:
+        """Inside this context the multi-turn driver calls `generate` turn after turn on growing
+        conversations: an engine that can continue a row from its own cache (the built-in engine's
+        KV cache) keeps it between calls. By default nothing is kept (vLLM caches prefixes itself)."""
+        return contextlib.nullcontext()
+
+
+STOP_REASONS = ("answer", "env_done", "max_length", "max_turns", "max_tool_calls")
+TRUNCATING = ("max_length", "max_turns", "max_tool_calls")
+
+
+@dataclass
+class Trajectories:
+    """What `MultiTurnDriver.generate` returns: the tokens and, per row, the conversation."""
+
+    rollout: Rollout
+    messages: list[list[dict]] | None  # [N] the assistant, tool and observation messages, in order
+    stop_reasons: list[str] | None     # [N] one of STOP_REASONS
+    env_rewards: list[float] | None    # [N] summed environment rewards, None without an environment
+    counts: dict[str, float] = field(default_factory=dict)  # sums behind `trajectory_metrics`
+
+    def reward_columns(self) -> dict[str, list]:
+        """Extra columns for reward functions: `env_reward` when an environment gave rewards."""
+        return {} if self.env_rewards is None else {"env_reward": list(self.env_rewards)}
+
+
+class SingleTurn:
+    """The plain rollout behind the same call as `MultiTurnDriver.generate`: one engine call, no
+    messages (the trainer decodes the completions). The engine is an argument of each call: the
+    trainer owns it (weight syncs, closing) and may swap it."""
+
+    def generate(self, engine: GenerationEngine, prompt_ids: list[list[int]], num_generations: int,
+                 params: SamplingParams, generator: torch.Generator | None = None, **rows: Any) -> Trajectories:
+        return Trajectories(engine.generate(prompt_ids, num_generations, params, generator), None, None, None)
+
+
+def trajectory_metrics(counts: dict[str, float]) -> dict[str, float]:
+    """Metrics from `Trajectories.counts` (summed over rounds and ranks): per-trajectory means of tool
+    calls, tool errors (raised or timed out), parse failures and turns; the fraction of trajectories
+    that stopped for each reason; seconds spent in tools and environments. Empty for a single-turn
+    rollout (no counts)."""
+    if not counts:
+        return {}
+    n = max(counts.get("trajectories", 0.0), 1.0)
+    out = {f"multiturn/{k}_per_trajectory": counts.get(k, 0.0) / n
+           for k in ("tool_calls", "tool_errors", "tool_timeouts", "parse_failures", "turns")}
+    out.update({f"multiturn/stop_{r}_frac": counts.get(f"stop_{r}", 0.0) / n for r in STOP_REASONS})
+    out["time/tools"] = counts.get("tool_seconds", 0.0)
+    out["time/environment"] = counts.get("env_seconds", 0.0)
+    return out

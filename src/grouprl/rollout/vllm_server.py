@@ -33,10 +33,11 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Callable
 
 import torch
 
-from grouprl.rollout.types import Rollout, SamplingParams, sampled_rollout
+from grouprl.rollout.types import GenerationEngine, Rollout, SamplingParams, sampled_rollout
 from grouprl.rollout.vllm import _repack_tied_lm_head, checkpoint_weights
 
 EXTENSION = "grouprl.rollout.vllm_server.WeightReceiver"
@@ -82,20 +83,23 @@ def serve_command(model: str, *, host: str, port: int, tensor_parallel_size: int
     return argv, env
 
 
-class VLLMServerEngine:
+class VLLMServerEngine(GenerationEngine):
     """Generation engine that is a client of a vLLM server started by `grouprl vllm-serve`."""
 
     decodes_with_policy = False  # the server samples with its own copy of the weights
 
     def __init__(self, host: str, port: int, *, eos_token_ids: tuple[int, ...], pad_token_id: int,
-                 weight_dir: str, timeout_s: float = 240.0, rank: int = 0, world_size: int = 1):
+                 weight_dir: str, timeout_s: float = 240.0, rank: int = 0, world_size: int = 1,
+                 barrier: Callable[[], None] | None = None):
+        """Under torchrun every rank is a client; rank 0 sends the weights and `barrier` (the
+        trainer's, over its process group) holds the other ranks until the server has them."""
         import requests  # a dependency of vLLM and of transformers' hub client
 
         self._requests = requests
         self.host, self.port, self.url = host, port, f"http://{host}:{port}"
         self.eos_token_ids, self.pad_token_id = tuple(eos_token_ids), pad_token_id
         self.weight_dir, self.timeout_s = Path(weight_dir), timeout_s
-        self.rank, self.world_size = rank, world_size
+        self.rank, self.world_size, self._barrier = rank, world_size, barrier
         self.version: int | None = None  # unknown: the server may hold any weights until we send ours
         self._wait_until_up()
         self.model_id = self._get("/v1/models")["data"][0]["id"]
@@ -189,8 +193,8 @@ class VLLMServerEngine:
                 self._post("/reset_prefix_cache", {}, what="reset its prefix cache")  # old weights' keys
             finally:
                 path.unlink(missing_ok=True)
-        if self.world_size > 1:
-            torch.distributed.barrier()  # no rank samples before the server holds the new weights
+        if self.world_size > 1 and self._barrier is not None:
+            self._barrier()  # no rank samples before the server holds the new weights
         self.version = version
 
     # --------------------------------------------------------------- generation

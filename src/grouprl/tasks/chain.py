@@ -18,7 +18,7 @@ from __future__ import annotations
 import random
 from typing import Any
 
-from grouprl.rewards._text import completion_text
+from grouprl.rewards.text import completion_text
 
 NUM_OPERANDS = 4
 EVAL_SIZE = 200

@@ -46,11 +46,22 @@ def resolve_tool(spec: str | Callable | Tool, **params: Any) -> Tool:
     return built if isinstance(built, Tool) else Tool.from_function(built)
 
 
-def resolve_tools(specs: list[str | Callable | Tool]) -> dict[str, Tool]:
-    """`resolve_tool` on each spec (no parameters); name -> tool, in order. Two tools with one name fail."""
+def resolve_tools(specs: list[str | Callable | Tool | dict]) -> dict[str, Tool]:
+    """name -> tool, in order, from `tools` entries: a `Tool`, a function, a built-in name, an import
+    path, or a mapping with `name` and the tool's parameters. ValueError naming the entry otherwise;
+    two tools with one name fail."""
     tools: dict[str, Tool] = {}
     for spec in specs:
-        tool = resolve_tool(spec)
+        try:
+            if isinstance(spec, dict):
+                params = dict(spec)
+                if not isinstance(params.get("name"), str):
+                    raise ValueError("a mapping needs a `name` key")
+                tool = resolve_tool(params.pop("name"), **params)
+            else:
+                tool = resolve_tool(spec)
+        except (ValueError, TypeError, ImportError) as e:
+            raise ValueError(f"tools entry {spec!r}: {e}") from None
         if tool.name in tools:
             raise ValueError(f"two tools are named {tool.name!r}: the model calls tools by name, so rename one")
         tools[tool.name] = tool

@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from grouprl.tasks.tiny import (
+from grouprl.tasks.testing import (
     CHARACTERS,
     TINY_SIZES,
     build_char_tokenizer,

@@ -14,7 +14,6 @@ checkpoint complete or no trace of it beside the previous one.
 
 from __future__ import annotations
 
-import copy
 import os
 import re
 import shutil
@@ -23,6 +22,8 @@ from typing import Any
 
 import torch
 from safetensors.torch import load_file, load_model, save_file, save_model
+
+from grouprl.lora import is_peft_model, merged_copy
 
 _NAME = re.compile(r"^step-(\d+)$")
 
@@ -86,19 +87,15 @@ def save_checkpoint(output_dir: str | Path, step: int, *, model: torch.nn.Module
     return final
 
 
-def _is_peft(model: torch.nn.Module) -> bool:
-    return hasattr(model, "peft_config")
-
-
 def save_model_folder(model: torch.nn.Module, path: Path,
                       model_state: dict[str, torch.Tensor] | None = None) -> None:
-    """The model in save_pretrained form (safetensors, no quantization config). With LoRA, the adapter is merged into a copy of the base weights
-    (merging in place and unmerging would not restore the base weights bit for bit)."""
+    """The model in save_pretrained form (safetensors, no quantization config). With LoRA, the
+    adapter is merged into a copy of the base weights (`lora.merged_copy`)."""
     if model_state is not None:  # whole weights gathered from a sharded model
         model.save_pretrained(path, state_dict=model_state, safe_serialization=True)
         return
-    if _is_peft(model):
-        model = copy.deepcopy(model).merge_and_unload()
+    if is_peft_model(model):
+        model = merged_copy(model)
     model.save_pretrained(path, safe_serialization=True)
 
 

@@ -25,6 +25,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from grouprl.lora import base_model, is_peft_model, merged_weight, mergeable
+
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
 FUSE_MAX_PARAMS = 20_000_000  # fuse projection weights only for models up to this size (see __init__)
 PACK_MIN_PARAMS = 5_000_000  # on CPU (fp32, or native bf16), models from this size decode with oneDNN-packed weights
@@ -61,43 +63,15 @@ def _can_pack(model: torch.nn.Module, dtype: torch.dtype, n_params: int) -> bool
         return False
 
 
-def is_lora_layer(module: torch.nn.Module) -> bool:
-    """A PEFT LoRA layer: the wrapped `base_layer` plus low-rank deltas."""
-    return hasattr(module, "base_layer") and hasattr(module, "get_delta_weight")
-
-
-def merged_weight(layer: torch.nn.Module) -> torch.Tensor:
-    """A linear layer's weight [out, in]; for a LoRA layer W + Σ s·BA over its active adapters
-    (a new tensor, detached), unless its adapters are merged in already or disabled. The fast
-    decoder and the vLLM weight sync (`rollout/vllm.py`) both read LoRA weights through this."""
-    if not is_lora_layer(layer):
-        return layer.weight
-    if getattr(layer, "merged", False) or getattr(layer, "disable_adapters", False):
-        return layer.base_layer.weight
-    with torch.no_grad():
-        return layer.base_layer.weight + sum(layer.get_delta_weight(a) for a in layer.active_adapters)
-
-
-def _mergeable_lora(model: torch.nn.Module) -> bool:
-    """Every adapted module is a LoRA linear layer without dropout (dropout would make the
-    adapter's forward random, which merged weights cannot reproduce)."""
-    for m in filter(is_lora_layer, model.modules()):
-        if not isinstance(m.base_layer, torch.nn.Linear):
-            return False
-        if any(isinstance(d, torch.nn.Dropout) and d.p > 0 for d in m.lora_dropout.values()):
-            return False
-    return True
-
-
 class FastDecoder:
     """Prefill and single-token decode steps for one `generate` call, over a static KV cache."""
 
     @staticmethod
     def supports(model: torch.nn.Module) -> bool:
-        if hasattr(model, "peft_config"):
-            if not _mergeable_lora(model):
+        if is_peft_model(model):
+            if not mergeable(model):
                 return False
-            model = model.get_base_model()
+            model = base_model(model)
         cfg = getattr(model, "config", None)
         if cfg is None or getattr(cfg, "model_type", None) not in SUPPORTED_MODEL_TYPES:
             return False
@@ -116,8 +90,7 @@ class FastDecoder:
 
     def __init__(self, model: torch.nn.Module, dtype: torch.dtype | None = None, fuse: bool | None = None,
                  pack: bool | None = None):
-        if hasattr(model, "get_base_model"):  # PEFT: LoRA layers are read as merged weights
-            model = model.get_base_model()
+        model = base_model(model)  # PEFT: LoRA layers are read as merged weights
         cfg, base = model.config, model.model
         self.wdtype = model.lm_head.weight.dtype  # the residual stream, norms and RoPE stay in this dtype
         self.dtype = dtype or self.wdtype  # matmuls run in this one

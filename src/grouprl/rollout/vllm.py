@@ -34,7 +34,7 @@ from typing import Iterator
 import numpy as np
 import torch
 
-from grouprl.rollout.llama_decoder import is_lora_layer, merged_weight
+from grouprl.lora import merged_named_weights
 from grouprl.rollout.types import GenerationEngine, Rollout, SamplingParams, sampled_rollout
 
 INSTALL_HINT = ("pip install 'grouprl[vllm]' on a CUDA machine; on a CPU-only machine "
@@ -164,20 +164,10 @@ def checkpoint_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tens
     """(checkpoint name, tensor) for every weight of the policy, one at a time, layer by layer.
     A PEFT model yields W + BA for each adapted weight, under the base model's names; an FSDP2
     model gathers one parameter at a time (a collective: every rank iterates)."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    adapted = {name: m for name, m in base.named_modules() if is_lora_layer(m)}
-    for name, param in base.named_parameters():
-        if ".lora_" in name:
-            continue
-        module, _, leaf = name.rpartition(".")
-        lora = adapted.get(module.removesuffix(".base_layer"))
-        if lora is not None and leaf == "weight":
-            tensor = merged_weight(lora)  # W + BA (LoRA and FSDP2 never meet: a config error)
-        else:
-            tensor = param.detach()
-            if hasattr(tensor, "full_tensor"):  # FSDP2 DTensor shard -> whole tensor
-                tensor = tensor.full_tensor()
-        yield name.replace(".base_layer.", "."), tensor
+    for name, tensor in merged_named_weights(model):  # W + BA (LoRA and FSDP2 never meet: a config error)
+        if hasattr(tensor, "full_tensor"):  # FSDP2 DTensor shard -> whole tensor
+            tensor = tensor.full_tensor()
+        yield name, tensor
 
 
 def _repack_tied_lm_head(worker) -> None:

@@ -1,0 +1,101 @@
+"""Every LoRA/PEFT concern in one place: adding the adapter, recognising a PEFT model and its LoRA
+layers, and reading the adapted weights W' = W + s·BA (s = lora_alpha / r) without touching W.
+
+The rest of grouprl meets LoRA through these functions only, so the few facts about PEFT's
+internals the project relies on (`base_layer`, `get_delta_weight`, `merged`, `disable_adapters`,
+`lora_dropout`, `.lora_` parameter names) are written down once:
+- the fast decoder (`rollout/llama_decoder.py`) reads `merged_weight` per layer, when `mergeable`;
+- the vLLM weight sync (`rollout/vllm.py`, and the server client through it) sends
+  `merged_named_weights`;
+- a checkpoint's `model/` folder is `merged_copy` saved with `save_pretrained`;
+- with LoRA the reference policy is the base model with the adapter disabled (`adapter_disabled`).
+
+Merged weights are always built out of place: merging into W and unmerging afterwards would leave
+rounding drift in the frozen base weights, which are the reference policy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from typing import Iterator
+
+import torch
+
+
+def add_adapter(model: torch.nn.Module, *, r: int, alpha: float, dropout: float,
+                target_modules: str | list[str]) -> torch.nn.Module:
+    """`model` wrapped by PEFT with LoRA adapters of rank `r` on `target_modules` (`all-linear` or
+    module names), scaled by alpha / r, with `dropout` on the LoRA branch. B starts at zero, so the
+    wrapped model computes what `model` did until B is trained."""
+    from peft import LoraConfig, get_peft_model
+
+    return get_peft_model(model, LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout,
+                                            target_modules=target_modules, task_type="CAUSAL_LM"))
+
+
+def is_peft_model(model: torch.nn.Module) -> bool:
+    """A PEFT-wrapped model (it carries a `peft_config`)."""
+    return hasattr(model, "peft_config")
+
+
+def base_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The transformers model under a PEFT wrapper, whose LoRA layers stay in place; any other
+    model as it is."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def adapter_disabled(model: torch.nn.Module) -> contextlib.AbstractContextManager:
+    """A context in which a PEFT model computes its base model (adapter off); for any other model,
+    a context that does nothing."""
+    return model.disable_adapter() if is_peft_model(model) else contextlib.nullcontext()
+
+
+def is_lora_layer(module: torch.nn.Module) -> bool:
+    """A PEFT LoRA layer: the wrapped `base_layer` plus low-rank deltas."""
+    return hasattr(module, "base_layer") and hasattr(module, "get_delta_weight")
+
+
+def merged_weight(layer: torch.nn.Module) -> torch.Tensor:
+    """A linear layer's weight [out, in]; for a LoRA layer W + Σ s·BA over its active adapters
+    (a new tensor, detached), unless its adapters are merged in already or disabled."""
+    if not is_lora_layer(layer):
+        return layer.weight
+    if getattr(layer, "merged", False) or getattr(layer, "disable_adapters", False):
+        return layer.base_layer.weight
+    with torch.no_grad():
+        return layer.base_layer.weight + sum(layer.get_delta_weight(a) for a in layer.active_adapters)
+
+
+def mergeable(model: torch.nn.Module) -> bool:
+    """Every adapted module is a LoRA linear layer without dropout (dropout would make the
+    adapter's forward random, which merged weights cannot reproduce)."""
+    for m in filter(is_lora_layer, model.modules()):
+        if not isinstance(m.base_layer, torch.nn.Linear):
+            return False
+        if any(isinstance(d, torch.nn.Dropout) and d.p > 0 for d in m.lora_dropout.values()):
+            return False
+    return True
+
+
+def merged_named_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name in the base model's checkpoint, tensor) for every parameter of the base model, one at
+    a time: an adapted weight as `merged_weight` (W + s·BA), every other parameter detached as it
+    is (possibly a sharded DTensor: gathering it is the caller's business). The adapter's own
+    parameters are left out and PEFT's `.base_layer.` is dropped from the names."""
+    base = base_model(model)
+    adapted = {name: m for name, m in base.named_modules() if is_lora_layer(m)}
+    for name, param in base.named_parameters():
+        if ".lora_" in name:
+            continue
+        module, _, leaf = name.rpartition(".")
+        lora = adapted.get(module.removesuffix(".base_layer"))
+        tensor = merged_weight(lora) if lora is not None and leaf == "weight" else param.detach()
+        yield name.replace(".base_layer.", "."), tensor
+
+
+def merged_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """A PEFT model's base model with the adapter merged in, built from a deep copy: `model` and
+    its adapter are left as they were (merging in place and unmerging would not restore the base
+    weights bit for bit)."""
+    return copy.deepcopy(model).merge_and_unload()

@@ -1,0 +1,129 @@
+"""`grouprl.lora`: the merged weights W' = W + s·BA (s = alpha / r) read by the fast decoder, the
+vLLM sync and the checkpoint agree with each other, with PEFT's own merge, and with the formula,
+and none of them touches the adapter or the base weights."""
+
+import pytest
+import torch
+
+from grouprl.lora import (
+    adapter_disabled,
+    add_adapter,
+    base_model,
+    is_lora_layer,
+    is_peft_model,
+    merged_copy,
+    merged_named_weights,
+    merged_weight,
+    mergeable,
+)
+from grouprl.tasks.testing import build_tiny_model
+
+R, ALPHA = 4, 8.0
+
+
+def _lora(dropout: float = 0.0, seed: int = 0) -> torch.nn.Module:
+    """The tiny model with LoRA on every linear layer and a non-zero B (B = 0 at initialisation
+    would make every merged weight equal to W and every check below vacuous)."""
+    model, _ = build_tiny_model()
+    peft = add_adapter(model, r=R, alpha=ALPHA, dropout=dropout, target_modules="all-linear")
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in peft.named_parameters():
+            if "lora_B" in name:
+                p.copy_(0.3 * torch.randn(p.shape, generator=g))
+    return peft.eval()
+
+
+def _adapted(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    return {name: m for name, m in base_model(model).named_modules() if is_lora_layer(m)}
+
+
+def test_peft_models_and_lora_layers_are_recognised():
+    plain, _ = build_tiny_model()
+    peft = _lora()
+    assert is_peft_model(peft) and not is_peft_model(plain)
+    assert base_model(plain) is plain and base_model(peft) is peft.get_base_model()
+    assert not any(is_lora_layer(m) for m in plain.modules())
+    adapted = _adapted(peft)
+    # all-linear: the 7 projections of each of the 2 layers; the (tied) LM head is left alone
+    assert len(adapted) == 2 * 7 and all(isinstance(m.base_layer, torch.nn.Linear) for m in adapted.values())
+    assert not is_lora_layer(base_model(peft).lm_head)
+
+
+def test_add_adapter_starts_as_the_base_model():
+    """B = 0 at initialisation: the wrapped model computes exactly what the model did."""
+    plain, _ = build_tiny_model()
+    ids = torch.tensor([[5, 9, 14, 30, 2]])  # [1, 5]
+    with torch.no_grad():
+        want = plain(input_ids=ids).logits
+        peft = add_adapter(plain, r=R, alpha=ALPHA, dropout=0.0, target_modules=["q_proj", "v_proj"])
+        got = peft(input_ids=ids).logits
+    assert torch.equal(got, want)
+    assert sorted({n.rsplit(".", 1)[-1] for n in _adapted(peft)}) == ["q_proj", "v_proj"]
+    assert all(p.requires_grad == ("lora_" in n) for n, p in peft.named_parameters())
+
+
+def test_merged_weight_is_w_plus_scaled_ba():
+    """W' = W + (alpha / r)·B·A, against the formula written out, for every adapted layer."""
+    peft = _lora()
+    for name, layer in _adapted(peft).items():
+        W = layer.base_layer.weight  # [out, in]
+        A, B = layer.lora_A["default"].weight, layer.lora_B["default"].weight  # [r, in], [out, r]
+        got = merged_weight(layer)
+        assert got.shape == W.shape and not got.requires_grad
+        torch.testing.assert_close(got, W + (ALPHA / R) * B @ A, atol=1e-6, rtol=1e-6, msg=name)
+        assert (got - W).abs().max() > 1e-2  # the adapter really changes the weight
+    head = base_model(peft).lm_head
+    assert merged_weight(head) is head.weight  # not a LoRA layer: its own weight
+
+
+def test_merged_weight_matches_merged_copy_and_leaves_the_adapter_in_place():
+    peft = _lora()
+    before = {n: p.detach().clone() for n, p in peft.named_parameters()}
+    merged = merged_copy(peft)
+    assert not is_peft_model(merged) and not any(is_lora_layer(m) for m in merged.modules())
+    weights = dict(merged.named_parameters())
+    for name, layer in _adapted(peft).items():
+        torch.testing.assert_close(merged_weight(layer), weights[f"{name}.weight"], atol=1e-6, rtol=0, msg=name)
+    # the original still holds its adapter and its base weights, bit for bit
+    assert is_peft_model(peft) and len(_adapted(peft)) == 2 * 7
+    assert all(torch.equal(p, before[n]) for n, p in peft.named_parameters())
+    ids = torch.tensor([[5, 9, 14, 30, 2, 40, 41]])  # [1, 7]
+    with torch.no_grad():
+        torch.testing.assert_close(merged(input_ids=ids).logits, peft(input_ids=ids).logits, atol=1e-5, rtol=0)
+
+
+def test_merged_named_weights_are_the_merged_checkpoint():
+    """The vLLM sync's weights: the merged model's parameters, under the base model's names."""
+    peft = _lora()
+    got = dict(merged_named_weights(peft))
+    want = dict(merged_copy(peft).named_parameters())
+    assert got.keys() == want.keys()
+    assert not any(".lora_" in n or ".base_layer." in n for n in got)
+    for name, tensor in got.items():
+        torch.testing.assert_close(tensor, want[name], atol=1e-6, rtol=0, msg=name)
+    plain, _ = build_tiny_model()
+    assert [(n, t.data_ptr()) for n, t in merged_named_weights(plain)] == [
+        (n, p.data_ptr()) for n, p in plain.named_parameters()]  # no adapter: the parameters themselves
+
+
+def test_adapter_disabled_computes_the_base_model():
+    plain, _ = build_tiny_model()
+    peft = _lora()
+    ids = torch.tensor([[5, 9, 14, 30, 2]])  # [1, 5]
+    with torch.no_grad():
+        base = plain(input_ids=ids).logits
+        assert (peft(input_ids=ids).logits - base).abs().max() > 0.1
+        with adapter_disabled(peft):
+            torch.testing.assert_close(peft(input_ids=ids).logits, base, atol=1e-6, rtol=0)
+            layer = next(iter(_adapted(peft).values()))
+            assert merged_weight(layer) is layer.base_layer.weight  # disabled: W alone
+        assert (peft(input_ids=ids).logits - base).abs().max() > 0.1  # enabled again on exit
+        with adapter_disabled(plain):  # no adapter: nothing to disable
+            assert torch.equal(plain(input_ids=ids).logits, base)
+
+
+@pytest.mark.parametrize("dropout, want", [(0.0, True), (0.1, False)])
+def test_mergeable_only_without_adapter_dropout(dropout, want):
+    assert mergeable(_lora(dropout=dropout)) is want
+    assert mergeable(build_tiny_model()[0])  # no LoRA layer at all

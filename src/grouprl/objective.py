@@ -1,38 +1,59 @@
 """The trainer's glue to the algorithm variants of ``grouprl.core``: the config's plain values in,
-one call per place in the loop.
+one call per place in the loop. Each variant is looked up in a core registry under the name the
+config gives it (core/registry.py); nothing here branches on a variant.
 
-- ``step_advantages``: advantages [N] of a scored batch, from the summed reward (the estimator),
-  per token [N, T] from step rewards (process supervision), or,
-  with ``multi_objective_aggregation: normalize_then_sum`` (GDPO), from each reward function's scores;
+- ``step_advantages``: advantages of a scored batch: the advantage estimator (``advantage_estimator``;
+  "process" reads the step rewards and gives one advantage per token [N, T]) meets the reward
+  functions as ``multi_objective_aggregation`` says ("normalize_then_sum", GDPO, reads each
+  function's scores);
+- ``policy_loss_params``: every loss knob of the config in one ``LossParams``, built once;
 - ``corrects_sampler`` / ``sampler_weights``: whether and how the sampler/trainer mismatch is
   corrected (core/importance.py), with the `is/` metrics;
 - ``loss_token_weights``: a micro-batch's token weights for ``policy_loss``: the sampler/trainer
-  importance weights, the top-entropy token mask and the off-policy sequence mask, multiplied,
-  with the fraction of real tokens each mask dropped.
+  importance weights times every token mask the config switches on (``enabled_token_masks``), with
+  the fraction of real tokens each mask dropped.
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import torch
 
 from grouprl.batch import StepBatch
 from grouprl.config import TrainConfig
-from grouprl.core import compute_advantages, importance_weights, normalize_then_sum, off_policy_sequence_mask, top_entropy_mask
+from grouprl.core import (ADVANTAGE_ESTIMATORS, MULTI_OBJECTIVE_AGGREGATIONS, TOKEN_MASKS, AdvantageInputs,
+                          LossParams, MaskInputs, importance_weights)
 from grouprl.rollout import Rollout
 
 
+def advantage_inputs(cfg: TrainConfig, batch: StepBatch) -> AdvantageInputs:
+    """The scored batch as core's plain values; the step lists (with the outcome as a final step) and
+    the padded length T only where rewards/process.py made steps (advantage_estimator: process)."""
+    per_func = torch.stack(list(batch.per_func.values()), dim=-1) if batch.per_func else None  # [N, K]; NaN: None
+    inputs = AdvantageInputs(batch.rewards, cfg.num_generations, per_func, cfg.reward_weights)  # rewards [N]
+    if batch.steps is None:
+        return inputs
+    step_rewards, step_ends = batch.steps.with_outcome()  # [N][K_i] each
+    return replace(inputs, step_rewards=step_rewards, step_ends=step_ends,
+                   num_tokens=batch.rollout.completion_ids.shape[1])
+
+
 def step_advantages(cfg: TrainConfig, batch: StepBatch) -> torch.Tensor:
-    """Advantages of the (global) batch: [N], or [N, T] (one per token) under process supervision,
-    where `batch.steps` holds the step rewards (rewards/process.py)."""
-    G = cfg.num_generations
-    if batch.steps is not None:
-        return batch.steps.advantages(G, batch.rollout.completion_ids.shape[1], scale=cfg.scale_rewards,
-                                      eps=cfg.advantage_eps)  # [N, T]
-    if cfg.multi_objective_aggregation == "normalize_then_sum":
-        per_func = torch.stack(list(batch.per_func.values()), dim=-1)  # [N, K], NaN where a function abstained
-        return normalize_then_sum(per_func, cfg.reward_weights, G, scale=cfg.scale_rewards, eps=cfg.advantage_eps)
-    return compute_advantages(cfg.advantage_estimator, batch.rewards, G, scale=cfg.scale_rewards,
-                              eps=cfg.advantage_eps)  # [N]
+    """Advantages of the (global) batch: [N], or [N, T] (one per token) from a per-token estimator
+    such as process supervision."""
+    aggregate = MULTI_OBJECTIVE_AGGREGATIONS.get(cfg.multi_objective_aggregation, "multi_objective_aggregation")
+    estimator = ADVANTAGE_ESTIMATORS.get(cfg.advantage_estimator, "advantage_estimator")
+    return aggregate(advantage_inputs(cfg, batch), estimator, scale=cfg.scale_rewards, eps=cfg.advantage_eps)
+
+
+def policy_loss_params(cfg: TrainConfig) -> LossParams:
+    """The loss knobs of a validated config as one ``LossParams`` (validated on construction), built once
+    and passed to every ``policy_loss`` call."""
+    return LossParams(eps_low=cfg.epsilon, eps_high=cfg.epsilon_high, ratio_level=cfg.importance_sampling_level,
+                      agg=cfg.loss_agg, max_tokens=cfg.max_completion_length, beta=cfg.beta,
+                      kl_kind=cfg.kl_estimator, dual_clip=cfg.dual_clip, delta=cfg.delta, loss_type=cfg.loss_type,
+                      sapo_tau_pos=cfg.sapo_temperature_pos, sapo_tau_neg=cfg.sapo_temperature_neg)
 
 
 def corrects_sampler(cfg: TrainConfig, rollout: Rollout) -> bool:
@@ -52,29 +73,34 @@ def sampler_weights(cfg: TrainConfig, rollout: Rollout, old_logp: torch.Tensor
     return weights, {f"is/{k}": v for k, v in stats.items()}
 
 
+def enabled_token_masks(cfg: TrainConfig) -> dict[str, float]:
+    """The token masks (core ``TOKEN_MASKS``) the config switches on, name -> the mask's parameter:
+    "entropy_mask" when top_entropy_quantile < 1, "off_policy_mask" when off_policy_mask_threshold is set."""
+    settings = {"entropy_mask": cfg.top_entropy_quantile if cfg.top_entropy_quantile < 1 else None,
+                "off_policy_mask": cfg.off_policy_mask_threshold}
+    return {name: value for name, value in settings.items() if value is not None}
+
+
 def loss_token_weights(cfg: TrainConfig, rollout: Rollout, rows: torch.Tensor, logp: torch.Tensor,
                        entropy: torch.Tensor | None, mask: torch.Tensor, advantages: torch.Tensor,
                        old_logp: torch.Tensor | None, is_weights: torch.Tensor | None
                        ) -> tuple[torch.Tensor | None, dict[str, float]]:
-    """Token weights [n, T'] for the micro-batch ``rows`` (None when nothing re-weights), and stats.
+    """Token weights [n, T'] for the micro-batch ``rows`` (None when nothing re-weights), and stats
+    (``<mask>/dropped_frac``: the fraction of real tokens each enabled token mask dropped).
     logp, entropy, mask  # [n, T'] on the model's device; advantages  # [n] (or [n, T]); old_logp, is_weights,
     rollout.sampling_logp  # [N, T] for the whole batch (CPU)."""
     T, dev = logp.shape[1], logp.device
     weights = is_weights[rows, :T].to(dev) if is_weights is not None else None  # [n, T']
+    masks = enabled_token_masks(cfg)
+    if not masks:
+        return weights, {}
+    sampler = rollout.sampling_logp if rollout.sampling_logp is not None else old_logp  # [N, T]; None: on-policy
+    inputs = MaskInputs(logp, mask, advantages[:, :T] if advantages.dim() == 2 else advantages, entropy,
+                        None if sampler is None else sampler[rows, :T].to(dev))  # entropy from this pass
     stats: dict[str, float] = {}
     n_real = max(int(mask.sum()), 1)
-    if cfg.top_entropy_quantile < 1:
-        keep = top_entropy_mask(entropy, mask, cfg.top_entropy_quantile)  # [n, T'] from this micro-batch's pass
-        stats["entropy_mask/dropped_frac"] = 1 - int(keep.sum()) / n_real
+    for name, value in masks.items():
+        keep = TOKEN_MASKS.get(name)(inputs, value)  # [n, T'] bool
+        stats[f"{name}/dropped_frac"] = int((mask & ~keep).sum()) / n_real
         weights = keep.to(logp.dtype) if weights is None else weights * keep
-    if cfg.off_policy_mask_threshold is not None:
-        sampler = rollout.sampling_logp if rollout.sampling_logp is not None else old_logp  # [N, T]
-        keep_seq = torch.ones(len(rows), dtype=torch.bool, device=dev)  # [n]; on-policy: nothing to drop
-        if sampler is not None:
-            adv = advantages[:, :T] if advantages.dim() == 2 else advantages  # [n] or per token [n, T']
-            keep_seq = off_policy_sequence_mask(logp, sampler[rows, :T].to(dev), adv, mask,
-                                                cfg.off_policy_mask_threshold)  # [n]
-        stats["off_policy_mask/dropped_frac"] = int((mask & ~keep_seq[:, None]).sum()) / n_real
-        keep = keep_seq[:, None].to(logp.dtype).expand_as(logp)  # [n, T']
-        weights = keep if weights is None else weights * keep
     return weights, stats

@@ -1,4 +1,5 @@
-"""Advantages against ALGORITHMS.md worked numbers, naive Python loops, and invariants."""
+"""Outcome advantage estimators (core/advantages.py: GRPO, Dr. GRPO, RLOO, REINFORCE++, REINFORCE++-baseline,
+GRPO pass@k) against docs/algorithms.md worked numbers, naive Python loops, and invariants."""
 
 import statistics
 
@@ -11,8 +12,10 @@ from grouprl.core import (
     ADVANTAGE_ESTIMATORS,
     compute_advantages,
     group_advantages,
-    process_advantages,
+    passk_advantages,
     register_advantage_estimator,
+    reinforce_pp_advantages,
+    reinforce_pp_baseline_advantages,
     rloo_advantages,
     zero_std_groups,
 )
@@ -20,7 +23,7 @@ from grouprl.core import (
 T64 = dict(dtype=torch.float64)
 
 
-# ---------------------------------------------------------------- worked numbers (ALGORITHMS.md)
+# ---------------------------------------------------------------- worked numbers (docs/algorithms.md)
 
 def test_worked_one_correct_of_four():
     """[1,0,0,0]: mean 0.25, sample std = sqrt((0.5625 + 3·0.0625)/3) = 0.5."""
@@ -126,51 +129,83 @@ def test_register_custom_estimator():
         del ADVANTAGE_ESTIMATORS["test_sign"]
 
 
-# ---------------------------------------------------------------- process supervision
-
-def test_process_hand_worked():
-    """Group of 2: completion 0 has steps (r=1, ends at 1), (r=0, ends at 3); completion 1 one step
-    (r=0, ends at 2). R = [1, 0, 0]: mean 1/3, sample std sqrt(1/3) = 0.57735, so r̃ = [2/√3·… ]:
-    r̃(1) = (2/3)/0.57735 = 1.15470, r̃(0) = −0.57735. Token advantages are suffix sums over steps."""
-    got = process_advantages([[1.0, 0.0], [0.0]], [[1, 3], [2]], 2, 5, eps=0.0)
-    a, b = 2 / 3 / (1 / 3) ** 0.5, -1 / 3 / (1 / 3) ** 0.5
-    want = torch.tensor([[a + b, a + b, b, b, 0.0], [b, b, b, 0.0, 0.0]])
-    assert got.shape == (2, 5)
-    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+TWO_GROUPS = torch.tensor([1.0, 0, 0, 0, 1, 1, 1, 1])
 
 
-def naive_process(step_rewards, step_ends, g, t_len, eps, unbiased):
-    std_fn = statistics.stdev if unbiased else statistics.pstdev
-    out = []
-    for b in range(0, len(step_rewards), g):
-        pooled = [r for rs in step_rewards[b:b + g] for r in rs]
-        flat = len(set(pooled)) <= 1
-        mean = sum(pooled) / len(pooled) if pooled else 0.0
-        std = 0.0 if flat else std_fn(pooled)
-        for rs, es in zip(step_rewards[b:b + g], step_ends[b:b + g]):
-            norm = [0.0 if flat else (r - mean) / (std + eps) for r in rs]
-            out.append([sum((n for n, e in zip(norm, es) if e >= t), 0.0) for t in range(t_len)])
-    return out
+def close(got, want, tol=1e-6):
+    assert got.shape == (len(want),)
+    assert got.tolist() == pytest.approx(want, abs=tol)
 
 
-@settings(max_examples=60, deadline=None)
-@given(data=st.data(), g=st.integers(2, 4), b=st.integers(1, 3), t_len=st.integers(1, 8),
-       unbiased=st.booleans(), eps=st.sampled_from([0.0, 1e-4]))
-def test_process_matches_naive(data, g, b, t_len, unbiased, eps):
-    step_rewards, step_ends = [], []
-    for _ in range(g * b):
-        k = data.draw(st.integers(0, 3))
-        step_rewards.append(data.draw(st.lists(st.sampled_from([0.0, 1.0]) | rounded_floats,
-                                               min_size=k, max_size=k)))
-        step_ends.append(data.draw(st.lists(st.integers(0, t_len - 1), min_size=k, max_size=k)))
-    got = process_advantages(step_rewards, step_ends, g, t_len, eps=eps, unbiased=unbiased)
-    want = torch.tensor(naive_process(step_rewards, step_ends, g, t_len, eps, unbiased))
-    torch.testing.assert_close(got, want.reshape(g * b, t_len), rtol=1e-5, atol=1e-5)
+# ---------------------------------------------------------------- REINFORCE++
+
+def test_reinforce_pp_worked_numbers():
+    """[1,0,0,0 | 1,1,1,1]: batch mean 0.625, sample std sqrt((5·0.375² + 3·0.625²)/7) = 0.5175492.
+    A = (r − 0.625)/0.5175492: 0.7245688 and −1.2076147. The all-ones group is not zeroed: the
+    baseline is the batch, not the group."""
+    got = reinforce_pp_advantages(TWO_GROUPS, 4, eps=0.0)
+    close(got, [0.7245688, -1.2076147, -1.2076147, -1.2076147] + [0.7245688] * 4)
+    close(reinforce_pp_advantages(TWO_GROUPS, 4, scale="none"), [0.375, -0.625, -0.625, -0.625] + [0.375] * 4)
 
 
-def test_process_all_equal_group_is_exactly_zero():
-    got = process_advantages([[0.3, 0.3], [0.3]], [[0, 2], [1]], 2, 4)
-    assert (got == 0).all()
+def test_reinforce_pp_baseline_worked_numbers_and_differs_from_grpo_batch_scale():
+    """Centre in the group: [0.75, −0.25, −0.25, −0.25 | 0, 0, 0, 0]; mean 0; sample std
+    sqrt((0.5625 + 3·0.0625)/7) = 0.3273268. A = [2.2912878, −0.7637626 ×3 | 0 ×4].
+    GRPO scale="batch" divides the same centred values by the std of the raw rewards (0.5175492):
+    [1.4491377, −0.4830459, ...] — smaller, because the spread between prompts counts there."""
+    got = reinforce_pp_baseline_advantages(TWO_GROUPS, 4, eps=0.0)
+    close(got, [2.2912878, -0.7637626, -0.7637626, -0.7637626, 0, 0, 0, 0])
+    assert got[4:].eq(0).all()  # flat group: exactly 0
+    close(compute_advantages("grpo", TWO_GROUPS, 4, scale="batch", eps=0.0),
+          [1.4491377, -0.4830459, -0.4830459, -0.4830459, 0, 0, 0, 0])
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_reinforce_pp_forms_match_naive_loops(seed):
+    g = torch.Generator().manual_seed(seed)
+    r = torch.randn(12, generator=g, dtype=torch.float64)
+    xs = r.tolist()
+    mu, sd = statistics.mean(xs), statistics.stdev(xs)
+    close(reinforce_pp_advantages(r, 3, eps=1e-4), [(x - mu) / (sd + 1e-4) for x in xs], 1e-9)
+    centred = []
+    for b in range(4):
+        grp = xs[3 * b:3 * b + 3]
+        centred += [x - statistics.mean(grp) for x in grp]
+    mu_c, sd_c = statistics.mean(centred), statistics.stdev(centred)
+    close(reinforce_pp_baseline_advantages(r, 3, eps=1e-4), [(c - mu_c) / (sd_c + 1e-4) for c in centred], 1e-9)
+
+
+def test_reinforce_pp_rejects_group_scale():
+    with pytest.raises(ValueError, match="normalises over the whole batch: use scale 'batch'"):
+        compute_advantages("reinforce_pp_baseline", TWO_GROUPS, 4, scale="group")
+
+
+# ---------------------------------------------------------------- pass@k
+
+def test_passk_worked_numbers():
+    """Only each group's best gets r_max − r_second_max: [0.9, 0.3, 0.8, 0.2] → [0.1, 0, 0, 0];
+    [0, 1, 0, 0] → [0, 1, 0, 0]; a tie for the best, [1, 1, 0, 0] → all 0 (a pass@4 that loses
+    either correct sample still passes). scale="group" (verl's default) divides by the group's
+    sample std: [0, 1, 0, 0] has std 0.5 → 2."""
+    r = torch.tensor([0.9, 0.3, 0.8, 0.2, 0, 1, 0, 0, 1, 1, 0, 0])
+    close(passk_advantages(r, 4), [0.1, 0, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0])
+    got = passk_advantages(r, 4, scale="group", eps=0.0)
+    assert got[4:8].tolist() == [0.0, 2.0, 0.0, 0.0] and got[8:].eq(0).all()
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_passk_is_the_leave_one_out_max(seed):
+    """A_i = max(group) − max(group without i): the leave-one-out pass@G estimator, by a loop."""
+    g = torch.Generator().manual_seed(seed)
+    r = torch.randint(0, 4, (15,), generator=g).float()  # ties happen
+    want = []
+    for b in range(3):
+        grp = r[5 * b:5 * b + 5].tolist()
+        for i in range(5):
+            loo = max(grp[:i] + grp[i + 1:])
+            want.append(max(grp) - loo)
+    # the estimator's value per completion is the same; only a tie's attribution differs (0 either way)
+    close(passk_advantages(r, 5), want)
 
 
 # ---------------------------------------------------------------- bad input
@@ -185,15 +220,10 @@ def test_process_all_equal_group_is_exactly_zero():
     (lambda: group_advantages(torch.tensor([float("inf"), 0.0]), 2), ValueError, "not finite"),
     (lambda: group_advantages(torch.ones(4), 2, scale="std"), ValueError, "scale='std'"),
     (lambda: group_advantages(torch.ones(4), 2, eps=-1.0), ValueError, "eps"),
-    (lambda: compute_advantages("ppo", torch.ones(4), 2), ValueError, "'grpo', 'grpo_passk', 'reinforce_pp', 'reinforce_pp_baseline', 'rloo'"),
+    (lambda: compute_advantages("ppo", torch.ones(4), 2), ValueError,
+     "'grpo', 'grpo_passk', 'process', 'reinforce_pp', 'reinforce_pp_baseline', 'rloo'"),
     (lambda: rloo_advantages(torch.ones(3), 1), ValueError, "group_size=1"),
     (lambda: zero_std_groups(torch.ones(5), 2), ValueError, "group_size=2"),
-    (lambda: process_advantages([[1.0], [0.0]], [[0]], 2, 3), ValueError, "step_ends has 1"),
-    (lambda: process_advantages([[1.0], [0.0]], [[0, 1], [0]], 2, 3), ValueError, "completion 0"),
-    (lambda: process_advantages([[1.0], [0.0]], [[3], [0]], 2, 3), ValueError, "step_ends must lie"),
-    (lambda: process_advantages([[1.0], [0.0]], [[0], [0]], 2, 0), ValueError, "num_tokens"),
-    (lambda: process_advantages([[float("nan")], [0.0]], [[0], [0]], 2, 2), ValueError, "finite"),
-    (lambda: process_advantages([[1.0]], [[0]], 1, 2), ValueError, "group_size=1"),
 ])
 def test_bad_input(call, exc, match):
     with pytest.raises(exc, match=match):

@@ -1,4 +1,4 @@
-"""KL estimators against ALGORITHMS.md worked numbers and their closed forms."""
+"""KL estimators against docs/algorithms.md worked numbers and their closed forms."""
 
 import math
 

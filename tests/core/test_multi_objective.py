@@ -1,5 +1,5 @@
-"""REINFORCE++, REINFORCE++-baseline, GRPO pass@k and GDPO normalize_then_sum
-(core/advantage_variants.py) against hand-worked numbers and naive loops."""
+"""Multi-objective aggregation (core/multi_objective.py): GDPO's normalize_then_sum against hand-worked
+numbers and a naive loop, and the registered aggregations."""
 
 import math
 import statistics
@@ -8,90 +8,16 @@ import pytest
 import torch
 
 from grouprl.core import (
+    ADVANTAGE_ESTIMATORS,
+    MULTI_OBJECTIVE_AGGREGATIONS,
+    AdvantageInputs,
     compute_advantages,
     normalize_then_sum,
-    passk_advantages,
-    reinforce_pp_advantages,
-    reinforce_pp_baseline_advantages,
 )
-
-TWO_GROUPS = torch.tensor([1.0, 0, 0, 0, 1, 1, 1, 1])
-
 
 def close(got, want, tol=1e-6):
     assert got.shape == (len(want),)
     assert got.tolist() == pytest.approx(want, abs=tol)
-
-
-# ---------------------------------------------------------------- REINFORCE++
-
-def test_reinforce_pp_worked_numbers():
-    """[1,0,0,0 | 1,1,1,1]: batch mean 0.625, sample std sqrt((5·0.375² + 3·0.625²)/7) = 0.5175492.
-    A = (r − 0.625)/0.5175492: 0.7245688 and −1.2076147. The all-ones group is not zeroed: the
-    baseline is the batch, not the group."""
-    got = reinforce_pp_advantages(TWO_GROUPS, 4, eps=0.0)
-    close(got, [0.7245688, -1.2076147, -1.2076147, -1.2076147] + [0.7245688] * 4)
-    close(reinforce_pp_advantages(TWO_GROUPS, 4, scale="none"), [0.375, -0.625, -0.625, -0.625] + [0.375] * 4)
-
-
-def test_reinforce_pp_baseline_worked_numbers_and_differs_from_grpo_batch_scale():
-    """Centre in the group: [0.75, −0.25, −0.25, −0.25 | 0, 0, 0, 0]; mean 0; sample std
-    sqrt((0.5625 + 3·0.0625)/7) = 0.3273268. A = [2.2912878, −0.7637626 ×3 | 0 ×4].
-    GRPO scale="batch" divides the same centred values by the std of the raw rewards (0.5175492):
-    [1.4491377, −0.4830459, ...] — smaller, because the spread between prompts counts there."""
-    got = reinforce_pp_baseline_advantages(TWO_GROUPS, 4, eps=0.0)
-    close(got, [2.2912878, -0.7637626, -0.7637626, -0.7637626, 0, 0, 0, 0])
-    assert got[4:].eq(0).all()  # flat group: exactly 0
-    close(compute_advantages("grpo", TWO_GROUPS, 4, scale="batch", eps=0.0),
-          [1.4491377, -0.4830459, -0.4830459, -0.4830459, 0, 0, 0, 0])
-
-
-@pytest.mark.parametrize("seed", range(5))
-def test_reinforce_pp_forms_match_naive_loops(seed):
-    g = torch.Generator().manual_seed(seed)
-    r = torch.randn(12, generator=g, dtype=torch.float64)
-    xs = r.tolist()
-    mu, sd = statistics.mean(xs), statistics.stdev(xs)
-    close(reinforce_pp_advantages(r, 3, eps=1e-4), [(x - mu) / (sd + 1e-4) for x in xs], 1e-9)
-    centred = []
-    for b in range(4):
-        grp = xs[3 * b:3 * b + 3]
-        centred += [x - statistics.mean(grp) for x in grp]
-    mu_c, sd_c = statistics.mean(centred), statistics.stdev(centred)
-    close(reinforce_pp_baseline_advantages(r, 3, eps=1e-4), [(c - mu_c) / (sd_c + 1e-4) for c in centred], 1e-9)
-
-
-def test_reinforce_pp_rejects_group_scale():
-    with pytest.raises(ValueError, match="normalises over the whole batch: use scale 'batch'"):
-        compute_advantages("reinforce_pp_baseline", TWO_GROUPS, 4, scale="group")
-
-
-# ---------------------------------------------------------------- pass@k
-
-def test_passk_worked_numbers():
-    """Only each group's best gets r_max − r_second_max: [0.9, 0.3, 0.8, 0.2] → [0.1, 0, 0, 0];
-    [0, 1, 0, 0] → [0, 1, 0, 0]; a tie for the best, [1, 1, 0, 0] → all 0 (a pass@4 that loses
-    either correct sample still passes). scale="group" (verl's default) divides by the group's
-    sample std: [0, 1, 0, 0] has std 0.5 → 2."""
-    r = torch.tensor([0.9, 0.3, 0.8, 0.2, 0, 1, 0, 0, 1, 1, 0, 0])
-    close(passk_advantages(r, 4), [0.1, 0, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0])
-    got = passk_advantages(r, 4, scale="group", eps=0.0)
-    assert got[4:8].tolist() == [0.0, 2.0, 0.0, 0.0] and got[8:].eq(0).all()
-
-
-@pytest.mark.parametrize("seed", range(5))
-def test_passk_is_the_leave_one_out_max(seed):
-    """A_i = max(group) − max(group without i): the leave-one-out pass@G estimator, by a loop."""
-    g = torch.Generator().manual_seed(seed)
-    r = torch.randint(0, 4, (15,), generator=g).float()  # ties happen
-    want = []
-    for b in range(3):
-        grp = r[5 * b:5 * b + 5].tolist()
-        for i in range(5):
-            loo = max(grp[:i] + grp[i + 1:])
-            want.append(max(grp) - loo)
-    # the estimator's value per completion is the same; only a tie's attribution differs (0 either way)
-    close(passk_advantages(r, 5), want)
 
 
 # ---------------------------------------------------------------- GDPO
@@ -153,3 +79,28 @@ def test_gdpo_bad_input():
         normalize_then_sum(torch.zeros(4), None, 2)
     with pytest.raises(ValueError, match="group_size=3"):
         normalize_then_sum(torch.zeros(4, 1), None, 3)
+
+
+# ---------------------------------------------------------------- the registry
+
+def test_sum_then_normalize_hands_the_summed_rewards_to_the_estimator():
+    """GRPO's default: the estimator sees the weighted sum (AdvantageInputs.rewards), not the functions."""
+    per_func = torch.tensor([[1.0, 0.0], [0.0, 3.0], [0.0, 0.0], [2.0, 1.0]])
+    inputs = AdvantageInputs(per_func.sum(-1), 2, per_func, [1.0, 1.0])
+    agg = MULTI_OBJECTIVE_AGGREGATIONS.get("sum_then_normalize")
+    for name in ("grpo", "rloo", "reinforce_pp_baseline"):
+        scale = "batch" if name.startswith("reinforce") else "group"
+        got = agg(inputs, ADVANTAGE_ESTIMATORS.get(name), scale=scale, eps=1e-4)
+        assert torch.equal(got, compute_advantages(name, per_func.sum(-1), 2, scale=scale))
+
+
+def test_normalize_then_sum_is_gdpo_on_each_function():
+    per_func = torch.tensor([[1.0, 0.0], [0.0, 3.0], [0.0, math.nan], [2.0, 1.0]])
+    inputs = AdvantageInputs(per_func.nan_to_num().sum(-1), 2, per_func, [3.0, 1.0])
+    got = MULTI_OBJECTIVE_AGGREGATIONS.get("normalize_then_sum")(inputs, ADVANTAGE_ESTIMATORS.get("grpo"),
+                                                                 scale="group", eps=1e-4)
+    assert torch.equal(got, normalize_then_sum(per_func, [3.0, 1.0], 2))
+    with pytest.raises(ValueError, match="reads each reward function's scores"):
+        MULTI_OBJECTIVE_AGGREGATIONS.get("normalize_then_sum")(AdvantageInputs(torch.zeros(4), 2), None,
+                                                               scale="group", eps=1e-4)
+    assert MULTI_OBJECTIVE_AGGREGATIONS.names() == ("sum_then_normalize", "normalize_then_sum")

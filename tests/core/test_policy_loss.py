@@ -1,4 +1,4 @@
-"""policy_loss / aggregate_loss / overlong_penalty against worked numbers, naive loops and invariants."""
+"""policy_loss (core/policy_loss.py) against worked numbers, naive loops and invariants."""
 
 import math
 
@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from grouprl.core import LOSS_AGGREGATIONS, aggregate_loss, overlong_penalty, policy_loss
+from grouprl.core import LossParams, policy_loss
 
 AGGS = ["seq-mean-token-mean", "token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
 L_MAX = 9  # max_tokens for seq-mean-token-sum-norm in random batches (≥ T)
@@ -27,7 +27,7 @@ def ragged_batch(seed, n, t, *, per_token_adv=False, spread=0.4):
     return logp, old, ref, adv, mask
 
 
-# ---------------------------------------------------------------- worked numbers (ALGORITHMS.md)
+# ---------------------------------------------------------------- worked numbers (docs/algorithms.md)
 
 @pytest.mark.parametrize("adv, want_loss, want_grad, clip_high", [(1.0, -1.2, 0.0, 1.0), (-1.0, 1.5, 1.5, 0.0)])
 def test_worked_clip_examples(adv, want_loss, want_grad, clip_high):
@@ -43,34 +43,11 @@ def test_worked_clip_examples(adv, want_loss, want_grad, clip_high):
     assert stats["ratio_mean"] == pytest.approx(1.5, abs=1e-12)
 
 
-def test_aggregation_hand_worked():
-    """ℓ = [[1,2,3],[4,·,·]], 4 real tokens, N = 2: token-mean 10/4; seq-mean-token-mean (2 + 4)/2;
-    seq-mean-token-sum 10/2; seq-mean-token-sum-norm 10/(2·5) with L_max = 5."""
-    loss = torch.tensor([[1.0, 2, 3], [4, float("nan"), float("inf")]])
-    mask = torch.tensor([[1.0, 1, 1], [1, 0, 0]])
-    want = {"token-mean": 2.5, "seq-mean-token-mean": 3.0, "seq-mean-token-sum": 5.0,
-            "seq-mean-token-sum-norm": 1.0}
-    for mode, value in want.items():
-        assert aggregate_loss(loss, mask, mode, max_tokens=5).item() == value
-    assert aggregate_loss(loss, mask, "token-mean", normalizer=8).item() == 10 / 8
-    assert aggregate_loss(loss, mask, "seq-mean-token-mean", normalizer=4).item() == 6 / 4
-    assert aggregate_loss(loss, mask, "seq-mean-token-sum-norm", max_tokens=5, normalizer=4).item() == 10 / 20
-
-
-def test_overlong_worked_numbers():
-    """L_max 20480, L_cache 4096: soft zone starts at 16384; (16384 − 17408)/4096 = −0.25, etc."""
-    lengths = torch.tensor([100, 16384, 17408, 18432, 20480, 20481, 30000])
-    got = overlong_penalty(lengths, 20480, 4096)
-    assert got.dtype == torch.float32 and got.shape == (7,)
-    assert got.tolist() == [0.0, 0.0, -0.25, -0.5, -1.0, -1.0, -1.0]
-    assert overlong_penalty(torch.tensor([10, 11]), 10, 0).tolist() == [0.0, -1.0]  # hard cutoff
-
-
 # ---------------------------------------------------------------- naive reference
 
 def naive_policy_loss(logp, old, adv, mask, *, eps_low, eps_high, ratio_level, agg, ref, beta, kl_kind,
                       dual_clip, delta, max_tokens):
-    """Token-by-token loops on scalar tensors (autograd follows), written straight from ALGORITHMS.md."""
+    """Token-by-token loops on scalar tensors (autograd follows), written straight from docs/algorithms.md."""
     n, t = logp.shape
     lengths = [int(mask[i].sum()) for i in range(n)]
     per_seq, stats = [], dict(low=0, high=0, dual=0, ratio=0.0, approx_kl=0.0, kl=0.0)
@@ -123,7 +100,8 @@ def naive_policy_loss(logp, old, adv, mask, *, eps_low, eps_high, ratio_level, a
 @given(seed=st.integers(0, 2**31 - 1), n=st.integers(1, 5), t=st.integers(1, 6), agg=st.sampled_from(AGGS),
        ratio_level=st.sampled_from(["token", "sequence"]), per_token_adv=st.booleans(),
        eps=st.sampled_from([(0.2, None), (0.2, 0.28), (0.1, 0.05)]), dual_clip=st.sampled_from([None, 3.0]),
-       delta=st.sampled_from([None, 1.3]), beta=st.sampled_from([0.0, 0.04]), kl_kind=st.sampled_from(["k1", "k2", "k3"]))
+       delta=st.sampled_from([None, 1.3]), beta=st.sampled_from([0.0, 0.04]),
+       kl_kind=st.sampled_from(["k1", "k2", "k3"]))
 def test_policy_loss_matches_naive_loops(seed, n, t, agg, ratio_level, per_token_adv, eps, dual_clip, delta,
                                           beta, kl_kind):
     logp, old, ref, adv, mask = ragged_batch(seed, n, t, per_token_adv=per_token_adv, spread=0.6)
@@ -342,13 +320,35 @@ def test_policy_loss_bad_input(change, match):
         policy_loss(**kw)
 
 
-def test_other_bad_input():
-    with pytest.raises(ValueError, match="agg='sum' is unknown"):
-        aggregate_loss(torch.zeros(2, 3), torch.ones(2, 3), "sum")
-    with pytest.raises(ValueError, match="per_token_loss"):
-        aggregate_loss(torch.zeros(6), torch.ones(6), "token-mean")
-    with pytest.raises(ValueError, match="cache_len=5000"):
-        overlong_penalty(torch.tensor([1]), 4096, 5000)
-    with pytest.raises(TypeError, match="lengths"):
-        overlong_penalty([1, 2], 4096, 1024)
-    assert sorted(LOSS_AGGREGATIONS) == sorted(AGGS)
+# ---------------------------------------------------------------- LossParams: the knobs built once
+
+@pytest.mark.parametrize("knobs", [
+    {},
+    dict(eps_low=0.1, eps_high=0.3, agg="token-mean", beta=0.05, kl_kind="k2", dual_clip=3.0, delta=4.0),
+    dict(ratio_level="sequence", agg="seq-mean-token-sum-norm", max_tokens=L_MAX),
+    dict(loss_type="sapo", sapo_tau_pos=0.5, sapo_tau_neg=2.0, agg="token-mean"),
+])
+def test_params_and_the_keyword_form_give_the_same_loss(knobs):
+    logp, old, ref, adv, mask = ragged_batch(3, 4, 5)
+    logp.requires_grad_(True)
+    by_keywords = policy_loss(logp, old, adv, mask, ref_logp=ref, normalizer=6, **knobs)
+    by_params = policy_loss(logp, old, adv, mask, LossParams(**knobs), ref_logp=ref, normalizer=6)
+    assert torch.equal(by_keywords[0], by_params[0]) and by_keywords[1] == by_params[1]
+
+
+def test_params_are_validated_once_at_construction_with_the_loss_messages():
+    assert LossParams(eps_low=0.3).eps_high == 0.3  # eps_high None means eps_low
+    for knobs, match in [(dict(agg="mean"), "agg='mean' is unknown"), (dict(loss_type="ppo"), "loss_type='ppo'"),
+                         (dict(eps_high=-1.0), "clip ranges"), (dict(dual_clip=1.0), "dual_clip=1.0"),
+                         (dict(loss_type="cispo", delta=4.0), "acts on token ratios"),
+                         (dict(sapo_tau_pos=0.0), "must be > 0")]:
+        with pytest.raises(ValueError, match=match):
+            LossParams(**knobs)
+    params = LossParams(beta=0.1)
+    with pytest.raises(AttributeError):
+        params.beta = 0.0  # frozen
+    logp, old, adv, mask = _args()
+    with pytest.raises(ValueError, match="needs ref_logp"):  # depends on the call, checked per call
+        policy_loss(logp, old, adv, mask, params)
+    with pytest.raises(TypeError, match=r"got params and the keywords \['agg'\]"):
+        policy_loss(logp, old, adv, mask, params, agg="token-mean")

@@ -1,4 +1,4 @@
-"""CISPO and SAPO loss types (core/policy_losses.py) against hand-worked numbers, naive loops, closed-form
+"""CISPO and SAPO policy terms (core/policy_terms.py) against hand-worked numbers, naive loops, closed-form
 gradients, padding and micro-batch invariance."""
 
 import math
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from grouprl.core import LOSS_TYPES, policy_loss
-from tests.core.test_losses import ragged_batch
+from tests.core.test_policy_loss import ragged_batch
 
 F64 = torch.float64
 

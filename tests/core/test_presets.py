@@ -1,4 +1,4 @@
-"""Presets against the ALGORITHMS.md table, and their values valid for the core functions."""
+"""Presets against the docs/algorithms.md table, and their values valid for the core functions."""
 
 import pytest
 import torch
@@ -15,7 +15,7 @@ from grouprl.core import (
     policy_loss,
 )
 
-# transcribed from the "Named presets" table of ALGORITHMS.md and the README's algorithm table
+# transcribed from the "Named presets" table of docs/algorithms.md and the README's algorithm table
 TABLE = {
     # name: (estimator, scale, agg, eps_low, eps_high, beta, ratio level, dynamic sampling, overlong,
     #        loss type, multi-objective aggregation, top-entropy quantile, off-policy mask δ)
@@ -52,9 +52,9 @@ def test_preset_matches_table(name):
 
 def test_exact_keys_and_names():
     assert set(PRESETS) == set(TABLE)
-    assert PRESET_KEYS == ("advantage_estimator", "scale_rewards", "loss_agg", "epsilon", "epsilon_high", "beta",
-                           "importance_sampling_level", "dynamic_sampling", "overlong_shaping", "loss_type",
-                           "multi_objective_aggregation", "top_entropy_quantile", "off_policy_mask_threshold")
+    assert PRESET_KEYS == ("estimator", "scale", "agg", "eps_low", "eps_high", "beta", "ratio_level",
+                           "dynamic_sampling", "overlong_shaping", "loss_type", "multi_objective", "entropy_quantile",
+                           "off_policy_threshold")
     for preset in PRESETS.values():
         assert tuple(preset) == PRESET_KEYS
 
@@ -62,14 +62,14 @@ def test_exact_keys_and_names():
 @pytest.mark.parametrize("name", sorted(TABLE))
 def test_preset_values_drive_the_core(name):
     p = get_preset(name)
-    assert p["advantage_estimator"] in ADVANTAGE_ESTIMATORS
-    assert p["loss_agg"] in LOSS_AGGREGATIONS and p["importance_sampling_level"] in RATIO_LEVELS
+    assert p["estimator"] in ADVANTAGE_ESTIMATORS
+    assert p["agg"] in LOSS_AGGREGATIONS and p["ratio_level"] in RATIO_LEVELS
     rewards = torch.tensor([1.0, 0.0, 0.0, 0.0, 1.0, 1.0])
-    adv = compute_advantages(p["advantage_estimator"], rewards, 3, scale=p["scale_rewards"])  # [N]
+    adv = compute_advantages(p["estimator"], rewards, 3, scale=p["scale"])  # [N]
     logp = -torch.rand(6, 4, generator=torch.Generator().manual_seed(0), requires_grad=True)
-    loss, stats = policy_loss(logp, logp.detach(), adv, torch.ones(6, 4), eps_low=p["epsilon"],
-                              eps_high=p["epsilon_high"], ratio_level=p["importance_sampling_level"],
-                              agg=p["loss_agg"], max_tokens=4, beta=p["beta"], ref_logp=logp.detach(),
+    loss, stats = policy_loss(logp, logp.detach(), adv, torch.ones(6, 4), eps_low=p["eps_low"],
+                              eps_high=p["eps_high"], ratio_level=p["ratio_level"],
+                              agg=p["agg"], max_tokens=4, beta=p["beta"], ref_logp=logp.detach(),
                               loss_type=p["loss_type"])
     assert torch.isfinite(loss) and stats["clip_frac"] == 0.0
 
@@ -91,11 +91,11 @@ def test_bnpo_is_token_mean_over_the_whole_batch():
     = 1.75, and the micro-batches with normalizer = 4 give 1/4 + 6/4 = 1.75 too. TRL's bnpo divides each
     micro-batch by its own count and averages over the accumulation steps: (1/1 + 6/3)/2 = 1.5."""
     p = get_preset("bnpo")
-    assert p["loss_agg"] == "token-mean" and p["loss_type"] == "clip"
+    assert p["agg"] == "token-mean" and p["loss_type"] == "clip"
     loss = torch.tensor([[1.0, 0, 0], [2, 2, 2]])
     mask = torch.tensor([[1, 0, 0], [1, 1, 1]])
-    full = aggregate_loss(loss, mask, p["loss_agg"]).item()
-    micro = sum(aggregate_loss(loss[i:i + 1], mask[i:i + 1], p["loss_agg"], normalizer=4).item() for i in (0, 1))
+    full = aggregate_loss(loss, mask, p["agg"]).item()
+    micro = sum(aggregate_loss(loss[i:i + 1], mask[i:i + 1], p["agg"], normalizer=4).item() for i in (0, 1))
     assert full == micro == 1.75
-    local = sum(aggregate_loss(loss[i:i + 1], mask[i:i + 1], p["loss_agg"]).item() for i in (0, 1)) / 2
+    local = sum(aggregate_loss(loss[i:i + 1], mask[i:i + 1], p["agg"]).item() for i in (0, 1)) / 2
     assert local == 1.5

@@ -4,7 +4,7 @@ numbers, naive loops, padding, and what micro-batching does to each."""
 import pytest
 import torch
 
-from grouprl.core import off_policy_sequence_mask, policy_loss, top_entropy_mask
+from grouprl.core import TOKEN_MASKS, MaskInputs, off_policy_sequence_mask, policy_loss, top_entropy_mask
 
 F64 = torch.float64
 
@@ -134,3 +134,22 @@ def test_on_policy_nothing_is_dropped_and_bad_threshold_rejected():
         off_policy_sequence_mask(logp, logp, torch.ones(4), mask, -1)
     with pytest.raises(ValueError, match="sampling_logp has shape"):
         off_policy_sequence_mask(logp, logp[:, :2], torch.ones(4), mask, 0.5)
+
+
+# ---------------------------------------------------------------- the registry
+
+def test_registered_masks_share_one_signature_and_give_token_masks():
+    """Each registered mask reads a MaskInputs and returns keep [n, T]: top-entropy per token, the
+    off-policy mask broadcast over each completion's tokens, keeping everything on-policy (no sampler)."""
+    g, mask = ragged(1, 6, 5)
+    logp = -torch.rand(6, 5, generator=g, dtype=F64)
+    entropy = torch.rand(6, 5, generator=g, dtype=F64)
+    sampler = logp + torch.randn(6, 5, generator=g, dtype=F64)
+    adv = -torch.rand(6, generator=g, dtype=F64)
+    x = MaskInputs(logp, mask, adv, entropy, sampler)
+    assert torch.equal(TOKEN_MASKS.get("entropy_mask")(x, 0.3), top_entropy_mask(entropy, mask, 0.3))
+    keep = TOKEN_MASKS.get("off_policy_mask")(x, 0.2)
+    assert keep.shape == (6, 5) and keep.dtype == torch.bool
+    assert torch.equal(keep, off_policy_sequence_mask(logp, sampler, adv, mask, 0.2)[:, None].expand(6, 5))
+    on_policy = TOKEN_MASKS.get("off_policy_mask")(MaskInputs(logp, mask, adv, entropy), 0.0)
+    assert on_policy.shape == (6, 5) and on_policy.all()

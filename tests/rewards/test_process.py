@@ -113,7 +113,8 @@ def test_process_rewards_weights_merges_and_outcome_as_final_step():
     tokenizer, where the token of character c is c. Row 0 "ab\\ncd" + EOS (6 tokens):
     f gives steps (0 -> end 3, r 1), (1 -> end 5, r 0); g gives (CharOffset(3), r 4): both end at
     token 2 -> 2·1 + 0.5·4 = 4; step 1 ends the text, so at the last token (5, EOS) -> 0; the
-    outcome 3·1 = 3 is one more step at token 5. Row 1 "z" + EOS: f abstains (None), g gives no steps, outcome 3·0 + shaping −0.5."""
+    outcome 3·1 = 3 is one more step at token 5. Row 1 "z" + EOS: f abstains (None), g gives no steps,
+    outcome 3·0 + shaping −0.5."""
     tok = build_char_tokenizer()
     texts = ["ab\ncd", "z"]
     ids = [tok(t)["input_ids"] + [tok.eos_token_id] for t in texts]

@@ -11,7 +11,7 @@ from grouprl.trainer import Trainer
 from tests.trainer.conftest import read_metrics
 
 # preset -> overrides. On-policy (μ = 1) CISPO and SAPO have the REINFORCE gradient of their base
-# (tests/core/test_policy_losses.py); the off-policy mask only acts off-policy, so opsm takes two
+# (tests/core/test_policy_terms.py); the off-policy mask only acts off-policy, so opsm takes two
 # updates per rollout (the ratio leaves 1 on the second). Budget: a few seconds per preset.
 PRESET_RUNS = {
     "cispo": {},
@@ -86,7 +86,7 @@ def test_off_policy_variants_give_the_full_batch_gradient_in_micro_batches(make_
     for run, mbs in enumerate((16, 4)):
         trainer = Trainer(make_cfg(micro_batch_size=mbs, max_grad_norm=None, beta=0.05, learning_rate=3e-2,
                                    **overrides))
-        trainer.step = 1
+        trainer.step = 0  # train_step runs step 1
         trainer.logger = type("NoLog", (), {"log_samples": lambda *a: None})()
         params = list(trainer.model.parameters())
         step = trainer.optimizer.step

@@ -1,63 +1,61 @@
-"""Pure tensor math of the GRPO family: advantages, KL estimators, policy losses, log-probs, presets,
-and the sampler/trainer importance-sampling correction.
+"""Pure tensor math of the GRPO family: advantages, KL estimators, policy terms and the policy loss,
+loss aggregation, token masks, log-probs, presets, and the sampler/trainer importance-sampling
+correction. The formulas and their sources: docs/algorithms.md.
 
 No model, no config object, no torch.distributed, no I/O; nothing else from grouprl is imported.
+Every variant is a function in a ``Registry`` (registry.py) under the name the config uses.
 """
 
+from .registry import Registry
 from .advantages import (
     ADVANTAGE_ESTIMATORS,
+    AdvantageInputs,
     compute_advantages,
     group_advantages,
-    process_advantages,
+    passk_advantages,
     register_advantage_estimator,
+    reinforce_pp_advantages,
+    reinforce_pp_baseline_advantages,
     rloo_advantages,
     zero_std_groups,
 )
-from .advantage_variants import (
-    normalize_then_sum,
-    passk_advantages,
-    reinforce_pp_advantages,
-    reinforce_pp_baseline_advantages,
-)
+from .process_advantages import process_advantages
+from .multi_objective import MULTI_OBJECTIVE_AGGREGATIONS, normalize_then_sum, sum_then_normalize
 from .importance import IS_MODES, importance_weights, register_is_mode
 from .kl import KL_ESTIMATORS, kl_estimate
 from .logprobs import token_entropy, token_logprobs, token_logprobs_and_entropy
-from .losses import (
-    LOSS_AGGREGATIONS,
-    RATIO_LEVELS,
-    aggregate_loss,
-    overlong_penalty,
-    policy_loss,
-    register_loss_agg,
-    register_ratio_level,
-)
-from .policy_losses import LOSS_TYPES, LossParams, register_loss_type
-from .token_masks import off_policy_sequence_mask, top_entropy_mask
+from .aggregation import LOSS_AGGREGATIONS, aggregate_loss, register_loss_agg
+from .policy_terms import LOSS_TYPES, register_loss_type
+from .policy_loss import RATIO_LEVELS, LossParams, policy_loss, register_ratio_level
+from .reward_shaping import overlong_penalty
+from .token_masks import TOKEN_MASKS, MaskInputs, off_policy_sequence_mask, top_entropy_mask
 from .presets import PRESET_KEYS, PRESETS, get_preset
 
 __all__ = [
-    "top_entropy_mask",
-    "reinforce_pp_baseline_advantages",
-    "reinforce_pp_advantages",
-    "passk_advantages",
-    "off_policy_sequence_mask",
-    "normalize_then_sum",
     "ADVANTAGE_ESTIMATORS",
     "IS_MODES",
     "KL_ESTIMATORS",
     "LOSS_AGGREGATIONS",
     "LOSS_TYPES",
-    "LossParams",
+    "MULTI_OBJECTIVE_AGGREGATIONS",
     "PRESETS",
     "PRESET_KEYS",
     "RATIO_LEVELS",
+    "TOKEN_MASKS",
+    "AdvantageInputs",
+    "LossParams",
+    "MaskInputs",
+    "Registry",
     "aggregate_loss",
     "compute_advantages",
     "get_preset",
     "group_advantages",
     "importance_weights",
     "kl_estimate",
+    "normalize_then_sum",
+    "off_policy_sequence_mask",
     "overlong_penalty",
+    "passk_advantages",
     "policy_loss",
     "process_advantages",
     "register_advantage_estimator",
@@ -65,9 +63,13 @@ __all__ = [
     "register_loss_agg",
     "register_loss_type",
     "register_ratio_level",
+    "reinforce_pp_advantages",
+    "reinforce_pp_baseline_advantages",
     "rloo_advantages",
+    "sum_then_normalize",
     "token_entropy",
     "token_logprobs",
     "token_logprobs_and_entropy",
+    "top_entropy_mask",
     "zero_std_groups",
 ]

@@ -1,52 +1,101 @@
-"""Group-relative advantages: one number per completion (or per token, for process rewards).
+"""Group-relative advantages: one number per completion from its reward and its group's.
 
 Rewards arrive flat, ``rewards  # [N]`` with N = B·G, each prompt's G completions consecutive,
-so ``rewards.view(B, G)`` is the group layout.
+so ``rewards.view(B, G)`` is the group layout. The estimators (``ADVANTAGE_ESTIMATORS``; the math
+with worked numbers is in docs/algorithms.md):
 
     GRPO,  scale="group":  A_i = (r_i − mean_g) / (std_g + eps)        DeepSeekMath §4.1.2
            scale="batch":  A_i = (r_i − mean_g) / (std_batch + eps)    LitePPO; TRL scale_rewards="batch"
     Dr. GRPO, "none":      A_i = r_i − mean_g                          arXiv 2503.20783 §3.2
     RLOO:                  A_i = r_i − mean_{j≠i} r_j = G/(G−1)·(r_i − mean_g)   Ahmadian et al. 2024
 
+    REINFORCE++ (Hu et al. 2025, arXiv 2501.03262 v9, global advantage normalisation), "reinforce_pp":
+        A_i = (r_i − mean_batch(r)) / (std_batch(r) + eps)
+      the global batch is the baseline and the scale; no group. scale="none" keeps only the mean.
+
+    REINFORCE++-baseline (same paper, "REINFORCE++ w/ Baseline"), "reinforce_pp_baseline":
+        A'_i = r_i − mean_g(r),   A_i = (A'_i − mean_batch(A')) / (std_batch(A') + eps)
+      the group mean removes the prompt's difficulty, the global batch std sets the scale. It differs
+      from GRPO's scale="batch", which divides by the std of the raw rewards r: here the std is that
+      of the group-centred A', which never counts the spread between prompts.
+
+    GRPO pass@k (Tang et al. 2025, arXiv 2503.19595; verl's ``grpo_passk``), "grpo_passk": the
+      leave-one-out estimator of the gradient of E[max over the group], k = G: only the group's best
+      completion gets A = r_max − r_second_max, every other one 0 (a tie for the maximum gives 0).
+      The first index wins a tie (verl: whatever torch.topk returns). scale="group" divides by the
+      group std as verl does by default (norm_adv_by_std_in_grpo); the paper's estimator is
+      unscaled, scale="none", which the grpo_passk preset follows.
+
 std is the sample standard deviation (divide by n−1) when ``unbiased=True``, as TRL, verl,
 OpenRLHF and oat do; ``unbiased=False`` divides by n. std_batch is taken over all N rewards.
 
-Process supervision (DeepSeekMath §4.1.3): completion i has steps j with reward r_i^(j) ending
-at token index(j). Normalise over all step rewards R of the group, r̃ = (r − mean(R)) / (std(R) + eps),
-and give token t the sum of the normalised rewards of the steps ending at or after it:
-A_{i,t} = Σ_{index(j) ≥ t} r̃_i^(j).  Computed as a scatter at the step ends and a reverse cumsum.
-``scale`` works as for outcome rewards: "group" is the paper's std(R), "batch" the std of every step
-reward in the batch, "none" only centres. With one step per completion, at its last token, this is
-outcome supervision: every token of completion i gets group_advantages(...)_i (§4.1.2).
+One registry for every estimator the config can name. A registered estimator is
+``fn(inputs: AdvantageInputs, *, scale, eps, unbiased) -> Tensor``: ``AdvantageInputs`` is the scored
+batch as plain values (the summed rewards, each reward function's scores, the process steps), and
+each estimator reads what it needs. The estimators above read ``inputs.rewards`` only and are
+written (and registered with ``register_advantage_estimator``) as ``fn(rewards, group_size, ...)``;
+"process" (process_advantages.py) reads the step rewards and returns one advantage per token
+[N, T]. How several reward functions meet the estimator is the second, independent choice,
+``MULTI_OBJECTIVE_AGGREGATIONS`` (multi_objective.py): GRPO's default sums them and calls the
+estimator, GDPO normalises each function itself. Two registries because the config makes two
+independent choices (``advantage_estimator``, ``multi_objective_aggregation``); no ``if`` picks
+between process, GDPO and the outcome estimators.
 
 Deliberate choices:
 - A group whose rewards are all exactly equal gets advantage exactly 0 (no 0/0, no eps noise),
   whatever the scale; ``zero_std_groups`` reports those groups (metric, DAPO dynamic sampling).
-- The paper divides by std(R) without eps; we add eps as for outcome rewards.
+  REINFORCE++ has no group, so its groups are not zeroed.
 - ``compute_advantages("rloo", ..., scale=...)`` applies the same std scaling to the
   leave-one-out advantage; scale="none" (the rloo preset) is plain RLOO.
+- verl computes both REINFORCE++ forms per token and whitens over the batch's tokens, which weights
+  each completion by its length; with one reward per completion and the KL in the loss (not in the
+  reward) we whiten over completions, as the paper's per-sample formula reads.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
+from .registry import Registry
+
 SCALES = ("group", "batch", "none")
 
-AdvantageEstimator = Callable[..., Tensor]
-ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {}
+
+@dataclass(frozen=True, eq=False)
+class AdvantageInputs:
+    """A scored batch as plain values: what an advantage estimator may read."""
+
+    rewards: Tensor                           # [N] weighted sum of the reward functions (+ shaping)
+    group_size: int                           # G; each prompt's G completions are consecutive
+    per_func: Tensor | None = None            # [N, K] each reward function's score, NaN where it abstained
+    weights: Sequence[float] | None = None    # [K] reward weights (None: all 1)
+    step_rewards: Sequence[Sequence[float]] | None = None  # [N][K_i] process steps (the outcome the last)
+    step_ends: Sequence[Sequence[int]] | None = None       # [N][K_i] token index of each step's last token
+    num_tokens: int | None = None             # T, the completions' padded length (per-token estimators)
+
+
+AdvantageEstimator = Callable[..., Tensor]  # fn(inputs: AdvantageInputs, *, scale, eps, unbiased) -> Tensor
+ADVANTAGE_ESTIMATORS: Registry[AdvantageEstimator] = Registry(
+    "advantage estimator", "grouprl.core.register_advantage_estimator")
 
 
 def register_advantage_estimator(name: str) -> Callable[[AdvantageEstimator], AdvantageEstimator]:
-    """Decorator: register ``fn(rewards, group_size, *, scale, eps, unbiased) -> Tensor[N]``."""
+    """Decorator: register an estimator of the summed rewards,
+    ``fn(rewards [N], group_size, *, scale, eps, unbiased) -> Tensor[N]``; ``fn`` is returned as is.
+    An estimator that reads more of the batch registers ``fn(inputs: AdvantageInputs, *, scale, eps,
+    unbiased)`` with ``ADVANTAGE_ESTIMATORS.register(name)``."""
 
     def decorator(fn: AdvantageEstimator) -> AdvantageEstimator:
-        if name in ADVANTAGE_ESTIMATORS:
-            raise ValueError(f"advantage estimator {name!r} is already registered; pick another name")
-        ADVANTAGE_ESTIMATORS[name] = fn
+        def estimator(inputs: AdvantageInputs, *, scale: str, eps: float, unbiased: bool) -> Tensor:
+            return fn(inputs.rewards, inputs.group_size, scale=scale, eps=eps, unbiased=unbiased)  # [N]
+
+        estimator.__name__ = estimator.__qualname__ = getattr(fn, "__name__", name)
+        estimator.__doc__ = fn.__doc__
+        ADVANTAGE_ESTIMATORS.register(name)(estimator)
         return fn
 
     return decorator
@@ -133,61 +182,64 @@ def rloo_advantages(rewards: Tensor, group_size: int) -> Tensor:
     return _rloo_estimator(rewards, group_size, scale="none")
 
 
+def _whiten(x: Tensor, eps: float, unbiased: bool, scale: bool) -> Tensor:
+    """(x − mean) / (std + eps) over all of x [N] (only the centring when not ``scale``)."""
+    centered = x - x.mean()
+    if not scale or x.numel() < 2:
+        return centered
+    return centered / (x.std(correction=1 if unbiased else 0) + eps)
+
+
+def _batch_scale(scale: str, name: str) -> bool:
+    if scale == "group":
+        raise ValueError(f"{name} normalises over the whole batch: use scale 'batch' (the paper's) or "
+                         "'none' (centre only), not 'group'")
+    return scale == "batch"
+
+
+@register_advantage_estimator("reinforce_pp")
+def reinforce_pp_advantages(rewards: Tensor, group_size: int, *, scale: str = "batch", eps: float = 1e-4,
+                            unbiased: bool = True) -> Tensor:
+    """REINFORCE++ advantages [N]: rewards [N] whitened over the batch (module docstring)."""
+    _check_scale(scale, eps)
+    divide = _batch_scale(scale, "reinforce_pp")
+    return _whiten(_grouped(rewards, group_size).reshape(-1), eps, unbiased, divide)  # [N]
+
+
+@register_advantage_estimator("reinforce_pp_baseline")
+def reinforce_pp_baseline_advantages(rewards: Tensor, group_size: int, *, scale: str = "batch",
+                                     eps: float = 1e-4, unbiased: bool = True) -> Tensor:
+    """REINFORCE++-baseline advantages [N]: group-centred, then whitened over the batch."""
+    _check_scale(scale, eps)
+    divide = _batch_scale(scale, "reinforce_pp_baseline")
+    grouped = _grouped(rewards, group_size)  # [B, G]
+    centered = (grouped - grouped.mean(dim=1, keepdim=True)).reshape(-1)  # [N]
+    adv = _whiten(centered, eps, unbiased, divide).view_as(grouped)  # [B, G]
+    return torch.where(_all_equal(grouped)[:, None], torch.zeros_like(adv), adv).reshape(-1)  # [N]
+
+
+@register_advantage_estimator("grpo_passk")
+def passk_advantages(rewards: Tensor, group_size: int, *, scale: str = "none", eps: float = 1e-4,
+                     unbiased: bool = True) -> Tensor:
+    """GRPO pass@k advantages [N]: r_max − r_second_max on each group's best completion, else 0."""
+    _check_scale(scale, eps)
+    grouped = _grouped(rewards, group_size)  # [B, G]
+    top2 = grouped.topk(2, dim=1).values  # [B, 2]
+    best = (grouped == top2[:, :1]).int().argmax(dim=1)  # [B] first index of the maximum
+    gap = top2[:, 0] - top2[:, 1]  # [B]
+    correction = 1 if unbiased else 0
+    if scale == "group":
+        gap = gap / (grouped.std(dim=1, correction=correction) + eps)
+    elif scale == "batch":
+        gap = gap / (grouped.std(correction=correction) + eps)
+    adv = torch.zeros_like(grouped).scatter_(1, best[:, None], gap[:, None])  # [B, G]
+    return adv.reshape(-1)  # [N]
+
+
 def compute_advantages(estimator: str, rewards: Tensor, group_size: int, *, scale: str = "group",
                        eps: float = 1e-4, unbiased: bool = True) -> Tensor:
-    """Dispatch to the registered estimator ``estimator`` ("grpo", "rloo", ...); returns [N]."""
-    if estimator not in ADVANTAGE_ESTIMATORS:
-        raise ValueError(f"advantage estimator {estimator!r} is unknown; use one of "
-                         f"{sorted(ADVANTAGE_ESTIMATORS)} or register_advantage_estimator a new one")
-    return ADVANTAGE_ESTIMATORS[estimator](rewards, group_size, scale=scale, eps=eps, unbiased=unbiased)
+    """Advantages [N] of ``rewards  # [N]`` by the registered estimator ``estimator`` ("grpo", "rloo", ...)."""
+    fn = ADVANTAGE_ESTIMATORS.get(estimator)
+    return fn(AdvantageInputs(rewards, group_size), scale=scale, eps=eps, unbiased=unbiased)  # [N]
 
 
-def process_advantages(step_rewards: Sequence[Sequence[float]], step_ends: Sequence[Sequence[int]],
-                       group_size: int, num_tokens: int, *, scale: str = "group", eps: float = 1e-4,
-                       unbiased: bool = True) -> Tensor:
-    """Process-supervision advantages [N, T] (T = num_tokens), DeepSeekMath §4.1.3.
-
-    ``step_rewards[i]`` are the rewards of completion i's steps, ``step_ends[i]`` the 0-based
-    inclusive index of each step's last token. Tokens after the last step end get 0.
-    Computed in float64 (a handful of numbers), returned as float32.
-    """
-    n = len(step_rewards)
-    _check_group_size(n, group_size)
-    if len(step_ends) != n:
-        raise ValueError(f"step_ends has {len(step_ends)} entries but step_rewards has {n}: "
-                         "give one list of step ends per completion")
-    if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 1:
-        raise ValueError(f"num_tokens={num_tokens!r} must be a positive int (completion length T)")
-    _check_scale(scale, eps)
-    rows: list[int] = []
-    for i, (r_i, e_i) in enumerate(zip(step_rewards, step_ends)):
-        if len(r_i) != len(e_i):
-            raise ValueError(f"completion {i}: {len(r_i)} step rewards but {len(e_i)} step ends; "
-                             "give one end index per step")
-        rows.extend([i] * len(r_i))
-    row = torch.tensor(rows, dtype=torch.long)  # [K] completion of each step
-    r = torch.tensor([float(x) for r_i in step_rewards for x in r_i], dtype=torch.float64)  # [K]
-    end = torch.tensor([int(x) for e_i in step_ends for x in e_i], dtype=torch.long)  # [K]
-    if not torch.isfinite(r).all():
-        raise ValueError("step_rewards contain NaN or inf: every step reward must be a finite float")
-    if ((end < 0) | (end >= num_tokens)).any():
-        raise ValueError(f"step_ends must lie in [0, num_tokens={num_tokens}); got "
-                         f"min {int(end.min())}, max {int(end.max())}")
-
-    b = n // group_size
-    group = row // group_size  # [K]
-    count = r.new_zeros(b).index_add_(0, group, torch.ones_like(r))  # [B] steps per group
-    mean = r.new_zeros(b).index_add_(0, group, r) / count.clamp(min=1)  # [B]
-    centered = r - mean[group]  # [K]
-    sq = r.new_zeros(b).index_add_(0, group, centered**2)  # [B]
-    std = (sq / (count - (1 if unbiased else 0)).clamp(min=1)).sqrt()  # [B]
-    if scale == "batch":  # one std over every step reward of the batch
-        std = (r - r.mean()).pow(2).sum().div(max(len(r) - (1 if unbiased else 0), 1)).sqrt().expand(b)  # [B]
-    denom = std[group] + eps if scale != "none" else torch.ones_like(r)  # [K]
-    r_max = r.new_full((b,), -torch.inf).scatter_reduce_(0, group, r, "amax")
-    r_min = r.new_full((b,), torch.inf).scatter_reduce_(0, group, r, "amin")
-    flat = (r_max == r_min)[group]  # [K] step belongs to an all-equal group (incl. a single step)
-    r_norm = torch.where(flat, torch.zeros_like(r), centered / denom)  # [K]
-
-    at_end = r.new_zeros(n, num_tokens).index_put_((row, end), r_norm, accumulate=True)  # [N, T]
-    return at_end.flip(1).cumsum(1).flip(1).float()  # [N, T]: A_{i,t} = Σ_{end_j ≥ t} r̃_j

@@ -45,23 +45,17 @@ import torch
 from torch import Tensor
 
 from .kl import kl_estimate
+from .registry import Registry
 
 ISModeFn = Callable[[Tensor, float, float], tuple[Tensor, Tensor, Tensor]]
-IS_MODES: dict[str, ISModeFn] = {}
+IS_MODES: Registry[ISModeFn] = Registry("importance-sampling mode", "grouprl.core.register_is_mode")
 
 
 def register_is_mode(name: str) -> Callable[[ISModeFn], ISModeFn]:
     """Decorator: register ``fn(log_ratio, cap, cap_min) -> (log_w, weight, corrected)``. ``log_ratio
     [N, T]`` is old − q, zero on padding; the outputs are [N, U] with U = T (one unit per token) or
     U = 1 (one per completion); ``corrected`` is bool."""
-
-    def decorator(fn: ISModeFn) -> ISModeFn:
-        if name in IS_MODES:
-            raise ValueError(f"importance-sampling mode {name!r} is already registered; pick another name")
-        IS_MODES[name] = fn
-        return fn
-
-    return decorator
+    return IS_MODES.register(name)
 
 
 def _truncate(log_w: Tensor, cap: float) -> tuple[Tensor, Tensor, Tensor]:
@@ -102,8 +96,7 @@ def _check(old_logp, sampling_logp, mask, mode: str, cap: float, cap_min: float)
         if not isinstance(x, Tensor) or x.shape != old_logp.shape:
             raise ValueError(f"{name} has shape {tuple(getattr(x, 'shape', ()))}, expected "
                              f"{tuple(old_logp.shape)} like old_logp (one entry per completion token)")
-    if mode not in IS_MODES:
-        raise ValueError(f"mode={mode!r} is unknown; use one of {sorted(IS_MODES)}")
+    IS_MODES.get(mode, "mode")
     if not cap >= 1:
         raise ValueError(f"cap={cap} must be >= 1 so that a ratio of 1 (no mismatch) keeps weight 1 "
                          "(TIS uses 2, TRL's sequence mask 3)")

@@ -6,7 +6,7 @@ With samples drawn from the policy and δ = logp − ref_logp (log π_θ − log
     k2 = ½·δ²                    biased, low variance, ≥ 0
     k3 = exp(−δ) + δ − 1         unbiased, ≥ 0; DeepSeekMath eq. 4: π_ref/π − log(π_ref/π) − 1
 
-Worked numbers (ALGORITHMS.md): π = 0.5, π_ref = 0.25 → δ = log 2, k3 = ½ + log 2 − 1 = 0.193147;
+Worked numbers (docs/algorithms.md): π = 0.5, π_ref = 0.25 → δ = log 2, k3 = ½ + log 2 − 1 = 0.193147;
 π = 0.25, π_ref = 0.5 → k3 = 2 − log 2 − 1 = 0.306853.
 
 k3 is computed as expm1(−δ) + δ, the same value with an absolute rounding error of about
@@ -21,27 +21,30 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from .registry import Registry
 
+KL_ESTIMATORS: Registry[Callable[[Tensor], Tensor]] = Registry("KL estimator", "grouprl.core.KL_ESTIMATORS.register")
+
+
+@KL_ESTIMATORS.register("k1")
 def _k1(delta: Tensor) -> Tensor:
     return delta
 
 
+@KL_ESTIMATORS.register("k2")
 def _k2(delta: Tensor) -> Tensor:
     return 0.5 * delta.square()
 
 
+@KL_ESTIMATORS.register("k3")
 def _k3(delta: Tensor) -> Tensor:
     return torch.expm1(-delta) + delta
 
 
-KL_ESTIMATORS: dict[str, Callable[[Tensor], Tensor]] = {"k1": _k1, "k2": _k2, "k3": _k3}
-
-
 def kl_estimate(logp: Tensor, ref_logp: Tensor, kind: str = "k3") -> Tensor:
     """Per-token KL estimate, same shape as ``logp`` (e.g. [N, T]); δ = logp − ref_logp."""
-    if kind not in KL_ESTIMATORS:
-        raise ValueError(f"kl kind={kind!r} is unknown; use one of {sorted(KL_ESTIMATORS)}")
+    estimator = KL_ESTIMATORS.get(kind, "kind")
     if logp.shape != ref_logp.shape:
         raise ValueError(f"logp has shape {tuple(logp.shape)} but ref_logp has {tuple(ref_logp.shape)}; "
                          "compute both on the same completion tokens")
-    return KL_ESTIMATORS[kind](logp - ref_logp)
+    return estimator(logp - ref_logp)

@@ -1,103 +1,58 @@
-"""More advantage estimators (registered in ``ADVANTAGE_ESTIMATORS``) and GDPO's multi-reward
-aggregation. Rewards arrive flat, ``rewards  # [N]``, each prompt's G completions consecutive.
+"""Multi-objective aggregation: how the scores of K reward functions become advantages
+(``MULTI_OBJECTIVE_AGGREGATIONS``, the config's ``multi_objective_aggregation``).
 
-    REINFORCE++ (Hu et al. 2025, arXiv 2501.03262 v9, global advantage normalisation), "reinforce_pp":
-        A_i = (r_i − mean_batch(r)) / (std_batch(r) + eps)
-      the global batch is the baseline and the scale; no group. scale="none" keeps only the mean.
+    "sum_then_normalize" (GRPO, the default): the weighted sum of the functions is the reward, and
+      the advantage estimator (advantages.py; process_advantages.py for step rewards) normalises it.
 
-    REINFORCE++-baseline (same paper, "REINFORCE++ w/ Baseline"), "reinforce_pp_baseline":
-        A'_i = r_i − mean_g(r),   A_i = (A'_i − mean_batch(A')) / (std_batch(A') + eps)
-      the group mean removes the prompt's difficulty, the global batch std sets the scale. It differs
-      from GRPO's scale="batch", which divides by the std of the raw rewards r: here the std is that
-      of the group-centred A', which never counts the spread between prompts.
-
-    GRPO pass@k (Tang et al. 2025, arXiv 2503.19595; verl's ``grpo_passk``), "grpo_passk": the
-      leave-one-out estimator of the gradient of E[max over the group], k = G: only the group's best
-      completion gets A = r_max − r_second_max, every other one 0 (a tie for the maximum gives 0).
-      The first index wins a tie (verl: whatever torch.topk returns). scale="group" divides by the
-      group std as verl does by default (norm_adv_by_std_in_grpo); the paper's estimator is
-      unscaled, scale="none", which the grpo_passk preset follows.
-
-    GDPO (Liu et al. 2026, "Group reward-Decoupled normalization Policy Optimization",
-      arXiv 2601.05242, its method: decoupled normalisation), ``normalize_then_sum``: with K reward
-      functions r_k,
+    "normalize_then_sum": GDPO (Liu et al. 2026, "Group reward-Decoupled normalization Policy
+      Optimization", arXiv 2601.05242, its method: decoupled normalisation), ``normalize_then_sum``:
+      with K reward functions r_k,
         A_k = (r_k − mean_g(r_k)) / (std_g(r_k) + eps)     each function within its group
         S = Σ_k w_k·A_k,   A = (S − mean_batch(S)) / (std_batch(S) + eps)
-      Summing first and normalising the sum (the default, GRPO) lets the function with the largest
-      spread decide the sign of most advantages; normalising first gives each function its own say.
-      A function that returned None for a row (NaN) is left out of that group's mean and std and adds
-      0 to that row's S (TRL's nanmean/nansum); a row no function scored gets A = 0 and is left out
-      of the batch statistics. scale="batch" divides each function by its own batch std instead,
-      "none" only centres it.
+      Summing first and normalising the sum (GRPO) lets the function with the largest spread decide
+      the sign of most advantages; normalising first gives each function its own say. A function that
+      returned None for a row (NaN) is left out of that group's mean and std and adds 0 to that row's
+      S (TRL's nanmean/nansum); a row no function scored gets A = 0 and is left out of the batch
+      statistics. scale="batch" divides each function by its own batch std instead, "none" only
+      centres it. GDPO is its own group normalisation: it does not call the estimator (the config
+      requires advantage_estimator grpo with it).
 
-std is the sample standard deviation when ``unbiased`` (TRL, verl). As in advantages.py, a group
-whose rewards are all exactly equal gets exactly 0 from the group-baseline estimators (for GDPO: a
-group that is flat in every function); REINFORCE++ has no group, so its groups are not zeroed.
-verl computes both REINFORCE++ forms per token and whitens over the batch's tokens, which weights
-each completion by its length; with one reward per completion and the KL in the loss (not in the
-reward) we whiten over completions, as the paper's per-sample formula reads.
+A registered aggregation is ``fn(inputs: AdvantageInputs, estimator, *, scale, eps, unbiased) -> Tensor``
+with ``estimator`` the registered advantage estimator the config names. std is the sample standard
+deviation when ``unbiased`` (TRL, verl); a group that is flat in every function gets exactly 0.
+Worked numbers: docs/algorithms.md.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 
-from .advantages import _all_equal, _check_group_size, _check_scale, _grouped, register_advantage_estimator
+from .advantages import AdvantageEstimator, AdvantageInputs, _check_group_size, _check_scale
+from .registry import Registry
+
+Aggregation = Callable[..., Tensor]  # fn(inputs, estimator, *, scale, eps, unbiased) -> Tensor
+MULTI_OBJECTIVE_AGGREGATIONS: Registry[Aggregation] = Registry(
+    "multi-objective aggregation", "grouprl.core.MULTI_OBJECTIVE_AGGREGATIONS.register")
 
 
-def _whiten(x: Tensor, eps: float, unbiased: bool, scale: bool) -> Tensor:
-    """(x − mean) / (std + eps) over all of x [N] (only the centring when not ``scale``)."""
-    centered = x - x.mean()
-    if not scale or x.numel() < 2:
-        return centered
-    return centered / (x.std(correction=1 if unbiased else 0) + eps)
+@MULTI_OBJECTIVE_AGGREGATIONS.register("sum_then_normalize")
+def sum_then_normalize(inputs: AdvantageInputs, estimator: AdvantageEstimator, *, scale: str = "group",
+                       eps: float = 1e-4, unbiased: bool = True) -> Tensor:
+    """The estimator's advantages of the summed rewards ([N], or [N, T] for a per-token estimator)."""
+    return estimator(inputs, scale=scale, eps=eps, unbiased=unbiased)
 
 
-def _batch_scale(scale: str, name: str) -> bool:
-    if scale == "group":
-        raise ValueError(f"{name} normalises over the whole batch: use scale 'batch' (the paper's) or "
-                         "'none' (centre only), not 'group'")
-    return scale == "batch"
-
-
-@register_advantage_estimator("reinforce_pp")
-def reinforce_pp_advantages(rewards: Tensor, group_size: int, *, scale: str = "batch", eps: float = 1e-4,
-                            unbiased: bool = True) -> Tensor:
-    """REINFORCE++ advantages [N]: rewards [N] whitened over the batch (module docstring)."""
-    _check_scale(scale, eps)
-    divide = _batch_scale(scale, "reinforce_pp")
-    return _whiten(_grouped(rewards, group_size).reshape(-1), eps, unbiased, divide)  # [N]
-
-
-@register_advantage_estimator("reinforce_pp_baseline")
-def reinforce_pp_baseline_advantages(rewards: Tensor, group_size: int, *, scale: str = "batch",
-                                     eps: float = 1e-4, unbiased: bool = True) -> Tensor:
-    """REINFORCE++-baseline advantages [N]: group-centred, then whitened over the batch."""
-    _check_scale(scale, eps)
-    divide = _batch_scale(scale, "reinforce_pp_baseline")
-    grouped = _grouped(rewards, group_size)  # [B, G]
-    centered = (grouped - grouped.mean(dim=1, keepdim=True)).reshape(-1)  # [N]
-    adv = _whiten(centered, eps, unbiased, divide).view_as(grouped)  # [B, G]
-    return torch.where(_all_equal(grouped)[:, None], torch.zeros_like(adv), adv).reshape(-1)  # [N]
-
-
-@register_advantage_estimator("grpo_passk")
-def passk_advantages(rewards: Tensor, group_size: int, *, scale: str = "none", eps: float = 1e-4,
-                     unbiased: bool = True) -> Tensor:
-    """GRPO pass@k advantages [N]: r_max − r_second_max on each group's best completion, else 0."""
-    _check_scale(scale, eps)
-    grouped = _grouped(rewards, group_size)  # [B, G]
-    top2 = grouped.topk(2, dim=1).values  # [B, 2]
-    best = (grouped == top2[:, :1]).int().argmax(dim=1)  # [B] first index of the maximum
-    gap = top2[:, 0] - top2[:, 1]  # [B]
-    correction = 1 if unbiased else 0
-    if scale == "group":
-        gap = gap / (grouped.std(dim=1, correction=correction) + eps)
-    elif scale == "batch":
-        gap = gap / (grouped.std(correction=correction) + eps)
-    adv = torch.zeros_like(grouped).scatter_(1, best[:, None], gap[:, None])  # [B, G]
-    return adv.reshape(-1)  # [N]
+@MULTI_OBJECTIVE_AGGREGATIONS.register("normalize_then_sum")
+def _gdpo(inputs: AdvantageInputs, estimator: AdvantageEstimator, *, scale: str = "group", eps: float = 1e-4,
+          unbiased: bool = True) -> Tensor:
+    if inputs.per_func is None:
+        raise ValueError("normalize_then_sum (GDPO) reads each reward function's scores: give AdvantageInputs "
+                         "its per_func [N, K]")
+    return normalize_then_sum(inputs.per_func, inputs.weights, inputs.group_size, scale=scale, eps=eps,
+                              unbiased=unbiased)  # [N]
 
 
 def normalize_then_sum(per_func: Tensor, weights: Tensor | list[float] | None, group_size: int, *,

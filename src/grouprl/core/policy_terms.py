@@ -1,6 +1,7 @@
-"""Per-token policy-gradient terms of the GRPO family (``LOSS_TYPES``), one registered function each.
+"""Per-token policy-gradient terms of the GRPO family (``LOSS_TYPES``, the config's ``loss_type``), one
+registered function each. Formulas and worked numbers: docs/algorithms.md.
 
-``policy_loss`` (losses.py) computes the ratio ρ (token or sequence level, ``RATIO_LEVELS``), then
+``policy_loss`` (policy_loss.py) computes the ratio ρ (token or sequence level, ``RATIO_LEVELS``), then
 calls the loss type for the per-token term ℓ_{i,t}, then applies the token weights, adds β·KL and
 aggregates. Every loss type sees padding already zeroed (A = 0 and logp = old there, so ρ = 1).
 
@@ -29,49 +30,35 @@ aggregates. Every loss type sees padding already zeroed (A = 0 and logp = old th
             advantages). Paper defaults τ_pos = 1.0, τ_neg = 1.05; sequence-mean aggregation
             (1/G Σ_i 1/|o_i| Σ_t, seq-mean-token-mean). TRL and verl compute the same gate.
 
-cispo and sapo act on token ratios only (GSPO's sequence ratio is a clip variant): policy_loss
+cispo and sapo act on token ratios only (GSPO's sequence ratio is a clip variant): ``LossParams``
 rejects them with ratio_level="sequence", as it rejects dual_clip and delta, which only "clip" reads.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
+from .registry import Registry
 
-@dataclass(frozen=True)
-class LossParams:
-    """Plain hyper-parameters a loss type may read (each type uses its own)."""
+if TYPE_CHECKING:  # policy_loss.py imports this module for LOSS_TYPES
+    from .policy_loss import LossParams
 
-    eps_low: float = 0.2
-    eps_high: float = 0.2
-    dual_clip: float | None = None
-    delta: float | None = None
-    sapo_tau_pos: float = 1.0
-    sapo_tau_neg: float = 1.05
-
-
-LossTypeFn = Callable[[Tensor, Tensor, Tensor, LossParams], tuple[Tensor, dict[str, Tensor]]]
-LOSS_TYPES: dict[str, LossTypeFn] = {}
+LossTypeFn = Callable[[Tensor, Tensor, Tensor, "LossParams"], tuple[Tensor, dict[str, Tensor]]]
+LOSS_TYPES: Registry[LossTypeFn] = Registry("policy term", "grouprl.core.register_loss_type")
 
 
 def register_loss_type(name: str) -> Callable[[LossTypeFn], LossTypeFn]:
     """Decorator: register ``fn(logp, ratio, adv, params) -> (per_token [N, T], flags)``.
 
     logp  # [N, T] log π_θ (with gradient); ratio  # [N, T] ρ (with gradient); adv  # [N, T]
-    detached advantages; all three are zero / one on padding. ``flags`` maps a stat name to a bool
-    [N, T] tensor; policy_loss reports the fraction of real tokens where it is True."""
-
-    def decorator(fn: LossTypeFn) -> LossTypeFn:
-        if name in LOSS_TYPES:
-            raise ValueError(f"loss type {name!r} is already registered; pick another name")
-        LOSS_TYPES[name] = fn
-        return fn
-
-    return decorator
+    detached advantages; all three are zero / one on padding. ``params`` is policy_loss.py's
+    ``LossParams`` (each term reads its own knobs). ``flags`` maps a stat name to a bool [N, T]
+    tensor; policy_loss reports the fraction of real tokens where it is True."""
+    return LOSS_TYPES.register(name)
 
 
 @register_loss_type("clip")

@@ -1,38 +1,42 @@
-"""Named algorithm presets (ALGORITHMS.md, "Named presets"), as plain data.
+"""Named algorithm presets (docs/algorithms.md, "Named presets"), as plain data.
 
-Keys are the trainer's config field names; every value stays overridable by the user.
+Keys are core's own parameter names (``PRESET_KEYS``): estimator and scale (advantages.py), agg,
+eps_low, eps_high, beta, ratio_level and loss_type (policy_loss.py's LossParams), multi_objective
+(multi_objective.py), entropy_quantile and off_policy_threshold (token_masks.py), and the trainer's
+dynamic_sampling and overlong_shaping switches. The config maps them onto its fields
+(config.py, ``PRESET_FIELDS``); every value stays overridable by the user.
 
-| preset                | advantage              | loss  | aggregation             | ε_low/ε_high | β    | extras                  |
-|-----------------------|------------------------|-------|-------------------------|--------------|------|-------------------------|
-| grpo                  | group std              | clip  | seq-mean-token-mean     | 0.2 / 0.2    | 0.04 | —                       |
-| dr_grpo               | none (mean only)       | clip  | seq-mean-token-sum-norm | 0.2 / 0.2    | 0    | —                       |
-| dapo                  | group std              | clip  | token-mean              | 0.2 / 0.28   | 0    | dyn. sampling, overlong |
-| gspo                  | group std              | clip  | seq-mean-token-mean     | 3e-4 / 4e-4  | 0    | sequence-level ratio    |
-| rloo                  | leave-one-out          | clip  | token-mean              | 0.2 / 0.2    | 0    | —                       |
-| cispo                 | group std              | cispo | token-mean              | 1 / 4        | 0    | IS weight in [0, 5]     |
-| sapo                  | group std              | sapo  | seq-mean-token-mean     | unused       | 0    | τ 1.0 / 1.05            |
-| bnpo                  | group std              | clip  | token-mean              | 0.2 / 0.2    | 0    | = token-mean            |
-| gdpo                  | group std, per reward  | clip  | seq-mean-token-mean     | 0.2 / 0.2    | 0    | normalize_then_sum      |
-| top_entropy           | group std              | clip  | token-mean              | 0.2 / 0.28   | 0    | dapo + top 20 % entropy |
-| opsm                  | group std              | clip  | seq-mean-token-mean     | 0.2 / 0.2    | 0    | off-policy mask δ 0.5   |
-| reinforce_pp          | batch mean / std       | clip  | token-mean              | 0.2 / 0.2    | 0    | —                       |
-| reinforce_pp_baseline | group mean, batch std  | clip  | token-mean              | 0.2 / 0.2    | 0    | —                       |
-| grpo_passk            | r_max − r_2nd, best    | clip  | token-mean              | 0.2 / 0.2    | 0    | —                       |
+preset                 advantage             loss   aggregation              ε_low/ε_high  β     extras
+---------------------  --------------------  -----  -----------------------  ------------  ----  -----------------------
+grpo                   group std             clip   seq-mean-token-mean      0.2 / 0.2     0.04  —
+dr_grpo                none (mean only)      clip   seq-mean-token-sum-norm  0.2 / 0.2     0     —
+dapo                   group std             clip   token-mean               0.2 / 0.28    0     dyn. sampling, overlong
+gspo                   group std             clip   seq-mean-token-mean      3e-4 / 4e-4   0     sequence-level ratio
+rloo                   leave-one-out         clip   token-mean               0.2 / 0.2     0     —
+cispo                  group std             cispo  token-mean               1 / 4         0     IS weight in [0, 5]
+sapo                   group std             sapo   seq-mean-token-mean      unused        0     τ 1.0 / 1.05
+bnpo                   group std             clip   token-mean               0.2 / 0.2     0     = token-mean
+gdpo                   per-reward group std  clip   seq-mean-token-mean      0.2 / 0.2     0     normalize_then_sum
+top_entropy            group std             clip   token-mean               0.2 / 0.28    0     dapo + top 20 % entropy
+opsm                   group std             clip   seq-mean-token-mean      0.2 / 0.2     0     off-policy mask δ 0.5
+reinforce_pp           batch mean / std      clip   token-mean               0.2 / 0.2     0     —
+reinforce_pp_baseline  group mean/batch std  clip   token-mean               0.2 / 0.2     0     —
+grpo_passk             r_max − r_2nd, best   clip   token-mean               0.2 / 0.2     0     —
 
 Sources: DeepSeekMath (grpo), arXiv 2503.20783 (dr_grpo), arXiv 2503.14476 (dapo),
-arXiv 2507.18071 (gspo), Ahmadian et al. 2024 (rloo). rloo uses scale_rewards="none": the
+arXiv 2507.18071 (gspo), Ahmadian et al. 2024 (rloo). rloo uses scale="none": the
 leave-one-out advantage unscaled, as in the paper.
 - cispo: MiniMax-M1 (arXiv 2506.13585) §3.1, no lower bound on the IS weight (ε_low = 1 gives 0),
   token-mean over the batch, no KL. The paper gives no ε_high; 1 + 4 = 5 is ScaleRL's cap (arXiv
-  2510.13786, TRL's recommended ``epsilon_high=5.0`` for its cap-at-ε_high form; policy_losses.py).
+  2510.13786, TRL's recommended ``epsilon_high=5.0`` for its cap-at-ε_high form; policy_terms.py).
 - sapo: arXiv 2511.20347, τ_pos = 1.0, τ_neg = 1.05 (config fields sapo_temperature_pos/neg),
   sequence mean; ε is unused by the gate.
 - bnpo: TRL's loss_type "bnpo" (tokens of the batch); grouprl's token-mean already divides by the
   whole optimizer batch's tokens, so bnpo *is* token-mean with TRL's defaults (ε 0.2, β 0); TRL's
   bnpo divides per local micro-batch instead, which changes with micro-batching.
-- gdpo: arXiv 2601.05242, multi_objective_aggregation="normalize_then_sum" (advantage_variants.py);
+- gdpo: arXiv 2601.05242, multi_objective="normalize_then_sum" (multi_objective.py);
   otherwise grpo with β = 0 (TRL's default).
-- top_entropy: arXiv 2506.01939, DAPO with top_entropy_quantile = 0.2 (token_masks.py).
+- top_entropy: arXiv 2506.01939, DAPO with entropy_quantile = 0.2 (token_masks.py).
 - opsm: DeepSeek-V3.2 (arXiv 2512.02556) off-policy sequence masking on grpo; the paper gives no δ,
   0.5 is TRL's suggestion. It acts only off-policy: num_iterations > 1, or a sampler such as vLLM.
 - reinforce_pp, reinforce_pp_baseline: arXiv 2501.03262; the paper's KL-in-reward is not
@@ -45,22 +49,18 @@ from __future__ import annotations
 
 from typing import Any
 
-PRESET_KEYS = ("advantage_estimator", "scale_rewards", "loss_agg", "epsilon", "epsilon_high", "beta",
-               "importance_sampling_level", "dynamic_sampling", "overlong_shaping", "loss_type",
-               "multi_objective_aggregation", "top_entropy_quantile", "off_policy_mask_threshold")
+PRESET_KEYS = ("estimator", "scale", "agg", "eps_low", "eps_high", "beta", "ratio_level", "dynamic_sampling",
+               "overlong_shaping", "loss_type", "multi_objective", "entropy_quantile", "off_policy_threshold")
 
 
-def _preset(advantage_estimator: str, scale_rewards: str, loss_agg: str, epsilon: float,
-            epsilon_high: float, beta: float, importance_sampling_level: str = "token",
-            dynamic_sampling: bool = False, overlong_shaping: bool = False, loss_type: str = "clip",
-            multi_objective_aggregation: str = "sum_then_normalize", top_entropy_quantile: float = 1.0,
-            off_policy_mask_threshold: float | None = None) -> dict[str, Any]:
-    return dict(advantage_estimator=advantage_estimator, scale_rewards=scale_rewards,
-                loss_agg=loss_agg, epsilon=epsilon, epsilon_high=epsilon_high, beta=beta,
-                importance_sampling_level=importance_sampling_level,
-                dynamic_sampling=dynamic_sampling, overlong_shaping=overlong_shaping, loss_type=loss_type,
-                multi_objective_aggregation=multi_objective_aggregation,
-                top_entropy_quantile=top_entropy_quantile, off_policy_mask_threshold=off_policy_mask_threshold)
+def _preset(estimator: str, scale: str, agg: str, eps_low: float, eps_high: float, beta: float,
+            ratio_level: str = "token", dynamic_sampling: bool = False, overlong_shaping: bool = False,
+            loss_type: str = "clip", multi_objective: str = "sum_then_normalize", entropy_quantile: float = 1.0,
+            off_policy_threshold: float | None = None) -> dict[str, Any]:
+    return dict(estimator=estimator, scale=scale, agg=agg, eps_low=eps_low, eps_high=eps_high, beta=beta,
+                ratio_level=ratio_level, dynamic_sampling=dynamic_sampling, overlong_shaping=overlong_shaping,
+                loss_type=loss_type, multi_objective=multi_objective, entropy_quantile=entropy_quantile,
+                off_policy_threshold=off_policy_threshold)
 
 
 PRESETS: dict[str, dict[str, Any]] = {
@@ -69,16 +69,16 @@ PRESETS: dict[str, dict[str, Any]] = {
     "dapo": _preset("grpo", "group", "token-mean", 0.2, 0.28, 0.0,
                     dynamic_sampling=True, overlong_shaping=True),
     "gspo": _preset("grpo", "group", "seq-mean-token-mean", 3e-4, 4e-4, 0.0,
-                    importance_sampling_level="sequence"),
+                    ratio_level="sequence"),
     "rloo": _preset("rloo", "none", "token-mean", 0.2, 0.2, 0.0),
     "cispo": _preset("grpo", "group", "token-mean", 1.0, 4.0, 0.0, loss_type="cispo"),
     "sapo": _preset("grpo", "group", "seq-mean-token-mean", 0.2, 0.2, 0.0, loss_type="sapo"),
     "bnpo": _preset("grpo", "group", "token-mean", 0.2, 0.2, 0.0),
     "gdpo": _preset("grpo", "group", "seq-mean-token-mean", 0.2, 0.2, 0.0,
-                    multi_objective_aggregation="normalize_then_sum"),
+                    multi_objective="normalize_then_sum"),
     "top_entropy": _preset("grpo", "group", "token-mean", 0.2, 0.28, 0.0, dynamic_sampling=True,
-                           overlong_shaping=True, top_entropy_quantile=0.2),
-    "opsm": _preset("grpo", "group", "seq-mean-token-mean", 0.2, 0.2, 0.0, off_policy_mask_threshold=0.5),
+                           overlong_shaping=True, entropy_quantile=0.2),
+    "opsm": _preset("grpo", "group", "seq-mean-token-mean", 0.2, 0.2, 0.0, off_policy_threshold=0.5),
     "reinforce_pp": _preset("reinforce_pp", "batch", "token-mean", 0.2, 0.2, 0.0),
     "reinforce_pp_baseline": _preset("reinforce_pp_baseline", "batch", "token-mean", 0.2, 0.2, 0.0),
     "grpo_passk": _preset("grpo_passk", "none", "token-mean", 0.2, 0.2, 0.0),

@@ -29,12 +29,37 @@ suggests 0.5. With μ = 1 and the built-in engine, π_sampler = π_θ and nothin
 
 Padding: entropies and log-probs of padded positions are never read (``torch.where`` first); the
 masks are False there.
+
+Both are registered in ``TOKEN_MASKS`` under one signature, ``fn(inputs: MaskInputs, value) -> keep``
+with ``keep`` bool [n, T] and ``value`` the mask's one parameter (ρ, δ), so the trainer's glue
+(objective.py) multiplies the token weights by every mask the config switches on, and reports the
+fraction of real tokens each one dropped as ``<name>/dropped_frac``. Formulas: docs/algorithms.md.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
+
+from .registry import Registry
+
+
+@dataclass(frozen=True, eq=False)
+class MaskInputs:
+    """One micro-batch, as a token mask may read it. All [n, T] unless noted."""
+
+    logp: Tensor                          # log π_θ of the sampled tokens (this pass)
+    mask: Tensor                          # bool, True on real completion tokens
+    advantages: Tensor                    # [n], or [n, T] per token
+    entropy: Tensor | None = None         # H_{i,t} from the same pass (None when not computed)
+    sampling_logp: Tensor | None = None   # log π_sampler (None on-policy, when nothing else sampled)
+
+
+MaskFn = Callable[[MaskInputs, float], Tensor]
+TOKEN_MASKS: Registry[MaskFn] = Registry("token mask", "grouprl.core.TOKEN_MASKS.register")
 
 
 def _valid(mask: Tensor, shape: torch.Size, name: str) -> Tensor:
@@ -88,3 +113,16 @@ def off_policy_sequence_mask(logp: Tensor, sampling_logp: Tensor, advantages: Te
             raise ValueError(f"advantages has shape {tuple(advantages.shape)}; expected [N]={tuple(mean_kl.shape)} "
                              f"or [N, T]={tuple(logp.shape)}")
         return ~((adv < 0) & (mean_kl > threshold))  # [N]
+
+
+@TOKEN_MASKS.register("entropy_mask")
+def _entropy_mask(x: MaskInputs, quantile: float) -> Tensor:
+    return top_entropy_mask(x.entropy, x.mask, quantile)  # [n, T]
+
+
+@TOKEN_MASKS.register("off_policy_mask")
+def _off_policy_mask(x: MaskInputs, threshold: float) -> Tensor:
+    if x.sampling_logp is None:  # on-policy: nothing to drop
+        return torch.ones_like(x.mask, dtype=torch.bool)  # [n, T]
+    keep = off_policy_sequence_mask(x.logp, x.sampling_logp, x.advantages, x.mask, threshold)  # [n]
+    return keep[:, None].expand_as(x.mask)  # [n, T]

@@ -37,7 +37,6 @@ import numbers
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-import torch
 from torch import Tensor
 
 from grouprl.core import process_advantages
@@ -171,12 +170,18 @@ class ProcessRewards:
         return ProcessRewards(*([x for p in parts for x in getattr(p, f)]
                                 for f in ("ends", "rewards", "outcome", "last")))
 
-    def advantages(self, group_size: int, num_tokens: int, *, scale: str = "group",
-                   eps: float = 1e-4) -> Tensor:
-        """Per-token advantages [N, T] (T = num_tokens), the outcome counting as a final step."""
+    def with_outcome(self) -> tuple[list[list[float]], list[list[int]]]:
+        """The steps of each completion, the outcome reward counting as a final step at its last token:
+        (rewards [N][K_i], token ends [N][K_i]), what core's "process" advantage estimator reads."""
         ends = [e + ([t] if o is not None else []) for e, o, t in zip(self.ends, self.outcome, self.last)]
         rewards = [r + ([o] if o is not None else []) for r, o in zip(self.rewards, self.outcome)]
-        return process_advantages(rewards, ends, group_size, num_tokens, scale=scale, eps=eps)  # [N, T]
+        return rewards, ends
+
+    def advantages(self, group_size: int, num_tokens: int, *, scale: str = "group",
+                   eps: float = 1e-4) -> Tensor:
+        """Per-token advantages [N, T] (T = num_tokens) of these steps by core's ``process_advantages``:
+        a shortcut for scripts and tests; the trainer goes through objective.step_advantages."""
+        return process_advantages(*self.with_outcome(), group_size, num_tokens, scale=scale, eps=eps)  # [N, T]
 
     def metrics(self) -> dict[str, float]:
         """`process/steps_per_completion` and the mean and min of the (weighted) step rewards."""

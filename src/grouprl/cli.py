@@ -10,7 +10,7 @@
 
 Without a config file and without --model, --train_data, --eval_data or --reward_funcs, the
 defaults are those of the embedded task (`grouprl.tasks.DEFAULT_TASK`); otherwise they are
-`TrainConfig`'s own.
+`TrainConfig`'s own (cli_args.py turns the command line into a config).
 """
 
 from __future__ import annotations
@@ -22,27 +22,14 @@ import os
 import sys
 from dataclasses import replace
 
-from grouprl.config import ConfigError, TrainConfig, help_text
+from grouprl.cli_args import build_config, help_text
+from grouprl.config import ConfigError, TrainConfig
 from grouprl.rewards import RewardFunctionError, SandboxUnavailableError
 from grouprl.rollout.vllm_server import VLLMServerError
 
 USAGE = """grouprl train [CONFIG.yaml] [--field value ...] [--resume]
        grouprl eval  [CONFIG.yaml] [--field value ...]
        grouprl vllm-serve MODEL [--tensor-parallel-size K] [--host H] [--port P] [vLLM flags ...]"""
-
-
-TASK_FIELDS = {"model", "train_data", "eval_data", "reward_funcs"}
-
-
-def build_config(config_path: str | None, overrides: list[str]) -> TrainConfig:
-    """With neither a config file nor any of TASK_FIELDS on the command line, the embedded task is
-    the base; otherwise TrainConfig's own defaults are."""
-    named = {a[2:].split("=")[0].replace("-", "_") for a in overrides if a.startswith("--")}
-    if config_path is None and not TASK_FIELDS & named:
-        from grouprl.tasks import DEFAULT_TASK
-
-        return TrainConfig.load(None, overrides, base=TrainConfig.from_dict(dict(DEFAULT_TASK)))
-    return TrainConfig.load(config_path, overrides)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -59,9 +46,12 @@ def main(argv: list[str] | None = None) -> int:
         overrides.insert(0, args.config)
         args.config = None
     if args.help or args.command is None:
-        print(f"usage: {USAGE}\n\n{__doc__.strip()}\n")
-        if args.help:
-            print(help_text())
+        try:
+            print(f"usage: {USAGE}\n\n{__doc__.strip()}\n")
+            if args.help:
+                print(help_text(), flush=True)
+        except BrokenPipeError:  # `grouprl train --help | head` stopped reading: not an error
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing left to flush at exit
         return 0 if args.help else 2
     notices = logging.getLogger("grouprl")  # grouprl's own notices: the sandbox in force, warnings
     if not any(isinstance(h, _StderrHandler) for h in notices.handlers):
@@ -77,7 +67,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except VLLMServerError as e:
         print(f"grouprl {args.command}: error: {e}\nThe run stopped; the checkpoints it wrote are intact. Start "
-              "the server again (grouprl vllm-serve), then run again; --resume continues from the last checkpoint.", file=sys.stderr)
+              "the server again (grouprl vllm-serve), then run again; --resume continues from the last checkpoint.",
+              file=sys.stderr)
         return 1
     except RewardFunctionError as e:
         print(f"grouprl {args.command}: error: {e}\nThe run stopped; its checkpoints are intact. Fix the "

@@ -1,23 +1,21 @@
-"""Typed run configuration, its YAML form, command-line overrides and validation.
+"""Typed run configuration: the schema, its YAML form and its validation.
 
 One flat dataclass, like TRL's ``GRPOConfig``: where TRL has a name for a concept we use it
 (``num_generations``, ``max_completion_length``, ``beta``, ``epsilon``, ...). Each field carries
-its documentation as an attribute docstring; ``grouprl train --help`` prints them.
+its documentation as an attribute docstring; ``grouprl train --help`` prints them (cli_args.py,
+which also parses ``--field value`` overrides).
 
 Algorithm fields default to ``None`` and are filled from the preset named by ``algorithm``
 (``grouprl.core.PRESETS``); any of them set explicitly wins over the preset.
-Everything is validated in :meth:`TrainConfig.validate`, before any model is loaded.
+Every value is validated in :meth:`TrainConfig.validate`, before any model is loaded; files are
+probed by their loaders (``policy.check_model_source``, ``data.check_data_source``), also before.
+This module touches no file but the YAML it reads or writes, and imports none of its dependents.
 """
 
 from __future__ import annotations
 
-import ast
 import dataclasses
-import importlib.util
-import inspect
 import math
-import os
-import textwrap
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,11 +23,25 @@ from typing import Any
 
 import yaml
 
-from grouprl.core import ADVANTAGE_ESTIMATORS, IS_MODES, LOSS_AGGREGATIONS, LOSS_TYPES, PRESETS
+from grouprl.core import (ADVANTAGE_ESTIMATORS, IS_MODES, KL_ESTIMATORS, LOSS_AGGREGATIONS, LOSS_TYPES,
+                          MULTI_OBJECTIVE_AGGREGATIONS, PRESETS, RATIO_LEVELS, Registry)
+
+PRESET_FIELDS = {"estimator": "advantage_estimator", "scale": "scale_rewards", "agg": "loss_agg",
+                 "eps_low": "epsilon", "eps_high": "epsilon_high", "beta": "beta",
+                 "ratio_level": "importance_sampling_level", "dynamic_sampling": "dynamic_sampling",
+                 "overlong_shaping": "overlong_shaping", "loss_type": "loss_type",
+                 "multi_objective": "multi_objective_aggregation", "entropy_quantile": "top_entropy_quantile",
+                 "off_policy_threshold": "off_policy_mask_threshold"}
+"""The field each key of a preset (grouprl.core.PRESETS, core's parameter names) fills."""
 
 
 class ConfigError(ValueError):
     """A configuration value is wrong; the message names the field and the fix."""
+
+
+TOOL_PARSERS = ("hermes", "llama3", "template")
+"""The tool-call formats `tool_parser` may name: grouprl.tools.FORMATS, written out here because the
+schema imports nothing that uses it (tests/trainer/test_config_errors.py keeps the two equal)."""
 
 
 @dataclass
@@ -347,15 +359,16 @@ class TrainConfig:
             raise ConfigError(
                 f"algorithm={self.algorithm!r} is unknown: choose one of {', '.join(sorted(PRESETS))}"
             )
-        values = {k: v for k, v in PRESETS[self.algorithm].items() if getattr(self, k) is None}
+        preset = {PRESET_FIELDS[k]: v for k, v in PRESETS[self.algorithm].items()}
+        values = {k: v for k, v in preset.items() if getattr(self, k) is None}
         out = dataclasses.replace(self, **values)
         if out.overlong_cache_len is None:
             out.overlong_cache_len = max(1, out.max_completion_length // 4)
         return out
 
-    def validate(self, skip_paths: tuple[str, ...] = ()) -> TrainConfig:
+    def validate(self) -> TrainConfig:
         """Check every field; raise ConfigError naming the field and the fix. Returns the resolved copy.
-        `skip_paths` names fields given in memory (a Dataset, reward callables) whose paths are not checked."""
+        Paths are not probed here: the loaders do it (policy.check_model_source, data.check_data_source)."""
         c = self.resolved()
         for f in dataclasses.fields(c):
             _check_type(f.name, getattr(c, f.name), _field_types()[f.name])
@@ -374,8 +387,8 @@ class TrainConfig:
                      "num_iterations", "logging_steps", "max_sampling_rounds"):
             if getattr(c, name) < 1:
                 raise ConfigError(f"{name}={getattr(c, name)} must be at least 1")
-        for name in ("eval_steps", "save_steps", "warmup_steps", "lora_r", "ref_update_steps", "share_prompt_min_tokens",
-                     "top_k", "num_logged_samples"):
+        for name in ("eval_steps", "save_steps", "warmup_steps", "lora_r", "ref_update_steps",
+                     "share_prompt_min_tokens", "top_k", "num_logged_samples"):
             if getattr(c, name) < 0:
                 raise ConfigError(f"{name}={getattr(c, name)} must be 0 or more")
         n = c.prompts_per_step * c.num_generations
@@ -394,7 +407,7 @@ class TrainConfig:
         if c.reward_weights is not None and len(c.reward_weights) != len(c.reward_funcs):
             raise ConfigError(f"reward_weights has {len(c.reward_weights)} values but reward_funcs "
                               f"has {len(c.reward_funcs)}: give one weight per function")
-        _check_choice("advantage_estimator", c.advantage_estimator, (*ADVANTAGE_ESTIMATORS, "process"))
+        _check_choice("advantage_estimator", c.advantage_estimator, ADVANTAGE_ESTIMATORS)
         if not c.step_delimiter:
             raise ConfigError("step_delimiter is empty: step rewards by index need a delimiter, e.g. '\\n'")
         if c.advantage_estimator == "process" and (c.tools or c.environment):
@@ -403,11 +416,11 @@ class TrainConfig:
                               "use an outcome estimator (grpo) for multi-turn runs")
         _check_choice("scale_rewards", c.scale_rewards, ("group", "batch", "none"))
         _check_variants(c)
-        _check_choice("loss_agg", c.loss_agg, tuple(LOSS_AGGREGATIONS))
-        _check_choice("kl_estimator", c.kl_estimator, ("k1", "k2", "k3"))
-        _check_choice("importance_sampling_level", c.importance_sampling_level, ("token", "sequence"))
+        _check_choice("loss_agg", c.loss_agg, LOSS_AGGREGATIONS)
+        _check_choice("kl_estimator", c.kl_estimator, KL_ESTIMATORS)
+        _check_choice("importance_sampling_level", c.importance_sampling_level, RATIO_LEVELS)
         _check_choice("lr_scheduler_type", c.lr_scheduler_type, ("constant", "linear", "cosine"))
-        _check_choice("vllm_importance_sampling_mode", c.vllm_importance_sampling_mode, tuple(IS_MODES))
+        _check_choice("vllm_importance_sampling_mode", c.vllm_importance_sampling_mode, IS_MODES)
         if not c.vllm_importance_sampling_cap >= 1:
             raise ConfigError(f"vllm_importance_sampling_cap={c.vllm_importance_sampling_cap} must be at "
                               "least 1, so that a token with no mismatch keeps weight 1 (TRL uses 3, TIS 2)")
@@ -448,13 +461,9 @@ class TrainConfig:
                               f"(0, max_completion_length={c.max_completion_length}]")
         _check_vllm(c)
         _check_tools(c)
-        for name in ("model", "tokenizer", "train_data", "eval_data"):
-            if getattr(c, name) and name not in skip_paths:
-                _check_path(name, getattr(c, name))
-        c.model, c.gguf_file = _check_gguf(c.model, c.gguf_file, c.tokenizer)
         return c
 
-    # ----------------------------------------------------------- YAML / CLI
+    # ------------------------------------------------------------------ YAML
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
@@ -466,16 +475,15 @@ class TrainConfig:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = [k for k in values if k not in known]
         if unknown:
-            hints = [f"{k!r}" + _did_you_mean(k, known) for k in unknown]
+            hints = [f"{k!r}" + did_you_mean(k, known) for k in unknown]
             raise ConfigError(f"unknown config field(s): {', '.join(hints)}; "
                               "`grouprl train --help` lists every field")
         return cls(**values)
 
     @classmethod
-    def load(cls, path: str | Path | None = None, overrides: list[str] | None = None, *,
-             base: TrainConfig | None = None) -> TrainConfig:
-        """Read a YAML file (optional) over `base` (default: the field defaults) and apply
-        `--field value` overrides."""
+    def load(cls, path: str | Path | None = None, *, base: TrainConfig | None = None) -> TrainConfig:
+        """Read a YAML file (optional) over `base` (default: the field defaults). Command-line
+        overrides are applied on top by the CLI (cli_args.build_config)."""
         values: dict[str, Any] = base.to_dict() if base is not None else {}
         if path is not None:
             p = Path(path)
@@ -488,58 +496,7 @@ class TrainConfig:
             if not isinstance(loaded, dict):
                 raise ConfigError(f"config file {str(p)!r} must hold a mapping of field: value")
             values.update(loaded)
-        values.update(parse_overrides(overrides or [], {f.name for f in dataclasses.fields(cls)}))
         return cls.from_dict(values)
-
-
-def parse_overrides(args: list[str], known: set[str]) -> dict[str, Any]:
-    """`--field value` / `--field=value` pairs; values are parsed as YAML (`--beta 0.04`,
-    `--reward_funcs '[a, b]'`). Dashes in names are accepted for underscores. A bare flag is `true`."""
-    out: dict[str, Any] = {}
-    i = 0
-    while i < len(args):
-        arg = args[i]
-        if not arg.startswith("--"):
-            raise ConfigError(f"unexpected argument {arg!r}: overrides take the form --field value")
-        name, eq, value = arg[2:].partition("=")
-        name = name.replace("-", "_")
-        if name not in known:
-            raise ConfigError(f"unknown option --{name}{_did_you_mean(name, known)}; "
-                              "`grouprl train --help` lists every field")
-        if not eq:
-            if i + 1 < len(args) and not args[i + 1].startswith("--"):
-                value = args[i + 1]
-                i += 1
-            else:
-                value = "true"
-        try:
-            out[name] = yaml.safe_load(value) if value != "" else ""
-        except yaml.YAMLError:
-            out[name] = value
-        i += 1
-    return out
-
-
-def field_docs() -> dict[str, str]:
-    """Each field's attribute docstring, read from this module's source."""
-    tree = ast.parse(textwrap.dedent(inspect.getsource(TrainConfig)))
-    body = tree.body[0].body  # type: ignore[attr-defined]
-    docs: dict[str, str] = {}
-    for node, nxt in zip(body, body[1:]):
-        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
-                and isinstance(nxt, ast.Expr) and isinstance(getattr(nxt, "value", None), ast.Constant)):
-            docs[node.target.id] = " ".join(str(nxt.value.value).split())
-    return docs
-
-
-def help_text() -> str:
-    docs = field_docs()
-    lines = ["Config fields (YAML keys, or --field value on the command line):", ""]
-    for f in dataclasses.fields(TrainConfig):
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
-        lines.append(f"  --{f.name} ({_type_name(_field_types()[f.name])}, default {default!r})")
-        lines.extend("      " + s for s in textwrap.wrap(docs.get(f.name, ""), 88))
-    return "\n".join(lines)
 
 
 # ------------------------------------------------------------------ helpers
@@ -575,16 +532,17 @@ def _matches(value: Any, tp: Any) -> bool:
     return isinstance(value, tp)
 
 
-def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
+def _check_choice(name: str, value: str, choices: tuple[str, ...] | Registry) -> None:
+    """``choices`` a tuple, or a core registry: then its names, so that a registered variant is accepted."""
     if value not in choices:
-        raise ConfigError(f"{name}={value!r} is not one of: {', '.join(choices)}")
+        how = f"; register a new one with @{choices.decorator}(name)" if isinstance(choices, Registry) else ""
+        raise ConfigError(f"{name}={value!r} is not one of: {', '.join(choices)}{how}")
 
 
 def _check_variants(c: TrainConfig) -> None:
     """The loss and advantage variants, and the combinations that make no sense."""
-    _check_choice("loss_type", c.loss_type, tuple(LOSS_TYPES))
-    _check_choice("multi_objective_aggregation", c.multi_objective_aggregation,
-                  ("sum_then_normalize", "normalize_then_sum"))
+    _check_choice("loss_type", c.loss_type, LOSS_TYPES)
+    _check_choice("multi_objective_aggregation", c.multi_objective_aggregation, MULTI_OBJECTIVE_AGGREGATIONS)
     if c.loss_type != "clip":
         for name, value, off in (("dual_clip", c.dual_clip, None), ("delta", c.delta, None),
                                  ("importance_sampling_level", c.importance_sampling_level, "token")):
@@ -654,15 +612,13 @@ def _check_vllm(c: TrainConfig) -> None:
 def _check_tools(c: TrainConfig) -> None:
     """Multi-turn fields; the tools and the environment themselves are imported by the trainer (still
     before any model loads)."""
-    from grouprl.tools import FORMATS
-
     for i, spec in enumerate(c.tools):
         if not (isinstance(spec, str) and spec) and not (isinstance(spec, dict) and isinstance(spec.get("name"), str)) \
                 and not callable(spec):
             raise ConfigError(f"tools[{i}]={spec!r}: name a tool as `python`, `package.module:function`, or a "
                               "mapping {name: python, timeout_s: 5}")
     if c.tool_parser is not None:
-        _check_choice("tool_parser", c.tool_parser, FORMATS)
+        _check_choice("tool_parser", c.tool_parser, TOOL_PARSERS)
     for name in ("max_tool_calls", "max_turns"):
         if getattr(c, name) < 1:
             raise ConfigError(f"{name}={getattr(c, name)} must be at least 1")
@@ -682,60 +638,8 @@ def _check_tools(c: TrainConfig) -> None:
                           "EOS; set ignore_eos: false")
 
 
-def _check_path(name: str, value: str) -> None:
-    """Local paths must exist; `builtin:` names are checked when loaded. A model or tokenizer may
-    also be a hub id (`org/name`), unless HF_HUB_OFFLINE=1 forbids downloading it."""
-    if value.startswith("builtin:") or Path(value).expanduser().exists():
-        return
-    hub_id = (name in ("model", "tokenizer") and not value.startswith((".", "/", "~"))
-              and value.count("/") <= 1 and os.environ.get("HF_HUB_OFFLINE") != "1")
-    if not hub_id:
-        raise ConfigError(f"{name}={value!r} does not exist: check the path "
-                          f"(relative paths are resolved from {os.getcwd()})")
-
-
-def _check_gguf(model: str, gguf_file: str | None, tokenizer: str | None) -> tuple[str, str | None]:
-    """A GGUF model as (folder or hub id, file name); `model: dir/m.gguf` becomes ("dir", "m.gguf").
-    Runs after `_check_path`, so a local `model` exists."""
-    if tokenizer is not None and tokenizer.endswith(".gguf"):
-        raise ConfigError(f"tokenizer={tokenizer!r} is a GGUF file: a GGUF tokenizer is read from the model's "
-                          "own file; leave tokenizer unset, or point it at a tokenizer folder")
-    path = Path(model).expanduser()
-    if gguf_file is None and not model.endswith(".gguf"):
-        found = sorted(p.name for p in path.glob("*.gguf")) if path.is_dir() else []
-        if found and not (path / "config.json").is_file():
-            raise ConfigError(f"model={model!r} holds no config.json but GGUF file(s) {', '.join(found)}: "
-                              f"name the one to train with gguf_file: {found[0]} (or model: {path / found[0]})")
-        return model, None
-    if gguf_file is not None and model.endswith(".gguf"):
-        raise ConfigError(f"gguf_file={gguf_file!r} is set and model={model!r} is itself a GGUF file: set "
-                          "model to the folder that holds the file, or drop gguf_file")
-    if importlib.util.find_spec("gguf") is None:
-        raise ConfigError(f"model={model!r} is a GGUF model and reading it needs the gguf package: "
-                          "pip install 'grouprl[gguf]' (or pip install gguf)")
-    if gguf_file is None:
-        folder, gguf_file = path.parent, path.name
-    elif model.startswith("builtin:") or path.is_file():
-        raise ConfigError(f"gguf_file={gguf_file!r} needs model to be the folder that holds it, and "
-                          f"model={model!r} is not a folder: set model to the file's folder")
-    elif not path.exists():  # a hub id (allowed by _check_path when online): transformers downloads the file
-        return model, gguf_file
-    else:
-        folder = path
-    file = folder / gguf_file
-    if not file.is_file():
-        found = sorted(p.name for p in folder.glob("*.gguf"))
-        raise ConfigError(f"gguf_file={gguf_file!r} is not in the model folder {str(folder)!r}, which holds "
-                          + (f"the GGUF file(s) {', '.join(found)}" if found else "no .gguf file")
-                          + ": check the name")
-    with open(file, "rb") as f:
-        if f.read(4) != b"GGUF":
-            raise ConfigError(f"{str(file)!r} is not a GGUF file (it does not start with the GGUF magic "
-                              "bytes): point model/gguf_file at a llama.cpp .gguf file")
-    return str(folder), gguf_file
-
-
-def _did_you_mean(name: str, known: set[str]) -> str:
+def did_you_mean(name: str, known: set[str]) -> str:
+    """` (did you mean 'x'?)` for the known name closest to a misspelt one, else ''."""
     import difflib
 
     close = difflib.get_close_matches(name, sorted(known), n=1)

@@ -7,12 +7,15 @@ reward functions as a keyword argument, one value per completion (TRL's conventi
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from datasets import Dataset
+
+from grouprl.config import ConfigError
 
 _READERS = {
     ".jsonl": Dataset.from_json,
@@ -41,13 +44,14 @@ def load_prompts(source: str | Dataset | list[dict], *, prompt_column: str = "pr
         except ValueError as e:
             raise DataError(f"{name}={source!r}: {e}") from None
     else:
+        check_data_source(name, source)
         path = Path(source).expanduser()
         reader = _READERS.get(path.suffix.lower())
         if reader is None:
             raise DataError(f"{name}={source!r}: unsupported file type {path.suffix!r}; "
                             f"use one of {', '.join(_READERS)}")
         if not path.is_file():
-            raise DataError(f"{name}={source!r} does not exist")
+            raise DataError(f"{name}={source!r} is a folder: name the data file in it")
         try:
             ds = reader(str(path))
         except Exception as e:  # noqa: BLE001 - the reader's own error is the useful part
@@ -55,6 +59,13 @@ def load_prompts(source: str | Dataset | list[dict], *, prompt_column: str = "pr
                             f"{type(e).__name__}: {e}") from None
     validate_prompts(ds, prompt_column=prompt_column, name=name)
     return ds
+
+
+def check_data_source(name: str, value: str) -> None:
+    """A data file must exist (ConfigError naming the field); `builtin:` names are checked when loaded."""
+    if not (value.startswith("builtin:") or Path(value).expanduser().exists()):
+        raise ConfigError(f"{name}={value!r} does not exist: check the path "
+                          f"(relative paths are resolved from {os.getcwd()})")
 
 
 def validate_prompts(ds: Dataset, *, prompt_column: str = "prompt", name: str = "train_data") -> None:
@@ -174,3 +185,21 @@ def completion_objects(texts: list[str], conversational: bool) -> list[Any]:
     if conversational:
         return [[{"role": "assistant", "content": t}] for t in texts]
     return list(texts)
+
+
+def load_datasets(cfg, train_dataset: Dataset | None = None, eval_dataset: Dataset | None = None
+                  ) -> tuple[Dataset, Dataset | None]:
+    """The train and eval prompts of a run: in-memory datasets when given, else the config's
+    `train_data`/`eval_data`; without eval data, `eval_fraction` of the train rows is held out;
+    `max_eval_samples` caps the eval set. `cfg` is a TrainConfig (read, not imported)."""
+    train = load_prompts(train_dataset if train_dataset is not None else cfg.train_data,
+                         prompt_column=cfg.prompt_column, name="train_data")
+    evaluation = None
+    if eval_dataset is not None or cfg.eval_data:
+        evaluation = load_prompts(eval_dataset if eval_dataset is not None else cfg.eval_data,
+                                  prompt_column=cfg.prompt_column, name="eval_data")
+    elif cfg.eval_fraction:
+        train, evaluation = split_eval(train, cfg.eval_fraction, cfg.seed)
+    if evaluation is not None and cfg.max_eval_samples:
+        evaluation = evaluation.select(range(min(cfg.max_eval_samples, len(evaluation))))
+    return train, evaluation

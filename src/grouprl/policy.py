@@ -11,13 +11,17 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import importlib.util
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
+from grouprl.config import ConfigError
 from grouprl.core import token_logprobs, token_logprobs_and_entropy
+from grouprl.lora import adapter_disabled, add_adapter, is_peft_model
 from grouprl.rollout import Rollout, same_prompt_ids
 
 
@@ -30,6 +34,66 @@ def resolve_model_path(name: str) -> str:
             raise ValueError(f"model={name!r} is unknown: the built-in models are {', '.join(builtin)}")
         return str(builtin[name])
     return str(Path(name).expanduser()) if Path(name).expanduser().exists() else name
+
+
+def check_model_source(model: str, gguf_file: str | None, tokenizer: str | None) -> tuple[str, str | None]:
+    """Before any model loads: `model` and `tokenizer` exist, and a GGUF model is readable. Returns
+    (folder or hub id, GGUF file name or None); `model: dir/m.gguf` becomes ("dir", "m.gguf")."""
+    for name, value in (("model", model), ("tokenizer", tokenizer)):
+        if value:
+            _check_exists(name, value)
+    return _check_gguf(model, gguf_file, tokenizer)
+
+
+def _check_exists(name: str, value: str) -> None:
+    """Local paths must exist; `builtin:` names are checked when loaded. A model or tokenizer may
+    also be a hub id (`org/name`), unless HF_HUB_OFFLINE=1 forbids downloading it."""
+    if value.startswith("builtin:") or Path(value).expanduser().exists():
+        return
+    hub_id = not value.startswith((".", "/", "~")) and value.count("/") <= 1 and os.environ.get("HF_HUB_OFFLINE") != "1"
+    if not hub_id:
+        raise ConfigError(f"{name}={value!r} does not exist: check the path "
+                          f"(relative paths are resolved from {os.getcwd()})")
+
+
+def _check_gguf(model: str, gguf_file: str | None, tokenizer: str | None) -> tuple[str, str | None]:
+    """A GGUF model as (folder or hub id, file name). Runs after `_check_exists`, so a local `model` exists."""
+    if tokenizer is not None and tokenizer.endswith(".gguf"):
+        raise ConfigError(f"tokenizer={tokenizer!r} is a GGUF file: a GGUF tokenizer is read from the model's "
+                          "own file; leave tokenizer unset, or point it at a tokenizer folder")
+    path = Path(model).expanduser()
+    if gguf_file is None and not model.endswith(".gguf"):
+        found = sorted(p.name for p in path.glob("*.gguf")) if path.is_dir() else []
+        if found and not (path / "config.json").is_file():
+            raise ConfigError(f"model={model!r} holds no config.json but GGUF file(s) {', '.join(found)}: "
+                              f"name the one to train with gguf_file: {found[0]} (or model: {path / found[0]})")
+        return model, None
+    if gguf_file is not None and model.endswith(".gguf"):
+        raise ConfigError(f"gguf_file={gguf_file!r} is set and model={model!r} is itself a GGUF file: set "
+                          "model to the folder that holds the file, or drop gguf_file")
+    if importlib.util.find_spec("gguf") is None:
+        raise ConfigError(f"model={model!r} is a GGUF model and reading it needs the gguf package: "
+                          "pip install 'grouprl[gguf]' (or pip install gguf)")
+    if gguf_file is None:
+        folder, gguf_file = path.parent, path.name
+    elif model.startswith("builtin:") or path.is_file():
+        raise ConfigError(f"gguf_file={gguf_file!r} needs model to be the folder that holds it, and "
+                          f"model={model!r} is not a folder: set model to the file's folder")
+    elif not path.exists():  # a hub id (allowed by _check_exists when online): transformers downloads the file
+        return model, gguf_file
+    else:
+        folder = path
+    file = folder / gguf_file
+    if not file.is_file():
+        found = sorted(p.name for p in folder.glob("*.gguf"))
+        raise ConfigError(f"gguf_file={gguf_file!r} is not in the model folder {str(folder)!r}, which holds "
+                          + (f"the GGUF file(s) {', '.join(found)}" if found else "no .gguf file")
+                          + ": check the name")
+    with open(file, "rb") as f:
+        if f.read(4) != b"GGUF":
+            raise ConfigError(f"{str(file)!r} is not a GGUF file (it does not start with the GGUF magic "
+                              "bytes): point model/gguf_file at a llama.cpp .gguf file")
+    return str(folder), gguf_file
 
 
 def load_tokenizer(name: str, gguf_file: str | None = None):
@@ -55,11 +119,8 @@ def load_policy(name: str, *, gguf_file: str | None = None, lora_r: int = 0, lor
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if lora_r:
-        from peft import LoraConfig, get_peft_model
-
-        model = get_peft_model(model, LoraConfig(
-            r=lora_r, lora_alpha=lora_alpha, lora_dropout=lora_dropout,
-            target_modules=lora_target_modules, task_type="CAUSAL_LM"))
+        model = add_adapter(model, r=lora_r, alpha=lora_alpha, dropout=lora_dropout,
+                            target_modules=lora_target_modules)
     return model
 
 
@@ -94,7 +155,7 @@ class Reference:
     (DeepSeekMath's iterative mode)."""
 
     def __init__(self, policy: torch.nn.Module):
-        self.uses_adapter = hasattr(policy, "disable_adapter")
+        self.uses_adapter = is_peft_model(policy)
         self.policy = policy
         self.model = None if self.uses_adapter else self._frozen_copy(policy)
 
@@ -110,7 +171,7 @@ class Reference:
         self.model.load_state_dict(policy.state_dict())
 
     def context(self):
-        return self.policy.disable_adapter() if self.uses_adapter else contextlib.nullcontext()
+        return adapter_disabled(self.policy)
 
     @property
     def forward_model(self) -> torch.nn.Module:
@@ -160,7 +221,8 @@ def can_share_prompts(model: torch.nn.Module) -> bool:
     """The shared-prompt forward feeds the prompts' KV cache into a second forward pass: not
     possible when gradient checkpointing turns the cache off."""
     model = getattr(model, "module", model)
-    name = "is_activation_checkpointing" if hasattr(model, "is_activation_checkpointing") else "is_gradient_checkpointing"
+    name = ("is_activation_checkpointing" if hasattr(model, "is_activation_checkpointing")
+            else "is_gradient_checkpointing")
     return not getattr(model, name, False)
 
 

@@ -9,8 +9,10 @@ import pytest
 
 import grouprl.trainer as trainer_mod
 from grouprl.cli import main
-from grouprl.config import ConfigError, TrainConfig
+from grouprl.cli_args import build_config
+from grouprl.config import TOOL_PARSERS, ConfigError, TrainConfig
 from grouprl.data import DataError
+from grouprl.policy import check_model_source
 from grouprl.sandbox import SandboxUnavailableError, sandbox_mechanism
 from grouprl.sandbox import runner as sandbox_runner
 from grouprl.trainer import Trainer
@@ -32,7 +34,9 @@ def no_model_loading(monkeypatch):
     ({"reward_funcs": ["no_such_reward"]}, "no_such_reward"),
     ({"reward_funcs": ["nomodule_xyz:f"]}, "nomodule_xyz"),
     ({"train_data": "missing/prompts.jsonl"}, "train_data='missing/prompts.jsonl' does not exist"),
-    ({"model": "./no/such/model"}, "model='./no/such/model' does not exist"),
+    ({"model": "./no/such/model"}, "model='./no/such/model' does not exist: check the path"),
+    ({"tokenizer": "./no/such/tokenizer"}, "tokenizer='./no/such/tokenizer' does not exist: check the path"),
+    ({"eval_data": "missing/eval.jsonl"}, "eval_data='missing/eval.jsonl' does not exist: check the path"),
     ({"algorithm": "ppo"}, "algorithm='ppo' is unknown: choose one of bnpo, cispo, dapo, dr_grpo, gdpo, grpo, "),
     ({"loss_agg": "mean"}, "loss_agg='mean' is not one of"),
     ({"reward_weights": [1.0, 2.0]}, "reward_weights has 2 values but reward_funcs has 1"),
@@ -57,7 +61,8 @@ def no_model_loading(monkeypatch):
     ({"vllm_gpu_memory_utilization": 1.5}, "vllm_gpu_memory_utilization=1.5 must be in (0, 1]"),
     ({"vllm_dtype": "fp8"}, "vllm_dtype='fp8' is not one of: float32, bfloat16, float16, auto"),
     ({"vllm_max_model_length": 10}, "vllm_max_model_length=10 is shorter than max_prompt_length"),
-    ({"use_vllm": True, "temperature": 3.0}, "temperature=3.0 with use_vllm: vLLM samples at temperatures in [0.01, 2]"),
+    ({"use_vllm": True, "temperature": 3.0},
+     "temperature=3.0 with use_vllm: vLLM samples at temperatures in [0.01, 2]"),
 ])
 def test_config_errors_name_the_field(make_cfg, overrides, message):
     with pytest.raises((ConfigError, ValueError), match=message.replace("(", r"\(").replace("[", r"\[")):
@@ -97,8 +102,38 @@ def test_cli_accepts_dashes_and_lists_every_field_in_help():
     for name in ("num_generations", "max_completion_length", "beta", "epsilon_high", "scale_rewards",
                  "reward_weights", "mask_truncated_completions", "ignore_eos", "prompts_per_step"):
         assert f"--{name} " in out
-    cfg = TrainConfig.load(None, ["--max-completion-length", "7", "--scale_rewards=batch"])
+    cfg = build_config(None, ["--max-completion-length", "7", "--scale_rewards=batch"])
     assert cfg.max_completion_length == 7 and cfg.scale_rewards == "batch"
+    assert "--num_generations (int, default 8)\n      Completions per prompt (G, the group size)." in out
+
+
+def test_cli_overrides_go_over_the_yaml_file_and_unknown_ones_suggest_a_field(tmp_path, capsys):
+    path = tmp_path / "c.yaml"
+    path.write_text("model: some/model\nbeta: 0.1\n")
+    cfg = build_config(str(path), ["--beta", "0.04", "--ignore-eos"])
+    assert (cfg.model, cfg.beta, cfg.ignore_eos) == ("some/model", 0.04, True)
+    code = main(["train", "--num_generation", "4"])
+    assert code == 2
+    assert "unknown option --num_generation (did you mean 'num_generations'?)" in capsys.readouterr().err
+
+
+def test_validation_reads_no_file_and_the_loaders_probe_paths_before_any_model_loads(make_cfg, digits_data,
+                                                                                        monkeypatch, capsys, tmp_path):
+    make_cfg(model="./no/such/model", train_data="./no/such.jsonl").validate()  # values only
+    code = main(["train", "--model", "./no/such/model", "--train_data", str(digits_data), "--reward_funcs",
+                 "[tests.trainer.conftest:digit_fraction]", "--output_dir", str(tmp_path / "x")])
+    assert code == 2 and "model='./no/such/model' does not exist: check the path" in capsys.readouterr().err
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    assert check_model_source("org/name", None, None) == ("org/name", None)  # a hub id, downloaded when loaded
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ConfigError, match="model='org/name' does not exist"):
+        check_model_source("org/name", None, None)
+
+
+def test_tool_parser_choices_are_the_tool_formats():
+    from grouprl.tools import FORMATS
+
+    assert TOOL_PARSERS == FORMATS
 
 
 def test_cli_reports_a_failing_reward_function_and_how_to_continue(tmp_path, tiny_model_dir, digits_data,

@@ -5,6 +5,7 @@ import json
 import pytest
 from datasets import Dataset
 
+from grouprl.config import ConfigError
 from grouprl.data import DataError, PromptSampler, load_prompts, split_eval
 
 ROWS = [{"prompt": f"q{i}", "answer": str(i)} for i in range(10)]
@@ -34,6 +35,18 @@ def test_unsupported_or_unreadable_files_name_the_problem(tmp_path):
     broken.write_text('{"prompt": "ok"}\n{"prompt": \n')
     with pytest.raises(DataError, match="could not be read as .jsonl"):
         load_prompts(str(broken))
+    folder = tmp_path / "rows_dir.jsonl"
+    folder.mkdir()
+    with pytest.raises(DataError, match="is a folder: name the data file in it"):
+        load_prompts(str(folder))
+
+
+def test_a_missing_file_names_the_field_and_where_relative_paths_start(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError) as err:
+        load_prompts("nope.txt", name="eval_data")  # before its file type is judged
+    assert str(err.value) == (f"eval_data='nope.txt' does not exist: check the path "
+                              f"(relative paths are resolved from {tmp_path})")
 
 
 def test_split_eval_is_disjoint_and_seeded():

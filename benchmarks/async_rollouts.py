@@ -52,7 +52,6 @@ def worker(side: str, model_dir: str, port: int, max_tokens: int, steps: int, th
         trainer = Trainer(cfg, train_dataset=Dataset.from_list(rows))
         stages = []
         for _ in range(steps):
-            trainer.step += 1
             m = trainer.train_step()
             stages.append({k.removeprefix("time/"): v for k, v in m.items() if k.startswith("time/")})
         trainer.close()
@@ -83,7 +82,8 @@ def run_side(side: str, args, model_dir: str, port: int) -> list[dict]:
         cmd = [sys.executable, __file__, "--worker", side, "--model-dir", model_dir, "--out", f.name,
                "--port", str(port), "--max-tokens", str(args.max_tokens), "--steps", str(args.steps),
                "--threads", str(args.threads)]
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "src"), str(REPO), os.environ.get("PYTHONPATH", "")])}
+        env = {**os.environ,
+               "PYTHONPATH": os.pathsep.join([str(REPO / "src"), str(REPO), os.environ.get("PYTHONPATH", "")])}
         subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                        preexec_fn=lambda: os.sched_setaffinity(0, {args.trainer_core}))
         return json.loads(Path(f.name).read_text())

@@ -20,15 +20,16 @@ import time
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from grouprl.rollout import HFEngine, SamplingParams
+from grouprl.rollout import GenerationEngine, HFEngine, SamplingParams
 from grouprl.rollout.multiturn import MultiTurnDriver, TurnLimits
 from grouprl.tasks import TOOL_POLICY_DIR, TOOL_TASK
 from grouprl.tasks.products import mul, train_rows
 from grouprl.tools import get_tool_parser, resolve_tools
 
 
-class Prefilling:
-    """The engine without keep_conversations: every later turn prefills the whole conversation."""
+class Prefilling(GenerationEngine):
+    """The engine with GenerationEngine's default keep_conversations (nothing kept): every later
+    turn prefills the whole conversation."""
 
     def __init__(self, engine):
         self.engine = engine

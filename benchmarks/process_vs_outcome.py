@@ -23,7 +23,6 @@ import argparse
 import json
 import random
 import time
-from dataclasses import replace
 from pathlib import Path
 from statistics import median
 
@@ -102,11 +101,7 @@ def warm_up(path: Path, steps: int, correct_fraction: float, seed: int = 0) -> N
 @torch.no_grad()
 def greedy_eval(tr: Trainer) -> dict[str, float]:
     ds = tr.eval_ds
-    prompts = tr.formatter.batch(ds, list(range(len(ds))), "prompt")
-    with tr._generation_weights():
-        rollout = tr.engine.generate(prompts.prompt_ids, 1, replace(tr.sampling, greedy=True))
-    ids = [row[m].tolist() for row, m in zip(rollout.completion_ids, rollout.completion_mask)]
-    texts = tr.tokenizer.batch_decode(ids, skip_special_tokens=True)
+    texts = tr.decode(tr.generate(tr.prompts(ds), greedy=True))
     exact = answer = lines = total_lines = 0
     for text, row in zip(texts, ds):
         want, got = row["steps"].split("\n"), text.strip().split("\n")
@@ -128,7 +123,6 @@ def run_arm(arm: str, seed: int, args) -> dict:
     curve = [{"step": 0, **greedy_eval(tr)}]
     t0 = time.time()
     while tr.step < args.steps:
-        tr.step += 1
         tr.train_step()
         if tr.step % args.eval_every == 0:
             curve.append({"step": tr.step, **greedy_eval(tr)})
@@ -157,7 +151,8 @@ def plot(results: list[dict], path: Path) -> None:
                 ax.plot(steps, [p[key] for p in c], color=colors[arm], alpha=0.25, lw=1)
             ax.plot(steps, [median(c[i][key] for c in runs) for i in range(len(steps))], color=colors[arm],
                     lw=2, label=f"{arm} (median of {len(runs)})")
-        ax.set_title({"exact": "every line right", "answer": "final answer right", "lines": "share of right lines"}[key])
+        ax.set_title({"exact": "every line right", "answer": "final answer right",
+                      "lines": "share of right lines"}[key])
         ax.set_xlabel("GRPO step")
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("held-out greedy accuracy")

@@ -15,14 +15,15 @@ from __future__ import annotations
 import argparse
 import statistics
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
+from grouprl.batch import StepBatch
 from grouprl.config import TrainConfig
 from grouprl.rollout import Rollout
 from grouprl.tasks.testing import save_tiny_model
+from grouprl.stats import Timings
 from grouprl.trainer import Trainer
 
 
@@ -50,27 +51,26 @@ def main() -> None:
         model_dir = save_tiny_model(Path(tmp) / args.size, args.size, seed=0)
         data = Path(tmp) / "data.jsonl"
         data.write_text('{"prompt": "x"}\n' * 4)
-        cfg = TrainConfig(model=str(model_dir), train_data=str(data), reward_funcs=["repetition_penalty"],
-                          num_generations=args.group, prompts_per_step=args.prompts,
-                          micro_batch_size=args.micro_batch, max_completion_length=args.completion_len,
-                          beta=0.04, output_dir=f"{tmp}/run", progress=False, report_to_tensorboard=False,
-                          num_threads=args.threads)
-        trainer = Trainer(cfg)
-        vocab = trainer.model.config.vocab_size
+        trainers = {}
+        for share in (False, True):  # one trainer per setting, from the same seed: the same weights
+            cfg = TrainConfig(model=str(model_dir), train_data=str(data), reward_funcs=["repetition_penalty"],
+                              num_generations=args.group, prompts_per_step=args.prompts,
+                              micro_batch_size=args.micro_batch, max_completion_length=args.completion_len,
+                              beta=0.04, output_dir=f"{tmp}/run", progress=False, report_to_tensorboard=False,
+                              num_threads=args.threads, share_prompt_forward=share, share_prompt_min_tokens=0)
+            trainers[share] = Trainer(cfg)
+        vocab = trainers[False].model.config.vocab_size
         rollout = random_rollout(args.prompts, args.group, args.prompt_len, args.completion_len, vocab)
         N = len(rollout)
-        advantages, ref_logp = torch.randn(N), torch.zeros(rollout.completion_ids.shape)
+        batch = StepBatch(rollout, ["x"] * N, [""] * N, torch.zeros(N), {}, {})
+        advantages = torch.randn(N)
         times: dict[bool, list[tuple[float, float]]] = {True: [], False: []}
         for r in range(args.repeats + 1):
             for share in (True, False) if r % 2 else (False, True):
-                trainer.share_min_tokens = 0 if share else None
-                t0 = time.perf_counter()
-                with trainer.ref.context():
-                    trainer._logprobs(trainer.ref.forward_model, rollout)
-                t1 = time.perf_counter()
-                trainer._update(rollout, advantages, rollout.completion_mask, None, ref_logp, with_entropy=True)
+                timings = Timings()
+                trainers[share].update(batch, advantages, timings)  # the reference pass, then the update
                 if r:  # the first round warms up
-                    times[share].append((t1 - t0, time.perf_counter() - t1))
+                    times[share].append((timings["time/logprobs"], timings["time/update"]))
     B, G, P, T = args.prompts, args.group, args.prompt_len, args.completion_len
     print(f"{args.size}: B={B} G={G} P={P} T={T} micro_batch={args.micro_batch}, {args.repeats} alternations")
     for share in (False, True):

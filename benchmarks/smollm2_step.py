@@ -25,7 +25,6 @@ import os
 import statistics
 import sys
 import tempfile
-import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -68,9 +67,8 @@ def main() -> None:
               f"micro_batch_size={cfg.micro_batch_size} lora_r={cfg.lora_r} load {os.getloadavg()[0]:.2f}",
               flush=True)
         rows, flops = [], []
-        n_prompt = len(trainer.formatter.batch(trainer.train_ds, [0], cfg.prompt_column).prompt_ids[0])
+        n_prompt = len(trainer.prompts(trainer.train_ds.select([0])).prompt_ids[0])
         for i in range(args.steps + 1):
-            trainer.step += 1
             m = trainer.train_step()
             times = {k.removeprefix("time/"): v for k, v in m.items() if k.startswith("time/")}
             print(f"step {i}: " + ", ".join(f"{k} {v:.2f}" for k, v in times.items())
@@ -82,8 +80,6 @@ def main() -> None:
                                          group_size=cfg.num_generations))
         if args.profile:
             from torch.profiler import ProfilerActivity, profile
-
-            trainer.step += 1
             with profile(activities=[ProfilerActivity.CPU], record_shapes=False) as prof:
                 trainer.train_step()
             Path(args.profile).write_text(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40))

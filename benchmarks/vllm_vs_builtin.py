@@ -60,7 +60,6 @@ def worker(side: str, model_dir: str, max_tokens: int, steps: int, gen_repeats: 
             tps.append(int(ro.lengths.sum()) / (time.perf_counter() - t0))
         stages = []
         for _ in range(steps):
-            trainer.step += 1
             m = trainer.train_step()
             stages.append({k.removeprefix("time/"): v for k, v in m.items() if k.startswith("time/")})
         trainer.close()

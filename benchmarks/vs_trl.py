@@ -158,7 +158,6 @@ def worker_grouprl(w: Workload, model_dir: str, steps: int, threads: int) -> dic
         trainer = Trainer(cfg, train_dataset=Dataset.from_list(make_rows(w.task)), reward_funcs=reward_funcs(w.task))
         times, stages, lengths = [], [], []
         for _ in range(steps):
-            trainer.step += 1
             t0 = time.perf_counter()
             m = trainer.train_step()
             times.append(time.perf_counter() - t0)

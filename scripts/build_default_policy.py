@@ -278,7 +278,8 @@ def main() -> None:
         args.out.mkdir(parents=True, exist_ok=True)
         model.save_pretrained(args.out)
         tok.save_pretrained(args.out)
-        (args.out / "build_stats.json").write_text(json.dumps({k: round(v, 1) for k, v in stats.items()}, indent=1) + "\n")
+        (args.out / "build_stats.json").write_text(
+            json.dumps({k: round(v, 1) for k, v in stats.items()}, indent=1) + "\n")
         size = sum(f.stat().st_size for f in args.out.iterdir()) / 2**20
         print(f"saved to {args.out} ({size:.2f} MiB)")
     if args.check_rl:

@@ -29,7 +29,8 @@ found = []
 for p in ["/etc/passwd", {secret_path!r}, {os.path.abspath(__file__)!r}, {os.path.expanduser('~/.bashrc')!r}]:
     try:
         text = open(p).read()
-        found.append(p.rsplit("/", 1)[-1] + ("(root entry)" if "root:" in text else "") + ("(SECRET)" if "s3cret" in text else ""))
+        found.append(p.rsplit("/", 1)[-1] + ("(root entry)" if "root:" in text else "") + \
+("(SECRET)" if "s3cret" in text else ""))
     except OSError as e:
         found.append(type(e).__name__)
 print(" ".join(found))""",
@@ -86,7 +87,8 @@ if os.fork() == 0:
 print("parent done")""",
         "create a nested user namespace": "import ctypes, os\nl = ctypes.CDLL(None, use_errno=True)\n"
                                           "print(l.unshare(0x10000000), os.strerror(ctypes.get_errno()))",
-        "fill the disk (1 MiB files, disk_mb=8)": "i = 0\nwhile True:\n    open(f'f{i}', 'wb').write(b'x' * (1 << 20))\n    i += 1\n",
+        "fill the disk (1 MiB files, disk_mb=8)": "i = 0\nwhile True:\n"
+                                                  "    open(f'f{i}', 'wb').write(b'x' * (1 << 20))\n    i += 1\n",
     }
 
 

@@ -1,8 +1,15 @@
 """The GRPO training loop.
 
-One step, one call per stage (DESIGN.md's data path):
+`Trainer.train_step` is one step, one call per stage (DESIGN.md's data path):
 
-    prompts -> rollout -> rewards -> advantages -> old/ref log-probs -> mu policy updates -> metrics
+    sample_batch  -> generate (engine, turns) -> score (rewards) [-> more rounds: DAPO dynamic sampling]
+    advantages    -> group-relative, per completion or per token (objective.step_advantages)
+    update        -> old/ref log-probs, then num_iterations optimizer steps over micro-batches
+    sync_weights  -> the engine samples the new policy next
+
+Each stage is a public method, so a script can run any of them alone: `generate(prompts, greedy=True)`
+and `score(prompts, trajectories)` sample and score with the current policy, `evaluate(dataset)`
+runs the eval, `logprobs(rollout)` scores tokens under the policy or the reference.
 
 Deliberate choices:
 - with num_iterations = 1 the sampling policy is the current one, so `old_logp = logp.detach()`
@@ -14,6 +21,10 @@ Deliberate choices:
   micro-batches whose loss normaliser is the count of the whole batch (`normalizer`), so the
   accumulated gradient equals the full-batch gradient for every aggregation mode;
 - micro-batches are formed from completions sorted by length, so little padding is computed;
+- the loss parameters are built once from the config (objective.policy_loss_params, a frozen
+  dataclass validated at construction), not on every micro-batch;
+- synchronous rollouts are generated inline; only `async_rollouts` with max_staleness > 0 goes
+  through the background producer (rollout/producer.py);
 - under torchrun each rank generates and scores whole groups, then the scored batch is gathered
   so every rank computes advantages and DAPO decisions on the global batch and runs its share of
   the micro-batches (grouprl/distributed.py explains why the update does not depend on K).
@@ -39,18 +50,20 @@ from grouprl.batch import StepBatch
 from grouprl.checkpoint import latest_checkpoint, load_checkpoint, read_checkpoint, save_checkpoint
 from grouprl.config import ConfigError, TrainConfig
 from grouprl.core import overlong_penalty, policy_loss, zero_std_groups
-from grouprl.data import PromptFormatter, PromptSampler, completion_objects, load_prompts, split_eval
+from grouprl.data import PromptBatch, PromptFormatter, PromptSampler, completion_objects, load_datasets
 from grouprl.generation import make_engine, make_rollouts, resolve_multiturn
+from grouprl.objective import (corrects_sampler, loss_token_weights, policy_loss_params, sampler_weights,
+                               step_advantages)
 from grouprl.optim import make_optimizer
-from grouprl.runlog import Progress, RunLogger
-from grouprl.policy import (MicroBatch, Reference, can_share_prompts, completion_logprobs, load_policy,
-                            load_tokenizer)
+from grouprl.policy import (MicroBatch, Reference, can_share_prompts, check_model_source, completion_logprobs,
+                            load_policy, load_tokenizer)
 from grouprl.precision import native_bf16, resolve_bf16
 from grouprl.rewards import RewardScores, process_rewards, resolve_reward_spec, sandbox_mechanism, score_completions
 from grouprl.rollout import Rollout, SamplingParams
-from grouprl.rollout.types import Trajectories, trajectory_metrics
-from grouprl.rollout.producer import RolloutProducer
-from grouprl.objective import corrects_sampler, loss_token_weights, sampler_weights, step_advantages
+from grouprl.rollout.producer import Produced, RolloutProducer
+from grouprl.rollout.types import Trajectories
+from grouprl.runlog import Progress, RunLogger
+from grouprl.stats import EvalSums, SampleTally, Timings, UpdateSums, batch_metrics
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +82,9 @@ class Trainer:
                      "tools": tools}
         placeholders = {k: ["<in memory>"] * len(v) if k in ("reward_funcs", "tools") else "<in memory>"
                         for k, v in in_memory.items() if v is not None}
-        cfg = replace(config, **placeholders).validate(skip_paths=tuple(placeholders))
+        cfg = replace(config, **placeholders).validate()
+        # model/tokenizer paths and GGUF files probed before any model loads (data paths: load_datasets)
+        cfg.model, cfg.gguf_file = check_model_source(cfg.model, cfg.gguf_file, cfg.tokenizer)
         self.cfg = cfg = replace(cfg, **{k: getattr(config, k) for k in placeholders})
         self.dist = D.init_distributed()
         if cfg.prompts_per_step % self.dist.world_size:
@@ -83,16 +98,7 @@ class Trainer:
             torch.set_num_threads(cfg.num_threads)
 
         # data and reward functions first: their errors come before any model loads
-        self.train_ds = load_prompts(train_dataset if train_dataset is not None else cfg.train_data,
-                                     prompt_column=cfg.prompt_column, name="train_data")
-        self.eval_ds = None
-        if eval_dataset is not None or cfg.eval_data:
-            self.eval_ds = load_prompts(eval_dataset if eval_dataset is not None else cfg.eval_data,
-                                        prompt_column=cfg.prompt_column, name="eval_data")
-        elif cfg.eval_fraction:
-            self.train_ds, self.eval_ds = split_eval(self.train_ds, cfg.eval_fraction, cfg.seed)
-        if self.eval_ds is not None and cfg.max_eval_samples:
-            self.eval_ds = self.eval_ds.select(range(min(cfg.max_eval_samples, len(self.eval_ds))))
+        self.train_ds, self.eval_ds = load_datasets(cfg, train_dataset, eval_dataset)  # data.py
         self.reward_funcs = reward_funcs or [_reward_from_config(spec) for spec in cfg.reward_funcs]
         self.reward_names = [getattr(f, "__name__", f"reward_{i}") for i, f in enumerate(self.reward_funcs)]
         if cfg.accuracy_reward and cfg.accuracy_reward not in self.reward_names:
@@ -134,14 +140,23 @@ class Trainer:
         self.weights_version = 0  # grows with every change of the policy's weights (engine sync)
         self.sampling = SamplingParams(cfg.max_completion_length, cfg.temperature, cfg.top_p, cfg.top_k,
                                        cfg.ignore_eos)
-        self.rollouts = RolloutProducer(self.engine, self._draw_prompts, self._generate,
-                                        cfg.max_staleness if cfg.async_rollouts else 0)  # rollout/producer.py
+        self.rollouts = (RolloutProducer(self.engine, self._draw_prompts, self.generate, cfg.max_staleness)
+                         if cfg.async_rollouts and cfg.max_staleness else None)  # rollout/producer.py
 
         self.optimizer, self.scheduler = make_optimizer(cfg, self.model)  # optim.py
         self.sampler = PromptSampler(len(self.train_ds), cfg.seed)
         self.generator = torch.Generator().manual_seed(cfg.seed + self.dist.rank)  # own samples per rank
         self.step = 0
         self.evals: dict[str, Any] = {}
+
+    @property
+    def cfg(self) -> TrainConfig:
+        return self._cfg
+
+    @cfg.setter
+    def cfg(self, cfg: TrainConfig) -> None:
+        """The loss parameters follow the config: built (and validated) once per config."""
+        self._cfg, self.loss_params = cfg, policy_loss_params(cfg)
 
     # ------------------------------------------------------------------ the loop
     def train(self, *, resume: bool = False) -> dict[str, Any]:
@@ -161,7 +176,6 @@ class Trainer:
         if "eval_before" not in self.evals and self.eval_ds is not None:
             self.evals["eval_before"] = self._log_eval(0, progress)
         while self.step < cfg.max_steps:
-            self.step += 1
             metrics = self.train_step()
             self.logger.log(self.step, metrics, tensorboard=self.step % cfg.logging_steps == 0)
             progress.update(metrics)
@@ -181,132 +195,60 @@ class Trainer:
         return summary
 
     def train_step(self) -> dict[str, Any]:
-        cfg = self.cfg
-        t_step = time.perf_counter()
-        batch, sample_metrics, timings = self._sample()
-        advantages, update = self.update_on(batch, timings)
-        timings["time/step"] = time.perf_counter() - t_step
-        lengths = batch.rollout.action_lengths.float()  # the policy's own tokens
-        adv = advantages[batch.rollout.action_mask] if advantages.dim() == 2 else advantages  # per token: actions
-        metrics = {
-            **batch.reward_metrics, **sample_metrics, **(batch.steps.metrics() if batch.steps else {}),
-            "reward/mean": batch.rewards.mean().item(), "reward/std": batch.rewards.std().item()
-            if len(batch.rewards) > 1 else 0.0,
-            "advantage/mean": adv.mean().item(), "advantage/std": adv.std().item(),
-            "advantage/min": adv.min().item(), "advantage/max": adv.max().item(),
-            "completion/length_mean": lengths.mean().item(), "completion/length_min": lengths.min().item(),
-            "completion/length_max": lengths.max().item(),
-            "completion/truncated_frac": batch.rollout.truncated.float().mean().item(),
-            **update, "lr": self.scheduler.get_last_lr()[0], **timings,
-        }
-        if self.step % cfg.logging_steps == 0 and cfg.num_logged_samples:
-            self.logger.log_samples(self.step, [
-                {"prompt": batch.prompts[i], "completion": batch.completions[i],
-                 "reward": batch.rewards[i],
-                 "advantage": advantages[i] if advantages.dim() == 1 else advantages[i, :int(lengths[i])].tolist()}
-                for i in range(min(cfg.num_logged_samples, len(batch.completions)))])
-        return metrics
-
-    def update_on(self, batch: StepBatch, timings: dict[str, float] | None = None
-                  ) -> tuple[torch.Tensor, dict[str, float]]:
-        """Advantages, old/ref log-probs and the num_iterations optimizer steps on a scored batch
-        (the global batch: every rank passes the same one). Returns the advantages ([N], one per
-        completion, or [N, T], one per token under process supervision) and the update statistics,
-        reduced over ranks."""
-        cfg = self.cfg
-        timings = {} if timings is None else timings
-        advantages = step_advantages(cfg, batch)  # [N] or [N, T]
-        loss_mask = batch.rollout.action_mask.clone()  # [N, T] the policy's own tokens
-        if cfg.mask_truncated_completions:
-            loss_mask &= ~batch.rollout.truncated[:, None]
-
-        t0 = time.perf_counter()
-        correct = corrects_sampler(cfg, batch.rollout)
-        old_logp = self._logprobs(self.model, batch.rollout) if cfg.num_iterations > 1 or correct else None  # [N, T]
-        ref_logp = None
-        if self.ref is not None:
-            with self.ref.context():
-                ref_logp = self._logprobs(self.ref.forward_model, batch.rollout)  # [N, T]
-        timings["time/logprobs"] = time.perf_counter() - t0
-        is_weights, is_metrics = (sampler_weights(cfg, batch.rollout, D.all_reduce_tensor(self.dist, old_logp))
-                                  if correct else (None, {}))  # old_logp summed over ranks: the whole batch
-
-        t0 = time.perf_counter()
-        update = {}
-        for it in range(cfg.num_iterations):
-            stats = self._update(batch.rollout, advantages, loss_mask, old_logp, ref_logp, is_weights,
-                                 with_entropy=it == 0 or cfg.top_entropy_quantile < 1)
-            update = stats if it == 0 else {**update, **{k: v for k, v in stats.items() if k != "entropy"}}
-        timings["time/update"] = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        self.rollouts.sync_weights(self.model, self.weights_version)  # an external engine copies them
-        timings["time/sync_weights"] = time.perf_counter() - t0
-        if cfg.ref_update_steps and self.ref is not None and self.step % cfg.ref_update_steps == 0:
-            self.ref.reset(self.model)
-        return advantages, {**update, **is_metrics}
+        """One GRPO step (`self.step` advances by one); returns its metrics."""
+        self.step += 1
+        timings = Timings()
+        with timings.stage("step"):
+            batch, metrics = self.sample_batch(timings)  # completions and rewards of the global batch
+            advantages = self.advantages(batch)  # [N], or [N, T] under process supervision
+            metrics.update(self.update(batch, advantages, timings))  # old/ref log-probs, optimizer steps
+            with timings.stage("sync_weights"):
+                self.sync_weights()  # the engine samples the new policy from the next step on
+            if self.cfg.ref_update_steps and self.ref is not None and self.step % self.cfg.ref_update_steps == 0:
+                self.ref.reset(self.model)
+        self._log_samples(batch, advantages)
+        return {**batch_metrics(batch, advantages), **metrics, "lr": self.scheduler.get_last_lr()[0], **timings}
 
     # ------------------------------------------------------------------ stages
-    def _sample(self) -> tuple[StepBatch, dict[str, float], dict[str, float]]:
-        """Rollout and rewards. With dynamic sampling (DAPO), groups whose rewards are all equal are
-        dropped and more prompts are sampled, up to max_sampling_rounds generation rounds."""
-        cfg, B, G = self.cfg, self.cfg.prompts_per_step, self.cfg.num_generations
-        kept: list[StepBatch] = []
-        n_kept = n_groups = n_zero = rounds = 0
-        timings = {"time/generate": 0.0, "time/generate_engine": 0.0, "time/reward": 0.0}
-        counts: dict[str, float] = {}
-        staleness: list[int] = []  # per generated completion: weight syncs since its weights
-        while True:
-            rounds += 1
-            t0 = time.perf_counter()
-            produced = self.rollouts.next()  # async: generated while the previous update ran
-            prompts, traj = produced.prompts, produced.result
-            timings["time/generate"] += time.perf_counter() - t0  # waited for it
-            timings["time/generate_engine"] += produced.seconds  # the engine spent on it
-            staleness += [produced.staleness] * len(traj.rollout)
-            counts = {k: counts.get(k, 0.0) + v for k, v in traj.counts.items()}
-            t0 = time.perf_counter()
-            batch = self._gather(self._score(traj, prompts.prompts, prompts.columns, G))  # global
-            timings["time/reward"] += time.perf_counter() - t0
-            flat = zero_std_groups(batch.rewards, G)  # [B]
-            n_groups, n_zero = n_groups + len(flat), n_zero + int(flat.sum())
-            if not cfg.dynamic_sampling:
-                kept = [batch]
-                break
-            rows = (~flat).repeat_interleave(G).nonzero().squeeze(-1)
-            kept.append(batch.select(rows[: (B - n_kept) * G]))
-            n_kept += len(kept[-1].completions) // G
-            if n_kept >= B or rounds >= cfg.max_sampling_rounds:
-                break
-        if n_kept == 0 and cfg.dynamic_sampling:  # nothing carries signal: train on the last round (A = 0)
-            kept = [batch]
-        metrics = {"zero_std_frac": n_zero / n_groups, "rollout/staleness_mean": sum(staleness) / len(staleness),
-                   "rollout/staleness_max": max(staleness)}
-        metrics.update(trajectory_metrics(D.all_reduce_sums(self.dist, counts)))  # multi-turn: tools, turns, stops
-        if cfg.dynamic_sampling:
-            metrics.update({"dynamic_sampling/rounds": rounds, "dynamic_sampling/kept_groups": n_kept})
-        return StepBatch.cat(kept, self.tokenizer.pad_token_id), metrics, timings
+    def prompts(self, rows: Dataset | list[Any]) -> PromptBatch:
+        """Tokenised prompts from dataset rows (or a list of rows with the prompt column, or of
+        prompts: strings or chat messages), formatted as in training."""
+        if not isinstance(rows, Dataset):
+            col = self.cfg.prompt_column
+            rows = Dataset.from_list([r if isinstance(r, dict) else {col: r} for r in rows])
+        return self.formatter.batch(rows, list(range(len(rows))), self.cfg.prompt_column)
 
-    def _draw_prompts(self):
-        """The next step's prompts for this rank (B/K whole groups), tokenised."""
-        indices = D.shard_prompts(self.dist, self.sampler.next(self.cfg.prompts_per_step))
-        return self.formatter.batch(self.train_ds, indices, self.cfg.prompt_column)
+    def generate(self, prompts: PromptBatch, *, num_generations: int | None = None,
+                 greedy: bool = False) -> Trajectories:
+        """Completions of the current policy: `num_generations` per prompt (default: the config's
+        G), sampled with the config's sampling parameters, or one greedy completion each; with the
+        configured tools or environment, whole multi-turn trajectories."""
+        G = 1 if greedy else num_generations or self.cfg.num_generations
+        params = replace(self.sampling, greedy=True) if greedy else self.sampling
+        with D.full_weights(self.model) if self.engine.decodes_with_policy else contextlib.nullcontext():
+            # FSDP2: an engine that decodes with the policy needs its weights whole; vLLM has its own copy
+            return self.turns.generate(self.engine, prompts.prompt_ids, G, params,
+                                       None if greedy else self.generator, prompts=prompts.prompts,
+                                       columns=prompts.columns)
 
-    def _generate(self, prompts) -> Trajectories:
-        with self._generation_weights():
-            return self.turns.generate(self.engine, prompts.prompt_ids, self.cfg.num_generations, self.sampling,
-                                       self.generator, prompts=prompts.prompts, columns=prompts.columns)
-
-    def _score(self, traj: Trajectories, prompts: list[Any], columns: dict[str, list], G: int) -> StepBatch:
-        """Rewards; reward functions see a multi-turn rollout's messages (and `env_reward`)."""
-        cfg, rollout = self.cfg, traj.rollout
+    def decode(self, trajectories: Trajectories) -> list[str]:
+        """The completions' text (tool and environment messages included, special tokens not)."""
+        rollout = trajectories.rollout
         ids = [row[m].tolist() for row, m in zip(rollout.completion_ids, rollout.completion_mask)]
-        texts = self.tokenizer.batch_decode(ids, skip_special_tokens=True)
-        conversational = bool(prompts) and not isinstance(prompts[0], str)
-        per_prompt = [p for p in prompts for _ in range(G)]
-        cols = {k: [v for v in vals for _ in range(G)] for k, vals in columns.items()}
+        return self.tokenizer.batch_decode(ids, skip_special_tokens=True)
+
+    def score(self, prompts: PromptBatch, trajectories: Trajectories) -> StepBatch:
+        """The reward functions on `trajectories` of `prompts` (reward functions see a multi-turn
+        rollout's messages and `env_reward`), weighted and shaped as configured."""
+        cfg, rollout = self.cfg, trajectories.rollout
+        G = len(rollout) // len(prompts.prompts)
+        ids = [row[m].tolist() for row, m in zip(rollout.completion_ids, rollout.completion_mask)]
+        texts = self.decode(trajectories)
+        per_prompt = [p for p in prompts.prompts for _ in range(G)]
+        cols = {k: [v for v in vals for _ in range(G)] for k, vals in prompts.columns.items()}
         cols.update(completion_ids=ids, completion_lengths=[len(x) for x in ids])
-        cols.update(traj.reward_columns())
-        completions = traj.messages or completion_objects(texts, conversational)
+        cols.update(trajectories.reward_columns())
+        completions = trajectories.messages or completion_objects(texts, prompts.conversational)
         scores: RewardScores = score_completions(
             self.reward_funcs, cfg.reward_weights, per_prompt, completions,
             cols, timeout_s=cfg.reward_timeout_s, fallback=cfg.reward_fallback, step_delimiter=cfg.step_delimiter)
@@ -316,6 +258,96 @@ class Trainer:
         steps = process_rewards(scores.steps, scores.per_func, cfg.reward_weights, ids, texts, self.tokenizer,
                                 shaping, estimator=cfg.advantage_estimator)
         return StepBatch(rollout, per_prompt, texts, rewards, scores.per_func, scores.metrics, steps)
+
+    def sample_batch(self, timings: Timings | None = None) -> tuple[StepBatch, dict[str, float]]:
+        """The step's scored completions, gathered over ranks, and the sampling metrics. With
+        dynamic sampling (DAPO), groups whose rewards are all equal are dropped and more prompts
+        are sampled, up to max_sampling_rounds generation rounds."""
+        cfg, B, G = self.cfg, self.cfg.prompts_per_step, self.cfg.num_generations
+        timings = Timings() if timings is None else timings
+        tally, kept = SampleTally(), []
+        while True:
+            with timings.stage("generate"):  # async: the wait for a batch generated during the last update
+                produced = self._next_rollout()
+            timings.add("generate_engine", produced.seconds)  # the engine's own time on it
+            with timings.stage("reward"):
+                batch = self._gather(self.score(produced.prompts, produced.result))  # global batch
+            flat = zero_std_groups(batch.rewards, G)  # [B]
+            tally.add_round(len(produced.result.rollout), produced.staleness, produced.result.counts,
+                            int(flat.sum()), len(flat))
+            if not cfg.dynamic_sampling:
+                kept = [batch]
+                break
+            rows = (~flat).repeat_interleave(G).nonzero().squeeze(-1)
+            kept.append(batch.select(rows[: (B - tally.kept_groups) * G]))
+            tally.kept_groups += len(kept[-1].completions) // G
+            if tally.kept_groups >= B or tally.rounds >= cfg.max_sampling_rounds:
+                break
+        if tally.kept_groups == 0 and cfg.dynamic_sampling:  # nothing carries signal: the last round (A = 0)
+            kept = [batch]
+        metrics = tally.metrics(D.all_reduce_sums(self.dist, tally.counts), cfg.dynamic_sampling)
+        return StepBatch.cat(kept, self.tokenizer.pad_token_id), metrics
+
+    def advantages(self, batch: StepBatch) -> torch.Tensor:
+        """Advantages of a scored (global) batch: [N], or [N, T] (per token) under process supervision."""
+        return step_advantages(self.cfg, batch)
+
+    def logprobs(self, rollout: Rollout, *, reference: bool = False) -> torch.Tensor:
+        """Log-probs [N, T] of the completion tokens under the policy (or the reference model, which
+        exists when beta > 0), without gradient; this rank's micro-batch rows (others stay 0)."""
+        if not reference:
+            return self._logprobs(self.model, rollout)
+        if self.ref is None:
+            raise ValueError("no reference model: it exists only when beta > 0")
+        with self.ref.context():
+            return self._logprobs(self.ref.forward_model, rollout)
+
+    def update(self, batch: StepBatch, advantages: torch.Tensor,
+               timings: Timings | None = None) -> dict[str, float]:
+        """Old/ref log-probs and the num_iterations optimizer steps on a scored batch (the global
+        batch: every rank passes the same one); the update statistics, reduced over ranks."""
+        cfg = self.cfg
+        timings = Timings() if timings is None else timings
+        loss_mask = batch.rollout.action_mask.clone()  # [N, T] the policy's own tokens
+        if cfg.mask_truncated_completions:
+            loss_mask &= ~batch.rollout.truncated[:, None]
+        correct = corrects_sampler(cfg, batch.rollout)
+        with timings.stage("logprobs"):
+            old_logp = self.logprobs(batch.rollout) if cfg.num_iterations > 1 or correct else None  # [N, T]
+            ref_logp = self.logprobs(batch.rollout, reference=True) if self.ref is not None else None  # [N, T]
+        is_weights, is_metrics = (sampler_weights(cfg, batch.rollout, D.all_reduce_tensor(self.dist, old_logp))
+                                  if correct else (None, {}))  # old_logp summed over ranks: the whole batch
+        stats: dict[str, float] = {}
+        with timings.stage("update"):
+            for it in range(cfg.num_iterations):  # the first pass's entropy is the one reported
+                step = self._optimizer_step(batch.rollout, advantages, loss_mask, old_logp, ref_logp, is_weights,
+                                            with_entropy=it == 0 or cfg.top_entropy_quantile < 1)
+                stats = step if it == 0 else {**stats, **{k: v for k, v in step.items() if k != "entropy"}}
+        return {**stats, **is_metrics}
+
+    def sync_weights(self) -> None:
+        """Send the policy's current weights to an engine that keeps its own copy (vLLM); async
+        mode first waits for the batches being generated."""
+        if self.rollouts is not None:
+            self.rollouts.sync_weights(self.model, self.weights_version)
+        else:
+            self.engine.sync_weights(self.model, self.weights_version)
+
+    # ------------------------------------------------------------------ inside the stages
+    def _next_rollout(self) -> Produced:
+        """This rank's next prompts and their trajectories: generated now (synchronous), or taken
+        from the background producer (async_rollouts)."""
+        if self.rollouts is not None:
+            return self.rollouts.next()
+        prompts = self._draw_prompts()
+        t0 = time.perf_counter()
+        trajectories = self.generate(prompts)
+        return Produced(prompts, trajectories, 0, time.perf_counter() - t0)
+
+    def _draw_prompts(self) -> PromptBatch:
+        """The next step's prompts for this rank (B/K whole groups), tokenised."""
+        indices = D.shard_prompts(self.dist, self.sampler.next(self.cfg.prompts_per_step))
+        return self.formatter.batch(self.train_ds, indices, self.cfg.prompt_column)
 
     def _gather(self, local: StepBatch) -> StepBatch:
         """Every rank's scored completions, in rank order (= prompt order), on every rank."""
@@ -333,7 +365,7 @@ class Trainer:
 
     @torch.no_grad()
     def _logprobs(self, model: torch.nn.Module, rollout: Rollout) -> torch.Tensor:
-        """Log-probs [N, T] of this rank's rows (the rows of its micro-batches; others stay 0)."""
+        """Log-probs [N, T] of this rank's rows under `model` (the rows of its micro-batches; others stay 0)."""
         out = torch.zeros(rollout.completion_ids.shape, dtype=torch.float32)  # [N, T]
         with D.full_weights(model):
             for rows, weight in self._micro_batches(rollout):
@@ -345,16 +377,16 @@ class Trainer:
                 out[rows, : logp.shape[1]] = logp.float().cpu()
         return out
 
-    def _update(self, rollout: Rollout, advantages: torch.Tensor, loss_mask: torch.Tensor,
-                old_logp: torch.Tensor | None, ref_logp: torch.Tensor | None,
-                is_weights: torch.Tensor | None, with_entropy: bool) -> dict[str, float]:
+    def _optimizer_step(self, rollout: Rollout, advantages: torch.Tensor, loss_mask: torch.Tensor,
+                        old_logp: torch.Tensor | None, ref_logp: torch.Tensor | None,
+                        is_weights: torch.Tensor | None, with_entropy: bool) -> dict[str, float]:
         """One optimizer step over the whole batch, accumulated over micro-batches (and ranks).
         The normaliser counts the whole (global) batch; DDP/FSDP2 average gradients over the K
         ranks, so each rank's loss is scaled by K to make the result their sum."""
         cfg, K = self.cfg, self.dist.world_size
         normalizer = int(loss_mask.sum()) if cfg.loss_agg == "token-mean" else len(rollout)
         self.optimizer.zero_grad(set_to_none=True)
-        sums: dict[str, float] = {"tokens": 0.0, "loss": 0.0}
+        sums = UpdateSums()
         plan = self._micro_batches(rollout)
         for i, (rows, weight) in enumerate(plan):
             mb = MicroBatch.from_rollout(rollout, rows, self.share_min_tokens)
@@ -362,79 +394,52 @@ class Trainer:
                 logp, entropy = completion_logprobs(self.train_model, mb, temperature=cfg.temperature,
                                                     autocast_dtype=self.autocast, with_entropy=with_entropy)
                 T, dev = logp.shape[1], logp.device
-                mask = loss_mask[rows, :T].to(dev)  # [n, T']
-                adv = (advantages[rows] if advantages.dim() == 1 else advantages[rows, :T]).to(dev)  # [n] or [n, T']
+
+                def part(x: torch.Tensor | None) -> torch.Tensor | None:  # this micro-batch's rows, [n, T']
+                    return None if x is None else x[rows, :T].to(dev)
+
+                mask = part(loss_mask)  # [n, T']
+                adv = advantages[rows].to(dev) if advantages.dim() == 1 else part(advantages)  # [n] or [n, T']
                 weights, mask_stats = loss_token_weights(cfg, rollout, rows, logp, entropy, mask, adv, old_logp,
                                                          is_weights)
-                loss, stats = policy_loss(
-                    logp, old_logp[rows, :T].to(dev) if old_logp is not None else logp.detach(),
-                    adv, mask, eps_low=cfg.epsilon, eps_high=cfg.epsilon_high,
-                    ratio_level=cfg.importance_sampling_level, agg=cfg.loss_agg,
-                    max_tokens=cfg.max_completion_length,
-                    ref_logp=ref_logp[rows, :T].to(dev) if ref_logp is not None else None, beta=cfg.beta,
-                    kl_kind=cfg.kl_estimator, dual_clip=cfg.dual_clip, delta=cfg.delta, normalizer=normalizer,
-                    token_weights=weights, loss_type=cfg.loss_type, sapo_tau_pos=cfg.sapo_temperature_pos,
-                    sapo_tau_neg=cfg.sapo_temperature_neg)
+                loss, stats = policy_loss(logp, logp.detach() if old_logp is None else part(old_logp), adv, mask,
+                                          params=self.loss_params, ref_logp=part(ref_logp), normalizer=normalizer,
+                                          token_weights=weights)
                 (loss * (weight * K)).backward()
-            stats.update(mask_stats)
-            sums["loss"] += weight * loss.item()
-            n = weight * int(stats.pop("num_tokens"))
-            sums["tokens"] += n
-            for k, v in stats.items():
-                sums[k] = sums.get(k, 0.0) + v * n
-            if entropy is not None:
-                acts = rollout.action_mask[rows, :T].to(entropy.device)  # [n, T']
-                sums["entropy"] = sums.get("entropy", 0.0) + weight * float(entropy[acts].sum())
+            acts = None if entropy is None else rollout.action_mask[rows, :T].to(entropy.device)  # [n, T']
+            sums.add(weight, loss.item(), {**stats, **mask_stats},
+                     None if entropy is None else float(entropy[acts].sum()))
         params = [p for p in self.model.parameters() if p.requires_grad]
         grad_norm = D.local_value(torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm or math.inf))
         self.optimizer.step()
         self.weights_version += 1
         self.scheduler.step()
-        sums = D.all_reduce_sums(self.dist, sums)
-        tokens, loss_total = sums.pop("tokens"), sums.pop("loss")
-        total_real = int(rollout.action_mask.sum())
-        out = {k: v / max(tokens, 1) for k, v in sums.items() if k != "entropy"}
-        if "entropy" in sums:
-            out["entropy"] = sums["entropy"] / max(total_real, 1)
-        return {**out, "loss": loss_total, "grad_norm": grad_norm}
+        return sums.result(D.all_reduce_sums(self.dist, sums.sums), int(rollout.action_mask.sum()), grad_norm)
+
+    def _log_samples(self, batch: StepBatch, advantages: torch.Tensor) -> None:
+        cfg = self.cfg
+        if not (cfg.num_logged_samples and self.step % cfg.logging_steps == 0):
+            return
+        lengths = batch.rollout.action_lengths
+        self.logger.log_samples(self.step, [
+            {"prompt": batch.prompts[i], "completion": batch.completions[i], "reward": batch.rewards[i],
+             "advantage": advantages[i] if advantages.dim() == 1 else advantages[i, :int(lengths[i])].tolist()}
+            for i in range(min(cfg.num_logged_samples, len(batch.completions)))])
 
     # ------------------------------------------------------------------ eval
     @torch.no_grad()
     def evaluate(self, dataset: Dataset | None = None, batch_size: int = 64) -> dict[str, float]:
-        """Greedy completions on the eval set: `accuracy` is the mean of the accuracy reward
-        (default: the first reward function), `reward_mean` the mean weighted reward. Under
-        torchrun each rank evaluates every K-th prompt and the counts are summed."""
+        """Greedy completions on `dataset` (default: the eval set): `accuracy` is the mean of the
+        accuracy reward (default: the first reward function), `reward_mean` the mean weighted
+        reward, `rewards/NAME` each function's mean. Under torchrun each rank evaluates every K-th
+        prompt and the counts are summed."""
         ds = dataset if dataset is not None else self.eval_ds
-        params = replace(self.sampling, greedy=True)
         mine = list(range(self.dist.rank, len(ds), self.dist.world_size))
-        acc_name = self.cfg.accuracy_reward or self.reward_names[0]
-        sums = {"acc": 0.0, "acc_n": 0.0, "reward": 0.0, "length": 0.0}
-        sums.update({f"{k}/{name}": 0.0 for name in self.reward_names for k in ("sum", "n")})
-        with self._generation_weights():
-            for start in range(0, len(mine), batch_size):
-                prompts = self.formatter.batch(ds, mine[start:start + batch_size], self.cfg.prompt_column)
-                traj = self.turns.generate(self.engine, prompts.prompt_ids, 1, params, prompts=prompts.prompts,
-                                           columns=prompts.columns)
-                part = self._score(traj, prompts.prompts, prompts.columns, 1)
-                for name, scores in part.per_func.items():  # [n], NaN where the function abstained
-                    sums[f"sum/{name}"] += float(scores.nansum())
-                    sums[f"n/{name}"] += float((~scores.isnan()).sum())
-                acc = part.per_func[acc_name]
-                sums["acc"] += float(acc.nansum())
-                sums["acc_n"] += float((~acc.isnan()).sum())
-                sums["reward"] += float(part.rewards.sum())
-                sums["length"] += float(part.rollout.action_lengths.sum())
-        sums = D.all_reduce_sums(self.dist, sums)
-        return {"accuracy": sums["acc"] / sums["acc_n"] if sums["acc_n"] else math.nan,
-                "reward_mean": sums["reward"] / len(ds), "length_mean": sums["length"] / len(ds),
-                "num_samples": len(ds),
-                **{f"rewards/{n}": sums[f"sum/{n}"] / sums[f"n/{n}"] if sums[f"n/{n}"] else math.nan
-                   for n in self.reward_names}}
-
-    def _generation_weights(self):
-        """FSDP2: an engine that decodes with the policy itself needs its weights whole (one gather
-        per phase); an engine holding its own copy (vLLM) needs nothing gathered."""
-        return D.full_weights(self.model) if self.engine.decodes_with_policy else contextlib.nullcontext()
+        sums = EvalSums(self.reward_names, self.cfg.accuracy_reward or self.reward_names[0])
+        for start in range(0, len(mine), batch_size):
+            prompts = self.formatter.batch(ds, mine[start:start + batch_size], self.cfg.prompt_column)
+            sums.add(self.score(prompts, self.generate(prompts, greedy=True)))
+        return sums.result(D.all_reduce_sums(self.dist, sums.sums), len(ds))
 
     def _log_eval(self, step: int, progress: Progress) -> dict[str, float]:
         t0 = time.perf_counter()
@@ -501,11 +506,12 @@ class Trainer:
         else:  # a different number of processes: fresh, distinct sampling streams
             self.generator.manual_seed(self.cfg.seed + self.dist.rank + 1_000_003 * self.step)
         self.weights_version += 1  # the checkpoint's weights replaced the initial ones
-        self.rollouts.sync_weights(self.model, self.weights_version)
+        self.sync_weights()
 
     def close(self) -> None:
         """Release the generation engine (a colocated vLLM engine's memory); call once done."""
-        self.rollouts.close()
+        if self.rollouts is not None:
+            self.rollouts.close()
         self.engine.close()
 
 

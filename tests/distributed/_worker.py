@@ -87,11 +87,11 @@ def update_grads(cfg: TrainConfig) -> dict[tuple[str, str], tuple[dict[str, torc
     for agg in sorted(LOSS_AGGREGATIONS):
         for scale in SCALES:
             trainer.cfg = replace(cfg.resolved(), loss_agg=agg, scale_rewards=scale)
-            _, stats = trainer.update_on(batch)
+            stats = trainer.update(batch, trainer.advantages(batch))
             results[(agg, scale)] = (full_grads(trainer.model), stats)
     for mode in ("token_truncate", "sequence_mask"):
         trainer.cfg = replace(cfg.resolved(), vllm_importance_sampling_mode=mode, vllm_importance_sampling_cap=2.0)
-        _, stats = trainer.update_on(with_sampling_logp(batch))
+        stats = trainer.update(with_sampling_logp(batch), trainer.advantages(batch))
         results[("is", mode)] = (full_grads(trainer.model), stats)
     return results
 
@@ -100,7 +100,7 @@ def fsdp2_train_save_resume(cfg: TrainConfig) -> dict[str, object]:
     """One sampled FSDP2 step (generation with gathered weights, AdamW), a checkpoint, and a resume."""
     cfg = replace(cfg, distributed_strategy="fsdp2", ref_update_steps=1, num_logged_samples=0)
     trainer = Trainer(cfg)
-    trainer.step = 1
+    trainer.step = 0  # train_step runs step 1
     metrics = trainer.train_step()
     path = trainer.save()
     resumed = Trainer(cfg)

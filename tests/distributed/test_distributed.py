@@ -40,7 +40,7 @@ def one_rank_grads(tiny_model_dir, digits_data, tmp_path_factory):
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
-def test_update_on_two_ranks_equals_one_rank(strategy, one_rank_grads, tiny_model_dir, digits_data, tmp_path):
+def test_update_two_ranks_equals_one_rank(strategy, one_rank_grads, tiny_model_dir, digits_data, tmp_path):
     torchrun("-m", "tests.distributed._worker", str(tiny_model_dir), str(digits_data), str(tmp_path), strategy)
     result = torch.load(tmp_path / f"grads-{strategy}.pt", weights_only=False)
     assert result["world_size"] == 2

@@ -4,7 +4,7 @@ the same logits as prefilling the whole conversation, and the same trajectories.
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from grouprl.rollout import HFEngine, SamplingParams
+from grouprl.rollout import GenerationEngine, HFEngine, SamplingParams
 from grouprl.rollout.llama_decoder import FastDecoder
 from grouprl.rollout.multiturn import MultiTurnDriver, TurnLimits
 from grouprl.rollout.types import left_pad_prompts
@@ -39,8 +39,9 @@ def test_start_from_a_cached_prefix_gives_the_logits_of_a_full_prefill():
         torch.testing.assert_close(dec.step(tok), ref.step(tok), atol=2e-5, rtol=1e-5)
 
 
-class Prefilling:
-    """The engine without keep_conversations: each later turn prefills the whole conversation."""
+class Prefilling(GenerationEngine):
+    """The engine with GenerationEngine's default keep_conversations (nothing kept): each later turn
+    prefills the whole conversation."""
 
     def __init__(self, engine):
         self.engine = engine

@@ -35,7 +35,7 @@ def test_resume_reproduces_the_uninterrupted_run(make_cfg, tmp_path):
     original = trainer.train_step
 
     def crash_at_step_4():
-        if trainer.step == 4:
+        if trainer.step == 3:  # train_step is about to run step 4
             raise Crash
         return original()
 

@@ -87,7 +87,7 @@ def test_micro_batches_give_the_full_batch_gradient(make_cfg, agg):
     grads = []
     for mbs in (16, 4):
         trainer = Trainer(make_cfg(loss_agg=agg, micro_batch_size=mbs, max_grad_norm=None, beta=0.05))
-        trainer.step = 1
+        trainer.step = 0  # train_step runs step 1
         trainer.logger = type("NoLog", (), {"log_samples": lambda *a: None})()
         step = trainer.optimizer.step
         trainer.optimizer.step = lambda: grads.append(
@@ -141,7 +141,8 @@ def test_dapo_dynamic_sampling_drops_flat_groups(make_cfg, tmp_path, monkeypatch
     mod = tmp_path / "flaky_reward.py"
     mod.write_text(
         "def first_prompt_flat(prompts, completions, **kw):\n"
-        "    return [0.0 if p.startswith('Say numbers 1') else float(len(c) % 2) for p, c in zip(prompts, completions)]\n")
+        "    return [0.0 if p.startswith('Say numbers 1') else float(len(c) % 2) "
+        "for p, c in zip(prompts, completions)]\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     cfg = make_cfg(algorithm="dapo", max_steps=3, reward_funcs=["flaky_reward:first_prompt_flat"],
                    max_sampling_rounds=3, num_generations=4, prompts_per_step=4)
@@ -232,7 +233,7 @@ def test_grouprl_eval_prints_accuracy_of_a_model(tiny_model_dir, digits_data, ca
 def test_mask_truncated_completions_removes_them_from_the_loss(make_cfg):
     """Every completion is marked truncated and masked: the gradient is exactly zero."""
     trainer = Trainer(make_cfg(mask_truncated_completions=True, beta=0.0))
-    trainer.step = 1
+    trainer.step = 0  # train_step runs step 1
     trainer.logger = type("NoLog", (), {"log_samples": lambda *a: None})()
     generate = trainer.engine.generate
 

@@ -1,0 +1,146 @@
+"""Step statistics in one place: what a training step measures and how it is summed.
+
+- `Timings`: seconds per stage (`time/*`), summed over the rounds of a step;
+- `SampleTally`: what the sampling stage saw over its rounds (groups, zero-variance groups,
+  staleness, multi-turn counts) and its metrics;
+- `UpdateSums`: the loss statistics of the micro-batches of one optimizer step, token-weighted,
+  summed over ranks, then turned into means;
+- `EvalSums`: the sums behind `Trainer.evaluate`'s means;
+- `batch_metrics`: rewards, advantages and completion lengths of the batch trained on.
+
+Metric names are the ones `metrics.jsonl` documents (README, "What a run writes").
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from grouprl.batch import StepBatch
+from grouprl.rollout.types import trajectory_metrics
+
+
+class Timings(dict):
+    """`time/<stage>` -> seconds; `with timings.stage("update"):` adds the block's wall time."""
+
+    @contextlib.contextmanager
+    def stage(self, name: str) -> Iterator[None]:
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.add(name, time.perf_counter() - t0)
+
+    def add(self, name: str, seconds: float) -> None:
+        key = f"time/{name}"
+        self[key] = self.get(key, 0.0) + seconds
+
+
+@dataclass
+class SampleTally:
+    """Sums over the generation rounds of one step (one round unless DAPO's dynamic sampling asks
+    for more)."""
+
+    rounds: int = 0
+    groups: int = 0
+    zero_std_groups: int = 0
+    kept_groups: int = 0
+    staleness: list[int] = field(default_factory=list)  # per generated completion
+    counts: dict[str, float] = field(default_factory=dict)  # multi-turn sums (Trajectories.counts)
+
+    def add_round(self, num_completions: int, staleness: int, counts: dict[str, float], flat_groups: int,
+                  num_groups: int) -> None:
+        self.rounds += 1
+        self.groups += num_groups
+        self.zero_std_groups += flat_groups
+        self.staleness += [staleness] * num_completions
+        self.counts = {k: self.counts.get(k, 0.0) + v for k, v in counts.items()}
+
+    def metrics(self, counts_over_ranks: dict[str, float], dynamic_sampling: bool) -> dict[str, float]:
+        """`counts_over_ranks`: this tally's `counts` summed over ranks (the caller's collective)."""
+        out = {"zero_std_frac": self.zero_std_groups / self.groups,
+               "rollout/staleness_mean": sum(self.staleness) / len(self.staleness),
+               "rollout/staleness_max": max(self.staleness)}
+        out.update(trajectory_metrics(counts_over_ranks))  # multi-turn: tools, turns, stops
+        if dynamic_sampling:
+            out.update({"dynamic_sampling/rounds": self.rounds, "dynamic_sampling/kept_groups": self.kept_groups})
+        return out
+
+
+class UpdateSums:
+    """Loss statistics of one optimizer step: each micro-batch's means weighted by its real tokens,
+    the loss summed, the entropy summed over action tokens."""
+
+    def __init__(self) -> None:
+        self.sums: dict[str, float] = {"tokens": 0.0, "loss": 0.0}
+
+    def add(self, weight: float, loss: float, stats: dict[str, float], entropy_sum: float | None) -> None:
+        """`weight` is the micro-batch's loss weight (0 for a padding pass); `stats` are
+        `policy_loss`'s means over its `num_tokens` real tokens."""
+        stats = dict(stats)
+        self.sums["loss"] += weight * loss
+        n = weight * int(stats.pop("num_tokens"))
+        self.sums["tokens"] += n
+        for k, v in stats.items():
+            self.sums[k] = self.sums.get(k, 0.0) + v * n
+        if entropy_sum is not None:
+            self.sums["entropy"] = self.sums.get("entropy", 0.0) + weight * entropy_sum
+
+    def result(self, reduced: dict[str, float], action_tokens: int, grad_norm: float) -> dict[str, float]:
+        """Means from `reduced` (this object's `sums`, summed over ranks by the caller)."""
+        sums = dict(reduced)
+        tokens, loss_total = sums.pop("tokens"), sums.pop("loss")
+        out = {k: v / max(tokens, 1) for k, v in sums.items() if k != "entropy"}
+        if "entropy" in sums:
+            out["entropy"] = sums["entropy"] / max(action_tokens, 1)
+        return {**out, "loss": loss_total, "grad_norm": grad_norm}
+
+
+def batch_metrics(batch: StepBatch, advantages: torch.Tensor) -> dict[str, float]:
+    """Rewards, advantages (per action token under process supervision) and completion lengths
+    (the policy's own tokens) of the batch trained on."""
+    lengths = batch.rollout.action_lengths.float()  # [N]
+    adv = advantages[batch.rollout.action_mask] if advantages.dim() == 2 else advantages  # actions
+    return {
+        **batch.reward_metrics, **(batch.steps.metrics() if batch.steps else {}),
+        "reward/mean": batch.rewards.mean().item(),
+        "reward/std": batch.rewards.std().item() if len(batch.rewards) > 1 else 0.0,
+        "advantage/mean": adv.mean().item(), "advantage/std": adv.std().item(),
+        "advantage/min": adv.min().item(), "advantage/max": adv.max().item(),
+        "completion/length_mean": lengths.mean().item(), "completion/length_min": lengths.min().item(),
+        "completion/length_max": lengths.max().item(),
+        "completion/truncated_frac": batch.rollout.truncated.float().mean().item(),
+    }
+
+
+class EvalSums:
+    """Sums over the eval batches (and ranks) of the accuracy reward, the weighted reward, the
+    lengths and each reward function's scores (NaN where a function abstained is left out)."""
+
+    def __init__(self, reward_names: list[str], accuracy_reward: str):
+        self.names, self.accuracy = reward_names, accuracy_reward
+        self.sums = {"acc": 0.0, "acc_n": 0.0, "reward": 0.0, "length": 0.0}
+        self.sums.update({f"{k}/{name}": 0.0 for name in reward_names for k in ("sum", "n")})
+
+    def add(self, part: StepBatch) -> None:
+        for name, scores in part.per_func.items():  # [n], NaN where the function abstained
+            self.sums[f"sum/{name}"] += float(scores.nansum())
+            self.sums[f"n/{name}"] += float((~scores.isnan()).sum())
+        acc = part.per_func[self.accuracy]
+        self.sums["acc"] += float(acc.nansum())
+        self.sums["acc_n"] += float((~acc.isnan()).sum())
+        self.sums["reward"] += float(part.rewards.sum())
+        self.sums["length"] += float(part.rollout.action_lengths.sum())
+
+    def result(self, sums: dict[str, float], num_samples: int) -> dict[str, float]:
+        """Means from `sums` (this object's `sums`, summed over ranks by the caller)."""
+        return {"accuracy": sums["acc"] / sums["acc_n"] if sums["acc_n"] else math.nan,
+                "reward_mean": sums["reward"] / num_samples, "length_mean": sums["length"] / num_samples,
+                "num_samples": num_samples,
+                **{f"rewards/{n}": sums[f"sum/{n}"] / sums[f"n/{n}"] if sums[f"n/{n}"] else math.nan
+                   for n in self.names}}

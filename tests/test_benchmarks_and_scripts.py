@@ -1,0 +1,84 @@
+"""Every benchmark and script still runs: each answers --help, and each that can run here in
+seconds runs once on a tiny configuration and prints its result. They use only public methods of
+the trainer (a standing check in the repository's hooks), and these runs are what keeps them from
+rotting when the trainer changes.
+
+Not run here beyond --help, and why: async_rollouts.py and vllm_vs_builtin.py start vLLM (a minute
+each on this CPU; the vLLM paths they time are tested in tests/rollout/); vs_trl.py needs TRL (the
+`bench` extra); smollm2_step.py and fetch_smollm2.py need the SmolLM2 GGUF package from PyPI.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+FILES = sorted(p.relative_to(ROOT).as_posix() for d in ("benchmarks", "scripts") for p in (ROOT / d).glob("*.py"))
+NO_ARGPARSE = {"scripts/sandbox_report.py"}  # runs as it is: its smoke run is below
+
+
+def run(*args: str, timeout: float = 300) -> str:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT / "src") + os.pathsep + str(ROOT)}
+    proc = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+    assert proc.returncode == 0, f"{args[0]} exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return proc.stdout
+
+
+def test_every_benchmark_and_script_is_covered():
+    """A new file under benchmarks/ or scripts/ must be added to the runs below (or to NO_ARGPARSE)."""
+    assert len(FILES) >= 11
+    assert set(NO_ARGPARSE) <= set(FILES)
+
+
+@pytest.mark.parametrize("path", [f for f in FILES if f not in NO_ARGPARSE])
+def test_help(path):
+    out = run(path, "--help", timeout=120)
+    assert "usage:" in out
+
+
+def test_shared_prompt_benchmark_one_round():
+    out = run("benchmarks/shared_prompt.py", "--size", "tiny", "--prompts", "1", "--group", "2", "--prompt-len", "6",
+              "--completion-len", "5", "--micro-batch", "2", "--repeats", "1", "--threads", "1")
+    assert "share_prompt_forward=True" in out and "share_prompt_forward=False" in out
+    assert "speed-up" in out
+
+
+def test_process_vs_outcome_benchmark_one_step(tmp_path):
+    out = run("benchmarks/process_vs_outcome.py", "--seeds", "0", "--steps", "1", "--eval-every", "1", "--arms",
+              "process", "outcome", "--warmup-steps", "2", "--policy-dir", str(tmp_path / "policy"),
+              "--out", str(tmp_path / "runs"), "--json", str(tmp_path / "r.json"), "--plot", str(tmp_path / "p.png"))
+    results = json.loads((tmp_path / "r.json").read_text())["results"]
+    assert [r["arm"] for r in results] == ["process", "outcome"]
+    assert all([c["step"] for c in r["curve"]] == [0, 1] for r in results)
+    assert (tmp_path / "p.png").stat().st_size > 0 and "process" in out
+
+
+def test_multiturn_continuation_benchmark_one_round():
+    out = run("benchmarks/multiturn_continuation.py", "--rounds", "1")
+    assert out.strip()
+
+
+def test_build_default_policy_and_its_rl_check(tmp_path):
+    out = run("scripts/build_default_policy.py", "--out", str(tmp_path / "p"), "--steps", "2", "--log-every", "1",
+              "--check-rl", "--rl-steps", "1")
+    assert (tmp_path / "p" / "config.json").is_file() and out.strip()
+
+
+def test_build_tool_policy_and_its_rl_check(tmp_path):
+    out = run("scripts/build_tool_policy.py", "--out", str(tmp_path / "p"), "--steps", "2", "--log-every", "1",
+              "--check-rl", "--rl-steps", "1", "--rl-out", str(tmp_path / "run"))
+    assert (tmp_path / "p" / "config.json").is_file() and "[rl]" in out
+
+
+def test_sandbox_report():
+    out = run("scripts/sandbox_report.py")
+    rows = [line for line in out.splitlines() if line.startswith("| ") and "hostile program" not in line]
+    assert len(rows) >= 5
+    assert "the host listener saw no connection" in out

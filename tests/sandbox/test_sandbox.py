@@ -68,7 +68,8 @@ def test_wrong_answer_is_failed_with_a_readable_detail():
 
 def test_assert_tests_run_in_the_program_namespace():
     prog = "def add(a, b):\n    return a + b\n"
-    tests = [{"assert": "assert add(1, 2) == 3"}, {"assert": "assert add(2, 2) == 5"}, {"assert": "assert add(0, 0) == 0"}]
+    tests = [{"assert": "assert add(1, 2) == 3"}, {"assert": "assert add(2, 2) == 5"},
+             {"assert": "assert add(0, 0) == 0"}]
     res = sandboxed(prog, tests, **OK)
     if not REFUSED:
         assert (res.passed, res.total, res.test_status) == (2, 3, ["passed", "failed", "passed"])

@@ -41,7 +41,8 @@ def test_make_dataset_draws_only_training_problems():
 
 def test_eval_set_mixes_carry_and_no_carry_problems():
     """The default demo needs both: carries are where the shipped policy starts wrong."""
-    carries = sum((a % 10 + b % 10) >= 10 or (a // 10 + b // 10) >= 10 for a, b in (operands(r["prompt"]) for r in eval_rows()))
+    carries = sum((a % 10 + b % 10) >= 10 or (a // 10 + b // 10) >= 10
+                  for a, b in (operands(r["prompt"]) for r in eval_rows()))
     assert 0.5 < carries / EVAL_SIZE < 0.85  # about 70 % of all pairs carry somewhere
 
 
@@ -55,7 +56,8 @@ def test_format_reward_on_messages_and_extra_columns():
         [{"role": "assistant", "content": "17"}],
         [{"role": "assistant", "content": "seventeen"}],
     ]
-    assert format_reward(prompts=[[{"role": "user", "content": "8+9="}]] * 2, completions=completions, answer=["17", "17"]) == [1.0, 0.0]
+    assert format_reward(prompts=[[{"role": "user", "content": "8+9="}]] * 2, completions=completions,
+                         answer=["17", "17"]) == [1.0, 0.0]
 
 
 def test_format_reward_rejects_unknown_completion_types():

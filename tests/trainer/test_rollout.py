@@ -131,7 +131,8 @@ def _with_logp(a: Rollout, logp: list[list[float]]) -> Rollout:
 
 def test_sampling_logp_travels_through_select_and_cat():
     a = _with_logp(Rollout(torch.tensor([[7, 8], [5, 6]]), torch.tensor([[1, 1], [1, 1]]),
-                           torch.tensor([[1, 2, 3], [4, 0, 0]]), torch.tensor([[True, True, True], [True, False, False]]),
+                           torch.tensor([[1, 2, 3], [4, 0, 0]]),
+                           torch.tensor([[True, True, True], [True, False, False]]),
                            torch.tensor([True, False])), [[-0.5, -1.0, -2.0], [-0.25, 0.0, 0.0]])
     b = _with_logp(Rollout(torch.tensor([[9]]), torch.tensor([[1]]), torch.tensor([[4]]),
                            torch.tensor([[True]]), torch.tensor([True])), [[-3.0]])

@@ -40,7 +40,8 @@ _ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL | re.IGNORECASE)
 _PERCENT = re.compile(r"\s*(\\?%|\\percent|percent)\s*$")
 _ANSWER_PHRASE = re.compile(r"\banswer\s*(?:is\b|:|=)", re.IGNORECASE)
 _MATH_SEGMENT = re.compile(r"\$\$(.+?)\$\$|\$([^$]+?)\$|\\\((.+?)\\\)|\\\[(.+?)\\\]", re.DOTALL)
-_ARITHMETIC = re.compile(r"^(?=.*\d\s*(?:[-+*/×÷·=]|\\times|\\cdot|\\div))(?:[\s\d.,()+\-*/×÷·=]|\\times|\\cdot|\\div)+$")
+_ARITHMETIC = re.compile(r"^(?=.*\d\s*(?:[-+*/×÷·=]|\\times|\\cdot|\\div))"
+                         r"(?:[\s\d.,()+\-*/×÷·=]|\\times|\\cdot|\\div)+$")
 _TIMEOUT_S = 5
 
 
@@ -205,7 +206,8 @@ def verify_math(completion: str, gold: str) -> float | None:
     if not gold_mv:
         return None
     # A percentage is also tried as value / 100 (the second exact value).
-    for pred_mv in [_as_parsed(pred_values, pred_parsed)] + [_as_parsed(pred_values[1:], None)] * (len(pred_values) > 1):
+    for pred_mv in ([_as_parsed(pred_values, pred_parsed)]
+                    + [_as_parsed(pred_values[1:], None)] * (len(pred_values) > 1)):
         if pred_mv and _mv_verify(gold_mv, pred_mv):
             return 1.0
     return 0.0

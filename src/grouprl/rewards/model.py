@@ -56,7 +56,9 @@ class RewardModelScorer:
         for start in range(0, len(texts), self.batch_size):
             enc = self.tokenizer(
                 texts[start : start + self.batch_size], return_tensors="pt", padding=True,
-                truncation=self.max_length is not None, max_length=self.max_length, add_special_tokens=not self.templated,  # the template adds its own
+                truncation=self.max_length is not None, max_length=self.max_length,
+                # the template adds its own
+                add_special_tokens=not self.templated,
             ).to(self.device)
             with self._torch.no_grad():
                 logits = self.model(**enc).logits  # [b, 1]
@@ -64,6 +66,8 @@ class RewardModelScorer:
         return scores
 
 
-def reward_model(model: str, batch_size: int = 8, max_length: int | None = None, device: str = "cpu") -> RewardModelScorer:
+def reward_model(
+    model: str, batch_size: int = 8, max_length: int | None = None, device: str = "cpu"
+) -> RewardModelScorer:
     """Factory: the reward function scoring completions with the reward model at path `model`."""
     return RewardModelScorer(model, batch_size=batch_size, max_length=max_length, device=device)

@@ -33,8 +33,8 @@ BUILTIN_REWARDS: dict[str, Callable] = {
     "process_reward_model": process_reward_model,
 }
 FACTORIES = frozenset(
-    {"regex_match", "length_target", "cosine_length", "repetition_penalty", "overlong_penalty", "code_tests", "reward_model",
-     "process_reward_model"}
+    {"regex_match", "length_target", "cosine_length", "repetition_penalty", "overlong_penalty", "code_tests",
+     "reward_model", "process_reward_model"}
 )
 
 
@@ -44,7 +44,8 @@ def _build(name: str, factory: Callable, params: dict[str, Any]) -> Callable:
         sig.bind(**params)
     except TypeError as e:
         accepted = ", ".join(
-            p.name + ("" if p.default is inspect.Parameter.empty else f"={p.default!r}") for p in sig.parameters.values()
+            p.name + ("" if p.default is inspect.Parameter.empty else f"={p.default!r}")
+            for p in sig.parameters.values()
         )
         raise ValueError(f"reward {name!r}: {e}; its parameters are ({accepted})") from None
     func = factory(**params)

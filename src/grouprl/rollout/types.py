@@ -43,7 +43,8 @@ class Rollout:
     prompt_mask: torch.Tensor      # [N, P] long (1 = real token)
     completion_ids: torch.Tensor   # [N, T] long
     completion_mask: torch.Tensor  # [N, T] bool, True on real completion tokens (EOS included)
-    truncated: torch.Tensor        # [N] bool, True when no EOS came within max_new_tokens (multi-turn: a limit stopped it)
+    # [N] bool, True when no EOS came within max_new_tokens (multi-turn: a limit stopped it)
+    truncated: torch.Tensor
     sampling_logp: torch.Tensor | None = None  # [N, T] float32, sampler's log-prob, 0 on padding
     action_mask: torch.Tensor | None = None  # [N, T] bool, True on tokens the policy sampled
 

@@ -165,7 +165,8 @@ class VLLMServerEngine(GenerationEngine):
                 last = e
             time.sleep(1.0)
         raise VLLMServerError(f"vLLM server {self.host}:{self.port} was not up after "
-                              f"vllm_server_timeout_s={self.timeout_s:g} s ({type(last).__name__ if last else 'not healthy'}): "
+                              f"vllm_server_timeout_s={self.timeout_s:g} s "
+                              f"({type(last).__name__ if last else 'not healthy'}): "
                               f"{self._hint()}")
 
     # ------------------------------------------------------------------ weights

@@ -74,7 +74,8 @@ def _unshare(userns):
     flags = CLONE_NEWNS | CLONE_NEWNET | CLONE_NEWPID | CLONE_NEWIPC | CLONE_NEWUTS
     _check(libc.unshare(flags | (CLONE_NEWUSER if userns else 0)), "unshare")
     if userns:
-        for name, text in (("setgroups", "deny"), ("uid_map", f"{INNER_ID} {uid} 1"), ("gid_map", f"{INNER_ID} {gid} 1")):
+        for name, text in (("setgroups", "deny"), ("uid_map", f"{INNER_ID} {uid} 1"),
+                           ("gid_map", f"{INNER_ID} {gid} 1")):
             with open(f"/proc/self/{name}", "w") as f:
                 f.write(text)
     _mount("none", "/", None, MS_REC | MS_PRIVATE)

@@ -270,7 +270,8 @@ def _run_tests(program, tests, timeout_s, memory_mb, max_output_bytes, disk_mb, 
     try:
         with _prepared_run(program, mode) as (run_dir, uid):
             for i, test in enumerate(tests):
-                status, why = _run_one(test, run_dir, uid, timeout_s, memory_mb, max_output_bytes, disk_mb, mode, python)
+                status, why = _run_one(test, run_dir, uid, timeout_s, memory_mb, max_output_bytes, disk_mb, mode,
+                                       python)
                 statuses.append(status)
                 if status != "passed" and not detail:
                     detail = f"test {i}: {why}"

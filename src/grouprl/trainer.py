@@ -49,7 +49,7 @@ from grouprl import distributed as D
 from grouprl.batch import StepBatch
 from grouprl.checkpoint import latest_checkpoint, load_checkpoint, read_checkpoint, save_checkpoint
 from grouprl.config import ConfigError, TrainConfig
-from grouprl.core import overlong_penalty, policy_loss, zero_std_groups
+from grouprl.core import batch_normalizer, overlong_penalty, policy_loss, zero_std_groups
 from grouprl.data import PromptBatch, PromptFormatter, PromptSampler, completion_objects, load_datasets
 from grouprl.generation import make_engine, make_rollouts, resolve_multiturn
 from grouprl.objective import (corrects_sampler, loss_token_weights, policy_loss_params, sampler_weights,
@@ -384,7 +384,7 @@ class Trainer:
         The normaliser counts the whole (global) batch; DDP/FSDP2 average gradients over the K
         ranks, so each rank's loss is scaled by K to make the result their sum."""
         cfg, K = self.cfg, self.dist.world_size
-        normalizer = int(loss_mask.sum()) if cfg.loss_agg == "token-mean" else len(rollout)
+        normalizer = batch_normalizer(cfg.loss_agg, loss_mask)  # D over the whole (global) batch
         self.optimizer.zero_grad(set_to_none=True)
         sums = UpdateSums()
         plan = self._micro_batches(rollout)

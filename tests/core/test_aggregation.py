@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from grouprl.core import LOSS_AGGREGATIONS, aggregate_loss
+from grouprl.core import LOSS_AGGREGATIONS, aggregate_loss, batch_normalizer, register_loss_agg
 
 AGGS = ["seq-mean-token-mean", "token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
 
@@ -28,3 +28,34 @@ def test_bad_input_and_the_registered_modes():
     with pytest.raises(ValueError, match="per_token_loss"):
         aggregate_loss(torch.zeros(6), torch.ones(6), "token-mean")
     assert sorted(LOSS_AGGREGATIONS) == sorted(AGGS)
+
+
+@pytest.mark.parametrize("mode", AGGS)
+def test_batch_normalizer_makes_micro_batches_sum_to_the_full_batch(mode):
+    """Rows split 2 + 3 with D = batch_normalizer(mode, whole mask): the parts add up to the
+    full-batch loss for every mode (token-mean counts tokens, the others completions)."""
+    g = torch.Generator().manual_seed(0)
+    loss = torch.randn(5, 4, generator=g)
+    mask = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0], [1, 1, 1, 1], [1, 1, 0, 0], [0, 0, 0, 0]], dtype=torch.bool)
+    D = batch_normalizer(mode, mask)
+    assert D == (10 if mode == "token-mean" else 5)  # 3 + 1 + 4 + 2 + 0 real tokens, 5 rows
+    full = aggregate_loss(loss, mask, mode, max_tokens=4)
+    parts = sum(aggregate_loss(loss[rows], mask[rows], mode, max_tokens=4, normalizer=D)
+                for rows in (slice(0, 2), slice(2, 5)))
+    assert torch.allclose(parts, full, rtol=1e-6, atol=1e-7)
+
+
+def test_a_registered_aggregation_declares_what_it_divides_by():
+    @register_loss_agg("test-token-sum-over-tokens", divides_by="tokens")
+    def _per_token(loss, mask, *, max_tokens=None, normalizer=None):
+        return loss.sum() / (mask.sum() if normalizer is None else normalizer)
+
+    try:
+        mask = torch.tensor([[True, False], [True, True]])
+        assert batch_normalizer("test-token-sum-over-tokens", mask) == 3
+    finally:
+        LOSS_AGGREGATIONS.unregister("test-token-sum-over-tokens")
+    with pytest.raises(ValueError, match="divides by 'completions' or 'tokens'"):
+        register_loss_agg("x", divides_by="rows")
+    with pytest.raises(ValueError, match="agg='nope' is unknown"):
+        batch_normalizer("nope", mask)

@@ -24,7 +24,7 @@ from .multi_objective import MULTI_OBJECTIVE_AGGREGATIONS, normalize_then_sum, s
 from .importance import IS_MODES, importance_weights, register_is_mode
 from .kl import KL_ESTIMATORS, kl_estimate
 from .logprobs import token_entropy, token_logprobs, token_logprobs_and_entropy
-from .aggregation import LOSS_AGGREGATIONS, aggregate_loss, register_loss_agg
+from .aggregation import LOSS_AGGREGATIONS, aggregate_loss, batch_normalizer, register_loss_agg
 from .policy_terms import LOSS_TYPES, register_loss_type
 from .policy_loss import RATIO_LEVELS, LossParams, policy_loss, register_ratio_level
 from .reward_shaping import overlong_penalty
@@ -47,6 +47,7 @@ __all__ = [
     "MaskInputs",
     "Registry",
     "aggregate_loss",
+    "batch_normalizer",
     "compute_advantages",
     "get_preset",
     "group_advantages",

@@ -28,12 +28,35 @@ AggFn = Callable[..., Tensor]  # fn(loss [N, T] zero on padding, mask [N, T] boo
 LOSS_AGGREGATIONS: Registry[AggFn] = Registry("loss aggregation", "grouprl.core.register_loss_agg")
 
 
-def register_loss_agg(name: str) -> Callable[[AggFn], AggFn]:
-    """Decorator: register ``fn(loss, mask, *, max_tokens, normalizer) -> scalar`` (loss zero on padding)."""
-    return LOSS_AGGREGATIONS.register(name)
+_DIVIDES_BY_TOKENS: set[str] = set()  # aggregations whose divisor D counts tokens, not completions
 
 
-@register_loss_agg("token-mean")
+def register_loss_agg(name: str, *, divides_by: str = "completions") -> Callable[[AggFn], AggFn]:
+    """Decorator: register ``fn(loss, mask, *, max_tokens, normalizer) -> scalar`` (loss zero on padding).
+    ``divides_by`` says what the divisor D counts, "completions" or "tokens": the trainer counts the
+    same over the whole optimizer batch (``batch_normalizer``) and passes it as ``normalizer``."""
+    if divides_by not in ("completions", "tokens"):
+        raise ValueError(f"divides_by={divides_by!r}: an aggregation divides by 'completions' or 'tokens'")
+
+    def decorator(fn: AggFn) -> AggFn:
+        LOSS_AGGREGATIONS.register(name)(fn)
+        if divides_by == "tokens":
+            _DIVIDES_BY_TOKENS.add(name)
+        else:
+            _DIVIDES_BY_TOKENS.discard(name)
+        return fn
+
+    return decorator
+
+
+def batch_normalizer(mode: str, mask: Tensor) -> int:
+    """D of aggregation ``mode`` over a whole optimizer batch (``mask  # [N, T]``, the real tokens of
+    every micro-batch and rank): its real tokens, or its N completions."""
+    LOSS_AGGREGATIONS.get(mode, "agg")
+    return int(mask.sum()) if mode in _DIVIDES_BY_TOKENS else mask.shape[0]
+
+
+@register_loss_agg("token-mean", divides_by="tokens")
 def _token_mean(loss: Tensor, mask: Tensor, *, max_tokens=None, normalizer=None) -> Tensor:
     count = mask.sum().clamp(min=1) if normalizer is None else normalizer
     return loss.sum() / count

@@ -441,6 +441,10 @@ class TrainConfig:
             raise ConfigError(f"dual_clip={c.dual_clip} must be greater than 1 (typically 3)")
         if c.delta is not None and c.delta <= 1:
             raise ConfigError(f"delta={c.delta} must be greater than 1 (e.g. 4)")
+        if c.delta is not None and c.delta <= 1 + c.epsilon_high:
+            raise ConfigError(f"delta={c.delta} must be above 1 + epsilon_high = {1 + c.epsilon_high:g}: the cap "
+                              "min(ratio, delta) would otherwise stop the gradient of positive-advantage tokens "
+                              "still inside the clip range (INTELLECT-2 uses delta 4)")
         if not (0 < c.temperature):
             raise ConfigError(f"temperature={c.temperature} must be positive")
         if not (0 < c.top_p <= 1):

@@ -90,3 +90,15 @@ def test_bad_sizes_fail_clearly():
         build_qwen2(tok, hidden_size=30, num_layers=1, num_heads=4, intermediate_size=64)
     with pytest.raises(ValueError, match="named tiny size"):
         build_tiny_model("huge")
+
+
+def test_the_old_import_path_still_works_and_says_where_it_moved():
+    import importlib
+    import sys
+
+    import grouprl.tasks.testing as testing
+
+    sys.modules.pop("grouprl.tasks.tiny", None)
+    with pytest.warns(DeprecationWarning, match="grouprl.tasks.testing"):
+        tiny = importlib.import_module("grouprl.tasks.tiny")
+    assert tiny.save_tiny_model is testing.save_tiny_model and tiny.build_tiny_model is testing.build_tiny_model

@@ -15,11 +15,13 @@ checkpoint complete or no trace of it beside the previous one.
 from __future__ import annotations
 
 import os
+import random
 import re
 import shutil
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from safetensors.torch import load_file, load_model, save_file, save_model
 
@@ -125,6 +127,28 @@ def read_checkpoint(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str
     ref = load_file(path / "ref.safetensors") if (path / "ref.safetensors").is_file() else None
     return (load_file(path / "trainable.safetensors"), ref,
             torch.load(path / "state.pt", weights_only=False))
+
+
+def rng_states(generator: torch.Generator) -> dict[str, Any]:
+    """This process's random states: torch's, Python's, numpy's and the sampling generator's."""
+    return {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state(),
+            "sampling": generator.get_state()}
+
+
+def restore_rng_states(by_rank: list[dict[str, Any]], rank: int, world_size: int, generator: torch.Generator,
+                       fresh_seed: int) -> None:
+    """Put back this rank's saved states (`rng_states` of every rank, in rank order). Resumed with
+    a different number of processes, each rank takes rank 0's global states and reseeds its sampling
+    generator with `fresh_seed` (distinct per rank), since no saved stream is its own."""
+    same_world = len(by_rank) == world_size
+    rng = by_rank[rank] if same_world else by_rank[0]
+    torch.set_rng_state(rng["torch"])
+    random.setstate(rng["python"])
+    np.random.set_state(rng["numpy"])
+    if same_world:
+        generator.set_state(rng["sampling"])
+    else:
+        generator.manual_seed(fresh_seed)
 
 
 def _fsync_tree(root: Path) -> None:

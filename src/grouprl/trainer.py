@@ -47,7 +47,8 @@ from datasets import Dataset
 
 from grouprl import distributed as D
 from grouprl.batch import StepBatch
-from grouprl.checkpoint import latest_checkpoint, load_checkpoint, read_checkpoint, save_checkpoint
+from grouprl.checkpoint import (latest_checkpoint, load_checkpoint, read_checkpoint, restore_rng_states, rng_states,
+                                save_checkpoint)
 from grouprl.config import ConfigError, TrainConfig
 from grouprl.core import batch_normalizer, overlong_penalty, policy_loss, zero_std_groups
 from grouprl.data import PromptBatch, PromptFormatter, PromptSampler, completion_objects, load_datasets
@@ -454,9 +455,7 @@ class Trainer:
     def save(self) -> Path:
         """Rank 0 writes the checkpoint (FSDP2: whole state dicts gathered from every rank); every
         rank's RNG states go in; nobody continues before it is complete."""
-        rng = D.gather_objects(self.dist, {
-            "torch": torch.get_rng_state(), "python": random.getstate(),
-            "numpy": np.random.get_state(), "sampling": self.generator.get_state()})
+        rng = D.gather_objects(self.dist, rng_states(self.generator))  # every rank's
         ref_model = self.ref.model if self.ref is not None and self.cfg.ref_update_steps else None
         model_state, optimizer_state, ref_state = D.checkpoint_states(self.model, self.optimizer, ref_model)
         state = {
@@ -496,15 +495,8 @@ class Trainer:
         self.sampler.load_state_dict(state["sampler"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.evals = state["evals"]
-        by_rank = state.get("rng_by_rank", [state["rng"]])
-        rng = by_rank[self.dist.rank] if len(by_rank) == self.dist.world_size else by_rank[0]
-        torch.set_rng_state(rng["torch"])
-        random.setstate(rng["python"])
-        np.random.set_state(rng["numpy"])
-        if len(by_rank) == self.dist.world_size:
-            self.generator.set_state(rng["sampling"])
-        else:  # a different number of processes: fresh, distinct sampling streams
-            self.generator.manual_seed(self.cfg.seed + self.dist.rank + 1_000_003 * self.step)
+        restore_rng_states(state.get("rng_by_rank", [state["rng"]]), self.dist.rank, self.dist.world_size,
+                           self.generator, fresh_seed=self.cfg.seed + self.dist.rank + 1_000_003 * self.step)
         self.weights_version += 1  # the checkpoint's weights replaced the initial ones
         self.sync_weights()
 

@@ -16,22 +16,14 @@ from grouprl.lora import (
     merged_weight,
     mergeable,
 )
-from grouprl.tasks.testing import build_tiny_model
+from grouprl.tasks.testing import build_tiny_model, with_random_lora
 
 R, ALPHA = 4, 8.0
 
 
 def _lora(dropout: float = 0.0, seed: int = 0) -> torch.nn.Module:
-    """The tiny model with LoRA on every linear layer and a non-zero B (B = 0 at initialisation
-    would make every merged weight equal to W and every check below vacuous)."""
-    model, _ = build_tiny_model()
-    peft = add_adapter(model, r=R, alpha=ALPHA, dropout=dropout, target_modules="all-linear")
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in peft.named_parameters():
-            if "lora_B" in name:
-                p.copy_(0.3 * torch.randn(p.shape, generator=g))
-    return peft.eval()
+    """The tiny model with LoRA on every linear layer and a non-zero B."""
+    return with_random_lora(build_tiny_model()[0], r=R, alpha=ALPHA, dropout=dropout, seed=seed)
 
 
 def _adapted(model: torch.nn.Module) -> dict[str, torch.nn.Module]:

@@ -1,10 +1,12 @@
 """The KV-cached engine against a naive no-cache decoder, and its sampling contract."""
 
+import copy
+
 import pytest
 import torch
 
 from grouprl.rollout import HFEngine, Rollout, SamplingParams, sample_next
-from grouprl.tasks.testing import build_tiny_model
+from grouprl.tasks.testing import build_tiny_model, with_random_lora
 
 
 @pytest.fixture(scope="module")
@@ -216,18 +218,7 @@ def test_fast_and_generic_paths_sample_the_same_tokens(model_and_tok):
 
 def _lora(model, dropout=0.0, seed=0):
     """A LoRA copy of `model` whose B matrices are random (PEFT starts them at 0: no change)."""
-    import copy
-
-    from peft import LoraConfig, get_peft_model
-
-    peft = get_peft_model(copy.deepcopy(model), LoraConfig(r=4, lora_alpha=8, lora_dropout=dropout,
-                                                           target_modules="all-linear"))
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in peft.named_parameters():
-            if "lora_B" in name:
-                p.copy_(0.3 * torch.randn(p.shape, generator=g))
-    return peft.eval()
+    return with_random_lora(copy.deepcopy(model), r=4, alpha=8, dropout=dropout, seed=seed)
 
 
 def test_lora_models_decode_fast_from_merged_weights(model_and_tok):

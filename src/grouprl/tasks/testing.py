@@ -123,3 +123,19 @@ def save_tiny_model(path: str | os.PathLike, size: str = "tiny", seed: int = 0) 
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
+
+
+def with_random_lora(model: torch.nn.Module, *, r: int = 4, alpha: float = 8.0, dropout: float = 0.0,
+                     seed: int = 0) -> torch.nn.Module:
+    """`model` with LoRA on every linear layer (PEFT wraps it in place) and random B matrices, in
+    eval mode. PEFT starts B at 0, where every merged weight equals W and a test of the adapter's
+    effect could not fail."""
+    from grouprl.lora import add_adapter
+
+    peft = add_adapter(model, r=r, alpha=alpha, dropout=dropout, target_modules="all-linear")
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in peft.named_parameters():
+            if "lora_B" in name:
+                p.copy_(0.3 * torch.randn(p.shape, generator=g))
+    return peft.eval()

@@ -149,6 +149,7 @@ class Trainer:
         self.generator = torch.Generator().manual_seed(cfg.seed + self.dist.rank)  # own samples per rank
         self.step = 0
         self.evals: dict[str, Any] = {}
+        self.logger: RunLogger | None = None  # train() opens it; train_step alone writes nothing
 
     @property
     def cfg(self) -> TrainConfig:
@@ -196,7 +197,8 @@ class Trainer:
         return summary
 
     def train_step(self) -> dict[str, Any]:
-        """One GRPO step (`self.step` advances by one); returns its metrics."""
+        """One GRPO step (`self.step` advances by one); returns its metrics (`train` writes them to
+        metrics.jsonl; called alone, nothing is written)."""
         self.step += 1
         timings = Timings()
         with timings.stage("step"):
@@ -419,7 +421,7 @@ class Trainer:
 
     def _log_samples(self, batch: StepBatch, advantages: torch.Tensor) -> None:
         cfg = self.cfg
-        if not (cfg.num_logged_samples and self.step % cfg.logging_steps == 0):
+        if self.logger is None or not (cfg.num_logged_samples and self.step % cfg.logging_steps == 0):
             return
         lengths = batch.rollout.action_lengths
         self.logger.log_samples(self.step, [

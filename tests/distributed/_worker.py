@@ -100,7 +100,6 @@ def fsdp2_train_save_resume(cfg: TrainConfig) -> dict[str, object]:
     """One sampled FSDP2 step (generation with gathered weights, AdamW), a checkpoint, and a resume."""
     cfg = replace(cfg, distributed_strategy="fsdp2", ref_update_steps=1, num_logged_samples=0)
     trainer = Trainer(cfg)
-    trainer.step = 0  # train_step runs step 1
     metrics = trainer.train_step()
     path = trainer.save()
     resumed = Trainer(cfg)

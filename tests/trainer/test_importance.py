@@ -39,7 +39,6 @@ class SamplerWithLogprobs(GenerationEngine):
 def one_step(make_cfg, perturb=None, *, forbid_logprobs=False, **overrides):
     """(gradient, metrics, trainer) of one train_step; perturb=None keeps the built-in engine."""
     trainer = Trainer(make_cfg(max_grad_norm=None, num_logged_samples=0, **overrides))
-    trainer.step = 0  # train_step runs step 1
     if perturb is not None:
         trainer.engine = SamplerWithLogprobs(trainer, perturb)
     if forbid_logprobs:

@@ -87,8 +87,6 @@ def test_micro_batches_give_the_full_batch_gradient(make_cfg, agg):
     grads = []
     for mbs in (16, 4):
         trainer = Trainer(make_cfg(loss_agg=agg, micro_batch_size=mbs, max_grad_norm=None, beta=0.05))
-        trainer.step = 0  # train_step runs step 1
-        trainer.logger = type("NoLog", (), {"log_samples": lambda *a: None})()
         step = trainer.optimizer.step
         trainer.optimizer.step = lambda: grads.append(
             torch.cat([p.grad.flatten() for p in trainer.model.parameters()])) or step()
@@ -233,8 +231,6 @@ def test_grouprl_eval_prints_accuracy_of_a_model(tiny_model_dir, digits_data, ca
 def test_mask_truncated_completions_removes_them_from_the_loss(make_cfg):
     """Every completion is marked truncated and masked: the gradient is exactly zero."""
     trainer = Trainer(make_cfg(mask_truncated_completions=True, beta=0.0))
-    trainer.step = 0  # train_step runs step 1
-    trainer.logger = type("NoLog", (), {"log_samples": lambda *a: None})()
     generate = trainer.engine.generate
 
     def all_truncated(*args, **kwargs):

@@ -34,6 +34,7 @@ Choices: padding is zeroed with ``torch.where`` before any arithmetic, so garbag
 nothing; weights are 0 on padding and detached (a stop-gradient: they re-weight the loss, never
 move it). The ratio is bounded in log space, so a sequence ratio that overflows exp gives weight C
 (truncate) or 0 (mask), not inf or nan. An empty mask gives weights 0 and all metrics 0.
+Worked numbers: docs/algorithms.md, section 6.1.
 """
 
 from __future__ import annotations

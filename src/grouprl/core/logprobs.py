@@ -24,7 +24,8 @@ plus `token_entropy`, and came 4x closer to an fp64 reference.
 
 Outputs are fp32 ``[N, T]`` (fp64 for fp64 logits); gradients come back in the logits' dtype.
 Logits must be finite (−inf entries give NaN entropies); token ids must be valid vocabulary
-indices (not checked: that would cost a device sync on the hot path).
+indices (not checked: that would cost a device sync on the hot path). Worked numbers at two
+temperatures: docs/algorithms.md, section 9.
 """
 
 from __future__ import annotations

@@ -241,7 +241,15 @@ class TrainConfig:
     """Policy updates per rollout (PPO's mu). With 1 the ratio is exactly 1 and no old log-probs
     are computed."""
     micro_batch_size: int = 16
-    """Completions per forward/backward pass; gradients accumulate to the full-batch gradient."""
+    """Completions per forward/backward pass; gradients accumulate to the full-batch gradient. With
+    `max_tokens_per_micro_batch` set, the most completions a pass takes."""
+    max_tokens_per_micro_batch: int | None = None
+    """Token budget of one forward/backward pass of the update and the log-prob passes: completions,
+    sorted by length, are grouped so that rows x (longest prompt + longest completion) of a pass stays
+    within it (and at most micro_batch_size rows), so memory follows the budget, not the completion
+    length. A single sequence longer than the budget runs alone (logged), never dropped. The gradient
+    does not depend on the grouping (the whole-batch normaliser). null: micro_batch_size rows per
+    pass whatever their length."""
     share_prompt_forward: bool = True
     """In the log-prob passes, run each prompt of a micro-batch once and let its completions
     attend to its cached keys/values: the same math on fewer tokens. Micro-batches are then formed
@@ -391,6 +399,9 @@ class TrainConfig:
                      "share_prompt_min_tokens", "top_k", "num_logged_samples"):
             if getattr(c, name) < 0:
                 raise ConfigError(f"{name}={getattr(c, name)} must be 0 or more")
+        if c.max_tokens_per_micro_batch is not None and c.max_tokens_per_micro_batch < 1:
+            raise ConfigError(f"max_tokens_per_micro_batch={c.max_tokens_per_micro_batch} must be at least 1 "
+                              "(tokens of prompt and completion per pass), or null for micro_batch_size rows")
         n = c.prompts_per_step * c.num_generations
         if c.generation_batch_size is not None and c.generation_batch_size < 1:
             raise ConfigError("generation_batch_size must be at least 1 (or null for all at once)")

@@ -217,6 +217,31 @@ class MicroBatch:
         return torch.cat([self.prompt_mask[self.prompt_index], self.completion_mask.long()], dim=1)
 
 
+def plan_micro_batches(rollout: Rollout, order: torch.Tensor, max_rows: int,
+                       max_tokens: int | None = None) -> tuple[list[torch.Tensor], int]:
+    """`order  # [N]` (rows sorted so that similar lengths are neighbours) cut into micro-batches of
+    consecutive rows: at most `max_rows` rows, and with `max_tokens`, at most that many tokens as a
+    pass computes them, rows x (longest prompt + longest completion) of the micro-batch. A row whose
+    own prompt and completion exceed `max_tokens` forms a micro-batch alone. Returns the micro-batches
+    and how many rows ran alone for being over the budget."""
+    if max_tokens is None:
+        return list(order.split(max_rows)), 0
+    prompt_len = rollout.prompt_mask.sum(-1)[order].tolist()  # [N] in `order`
+    completion_len = rollout.completion_mask.sum(-1).clamp(min=1)[order].tolist()
+    batches, start, over = [], 0, 0
+    p_max = t_max = 0
+    for i, (p, t) in enumerate(zip(prompt_len, completion_len)):
+        n = i - start
+        p2, t2 = max(p_max, p), max(t_max, t)
+        if n and (n == max_rows or (n + 1) * (p2 + t2) > max_tokens):
+            batches.append(order[start:i])
+            start, p2, t2 = i, p, t
+        p_max, t_max = p2, t2
+        over += p + t > max_tokens
+    batches.append(order[start:])
+    return batches, over
+
+
 def can_share_prompts(model: torch.nn.Module) -> bool:
     """The shared-prompt forward feeds the prompts' KV cache into a second forward pass: not
     possible when gradient checkpointing turns the cache off."""

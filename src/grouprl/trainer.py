@@ -57,7 +57,7 @@ from grouprl.objective import (corrects_sampler, loss_token_weights, policy_loss
                                step_advantages)
 from grouprl.optim import make_optimizer
 from grouprl.policy import (MicroBatch, Reference, can_share_prompts, check_model_source, completion_logprobs,
-                            load_policy, load_tokenizer)
+                            load_policy, load_tokenizer, plan_micro_batches)
 from grouprl.precision import native_bf16, resolve_bf16
 from grouprl.rewards import RewardScores, process_rewards, resolve_reward_spec, sandbox_mechanism, score_completions
 from grouprl.rollout import Rollout, SamplingParams
@@ -150,6 +150,7 @@ class Trainer:
         self.step = 0
         self.evals: dict[str, Any] = {}
         self.logger: RunLogger | None = None  # train() opens it; train_step alone writes nothing
+        self._warned_over_budget = False  # a sequence above max_tokens_per_micro_batch was logged
 
     @property
     def cfg(self) -> TrainConfig:
@@ -364,7 +365,13 @@ class Trainer:
         if self.share_min_tokens is not None:  # ... and a group's completions stay together: its prompt runs once
             group = rollout.prompt_groups()[order]
             order = order[torch.argsort(group, stable=True)]
-        return D.micro_batch_plan(self.dist, list(order.split(self.cfg.micro_batch_size)))
+        batches, over = plan_micro_batches(rollout, order, self.cfg.micro_batch_size,
+                                           self.cfg.max_tokens_per_micro_batch)
+        if over and self.dist.is_main and not self._warned_over_budget:
+            self._warned_over_budget = True  # once per run
+            logger.warning("%d sequence(s) longer than max_tokens_per_micro_batch=%d ran alone in their pass: "
+                           "raise the budget if memory allows", over, self.cfg.max_tokens_per_micro_batch)
+        return D.micro_batch_plan(self.dist, batches)
 
     @torch.no_grad()
     def _logprobs(self, model: torch.nn.Module, rollout: Rollout) -> torch.Tensor:

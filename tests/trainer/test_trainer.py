@@ -82,11 +82,13 @@ def test_mu_1_makes_no_extra_forward_pass(make_cfg):
 
 
 @pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
-def test_micro_batches_give_the_full_batch_gradient(make_cfg, agg):
-    """Same seed, same rollout; micro_batch_size 16 vs 4: the accumulated gradients agree."""
+@pytest.mark.parametrize("split", [dict(micro_batch_size=4), dict(max_tokens_per_micro_batch=90)])
+def test_micro_batches_give_the_full_batch_gradient(make_cfg, agg, split):
+    """Same seed, same rollout; one 16-row pass vs 4-row passes, or passes cut by a 90-token budget
+    (16-token prompts, completions up to 12: passes of 3, 3, 3, 3, 3 and 1 rows): the gradients agree."""
     grads = []
-    for mbs in (16, 4):
-        trainer = Trainer(make_cfg(loss_agg=agg, micro_batch_size=mbs, max_grad_norm=None, beta=0.05))
+    for kw in (dict(micro_batch_size=16), {"micro_batch_size": 16, **split}):
+        trainer = Trainer(make_cfg(loss_agg=agg, max_grad_norm=None, beta=0.05, **kw))
         step = trainer.optimizer.step
         trainer.optimizer.step = lambda: grads.append(
             torch.cat([p.grad.flatten() for p in trainer.model.parameters()])) or step()

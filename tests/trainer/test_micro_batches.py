@@ -1,0 +1,70 @@
+"""Micro-batches cut by rows or by a token budget (policy.plan_micro_batches); the trainer's plan."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from grouprl.policy import plan_micro_batches
+from grouprl.rollout import Rollout
+from grouprl.trainer import Trainer
+
+
+def rollout_of(prompt_lens: list[int], completion_lens: list[int]) -> Rollout:
+    """Left-padded prompts and right-padded completions of the given lengths (token ids 5)."""
+    N, P, T = len(prompt_lens), max(prompt_lens), max(max(completion_lens), 1)
+    pm = torch.tensor([[0] * (P - p) + [1] * p for p in prompt_lens])  # [N, P]
+    cm = torch.tensor([[True] * t + [False] * (T - t) for t in completion_lens])  # [N, T]
+    return Rollout(pm * 5, pm, cm.long() * 5, cm, torch.zeros(N, dtype=torch.bool))
+
+
+def cost(r: Rollout, rows: torch.Tensor) -> int:
+    """Tokens a pass computes: rows x (longest prompt + longest completion)."""
+    longest_completion = int(r.completion_mask[rows].sum(-1).clamp(min=1).max())
+    return len(rows) * (int(r.prompt_mask[rows].sum(-1).max()) + longest_completion)
+
+
+def test_hand_worked_budget():
+    """Prompts 4 tokens; completions 2, 3, 3, 6, 10 (sorted). Budget 20: [2, 3] costs 2 x 7 = 14,
+    adding the next 3 gives 3 x 7 = 21 > 20; [3, 6] costs 2 x 10 = 20; [10] alone costs 14."""
+    r = rollout_of([4] * 5, [2, 3, 3, 6, 10])
+    batches, over = plan_micro_batches(r, torch.arange(5), max_rows=8, max_tokens=20)
+    assert [b.tolist() for b in batches] == [[0, 1], [2, 3], [4]] and over == 0
+    batches, over = plan_micro_batches(r, torch.arange(5), max_rows=8, max_tokens=12)
+    assert [b.tolist() for b in batches] == [[0], [1], [2], [3], [4]] and over == 1  # only 4 + 10 > 12
+    batches, _ = plan_micro_batches(r, torch.arange(5), max_rows=2, max_tokens=None)
+    assert [b.tolist() for b in batches] == [[0, 1], [2, 3], [4]]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 30), st.integers(0, 60)), min_size=1, max_size=40),
+       st.integers(1, 400), st.integers(1, 16))
+def test_every_row_once_in_order_within_budget_and_rows(lengths, budget, max_rows):
+    r = rollout_of([p for p, _ in lengths], [t for _, t in lengths])
+    order = torch.argsort(r.completion_mask.sum(-1), stable=True)
+    batches, over = plan_micro_batches(r, order, max_rows=max_rows, max_tokens=budget)
+    assert torch.equal(torch.cat(batches), order)  # nothing dropped, nothing repeated, order kept
+    for b in batches:
+        assert 1 <= len(b) <= max_rows
+        assert len(b) == 1 or cost(r, b) <= budget  # over the budget only a row alone
+    alone_over = sum(cost(r, order[i:i + 1]) > budget for i in range(len(order)))
+    assert over == alone_over
+    for a, b in zip(batches, batches[1:]):  # greedy: the next row did not fit (rows or tokens)
+        joined = torch.cat([a, b[:1]])
+        assert len(joined) > max_rows or cost(r, joined) > budget
+
+
+def test_a_completion_longer_than_the_budget_trains_alone_and_is_logged(make_cfg, caplog):
+    trainer = Trainer(make_cfg(max_tokens_per_micro_batch=5, micro_batch_size=16))
+    with caplog.at_level("WARNING", logger="grouprl.trainer"):
+        metrics = trainer.train_step()
+    assert metrics["grad_norm"] > 0 and metrics["completion/length_mean"] > 0
+    warned = [r.getMessage() for r in caplog.records if "max_tokens_per_micro_batch=5" in r.getMessage()]
+    assert len(warned) == 1 and "ran alone" in warned[0]
+    plan = trainer._micro_batches(trainer.generate(trainer.prompts(["Say numbers 1: "] * 2)).rollout)
+    assert all(len(rows) == 1 for rows, _ in plan)
+
+
+def test_bad_budget_is_a_config_error(make_cfg):
+    with pytest.raises(ValueError, match="max_tokens_per_micro_batch=0 must be at least 1"):
+        Trainer(make_cfg(max_tokens_per_micro_batch=0))

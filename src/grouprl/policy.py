@@ -20,8 +20,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from grouprl.config import ConfigError
-from grouprl.core import token_logprobs, token_logprobs_and_entropy
-from grouprl.lora import adapter_disabled, add_adapter, is_peft_model
+from grouprl.core import head_logprobs, token_logprobs, token_logprobs_and_entropy
+from grouprl.lora import adapter_disabled, add_adapter, base_model, is_peft_model
 from grouprl.rollout import Rollout, same_prompt_ids
 
 
@@ -251,40 +251,102 @@ def can_share_prompts(model: torch.nn.Module) -> bool:
     return not getattr(model, name, False)
 
 
+# The [n, T', V] logits are made whole only below this many elements (256 MB in fp32); above it
+# the log-probs come from the hidden states through the head in chunks (core/head_logprobs.py),
+# which recomputes the head's matmul in the backward: slower on short batches, bounded on long ones.
+WHOLE_LOGITS_MAX_ELEMENTS = 1 << 26
+# Models whose logits are exactly lm_head(last hidden state): no soft-capping or scaling after it.
+PLAIN_HEAD_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
+
+
 def completion_logprobs(model: torch.nn.Module, mb: MicroBatch, *, temperature: float,
-                        autocast_dtype: torch.dtype | None = None,
-                        with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                        autocast_dtype: torch.dtype | None = None, with_entropy: bool = False,
+                        max_logits_elements: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token log-probs [n, T'] of the completion tokens (and their entropy when asked).
 
     When the micro-batch holds fewer distinct prompts than completions (u < n), each prompt is
     run once, with a KV cache, and its completions attend to those keys and values in a second
     pass: the same logits, and gradients that reach the prompt's activations summed over its
     completions, for u*(P'-1) + n*T' tokens instead of n*(P'+T'). One-token prompts take the
-    single pass."""
+    single pass.
+
+    Logits of more than `max_logits_elements` (real completion tokens x V; default
+    WHOLE_LOGITS_MAX_ELEMENTS) are never made whole:
+    the model returns its last hidden states and `core.head_logprobs` takes them through the LM
+    head in chunks, forward and backward, at the real completion positions only (0 elsewhere), for
+    models whose head is a plain linear layer (`PLAIN_HEAD_MODEL_TYPES`, not sharded by FSDP2)."""
     device = next(model.parameters()).device
     ac = (torch.autocast(device.type, dtype=autocast_dtype)
           if autocast_dtype is not None else contextlib.nullcontext())
+    cids, cmask = mb.completion_ids.to(device), mb.completion_mask.to(device)  # [n, T']
+    head = _plain_head(model)
+    limit = WHOLE_LOGITS_MAX_ELEMENTS if max_logits_elements is None else max_logits_elements
+    use_head = head is not None and int(cmask.sum()) * head.out_features > limit
+    shared = len(mb.prompt_ids) < len(mb.completion_ids) and int(mb.prompt_mask.sum(-1).min()) > 1
+    forward = _shared_prompt_logits if shared else _joint_logits
     with ac:
-        if len(mb.prompt_ids) < len(mb.completion_ids) and int(mb.prompt_mask.sum(-1).min()) > 1:
-            logits = _shared_prompt_logits(model, mb, device)
+        if not use_head:
+            logits = forward(model, mb, device)  # [n, T', V]
         else:
-            logits = _joint_logits(model, mb, device)
-    cids = mb.completion_ids.to(device)
-    if with_entropy:  # one pass over the [n, T', V] logits for both
-        return token_logprobs_and_entropy(logits, cids, temperature=temperature)  # [n, T'] each
-    return token_logprobs(logits, cids, temperature=temperature), None  # [n, T']
+            with _last_hidden_state(model) as captured:
+                forward(model, mb, device, keep_logits=False)
+    if not use_head:
+        if with_entropy:  # one pass over the [n, T', V] logits for both
+            return token_logprobs_and_entropy(logits, cids, temperature=temperature)  # [n, T'] each
+        return token_logprobs(logits, cids, temperature=temperature), None  # [n, T']
+    T = cids.shape[1]
+    hidden = captured["hidden"][:, -T - 1:-1] if not shared else captured["hidden"]  # [n, T', H] predicting cids
+    logp_real, entropy_real = head_logprobs(hidden[cmask], head.weight, cids[cmask], bias=head.bias,
+                                            temperature=temperature, with_entropy=with_entropy,
+                                            compute_dtype=autocast_dtype)  # [M] each, M real tokens
+    zeros = torch.zeros(cids.shape, dtype=logp_real.dtype, device=device)  # [n, T']
+    logp = zeros.masked_scatter(cmask, logp_real)
+    return logp, None if entropy_real is None else zeros.masked_scatter(cmask, entropy_real)
 
 
-def _joint_logits(model: torch.nn.Module, mb: MicroBatch, device: torch.device) -> torch.Tensor:
-    """One pass over prompt + completion; logits [n, T', V] of the positions predicting completion tokens."""
+def _plain_head(model: torch.nn.Module) -> torch.nn.Linear | None:
+    """The LM head of `model` (under DDP or PEFT wrappers) when the logits are exactly
+    head(last hidden state), else None (the logits path is used)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    inner = getattr(model, "module", model)  # DDP
+    base = base_model(inner)
+    if isinstance(inner, FSDPModule) or getattr(base.config, "model_type", None) not in PLAIN_HEAD_MODEL_TYPES:
+        return None
+    head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
+    return head if type(head) is torch.nn.Linear else None  # a LoRA-adapted head takes the logits path
+
+
+@contextlib.contextmanager
+def _last_hidden_state(model: torch.nn.Module):
+    """Captures the decoder body's output (the normed last hidden states [n, S, H]) of the next
+    forward pass of `model` into the yielded dict under "hidden"."""
+    captured: dict[str, torch.Tensor] = {}
+
+    def hook(module, args, output):
+        captured["hidden"] = output.last_hidden_state if hasattr(output, "last_hidden_state") else output[0]
+
+    body = base_model(getattr(model, "module", model)).get_decoder()
+    handle = body.register_forward_hook(hook)
+    try:
+        yield captured
+    finally:
+        handle.remove()
+
+
+def _joint_logits(model: torch.nn.Module, mb: MicroBatch, device: torch.device,
+                  keep_logits: bool = True) -> torch.Tensor:
+    """One pass over prompt + completion; logits [n, T', V] of the positions predicting completion
+    tokens (`keep_logits=False`: of the last position only, for a caller that reads the hidden states)."""
     T = mb.completion_ids.shape[1]
     attn = mb.attention_mask.to(device)  # [n, P'+T']
     pos = (attn.cumsum(-1) - 1).clamp(min=0)  # positions skip left padding
     return model(input_ids=mb.input_ids.to(device), attention_mask=attn, position_ids=pos,
-                 use_cache=False, logits_to_keep=T + 1).logits[:, :-1]  # [n, T', V]
+                 use_cache=False, logits_to_keep=T + 1 if keep_logits else 1).logits[:, :-1]  # [n, T', V]
 
 
-def _shared_prompt_logits(model: torch.nn.Module, mb: MicroBatch, device: torch.device) -> torch.Tensor:
+def _shared_prompt_logits(model: torch.nn.Module, mb: MicroBatch, device: torch.device,
+                          keep_logits: bool = True) -> torch.Tensor:
     """Prompts but their last token once [u, P'-1], cached; then, over the cache rows repeated by
     `prompt_index` (an indexing op: the backward sums a prompt's gradient over its completions),
     each row's last prompt token and completion [n, T'] (its last token predicts nothing we need).
@@ -301,4 +363,4 @@ def _shared_prompt_logits(model: torch.nn.Module, mb: MicroBatch, device: torch.
     attn = torch.cat([pm[index], mb.completion_mask[:, : T - 1].to(device).long()], 1)  # [n, P'+T'-1]
     pos = (pm.sum(-1) - 1)[index, None] + torch.arange(T, device=device)[None]  # [n, T']
     return model(input_ids=ids, attention_mask=attn, position_ids=pos, past_key_values=cache,
-                 use_cache=True).logits  # [n, T', V]
+                 use_cache=True, logits_to_keep=0 if keep_logits else 1).logits  # [n, T', V]

@@ -23,6 +23,7 @@ from .process_advantages import process_advantages
 from .multi_objective import MULTI_OBJECTIVE_AGGREGATIONS, normalize_then_sum, sum_then_normalize
 from .importance import IS_MODES, importance_weights, register_is_mode
 from .kl import KL_ESTIMATORS, kl_estimate
+from .head_logprobs import head_logprobs
 from .logprobs import token_entropy, token_logprobs, token_logprobs_and_entropy
 from .aggregation import LOSS_AGGREGATIONS, aggregate_loss, batch_normalizer, register_loss_agg
 from .policy_terms import LOSS_TYPES, register_loss_type
@@ -69,6 +70,7 @@ __all__ = [
     "rloo_advantages",
     "sum_then_normalize",
     "token_entropy",
+    "head_logprobs",
     "token_logprobs",
     "token_logprobs_and_entropy",
     "top_entropy_mask",

@@ -82,3 +82,10 @@ def test_sandbox_report():
     rows = [line for line in out.splitlines() if line.startswith("| ") and "hostile program" not in line]
     assert len(rows) >= 5
     assert "the host listener saw no connection" in out
+
+
+def test_head_logprobs_benchmark_one_round():
+    out = run("benchmarks/head_logprobs.py", "--lengths", "8", "--rows", "2", "--layers", "1", "--vocab", "64",
+              "--hidden", "18", "--repeats", "1", "--rounds", "1", "--threads", "1")
+    row = [line for line in out.splitlines() if line.startswith("| 8 |")]
+    assert len(row) == 1 and row[0].count("|") == 6

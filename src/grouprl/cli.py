@@ -85,7 +85,7 @@ class _StderrHandler(logging.Handler):
 
 
 def _train(cfg: TrainConfig, *, resume: bool) -> int:
-    from grouprl.distributed import destroy_distributed, init_distributed
+    from grouprl.distributed import barrier, destroy_distributed, init_distributed
     from grouprl.trainer import Trainer
 
     ctx = init_distributed()  # under torchrun: one process group for the run (docs/distributed.md)
@@ -93,6 +93,9 @@ def _train(cfg: TrainConfig, *, resume: bool) -> int:
     try:
         trainer = Trainer(cfg)
         summary = trainer.train(resume=resume)
+        # every rank tears its process group down together: a gloo rank that left while rank 0 still
+        # wrote the summary was seen to hang the other at exit (once in three full test runs)
+        barrier(ctx)
     finally:
         if trainer is not None:
             trainer.close()  # before the process group goes: vLLM tears its groups down with it

@@ -237,17 +237,15 @@ class Trainer:
 
     def decode(self, trajectories: Trajectories) -> list[str]:
         """The completions' text (tool and environment messages included, special tokens not)."""
-        rollout = trajectories.rollout
-        ids = [row[m].tolist() for row, m in zip(rollout.completion_ids, rollout.completion_mask)]
-        return self.tokenizer.batch_decode(ids, skip_special_tokens=True)
+        return self.tokenizer.batch_decode(trajectories.rollout.token_lists(), skip_special_tokens=True)
 
     def score(self, prompts: PromptBatch, trajectories: Trajectories) -> StepBatch:
         """The reward functions on `trajectories` of `prompts` (reward functions see a multi-turn
         rollout's messages and `env_reward`), weighted and shaped as configured."""
         cfg, rollout = self.cfg, trajectories.rollout
         G = len(rollout) // len(prompts.prompts)
-        ids = [row[m].tolist() for row, m in zip(rollout.completion_ids, rollout.completion_mask)]
-        texts = self.decode(trajectories)
+        ids = rollout.token_lists()  # [N][T_i]
+        texts = self.tokenizer.batch_decode(ids, skip_special_tokens=True)
         per_prompt = [p for p in prompts.prompts for _ in range(G)]
         cols = {k: [v for v in vals for _ in range(G)] for k, vals in prompts.columns.items()}
         cols.update(completion_ids=ids, completion_lengths=[len(x) for x in ids])

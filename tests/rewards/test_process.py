@@ -129,7 +129,7 @@ def test_process_rewards_weights_merges_and_outcome_as_final_step():
     assert pr.metrics() == {"process/steps_per_completion": 1.0, "process/step_reward_mean": 2.0,
                             "process/step_reward_min": 0.0}
     expected = process_advantages([[4.0, 0.0, 3.0], [-0.5]], [[2, 5, 5], [1]], 2, 7)
-    assert torch.equal(pr.advantages(2, 7), expected)
+    assert torch.equal(process_advantages(*pr.with_outcome(), 2, 7), expected)
 
 
 def test_outcome_only_process_rewards_are_grpo_advantages():
@@ -138,7 +138,7 @@ def test_outcome_only_process_rewards_are_grpo_advantages():
     ids = [tok(t)["input_ids"] + [tok.eos_token_id] for t in texts]
     rewards = torch.tensor([1.0, 0.0, 0.5, 0.25])
     pr = process_rewards({}, {"acc": rewards}, None, ids, texts, tok)
-    adv = pr.advantages(4, 5)  # [N, T]
+    adv = process_advantages(*pr.with_outcome(), 4, 5)  # [N, T]
     from grouprl.core import group_advantages
 
     want = group_advantages(rewards, 4)  # [N]

@@ -72,7 +72,7 @@ def test_the_loss_gets_process_advantages_of_the_step_and_outcome_rewards(make_c
     assert len(seen) == 2
     for batch, adv in seen:
         N, T = batch.rollout.completion_ids.shape
-        ids = [row[m].tolist() for row, m in zip(batch.rollout.completion_ids, batch.rollout.completion_mask)]
+        ids = batch.rollout.token_lists()
         want = by_hand(batch.completions, ids, tokenizer, cfg.num_generations, T, (1.0, 0.5))  # [N, T]
         assert adv.shape == (N, T)
         torch.testing.assert_close(adv, want, rtol=0, atol=1e-6)

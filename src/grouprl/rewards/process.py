@@ -39,8 +39,6 @@ from typing import Any, Sequence
 
 from torch import Tensor
 
-from grouprl.core import process_advantages
-
 from .errors import RewardFunctionError
 
 StepList = list[tuple[int, float]]  # (exclusive character end, reward), sorted by end
@@ -176,12 +174,6 @@ class ProcessRewards:
         ends = [e + ([t] if o is not None else []) for e, o, t in zip(self.ends, self.outcome, self.last)]
         rewards = [r + ([o] if o is not None else []) for r, o in zip(self.rewards, self.outcome)]
         return rewards, ends
-
-    def advantages(self, group_size: int, num_tokens: int, *, scale: str = "group",
-                   eps: float = 1e-4) -> Tensor:
-        """Per-token advantages [N, T] (T = num_tokens) of these steps by core's ``process_advantages``:
-        a shortcut for scripts and tests; the trainer goes through objective.step_advantages."""
-        return process_advantages(*self.with_outcome(), group_size, num_tokens, scale=scale, eps=eps)  # [N, T]
 
     def metrics(self) -> dict[str, float]:
         """`process/steps_per_completion` and the mean and min of the (weighted) step rewards."""

@@ -68,6 +68,10 @@ class Rollout:
         """Tokens the policy sampled per row [N] (what completion-length metrics report)."""
         return self.action_mask.sum(-1)  # [N]
 
+    def token_lists(self) -> list[list[int]]:
+        """Each row's real completion tokens as a list [N][T_i] (what decoding and rewards read)."""
+        return [row[m].tolist() for row, m in zip(self.completion_ids, self.completion_mask)]
+
     def prompt_groups(self) -> torch.Tensor:
         """[N] long: rows with the same prompt (ids and padding) get the same id."""
         return same_prompt_ids(self.prompt_ids, self.prompt_mask)

@@ -67,6 +67,7 @@ def test_no_cycles_between_modules_and_packages():
 @pytest.mark.parametrize("unit, allowed", [
     ("core", set()),                      # pure math: nothing of ours
     ("lora", set()),
+    ("packing", set()),                   # padding-free passes: transformers and torch only
     ("config", {"core"}),                 # the schema reads core's registries and presets, nothing else
     ("sandbox", set()),
     ("tools", {"sandbox", "importpath"}),

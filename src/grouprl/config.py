@@ -244,17 +244,24 @@ class TrainConfig:
     """Completions per forward/backward pass; gradients accumulate to the full-batch gradient. With
     `max_tokens_per_micro_batch` set, the most completions a pass takes."""
     max_tokens_per_micro_batch: int | None = None
-    """Token budget of one forward/backward pass of the update and the log-prob passes: completions,
-    sorted by length, are grouped so that rows x (longest prompt + longest completion) of a pass stays
-    within it (and at most micro_batch_size rows), so memory follows the budget, not the completion
-    length. A single sequence longer than the budget runs alone (logged), never dropped. The gradient
-    does not depend on the grouping (the whole-batch normaliser). null: micro_batch_size rows per
-    pass whatever their length."""
+    """Token budget of one forward/backward pass of the update and the log-prob passes: consecutive
+    completions (group by group) go into a pass while its tokens stay within the budget (and at
+    most micro_batch_size rows). Tokens as the pass computes them: packed (`padding_free`), the real
+    tokens, each distinct prompt once; padded, rows x (longest prompt + longest completion). So
+    memory follows the budget, not the completion length. A single sequence longer than the budget
+    runs alone (logged), never dropped. The gradient does not depend on the grouping (the
+    whole-batch normaliser). null: micro_batch_size rows per pass whatever their length."""
+    padding_free: bool = True
+    """Run the sequences of a pass packed in one row, attention confined to each sequence and each
+    prompt once before its completions (grouprl/packing.py): no padding is computed, and the
+    results equal the padded pass's to rounding. Models whose attention is not transformers' SDPA
+    or eager implementation run padded (logged)."""
     share_prompt_forward: bool = True
-    """In the log-prob passes, run each prompt of a micro-batch once and let its completions
-    attend to its cached keys/values: the same math on fewer tokens. Micro-batches are then formed
-    group by group. Off under gradient checkpointing, which disables the cache, and under FSDP2,
-    which frees the gathered weights after each forward pass."""
+    """Padded passes (`padding_free: false`): run each prompt of a micro-batch once and let its
+    completions attend to its cached keys/values: the same math on fewer tokens. Micro-batches are
+    then formed group by group. Off under gradient checkpointing, which disables the cache, and under
+    FSDP2, which frees the gathered weights after each forward pass. Packed passes always lay each
+    prompt down once."""
     share_prompt_min_tokens: int = 64
     """A micro-batch runs its prompts once only when that saves at least this many tokens
     (completions x prompt length - distinct prompts x (prompt length - 1)): the extra pass reads

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
+from grouprl import packing
 from grouprl.config import ConfigError
 from grouprl.core import head_logprobs, token_logprobs, token_logprobs_and_entropy
 from grouprl.lora import adapter_disabled, add_adapter, base_model, is_peft_model
@@ -114,6 +115,7 @@ def load_policy(name: str, *, gguf_file: str | None = None, lora_r: int = 0, lor
     model = AutoModelForCausalLM.from_pretrained(resolve_model_path(name), dtype=torch.float32,
                                                  **_gguf_kwargs(gguf_file))
     model.config.use_cache = False
+    packing.enable(model)  # padding-free passes (packing.py); other uses are unchanged
     if disable_dropout:
         switch_off_dropout(model)
     if gradient_checkpointing:
@@ -217,26 +219,33 @@ class MicroBatch:
         return torch.cat([self.prompt_mask[self.prompt_index], self.completion_mask.long()], dim=1)
 
 
-def plan_micro_batches(rollout: Rollout, order: torch.Tensor, max_rows: int,
-                       max_tokens: int | None = None) -> tuple[list[torch.Tensor], int]:
-    """`order  # [N]` (rows sorted so that similar lengths are neighbours) cut into micro-batches of
-    consecutive rows: at most `max_rows` rows, and with `max_tokens`, at most that many tokens as a
-    pass computes them, rows x (longest prompt + longest completion) of the micro-batch. A row whose
-    own prompt and completion exceed `max_tokens` forms a micro-batch alone. Returns the micro-batches
-    and how many rows ran alone for being over the budget."""
+def plan_micro_batches(rollout: Rollout, order: torch.Tensor, max_rows: int, max_tokens: int | None = None,
+                       packed: bool = False) -> tuple[list[torch.Tensor], int]:
+    """`order  # [N]` cut into micro-batches of consecutive rows: at most `max_rows` rows, and with
+    `max_tokens`, at most that many tokens as a pass computes them: padded, rows x (longest prompt
+    + longest completion) of the micro-batch; `packed`, its real tokens, each distinct prompt once
+    (`packing.packed_tokens`). A row whose own prompt and completion exceed `max_tokens` forms a
+    micro-batch alone. Returns the micro-batches and how many rows ran alone for being over the budget."""
     if max_tokens is None:
         return list(order.split(max_rows)), 0
     prompt_len = rollout.prompt_mask.sum(-1)[order].tolist()  # [N] in `order`
     completion_len = rollout.completion_mask.sum(-1).clamp(min=1)[order].tolist()
+    group = rollout.prompt_groups()[order].tolist() if packed else [None] * len(order)
     batches, start, over = [], 0, 0
-    p_max = t_max = 0
-    for i, (p, t) in enumerate(zip(prompt_len, completion_len)):
+    p_max = t_max = tokens = 0
+    seen: set = set()
+    for i, (p, t, g) in enumerate(zip(prompt_len, completion_len, group)):
         n = i - start
-        p2, t2 = max(p_max, p), max(t_max, t)
-        if n and (n == max_rows or (n + 1) * (p2 + t2) > max_tokens):
+        if packed:
+            cost = tokens + t + (p if g not in seen else 0)
+        else:
+            p2, t2 = max(p_max, p), max(t_max, t)
+            cost = (n + 1) * (p2 + t2)
+        if n and (n == max_rows or cost > max_tokens):
             batches.append(order[start:i])
-            start, p2, t2 = i, p, t
-        p_max, t_max = p2, t2
+            start, seen, cost, p2, t2 = i, set(), p + t, p, t
+        p_max, t_max, tokens = (0, 0, cost) if packed else (p2, t2, 0)
+        seen.add(g)
         over += p + t > max_tokens
     batches.append(order[start:])
     return batches, over
@@ -261,20 +270,23 @@ PLAIN_HEAD_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 
 def completion_logprobs(model: torch.nn.Module, mb: MicroBatch, *, temperature: float,
                         autocast_dtype: torch.dtype | None = None, with_entropy: bool = False,
-                        max_logits_elements: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                        max_logits_elements: int | None = None,
+                        packed: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token log-probs [n, T'] of the completion tokens (and their entropy when asked).
 
-    When the micro-batch holds fewer distinct prompts than completions (u < n), each prompt is
-    run once, with a KV cache, and its completions attend to those keys and values in a second
-    pass: the same logits, and gradients that reach the prompt's activations summed over its
-    completions, for u*(P'-1) + n*T' tokens instead of n*(P'+T'). One-token prompts take the
-    single pass.
+    `packed` (the model `packing.enable`d): the micro-batch's real tokens run as one row, each
+    distinct prompt once, attention confined to each sequence (packing.py): no padding is computed.
+    Otherwise the rows run padded; when the micro-batch holds fewer distinct prompts than
+    completions (u < n), each prompt is run once, with a KV cache, and its completions attend to
+    those keys and values in a second pass: the same logits, and gradients that reach the prompt's
+    activations summed over its completions, for u*(P'-1) + n*T' tokens instead of n*(P'+T').
+    One-token prompts take the single pass.
 
     Logits of more than `max_logits_elements` (real completion tokens x V; default
-    WHOLE_LOGITS_MAX_ELEMENTS) are never made whole:
-    the model returns its last hidden states and `core.head_logprobs` takes them through the LM
-    head in chunks, forward and backward, at the real completion positions only (0 elsewhere), for
-    models whose head is a plain linear layer (`PLAIN_HEAD_MODEL_TYPES`, not sharded by FSDP2)."""
+    WHOLE_LOGITS_MAX_ELEMENTS) are never made whole: the model returns its last hidden states and
+    `core.head_logprobs` takes them through the LM head in chunks, forward and backward, for models
+    whose head is a plain linear layer (`PLAIN_HEAD_MODEL_TYPES`, not sharded by FSDP2). Either
+    way only the real completion positions are computed (0 elsewhere)."""
     device = next(model.parameters()).device
     ac = (torch.autocast(device.type, dtype=autocast_dtype)
           if autocast_dtype is not None else contextlib.nullcontext())
@@ -282,23 +294,34 @@ def completion_logprobs(model: torch.nn.Module, mb: MicroBatch, *, temperature: 
     head = _plain_head(model)
     limit = WHOLE_LOGITS_MAX_ELEMENTS if max_logits_elements is None else max_logits_elements
     use_head = head is not None and int(cmask.sum()) * head.out_features > limit
-    shared = len(mb.prompt_ids) < len(mb.completion_ids) and int(mb.prompt_mask.sum(-1).min()) > 1
-    forward = _shared_prompt_logits if shared else _joint_logits
-    with ac:
+    if packed:
+        layout = packing.pack(mb.prompt_ids, mb.prompt_mask, mb.prompt_index, mb.completion_ids,
+                              mb.completion_mask, device)
+        with ac, _last_hidden_state(model) if use_head else contextlib.nullcontext() as captured:
+            logits = packing.forward_packed(model, layout, 1 if use_head else layout.pred_index)  # [1, M, V]
+        hidden = captured["hidden"][0, layout.pred_index] if use_head else None  # [M, H]
+        targets = layout.targets  # [M]
+    else:
+        shared = len(mb.prompt_ids) < len(mb.completion_ids) and int(mb.prompt_mask.sum(-1).min()) > 1
+        forward = _shared_prompt_logits if shared else _joint_logits
+        with ac, _last_hidden_state(model) if use_head else contextlib.nullcontext() as captured:
+            logits = forward(model, mb, device, keep_logits=not use_head)  # [n, T', V]
         if not use_head:
-            logits = forward(model, mb, device)  # [n, T', V]
-        else:
-            with _last_hidden_state(model) as captured:
-                forward(model, mb, device, keep_logits=False)
-    if not use_head:
-        if with_entropy:  # one pass over the [n, T', V] logits for both
-            return token_logprobs_and_entropy(logits, cids, temperature=temperature)  # [n, T'] each
-        return token_logprobs(logits, cids, temperature=temperature), None  # [n, T']
-    T = cids.shape[1]
-    hidden = captured["hidden"][:, -T - 1:-1] if not shared else captured["hidden"]  # [n, T', H] predicting cids
-    logp_real, entropy_real = head_logprobs(hidden[cmask], head.weight, cids[cmask], bias=head.bias,
-                                            temperature=temperature, with_entropy=with_entropy,
-                                            compute_dtype=autocast_dtype)  # [M] each, M real tokens
+            if with_entropy:  # one pass over the [n, T', V] logits for both
+                return token_logprobs_and_entropy(logits, cids, temperature=temperature)  # [n, T'] each
+            return token_logprobs(logits, cids, temperature=temperature), None  # [n, T']
+        T = cids.shape[1]
+        hidden = (captured["hidden"][:, -T - 1:-1] if not shared else captured["hidden"])[cmask]  # [M, H]
+        targets = cids[cmask]  # [M]
+    if use_head:
+        logp_real, entropy_real = head_logprobs(hidden, head.weight, targets, bias=head.bias,
+                                                temperature=temperature, with_entropy=with_entropy,
+                                                compute_dtype=autocast_dtype)  # [M] each, M real tokens
+    elif with_entropy:
+        logp_real, entropy_real = (x[0] for x in token_logprobs_and_entropy(logits, targets[None],
+                                                                           temperature=temperature))  # [M]
+    else:
+        logp_real, entropy_real = token_logprobs(logits, targets[None], temperature=temperature)[0], None
     zeros = torch.zeros(cids.shape, dtype=logp_real.dtype, device=device)  # [n, T']
     logp = zeros.masked_scatter(cmask, logp_real)
     return logp, None if entropy_real is None else zeros.masked_scatter(cmask, entropy_real)

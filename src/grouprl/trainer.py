@@ -56,6 +56,7 @@ from grouprl.generation import make_engine, make_rollouts, resolve_multiturn
 from grouprl.objective import (corrects_sampler, loss_token_weights, policy_loss_params, sampler_weights,
                                step_advantages)
 from grouprl.optim import make_optimizer
+from grouprl.packing import supports_packing
 from grouprl.policy import (MicroBatch, Reference, can_share_prompts, check_model_source, completion_logprobs,
                             load_policy, load_tokenizer, plan_micro_batches)
 from grouprl.precision import native_bf16, resolve_bf16
@@ -130,9 +131,13 @@ class Trainer:
         self.train_model = D.wrap_model(self.model, self.dist, cfg.distributed_strategy)
         if D.is_sharded(self.model) and self.ref is not None and self.ref.model is not None:
             D.shard_model(self.ref.model)
-        # FSDP2 frees the gathered weights after each forward: the prompt pass's graph would lose them
+        self.packed = cfg.padding_free and supports_packing(self.model)  # packing.py: no padding computed
+        if cfg.padding_free and not self.packed and self.dist.is_main:
+            logger.info("padding_free: the model's attention (%s) cannot run packed: passes run padded",
+                        getattr(self.model.config, "_attn_implementation", None))
+        # padded passes: FSDP2 frees the gathered weights after each forward, which the prompt pass's graph needs
         shared = cfg.share_prompt_forward and can_share_prompts(self.model) and not D.is_sharded(self.model)
-        self.share_min_tokens = cfg.share_prompt_min_tokens if shared else None
+        self.share_min_tokens = 0 if self.packed else cfg.share_prompt_min_tokens if shared else None
         self.formatter = PromptFormatter(self.tokenizer, max_prompt_length=cfg.max_prompt_length,
                                          tools=[t.schema for t in self.tools.values()])
         self.engine = make_engine(cfg, self.model, self.tokenizer, self.dist, self.autocast)
@@ -364,7 +369,7 @@ class Trainer:
             group = rollout.prompt_groups()[order]
             order = order[torch.argsort(group, stable=True)]
         batches, over = plan_micro_batches(rollout, order, self.cfg.micro_batch_size,
-                                           self.cfg.max_tokens_per_micro_batch)
+                                           self.cfg.max_tokens_per_micro_batch, packed=self.packed)
         if over and self.dist.is_main and not self._warned_over_budget:
             self._warned_over_budget = True  # once per run
             logger.warning("%d sequence(s) longer than max_tokens_per_micro_batch=%d ran alone in their pass: "
@@ -381,7 +386,7 @@ class Trainer:
                     continue
                 mb = MicroBatch.from_rollout(rollout, rows, self.share_min_tokens)
                 logp, _ = completion_logprobs(model, mb, temperature=self.cfg.temperature,
-                                              autocast_dtype=self.autocast)
+                                              autocast_dtype=self.autocast, packed=self.packed)
                 out[rows, : logp.shape[1]] = logp.float().cpu()
         return out
 
@@ -400,7 +405,8 @@ class Trainer:
             mb = MicroBatch.from_rollout(rollout, rows, self.share_min_tokens)
             with D.grad_sync(self.train_model, i == len(plan) - 1):
                 logp, entropy = completion_logprobs(self.train_model, mb, temperature=cfg.temperature,
-                                                    autocast_dtype=self.autocast, with_entropy=with_entropy)
+                                                    autocast_dtype=self.autocast, with_entropy=with_entropy,
+                                                    packed=self.packed)
                 T, dev = logp.shape[1], logp.device
 
                 def part(x: torch.Tensor | None) -> torch.Tensor | None:  # this micro-batch's rows, [n, T']

@@ -1,0 +1,148 @@
+"""Padding-free passes (packing.py) against the padded path: the packed row's layout worked by hand;
+log-probs, entropies and parameter gradients equal to fp32 rounding for shared and unshared prompts,
+the chunked head and whole logits, tied and untied heads, Llama with grouped-query attention, LoRA
+(policy and adapter-disabled reference), gradient checkpointing, and bf16 autocast within its own
+tolerance; a training step whose micro-batches are cut by tokens equals the padded one-pass step."""
+
+import copy
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+from grouprl import packing
+from grouprl.lora import adapter_disabled
+from grouprl.policy import MicroBatch, completion_logprobs, plan_micro_batches
+from grouprl.tasks.testing import with_random_lora
+from tests.trainer.test_head_logprobs_path import CHUNKED, WHOLE, assert_same
+from tests.trainer.test_micro_batches import rollout_of
+from tests.trainer.test_shared_prompt import ragged_rollout
+
+
+def run(model, rollout, *, packed, share=True, limit=WHOLE, autocast=None):
+    model.zero_grad(set_to_none=True)
+    mb = MicroBatch.from_rollout(rollout, torch.arange(len(rollout)), 0 if share else None)
+    logp, ent = completion_logprobs(model, mb, temperature=0.7, autocast_dtype=autocast, with_entropy=True,
+                                    max_logits_elements=limit, packed=packed)  # [n, T'] each
+    assert logp.shape == ent.shape == mb.completion_ids.shape
+    m = mb.completion_mask
+    if packed:  # padding positions are not computed
+        assert (logp[~m] == 0).all() and (ent[~m] == 0).all()
+    weights = torch.linspace(-1, 1, m.numel()).view(m.shape)  # an arbitrary upstream gradient
+    (logp * m * weights).sum().backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return logp.detach()[m], ent[m], grads
+
+
+@pytest.fixture(scope="module")
+def tied(tiny_model_dir):
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).train()
+    assert packing.enable(model) and packing.supports_packing(model)
+    return model
+
+
+@pytest.fixture(scope="module")
+def llama():
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=120, hidden_size=48, intermediate_size=96, num_hidden_layers=2,
+                      num_attention_heads=6, num_key_value_heads=2, tie_word_embeddings=False)
+    model = LlamaForCausalLM(cfg).train()
+    assert packing.enable(model)
+    return model
+
+
+def test_layout_worked_by_hand():
+    """Prompt 0 = [7, 8] continued by completions [1, 2] and [3]; prompt 1 = [9] (left-padded) by [4, 5].
+    Prompt 0 is laid once, its completions after it with positions continuing it (2, 3 and 2);
+    prompt 1 and its only completion form one sequence. The first completion token is predicted
+    by the prompt's last position (1), later ones by the previous token."""
+    layout = packing.pack(torch.tensor([[7, 8], [0, 9]]), torch.tensor([[1, 1], [0, 1]]), torch.tensor([0, 0, 1]),
+                          torch.tensor([[1, 2], [3, 0], [4, 5]]), torch.tensor([[1, 1], [1, 0], [1, 1]]).bool(),
+                          torch.device("cpu"))
+    assert layout.input_ids.tolist() == [[7, 8, 1, 2, 3, 9, 4, 5]]
+    assert layout.position_ids.tolist() == [[0, 1, 2, 3, 2, 0, 1, 2]]
+    assert layout.segments == [(0, 2, 0, 0), (2, 2, 0, 2), (4, 1, 0, 2), (5, 3, 0, 0)]
+    assert layout.pred_index.tolist() == [1, 2, 1, 5, 6] and layout.targets.tolist() == [1, 2, 3, 4, 5]
+    assert packing.packed_tokens([2, 1], [2, 1, 2], [0, 0, 1]) == layout.num_tokens == 8
+
+
+def test_packed_attention_equals_masked_attention_over_the_row():
+    """Each query attends exactly to its prefix and its own earlier positions: against one SDPA
+    call over the whole row with the block mask written out."""
+    g = torch.Generator().manual_seed(0)
+    segments = [(0, 3, 0, 0), (3, 2, 0, 3), (5, 4, 0, 3), (9, 5, 0, 0)]
+    q, k, v = (torch.randn(1, 4, 14, 8, generator=g) for _ in range(3))
+    allowed = torch.zeros(14, 14, dtype=torch.bool)
+    for start, L, p_start, p_len in segments:
+        allowed[start:start + L, start:start + L] = torch.ones(L, L, dtype=torch.bool).tril()
+        allowed[start:start + L, p_start:p_start + p_len] = True
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=allowed).transpose(1, 2)
+    out = packing.packed_attention(q, k, v, segments, scaling=None)
+    assert out.shape == (1, 14, 4, 8) and torch.allclose(out, ref, atol=1e-6)
+
+
+@pytest.mark.parametrize("limit", [WHOLE, CHUNKED])
+@pytest.mark.parametrize("share", [True, False])
+@pytest.mark.parametrize("which", ["tied", "llama"])
+def test_packed_equals_padded(request, which, share, limit):
+    model = request.getfixturevalue(which)
+    r = ragged_rollout([3, 9, 5], G=4, seed=1)
+    assert_same(run(model, r, packed=True, share=share, limit=limit), run(model, r, packed=False, share=share),
+                atol=1e-5, grad_rtol=1e-5)
+
+
+def test_lora_policy_and_its_adapter_disabled_reference(tied):
+    lora = with_random_lora(copy.deepcopy(tied)).train()
+    assert packing.supports_packing(lora)
+    r = ragged_rollout([4, 7], G=3, seed=2)
+    assert_same(run(lora, r, packed=True), run(lora, r, packed=False), atol=1e-5, grad_rtol=1e-5)
+    with torch.no_grad(), adapter_disabled(lora):
+        mb = MicroBatch.from_rollout(r, torch.arange(len(r)), 0)
+        ref = completion_logprobs(lora, mb, temperature=0.7, packed=True)[0][mb.completion_mask]
+    base = completion_logprobs(tied, mb, temperature=0.7)[0][mb.completion_mask].detach()
+    assert torch.allclose(ref, base, atol=1e-5, rtol=0)
+
+
+def test_gradient_checkpointing_runs_packed_with_shared_prompts(llama):
+    r = ragged_rollout([5, 2], G=3, seed=5)
+    padded = run(llama, r, packed=False, share=False)
+    ckpt = copy.deepcopy(llama)
+    ckpt.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    assert_same(run(ckpt, r, packed=True), padded, atol=1e-5, grad_rtol=1e-5)
+
+
+def test_bf16_autocast_within_bf16_tolerance(tied):
+    r = ragged_rollout([5, 8], G=4, seed=3)
+    assert_same(run(tied, r, packed=True, autocast=torch.bfloat16),
+                run(tied, r, packed=False, autocast=torch.bfloat16), atol=3e-2, grad_rtol=3e-2)
+
+
+def test_packed_budget_counts_real_tokens_and_each_prompt_once():
+    """Prompts 4, 4, 6 tokens (rows 0 and 1 share one prompt), completions 2, 3, 5: packed, rows
+    0-1 cost 4 + 2 + 3 = 9 and adding row 2 costs 9 + 6 + 5 = 20; padded, rows 0-1 cost 2 x 7 = 14."""
+    r = rollout_of([4, 4, 6], [2, 3, 5])
+    r.prompt_ids[2, -1] = 6  # a different prompt
+    assert [b.tolist() for b in plan_micro_batches(r, torch.arange(3), 8, 20, packed=True)[0]] == [[0, 1, 2]]
+    assert [b.tolist() for b in plan_micro_batches(r, torch.arange(3), 8, 19, packed=True)[0]] == [[0, 1], [2]]
+    assert [b.tolist() for b in plan_micro_batches(r, torch.arange(3), 8, 13, packed=False)[0]] == [[0], [1], [2]]
+    assert [b.tolist() for b in plan_micro_batches(r, torch.arange(3), 8, 9, packed=True)[0]] == [[0, 1], [2]]
+
+
+def test_a_step_cut_by_tokens_and_packed_equals_the_padded_one_pass_step(make_cfg):
+    """Same seed, same samples: the gradient of one optimizer step, packed with a small token budget
+    (many passes), equals the padded single pass's to fp32 rounding, KL term included (the
+    whole-batch normaliser makes it independent of the split)."""
+    from grouprl.trainer import Trainer
+
+    grads, passes = [], []
+    for extra in (dict(padding_free=True, max_tokens_per_micro_batch=40, micro_batch_size=1),
+                  dict(padding_free=False, micro_batch_size=16)):
+        trainer = Trainer(make_cfg(beta=0.04, **extra))
+        assert trainer.packed == extra["padding_free"]
+        trainer.train_step()  # the step's accumulated gradient stays on the parameters
+        grads.append({n: p.grad.clone() for n, p in trainer.model.named_parameters()})
+        passes.append(len(trainer._micro_batches(trainer.sample_batch()[0].rollout)))
+    assert passes[0] > 4 and passes[1] == 1
+    for name, g in grads[1].items():
+        assert float(g.norm()) > 0, name
+        assert float((grads[0][name] - g).norm()) <= 1e-5 * float(g.norm()), name

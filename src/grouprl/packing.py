@@ -15,7 +15,8 @@ the shared-prompt optimisation without a KV cache, so it also works with gradien
     query i of a segment attends to the prefix and to its own positions <= i
 
 Attention runs per segment through `torch.nn.functional.scaled_dot_product_attention`, causal
-(or with a [L, prefix + L] mask for a completion after a shared prompt). It is exact: the same
+(a completion after a shared prompt runs as prompt + completion, of which only the completion's
+outputs are kept: the causal kernel, no mask). It is exact: the same
 positions attend to the same keys as in the padded pass, and the sums differ only by rounding.
 Per-segment calls are the choice on CPU (measured in benchmarks/README.md, "Long completions"):
 they compute sum(L_i^2) scores, where one SDPA call with a block-diagonal mask over the packed
@@ -119,11 +120,13 @@ def packed_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
                                                       is_causal=L > 1, dropout_p=dropout, scale=scaling,
                                                       enable_gqa=gqa))
             continue
-        k = torch.cat([key[:, :, p_start:p_start + p_len], key[:, :, start:start + L]], 2)  # [1, Hkv, p+L, D]
-        v = torch.cat([value[:, :, p_start:p_start + p_len], value[:, :, start:start + L]], 2)
-        allowed = torch.ones(L, p_len + L, dtype=torch.bool, device=q.device).tril(p_len)  # [L, p+L]
-        out.append(F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, dropout_p=dropout, scale=scaling,
-                                                  enable_gqa=gqa))
+        # prefix and own tokens as one causal sequence; only the own queries' outputs are kept (the
+        # prefix's outputs come from its own segment): the causal kernel, no [L, p+L] mask (measured:
+        # 2.4x faster and half the memory of a masked call at L = 4096 on CPU)
+        span = [slice(p_start, p_start + p_len), slice(start, start + L)]
+        q, k, v = (torch.cat([x[:, :, s] for s in span], 2) for x in (query, key, value))  # [1, H|Hkv, p+L, D]
+        out.append(F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout, scale=scaling,
+                                                  enable_gqa=gqa)[:, :, p_len:])
     return torch.cat(out, 2).transpose(1, 2).contiguous()  # [1, S, H, D]
 
 

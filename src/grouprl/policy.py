@@ -109,7 +109,7 @@ def load_tokenizer(name: str, gguf_file: str | None = None):
 
 def load_policy(name: str, *, gguf_file: str | None = None, lora_r: int = 0, lora_alpha: float = 16.0,
                 lora_dropout: float = 0.0, lora_target_modules: str | list[str] = "all-linear",
-                gradient_checkpointing: bool = False, disable_dropout: bool = True) -> torch.nn.Module:
+                gradient_checkpointing: bool | str = False, disable_dropout: bool = True) -> torch.nn.Module:
     """Load a causal LM in fp32 (bf16 runs under autocast) and wrap it with LoRA when asked. With
     `gguf_file`, the model is that GGUF file in the folder (or hub repo) `name`, dequantized."""
     model = AutoModelForCausalLM.from_pretrained(resolve_model_path(name), dtype=torch.float32,
@@ -118,7 +118,7 @@ def load_policy(name: str, *, gguf_file: str | None = None, lora_r: int = 0, lor
     packing.enable(model)  # padding-free passes (packing.py); other uses are unchanged
     if disable_dropout:
         switch_off_dropout(model)
-    if gradient_checkpointing:
+    if gradient_checkpointing is True:  # "auto" checkpoints pass by pass (activation_checkpointing)
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if lora_r:
         model = add_adapter(model, r=lora_r, alpha=lora_alpha, dropout=lora_dropout,
@@ -210,6 +210,13 @@ class MicroBatch:
                 pids, pm, index = pids[first], pm[first], inverse
         return MicroBatch(pids, pm, index, rollout.completion_ids[rows, :T], cm[:, :T], rows)
 
+    def num_tokens(self, packed: bool) -> int:
+        """Tokens the pass computes: packed, the real ones (each distinct prompt once); padded, n x (P' + T')."""
+        if packed:
+            return packing.packed_tokens(self.prompt_mask.sum(-1).tolist(), self.completion_mask.sum(-1).tolist(),
+                                         self.prompt_index.tolist())
+        return len(self.completion_ids) * (self.prompt_ids.shape[1] + self.completion_ids.shape[1])
+
     @property
     def input_ids(self) -> torch.Tensor:
         return torch.cat([self.prompt_ids[self.prompt_index], self.completion_ids], dim=1)  # [n, P'+T']
@@ -249,6 +256,21 @@ def plan_micro_batches(rollout: Rollout, order: torch.Tensor, max_rows: int, max
         over += p + t > max_tokens
     batches.append(order[start:])
     return batches, over
+
+
+@contextlib.contextmanager
+def activation_checkpointing(model: torch.nn.Module, enabled: bool = True):
+    """Transformers' gradient checkpointing (non-reentrant) for the passes inside the block, on
+    `model` (under DDP or PEFT wrappers); a model that checkpoints already is left as it is."""
+    base = base_model(getattr(model, "module", model))
+    if not enabled or base.is_gradient_checkpointing:
+        yield
+        return
+    base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    try:
+        yield
+    finally:
+        base.gradient_checkpointing_disable()
 
 
 def can_share_prompts(model: torch.nn.Module) -> bool:

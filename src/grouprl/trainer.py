@@ -57,8 +57,8 @@ from grouprl.objective import (corrects_sampler, loss_token_weights, policy_loss
                                step_advantages)
 from grouprl.optim import make_optimizer
 from grouprl.packing import supports_packing
-from grouprl.policy import (MicroBatch, Reference, can_share_prompts, check_model_source, completion_logprobs,
-                            load_policy, load_tokenizer, plan_micro_batches)
+from grouprl.policy import (MicroBatch, Reference, activation_checkpointing, can_share_prompts, check_model_source,
+                            completion_logprobs, load_policy, load_tokenizer, plan_micro_batches)
 from grouprl.precision import native_bf16, resolve_bf16
 from grouprl.rewards import RewardScores, process_rewards, resolve_reward_spec, sandbox_mechanism, score_completions
 from grouprl.rollout import Rollout, SamplingParams
@@ -400,10 +400,12 @@ class Trainer:
         normalizer = batch_normalizer(cfg.loss_agg, loss_mask)  # D over the whole (global) batch
         self.optimizer.zero_grad(set_to_none=True)
         sums = UpdateSums()
-        plan = self._micro_batches(rollout)
+        plan, budget = self._micro_batches(rollout), cfg.max_tokens_per_micro_batch
         for i, (rows, weight) in enumerate(plan):
             mb = MicroBatch.from_rollout(rollout, rows, self.share_min_tokens)
-            with D.grad_sync(self.train_model, i == len(plan) - 1):
+            over_budget = budget is not None and mb.num_tokens(self.packed) > budget  # a lone long sequence
+            with D.grad_sync(self.train_model, i == len(plan) - 1), \
+                    activation_checkpointing(self.model, over_budget and cfg.gradient_checkpointing == "auto"):
                 logp, entropy = completion_logprobs(self.train_model, mb, temperature=cfg.temperature,
                                                     autocast_dtype=self.autocast, with_entropy=with_entropy,
                                                     packed=self.packed)

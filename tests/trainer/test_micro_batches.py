@@ -68,3 +68,31 @@ def test_a_completion_longer_than_the_budget_trains_alone_and_is_logged(make_cfg
 def test_bad_budget_is_a_config_error(make_cfg):
     with pytest.raises(ValueError, match="max_tokens_per_micro_batch=0 must be at least 1"):
         Trainer(make_cfg(max_tokens_per_micro_batch=0))
+
+
+def test_auto_checkpointing_applies_to_the_passes_over_the_budget_only(make_cfg):
+    """gradient_checkpointing: auto. Every decoder-layer call of the update records whether the
+    model checkpoints: with a budget no sequence fits, every backward pass checkpoints; with a
+    budget every pass fits, none does; checkpointing leaves the gradient as it was; after the step
+    the model is back to not checkpointing (generation needs its cache)."""
+    from grouprl.lora import base_model
+
+    grads, seen = [], []
+    for budget, mode in ((10_000, "auto"), (12, "auto"), (12, False)):
+        trainer = Trainer(make_cfg(max_tokens_per_micro_batch=budget, micro_batch_size=16, gradient_checkpointing=mode))
+        base = base_model(trainer.model)
+        calls: list[bool] = []
+        layer = base.model.layers[0]
+        layer.register_forward_pre_hook(lambda *_: calls.append(base.is_gradient_checkpointing)
+                                        if torch.is_grad_enabled() else None)
+        trainer.train_step()
+        assert not base.is_gradient_checkpointing
+        seen.append(set(calls))
+        grads.append(torch.cat([p.grad.flatten() for p in trainer.model.parameters()]))
+    assert seen == [{False}, {True}, {False}]
+    assert (grads[1] - grads[2]).norm() <= 1e-5 * grads[2].norm() and grads[2].norm() > 0
+
+
+def test_bad_checkpointing_mode_is_a_config_error(make_cfg):
+    with pytest.raises(ValueError, match="gradient_checkpointing='sometimes' is not one of: auto, true, false"):
+        Trainer(make_cfg(gradient_checkpointing="sometimes"))

@@ -7,11 +7,20 @@ The same math as the `transformers` forward pass of these models, per layer l:
     logits = W_lm · norm(x_L)
 
 computed without the per-step costs of the generic path: the KV cache is one tensor per layer
-allocated once for prompt + max_new_tokens columns (no `torch.cat` per step), the RoPE table is
-built once per call, W_q/W_k/W_v and W_gate/W_up are fused into one matmul each (small models),
-larger models on CPU use weights packed once per call for oneDNN's small-batch matmul, no attention
-mask object is rebuilt per step, and rows that have finished are compacted out of the cache so
-they cost nothing afterwards.
+(no `torch.cat` per step), the RoPE table is built once per call, W_q/W_k/W_v and W_gate/W_up are
+fused into one matmul each (small models), larger models on CPU use weights packed once per call for
+oneDNN's small-batch matmul, no attention mask object is rebuilt per step, and rows that have
+finished are compacted out of the cache so they cost nothing afterwards.
+
+The cache's memory follows the live rows and the tokens fed, not rows x max_new_tokens: it starts
+with the prompt plus CACHE_BLOCK columns and doubles its new-token columns when a step fills it (at
+most prompt + max_new_tokens; the copies add up to less than one final cache), and when finished
+rows leave it holding at most half the rows it has room for, it moves into tensors of the live rows.
+Both moves go one layer at a time, so the old and new caches never coexist whole. For SmolLM2-135M
+(46 KB per row and token in fp32), 16 rows x 4,096 new tokens used to allocate 3 GB up front: on CPU
+only address space in a first call (pages never written are not resident), but all of it on a GPU
+and in a continuation, whose cache is zeroed: 16 second turns that stopped within 31 tokens peaked
+at +3.1 GB RSS before, +0.25 GB now (benchmarks/generation_memory.py --stop-early --second-turn).
 
 `FastDecoder.supports(model)` says whether a model fits (Llama/Qwen2 weights, SiLU MLP, no sliding
 window); the engine falls back to the generic `transformers` path otherwise. A PEFT model with LoRA
@@ -30,6 +39,7 @@ from grouprl.lora import base_model, is_peft_model, merged_weight, mergeable
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
 FUSE_MAX_PARAMS = 20_000_000  # fuse projection weights only for models up to this size (see __init__)
 PACK_MIN_PARAMS = 5_000_000  # on CPU (fp32, or native bf16), models from this size decode with oneDNN-packed weights
+CACHE_BLOCK = 64  # new-token columns of the first KV-cache allocation; each growth doubles them
 
 
 def _pack(w: torch.Tensor) -> torch.Tensor:
@@ -64,7 +74,8 @@ def _can_pack(model: torch.nn.Module, dtype: torch.dtype, n_params: int) -> bool
 
 
 class FastDecoder:
-    """Prefill and single-token decode steps for one `generate` call, over a static KV cache."""
+    """Prefill and single-token decode steps for one `generate` call, over a KV cache that grows
+    with the tokens fed and shrinks with the live rows."""
 
     @staticmethod
     def supports(model: torch.nn.Module) -> bool:
@@ -89,8 +100,9 @@ class FastDecoder:
         return all(hasattr(base, a) for a in ("embed_tokens", "layers", "norm", "rotary_emb"))
 
     def __init__(self, model: torch.nn.Module, dtype: torch.dtype | None = None, fuse: bool | None = None,
-                 pack: bool | None = None):
+                 pack: bool | None = None, cache_block: int | None = None):
         model = base_model(model)  # PEFT: LoRA layers are read as merged weights
+        self.cache_block = cache_block or CACHE_BLOCK  # read here, not at import, so a test can set it
         cfg, base = model.config, model.model
         self.wdtype = model.lm_head.weight.dtype  # the residual stream, norms and RoPE stay in this dtype
         self.dtype = dtype or self.wdtype  # matmuls run in this one
@@ -182,14 +194,31 @@ class FastDecoder:
 
     # ------------------------------------------------------------------ the call
     def _positions(self, mask: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
-        """Size the cache for left-padded prompts `mask` [B, P] plus max_new_tokens, tabulate the
-        rotary cos/sin of every position, and return the prompt tokens' positions [B, P]."""
+        """Size the first cache for left-padded prompts `mask` [B, P] plus a block of new tokens,
+        tabulate the rotary cos/sin of every position up to P + max_new_tokens (one row's worth, not
+        the cache's), and return the prompt tokens' positions [B, P]."""
         P = mask.shape[1]
-        self.P, self.cap = P, P + max_new_tokens
+        self.P, self.max_cap = P, P + max_new_tokens
+        self.cap = P + min(max_new_tokens, self.cache_block)  # columns allocated
         with torch.autocast(mask.device.type, enabled=False):
-            cos, sin = self.rotary(self.embed[:1], torch.arange(self.cap, device=mask.device)[None])  # [1, cap, D]
-        self.cos, self.sin = cos[0].to(self.wdtype), sin[0].to(self.wdtype)  # [cap, D]
+            cos, sin = self.rotary(self.embed[:1], torch.arange(self.max_cap, device=mask.device)[None])  # [1, P+T, D]
+        self.cos, self.sin = cos[0].to(self.wdtype), sin[0].to(self.wdtype)  # [P+T, D]
         return (mask.cumsum(-1) - 1).clamp(min=0)  # [B, P]
+
+    def _reallocate(self, rows: torch.Tensor | slice, cap: int) -> None:
+        """Move the cache into new tensors of `cap` columns holding only `rows` of the current batch
+        (in that order), with the P + t columns fed so far. One layer at a time: besides the new
+        cache, only one layer's old keys or values are alive at any moment."""
+        c = self.P + self.t
+        for cache in (self.k, self.v):
+            for l, old in enumerate(cache):
+                kept = old[rows, :, :c]  # [n', Hkv, c, D]
+                cache[l] = old.new_empty(kept.shape[0], self.Hkv, cap, self.D)
+                cache[l][:, :, :c] = kept
+                del old, kept  # the old layer is freed here, before the next one is allocated
+        valid = self.valid.new_zeros(self.k[0].shape[0], cap)  # [n', cap]
+        valid[:, :c] = self.valid[rows, :c]
+        self.valid, self.cap = valid, cap
 
     def start(self, ids: torch.Tensor, mask: torch.Tensor, G: int, max_new_tokens: int) -> torch.Tensor:
         """Prefill B left-padded prompts ids/mask [B, P] once, repeat each prompt's cache G times,
@@ -284,16 +313,21 @@ class FastDecoder:
         """Keep only `rows` (indices into the current batch) in the cache, in that order."""
         c = self.P + self.t
         n = rows.numel()
-        for l in range(len(self.layers)):
-            self.k[l][:n, :, :c] = self.k[l][rows, :, :c]
-            self.v[l][:n, :, :c] = self.v[l][rows, :, :c]
-        self.valid[:n] = self.valid[rows].clone()
+        if 2 * n <= self.k[0].shape[0]:  # at most half the allocated rows are live: release the rest
+            self._reallocate(rows, self.cap)
+        else:  # compact in place: the rows past n stay allocated, unused
+            for l in range(len(self.layers)):
+                self.k[l][:n, :, :c] = self.k[l][rows, :, :c]
+                self.v[l][:n, :, :c] = self.v[l][rows, :, :c]
+            self.valid[:n] = self.valid[rows].clone()
         self.next_pos = self.next_pos[rows]
         self.n = n
 
     def step(self, tok: torch.Tensor) -> torch.Tensor:
         """Feed one token per active row, tok [n]; returns the next-token logits [n, V] (fp32)."""
         n, col = self.n, self.P + self.t
+        if col == self.cap:  # full: double the new-token columns (amortised copies), at most P + T
+            self._reallocate(slice(0, n), min(self.max_cap, self.P + 2 * (self.cap - self.P)))
         self.valid[:n, col] = True
         pos = self.next_pos
         cos, sin = self.cos[pos][:, None, None], self.sin[pos][:, None, None]  # [n, 1, 1, D]

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from grouprl.tasks.testing import save_tiny_model
+
 ROOT = Path(__file__).resolve().parents[1]
 FILES = sorted(p.relative_to(ROOT).as_posix() for d in ("benchmarks", "scripts") for p in (ROOT / d).glob("*.py"))
 NO_ARGPARSE = {"scripts/sandbox_report.py"}  # runs as it is: its smoke run is below
@@ -33,8 +35,9 @@ def run(*args: str, timeout: float = 300) -> str:
 
 # Each file is either run for real below or --help only, for the reason in the module docstring.
 RUN = {"benchmarks/shared_prompt.py", "benchmarks/process_vs_outcome.py", "benchmarks/multiturn_continuation.py",
-       "benchmarks/head_logprobs.py", "scripts/build_default_policy.py", "scripts/build_tool_policy.py",
-       "scripts/sandbox_report.py"}
+       "benchmarks/head_logprobs.py", "benchmarks/generation_memory.py", "benchmarks/long_completions.py",
+       "scripts/build_default_policy.py",
+       "scripts/build_tool_policy.py", "scripts/sandbox_report.py"}
 HELP_ONLY = {"benchmarks/async_rollouts.py", "benchmarks/vllm_vs_builtin.py", "benchmarks/vs_trl.py",
              "benchmarks/smollm2_step.py", "scripts/fetch_smollm2.py"}
 
@@ -101,3 +104,25 @@ def test_head_logprobs_benchmark_one_round():
               "--hidden", "18", "--repeats", "1", "--rounds", "1", "--threads", "1")
     row = [line for line in out.splitlines() if line.startswith("| 8 |")]
     assert len(row) == 1 and row[0].count("|") == 6
+
+
+def test_generation_memory_benchmark_one_call_per_mode(tmp_path):
+    model = str(save_tiny_model(tmp_path / "tiny"))
+    args = ("--model", model, "--rows", "4", "--group", "2", "--max-new-tokens", "8")
+    every = json.loads(run("benchmarks/generation_memory.py", *args, "--ignore-eos").splitlines()[-1])
+    assert every["tokens"] == 4 * 8 and every["peak_rss_mib"] >= every["rss_before_mib"] > 0
+    early = json.loads(run("benchmarks/generation_memory.py", *args, "--stop-early").splitlines()[-1])
+    assert early["mode"] == "stop_early" and 4 <= early["tokens"] <= 4 * 8
+
+
+def test_long_completions_benchmark_update_only_and_a_real_step(tmp_path):
+    """Both grouprl modes on the tiny model, 4 completions of 8 tokens, the second padded: each
+    prints one JSON line per length with the step's stages and its peak RSS."""
+    model = str(save_tiny_model(tmp_path / "tiny"))
+    args = ("--model", model, "--rows", "4", "--lengths", "8", "--train-data", "builtin:arithmetic/train",
+            "--threads", "1")
+    update = json.loads(run("benchmarks/long_completions.py", *args, "--update-only").splitlines()[-1])
+    assert update["tokens"] == 32 and update["update_only"] and update["peak_rss_gib"] > 0
+    assert set(update["stages"]) >= {"update", "logprobs"}  # beta 0.04: the reference pass
+    step = json.loads(run("benchmarks/long_completions.py", *args, "--set", "padding_free=false").splitlines()[-1])
+    assert step["set"] == {"padding_free": False} and {"generate", "update", "step"} <= set(step["stages"])

@@ -246,7 +246,7 @@ class TrainConfig:
     micro_batch_size: int = 16
     """Completions per forward/backward pass; gradients accumulate to the full-batch gradient. With
     `max_tokens_per_micro_batch` set, the most completions a pass takes."""
-    max_tokens_per_micro_batch: int | None = None
+    max_tokens_per_micro_batch: int | None = 4096
     """Token budget of one forward/backward pass of the update and the log-prob passes: consecutive
     completions (group by group) go into a pass while its tokens stay within the budget (and at
     most micro_batch_size rows). Tokens as the pass computes them: packed (`padding_free`), the real

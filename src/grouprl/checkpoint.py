@@ -34,6 +34,11 @@ def checkpoint_dir(output_dir: str | Path) -> Path:
     return Path(output_dir) / "checkpoints"
 
 
+def checkpoint_path(output_dir: str | Path, step: int) -> Path:
+    """Where the checkpoint of `step` lives (complete once its COMPLETE file exists)."""
+    return checkpoint_dir(output_dir) / f"step-{step:06d}"
+
+
 def list_checkpoints(output_dir: str | Path) -> list[Path]:
     """Complete checkpoints, oldest first."""
     root = checkpoint_dir(output_dir)
@@ -61,7 +66,7 @@ def save_checkpoint(output_dir: str | Path, step: int, *, model: torch.nn.Module
     sharded (FSDP2) model, written in place of the model's own (sharded) tensors."""
     root = checkpoint_dir(output_dir)
     root.mkdir(parents=True, exist_ok=True)
-    final = root / f"step-{step:06d}"
+    final = checkpoint_path(output_dir, step)
     tmp = root / f".tmp-step-{step:06d}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()

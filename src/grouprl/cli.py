@@ -1,12 +1,21 @@
-"""`grouprl train | eval`.
+"""`grouprl train | eval | preflight`.
 
     grouprl train                         the embedded default: the shipped policy learns addition
     grouprl train run.yaml --beta 0.04    a config file, with command-line overrides
     grouprl train run.yaml --resume       continue the run in output_dir from its latest checkpoint
     grouprl eval run.yaml --model runs/x/checkpoints/step-000100/model
+    grouprl preflight run.yaml [--prompts N] [--samples M] [--strict [SHARE]]
+                                          sample the starting policy on N training prompts (64), M
+                                          completions each (G; a multiple of G predicts larger G
+                                          better), and report what GRPO would learn (preflight.py);
+                                          --strict: exit 1 when fewer than SHARE (0.25) of groups teach
     grouprl train --help                  every config field with its documentation
     grouprl vllm-serve MODEL [--tensor-parallel-size K] [--host H] [--port P] [vLLM flags...]
                                           a vLLM server for vllm_mode: server (docs/vllm.md)
+
+A first SIGTERM (preemption) or SIGINT (Ctrl-C) ends `grouprl train` after the current step with a
+checkpoint, prints the command that continues the run, and exits with 128 + the signal's number
+(143, 130); a second signal stops at once, without a checkpoint (signals.py).
 
 Without a config file and without --model, --train_data, --eval_data or --reward_funcs, the
 defaults are those of the embedded task (`grouprl.tasks.DEFAULT_TASK`); otherwise they are
@@ -19,6 +28,8 @@ import argparse
 import json
 import logging
 import os
+import shlex
+import signal
 import sys
 from dataclasses import replace
 
@@ -26,9 +37,11 @@ from grouprl.cli_args import build_config, help_text
 from grouprl.config import ConfigError, TrainConfig
 from grouprl.rewards import RewardFunctionError, SandboxUnavailableError
 from grouprl.rollout.vllm_server import VLLMServerError
+from grouprl.signals import TrainingStopped, exit_code
 
 USAGE = """grouprl train [CONFIG.yaml] [--field value ...] [--resume]
        grouprl eval  [CONFIG.yaml] [--field value ...]
+       grouprl preflight [CONFIG.yaml] [--prompts N] [--samples M] [--strict [SHARE]] [--field value ...]
        grouprl vllm-serve MODEL [--tensor-parallel-size K] [--host H] [--port P] [vLLM flags ...]"""
 
 
@@ -37,10 +50,13 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["vllm-serve"]:
         return vllm_serve(argv[1:])
     parser = argparse.ArgumentParser(prog="grouprl", usage=USAGE, add_help=False)
-    parser.add_argument("command", nargs="?", choices=("train", "eval"))
+    parser.add_argument("command", nargs="?", choices=("train", "eval", "preflight"))
     parser.add_argument("config", nargs="?")
     parser.add_argument("--resume", action="store_true")
     parser.add_argument("-h", "--help", action="store_true")
+    checks = argparse.Namespace(prompts=64, samples=None, strict=None)
+    if argv[:1] == ["preflight"]:  # its own options, taken first: `--prompts 8` must not become the config
+        checks, argv = _preflight_options(argv)
     args, overrides = parser.parse_known_args(argv)
     if args.config is not None and args.config.startswith("--"):  # `grouprl train --beta 0`
         overrides.insert(0, args.config)
@@ -60,7 +76,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = build_config(args.config, overrides)
         if args.command == "train":
-            return _train(cfg, resume=args.resume)
+            return _train(cfg, resume=args.resume, again=resume_command(argv))
+        if args.command == "preflight":
+            return _preflight(cfg, checks.prompts, checks.samples, checks.strict)
         return _eval(cfg)
     except (ConfigError, ValueError, FileNotFoundError, SandboxUnavailableError) as e:
         print(f"grouprl {args.command}: error: {e}", file=sys.stderr)
@@ -75,6 +93,12 @@ def main(argv: list[str] | None = None) -> int:
               "reward function (or set reward_fallback to score failures with a fixed value) and "
               "continue with --resume.", file=sys.stderr)
         return 1
+    except KeyboardInterrupt as e:  # a second signal during training (StopNow), or Ctrl-C outside it
+        signum = getattr(e, "signum", signal.SIGINT)
+        hint = f"; checkpoints written before are intact, and this continues from the latest:\n  {resume_command(argv)}"
+        print(f"grouprl {args.command}: stopped at once by {signum.name}, without a checkpoint"
+              f"{hint if args.command == 'train' else ''}", file=sys.stderr)
+        return exit_code(signum)
 
 
 class _StderrHandler(logging.Handler):
@@ -84,15 +108,19 @@ class _StderrHandler(logging.Handler):
         print(f"grouprl: {record.getMessage()}", file=sys.stderr)
 
 
-def _train(cfg: TrainConfig, *, resume: bool) -> int:
+def _train(cfg: TrainConfig, *, resume: bool, again: str) -> int:
+    """`again`: the command that continues this run, printed if a signal stops it."""
     from grouprl.distributed import barrier, destroy_distributed, init_distributed
     from grouprl.trainer import Trainer
 
     ctx = init_distributed()  # under torchrun: one process group for the run (docs/distributed.md)
-    trainer = None
+    trainer, stopped = None, None
     try:
         trainer = Trainer(cfg)
-        summary = trainer.train(resume=resume)
+        try:
+            summary = trainer.train(resume=resume)
+        except TrainingStopped as e:  # every rank stopped after the same step
+            stopped = e
         # every rank tears its process group down together: a gloo rank that left while rank 0 still
         # wrote the summary was seen to hang the other at exit (once in three full test runs)
         barrier(ctx)
@@ -100,9 +128,26 @@ def _train(cfg: TrainConfig, *, resume: bool) -> int:
         if trainer is not None:
             trainer.close()  # before the process group goes: vLLM tears its groups down with it
         destroy_distributed()
+    if stopped is not None:
+        if ctx.is_main:
+            print(f"grouprl train: stopped by {stopped.signum.name} after step {stopped.step}; checkpoint "
+                  f"{stopped.checkpoint}\ncontinue with:\n  {again}", file=sys.stderr)
+        return exit_code(stopped.signum)
     if ctx.is_main:
         print(_summary_text(summary, cfg.output_dir))
     return 0
+
+
+def resume_command(argv: list[str]) -> str:
+    """The command that continues this run: its own arguments with --resume, under torchrun with the
+    launcher (one machine: its exact command; several: the flags each machine was started with)."""
+    args = shlex.join([*[a for a in argv if a != "--resume"], "--resume"])
+    world, local = os.environ.get("WORLD_SIZE", "1"), os.environ.get("LOCAL_WORLD_SIZE", "1")
+    if world == "1":
+        return f"grouprl {args}"
+    if world == local:
+        return f"torchrun --nproc-per-node {local} -m grouprl {args}"
+    return f"torchrun <this run's flags, on every machine> -m grouprl {args}"
 
 
 def _eval(cfg: TrainConfig) -> int:
@@ -123,6 +168,46 @@ def _eval(cfg: TrainConfig) -> int:
         destroy_distributed()
     if ctx.is_main:
         print(json.dumps(result, indent=2))
+    return 0
+
+
+def _preflight_options(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    """`--prompts N`, `--samples M` and `--strict [SHARE]` out of a preflight command line; the rest is left."""
+    parser = argparse.ArgumentParser(prog="grouprl preflight", add_help=False, allow_abbrev=False)
+    parser.add_argument("--prompts", type=int, default=64)
+    parser.add_argument("--samples", type=int)
+    parser.add_argument("--strict", type=float, nargs="?", const=0.25)
+    return parser.parse_known_args(argv)
+
+
+def _preflight(cfg: TrainConfig, num_prompts: int, samples: int | None, strict: float | None) -> int:
+    from grouprl.distributed import destroy_distributed, init_distributed
+    from grouprl.preflight import check_counts, table
+    from grouprl.trainer import Trainer
+
+    check_counts(num_prompts, samples, cfg.num_generations)  # before a model loads
+    if strict is not None and not 0 <= strict <= 1:
+        raise ConfigError(f"--strict {strict}: the share of groups that must teach is between 0 and 1 "
+                          "(default 0.25)")
+    ctx = init_distributed()  # under torchrun every rank samples its share of the prompts
+    trainer = None
+    try:
+        trainer = Trainer(cfg)
+        report = trainer.preflight(num_prompts, samples)
+    finally:
+        if trainer is not None:
+            trainer.close()
+        destroy_distributed()
+    teaching = report["total"]["teaching_share"]
+    if ctx.is_main:
+        print(table(report))
+        print(f"written to {cfg.output_dir}: preflight.json, preflight.png")
+    if strict is not None and teaching < strict:
+        if ctx.is_main:
+            print(f"grouprl preflight: error: only {teaching:.1%} of groups would teach (rewards not all equal "
+                  f"at G={cfg.num_generations}), below --strict {strict:g}: follow the recommendations above "
+                  "(a larger num_generations, a prompt filter), or lower the threshold", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -27,7 +27,11 @@ Deliberate choices:
   through the background producer (rollout/producer.py);
 - under torchrun each rank generates and scores whole groups, then the scored batch is gathered
   so every rank computes advantages and DAPO decisions on the global batch and runs its share of
-  the micro-batches (grouprl/distributed.py explains why the update does not depend on K).
+  the micro-batches (grouprl/distributed.py explains why the update does not depend on K);
+- an optimizer step whose loss or gradient norm is not finite is skipped (weights and optimizer
+  state unchanged, one warning, `skipped_nonfinite` in the metrics); the scheduler still steps, so
+  the learning rate stays a function of the step;
+- a first SIGTERM or SIGINT ends the run after the current step with a checkpoint (signals.py).
 """
 
 from __future__ import annotations
@@ -36,10 +40,12 @@ import contextlib
 import logging
 import math
 import random
+import signal
 import time
+import warnings
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, NoReturn
 
 import numpy as np
 import torch
@@ -47,8 +53,8 @@ from datasets import Dataset
 
 from grouprl import distributed as D
 from grouprl.batch import StepBatch
-from grouprl.checkpoint import (latest_checkpoint, load_checkpoint, read_checkpoint, restore_rng_states, rng_states,
-                                save_checkpoint)
+from grouprl.checkpoint import (checkpoint_path, latest_checkpoint, load_checkpoint, read_checkpoint,
+                                restore_rng_states, rng_states, save_checkpoint)
 from grouprl.config import ConfigError, TrainConfig
 from grouprl.core import batch_normalizer, overlong_penalty, policy_loss, zero_std_groups
 from grouprl.data import PromptBatch, PromptFormatter, PromptSampler, completion_objects, load_datasets
@@ -60,11 +66,13 @@ from grouprl.packing import supports_packing
 from grouprl.policy import (MicroBatch, Reference, activation_checkpointing, can_share_prompts, check_model_source,
                             completion_logprobs, load_policy, load_tokenizer, plan_micro_batches)
 from grouprl.precision import native_bf16, resolve_bf16
+from grouprl.preflight import run as run_preflight
 from grouprl.rewards import RewardScores, process_rewards, resolve_reward_spec, sandbox_mechanism, score_completions
 from grouprl.rollout import Rollout, SamplingParams
 from grouprl.rollout.producer import Produced, RolloutProducer
 from grouprl.rollout.types import Trajectories
 from grouprl.runlog import Progress, RunLogger
+from grouprl.signals import StopSignals, TrainingStopped
 from grouprl.stats import EvalSums, SampleTally, Timings, UpdateSums, batch_metrics
 
 logger = logging.getLogger(__name__)
@@ -156,6 +164,7 @@ class Trainer:
         self.evals: dict[str, Any] = {}
         self.logger: RunLogger | None = None  # train() opens it; train_step alone writes nothing
         self._warned_over_budget = False  # a sequence above max_tokens_per_micro_batch was logged
+        self._eval_pending = False  # a signal stopped the run before the eval due at this step
 
     @property
     def cfg(self) -> TrainConfig:
@@ -168,6 +177,9 @@ class Trainer:
 
     # ------------------------------------------------------------------ the loop
     def train(self, *, resume: bool = False) -> dict[str, Any]:
+        """Train to max_steps (resume: continue the run in output_dir) and return the summary. The
+        first SIGTERM or SIGINT ends the run after the current step, with a checkpoint, and raises
+        `TrainingStopped`; a second stops at once (signals.py)."""
         cfg, out = self.cfg, Path(self.cfg.output_dir)
         if resume:
             self._resume()
@@ -181,17 +193,28 @@ class Trainer:
         self.logger = RunLogger(out, resume_step=self.step, tensorboard=cfg.report_to_tensorboard,
                                 enabled=main)
         progress = Progress(cfg.max_steps, self.step, cfg.progress and main, silent=not main)
-        if "eval_before" not in self.evals and self.eval_ds is not None:
-            self.evals["eval_before"] = self._log_eval(0, progress)
-        while self.step < cfg.max_steps:
-            metrics = self.train_step()
-            self.logger.log(self.step, metrics, tensorboard=self.step % cfg.logging_steps == 0)
-            progress.update(metrics)
-            if cfg.eval_steps and self.step % cfg.eval_steps == 0 and self.step < cfg.max_steps \
-                    and self.eval_ds is not None:
+        saved = self.step if resume else None  # the step whose checkpoint is on disk
+        signum = None  # the signal all ranks agreed to stop on
+        with StopSignals() as stop:  # looked for (one tiny all-reduce) after each step, and after its eval/save
+            if "eval_before" not in self.evals and self.eval_ds is not None:
+                self.evals["eval_before"] = self._log_eval(0, progress)
+            if self._eval_pending:  # the run stopped before the eval due at its last step: made up here
+                self._eval_pending, saved = False, None  # the checkpoint on disk still says pending
                 self._log_eval(self.step, progress)
-            if cfg.save_steps and self.step % cfg.save_steps == 0 and self.step < cfg.max_steps:
-                self.save()
+            while self.step < cfg.max_steps and not (signum := stop.requested(self.dist)):
+                metrics = self.train_step()
+                self.logger.log(self.step, metrics, tensorboard=self.step % cfg.logging_steps == 0)
+                progress.update(metrics)
+                if signum := stop.requested(self.dist):  # before the eval: a preempted run has little time left
+                    self._eval_pending = self._eval_due()
+                    break
+                if self._eval_due():
+                    self._log_eval(self.step, progress)
+                if cfg.save_steps and self.step % cfg.save_steps == 0 and self.step < cfg.max_steps:
+                    self.save()
+                    saved = self.step
+            if signum:
+                self._stop(signum, progress, saved)
         if self.eval_ds is not None:
             self.evals["eval_after"] = self._log_eval(self.step, progress)
         progress.close()
@@ -201,6 +224,23 @@ class Trainer:
         self.logger.plot_curves()
         self.logger.close()
         return summary
+
+    def _eval_due(self) -> bool:
+        """The periodic eval runs after this step (not after the last: eval_after does)."""
+        return bool(self.cfg.eval_steps and self.step % self.cfg.eval_steps == 0 and self.step < self.cfg.max_steps
+                    and self.eval_ds is not None)
+
+    def _stop(self, signum: signal.Signals, progress: Progress, saved: int | None) -> NoReturn:
+        """The end of a run stopped by a signal: this step's checkpoint (unless written just
+        before), summary.json (with `stopped_by`) and curves; then `TrainingStopped`. No eval_after:
+        the run is not over, and a preempted run has little time."""
+        progress.close()
+        path = checkpoint_path(self.cfg.output_dir, self.step) if saved == self.step else self.save()
+        summary = {**self.logger.summary(self.step, self.evals), "stopped_by": signum.name}
+        self.logger.write_json("summary.json", summary)
+        self.logger.plot_curves()
+        self.logger.close()
+        raise TrainingStopped(signum, self.step, path)
 
     def train_step(self) -> dict[str, Any]:
         """One GRPO step (`self.step` advances by one); returns its metrics (`train` writes them to
@@ -325,12 +365,14 @@ class Trainer:
         is_weights, is_metrics = (sampler_weights(cfg, batch.rollout, D.all_reduce_tensor(self.dist, old_logp))
                                   if correct else (None, {}))  # old_logp summed over ranks: the whole batch
         stats: dict[str, float] = {}
+        skipped = 0  # optimizer steps skipped for a non-finite loss or gradient
         with timings.stage("update"):
             for it in range(cfg.num_iterations):  # the first pass's entropy is the one reported
                 step = self._optimizer_step(batch.rollout, advantages, loss_mask, old_logp, ref_logp, is_weights,
                                             with_entropy=it == 0 or cfg.top_entropy_quantile < 1)
+                skipped += step.pop("skipped_nonfinite")
                 stats = step if it == 0 else {**stats, **{k: v for k, v in step.items() if k != "entropy"}}
-        return {**stats, **is_metrics}
+        return {**stats, **is_metrics, "skipped_nonfinite": skipped}
 
     def sync_weights(self) -> None:
         """Send the policy's current weights to an engine that keeps its own copy (vLLM); async
@@ -395,7 +437,12 @@ class Trainer:
                         is_weights: torch.Tensor | None, with_entropy: bool) -> dict[str, float]:
         """One optimizer step over the whole batch, accumulated over micro-batches (and ranks).
         The normaliser counts the whole (global) batch; DDP/FSDP2 average gradients over the K
-        ranks, so each rank's loss is scaled by K to make the result their sum."""
+        ranks, so each rank's loss is scaled by K to make the result their sum.
+
+        A non-finite loss or gradient norm skips the step: weights and optimizer state stay as they
+        were (`skipped_nonfinite` = 1). The scheduler still steps: the learning rate follows the step
+        count (max_steps * num_iterations slots), so a skipped step spends its slot and the schedule,
+        the logged `lr` and a resume stay aligned with the steps."""
         cfg, K = self.cfg, self.dist.world_size
         normalizer = batch_normalizer(cfg.loss_agg, loss_mask)  # D over the whole (global) batch
         self.optimizer.zero_grad(set_to_none=True)
@@ -426,11 +473,25 @@ class Trainer:
             sums.add(weight, loss.item(), {**stats, **mask_stats},
                      None if entropy is None else float(entropy[acts].sum()))
         params = [p for p in self.model.parameters() if p.requires_grad]
+        # both are global, so every rank decides alike: the norm is taken over gradients DDP already
+        # summed (FSDP2: reduced over the shards), the loss is summed over ranks
         grad_norm = D.local_value(torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm or math.inf))
-        self.optimizer.step()
-        self.weights_version += 1
-        self.scheduler.step()
-        return sums.result(D.all_reduce_sums(self.dist, sums.sums), int(rollout.action_mask.sum()), grad_norm)
+        reduced = D.all_reduce_sums(self.dist, sums.sums)
+        nonfinite = [name for name, v in (("loss", reduced["loss"]), ("grad norm", grad_norm)) if not math.isfinite(v)]
+        if nonfinite:
+            self.optimizer.zero_grad(set_to_none=True)  # the NaN/inf gradients go; weights and Adam moments stay
+            if self.dist.is_main:
+                logger.warning("step %d: non-finite %s (loss %s, grad norm %s): optimizer step skipped, weights and "
+                               "optimizer state unchanged", self.step, " and ".join(nonfinite), reduced["loss"],
+                               grad_norm)
+        else:
+            self.optimizer.step()
+            self.weights_version += 1
+        with warnings.catch_warnings():  # after a skipped first step torch warns that the scheduler led: meant
+            warnings.filterwarnings("ignore", "Detected call of `lr_scheduler", UserWarning)
+            self.scheduler.step()
+        return {**sums.result(reduced, int(rollout.action_mask.sum()), grad_norm),
+                "skipped_nonfinite": int(bool(nonfinite))}
 
     def _log_samples(self, batch: StepBatch, advantages: torch.Tensor) -> None:
         cfg = self.cfg
@@ -457,6 +518,14 @@ class Trainer:
             sums.add(self.score(prompts, self.generate(prompts, greedy=True)))
         return sums.result(D.all_reduce_sums(self.dist, sums.sums), len(ds))
 
+    def preflight(self, num_prompts: int = 64, samples_per_prompt: int | None = None) -> dict[str, Any]:
+        """Sample G completions (or `samples_per_prompt`, a multiple of G) for `num_prompts` training
+        prompts with the current policy and report what GRPO would learn from them (zero-variance
+        groups now and predicted by G, prompt difficulty, reward correlations, lengths, time per
+        step, recommendations); rank 0 writes preflight.json and preflight.png into output_dir.
+        preflight.py explains every number."""
+        return run_preflight(self, num_prompts, samples_per_prompt)
+
     def _log_eval(self, step: int, progress: Progress) -> dict[str, float]:
         t0 = time.perf_counter()
         result = self.evaluate()
@@ -476,9 +545,9 @@ class Trainer:
         state = {
             "step": self.step, "sampler": self.sampler.state_dict(), "evals": self.evals,
             "optimizer": optimizer_state, "scheduler": self.scheduler.state_dict(), "rng": rng[0],
-            "rng_by_rank": rng, "sharded_optimizer": D.is_sharded(self.model),
+            "rng_by_rank": rng, "sharded_optimizer": D.is_sharded(self.model), "eval_pending": self._eval_pending,
         }
-        path = Path(self.cfg.output_dir) / "checkpoints" / f"step-{self.step:06d}"
+        path = checkpoint_path(self.cfg.output_dir, self.step)
         if self.dist.is_main:
             path = save_checkpoint(self.cfg.output_dir, self.step, model=self.model, tokenizer=self.tokenizer,
                                    state=state, ref_model=ref_model, keep=self.cfg.save_total_limit,
@@ -510,6 +579,7 @@ class Trainer:
         self.sampler.load_state_dict(state["sampler"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.evals = state["evals"]
+        self._eval_pending = state.get("eval_pending", False)
         restore_rng_states(state.get("rng_by_rank", [state["rng"]]), self.dist.rank, self.dist.world_size,
                            self.generator, fresh_seed=self.cfg.seed + self.dist.rank + 1_000_003 * self.step)
         self.weights_version += 1  # the checkpoint's weights replaced the initial ones

@@ -1,0 +1,244 @@
+"""`grouprl preflight` / `Trainer.preflight`: the statistics against hand-worked numbers and brute
+force, the report against the samples it came from, the command line end to end."""
+
+import itertools
+import json
+import math
+from fractions import Fraction
+from pathlib import Path
+
+import pytest
+import torch
+
+from grouprl import preflight as P
+from grouprl.cli import main
+from grouprl.trainer import Trainer
+from tests.distributed.launch import torchrun
+
+
+def binary_reward(prompts, completions, **kwargs):
+    """1 when the completion holds a digit: an accuracy-like reward of the tiny random policy."""
+    return [float(any(c.isdigit() for c in text)) for text in completions]
+
+
+def never(prompts, completions, **kwargs):
+    return [0.0 for _ in completions]
+
+
+# ---------------------------------------------------------------------- pure statistics
+def test_predicted_zero_variance_hand_worked():
+    """Three prompts, n = 4 binary scores each: k = 4, 1, 2 passes.
+
+    G = 2 (unbiased, C(k,2)+C(4-k,2) over C(4,2) = 6): 6/6 = 1, (0+3)/6 = 1/2, (1+1)/6 = 1/3;
+      mean (1 + 1/2 + 1/3)/3 = 11/18.
+    G = 4 = n: only the all-equal prompt: 1, 0, 0; mean 1/3 (the observed share of all-equal groups).
+    G = 8 > n (plug-in p^8 + (1-p)^8): 1, (1/4)^8 + (3/4)^8 = 6562/65536, 2 (1/2)^8 = 512/65536;
+      mean (65536 + 6562 + 512) / (3 * 65536) = 72610/196608.
+    """
+    scores = torch.tensor([[1., 1., 1., 1.], [0., 1., 0., 0.], [1., 0., 0., 1.]])  # [B=3, n=4]
+    predicted = P.predicted_zero_variance(scores, [2, 4, 8])
+    assert predicted[2] == (pytest.approx(11 / 18, abs=1e-12), "unbiased")
+    assert predicted[4] == (pytest.approx(1 / 3, abs=1e-12), "unbiased")
+    assert predicted[8] == (pytest.approx(72610 / 196608, abs=1e-12), "plug-in")
+    probs, _ = P.all_equal_probability(scores, 2)
+    assert probs.shape == (3,) and probs.tolist() == pytest.approx([1, 1 / 2, 1 / 3], abs=1e-12)
+
+
+def test_predicted_zero_variance_of_a_non_binary_reward():
+    """Scores 0, .5, .5, 1 (n = 4) at G = 2: only the two 0.5s form an all-equal pair, 1 of the
+    C(4,2) = 6 pairs: 1/6. A binary pass/fail view (score > 0: k = 3) would say (3 + 0)/6 = 1/2."""
+    probs, estimator = P.all_equal_probability(torch.tensor([[0., .5, .5, 1.]]), 2)
+    assert estimator == "unbiased" and probs.tolist() == pytest.approx([1 / 6], abs=1e-12)
+
+
+@pytest.mark.parametrize("row", [[0, 0, 1, 2, 2, 2], [1, 1, 1, 1, 0, 2], [0, 1, 2, 0, 1, 2]])
+def test_estimator_is_the_share_of_all_equal_subsets(row):
+    """For G <= n the estimate is the share of the C(n, G) subsets of the n samples whose G scores
+    are all equal, counted here by enumerating every subset."""
+    scores = torch.tensor([row], dtype=torch.float32)  # [1, n=6]
+    for G in range(1, 7):
+        subsets = list(itertools.combinations(row, G))
+        brute = sum(len(set(s)) == 1 for s in subsets) / len(subsets)
+        assert P.all_equal_probability(scores, G)[0].item() == pytest.approx(brute, abs=1e-12)
+
+
+def test_estimator_is_unbiased_and_the_plug_in_is_not():
+    """Scores 0, 1, 2 with probabilities 1/2, 3/10, 1/5, n = 4 samples. Enumerating all 3^4 sample
+    outcomes with their probabilities: the estimator's expectation is exactly sum_v p_v^G for
+    G <= 4; beyond n the plug-in sum_v (k_v/n)^G overestimates it (convexity)."""
+    p = {0: Fraction(1, 2), 1: Fraction(3, 10), 2: Fraction(1, 5)}
+    outcomes = list(itertools.product(p, repeat=4))
+    scores = torch.tensor(outcomes, dtype=torch.float32)  # [81, 4]
+    weights = [math.prod(p[v] for v in o) for o in outcomes]
+    for G in (1, 2, 3, 4, 6):
+        probs, estimator = P.all_equal_probability(scores, G)  # [81]
+        expected = sum(float(w) * q for w, q in zip(weights, probs.tolist()))
+        true = float(sum(q ** G for q in p.values()))
+        if G <= 4:
+            assert estimator == "unbiased" and expected == pytest.approx(true, abs=1e-12)
+        else:
+            assert estimator == "plug-in" and expected > true + 1e-3
+
+
+def test_difficulty_and_pass_counts():
+    """Passes (score > 0, NaN = abstained is no pass) of 4 prompts, n = 3: 3, 0, 1, 1 -> one too
+    easy, one too hard, two informative; histogram of passes 0..3: [1, 2, 0, 1]."""
+    scores = torch.tensor([[1., .5, 2.], [0., -1., math.nan], [1., 0., math.nan], [0., 0., 3.]])  # [4, 3]
+    passes = P.pass_counts(scores)
+    assert passes.tolist() == [3, 0, 1, 1]
+    assert P.difficulty(passes, 3) == {"too_easy": .25, "too_hard": .25, "informative": .5,
+                                      "pass_count_histogram": [1, 2, 0, 1]}
+
+
+def test_within_group_correlation_hand_worked():
+    """One group of 3: a = 2, 0, 1 centres to 1, -1, 0; b = 1, 0, 0 to 2/3, -1/3, -1/3.
+    r = (2/3 + 1/3 + 0) / sqrt(2 * 2/3) = sqrt(3)/2. Opposed rewards give -1; a reward constant
+    within every group (a different constant per group) has no correlation (None). Group offsets
+    do not count: a = (1, 0), (3, 2) and b = (1, 0), (1, 0) both centre to .5, -.5 per group: r = 1
+    (centred on the batch mean instead it would be 1/sqrt(5))."""
+    r = P.within_group_correlation(torch.tensor([[2., 0., 1.]]), torch.tensor([[1., 0., 0.]]))
+    assert r == pytest.approx(math.sqrt(3) / 2, abs=1e-12)
+    offset = P.within_group_correlation(torch.tensor([[1., 0.], [3., 2.]]), torch.tensor([[1., 0.], [1., 0.]]))
+    assert offset == pytest.approx(1.0, abs=1e-12)
+    a = torch.tensor([[1., 0.], [0., 1.]])  # [2, 2]
+    assert P.within_group_correlation(a, 1 - a) == pytest.approx(-1.0, abs=1e-12)
+    assert P.within_group_correlation(a, torch.tensor([[3., 3.], [5., 5.]])) is None
+
+
+def test_length_stats_hand_worked():
+    """Lengths 1, 2, 3, 4, 10: mean 4, p50 3, p90 at rank 0.9 * 4 = 3.6: 4 + 0.6 * (10 - 4) = 7.6;
+    one of five truncated."""
+    stats = P.length_stats(torch.tensor([1, 2, 3, 4, 10]), torch.tensor([False, False, False, False, True]))
+    assert stats == pytest.approx({"mean": 4.0, "p50": 3.0, "p90": 7.6, "max": 10, "truncation_rate": 0.2})
+
+
+def test_update_passes():
+    """mu = 2, beta > 0, old log-probs: 2 * 3 + 1 + 1 = 8; with gradient checkpointing 2 * 4 + 2 = 10."""
+    assert P.update_passes(1, False, False, False) == 3
+    assert P.update_passes(2, True, True, False) == 8
+    assert P.update_passes(2, True, True, True) == 10
+
+
+def _samples(per_func: dict[str, list[list[float]]], truncated: float = 0.0) -> P.Samples:
+    total = sum(torch.tensor(v) for v in per_func.values())  # [B, n] weights 1
+    N = total.numel()
+    cut = int(truncated * N)
+    return P.Samples({k: torch.tensor(v) for k, v in per_func.items()}, total, torch.full((N,), 5),
+                     torch.tensor([True] * cut + [False] * (N - cut)), [total.shape[0]], [1.0], [0.5], 0.25)
+
+
+def test_summary_and_recommendations_from_fixed_samples(make_cfg):
+    """G = 4, four prompts, n = 4. acc passes 4, 0, 0, 1 times; `brevity` is 1 - acc (opposed).
+    Total = acc + brevity = 1 everywhere: no group teaches. Per function: zero-variance share
+    3/4 (the prompt with one pass varies); pass rates 5/16 and 11/16; too easy 1/4, too hard 1/2
+    -> a prompt filter; temperature 0.7 with 3/4 too easy or hard -> raise it; 50 % truncated ->
+    longer completions; r = -1 -> check the weights; n = G = 4 -> sample more to judge a larger G.
+    Timing: 1 s for 16 completions, a step is 4 * 4 = 16: 1 s generate, 0.5 s rewards, update
+    3 passes * 0.25 s; step 2.25 s, run 3 steps 6.75 s."""
+    acc = [[1., 1., 1., 1.], [0., 0., 0., 0.], [0., 0., 0., 0.], [0., 1., 0., 0.]]
+    s = _samples({"acc": acc, "brevity": [[1 - x for x in row] for row in acc]}, truncated=0.5)
+    report = P.summarize(s, make_cfg(temperature=0.7, max_steps=3))
+    assert report["rewards"]["acc"]["pass_rate"] == 5 / 16 and report["rewards"]["brevity"]["pass_rate"] == 11 / 16
+    assert report["rewards"]["acc"]["zero_variance_share"] == 0.75
+    assert report["total"]["teaching_share"] == 0.0 and report["total"]["mean"] == 1.0
+    assert report["difficulty"] == {"reward": "acc", "too_easy": .25, "too_hard": .5, "informative": .25,
+                                    "pass_count_histogram": [2, 1, 0, 0, 1]}
+    assert report["correlations"] == [{"a": "acc", "b": "brevity", "r": pytest.approx(-1.0)}]
+    timing = report["timing"]
+    assert (timing["generate_step_s"], timing["reward_step_s"], timing["update_step_s"]) == (1.0, 0.5, 0.75)
+    assert timing["step_s"] == 2.25 and timing["run_s"] == 6.75
+    advice = " | ".join(r["advice"] for r in report["recommendations"])
+    for expected in ("--samples 32", "filter the prompts", "raise temperature from 0.7",
+                     "raise max_completion_length above 12", "check the weights of acc and brevity"):
+        assert expected in advice
+    assert all(r["reason"] for r in report["recommendations"])
+
+
+def test_raise_g_is_recommended_when_more_samples_show_it_helps(make_cfg):
+    """G = 2, n = 8 samples per prompt, each prompt passing once in 8. At G = 2 the observed groups
+    (4 per prompt) are 1, 0, 0, 0 / 0, 0, 0, 0 ...: 3 of 4 all-equal, 25 % teach. Predicted at G = 8
+    (unbiased, n = 8): (C(1,8) + C(7,8)) / C(8,8) = 0: every group teaches -> raise G; G = 4 is
+    the first size that gains 10 points: (C(7,4) = 35) / 70 = 1/2 all-equal, 50 % teach."""
+    s = _samples({"acc": [[1., 0., 0., 0., 0., 0., 0., 0.]] * 2})
+    report = P.summarize(s, make_cfg(num_generations=2))
+    assert report["total"]["zero_variance_share"] == 0.75
+    assert report["total"]["predicted_zero_variance_share"]["4"] == pytest.approx(0.5)
+    assert report["total"]["predicted_zero_variance_share"]["8"] == 0.0
+    assert report["estimators"] == {"2": "unbiased", "4": "unbiased", "8": "unbiased", "16": "plug-in",
+                                    "32": "plug-in"}
+    assert report["recommendations"][0]["advice"] == "raise num_generations to 4"
+
+
+# ---------------------------------------------------------------------- on the tiny policy
+def test_preflight_report_matches_its_samples(make_cfg, tmp_path):
+    """The report of a real preflight on the tiny policy agrees with the samples it drew: the
+    observed zero-variance share at G is the share of all-equal groups (also with 8 samples per
+    prompt: two groups each), the predicted share at G = n is the same number, pass rate and mean
+    follow the scores. Existing checkpoints in output_dir are left alone."""
+    cfg = make_cfg(reward_funcs=["tests.trainer.test_preflight:binary_reward",
+                                 "tests.trainer.conftest:digit_fraction"], num_generations=4)
+    ckpt = Path(cfg.output_dir) / "checkpoints" / "step-000001"
+    ckpt.mkdir(parents=True)
+    (ckpt / "marker").write_text("kept")
+    trainer = Trainer(cfg)
+    s = P.sample(trainer, 10)
+    assert s.total.shape == (10, 4) and s.per_func["binary_reward"].shape == (10, 4)
+    assert s.lengths.shape == (40,) and s.chunk_prompts == [4, 4, 2]
+    report = P.summarize(s, cfg)
+    flat = [len(set(row)) == 1 for row in s.total.tolist()]  # per group of 4
+    assert report["total"]["zero_variance_share"] == sum(flat) / 10
+    assert report["total"]["predicted_zero_variance_share"]["4"] == pytest.approx(sum(flat) / 10, abs=1e-12)
+    binary = s.per_func["binary_reward"]
+    assert report["rewards"]["binary_reward"]["pass_rate"] == pytest.approx(binary.mean().item())
+    assert report["rewards"]["digit_fraction"]["mean"] == pytest.approx(s.per_func["digit_fraction"].mean().item())
+    assert sum(report["difficulty"]["pass_count_histogram"]) == 10
+    assert report["lengths"]["max"] <= cfg.max_completion_length
+
+    more = P.sample(trainer, 3, samples_per_prompt=8)  # two groups of G = 4 per prompt
+    assert more.total.shape == (3, 8) and more.chunk_prompts == [3]
+    groups = more.total.view(6, 4).tolist()
+    assert P.summarize(more, cfg)["total"]["zero_variance_share"] == sum(len(set(g)) == 1 for g in groups) / 6
+
+    written = trainer.preflight(num_prompts=10)
+    out = Path(cfg.output_dir)
+    on_disk = json.loads((out / "preflight.json").read_text())
+    assert on_disk["num_prompts"] == 10 and on_disk == json.loads(json.dumps(written))
+    assert (out / "preflight.png").stat().st_size > 0 and (ckpt / "marker").read_text() == "kept"
+
+
+def test_cli_preflight_writes_the_report_and_strict_fails(make_cfg, tmp_path, capsys):
+    """In-process CLI: the report is written and printed; `never` scores 0 everywhere, so no group
+    teaches, and --strict (0.25) exits 1 naming the share; --prompts 0 and --samples 6 (not a
+    multiple of G = 4) are refused before any model loads."""
+    cfg = make_cfg(reward_funcs=["tests.trainer.test_preflight:never"])
+    path = tmp_path / "run.yaml"
+    cfg.save_yaml(path)
+    assert main(["preflight", str(path), "--prompts", "4"]) == 0
+    out = capsys.readouterr().out
+    report = json.loads((Path(cfg.output_dir) / "preflight.json").read_text())
+    assert report["num_prompts"] == 4 and report["total"]["teaching_share"] == 0.0
+    assert "groups that teach at G=4: 0.0%" in out and "preflight.json" in out
+
+    assert main(["preflight", str(path), "--prompts", "4", "--strict"]) == 1
+    assert "only 0.0% of groups would teach" in capsys.readouterr().err
+    assert main(["preflight", str(path), "--prompts", "4", "--strict", "0"]) == 0
+
+    assert main(["preflight", str(path), "--prompts", "0"]) == 2
+    assert "--prompts 0: preflight needs at least one prompt" in capsys.readouterr().err
+    assert main(["preflight", str(path), "--samples", "6"]) == 2
+    assert "a multiple of num_generations=4" in capsys.readouterr().err
+    assert main(["train", str(path), "--prompts", "4"]) == 2  # not a train option
+
+
+def test_preflight_under_torchrun_rank_0_writes_the_whole_report(make_cfg, tmp_path):
+    """2 processes (gloo): 10 prompts in chunks of 4, 4, 2, each chunk split over the ranks; the
+    report covers all 10 prompts (40 completions), rank 0 alone prints it and writes the files."""
+    cfg = make_cfg(num_threads=1)
+    path = tmp_path / "run.yaml"
+    cfg.save_yaml(path)
+    proc = torchrun("-m", "grouprl", "preflight", str(path), "--prompts", "10", "--strict", "0")
+    assert proc.stdout.count("preflight: 10 prompts x 4 completions") == 1
+    report = json.loads((Path(cfg.output_dir) / "preflight.json").read_text())
+    assert report["num_prompts"] == 10 and report["num_completions"] == 40
+    assert sum(report["difficulty"]["pass_count_histogram"]) == 10
+    assert sorted(p.name for p in Path(cfg.output_dir).iterdir()) == ["preflight.json", "preflight.png"]

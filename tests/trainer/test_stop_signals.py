@@ -1,0 +1,189 @@
+"""SIGTERM / SIGINT during train(): the step in progress finishes, its checkpoint is written, train()
+raises TrainingStopped, and resuming reproduces the uninterrupted run exactly; a second signal stops
+at once; the handlers are put back; `grouprl train` exits 143 and prints the command that resumes."""
+
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from grouprl.checkpoint import latest_checkpoint, list_checkpoints
+from grouprl.distributed import DistContext
+from grouprl.signals import REPEAT_WINDOW_S, StopNow, StopSignals, TrainingStopped
+from grouprl.trainer import Trainer
+from tests.trainer.conftest import digit_fraction, read_metrics
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _strip_timing(rows):
+    return [{k: v for k, v in r.items() if not k.startswith(("time/", "eval/seconds"))} for r in rows]
+
+
+def _send_at(trainer: Trainer, method: str, step: int, signum: int = signal.SIGTERM) -> None:
+    """Wrap `trainer.<method>` so that its first call in `step` signals the process, inside that stage."""
+    original, sent = getattr(trainer, method), []
+
+    def wrapped(*args, **kwargs):
+        if trainer.step == step and not sent:
+            sent.append(signum)
+            os.kill(os.getpid(), signum)  # the handler runs here, before the stage goes on
+        return original(*args, **kwargs)
+
+    setattr(trainer, method, wrapped)
+
+
+# (stage the signal lands in, the step it lands in): the step it stops after, whatever the stage
+POINTS = [("generate", 1), ("score", 2), ("_optimizer_step", 2), ("_log_eval", 2), ("_optimizer_step", 4)]
+
+
+def test_a_signal_anywhere_in_a_step_stops_after_it_and_resume_reproduces(make_cfg, tmp_path):
+    """eval_steps=2 and save_steps=2: a stop in step 2's update skips step 2's eval (made up on
+    resume); a stop in step 2's eval comes after the periodic checkpoint, which is not written twice."""
+    kw = dict(max_steps=5, save_steps=2, eval_steps=2, eval_fraction=0.1, beta=0.04, num_iterations=2,
+              warmup_steps=2, lr_scheduler_type="cosine", learning_rate=1e-2)
+    full = make_cfg(output_dir=str(tmp_path / "full"), **kw)
+    Trainer(full).train()
+    expected = _strip_timing(read_metrics(full.output_dir))
+    final = load_file(f"{full.output_dir}/checkpoints/step-000005/trainable.safetensors")
+
+    for method, step in POINTS:
+        where = f"{method} at step {step}"
+        cut = make_cfg(output_dir=str(tmp_path / f"cut-{method}-{step}"), **kw)
+        trainer = Trainer(cut)
+        _send_at(trainer, method, step)
+        handlers = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
+        with pytest.raises(TrainingStopped) as stopped:
+            trainer.train()
+        assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) == handlers, where
+        assert stopped.value.step == step and stopped.value.signum == signal.SIGTERM, where
+        assert stopped.value.checkpoint == latest_checkpoint(cut.output_dir), where
+        assert stopped.value.checkpoint.name == f"step-{step:06d}", where
+        rows = read_metrics(cut.output_dir)
+        assert [r["step"] for r in rows if "reward/mean" in r] == list(range(1, step + 1)), where
+        evals = [0] + [s for s in (2, 4) if s < step or (s == step and method == "_log_eval")]
+        assert [r["step"] for r in rows if "eval/accuracy" in r] == evals, where  # a stop in a step skips its eval
+        summary = json.loads((Path(cut.output_dir) / "summary.json").read_text())
+        assert summary["stopped_by"] == "SIGTERM" and summary["steps"] == step, where
+
+        assert "stopped_by" not in Trainer(cut).train(resume=True), where
+        assert _strip_timing(read_metrics(cut.output_dir)) == expected, where
+        resumed = load_file(f"{cut.output_dir}/checkpoints/step-000005/trainable.safetensors")
+        assert all(torch.equal(final[k], resumed[k]) for k in final), where
+
+
+def test_a_second_signal_stops_at_once_without_a_checkpoint(make_cfg):
+    cfg = make_cfg(max_steps=4, save_steps=1)
+    trainer = Trainer(cfg)
+    _send_at(trainer, "generate", 3, signal.SIGINT)
+    _send_at(trainer, "_optimizer_step", 3, signal.SIGINT)  # the second, later in the same step ...
+    original = trainer._optimizer_step
+
+    def later(*args, **kwargs):  # ... late enough not to be taken for the first delivered twice
+        if trainer.step == 3:
+            time.sleep(REPEAT_WINDOW_S)
+        return original(*args, **kwargs)
+
+    trainer._optimizer_step = later
+    with pytest.raises(StopNow) as stopped:
+        trainer.train()
+    assert stopped.value.signum == signal.SIGINT and isinstance(stopped.value, KeyboardInterrupt)
+    assert [p.name for p in list_checkpoints(cfg.output_dir)] == ["step-000001", "step-000002"]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_the_same_signal_delivered_twice_at_once_is_one_request(make_cfg):
+    """Ctrl-C under torchrun: the terminal signals the worker, and torchrun passes it on."""
+    cfg = make_cfg(max_steps=4)
+    trainer = Trainer(cfg)
+    _send_at(trainer, "generate", 2, signal.SIGINT)
+    _send_at(trainer, "score", 2, signal.SIGINT)
+    with pytest.raises(TrainingStopped) as stopped:
+        trainer.train()
+    assert stopped.value.step == 2 and stopped.value.signum == signal.SIGINT
+    assert latest_checkpoint(cfg.output_dir).name == "step-000002"
+
+
+def test_handlers_are_installed_only_in_the_main_thread():
+    seen = []
+
+    def in_a_thread():
+        with StopSignals() as stop:
+            seen.append(signal.getsignal(signal.SIGTERM) == stop._handle)
+
+    previous = signal.getsignal(signal.SIGTERM)
+    thread = threading.Thread(target=in_a_thread)
+    thread.start()
+    thread.join()
+    assert seen == [False] and signal.getsignal(signal.SIGTERM) == previous
+    with StopSignals() as stop:
+        assert signal.getsignal(signal.SIGTERM) == stop._handle
+        assert stop.requested(DistContext()) is None
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert stop.requested(DistContext()) == signal.SIGTERM
+    assert signal.getsignal(signal.SIGTERM) == previous
+
+
+def test_cli_exits_143_with_the_resume_command_and_a_checkpoint(make_cfg, tmp_path):
+    """A real SIGTERM from outside, once the first step is logged: the run stops after the step in
+    progress, prints the exact command that resumes it, and exits 128 + 15."""
+    cfg = make_cfg(max_steps=40)  # far more steps than the signal lets run
+    out = tmp_path / "cli run"  # a space: the printed command must quote it
+    path = tmp_path / "run.yaml"
+    cfg.save_yaml(path)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
+    argv = ["train", str(path), "--output_dir", str(out)]
+    proc = subprocess.Popen([sys.executable, "-m", "grouprl", *argv], cwd=REPO, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    metrics, deadline = out / "metrics.jsonl", time.monotonic() + 120
+    while not (metrics.is_file() and metrics.read_text()) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 143, stderr[-3000:]
+    steps = [r["step"] for r in read_metrics(out)]
+    assert 1 <= steps[-1] < 40 and steps == list(range(1, steps[-1] + 1))
+    assert latest_checkpoint(out).name == f"step-{steps[-1]:06d}"
+    assert f"stopped by SIGTERM after step {steps[-1]}" in stderr
+    command = stderr.split("continue with:\n")[1].splitlines()[0].strip()
+    assert shlex.split(command) == ["grouprl", *argv, "--resume"]
+    assert "done:" not in stdout
+
+
+_calls = []
+
+
+def digits_then_term_on_rank_1(prompts, completions, **kwargs):
+    """digit_fraction; rank 1 alone sends itself SIGTERM when scoring its second step."""
+    _calls.append(1)
+    if os.environ.get("RANK") == "1" and len(_calls) == 2:
+        os.kill(os.getpid(), signal.SIGTERM)
+    return digit_fraction(prompts, completions)
+
+
+def test_under_torchrun_a_signal_to_one_rank_stops_every_rank_after_the_same_step(make_cfg, tmp_path):
+    cfg = make_cfg(max_steps=6, num_threads=1,
+                   reward_funcs=["tests.trainer.test_stop_signals:digits_then_term_on_rank_1"])
+    path, out = tmp_path / "run.yaml", tmp_path / "run"
+    cfg.save_yaml(path)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
+    argv = ["train", str(path), "--output_dir", str(out)]
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           "-m", "grouprl", *argv], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0  # torchrun reports its workers' 143 as a failure
+    assert proc.stderr.count("stopped by SIGTERM after step 2;") == 1, proc.stderr[-4000:]  # rank 0 prints it
+    assert proc.stderr.count("received SIGTERM") == 1  # rank 1 alone was signalled
+    assert f"continue with:\n  torchrun --nproc-per-node 2 -m grouprl {shlex.join(argv)} --resume" in proc.stderr
+    assert [r["step"] for r in read_metrics(out)] == [1, 2]
+    assert [p.name for p in list_checkpoints(out)] == ["step-000002"]
+    state = torch.load(out / "checkpoints/step-000002/state.pt", weights_only=False)
+    assert len(state["rng_by_rank"]) == 2  # both ranks took part in the save

@@ -10,7 +10,7 @@
 The workload: SmolLM2-135M-Instruct (the folder scripts/fetch_smollm2.py writes) on
 `builtin:chat_arithmetic` prompts, `--rows` completions per step (default 16: 2 prompts x G = 8),
 every completion exactly L tokens (`ignore_eos`; TRL: `min_new_tokens`), `mixed`: lengths drawn
-uniformly from 50 to 4,096 (seeded, the same on both sides for --update-only). Everything else at
+uniformly from 50 to 4,096 (`mixed:M`: to M; seeded, the same in every run). Everything else at
 each side's defaults (beta 0.04, grouprl's grpo preset, on both), `--set key=value` overriding
 grouprl's config. TRL runs its defaults otherwise: gradient checkpointing on, micro-batches of 8 rows
 accumulated to `--rows`.
@@ -47,9 +47,11 @@ MIXED = (50, 4096)
 
 
 def lengths_of(spec: str, rows: int, seed: int = 0) -> list[int]:
-    if spec == "mixed":
+    """`L`: every row L tokens; `mixed`: uniform in MIXED; `mixed:M`: uniform in 50..M (seeded)."""
+    if spec.startswith("mixed"):
         rng = random.Random(seed)
-        return [rng.randint(*MIXED) for _ in range(rows)]
+        low, high = MIXED if spec == "mixed" else (MIXED[0], int(spec.split(":")[1]))
+        return [rng.randint(low, high) for _ in range(rows)]
     return [int(spec)] * rows
 
 
@@ -143,7 +145,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="models/smollm2", help="SmolLM2 folder (scripts/fetch_smollm2.py)")
     ap.add_argument("--lengths", nargs="+", default=["256", "1024", "2048", "4096", "mixed"],
-                    help="completion lengths, or 'mixed' (50..4096)")
+                    help="completion lengths, 'mixed' (50..4096) or 'mixed:M' (50..M)")
     ap.add_argument("--rows", type=int, default=16, help="completions per step")
     ap.add_argument("--side", choices=["grouprl", "trl"], default="grouprl")
     ap.add_argument("--update-only", action="store_true", help="random tokens instead of generation (grouprl)")

@@ -90,9 +90,10 @@ def pack(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, prompt_index: torc
             if shared:
                 ids.append(completion_ids[i, :L])
                 pos.append(torch.arange(p_len[j], p_len[j] + L))
-                segments.append((start, L, prefix_start, p_len[j]))
+                if L:  # an empty completion has no positions to attend from
+                    segments.append((start, L, prefix_start, p_len[j]))
                 first = prefix_start + p_len[j] - 1  # the prompt's last token predicts the first completion token
-                pred_of_row[i] = torch.cat([torch.tensor([first]), torch.arange(start, start + L - 1)])
+                pred_of_row[i] = torch.cat([torch.tensor([first]), torch.arange(start, start + max(L - 1, 0))])
                 start += L
             else:
                 ids.append(torch.cat([prompt, completion_ids[i, :L]]))

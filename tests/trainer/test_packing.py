@@ -64,6 +64,11 @@ def test_layout_worked_by_hand():
     assert layout.segments == [(0, 2, 0, 0), (2, 2, 0, 2), (4, 1, 0, 2), (5, 3, 0, 0)]
     assert layout.pred_index.tolist() == [1, 2, 1, 5, 6] and layout.targets.tolist() == [1, 2, 3, 4, 5]
     assert packing.packed_tokens([2, 1], [2, 1, 2], [0, 0, 1]) == layout.num_tokens == 8
+    # an empty completion after a shared prompt: no segment, no prediction
+    empty = packing.pack(torch.tensor([[7, 8]]), torch.tensor([[1, 1]]), torch.tensor([0, 0]), torch.tensor([[1], [0]]),
+                         torch.tensor([[True], [False]]), torch.device("cpu"))
+    assert empty.input_ids.tolist() == [[7, 8, 1]] and empty.segments == [(0, 2, 0, 0), (2, 1, 0, 2)]
+    assert empty.pred_index.tolist() == [1] and empty.targets.tolist() == [1]
 
 
 def test_packed_attention_equals_masked_attention_over_the_row():

@@ -138,10 +138,25 @@ class Progress:
 
 
 def _truncate_after(path: Path, step: int) -> None:
+    """Keep the rows of steps <= `step` (a resumed run writes the later ones again). A last line
+    that is not JSON was cut off by a kill in mid-append and is dropped with its step; a damaged
+    line anywhere else is an error that names it."""
     if not path.is_file():
         return
-    keep = [line for line in path.read_text().splitlines()
-            if line and json.loads(line).get("step", 0) <= step]
+    lines = path.read_text().splitlines()
+    keep = []
+    for i, line in enumerate(lines):
+        if not line:
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            if i == len(lines) - 1:
+                break
+            raise ValueError(f"{path}: line {i + 1} is not JSON ({e.msg}); the run log is damaged there: "
+                             "delete that line to resume") from None
+        if row.get("step", 0) <= step:
+            keep.append(line)
     path.write_text("".join(line + "\n" for line in keep))
 
 

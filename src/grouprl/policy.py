@@ -239,19 +239,17 @@ def plan_micro_batches(rollout: Rollout, order: torch.Tensor, max_rows: int, max
     completion_len = rollout.completion_mask.sum(-1).clamp(min=1)[order].tolist()
     group = rollout.prompt_groups()[order].tolist() if packed else [None] * len(order)
     batches, start, over = [], 0, 0
-    p_max = t_max = tokens = 0
-    seen: set = set()
+    tokens = p_max = t_max = 0  # the current micro-batch's cost and longest prompt and completion
+    seen: set = set()  # its prompt groups (packed: each prompt is paid once)
     for i, (p, t, g) in enumerate(zip(prompt_len, completion_len, group)):
-        n = i - start
         if packed:
             cost = tokens + t + (p if g not in seen else 0)
         else:
-            p2, t2 = max(p_max, p), max(t_max, t)
-            cost = (n + 1) * (p2 + t2)
-        if n and (n == max_rows or cost > max_tokens):
+            cost = (i - start + 1) * (max(p_max, p) + max(t_max, t))
+        if i > start and (i - start == max_rows or cost > max_tokens):
             batches.append(order[start:i])
-            start, seen, cost, p2, t2 = i, set(), p + t, p, t
-        p_max, t_max, tokens = (0, 0, cost) if packed else (p2, t2, 0)
+            start, seen, p_max, t_max, cost = i, set(), 0, 0, p + t  # the row opens the next one
+        tokens, p_max, t_max = cost, max(p_max, p), max(t_max, t)
         seen.add(g)
         over += p + t > max_tokens
     batches.append(order[start:])

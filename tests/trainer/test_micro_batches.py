@@ -18,10 +18,15 @@ def rollout_of(prompt_lens: list[int], completion_lens: list[int]) -> Rollout:
     return Rollout(pm * 5, pm, cm.long() * 5, cm, torch.zeros(N, dtype=torch.bool))
 
 
-def cost(r: Rollout, rows: torch.Tensor) -> int:
-    """Tokens a pass computes: rows x (longest prompt + longest completion)."""
-    longest_completion = int(r.completion_mask[rows].sum(-1).clamp(min=1).max())
-    return len(rows) * (int(r.prompt_mask[rows].sum(-1).max()) + longest_completion)
+def cost(r: Rollout, rows: torch.Tensor, packed: bool = False) -> int:
+    """Tokens a pass computes: padded, rows x (longest prompt + longest completion); packed, each
+    distinct prompt once plus every completion."""
+    completion = r.completion_mask[rows].sum(-1).clamp(min=1)  # [n]
+    prompt = r.prompt_mask[rows].sum(-1)  # [n]
+    if packed:
+        first = {int(g): int(p) for g, p in zip(r.prompt_groups()[rows], prompt)}
+        return sum(first.values()) + int(completion.sum())
+    return len(rows) * (int(prompt.max()) + int(completion.max()))
 
 
 def test_hand_worked_budget():
@@ -38,20 +43,21 @@ def test_hand_worked_budget():
 
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.tuples(st.integers(1, 30), st.integers(0, 60)), min_size=1, max_size=40),
-       st.integers(1, 400), st.integers(1, 16))
-def test_every_row_once_in_order_within_budget_and_rows(lengths, budget, max_rows):
+       st.integers(1, 400), st.integers(1, 16), st.booleans())
+def test_every_row_once_in_order_within_budget_and_rows(lengths, budget, max_rows, packed):
+    """Prompts of equal length are the same prompt here, so packed passes share them."""
     r = rollout_of([p for p, _ in lengths], [t for _, t in lengths])
     order = torch.argsort(r.completion_mask.sum(-1), stable=True)
-    batches, over = plan_micro_batches(r, order, max_rows=max_rows, max_tokens=budget)
+    batches, over = plan_micro_batches(r, order, max_rows=max_rows, max_tokens=budget, packed=packed)
     assert torch.equal(torch.cat(batches), order)  # nothing dropped, nothing repeated, order kept
     for b in batches:
         assert 1 <= len(b) <= max_rows
-        assert len(b) == 1 or cost(r, b) <= budget  # over the budget only a row alone
+        assert len(b) == 1 or cost(r, b, packed) <= budget  # over the budget only a row alone
     alone_over = sum(cost(r, order[i:i + 1]) > budget for i in range(len(order)))
     assert over == alone_over
     for a, b in zip(batches, batches[1:]):  # greedy: the next row did not fit (rows or tokens)
         joined = torch.cat([a, b[:1]])
-        assert len(joined) > max_rows or cost(r, joined) > budget
+        assert len(joined) > max_rows or cost(r, joined, packed) > budget
 
 
 def test_a_completion_longer_than_the_budget_trains_alone_and_is_logged(make_cfg, caplog):

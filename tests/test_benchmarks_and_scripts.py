@@ -36,6 +36,7 @@ def run(*args: str, timeout: float = 300) -> str:
 # Each file is either run for real below or --help only, for the reason in the module docstring.
 RUN = {"benchmarks/shared_prompt.py", "benchmarks/process_vs_outcome.py", "benchmarks/multiturn_continuation.py",
        "benchmarks/head_logprobs.py", "benchmarks/generation_memory.py", "benchmarks/long_completions.py",
+       "benchmarks/run_health.py",
        "scripts/build_default_policy.py",
        "scripts/build_tool_policy.py", "scripts/sandbox_report.py"}
 HELP_ONLY = {"benchmarks/async_rollouts.py", "benchmarks/vllm_vs_builtin.py", "benchmarks/vs_trl.py",
@@ -126,3 +127,14 @@ def test_long_completions_benchmark_update_only_and_a_real_step(tmp_path):
     assert set(update["stages"]) >= {"update", "logprobs"}  # beta 0.04: the reference pass
     step = json.loads(run("benchmarks/long_completions.py", *args, "--set", "padding_free=false").splitlines()[-1])
     assert step["set"] == {"padding_free": False} and {"generate", "update", "step"} <= set(step["stages"])
+
+
+def test_run_health_benchmark_the_tiny_hack_one_seed(tmp_path):
+    """The seconds-long arm: the gameable reward on the tiny policy is flagged, its line and the
+    table say so."""
+    out = run("benchmarks/run_health.py", "--arms", "hack-tiny", "--seeds", "1", "--steps", "8",
+              "--out", str(tmp_path / "r.jsonl"))
+    line = json.loads((tmp_path / "r.jsonl").read_text().splitlines()[0])
+    assert line["arm"] == "hack-tiny" and line["steps"] == 8 and line["first_alarm_step"] is not None
+    assert {a["kind"] for a in line["alarms"]} & {"audit_divergence", "component_dominance"}
+    assert "| hack-tiny | 1 | 1 of 1 |" in out

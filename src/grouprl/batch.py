@@ -3,7 +3,7 @@ to the update (and between ranks)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -23,13 +23,17 @@ class StepBatch:
     per_func: dict[str, torch.Tensor]  # name -> [N]
     reward_metrics: dict[str, float]
     steps: ProcessRewards | None = None  # token-level step rewards (advantage_estimator: process)
+    audit: dict[str, torch.Tensor] = field(default_factory=dict)  # audit function -> [N], never in the reward
+    prompt_index: list[int] | None = None  # [N] each completion's prompt row in its dataset
 
     def select(self, rows: torch.Tensor) -> StepBatch:
         r = rows.tolist()
         return StepBatch(self.rollout.select(rows), [self.prompts[i] for i in r],
                          [self.completions[i] for i in r], self.rewards[rows],
                          {k: v[rows] for k, v in self.per_func.items()}, self.reward_metrics,
-                         None if self.steps is None else self.steps.select(rows))
+                         None if self.steps is None else self.steps.select(rows),
+                         {k: v[rows] for k, v in self.audit.items()},
+                         None if self.prompt_index is None else [self.prompt_index[i] for i in r])
 
     @staticmethod
     def cat(parts: list[StepBatch], pad_token_id: int) -> StepBatch:
@@ -40,4 +44,6 @@ class StepBatch:
                          [x for p in parts for x in p.completions],
                          torch.cat([p.rewards for p in parts]), per_func,
                          merge_reward_metrics([p.reward_metrics for p in parts], per_func),
-                         None if parts[0].steps is None else ProcessRewards.cat([p.steps for p in parts]))
+                         None if parts[0].steps is None else ProcessRewards.cat([p.steps for p in parts]),
+                         {k: torch.cat([p.audit[k] for p in parts]) for k in parts[0].audit},
+                         None if parts[0].prompt_index is None else [i for p in parts for i in p.prompt_index])

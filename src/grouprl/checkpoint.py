@@ -170,3 +170,30 @@ def _fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def memory_snapshot(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """A copy of the trainable weights and the optimizer state, in host memory (a sharded tensor
+    stays where it is: each rank keeps its own shard), for `on_collapse: rollback`. It costs the
+    trainable weights plus Adam's two moments: 3x the trainable parameters, in their dtype."""
+    def host(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            x = x.detach().clone()
+            return x.cpu() if type(x) is torch.Tensor else x
+        if isinstance(x, dict):
+            return {k: host(v) for k, v in x.items()}
+        if isinstance(x, (list, tuple)):
+            return type(x)(host(v) for v in x)
+        return x
+
+    return {"weights": {n: host(p) for n, p in model.named_parameters() if p.requires_grad},
+            "optimizer": host(optimizer.state_dict())}
+
+
+def restore_snapshot(model: torch.nn.Module, optimizer: torch.optim.Optimizer, snapshot: dict[str, Any]) -> None:
+    """Put a `memory_snapshot` back: the trainable weights, in place, and the optimizer state."""
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, value in snapshot["weights"].items():
+            params[name].copy_(value.to(params[name].device) if type(value) is torch.Tensor else value)
+    optimizer.load_state_dict(snapshot["optimizer"])

@@ -130,9 +130,9 @@ def _train(cfg: TrainConfig, *, resume: bool, again: str) -> int:
         destroy_distributed()
     if stopped is not None:
         if ctx.is_main:
-            print(f"grouprl train: stopped by {stopped.signum.name} after step {stopped.step}; checkpoint "
+            print(f"grouprl train: stopped by {stopped.reason} after step {stopped.step}; checkpoint "
                   f"{stopped.checkpoint}\ncontinue with:\n  {again}", file=sys.stderr)
-        return exit_code(stopped.signum)
+        return stopped.code
     if ctx.is_main:
         print(_summary_text(summary, cfg.output_dir))
     return 0

@@ -298,6 +298,34 @@ class TrainConfig:
     report_to_tensorboard: bool = True
     """Write TensorBoard event files under output_dir/tensorboard."""
 
+    # ------------------------------------------------------------ run health
+    audit_funcs: list[Any] = field(default_factory=list)
+    """Functions that score training completions like reward functions (same names and signature)
+    but never enter the reward or the advantage: a strict, independent checker. Logged as
+    `audit/NAME/mean`; the reward-hacking monitor alarms when the reward rises and they do not."""
+    on_reward_hacking: str = "warn"
+    """`warn`: print and log each reward-hacking alarm (README, "Run health") with example
+    completions; `stop`: also end the run after that step with a checkpoint (exit status 3);
+    `off`: compute nothing."""
+    on_collapse: str = "warn"
+    """A collapse alarm (reward crash, KL spike, entropy collapse): `warn`, `stop` (as above), `rollback`
+    (restore the policy and optimizer from a snapshot taken before the collapse, scale the learning
+    rate by rollback_lr_factor and go on, at most max_rollbacks times), or `off`."""
+    rollback_lr_factor: float = 0.1
+    """on_collapse: rollback multiplies the learning rate by this at each rollback."""
+    max_rollbacks: int = 3
+    """on_collapse: rollback: after this many rollbacks the next collapse stops the run."""
+    health_thresholds: dict[str, float] = field(default_factory=dict)
+    """Overrides of the alarms' thresholds by name (health.py documents each; e.g. {min_gain_z: 0.5})."""
+    prompt_filter: bool = False
+    """Skip prompts whose last prompt_filter_history groups all had equal rewards (all solved or all
+    failed): their rollouts would teach nothing. Revisited at rate prompt_filter_revisit. Logged as
+    prompt_filter/skipped and prompt_filter/rollouts_saved."""
+    prompt_filter_history: int = 2
+    """prompt_filter: how many consecutive zero-variance groups settle a prompt."""
+    prompt_filter_revisit: float = 0.1
+    """prompt_filter: the probability that a settled prompt is sampled anyway (it may teach again)."""
+
     # ----------------------------------------------------------------- vLLM
     use_vllm: bool = False
     """Sample the rollouts with vLLM instead of the built-in engine (`pip install grouprl[vllm]`;
@@ -480,6 +508,17 @@ class TrainConfig:
             raise ConfigError("ref_update_steps with LoRA is not supported: with LoRA the reference "
                               "is the base model with the adapter disabled; set ref_update_steps: 0")
         _check_choice("distributed_strategy", c.distributed_strategy, ("ddp", "fsdp2"))
+        _check_choice("on_reward_hacking", c.on_reward_hacking, ("warn", "stop", "off"))
+        _check_choice("on_collapse", c.on_collapse, ("warn", "stop", "rollback", "off"))
+        if not 0 < c.rollback_lr_factor <= 1:
+            raise ConfigError(f"rollback_lr_factor={c.rollback_lr_factor} must be in (0, 1]: each rollback "
+                              "multiplies the learning rate by it (e.g. 0.1)")
+        if c.max_rollbacks < 0:
+            raise ConfigError(f"max_rollbacks={c.max_rollbacks} must be 0 or more")
+        if c.prompt_filter_history < 1:
+            raise ConfigError(f"prompt_filter_history={c.prompt_filter_history} must be at least 1 (groups)")
+        if not 0 <= c.prompt_filter_revisit <= 1:
+            raise ConfigError(f"prompt_filter_revisit={c.prompt_filter_revisit} must be in [0, 1]")
         if c.distributed_strategy == "fsdp2" and c.lora_r:
             raise ConfigError("distributed_strategy=fsdp2 with LoRA is not supported: LoRA weights are "
                               "small enough for ddp; set distributed_strategy: ddp or lora_r: 0")
@@ -552,6 +591,9 @@ def _matches(value: Any, tp: Any) -> bool:
     if origin is list:
         (inner,) = typing.get_args(tp) or (Any,)
         return isinstance(value, list) and all(_matches(v, inner) for v in value)
+    if origin is dict:
+        key, val = typing.get_args(tp) or (Any, Any)
+        return isinstance(value, dict) and all(_matches(k, key) and _matches(v, val) for k, v in value.items())
     if tp is float:
         return isinstance(value, (int, float)) and not isinstance(value, bool)
     if tp is int:

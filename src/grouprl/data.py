@@ -144,6 +144,7 @@ class PromptBatch:
     prompts: list[Any]            # [B] str or list of messages
     prompt_ids: list[list[int]]   # [B][P_b]
     columns: dict[str, list[Any]]  # column -> [B]
+    indices: list[int] | None = None  # [B] their rows in the dataset they came from
 
     @property
     def conversational(self) -> bool:
@@ -177,7 +178,7 @@ class PromptFormatter:
     def batch(self, ds: Dataset, indices: list[int], prompt_column: str) -> PromptBatch:
         rows = ds.select(indices).to_dict()
         prompts = rows.pop(prompt_column)
-        return PromptBatch(prompts, [self.encode(p) for p in prompts], rows)
+        return PromptBatch(prompts, [self.encode(p) for p in prompts], rows, list(indices))
 
 
 def completion_objects(texts: list[str], conversational: bool) -> list[Any]:

@@ -45,6 +45,7 @@ logger = logging.getLogger(__name__)
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)  # in this order: a preemption wins when both arrive
 REPEAT_WINDOW_S = 2.0  # a signal this soon after the first repeats it (see above)
+HEALTH_EXIT_CODE = 3  # a run stopped by a run-health alarm (on_reward_hacking / on_collapse: stop)
 
 
 def exit_code(signum: int) -> int:
@@ -53,11 +54,16 @@ def exit_code(signum: int) -> int:
 
 
 class TrainingStopped(Exception):
-    """`train()` stopped after a SIGTERM/SIGINT, once `checkpoint` (of `step`) was written."""
+    """`train()` stopped after a SIGTERM/SIGINT, or after a run-health alarm set to stop the run
+    (`reason`), once `checkpoint` (of `step`) was written. `code`: the exit status `grouprl train`
+    returns (128 + the signal's number; `HEALTH_EXIT_CODE` for an alarm)."""
 
-    def __init__(self, signum: int, step: int, checkpoint: Path):
-        self.signum, self.step, self.checkpoint = signal.Signals(signum), step, checkpoint
-        super().__init__(f"stopped by {self.signum.name} after step {step}, checkpoint {checkpoint}: "
+    def __init__(self, signum: int | None, step: int, checkpoint: Path, reason: str | None = None):
+        self.signum = signal.Signals(signum) if signum is not None else None
+        self.step, self.checkpoint = step, checkpoint
+        self.reason = reason or self.signum.name
+        self.code = exit_code(self.signum) if self.signum is not None else HEALTH_EXIT_CODE
+        super().__init__(f"stopped by {self.reason} after step {step}, checkpoint {checkpoint}: "
                          "train(resume=True) with the same config continues the run")
 
 

@@ -41,6 +41,7 @@ import logging
 import math
 import random
 import signal
+import threading
 import time
 import warnings
 from dataclasses import replace
@@ -59,6 +60,7 @@ from grouprl.config import ConfigError, TrainConfig
 from grouprl.core import batch_normalizer, overlong_penalty, policy_loss, zero_std_groups
 from grouprl.data import PromptBatch, PromptFormatter, PromptSampler, completion_objects, load_datasets
 from grouprl.generation import make_engine, make_rollouts, resolve_multiturn
+from grouprl.guard import RunGuard
 from grouprl.objective import (corrects_sampler, loss_token_weights, policy_loss_params, sampler_weights,
                                step_advantages)
 from grouprl.optim import make_optimizer
@@ -67,6 +69,7 @@ from grouprl.policy import (MicroBatch, Reference, activation_checkpointing, can
                             completion_logprobs, load_policy, load_tokenizer, plan_micro_batches)
 from grouprl.precision import native_bf16, resolve_bf16
 from grouprl.preflight import run as run_preflight
+from grouprl.prompt_filter import PromptFilter
 from grouprl.rewards import RewardScores, process_rewards, resolve_reward_spec, sandbox_mechanism, score_completions
 from grouprl.rollout import Rollout, SamplingParams
 from grouprl.rollout.producer import Produced, RolloutProducer
@@ -111,6 +114,8 @@ class Trainer:
         self.train_ds, self.eval_ds = load_datasets(cfg, train_dataset, eval_dataset)  # data.py
         self.reward_funcs = reward_funcs or [_reward_from_config(spec) for spec in cfg.reward_funcs]
         self.reward_names = [getattr(f, "__name__", f"reward_{i}") for i, f in enumerate(self.reward_funcs)]
+        self.audit_funcs = [_reward_from_config(spec) for spec in cfg.audit_funcs]  # scored, never rewarded
+        self.audit_names = [getattr(f, "__name__", f"audit_{i}") for i, f in enumerate(self.audit_funcs)]
         if cfg.accuracy_reward and cfg.accuracy_reward not in self.reward_names:
             raise ConfigError(f"accuracy_reward={cfg.accuracy_reward!r} is not one of the reward "
                               f"functions {self.reward_names}")
@@ -159,6 +164,11 @@ class Trainer:
 
         self.optimizer, self.scheduler = make_optimizer(cfg, self.model)  # optim.py
         self.sampler = PromptSampler(len(self.train_ds), cfg.seed)
+        self.prompt_filter = (PromptFilter(len(self.train_ds), history=cfg.prompt_filter_history,
+                                           revisit=cfg.prompt_filter_revisit, seed=cfg.seed)
+                              if cfg.prompt_filter else None)  # prompt_filter.py: skip settled prompts
+        self._draw_lock = threading.Lock()  # the async producer draws prompts while the loop records groups
+        self.guard = RunGuard(cfg, self.reward_names, self.audit_names, is_main=self.dist.is_main)  # guard.py
         self.generator = torch.Generator().manual_seed(cfg.seed + self.dist.rank)  # own samples per rank
         self.step = 0
         self.evals: dict[str, Any] = {}
@@ -194,29 +204,40 @@ class Trainer:
                                 enabled=main)
         progress = Progress(cfg.max_steps, self.step, cfg.progress and main, silent=not main)
         saved = self.step if resume else None  # the step whose checkpoint is on disk
-        signum = None  # the signal all ranks agreed to stop on
+        signum, reason = None, None  # the signal all ranks agreed to stop on; an alarm set to stop the run
         with StopSignals() as stop:  # looked for (one tiny all-reduce) after each step, and after its eval/save
             if "eval_before" not in self.evals and self.eval_ds is not None:
                 self.evals["eval_before"] = self._log_eval(0, progress)
             if self._eval_pending:  # the run stopped before the eval due at its last step: made up here
                 self._eval_pending, saved = False, None  # the checkpoint on disk still says pending
                 self._log_eval(self.step, progress)
+            self.guard.snapshot(self.step, self.model, self.optimizer)  # rollback target before any step
             while self.step < cfg.max_steps and not (signum := stop.requested(self.dist)):
                 metrics = self.train_step()
+                reason = self.respond_to_alarms(metrics, progress)  # report; roll back; or the reason to stop
                 self.logger.log(self.step, metrics, tensorboard=self.step % cfg.logging_steps == 0)
                 progress.update(metrics)
-                if signum := stop.requested(self.dist):  # before the eval: a preempted run has little time left
+                if reason or (signum := stop.requested(self.dist)):  # before the eval: little time may be left
                     self._eval_pending = self._eval_due()
                     break
                 if self._eval_due():
                     self._log_eval(self.step, progress)
+                    if reason := self.respond_to_alarms(alarm_row := {}, progress):  # eval_divergence
+                        self.logger.log(self.step, alarm_row)
+                        break
+                    if alarm_row:
+                        self.logger.log(self.step, alarm_row)
                 if cfg.save_steps and self.step % cfg.save_steps == 0 and self.step < cfg.max_steps:
                     self.save()
                     saved = self.step
-            if signum:
-                self._stop(signum, progress, saved)
+                self.guard.snapshot(self.step, self.model, self.optimizer)
+            if signum or reason:
+                self._stop(signum, progress, saved, reason)
         if self.eval_ds is not None:
             self.evals["eval_after"] = self._log_eval(self.step, progress)
+            self.respond_to_alarms(alarm_row := {}, progress, final=True)  # the run is over: reported only
+            if alarm_row:
+                self.logger.log(self.step, alarm_row)
         progress.close()
         self.save()
         summary = self.logger.summary(self.step, self.evals)
@@ -230,17 +251,18 @@ class Trainer:
         return bool(self.cfg.eval_steps and self.step % self.cfg.eval_steps == 0 and self.step < self.cfg.max_steps
                     and self.eval_ds is not None)
 
-    def _stop(self, signum: signal.Signals, progress: Progress, saved: int | None) -> NoReturn:
-        """The end of a run stopped by a signal: this step's checkpoint (unless written just
-        before), summary.json (with `stopped_by`) and curves; then `TrainingStopped`. No eval_after:
-        the run is not over, and a preempted run has little time."""
+    def _stop(self, signum: signal.Signals | None, progress: Progress, saved: int | None,
+              reason: str | None = None) -> NoReturn:
+        """The end of a run stopped by a signal (or by an alarm, `reason`): this step's checkpoint
+        (unless written just before), summary.json (with `stopped_by`) and curves; then
+        `TrainingStopped`. No eval_after: the run is not over, and a preempted run has little time."""
         progress.close()
         path = checkpoint_path(self.cfg.output_dir, self.step) if saved == self.step else self.save()
-        summary = {**self.logger.summary(self.step, self.evals), "stopped_by": signum.name}
+        summary = {**self.logger.summary(self.step, self.evals), "stopped_by": reason or signum.name}
         self.logger.write_json("summary.json", summary)
         self.logger.plot_curves()
         self.logger.close()
-        raise TrainingStopped(signum, self.step, path)
+        raise TrainingStopped(None if reason else signum, self.step, path, reason)
 
     def train_step(self) -> dict[str, Any]:
         """One GRPO step (`self.step` advances by one); returns its metrics (`train` writes them to
@@ -255,6 +277,7 @@ class Trainer:
                 self.sync_weights()  # the engine samples the new policy from the next step on
             if self.cfg.ref_update_steps and self.ref is not None and self.step % self.cfg.ref_update_steps == 0:
                 self.ref.reset(self.model)
+        metrics.update(self.check_health(batch, metrics))  # audit scores and health/*; alarms wait in the guard
         self._log_samples(batch, advantages)
         return {**batch_metrics(batch, advantages), **metrics, "lr": self.scheduler.get_last_lr()[0], **timings}
 
@@ -304,7 +327,10 @@ class Trainer:
         rewards = scores.total.float() if shaping is None else scores.total.float() + shaping  # [N]
         steps = process_rewards(scores.steps, scores.per_func, cfg.reward_weights, ids, texts, self.tokenizer,
                                 shaping, estimator=cfg.advantage_estimator)
-        return StepBatch(rollout, per_prompt, texts, rewards, scores.per_func, scores.metrics, steps)
+        audit = score_completions(self.audit_funcs, None, per_prompt, completions, cols, timeout_s=cfg.reward_timeout_s,
+                                  fallback=cfg.reward_fallback).per_func if self.audit_funcs else {}
+        index = None if prompts.indices is None else [i for i in prompts.indices for _ in range(G)]
+        return StepBatch(rollout, per_prompt, texts, rewards, scores.per_func, scores.metrics, steps, audit, index)
 
     def sample_batch(self, timings: Timings | None = None) -> tuple[StepBatch, dict[str, float]]:
         """The step's scored completions, gathered over ranks, and the sampling metrics. With
@@ -320,6 +346,9 @@ class Trainer:
             with timings.stage("reward"):
                 batch = self._gather(self.score(produced.prompts, produced.result))  # global batch
             flat = zero_std_groups(batch.rewards, G)  # [B]
+            if self.prompt_filter is not None:
+                with self._draw_lock:
+                    self.prompt_filter.record(batch.prompt_index[::G], flat.tolist())
             tally.add_round(len(produced.result.rollout), produced.staleness, produced.result.counts,
                             int(flat.sum()), len(flat))
             if not cfg.dynamic_sampling:
@@ -333,6 +362,10 @@ class Trainer:
         if tally.kept_groups == 0 and cfg.dynamic_sampling:  # nothing carries signal: the last round (A = 0)
             kept = [batch]
         metrics = tally.metrics(D.all_reduce_sums(self.dist, tally.counts), cfg.dynamic_sampling)
+        if self.prompt_filter is not None:
+            metrics.update({"prompt_filter/skipped": self.prompt_filter.skipped,
+                            "prompt_filter/rollouts_saved": self.prompt_filter.skipped * G,
+                            "prompt_filter/settled": self.prompt_filter.num_settled})
         return StepBatch.cat(kept, self.tokenizer.pad_token_id), metrics
 
     def advantages(self, batch: StepBatch) -> torch.Tensor:
@@ -395,7 +428,10 @@ class Trainer:
 
     def _draw_prompts(self) -> PromptBatch:
         """The next step's prompts for this rank (B/K whole groups), tokenised."""
-        indices = D.shard_prompts(self.dist, self.sampler.next(self.cfg.prompts_per_step))
+        B = self.cfg.prompts_per_step
+        with self._draw_lock:  # every rank draws the same global list, then takes its share
+            drawn = self.prompt_filter.draw(self.sampler, B) if self.prompt_filter else self.sampler.next(B)
+        indices = D.shard_prompts(self.dist, drawn)
         return self.formatter.batch(self.train_ds, indices, self.cfg.prompt_column)
 
     def _gather(self, local: StepBatch) -> StepBatch:
@@ -503,6 +539,26 @@ class Trainer:
              "advantage": advantages[i] if advantages.dim() == 1 else advantages[i, :int(lengths[i])].tolist()}
             for i in range(min(cfg.num_logged_samples, len(batch.completions)))])
 
+    # ------------------------------------------------------------------ run health
+    def check_health(self, batch: StepBatch, metrics: dict[str, float]) -> dict[str, float]:
+        """The audit functions' means and the health statistics of a step just trained (health.py);
+        its alarms wait in the guard for `respond_to_alarms`."""
+        return self.guard.check(self.step, batch, metrics)
+
+    def respond_to_alarms(self, metrics: dict[str, Any], progress: Progress | None = None, *,
+                          final: bool = False) -> str | None:
+        """Report the pending alarms (console, `alarms` in `metrics`, examples in samples.jsonl) and
+        act as on_reward_hacking / on_collapse say: roll back here, or return why the run must stop."""
+        return self.guard.respond(self.step, metrics, self.logger, progress, self, final=final)
+
+    def rollback(self) -> dict[str, float]:
+        """on_collapse: rollback: the policy and optimizer go back to a snapshot from before the
+        collapse, the learning rate is scaled (guard.py); the engine samples the restored policy."""
+        out = self.guard.restore(self.step, self.model, self.optimizer, self.scheduler)
+        self.weights_version += 1
+        self.sync_weights()
+        return out
+
     # ------------------------------------------------------------------ eval
     @torch.no_grad()
     def evaluate(self, dataset: Dataset | None = None, batch_size: int = 64) -> dict[str, float]:
@@ -530,6 +586,7 @@ class Trainer:
         t0 = time.perf_counter()
         result = self.evaluate()
         result["seconds"] = time.perf_counter() - t0
+        self.guard.check_eval(step, result["accuracy"])
         self.logger.log(step, {f"eval/{k}": v for k, v in result.items()})
         progress.write(f"step {step}: eval accuracy {result['accuracy']:.3f}, "
                        f"reward {result['reward_mean']:.3f} ({result['num_samples']} prompts)")
@@ -546,6 +603,8 @@ class Trainer:
             "step": self.step, "sampler": self.sampler.state_dict(), "evals": self.evals,
             "optimizer": optimizer_state, "scheduler": self.scheduler.state_dict(), "rng": rng[0],
             "rng_by_rank": rng, "sharded_optimizer": D.is_sharded(self.model), "eval_pending": self._eval_pending,
+            "guard": self.guard.state_dict(),
+            "prompt_filter": None if self.prompt_filter is None else self.prompt_filter.state_dict(),
         }
         path = checkpoint_path(self.cfg.output_dir, self.step)
         if self.dist.is_main:
@@ -580,6 +639,9 @@ class Trainer:
         self.scheduler.load_state_dict(state["scheduler"])
         self.evals = state["evals"]
         self._eval_pending = state.get("eval_pending", False)
+        self.guard.load_state_dict(state.get("guard", {}))
+        if self.prompt_filter is not None and state.get("prompt_filter"):
+            self.prompt_filter.load_state_dict(state["prompt_filter"])
         restore_rng_states(state.get("rng_by_rank", [state["rng"]]), self.dist.rank, self.dist.world_size,
                            self.generator, fresh_seed=self.cfg.seed + self.dist.rank + 1_000_003 * self.step)
         self.weights_version += 1  # the checkpoint's weights replaced the initial ones

@@ -1,0 +1,166 @@
+"""Run health, measured: do the alarms catch what they should, and stay quiet otherwise?
+
+    python benchmarks/run_health.py --arms sound-default lr100-default --seeds 1 2 3 4 5
+    python scripts/fetch_smollm2.py models/smollm2                                     # once
+    python benchmarks/run_health.py --arms hack-smollm2 sound-smollm2 --model models/smollm2
+    python benchmarks/run_health.py --arms filter-default nofilter-default --seeds 1 2 3
+
+Arms (each one `grouprl train` run per seed, through the public Trainer API, health at its defaults):
+- `sound-default`: the embedded default task (`grouprl train` with no arguments) with
+  `on_collapse: rollback`: a false alarm (or a rollback) is a bug.
+- `lr100-default`: the same at 100x the learning rate (1e-2), `on_collapse: rollback`: it must be
+  caught and rolled back, and end within 10 points of held-out accuracy of `sound-default`.
+- `hack-tiny`: a random-init tiny policy (tasks/testing.py) paid 1 for the exact answer, which it
+  never finds, and 0.2 for digits, which it learns to emit; audit: the exact answer. The seconds-long
+  version of the gameable reward (tests/trainer/test_health.py runs it).
+- `hack-smollm2`: SmolLM2-135M-Instruct on chat arithmetic paid "last number right + 0.2 x any
+  `\\boxed{integer}`": the reward a new user wrote, hacked within 10 steps (every reply boxes a wrong
+  number); audit: `boxed_accuracy` (boxed and right).
+- `sound-smollm2`: the same model with the example's reward (examples/smollm2_chat_arithmetic.yaml:
+  last number right + 0.5 x the right number boxed), the same audit.
+- `filter-default` / `nofilter-default`: the embedded default with and without `prompt_filter`; the
+  held-out gain per generated token.
+
+Each run appends one JSON line to --out (default benchmarks/results/run_health.jsonl): the arm, the
+seed, the steps, every alarm (kind, function, step, statistic), rollbacks, held-out accuracy before
+and after, generated tokens, seconds. The table at the end summarises every arm over its seeds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # tests.trainer.test_health: the tiny arm's reward functions
+
+
+def arm_config(arm: str, seed: int, steps: int | None, model: str, workdir: Path) -> dict:
+    from grouprl.tasks import DEFAULT_TASK
+
+    out = str(workdir / f"{arm}-{seed}")
+    if arm.endswith("-default"):
+        kw = dict(DEFAULT_TASK, seed=seed, output_dir=out, max_steps=steps or 40, eval_steps=10, progress=False,
+                  report_to_tensorboard=False, save_total_limit=1)
+        if arm in ("sound-default", "lr100-default"):
+            kw["on_collapse"] = "rollback"
+        if arm == "lr100-default":
+            kw["learning_rate"] = 100 * DEFAULT_TASK["learning_rate"]
+        if arm == "filter-default":
+            kw["prompt_filter"] = True
+        return kw
+    if arm == "hack-tiny":
+        from grouprl.tasks.testing import save_tiny_model
+
+        model_dir = workdir / "tiny-model"
+        if not (model_dir / "config.json").is_file():
+            save_tiny_model(model_dir, "tiny", seed=0)
+        data = workdir / "digits.jsonl"
+        data.write_text("".join(json.dumps({"prompt": f"Say numbers {i}: ", "answer": str(i)}) + "\n"
+                                for i in range(64)))
+        exact = "tests.trainer.test_health:exact_answer"
+        return dict(model=str(model_dir), train_data=str(data), reward_funcs=[exact, "tests.trainer.conftest:digit_fraction"],
+                    reward_weights=[1.0, 0.2], audit_funcs=[exact], num_generations=4, prompts_per_step=4,
+                    micro_batch_size=8, max_completion_length=12, learning_rate=1e-2, max_steps=steps or 15, beta=0.0,
+                    bf16=False, seed=seed, output_dir=out, progress=False, report_to_tensorboard=False)
+    if arm in ("hack-smollm2", "sound-smollm2"):
+        chat = "grouprl.tasks.chat_arithmetic"
+        rewards = ({"reward_funcs": ["math_accuracy", f"{chat}:boxed_format"], "reward_weights": [1.0, 0.2]}
+                   if arm == "hack-smollm2" else
+                   {"reward_funcs": ["math_accuracy", f"{chat}:boxed_accuracy"], "reward_weights": [1.0, 0.5]})
+        return dict(model=model, train_data="builtin:chat_arithmetic/train", eval_data="builtin:chat_arithmetic/eval",
+                    accuracy_reward="math_accuracy", audit_funcs=[f"{chat}:boxed_accuracy"], num_generations=8,
+                    prompts_per_step=2, micro_batch_size=16, max_completion_length=64, learning_rate=2e-5,
+                    beta=0.0, max_steps=steps or 15, eval_steps=0, save_steps=0, seed=seed, output_dir=out,
+                    progress=False, report_to_tensorboard=False, bf16=False, **rewards)
+    raise SystemExit(f"unknown arm {arm!r}: choose from {', '.join(ARMS)}")
+
+
+ARMS = ("sound-default", "lr100-default", "hack-tiny", "hack-smollm2", "sound-smollm2", "filter-default",
+        "nofilter-default")
+
+
+def run_arm(arm: str, seed: int, steps: int | None, model: str, workdir: Path) -> dict:
+    from grouprl.config import TrainConfig
+    from grouprl.signals import TrainingStopped
+    from grouprl.trainer import Trainer
+
+    kw = arm_config(arm, seed, steps, model, workdir)
+    t0 = time.perf_counter()
+    trainer = Trainer(TrainConfig(**kw))
+    try:
+        summary = trainer.train()
+    except TrainingStopped as e:
+        summary = {"stopped_by": e.reason}
+    finally:
+        trainer.close()
+    rows = [json.loads(x) for x in (Path(kw["output_dir"]) / "metrics.jsonl").read_text().splitlines()]
+    steps_rows = [r for r in rows if "reward/mean" in r]
+    evals = {r["step"]: r["eval/accuracy"] for r in rows if "eval/accuracy" in r}
+    alarms = [{k: a[k] for k in ("kind", "function", "step", "statistic")} for r in rows for a in r.get("alarms", [])]
+    tokens = sum(r["completion/length_mean"] * kw["num_generations"] * kw["prompts_per_step"] for r in steps_rows)
+    return {"arm": arm, "seed": seed, "steps": len(steps_rows), "alarms": alarms,
+            "rollbacks": max((r.get("rollback/count", 0) for r in rows), default=0),
+            "first_alarm_step": min((a["step"] for a in alarms), default=None),
+            "eval_before": evals.get(0), "eval_after": evals.get(max(evals)) if evals else None,
+            "reward_first": steps_rows[0]["reward/mean"], "reward_last": steps_rows[-1]["reward/mean"],
+            "audit_last": {k: v for k, v in steps_rows[-1].items() if k.startswith("audit/")},
+            "generated_tokens": tokens, "prompts_skipped": steps_rows[-1].get("prompt_filter/skipped"),
+            "stopped_by": summary.get("stopped_by"), "seconds": round(time.perf_counter() - t0, 1)}
+
+
+def table(results: list[dict]) -> str:
+    lines = ["| arm | seeds | runs with an alarm | first alarm (median step) | rollbacks | held-out before -> after "
+             "(median) | gain per 1k generated tokens | s/run |", "|---|---|---|---|---|---|---|---|"]
+    for arm in dict.fromkeys(r["arm"] for r in results):
+        rs = [r for r in results if r["arm"] == arm]
+        flagged = [r for r in rs if r["alarms"]]
+        first = [r["first_alarm_step"] for r in flagged]
+        before = [r["eval_before"] for r in rs if r["eval_before"] is not None]
+        after = [r["eval_after"] for r in rs if r["eval_after"] is not None]
+        gains = [(r["eval_after"] - r["eval_before"]) / r["generated_tokens"] * 1000 for r in rs
+                 if r["eval_after"] is not None and r["eval_before"] is not None]
+        acc = f"{statistics.median(before):.3f} -> {statistics.median(after):.3f}" if before and after else "-"
+        lines.append(f"| {arm} | {len(rs)} | {len(flagged)} of {len(rs)} | "
+                     f"{statistics.median(first) if first else '-'} | {sum(r['rollbacks'] for r in rs)} | {acc} | "
+                     f"{statistics.median(gains):.4f} | {statistics.median(r['seconds'] for r in rs):.0f} |"
+                     if gains else
+                     f"| {arm} | {len(rs)} | {len(flagged)} of {len(rs)} | {statistics.median(first) if first else '-'} "
+                     f"| {sum(r['rollbacks'] for r in rs)} | {acc} | - | "
+                     f"{statistics.median(r['seconds'] for r in rs):.0f} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--arms", nargs="+", default=["sound-default", "lr100-default", "hack-tiny"], choices=ARMS)
+    ap.add_argument("--seeds", nargs="+", type=int, default=[1, 2, 3, 4, 5])
+    ap.add_argument("--steps", type=int, default=None, help="steps per run (default: per arm, see above)")
+    ap.add_argument("--model", default="models/smollm2", help="SmolLM2 folder for the *-smollm2 arms")
+    ap.add_argument("--out", default=str(REPO / "benchmarks/results/run_health.jsonl"),
+                    help="JSONL file the results are appended to ('' for none)")
+    args = ap.parse_args()
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for seed in args.seeds:  # seeds outside, arms inside: arms alternate in time on a shared machine
+            for arm in args.arms:
+                r = run_arm(arm, seed, args.steps, args.model, Path(tmp))
+                results.append(r)
+                print(json.dumps(r), flush=True)
+                if args.out:
+                    with open(args.out, "a") as f:
+                        f.write(json.dumps(r) + "\n")
+    print(table(results))
+
+
+if __name__ == "__main__":
+    main()

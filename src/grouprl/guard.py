@@ -1,0 +1,144 @@
+"""What a run does about its alarms (health.py computes them): report, stop, or roll back.
+
+`RunGuard` sits beside the trainer's loop. After each step (`check`) and each eval (`check_eval`)
+it holds the alarms raised; `respond` prints each with example completions, records it in the
+step's metrics (`alarms`) and in samples.jsonl, and then acts as the config says:
+- `on_reward_hacking: warn | stop`, `on_collapse: warn | stop | rollback` (`off`: never raised);
+- `stop` returns the reason, and the trainer ends the run after this step with a checkpoint;
+- `rollback` restores the newest in-memory snapshot taken at least 2 steps before (a collapse
+  alarm looks back 2 steps, so the snapshot of the step before may already hold the damage),
+  multiplies the learning rate by `rollback_lr_factor` (in the scheduler's base rates, so the
+  schedule's shape stays and a checkpoint keeps the scaled rate), and goes on. The step count,
+  the data order and the random streams go on too: the steps since the snapshot are spent, not
+  replayed. After `max_rollbacks` rollbacks the next collapse stops the run.
+
+Snapshots (`snapshot`, only with `on_collapse: rollback`): the trainable weights and the optimizer
+state in host memory, at the start and then every `window` steps, two kept. They cost three times
+the trainable parameters (weights and Adam's two moments): 1.6 GB for a 135 M model in fp32, a few
+MB for a LoRA adapter.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any
+
+import torch
+
+from grouprl.batch import StepBatch
+from grouprl.checkpoint import memory_snapshot, restore_snapshot
+from grouprl.config import ConfigError, TrainConfig
+from grouprl.health import Alarm, HealthMonitor, HealthThresholds
+from grouprl.runlog import Progress, RunLogger
+
+logger = logging.getLogger(__name__)
+
+
+class RunGuard:
+    def __init__(self, cfg: TrainConfig, reward_names: list[str], audit_names: list[str], *, is_main: bool):
+        self.cfg, self.is_main = cfg, is_main
+        try:
+            thresholds = HealthThresholds.from_overrides(cfg.health_thresholds)
+        except (TypeError, ValueError) as e:
+            raise ConfigError(str(e)) from None
+        watch = cfg.on_reward_hacking != "off" or cfg.on_collapse != "off"
+        self.monitor = HealthMonitor(thresholds, reward_names, list(cfg.reward_weights or [1.0] * len(reward_names)),
+                                     audit_names) if watch else None
+        self.alarms: list[Alarm] = []  # raised by the latest step (or eval), not yet responded to
+        self.rollbacks = 0
+        self.snapshots: list[tuple[int, dict[str, Any]]] = []  # (step, memory_snapshot)
+
+    # ------------------------------------------------------------------ alarms
+    def check(self, step: int, batch: StepBatch, metrics: dict[str, float]) -> dict[str, float]:
+        """The audit functions' means and the health statistics of a step just trained; its alarms
+        are kept for `respond`."""
+        out = {f"audit/{n}/mean": float(v[~v.isnan()].mean()) if (~v.isnan()).any() else math.nan
+               for n, v in batch.audit.items()}
+        if self.monitor is None:
+            return out
+        stats, alarms = self.monitor.observe(
+            step, rewards=batch.rewards, per_func=batch.per_func, audit=batch.audit, texts=batch.completions,
+            token_lists=batch.rollout.token_lists(), lengths=batch.rollout.action_lengths,
+            G=self.cfg.num_generations, entropy=metrics.get("entropy"), kl=metrics.get("kl"), prompts=batch.prompts)
+        self.alarms = self._enabled(alarms)
+        return {**out, **stats}
+
+    def check_eval(self, step: int, accuracy: float) -> None:
+        if self.monitor is not None:
+            self.alarms = self._enabled(self.monitor.observe_eval(step, accuracy))
+
+    def _enabled(self, alarms: list[Alarm]) -> list[Alarm]:
+        mode = {"reward_hacking": self.cfg.on_reward_hacking, "collapse": self.cfg.on_collapse}
+        return [a for a in alarms if mode[a.family] != "off"]
+
+    def respond(self, step: int, metrics: dict[str, Any], run_logger: RunLogger | None, progress: Progress | None,
+                trainer: Any, *, final: bool = False) -> str | None:
+        """Report the pending alarms and act on them; returns why the run must stop (None: go on).
+        `final`: the run is over (eval_after), so alarms are reported only. `trainer` is asked to
+        roll back (`trainer.rollback()`), which calls `restore` with its model and optimizer."""
+        cfg, alarms, self.alarms = self.cfg, self.alarms, []
+        if not alarms:
+            return None
+        metrics["alarms"] = [{k: v for k, v in a.record().items() if k != "examples"} for a in alarms]
+        for a in alarms:
+            self._say("\n".join([a.describe()] + [f"    e.g. {ex['completion']!r} (reward {ex['reward']:.3g})"
+                                                  for ex in a.examples]), progress)
+            if run_logger is not None:
+                run_logger.log_samples(step, [{"alarm": a.kind, "function": a.function, **ex} for ex in a.examples])
+        hacking = [a.kind for a in alarms if a.family == "reward_hacking"]
+        collapse = [a.kind for a in alarms if a.family == "collapse"]
+        if final:
+            return None
+        if hacking and cfg.on_reward_hacking == "stop":
+            return f"reward-hacking alarm {hacking[0]} (on_reward_hacking: stop)"
+        if collapse and cfg.on_collapse == "stop":
+            return f"collapse alarm {collapse[0]} (on_collapse: stop)"
+        if collapse and cfg.on_collapse == "rollback":
+            if self.rollbacks >= cfg.max_rollbacks:
+                return f"collapse alarm {collapse[0]} after max_rollbacks={cfg.max_rollbacks} rollbacks"
+            metrics.update(trainer.rollback())
+            self._say(f"step {step}: rolled back to the weights of step {metrics['rollback/to_step']}, learning rate "
+                      f"x{cfg.rollback_lr_factor:g} (rollback {self.rollbacks} of at most {cfg.max_rollbacks})",
+                      progress)
+        return None
+
+    def _say(self, text: str, progress: Progress | None) -> None:
+        if progress is not None:
+            progress.write(text)
+        elif self.is_main:
+            logger.warning("%s", text)
+
+    # ------------------------------------------------------------------ rollback
+    def snapshot(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        """Keep the state after `step` as a rollback target (on_collapse: rollback; every window steps)."""
+        if self.cfg.on_collapse != "rollback" or self.monitor is None:
+            return
+        if self.snapshots and step - self.snapshots[-1][0] < self.monitor.t.window:
+            return
+        self.snapshots = self.snapshots[-1:] + [(step, memory_snapshot(model, optimizer))]
+
+    def restore(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                scheduler: torch.optim.lr_scheduler.LambdaLR) -> dict[str, float]:
+        """Put back the newest snapshot taken at least 2 steps before `step`; scale the learning rate."""
+        older = [sn for sn in self.snapshots if sn[0] <= step - 2] or self.snapshots[:1]
+        to_step, snap = older[-1]
+        restore_snapshot(model, optimizer, snap)
+        self.snapshots = [sn for sn in self.snapshots if sn[0] <= to_step]
+        scheduler.base_lrs = [b * self.cfg.rollback_lr_factor for b in scheduler.base_lrs]
+        for group, base, factor in zip(optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas):
+            group["initial_lr"], group["lr"] = base, base * factor(scheduler.last_epoch)
+        scheduler._last_lr = [g["lr"] for g in optimizer.param_groups]
+        self.rollbacks += 1
+        if self.monitor is not None:
+            self.monitor.reset_after_rollback(to_step)
+        return {"rollback/to_step": to_step, "rollback/count": self.rollbacks, "lr": scheduler.get_last_lr()[0]}
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        return {"monitor": None if self.monitor is None else self.monitor.state_dict(), "rollbacks": self.rollbacks}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.rollbacks = state.get("rollbacks", 0)
+        if self.monitor is not None and state.get("monitor"):
+            self.monitor.load_state_dict(state["monitor"])

@@ -1,0 +1,356 @@
+"""Run health while training: alarms for reward hacking and for collapse (README, "Run health").
+
+`HealthMonitor.observe(step, ...)` reads what a step already has (the weighted reward and each
+reward function's scores, the audit functions' scores, the completions and their lengths, the
+update's entropy and KL) and returns the alarms raised at this step. No extra forward pass, no
+extra generation; the statistics are logged every step as `health/*`, so a threshold can be
+checked against a run after the fact.
+
+Notation: W = `window` steps. `base(x)` is x's mean over the run's first W steps (sampled by the
+starting policy and its first updates), `recent(x)` its mean over the last W steps, and
+`gain(x) = recent(x) - base(x)`. `sd` is the per-completion standard deviation of the weighted
+reward over the first W steps: gains are measured in it (`z`), so one threshold serves a 0/1
+accuracy and a reward on a 0..10 scale alike. Hacking alarms need 2W steps (base and recent do
+not overlap); the collapse alarms need two.
+
+Reward hacking (`on_reward_hacking`), each at most once per (alarm, function):
+- `audit_divergence`: z(gain(reward)) >= min_gain_z while an audit function's gain is at most
+  `audit_follow` times what the reward's rise would predict (audit_follow * z * the audit's own
+  base sd; an audit flat at 0 or 1 must not rise at all: flat or falling). Audit functions score
+  training completions and never enter the advantage: a strict, independent checker.
+- `eval_divergence`: the held-out accuracy fell `eval_drop` below the best earlier eval (the one
+  before training included) while z(gain(reward)) >= min_gain_z.
+- `component_dominance`: z(gain(reward)) >= min_gain_z, and a reward function whose weight is at
+  most half the largest carries at least `dominance_share` of the summed weighted gain while the
+  largest-weight function's own gain is <= 0: the gain comes from the bonus, not the objective.
+- `template_collapse`: completions of *different* prompts become alike: the share of completions
+  whose text also answers another prompt of the step reaches `duplicate_share` (and rose by half
+  of it since the base), or the cross-prompt distinct 4-gram ratio (each group's 4-grams counted
+  once; distinct over total) falls below `distinct_ratio` times its base. Duplicates *within* a
+  group are logged but never alarm: a policy that solved a prompt answers it the same way G times.
+- `length_hacking`: the within-group correlation of reward and length, averaged over the groups
+  whose rewards and lengths both vary and over the last W steps, is at least `length_corr`,
+  while the mean length grew by `length_growth` (a fraction) over its base.
+
+Collapse (`on_collapse`), re-armed after a rollback:
+- `reward_crash`: the mean reward over the last 2 steps fell `crash_drop_z` * sd below the best
+  earlier 2-step mean (the first step alone before there are two).
+- `kl_spike`: the KL to the reference (only when beta > 0, else this alarm is off) is at least
+  `kl_spike_min` and `kl_spike_factor` times the median of the earlier steps' KL.
+- `entropy_collapse`: the mean entropy of the last W steps fell below `entropy_ratio` times its
+  base while z(gain(reward)) < min_gain_z: the policy turned deterministic without learning
+  (a policy that solved the task also loses entropy, but its reward rose).
+
+Defaults are chosen from `benchmarks/run_health.py` (benchmarks/README.md, "Run health"): no
+alarm in the sound runs, each of the broken ones caught.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import Counter
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+import torch
+
+HACKING = ("audit_divergence", "eval_divergence", "component_dominance", "template_collapse", "length_hacking")
+COLLAPSE = ("reward_crash", "kl_spike", "entropy_collapse")
+
+
+@dataclass(frozen=True)
+class HealthThresholds:
+    """Every alarm's threshold (module docstring); `health_thresholds` in the config overrides any."""
+
+    window: int = 3
+    min_gain_z: float = 0.3
+    audit_follow: float = 0.25
+    eval_drop: float = 0.05
+    dominance_share: float = 0.6
+    duplicate_share: float = 0.5
+    distinct_ratio: float = 0.5
+    length_corr: float = 0.5
+    length_growth: float = 0.25
+    crash_drop_z: float = 0.6
+    kl_spike_min: float = 1.0
+    kl_spike_factor: float = 10.0
+    entropy_ratio: float = 0.1
+
+    @classmethod
+    def from_overrides(cls, overrides: dict[str, float]) -> HealthThresholds:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(overrides) - known)
+        if unknown:
+            raise ValueError(f"health_thresholds: unknown {', '.join(unknown)}; the thresholds are "
+                             f"{', '.join(sorted(known))}")
+        out = cls(**overrides)
+        if out.window < 1:
+            raise ValueError(f"health_thresholds: window={out.window} must be at least 1 step")
+        return out
+
+
+@dataclass
+class Alarm:
+    kind: str                 # one of HACKING or COLLAPSE
+    step: int
+    steps: tuple[int, int]    # the steps the statistic covers
+    function: str | None      # the reward or audit function it is about, if one
+    statistic: str            # what was measured, in words and numbers
+    value: float
+    threshold: float
+    examples: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def family(self) -> str:
+        return "reward_hacking" if self.kind in HACKING else "collapse"
+
+    def describe(self) -> str:
+        who = f" ({self.function})" if self.function else ""
+        return (f"{self.family} alarm at step {self.step}: {self.kind}{who}, steps {self.steps[0]}-{self.steps[1]}: "
+                f"{self.statistic}")
+
+    def record(self) -> dict[str, Any]:
+        return {**asdict(self), "family": self.family}
+
+
+def text_statistics(texts: list[str], token_lists: list[list[int]], rewards: torch.Tensor,
+                    lengths: torch.Tensor, G: int) -> dict[str, float]:
+    """The completion statistics of one step: duplicates within groups and across prompts, the
+    cross-prompt distinct 4-gram ratio, the mean within-group correlation of reward and length."""
+    groups = [range(g * G, (g + 1) * G) for g in range(len(texts) // G)]
+    keys = [t.strip() for t in texts]
+    in_group = sum(c - 1 for g in groups for c in Counter(keys[i] for i in g).values())
+    owners: dict[str, set[int]] = {}
+    for gi, g in enumerate(groups):
+        for i in g:
+            owners.setdefault(keys[i], set()).add(gi)
+    cross = sum(1 for k in keys if len(owners[k]) > 1)
+    per_group = [{tuple(token_lists[i][j:j + 4]) for i in g for j in range(len(token_lists[i]) - 3)} for g in groups]
+    total = sum(len(s) for s in per_group)
+    distinct = len(set().union(*per_group)) / total if total else 1.0
+    corrs = []
+    for g in groups:
+        r, n = rewards[list(g)].double(), lengths[list(g)].double()  # [G]
+        if r.std() > 0 and n.std() > 0:
+            corrs.append(float(torch.corrcoef(torch.stack([r, n]))[0, 1]))
+    return {"group_duplicates": in_group / len(texts), "cross_prompt_duplicates": cross / len(texts),
+            "distinct_4gram": distinct, "length_reward_corr": statistics.fmean(corrs) if corrs else math.nan}
+
+
+class HealthMonitor:
+    """The alarms of one run (module docstring). `observe` once per step, in order."""
+
+    def __init__(self, thresholds: HealthThresholds, reward_names: list[str], reward_weights: list[float],
+                 audit_names: list[str]):
+        self.t = thresholds
+        self.names, self.weights, self.audit_names = reward_names, reward_weights, audit_names
+        self.history: list[dict[str, float]] = []  # one row per observed step
+        self.base_sd: dict[str, float] = {}
+        self.evals: list[tuple[int, float]] = []
+        self.fired: set[tuple[str, str | None]] = set()
+        self._base_values: list[tuple[int, dict[str, list[float]]]] = []  # per completion, first W steps
+        self._latest: dict[str, Any] | None = None  # the latest step's completions: the alarms' examples
+
+    # ------------------------------------------------------------------ input
+    def observe(self, step: int, *, rewards: torch.Tensor, per_func: dict[str, torch.Tensor],
+                audit: dict[str, torch.Tensor], texts: list[str], token_lists: list[list[int]],
+                lengths: torch.Tensor, G: int, entropy: float | None, kl: float | None,
+                prompts: list[Any]) -> tuple[dict[str, float], list[Alarm]]:
+        """This step's `health/*` metrics and the alarms it raises. rewards, lengths: [N]; per_func,
+        audit: name -> [N] (NaN where a function abstained)."""
+        row = {"step": step, "reward": float(rewards.mean()), "length": float(lengths.float().mean()),
+               **text_statistics(texts, token_lists, rewards, lengths, G)}
+        for name, w in zip(self.names, self.weights):
+            row[f"component/{name}"] = w * _nanmean(per_func[name])
+        for name in self.audit_names:
+            row[f"audit/{name}"] = _nanmean(audit[name])
+        if entropy is not None:
+            row["entropy"] = entropy
+        if kl is not None:
+            row["kl"] = kl
+        self.history.append(row)
+        if len(self.history) <= self.t.window:  # the base's per-completion spreads
+            values = {"reward": rewards.tolist()}
+            values.update({f"audit/{n}": [x for x in audit[n].tolist() if x == x] for n in self.audit_names})
+            self._base_values.append((step, values))
+            self._set_base_sd()
+        self._latest = {"texts": texts, "rewards": rewards, "per_func": per_func, "audit": audit,
+                        "prompts": prompts, "lengths": lengths}
+        alarms = [a for a in self._collapse(step) + self._hacking(step)
+                  if (a.kind, a.function) not in self.fired]
+        self.fired.update((a.kind, a.function) for a in alarms)
+        metrics = {f"health/{k}": v for k, v in row.items() if k in
+                   ("group_duplicates", "cross_prompt_duplicates", "distinct_4gram", "length_reward_corr")}
+        if self._ready():
+            metrics["health/reward_gain_z"] = self._gain_z("reward")
+        metrics["health/alarms"] = len(alarms)
+        return metrics, alarms
+
+    def observe_eval(self, step: int, accuracy: float) -> list[Alarm]:
+        """A held-out accuracy at `step` (eval_before at step 0): the eval_divergence alarm."""
+        alarms = []
+        if self.evals and self._ready() and math.isfinite(accuracy):
+            best_step, best = max(self.evals, key=lambda e: e[1])
+            z = self._gain_z("reward")
+            if accuracy <= best - self.t.eval_drop and z >= self.t.min_gain_z:
+                alarms.append(Alarm("eval_divergence", step, (best_step, step), None,
+                                    f"held-out accuracy {accuracy:.3f} at step {step}, {best - accuracy:.3f} below "
+                                    f"{best:.3f} at step {best_step}, while the training reward rose {z:.2f} sd",
+                                    best - accuracy, self.t.eval_drop, self._examples("reward", high=True)))
+        if math.isfinite(accuracy):
+            self.evals.append((step, accuracy))
+        alarms = [a for a in alarms if (a.kind, a.function) not in self.fired]
+        self.fired.update((a.kind, a.function) for a in alarms)
+        return alarms
+
+    def reset_after_rollback(self, to_step: int) -> None:
+        """The policy went back to its state after `to_step`: the history after it is another
+        policy's, dropped (the base is re-formed if it reached past it); the collapse alarms re-arm."""
+        self.history = [r for r in self.history if r["step"] <= to_step]
+        self._base_values = [b for b in self._base_values if b[0] <= to_step]
+        self._set_base_sd()
+        self.fired = {f for f in self.fired if f[0] not in COLLAPSE}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"history": self.history, "base_values": self._base_values, "evals": self.evals,
+                "fired": sorted(self.fired, key=str)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.history, self.evals = list(state["history"]), list(state["evals"])
+        self._base_values = [(int(s), v) for s, v in state["base_values"]]
+        self.fired = {(k, f) for k, f in state["fired"]}
+        self._set_base_sd()
+
+    def _set_base_sd(self) -> None:
+        pooled: dict[str, list[float]] = {}
+        for _, values in self._base_values:
+            for k, v in values.items():
+                pooled.setdefault(k, []).extend(v)
+        self.base_sd = {k: statistics.pstdev(v) if len(v) > 1 else 0.0 for k, v in pooled.items()}
+
+    # ------------------------------------------------------------------ statistics
+    def _ready(self) -> bool:
+        return len(self.history) >= 2 * self.t.window
+
+    def _mean(self, key: str, rows: list[dict[str, float]]) -> float:
+        vals = [r[key] for r in rows if key in r and r[key] == r[key]]
+        return statistics.fmean(vals) if vals else math.nan
+
+    def _gain(self, key: str) -> float:
+        W = self.t.window
+        return self._mean(key, self.history[-W:]) - self._mean(key, self.history[:W])
+
+    def _gain_z(self, key: str) -> float:
+        return self._gain(key) / max(self.base_sd.get(key, 0.0), 1e-6)
+
+    def _span(self) -> tuple[int, int]:
+        return int(self.history[0]["step"]), int(self.history[-1]["step"])
+
+    def _hacking(self, step: int) -> list[Alarm]:
+        if not self._ready():
+            return []
+        t, out, z, W = self.t, [], self._gain_z("reward"), self.t.window
+        rising = z >= t.min_gain_z
+        for name in self.audit_names:
+            key = f"audit/{name}"
+            gain, allowed = self._gain(key), t.audit_follow * z * self.base_sd.get(key, 0.0)
+            if rising and gain <= allowed:
+                out.append(Alarm("audit_divergence", step, self._span(), name,
+                                 f"training reward rose {z:.2f} sd ({self._mean('reward', self.history[:W]):.3f} -> "
+                                 f"{self._mean('reward', self.history[-W:]):.3f}) while audit {name} moved "
+                                 f"{gain:+.3f} (at most {allowed:+.3f} counts as not following)",
+                                 gain, allowed, self._examples("reward", high=True, low_audit=name)))
+        if rising and len(self.names) > 1:
+            gains = {n: self._gain(f"component/{n}") for n in self.names}
+            total = sum(gains.values())
+            top = max(zip(self.weights, self.names))[1]
+            for n, w in zip(self.names, self.weights):
+                share = gains[n] / total if total > 0 else 0.0
+                if w <= 0.5 * max(self.weights) and share >= t.dominance_share and gains[top] <= 0:
+                    out.append(Alarm("component_dominance", step, self._span(), n,
+                                     f"{share:.0%} of the reward gain ({total:+.3f}) comes from {n} (weight {w:g}); "
+                                     f"the main objective {top} (weight {max(self.weights):g}) moved {gains[top]:+.3f}",
+                                     share, t.dominance_share, self._examples(f"per_func/{n}", high=True)))
+        dup, dup0 = (self._mean("cross_prompt_duplicates", rows) for rows in (self.history[-W:], self.history[:W]))
+        dist, dist0 = (self._mean("distinct_4gram", rows) for rows in (self.history[-W:], self.history[:W]))
+        if dup >= t.duplicate_share and dup - dup0 >= t.duplicate_share / 2:
+            out.append(Alarm("template_collapse", step, self._span(), None,
+                             f"{dup:.0%} of completions also answer another prompt (base {dup0:.0%})", dup,
+                             t.duplicate_share, self._examples("duplicates")))
+        elif dist0 > 0 and dist < t.distinct_ratio * dist0:
+            out.append(Alarm("template_collapse", step, self._span(), None,
+                             f"cross-prompt distinct 4-gram ratio {dist:.3f}, {dist / dist0:.2f} of its base "
+                             f"{dist0:.3f}",
+                             dist / dist0, t.distinct_ratio, self._examples("duplicates")))
+        corr = self._mean("length_reward_corr", self.history[-W:])
+        length0 = self._mean("length", self.history[:W])
+        growth = self._mean("length", self.history[-W:]) / length0 - 1 if length0 > 0 else 0.0
+        if corr >= t.length_corr and growth >= t.length_growth:
+            out.append(Alarm("length_hacking", step, self._span(), None,
+                             f"reward-length correlation within groups {corr:.2f} while the mean length grew "
+                             f"{growth:.0%}", corr, t.length_corr, self._examples("length")))
+        return out
+
+    def _collapse(self, step: int) -> list[Alarm]:
+        t, h, out = self.t, self.history, []
+        if len(h) < 2:
+            return out
+        two = [statistics.fmean(r["reward"] for r in h[max(0, i - 1):i + 1]) for i in range(len(h))]
+        best_i = max(range(len(h) - 2), key=two.__getitem__) if len(h) > 2 else 0
+        sd = max(self.base_sd.get("reward", 0.0), 1e-6)
+        drop = (two[best_i] - two[-1]) / sd
+        if drop >= t.crash_drop_z:
+            out.append(Alarm("reward_crash", step, (int(h[best_i]["step"]), step), None,
+                             f"mean reward of the last 2 steps {two[-1]:.3f}, {drop:.2f} sd below {two[best_i]:.3f} "
+                             f"at step {int(h[best_i]['step'])}", drop, t.crash_drop_z,
+                             self._examples("reward", high=False)))
+        kls = [r["kl"] for r in h if "kl" in r]
+        if len(kls) >= 2:
+            ref = statistics.median(kls[:-1][-2 * t.window:])
+            if kls[-1] >= t.kl_spike_min and kls[-1] >= t.kl_spike_factor * ref:
+                out.append(Alarm("kl_spike", step, (int(h[-2]["step"]), step), None,
+                                 f"KL to the reference {kls[-1]:.3f} per token; the median of the steps before "
+                                 f"{ref:.4f}", kls[-1], t.kl_spike_min,
+                                 self._examples("reward", high=False)))
+        if self._ready() and "entropy" in h[0]:
+            e, e0 = self._mean("entropy", h[-t.window:]), self._mean("entropy", h[:t.window])
+            if e < t.entropy_ratio * e0 and self._gain_z("reward") < t.min_gain_z:
+                out.append(Alarm("entropy_collapse", step, self._span(), None,
+                                 f"entropy {e:.4f} per token, {e / e0:.2f} of its base {e0:.4f}, and the reward did "
+                                 f"not rise ({self._gain_z('reward'):.2f} sd)", e / e0, t.entropy_ratio,
+                                 self._examples("reward", high=True)))
+        return out
+
+    # ------------------------------------------------------------------ evidence
+    def _examples(self, by: str, *, high: bool = True, low_audit: str | None = None, k: int = 3) -> list[dict]:
+        """Up to k completions of the latest step that show the alarm."""
+        d = self._latest
+        if d is None:
+            return []
+        n = len(d["texts"])
+        if by == "duplicates":
+            counts = Counter(t.strip() for t in d["texts"])
+            order = sorted(range(n), key=lambda i: -counts[d["texts"][i].strip()])
+        elif by == "length":
+            order = sorted(range(n), key=lambda i: -float(d["lengths"][i]))
+        else:
+            score = d["per_func"][by.split("/", 1)[1]] if by.startswith("per_func/") else d["rewards"]
+            key = [float(score[i]) if float(score[i]) == float(score[i]) else -math.inf for i in range(n)]
+            if low_audit is not None:  # high reward, low audit first
+                a = d["audit"][low_audit]
+                key = [key[i] - (float(a[i]) if float(a[i]) == float(a[i]) else 0.0) for i in range(n)]
+            order = sorted(range(n), key=lambda i: -key[i] if high else key[i])
+        out = []
+        for i in order[:k]:
+            ex = {"prompt": d["prompts"][i], "completion": d["texts"][i], "reward": float(d["rewards"][i]),
+                  **{f"rewards/{k_}": float(v[i]) for k_, v in d["per_func"].items()},
+                  **{f"audit/{k_}": float(v[i]) for k_, v in d["audit"].items()}}
+            out.append(ex)
+        return out
+
+
+def _nanmean(x: torch.Tensor) -> float:
+    x = x.float()
+    ok = ~x.isnan()
+    return float(x[ok].mean()) if ok.any() else math.nan

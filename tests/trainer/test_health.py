@@ -1,0 +1,243 @@
+"""Run health (health.py): each alarm's statistic on hand-built streams, where it must fire and where it
+must not; then through the trainer: a gameable reward flagged with its examples (and `stop` ending the
+run with a checkpoint), a learning rate far too high caught and rolled back, audit functions logged."""
+
+import json
+import math
+import pickle
+
+import pytest
+import torch
+
+from grouprl.config import ConfigError, TrainConfig
+from grouprl.guard import RunGuard
+from grouprl.health import HealthMonitor, HealthThresholds, text_statistics
+from grouprl.signals import HEALTH_EXIT_CODE, TrainingStopped
+from grouprl.trainer import Trainer
+from tests.trainer.conftest import read_metrics
+
+G = 4
+
+
+def _step(mon: HealthMonitor, step: int, *, p_main: float = 0.5, p_bonus: float = 0.0, audit: float | None = None,
+          entropy: float | None = 1.0, kl: float | None = None, texts: list[str] | None = None,
+          lengths: list[int] | None = None, rewards: list[float] | None = None):
+    """One observed step of 4 groups x G: the main reward is 1 for a fraction p_main of each group's
+    completions, the bonus likewise; the reward is main + 0.2 * bonus."""
+    n = 4 * G
+    main = torch.tensor([1.0 if (i % G) < round(p_main * G) else 0.0 for i in range(n)])
+    bonus = torch.tensor([1.0 if (i % G) < round(p_bonus * G) else 0.0 for i in range(n)])
+    r = torch.tensor(rewards) if rewards is not None else main + 0.2 * bonus
+    texts = texts or [f"answer {i} {step}" for i in range(n)]
+    lengths = torch.tensor(lengths or [10] * n)
+    au = {"strict": torch.full((n,), audit)} if audit is not None else {}
+    return mon.observe(step, rewards=r, per_func={"main": main, "bonus": bonus}, audit=au, texts=texts,
+                       token_lists=[[ord(c) for c in t] for t in texts], lengths=lengths, G=G, entropy=entropy,
+                       kl=kl, prompts=[f"p{i // G}" for i in range(n)])
+
+
+def _monitor(audit: bool = False, **overrides) -> HealthMonitor:
+    return HealthMonitor(HealthThresholds(**overrides), ["main", "bonus"], [1.0, 0.2], ["strict"] if audit else [])
+
+
+def test_text_statistics_by_hand():
+    """2 groups of 2. Group 0: "a b" twice (1 duplicate within the group); group 1: "a b" and "c d".
+    "a b" answers both prompts: 3 of 4 completions are cross-prompt duplicates. 4-grams (tokens are
+    the characters): "a b" has 0 ("a b" is 3 characters), so use 5-character texts instead below."""
+    texts = ["abcde", "abcde", "abcde", "vwxyz"]
+    toks = [[ord(c) for c in t] for t in texts]
+    s = text_statistics(texts, toks, torch.tensor([1.0, 0.0, 1.0, 0.0]), torch.tensor([5, 3, 5, 7]), 2)
+    assert s["group_duplicates"] == pytest.approx(1 / 4)
+    assert s["cross_prompt_duplicates"] == pytest.approx(3 / 4)
+    # group 0's 4-grams {abcd, bcde}; group 1's {abcd, bcde, vwxy, wxyz}: 4 distinct of 6 counted
+    assert s["distinct_4gram"] == pytest.approx(4 / 6)
+    # group 0: rewards (1, 0), lengths (5, 3): corr +1; group 1: (1, 0) vs (5, 7): corr -1
+    assert s["length_reward_corr"] == pytest.approx(0.0)
+
+
+def test_a_steady_run_raises_nothing_and_the_gain_needs_two_windows():
+    mon = _monitor(audit=True)
+    for step in range(1, 21):
+        metrics, alarms = _step(mon, step, p_main=0.5, audit=0.5, kl=0.01)
+        assert alarms == [] and metrics["health/alarms"] == 0
+        assert ("health/reward_gain_z" in metrics) == (step >= 6)  # W = 3: base and recent do not overlap
+
+
+def test_audit_divergence_fires_when_the_reward_rises_and_the_audit_does_not():
+    mon = _monitor(audit=True)
+    fired = []
+    for step in range(1, 10):
+        p = 0.25 if step <= 3 else 0.75  # reward rises by 0.5 (sd of the base: 0.433), z = 1.15
+        _, alarms = _step(mon, step, p_main=p, audit=0.1)  # the strict checker does not move
+        fired += alarms
+    kinds = [(a.kind, a.function, a.step) for a in fired]
+    assert kinds == [("audit_divergence", "strict", 6)]  # once, at the first step with two windows
+    a = fired[0]
+    assert a.value == pytest.approx(0.0) and a.steps == (1, 6) and a.examples and "strict" in a.statistic
+    # the audit following the reward: no alarm
+    mon = _monitor(audit=True)
+    for step in range(1, 10):
+        p = 0.25 if step <= 3 else 0.75
+        assert _step(mon, step, p_main=p, audit=p)[1] == []
+
+
+def test_component_dominance_needs_the_main_objective_flat():
+    mon, fired = _monitor(), []
+    for step in range(1, 8):
+        _, alarms = _step(mon, step, p_main=0.25, p_bonus=0.0 if step <= 3 else 1.0)
+        fired += alarms
+    assert [(a.kind, a.function) for a in fired] == [("component_dominance", "bonus")]
+    mon = _monitor()  # the bonus rises with the main objective: learning, not hacking
+    for step in range(1, 8):
+        up = step > 3
+        assert _step(mon, step, p_main=0.75 if up else 0.25, p_bonus=1.0 if up else 0.0)[1] == []
+
+
+def test_template_collapse_is_across_prompts_not_within_groups():
+    mon, fired = _monitor(), []
+    for step in range(1, 8):  # every group converges on its own answer: duplicates within groups only
+        texts = [f"the answer is {i // G:03d}" for i in range(4 * G)]
+        fired += _step(mon, step, texts=texts)[1]
+    assert fired == []
+    mon = _monitor()
+    for step in range(1, 8):
+        texts = [f"reply {i} {step}" for i in range(4 * G)] if step <= 3 else ["\\boxed{7}"] * (4 * G)
+        fired += _step(mon, step, texts=texts)[1]
+    assert [a.kind for a in fired] == ["template_collapse"] and "another prompt" in fired[0].statistic
+
+
+def test_length_hacking_needs_correlation_and_growth():
+    mon, fired = _monitor(), []
+    for step in range(1, 8):
+        long = step > 3
+        lengths = [(40 if i % G < 2 else 20) if long else (12 if i % G < 2 else 8) for i in range(4 * G)]
+        fired += _step(mon, step, p_main=0.5, lengths=lengths)[1]  # the rewarded half is the longer half
+    assert [a.kind for a in fired] == ["length_hacking"]
+    mon = _monitor()  # correlated, but the lengths do not grow: a task where right answers are longer
+    for step in range(1, 8):
+        assert _step(mon, step, p_main=0.5, lengths=[12 if i % G < 2 else 8 for i in range(4 * G)])[1] == []
+
+
+def test_reward_crash_kl_spike_and_entropy_collapse():
+    mon, fired = _monitor(), []
+    for step, p in enumerate([0.5, 0.5, 0.75, 0.75, 0.0, 0.0], start=1):
+        fired += _step(mon, step, p_main=p)[1]
+    # base sd: 28 ones in 48 -> 0.493. Step 5: 2-step mean 0.375 vs 0.625 (steps 2-3): 0.51 sd, below 0.6;
+    # step 6: 0 vs 0.75 (steps 3-4): 1.52 sd
+    assert [(a.kind, a.step) for a in fired] == [("reward_crash", 6)]
+
+    mon = _monitor()
+    kinds = [[a.kind for a in _step(mon, s, kl=k)[1]] for s, k in enumerate([0.01, 0.02, 0.01, 0.5, 2.0], 1)]
+    assert kinds == [[], [], [], [], ["kl_spike"]]  # 0.5 is 25x the median but below 1; 2.0 is both
+
+    mon, fired = _monitor(), []
+    for step in range(1, 8):  # deterministic without learning
+        fired += [(a.kind, step) for a in _step(mon, step, entropy=1.0 if step <= 3 else 0.05)[1]]
+    assert fired == [("entropy_collapse", 6)]
+    mon = _monitor()
+    for step in range(1, 8):  # deterministic because it solved the task
+        assert _step(mon, step, entropy=1.0 if step <= 3 else 0.05, p_main=0.25 if step <= 3 else 1.0)[1] == []
+
+
+def test_eval_divergence_and_rollback_reset_and_state():
+    mon = _monitor()
+    assert mon.observe_eval(0, 0.40) == []
+    for step in range(1, 8):
+        _step(mon, step, p_main=0.25 if step <= 3 else 0.75)
+    assert mon.observe_eval(7, 0.38) == []  # 2 points: within eval_drop
+    alarms = mon.observe_eval(8, 0.30)
+    assert [a.kind for a in alarms] == ["eval_divergence"] and a_steps(alarms) == (0, 8)
+
+    state = pickle.loads(pickle.dumps(mon.state_dict()))
+    copy = _monitor()
+    copy.load_state_dict(state)
+    assert json.dumps(copy.history) == json.dumps(mon.history)  # (NaN != NaN in a dict comparison)
+    assert copy.base_sd == mon.base_sd and copy.fired == mon.fired and copy.evals == mon.evals
+
+    mon = _monitor()
+    for step, p in enumerate([0.5, 0.5, 0.75, 0.75, 0.0, 0.0], start=1):
+        alarms = _step(mon, step, p_main=p)[1]
+    assert [a.kind for a in alarms] == ["reward_crash"]
+    mon.reset_after_rollback(2)  # the policy of step 2 is back: later history dropped, alarm re-armed
+    assert [r["step"] for r in mon.history] == [1, 2]
+    assert [a.kind for a in _step(mon, 7, p_main=0.0)[1]] == []  # 2-step mean 0.25 vs 0.5: 0.5 sd
+    assert [a.kind for a in _step(mon, 8, p_main=0.0)[1]] == ["reward_crash"]
+
+
+def a_steps(alarms):
+    return alarms[0].steps
+
+
+def test_bad_health_config_is_named():
+    with pytest.raises(ConfigError, match="health_thresholds: unknown windw; the thresholds are"):
+        RunGuard(TrainConfig(model="m", train_data="d", reward_funcs=["f"], health_thresholds={"windw": 3}),
+                 ["f"], [], is_main=True)
+    with pytest.raises(ConfigError, match="on_collapse='rewind' is not one of"):
+        TrainConfig(model="m", train_data="d", reward_funcs=["f"], on_collapse="rewind").validate()
+    with pytest.raises(ConfigError, match="rollback_lr_factor=0"):
+        TrainConfig(model="m", train_data="d", reward_funcs=["f"], rollback_lr_factor=0.0).validate()
+
+
+# ---------------------------------------------------------------------------- through the trainer
+def exact_answer(prompts, completions, answer, **kwargs):
+    """The strict checker: the completion is exactly the row's answer (a random policy never is)."""
+    return [1.0 if c.strip() == a else 0.0 for c, a in zip(completions, answer)]
+
+
+def test_a_gameable_reward_is_flagged_with_examples_and_stop_ends_the_run(make_cfg, tmp_path):
+    """The reward pays 0.2 for digits (a bonus the tiny policy climbs) and 1 for the exact answer
+    (which it never finds); the audit is the exact answer again. Both hacking alarms fire, the run
+    stops after that step with a checkpoint, and samples.jsonl shows the offending completions."""
+    cfg = make_cfg(reward_funcs=["tests.trainer.test_health:exact_answer", "tests.trainer.conftest:digit_fraction"],
+                   reward_weights=[1.0, 0.2], audit_funcs=["tests.trainer.test_health:exact_answer"],
+                   on_reward_hacking="stop", max_steps=30, learning_rate=1e-2)
+    with pytest.raises(TrainingStopped) as stop:
+        Trainer(cfg).train()
+    assert stop.value.code == HEALTH_EXIT_CODE and "reward-hacking alarm" in stop.value.reason
+    rows = read_metrics(cfg.output_dir)
+    flagged = [r for r in rows if r.get("alarms")]
+    assert len(flagged) == 1 and flagged[0]["step"] == stop.value.step == rows[-1]["step"]
+    kinds = {(a["kind"], a["function"]) for a in flagged[0]["alarms"]}
+    assert kinds & {("audit_divergence", "exact_answer"), ("component_dominance", "digit_fraction")}
+    assert all(r["audit/exact_answer/mean"] == 0.0 for r in rows if "audit/exact_answer/mean" in r)
+    samples = [json.loads(x) for x in (tmp_path / "run" / "samples.jsonl").read_text().splitlines()]
+    shown = [s for s in samples if s.get("alarm")]
+    assert shown and all(s["step"] == stop.value.step and "completion" in s for s in shown)
+    assert stop.value.checkpoint.is_dir()
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["stopped_by"] == stop.value.reason
+
+
+def test_a_learning_rate_far_too_high_is_rolled_back(make_cfg):
+    """lr 3.0 wrecks the tiny policy in one step (the reward crashes, the KL to the reference
+    explodes): on_collapse rollback restores the step-0 weights and scales the learning rate."""
+    cfg = make_cfg(learning_rate=3.0, beta=0.04, max_steps=6, on_collapse="rollback", rollback_lr_factor=0.001,
+                   max_rollbacks=2)
+    trainer = Trainer(cfg)
+    start = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    restored = []
+    original = trainer.rollback
+
+    def spy():
+        out = original()
+        restored.append(all(torch.equal(p, start[n]) for n, p in trainer.model.named_parameters()))
+        return out
+
+    trainer.rollback = spy
+    trainer.train()
+    rows = read_metrics(cfg.output_dir)
+    rolled = [r for r in rows if "rollback/count" in r]
+    assert rolled and rolled[0]["rollback/to_step"] == 0 and restored[0]
+    assert rolled[0]["lr"] == pytest.approx(3.0 * 0.001)
+    assert {a["family"] for a in rolled[0]["alarms"]} == {"collapse"}
+    assert rows[-1]["lr"] <= 3.0 * 0.001 + 1e-12  # the scaled rate stays
+    assert trainer.guard.rollbacks == len(rolled) <= 2
+
+
+def test_health_off_computes_nothing_and_audits_still_log(make_cfg):
+    cfg = make_cfg(on_reward_hacking="off", on_collapse="off",
+                   audit_funcs=["tests.trainer.test_health:exact_answer"], max_steps=2)
+    Trainer(cfg).train()
+    rows = read_metrics(cfg.output_dir)
+    assert all(not any(k.startswith("health/") for k in r) for r in rows)
+    assert all(r["audit/exact_answer/mean"] == 0.0 for r in rows)
+    assert not math.isnan(rows[-1]["reward/mean"])

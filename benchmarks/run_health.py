@@ -68,9 +68,10 @@ def arm_config(arm: str, seed: int, steps: int | None, model: str, workdir: Path
         data.write_text("".join(json.dumps({"prompt": f"Say numbers {i}: ", "answer": str(i)}) + "\n"
                                 for i in range(64)))
         exact = "tests.trainer.test_health:exact_answer"
-        return dict(model=str(model_dir), train_data=str(data), reward_funcs=[exact, "tests.trainer.conftest:digit_fraction"],
-                    reward_weights=[1.0, 0.2], audit_funcs=[exact], num_generations=4, prompts_per_step=4,
-                    micro_batch_size=8, max_completion_length=12, learning_rate=1e-2, max_steps=steps or 15, beta=0.0,
+        return dict(model=str(model_dir), train_data=str(data),
+                    reward_funcs=[exact, "tests.trainer.conftest:digit_fraction"], reward_weights=[1.0, 0.2],
+                    audit_funcs=[exact], num_generations=4, prompts_per_step=4, micro_batch_size=8,
+                    max_completion_length=12, learning_rate=1e-2, max_steps=steps or 15, beta=0.0,
                     bf16=False, seed=seed, output_dir=out, progress=False, report_to_tensorboard=False)
     if arm in ("hack-smollm2", "sound-smollm2"):
         chat = "grouprl.tasks.chat_arithmetic"
@@ -100,13 +101,16 @@ def run_arm(arm: str, seed: int, steps: int | None, model: str, workdir: Path) -
     try:
         summary = trainer.train()
     except TrainingStopped as e:
-        summary = {"stopped_by": e.reason}
+        if e.signum is not None:  # SIGTERM/SIGINT stops the benchmark, not just this run
+            raise
+        summary = {"stopped_by": e.reason}  # an alarm set to stop
     finally:
         trainer.close()
     rows = [json.loads(x) for x in (Path(kw["output_dir"]) / "metrics.jsonl").read_text().splitlines()]
     steps_rows = [r for r in rows if "reward/mean" in r]
     evals = {r["step"]: r["eval/accuracy"] for r in rows if "eval/accuracy" in r}
-    alarms = [{k: a[k] for k in ("kind", "function", "step", "statistic")} for r in rows for a in r.get("alarms", [])]
+    alarms = [{k: a[k] for k in ("kind", "function", "step", "statistic")}
+              for r in rows for a in r.get("alarms", [])]
     tokens = sum(r["completion/length_mean"] * kw["num_generations"] * kw["prompts_per_step"] for r in steps_rows)
     return {"arm": arm, "seed": seed, "steps": len(steps_rows), "alarms": alarms,
             "rollbacks": max((r.get("rollback/count", 0) for r in rows), default=0),
@@ -130,13 +134,10 @@ def table(results: list[dict]) -> str:
         gains = [(r["eval_after"] - r["eval_before"]) / r["generated_tokens"] * 1000 for r in rs
                  if r["eval_after"] is not None and r["eval_before"] is not None]
         acc = f"{statistics.median(before):.3f} -> {statistics.median(after):.3f}" if before and after else "-"
+        gain = f"{statistics.median(gains):.4f}" if gains else "-"
         lines.append(f"| {arm} | {len(rs)} | {len(flagged)} of {len(rs)} | "
                      f"{statistics.median(first) if first else '-'} | {sum(r['rollbacks'] for r in rs)} | {acc} | "
-                     f"{statistics.median(gains):.4f} | {statistics.median(r['seconds'] for r in rs):.0f} |"
-                     if gains else
-                     f"| {arm} | {len(rs)} | {len(flagged)} of {len(rs)} | {statistics.median(first) if first else '-'} "
-                     f"| {sum(r['rollbacks'] for r in rs)} | {acc} | - | "
-                     f"{statistics.median(r['seconds'] for r in rs):.0f} |")
+                     f"{gain} | {statistics.median(r['seconds'] for r in rs):.0f} |")
     return "\n".join(lines)
 
 

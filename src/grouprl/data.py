@@ -7,6 +7,7 @@ reward functions as a keyword argument, one value per completion (TRL's conventi
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,6 +53,9 @@ def load_prompts(source: str | Dataset | list[dict], *, prompt_column: str = "pr
                             f"use one of {', '.join(_READERS)}")
         if not path.is_file():
             raise DataError(f"{name}={source!r} is a folder: name the data file in it")
+        problem = _jsonl_problem(path) if path.suffix.lower() == ".jsonl" else None
+        if problem:  # datasets' own error names no line
+            raise DataError(f"{name}={source!r}: {problem}")
         try:
             ds = reader(str(path))
         except Exception as e:  # noqa: BLE001 - the reader's own error is the useful part
@@ -59,6 +63,23 @@ def load_prompts(source: str | Dataset | list[dict], *, prompt_column: str = "pr
                             f"{type(e).__name__}: {e}") from None
     validate_prompts(ds, prompt_column=prompt_column, name=name)
     return ds
+
+
+def _jsonl_problem(path: Path) -> str | None:
+    """The first line of a JSON Lines file that is not one JSON object, named by number."""
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                return (f"line {number} is not valid JSON ({e.msg.removesuffix(' at')}, column {e.colno}): "
+                        f"{line.strip()[:80]!r}; each line must be one JSON object, e.g. {{\"prompt\": \"...\"}}")
+            if not isinstance(row, dict):
+                return (f"line {number} is a JSON {type(row).__name__}, not an object: each line must be one "
+                        "JSON object with the prompt column, e.g. {\"prompt\": \"...\"}")
+    return None
 
 
 def check_data_source(name: str, value: str) -> None:

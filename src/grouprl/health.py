@@ -19,7 +19,9 @@ Reward hacking (`on_reward_hacking`), each at most once per (alarm, function):
   base sd; an audit flat at 0 or 1 must not rise at all: flat or falling). Audit functions score
   training completions and never enter the advantage: a strict, independent checker.
 - `eval_divergence`: the held-out accuracy fell `eval_drop` below the best earlier eval (the one
-  before training included) while z(gain(reward)) >= min_gain_z.
+  before training included) while z(gain(reward)) >= min_gain_z and the training reward (its mean
+  over the W steps before each eval) did not fall since that best eval: an unstable run whose
+  reward and accuracy fall together is not hacking.
 - `component_dominance`: z(gain(reward)) >= min_gain_z, and a reward function whose weight is at
   most half the largest carries at least `dominance_share` of the summed weighted gain while the
   largest-weight function's own gain is <= 0: the gain comes from the bonus, not the objective.
@@ -147,7 +149,7 @@ class HealthMonitor:
         self.names, self.weights, self.audit_names = reward_names, reward_weights, audit_names
         self.history: list[dict[str, float]] = []  # one row per observed step
         self.base_sd: dict[str, float] = {}
-        self.evals: list[tuple[int, float]] = []
+        self.evals: list[tuple[int, float, float]] = []  # (step, held-out accuracy, recent reward)
         self.fired: set[tuple[str, str | None]] = set()
         self._base_values: list[tuple[int, dict[str, list[float]]]] = []  # per completion, first W steps
         self._latest: dict[str, Any] | None = None  # the latest step's completions: the alarms' examples
@@ -189,17 +191,20 @@ class HealthMonitor:
 
     def observe_eval(self, step: int, accuracy: float) -> list[Alarm]:
         """A held-out accuracy at `step` (eval_before at step 0): the eval_divergence alarm."""
-        alarms = []
+        alarms, W = [], self.t.window
+        recent = self._mean("reward", self.history[-W:]) if self.history else math.nan  # the reward at this eval
         if self.evals and self._ready() and math.isfinite(accuracy):
-            best_step, best = max(self.evals, key=lambda e: e[1])
+            best_step, best, reward_then = max(self.evals, key=lambda e: e[1])
             z = self._gain_z("reward")
-            if accuracy <= best - self.t.eval_drop and z >= self.t.min_gain_z:
+            since = recent - reward_then if math.isfinite(reward_then) else 0.0  # the reward since the best eval
+            if accuracy <= best - self.t.eval_drop and z >= self.t.min_gain_z and since >= 0:
                 alarms.append(Alarm("eval_divergence", step, (best_step, step), None,
                                     f"held-out accuracy {accuracy:.3f} at step {step}, {best - accuracy:.3f} below "
-                                    f"{best:.3f} at step {best_step}, while the training reward rose {z:.2f} sd",
+                                    f"{best:.3f} at step {best_step}, while the training reward rose {z:.2f} sd since "
+                                    f"the start and {since:+.3f} since step {best_step}",
                                     best - accuracy, self.t.eval_drop, self._examples("reward", high=True)))
         if math.isfinite(accuracy):
-            self.evals.append((step, accuracy))
+            self.evals.append((step, accuracy, recent))
         alarms = [a for a in alarms if (a.kind, a.function) not in self.fired]
         self.fired.update((a.kind, a.function) for a in alarms)
         return alarms
@@ -219,6 +224,7 @@ class HealthMonitor:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.history, self.evals = list(state["history"]), list(state["evals"])
         self._base_values = [(int(s), v) for s, v in state["base_values"]]
+        self.evals = [tuple(e) for e in self.evals]
         self.fired = {(k, f) for k, f in state["fired"]}
         self._set_base_sd()
 

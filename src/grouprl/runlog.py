@@ -136,6 +136,13 @@ class Progress:
     def close(self) -> None:
         self.bar.close()
 
+    def __enter__(self) -> Progress:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
+        if exc_type is not None:  # the error's message must not land on the bar's line
+            self.close()
+
 
 def _truncate_after(path: Path, step: int) -> None:
     """Keep the rows of steps <= `step` (a resumed run writes the later ones again). A last line

@@ -205,39 +205,40 @@ class Trainer:
         progress = Progress(cfg.max_steps, self.step, cfg.progress and main, silent=not main)
         saved = self.step if resume else None  # the step whose checkpoint is on disk
         signum, reason = None, None  # the signal all ranks agreed to stop on; an alarm set to stop the run
-        with StopSignals() as stop:  # looked for (one tiny all-reduce) after each step, and after its eval/save
-            if "eval_before" not in self.evals and self.eval_ds is not None:
-                self.evals["eval_before"] = self._log_eval(0, progress)
-            if self._eval_pending:  # the run stopped before the eval due at its last step: made up here
-                self._eval_pending, saved = False, None  # the checkpoint on disk still says pending
-                self._log_eval(self.step, progress)
-            self.guard.snapshot(self.step, self.model, self.optimizer)  # rollback target before any step
-            while self.step < cfg.max_steps and not (signum := stop.requested(self.dist)):
-                metrics = self.train_step()
-                reason = self.respond_to_alarms(metrics, progress)  # report; roll back; or the reason to stop
-                self.logger.log(self.step, metrics, tensorboard=self.step % cfg.logging_steps == 0)
-                progress.update(metrics)
-                if reason or (signum := stop.requested(self.dist)):  # before the eval: little time may be left
-                    self._eval_pending = self._eval_due()
-                    break
-                if self._eval_due():
+        with progress:  # an error closes the bar first, so its message starts on a line of its own
+            with StopSignals() as stop:  # looked for (one tiny all-reduce) after each step, and after its eval/save
+                if "eval_before" not in self.evals and self.eval_ds is not None:
+                    self.evals["eval_before"] = self._log_eval(0, progress)
+                if self._eval_pending:  # the run stopped before the eval due at its last step: made up here
+                    self._eval_pending, saved = False, None  # the checkpoint on disk still says pending
                     self._log_eval(self.step, progress)
-                    if reason := self.respond_to_alarms(alarm_row := {}, progress):  # eval_divergence
-                        self.logger.log(self.step, alarm_row)
+                self.guard.snapshot(self.step, self.model, self.optimizer)  # rollback target before any step
+                while self.step < cfg.max_steps and not (signum := stop.requested(self.dist)):
+                    metrics = self.train_step()
+                    reason = self.respond_to_alarms(metrics, progress)  # report; roll back; or the reason to stop
+                    self.logger.log(self.step, metrics, tensorboard=self.step % cfg.logging_steps == 0)
+                    progress.update(metrics)
+                    if reason or (signum := stop.requested(self.dist)):  # before the eval: little time may be left
+                        self._eval_pending = self._eval_due()
                         break
-                    if alarm_row:
-                        self.logger.log(self.step, alarm_row)
-                if cfg.save_steps and self.step % cfg.save_steps == 0 and self.step < cfg.max_steps:
-                    self.save()
-                    saved = self.step
-                self.guard.snapshot(self.step, self.model, self.optimizer)
-            if signum or reason:
-                self._stop(signum, progress, saved, reason)
-        if self.eval_ds is not None:
-            self.evals["eval_after"] = self._log_eval(self.step, progress)
-            self.respond_to_alarms(alarm_row := {}, progress, final=True)  # the run is over: reported only
-            if alarm_row:
-                self.logger.log(self.step, alarm_row)
+                    if self._eval_due():
+                        self._log_eval(self.step, progress)
+                        if reason := self.respond_to_alarms(alarm_row := {}, progress):  # eval_divergence
+                            self.logger.log(self.step, alarm_row)
+                            break
+                        if alarm_row:
+                            self.logger.log(self.step, alarm_row)
+                    if cfg.save_steps and self.step % cfg.save_steps == 0 and self.step < cfg.max_steps:
+                        self.save()
+                        saved = self.step
+                    self.guard.snapshot(self.step, self.model, self.optimizer)
+                if signum or reason:
+                    self._stop(signum, progress, saved, reason)
+            if self.eval_ds is not None:
+                self.evals["eval_after"] = self._log_eval(self.step, progress)
+                self.respond_to_alarms(alarm_row := {}, progress, final=True)  # the run is over: reported only
+                if alarm_row:
+                    self.logger.log(self.step, alarm_row)
         progress.close()
         self.save()
         summary = self.logger.summary(self.step, self.evals)

@@ -84,6 +84,18 @@ def test_malformed_row_names_the_row(make_cfg, tmp_path):
         Trainer(make_cfg(train_data=str(path)))
 
 
+@pytest.mark.parametrize("lines, message", [
+    (['{"prompt": "fine"}', '{"prompt": "cut', '{"prompt": "after"}'],
+     r"line 2 is not valid JSON \(Invalid control character, column 16\): '\{\"prompt\": \"cut'"),
+    (['{"prompt": "fine"}', '', '["a", "list"]'], "line 3 is a JSON list, not an object"),
+])
+def test_malformed_jsonl_line_names_the_file_and_line(make_cfg, tmp_path, lines, message):
+    path = tmp_path / "bad.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    with pytest.raises(DataError, match=f"train_data='{path}': {message}"):
+        Trainer(make_cfg(train_data=str(path)))
+
+
 def test_unknown_yaml_field_suggests_the_right_one(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("num_generation: 4\n")
@@ -146,10 +158,12 @@ def test_cli_reports_a_failing_reward_function_and_how_to_continue(tmp_path, tin
     code = main(["train", "--model", str(tiny_model_dir), "--train_data", str(digits_data),
                  "--reward_funcs", "[broken_reward:broken]", "--num_generations", "2",
                  "--prompts_per_step", "2", "--micro_batch_size", "4", "--max_completion_length", "4",
-                 "--output_dir", str(tmp_path / "run"), "--progress", "false"])
+                 "--output_dir", str(tmp_path / "run"), "--progress", "true"])
     err = capsys.readouterr().err
     assert code == 1
     assert "broken" in err and "answer_text" in err and "--resume" in err
+    # the progress bar (on stderr too) is closed first: the error starts a line of its own
+    assert "grpo:" in err and any(line.startswith("grouprl train: error: reward function") for line in err.splitlines())
 
 
 @pytest.fixture

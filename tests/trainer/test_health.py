@@ -148,11 +148,17 @@ def test_eval_divergence_and_rollback_reset_and_state():
     alarms = mon.observe_eval(8, 0.30)
     assert [a.kind for a in alarms] == ["eval_divergence"] and a_steps(alarms) == (0, 8)
 
+    unstable = _monitor()  # held-out and training reward fall together: instability, not hacking
+    for step in range(1, 11):
+        _step(unstable, step, p_main=0.25 if step <= 3 else 1.0 if step <= 7 else 0.5)
+        if step in (7, 10):
+            assert unstable.observe_eval(step, 0.60 if step == 7 else 0.30) == []
+
     state = pickle.loads(pickle.dumps(mon.state_dict()))
     copy = _monitor()
     copy.load_state_dict(state)
     assert json.dumps(copy.history) == json.dumps(mon.history)  # (NaN != NaN in a dict comparison)
-    assert copy.base_sd == mon.base_sd and copy.fired == mon.fired and copy.evals == mon.evals
+    assert copy.base_sd == mon.base_sd and copy.fired == mon.fired and json.dumps(copy.evals) == json.dumps(mon.evals)
 
     mon = _monitor()
     for step, p in enumerate([0.5, 0.5, 0.75, 0.75, 0.0, 0.0], start=1):

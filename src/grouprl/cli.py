@@ -32,6 +32,7 @@ import shlex
 import signal
 import sys
 from dataclasses import replace
+from pathlib import Path
 
 from grouprl.cli_args import build_config, help_text
 from grouprl.config import ConfigError, TrainConfig
@@ -215,18 +216,42 @@ def vllm_serve(argv: list[str]) -> int:
     """Run vLLM's OpenAI server with grouprl's weight-update extension. This process becomes the
     server (exec): a signal to it stops the server. Flags it does not know go to vLLM (`--dtype`,
     `--data-parallel-size`, `--enforce-eager`, ...)."""
+    from grouprl.policy import check_model_source, resolve_model_path
     from grouprl.rollout.vllm_server import serve_command
 
     parser = argparse.ArgumentParser(prog="grouprl vllm-serve", description=vllm_serve.__doc__)
-    parser.add_argument("model", help="checkpoint directory or hub id: the model the trainer starts from")
+    parser.add_argument("model", help="the model the trainer starts from, named as `train` names it: a folder, "
+                        "builtin:default_policy, a .gguf file, or a hub id")
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
     parser.add_argument("--host", default="127.0.0.1", help="0.0.0.0 to serve other nodes (a private network: "
                         "the server's /collective_rpc runs code the extension defines)")
     parser.add_argument("--port", type=int, default=8000)
     args, extra = parser.parse_known_args(argv)
-    cmd, env = serve_command(args.model, host=args.host, port=args.port,
+    try:
+        folder, gguf_file = check_model_source(args.model, None, None)
+        model = resolve_model_path(folder)
+    except (ConfigError, ValueError) as e:
+        print(f"grouprl vllm-serve: error: {e}", file=sys.stderr)
+        return 2
+    if gguf_file is not None:
+        model = os.path.join(model, gguf_file)
+    if not any(f == "--dtype" or f.startswith("--dtype=") for f in extra) and _checkpoint_dtype(model) == "float32":
+        print("grouprl vllm-serve: the checkpoint is float32 and vLLM samples it in its default dtype (bfloat16 or "
+              "float16), while the trainer computes in float32 unless it autocasts to bf16: pass --dtype float32 to "
+              "sample in the trainer's precision (otherwise the importance-sampling correction absorbs the "
+              "mismatch; see is/* in the metrics)", file=sys.stderr)
+    cmd, env = serve_command(model, host=args.host, port=args.port,
                              tensor_parallel_size=args.tensor_parallel_size, extra=tuple(extra))
     os.execve(cmd[0], cmd, env)
+
+
+def _checkpoint_dtype(model: str) -> str | None:
+    """The dtype a local checkpoint's config.json declares (None if it says none or is not local)."""
+    config = Path(model) / "config.json"
+    if not config.is_file():
+        return None
+    declared = json.loads(config.read_text())
+    return declared.get("dtype") or declared.get("torch_dtype")
 
 
 def _summary_text(summary: dict, output_dir: str) -> str:

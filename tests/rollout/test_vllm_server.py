@@ -256,3 +256,29 @@ def test_killing_the_server_mid_run_stops_the_run_with_the_server_named(server, 
     assert time.monotonic() - t0 < cfg.vllm_server_timeout_s  # an error, not a hang
     assert trainer.step == 2
     trainer.close()
+
+
+# ---------------------------------------------------------------------------- the command, without a server
+def test_vllm_serve_takes_every_model_name_train_takes(monkeypatch, capsys):
+    """`builtin:default_policy` (a HFValidationError once) becomes its folder; an unknown built-in
+    is named; a float32 checkpoint without --dtype gets the note about the sampling precision; on
+    CPU the KV cache is VLLM_CPU_KVCACHE_SPACE GiB, not 92 % of the host's RAM."""
+    from grouprl import cli
+    from grouprl.tasks import DEFAULT_POLICY_DIR
+
+    ran = []
+    monkeypatch.setattr(cli.os, "execve", lambda path, argv, env: ran.append(argv))
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "3")
+    cli.main(["vllm-serve", "builtin:default_policy", "--port", "8123"])
+    argv = ran[-1]
+    assert argv[argv.index("--model") + 1] == str(DEFAULT_POLICY_DIR)
+    assert argv[argv.index("--kv-cache-memory-bytes") + 1] == str(3 << 30)
+    assert "pass --dtype float32" in capsys.readouterr().err
+
+    cli.main(["vllm-serve", "builtin:default_policy", "--dtype", "float32", "--gpu-memory-utilization", "0.5"])
+    assert "--kv-cache-memory-bytes" not in ran[-1] and "pass --dtype" not in capsys.readouterr().err
+
+    assert cli.main(["vllm-serve", "builtin:no_such_policy"]) == 2
+    assert "the built-in models are builtin:default_policy" in capsys.readouterr().err
+    assert cli.main(["vllm-serve", "./no/such/dir"]) == 2
+    assert "does not exist" in capsys.readouterr().err

@@ -38,7 +38,7 @@ from typing import Callable
 import torch
 
 from grouprl.rollout.types import GenerationEngine, Rollout, SamplingParams, sampled_rollout
-from grouprl.rollout.vllm import _repack_tied_lm_head, checkpoint_weights
+from grouprl.rollout.vllm import CPU_KV_CACHE_GIB, _repack_tied_lm_head, checkpoint_weights
 
 EXTENSION = "grouprl.rollout.vllm_server.WeightReceiver"
 SERVER_FLAGS = ("--worker-extension-cls", EXTENSION, "--logprobs-mode", "processed_logprobs",
@@ -79,8 +79,18 @@ def serve_command(model: str, *, host: str, port: int, tensor_parallel_size: int
     argv = [sys.executable, "-m", "vllm.entrypoints.launchers.api_server.entry", "--model", model,
             "--host", host, "--port", str(port), "--tensor-parallel-size", str(tensor_parallel_size),
             *SERVER_FLAGS, *extra]
+    sized = any(f.split("=")[0] in ("--kv-cache-memory-bytes", "--gpu-memory-utilization") for f in extra)
+    if not sized and not _has_accelerator():
+        # on CPU vLLM's default would reserve 92 % of the host's RAM (and refuse to start beside other
+        # work): a fixed KV cache instead, VLLM_CPU_KVCACHE_SPACE GiB as the colocated engine uses
+        gib = int(os.environ.get("VLLM_CPU_KVCACHE_SPACE") or CPU_KV_CACHE_GIB)
+        argv += ["--kv-cache-memory-bytes", str(gib << 30)]
     env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}  # mounts /collective_rpc and /reset_prefix_cache
     return argv, env
+
+
+def _has_accelerator() -> bool:
+    return torch.cuda.is_available() or (hasattr(torch, "xpu") and torch.xpu.is_available())
 
 
 class VLLMServerEngine(GenerationEngine):

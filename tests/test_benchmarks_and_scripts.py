@@ -36,7 +36,7 @@ def run(*args: str, timeout: float = 300) -> str:
 # Each file is either run for real below or --help only, for the reason in the module docstring.
 RUN = {"benchmarks/shared_prompt.py", "benchmarks/process_vs_outcome.py", "benchmarks/multiturn_continuation.py",
        "benchmarks/head_logprobs.py", "benchmarks/generation_memory.py", "benchmarks/long_completions.py",
-       "benchmarks/run_health.py",
+       "benchmarks/run_health.py", "benchmarks/learning_vs_trl.py",
        "scripts/build_default_policy.py",
        "scripts/build_tool_policy.py", "scripts/sandbox_report.py"}
 HELP_ONLY = {"benchmarks/async_rollouts.py", "benchmarks/vllm_vs_builtin.py", "benchmarks/vs_trl.py",
@@ -138,3 +138,14 @@ def test_run_health_benchmark_the_tiny_hack_one_seed(tmp_path):
     assert line["arm"] == "hack-tiny" and line["steps"] == 8 and line["first_alarm_step"] is not None
     assert {a["kind"] for a in line["alarms"]} & {"audit_divergence", "component_dominance"}
     assert "| hack-tiny | 1 | 1 of 1 |" in out
+
+
+def test_learning_vs_trl_benchmark_one_step_each_side(tmp_path):
+    """One step of grouprl and of TRL on the embedded task, both scored by the one evaluator: the
+    starting model's 24.5 % (the README's figure) and a line per side."""
+    out = run("benchmarks/learning_vs_trl.py", "--task", "embedded", "--arms", "grouprl", "trl", "--seeds", "1",
+              "--steps", "1", "--out", str(tmp_path / "r.jsonl"), timeout=600)
+    lines = [json.loads(x) for x in (tmp_path / "r.jsonl").read_text().splitlines()]
+    assert [r["arm"] for r in lines] == ["grouprl", "trl"] and all(r["steps"] == 1 for r in lines)
+    assert all(r["eval_before"] == 0.245 and 0 <= r["eval_after"] <= 1 for r in lines)
+    assert "held-out accuracy of the starting model: 0.245" in out and "| trl | 1 |" in out

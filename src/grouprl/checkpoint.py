@@ -61,9 +61,10 @@ def trainable_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 def save_checkpoint(output_dir: str | Path, step: int, *, model: torch.nn.Module, tokenizer,
                     state: dict[str, Any], ref_model: torch.nn.Module | None = None,
                     keep: int | None = None, model_state: dict[str, torch.Tensor] | None = None,
-                    ref_state: dict[str, torch.Tensor] | None = None) -> Path:
-    """Write a checkpoint. `model_state` / `ref_state` are whole state dicts gathered from a
-    sharded (FSDP2) model, written in place of the model's own (sharded) tensors."""
+                    ref_state: dict[str, torch.Tensor] | None = None, protect: Path | None = None) -> Path:
+    """Write a checkpoint and keep the newest `keep` (and `protect`, the best one, whatever its
+    age). `model_state` / `ref_state` are whole state dicts gathered from a sharded (FSDP2) model,
+    written in place of the model's own (sharded) tensors."""
     root = checkpoint_dir(output_dir)
     root.mkdir(parents=True, exist_ok=True)
     final = checkpoint_path(output_dir, step)
@@ -90,7 +91,8 @@ def save_checkpoint(output_dir: str | Path, step: int, *, model: torch.nn.Module
     _fsync_dir(root)
     if keep:
         for old in list_checkpoints(output_dir)[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
+            if protect is None or old.resolve() != Path(protect).resolve():
+                shutil.rmtree(old, ignore_errors=True)
     return final
 
 

@@ -168,8 +168,24 @@ def _eval(cfg: TrainConfig) -> int:
             trainer.close()
         destroy_distributed()
     if ctx.is_main:
-        print(json.dumps(result, indent=2))
+        out = Path(cfg.output_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "eval.json").write_text(json.dumps(result, indent=2) + "\n")
+        print(_eval_table(result, cfg))
+        print(f"written to {out / 'eval.json'}")
     return 0
+
+
+def _eval_table(result: dict, cfg: TrainConfig) -> str:
+    """The eval metrics first (greedy accuracy as `greedy`), then rewards and lengths."""
+    n = cfg.num_generations_eval
+    first = [("greedy" if m == "greedy" else f"{m} (n={n})", result["accuracy" if m == "greedy" else m])
+             for m in cfg.eval_metrics]
+    rest = [(k, v) for k, v in result.items() if k.startswith("rewards/") or k in ("reward_mean", "length_mean")]
+    width = max(len(k) for k, _ in first + rest)
+    lines = [f"{result['num_samples']} prompts, accuracy reward {cfg.accuracy_reward or 'the first reward function'}"]
+    lines += [f"{k:<{width}}  {v:.4f}" for k, v in first + rest]
+    return "\n".join(lines)
 
 
 def _preflight_options(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -298,6 +299,24 @@ class TrainConfig:
     report_to_tensorboard: bool = True
     """Write TensorBoard event files under output_dir/tensorboard."""
 
+    # ----------------------------------------------------------- evaluation
+    eval_metrics: list[str] = field(default_factory=lambda: ["greedy"])
+    """What `evaluate` reports from the accuracy reward: `greedy` (one greedy completion per prompt:
+    `accuracy`), `mean@k`, `pass@k` (unbiased, from num_generations_eval >= k samples), `maj@k` (the
+    answer most of k samples give, read by math-verify). grouprl/evaluation.py defines each."""
+    num_generations_eval: int = 1
+    """Completions sampled per eval prompt for the mean@k / pass@k / maj@k metrics."""
+    eval_temperature: float | None = None
+    """Sampling temperature of those completions; default: `temperature`."""
+    metric_for_best_model: str | None = None
+    """An eval result (`accuracy`, `pass@8`, `reward_mean`, `rewards/NAME`, ...) whose best value marks
+    the best checkpoint: a checkpoint is written at each eval that improves it, and save_total_limit
+    never deletes it. Named in summary.json (`best_checkpoint`)."""
+    greater_is_better: bool = True
+    """metric_for_best_model: whether larger is better."""
+    load_best_model_at_end: bool = False
+    """After training (and its last checkpoint), load the best checkpoint's weights into the model."""
+
     # ------------------------------------------------------------ run health
     audit_funcs: list[Any] = field(default_factory=list)
     """Functions that score training completions like reward functions (same names and signature)
@@ -511,6 +530,19 @@ class TrainConfig:
             raise ConfigError("ref_update_steps with LoRA is not supported: with LoRA the reference "
                               "is the base model with the adapter disabled; set ref_update_steps: 0")
         _check_choice("distributed_strategy", c.distributed_strategy, ("ddp", "fsdp2"))
+        if c.num_generations_eval < 1:
+            raise ConfigError(f"num_generations_eval={c.num_generations_eval} must be at least 1")
+        for name in c.eval_metrics:
+            kind, k = parse_eval_metric(name)
+            if kind != "greedy" and k > c.num_generations_eval:
+                raise ConfigError(f"eval_metrics: {name} needs at least {k} samples per prompt, and "
+                                  f"num_generations_eval={c.num_generations_eval}: raise it to {k} or more")
+        if not c.eval_metrics:
+            raise ConfigError("eval_metrics is empty: name at least one, e.g. [greedy] or [greedy, pass@8]")
+        if c.eval_temperature is not None and c.eval_temperature <= 0:
+            raise ConfigError(f"eval_temperature={c.eval_temperature} must be > 0 (greedy is the `greedy` metric)")
+        if c.load_best_model_at_end and not c.metric_for_best_model:
+            raise ConfigError("load_best_model_at_end needs metric_for_best_model, e.g. accuracy or pass@8")
         _check_choice("on_reward_hacking", c.on_reward_hacking, ("warn", "stop", "off"))
         _check_choice("on_collapse", c.on_collapse, ("warn", "stop", "rollback", "off"))
         if not 0 < c.rollback_lr_factor <= 1:
@@ -602,6 +634,18 @@ def _matches(value: Any, tp: Any) -> bool:
     if tp is int:
         return isinstance(value, int) and not isinstance(value, bool)
     return isinstance(value, tp)
+
+
+_EVAL_METRIC = re.compile(r"^(greedy|(mean|pass|maj)@([1-9][0-9]*))$")
+
+
+def parse_eval_metric(name: str) -> tuple[str, int]:
+    """`pass@8` -> ("pass", 8); `greedy` -> ("greedy", 1); anything else is a ConfigError."""
+    m = _EVAL_METRIC.match(name)
+    if m is None:
+        raise ConfigError(f"eval_metrics: {name!r} is not one of greedy, mean@k, pass@k, maj@k (k a positive "
+                          "integer, e.g. pass@8)")
+    return ("greedy", 1) if m.group(1) == "greedy" else (m.group(2), int(m.group(3)))
 
 
 def _check_choice(name: str, value: str, choices: tuple[str, ...] | Registry) -> None:

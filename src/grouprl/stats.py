@@ -137,10 +137,12 @@ class EvalSums:
         self.sums["reward"] += float(part.rewards.sum())
         self.sums["length"] += float(part.rollout.action_lengths.sum())
 
-    def result(self, sums: dict[str, float], num_samples: int) -> dict[str, float]:
-        """Means from `sums` (this object's `sums`, summed over ranks by the caller)."""
+    def result(self, sums: dict[str, float], num_samples: int, per_prompt: int = 1) -> dict[str, float]:
+        """Means from `sums` (this object's `sums`, summed over ranks by the caller); `num_samples`
+        prompts with `per_prompt` completions each."""
+        completions = num_samples * per_prompt
         return {"accuracy": sums["acc"] / sums["acc_n"] if sums["acc_n"] else math.nan,
-                "reward_mean": sums["reward"] / num_samples, "length_mean": sums["length"] / num_samples,
+                "reward_mean": sums["reward"] / completions, "length_mean": sums["length"] / completions,
                 "num_samples": num_samples,
                 **{f"rewards/{n}": sums[f"sum/{n}"] / sums[f"n/{n}"] if sums[f"n/{n}"] else math.nan
                    for n in self.names}}

@@ -56,9 +56,10 @@ from grouprl import distributed as D
 from grouprl.batch import StepBatch
 from grouprl.checkpoint import (checkpoint_path, latest_checkpoint, load_checkpoint, read_checkpoint,
                                 restore_rng_states, rng_states, save_checkpoint)
-from grouprl.config import ConfigError, TrainConfig
+from grouprl.config import ConfigError, TrainConfig, parse_eval_metric
 from grouprl.core import batch_normalizer, overlong_penalty, policy_loss, zero_std_groups
 from grouprl.data import PromptBatch, PromptFormatter, PromptSampler, completion_objects, load_datasets
+from grouprl.evaluation import SampledSums
 from grouprl.generation import make_engine, make_rollouts, resolve_multiturn
 from grouprl.guard import RunGuard
 from grouprl.objective import (corrects_sampler, loss_token_weights, policy_loss_params, sampler_weights,
@@ -175,6 +176,10 @@ class Trainer:
         self.logger: RunLogger | None = None  # train() opens it; train_step alone writes nothing
         self._warned_over_budget = False  # a sequence above max_tokens_per_micro_batch was logged
         self._eval_pending = False  # a signal stopped the run before the eval due at this step
+        self.best: dict[str, Any] | None = None  # metric_for_best_model: {step, metric, value, checkpoint}
+        if cfg.metric_for_best_model and self.eval_ds is None:
+            raise ConfigError(f"metric_for_best_model={cfg.metric_for_best_model!r} needs an eval set: set eval_data "
+                              "(or eval_fraction)")
 
     @property
     def cfg(self) -> TrainConfig:
@@ -222,7 +227,9 @@ class Trainer:
                         self._eval_pending = self._eval_due()
                         break
                     if self._eval_due():
-                        self._log_eval(self.step, progress)
+                        if self._track_best(self._log_eval(self.step, progress)):
+                            self.save()  # the best so far: kept whatever save_total_limit says
+                            saved = self.step
                         if reason := self.respond_to_alarms(alarm_row := {}, progress):  # eval_divergence
                             self.logger.log(self.step, alarm_row)
                             break
@@ -236,16 +243,47 @@ class Trainer:
                     self._stop(signum, progress, saved, reason)
             if self.eval_ds is not None:
                 self.evals["eval_after"] = self._log_eval(self.step, progress)
+                self._track_best(self.evals["eval_after"])  # the checkpoint below is then the best
                 self.respond_to_alarms(alarm_row := {}, progress, final=True)  # the run is over: reported only
                 if alarm_row:
                     self.logger.log(self.step, alarm_row)
         progress.close()
         self.save()
         summary = self.logger.summary(self.step, self.evals)
+        if self.best is not None:
+            summary["best_checkpoint"] = self.best
+            if self.cfg.load_best_model_at_end:
+                self._load_weights(self.best["checkpoint"])
         self.logger.write_json("summary.json", summary)
         self.logger.plot_curves()
         self.logger.close()
         return summary
+
+    def _track_best(self, result: dict[str, float]) -> bool:
+        """metric_for_best_model: whether this eval (at self.step) is the best so far; if so it is
+        recorded, and the caller writes its checkpoint."""
+        name = self.cfg.metric_for_best_model
+        if not name:
+            return False
+        if name not in result:
+            raise ConfigError(f"metric_for_best_model={name!r} is not an eval result; they are "
+                              f"{', '.join(sorted(k for k in result if k not in ('seconds', 'num_samples')))}")
+        value = result[name]
+        if not math.isfinite(value) or (self.best is not None and not (
+                value > self.best["value"] if self.cfg.greater_is_better else value < self.best["value"])):
+            return False
+        self.best = {"step": self.step, "metric": name, "value": value,
+                     "checkpoint": str(checkpoint_path(self.cfg.output_dir, self.step))}
+        return True
+
+    def _load_weights(self, checkpoint: str) -> None:
+        """The trainable weights of a checkpoint into the policy (load_best_model_at_end)."""
+        if D.is_sharded(self.model):
+            D.load_full_state(self.model, read_checkpoint(checkpoint)[0])
+        else:
+            load_checkpoint(checkpoint, self.model)
+        self.weights_version += 1
+        self.sync_weights()
 
     def _eval_due(self) -> bool:
         """The periodic eval runs after this step (not after the last: eval_after does)."""
@@ -291,17 +329,20 @@ class Trainer:
             rows = Dataset.from_list([r if isinstance(r, dict) else {col: r} for r in rows])
         return self.formatter.batch(rows, list(range(len(rows))), self.cfg.prompt_column)
 
-    def generate(self, prompts: PromptBatch, *, num_generations: int | None = None,
-                 greedy: bool = False) -> Trajectories:
+    def generate(self, prompts: PromptBatch, *, num_generations: int | None = None, greedy: bool = False,
+                 temperature: float | None = None, generator: torch.Generator | None = None) -> Trajectories:
         """Completions of the current policy: `num_generations` per prompt (default: the config's
-        G), sampled with the config's sampling parameters, or one greedy completion each; with the
-        configured tools or environment, whole multi-turn trajectories."""
+        G), sampled with the config's sampling parameters (`temperature` and `generator`, the random
+        stream, may be given), or one greedy completion each; with the configured tools or
+        environment, whole multi-turn trajectories."""
         G = 1 if greedy else num_generations or self.cfg.num_generations
         params = replace(self.sampling, greedy=True) if greedy else self.sampling
+        if temperature is not None and not greedy:
+            params = replace(params, temperature=temperature)
         with D.full_weights(self.model) if self.engine.decodes_with_policy else contextlib.nullcontext():
             # FSDP2: an engine that decodes with the policy needs its weights whole; vLLM has its own copy
             return self.turns.generate(self.engine, prompts.prompt_ids, G, params,
-                                       None if greedy else self.generator, prompts=prompts.prompts,
+                                       None if greedy else generator or self.generator, prompts=prompts.prompts,
                                        columns=prompts.columns)
 
     def decode(self, trajectories: Trajectories) -> list[str]:
@@ -563,17 +604,36 @@ class Trainer:
     # ------------------------------------------------------------------ eval
     @torch.no_grad()
     def evaluate(self, dataset: Dataset | None = None, batch_size: int = 64) -> dict[str, float]:
-        """Greedy completions on `dataset` (default: the eval set): `accuracy` is the mean of the
-        accuracy reward (default: the first reward function), `reward_mean` the mean weighted
+        """The eval_metrics on `dataset` (default: the eval set), from the accuracy reward (default:
+        the first reward function): `accuracy` is its mean on greedy completions (on the sampled
+        ones when `greedy` is not asked for), `mean@k`, `pass@k`, `maj@k` come from
+        num_generations_eval samples per prompt (evaluation.py); `reward_mean` is the mean weighted
         reward, `rewards/NAME` each function's mean. Under torchrun each rank evaluates every K-th
-        prompt and the counts are summed."""
-        ds = dataset if dataset is not None else self.eval_ds
+        prompt and the sums are summed."""
+        cfg, ds = self.cfg, dataset if dataset is not None else self.eval_ds
+        metrics = [parse_eval_metric(m) for m in cfg.eval_metrics]
+        greedy, n = any(kind == "greedy" for kind, _ in metrics), cfg.num_generations_eval
+        accuracy = cfg.accuracy_reward or self.reward_names[0]
+        sampled = SampledSums(metrics, n) if len(metrics) > greedy else None
+        rng = torch.Generator().manual_seed(cfg.seed * 1_000_003 + 7_919 + self.dist.rank)  # its own stream
         mine = list(range(self.dist.rank, len(ds), self.dist.world_size))
-        sums = EvalSums(self.reward_names, self.cfg.accuracy_reward or self.reward_names[0])
+        sums = EvalSums(self.reward_names, accuracy)
         for start in range(0, len(mine), batch_size):
-            prompts = self.formatter.batch(ds, mine[start:start + batch_size], self.cfg.prompt_column)
-            sums.add(self.score(prompts, self.generate(prompts, greedy=True)))
-        return sums.result(D.all_reduce_sums(self.dist, sums.sums), len(ds))
+            prompts = self.formatter.batch(ds, mine[start:start + batch_size], cfg.prompt_column)
+            if greedy:
+                sums.add(self.score(prompts, self.generate(prompts, greedy=True)))
+            if sampled is not None:
+                part = self.score(prompts, self.generate(prompts, num_generations=n, temperature=cfg.eval_temperature,
+                                                         generator=rng))
+                if not greedy:
+                    sums.add(part)
+                scores = part.per_func[accuracy].tolist()  # [B * n], n per prompt in prompt order
+                for i in range(len(prompts.prompts)):
+                    sampled.add(scores[i * n:(i + 1) * n], part.completions[i * n:(i + 1) * n])
+        out = sums.result(D.all_reduce_sums(self.dist, sums.sums), len(ds), per_prompt=1 if greedy else n)
+        if sampled is not None:
+            out.update(sampled.result(D.all_reduce_sums(self.dist, sampled.sums)))
+        return out
 
     def preflight(self, num_prompts: int = 64, samples_per_prompt: int | None = None) -> dict[str, Any]:
         """Sample G completions (or `samples_per_prompt`, a multiple of G) for `num_prompts` training
@@ -604,14 +664,15 @@ class Trainer:
             "step": self.step, "sampler": self.sampler.state_dict(), "evals": self.evals,
             "optimizer": optimizer_state, "scheduler": self.scheduler.state_dict(), "rng": rng[0],
             "rng_by_rank": rng, "sharded_optimizer": D.is_sharded(self.model), "eval_pending": self._eval_pending,
-            "guard": self.guard.state_dict(),
+            "guard": self.guard.state_dict(), "best": self.best,
             "prompt_filter": None if self.prompt_filter is None else self.prompt_filter.state_dict(),
         }
         path = checkpoint_path(self.cfg.output_dir, self.step)
         if self.dist.is_main:
             path = save_checkpoint(self.cfg.output_dir, self.step, model=self.model, tokenizer=self.tokenizer,
                                    state=state, ref_model=ref_model, keep=self.cfg.save_total_limit,
-                                   model_state=model_state, ref_state=ref_state)
+                                   model_state=model_state, ref_state=ref_state,
+                                   protect=Path(self.best["checkpoint"]) if self.best else None)
         D.barrier(self.dist)
         return path
 
@@ -641,6 +702,7 @@ class Trainer:
         self.evals = state["evals"]
         self._eval_pending = state.get("eval_pending", False)
         self.guard.load_state_dict(state.get("guard", {}))
+        self.best = state.get("best")
         if self.prompt_filter is not None and state.get("prompt_filter"):
             self.prompt_filter.load_state_dict(state["prompt_filter"])
         restore_rng_states(state.get("rng_by_rank", [state["rng"]]), self.dist.rank, self.dist.world_size,

@@ -1,0 +1,130 @@
+"""Evaluation that samples (evaluation.py): pass@k's unbiased estimator against brute force, maj@k's
+vote by hand, then `Trainer.evaluate` on the tiny policy against the same numbers recomputed from
+the scores it gave; the best checkpoint survives save_total_limit and loads at the end; `grouprl eval`
+prints a table and writes eval.json."""
+
+import itertools
+import json
+import math
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from grouprl.cli import main
+from grouprl.config import ConfigError, parse_eval_metric
+from grouprl.evaluation import majority_right, math_answer_key, pass_at_k
+from grouprl.trainer import Trainer
+from tests.trainer.conftest import read_metrics
+
+
+@pytest.mark.parametrize("n, c", [(5, 0), (5, 1), (5, 3), (6, 6), (8, 2)])
+def test_pass_at_k_is_the_mean_over_every_k_subset(n, c):
+    """The estimator equals the share of the C(n, k) subsets of the n samples holding a right one."""
+    right = [True] * c + [False] * (n - c)
+    for k in range(1, n + 1):
+        subsets = list(itertools.combinations(right, k))
+        assert pass_at_k(n, c, k) == pytest.approx(sum(any(s) for s in subsets) / len(subsets), abs=1e-12)
+
+
+def test_pass_at_k_by_hand_and_bad_arguments():
+    assert pass_at_k(4, 1, 2) == pytest.approx(1 - 3 / 6)  # C(3,2)/C(4,2): both picks miss the one right
+    with pytest.raises(ValueError, match="1 <= k <= n"):
+        pass_at_k(4, 1, 5)
+
+
+def test_majority_vote():
+    # answers 7, 7, 9, None: 7 wins; the completions that said 7 are wrong
+    assert majority_right(["7", "7", "9", None], [False, False, True, False]) is False
+    assert majority_right(["9", "7", "7", "9"], [True, False, False, True]) is True  # a tie: 9 was seen first
+    assert majority_right([None, None], [True, True]) is False  # no answer, no vote
+    assert math_answer_key("so the sum is \\boxed{125}") == "125" and math_answer_key("no digits") is None
+
+
+def test_eval_metric_names():
+    assert parse_eval_metric("pass@8") == ("pass", 8) and parse_eval_metric("greedy") == ("greedy", 1)
+    for bad in ("pass@0", "best@3", "pass8"):
+        with pytest.raises(ConfigError, match="is not one of greedy, mean@k, pass@k, maj@k"):
+            parse_eval_metric(bad)
+
+
+def test_config_errors_name_the_fix(make_cfg):
+    with pytest.raises(ConfigError, match="pass@8 needs at least 8 samples .* num_generations_eval=4"):
+        make_cfg(eval_metrics=["pass@8"], num_generations_eval=4).validate()
+    with pytest.raises(ConfigError, match="load_best_model_at_end needs metric_for_best_model"):
+        make_cfg(load_best_model_at_end=True).validate()
+
+
+SEEN: list[tuple[str, float]] = []
+
+
+def last_digit_even(prompts, completions, **kwargs):
+    """A 0/1 'accuracy' a random policy gets about half the time; records what it scored."""
+    out = []
+    for text in completions:
+        digits = [ch for ch in text if ch.isdigit()]
+        out.append(1.0 if digits and int(digits[-1]) % 2 == 0 else 0.0)
+    SEEN.extend(zip(completions, out))
+    return out
+
+
+def test_evaluate_samples_and_matches_the_numbers_recomputed_by_hand(make_cfg, digits_data):
+    """6 eval prompts x n = 4 samples: pass@2, mean@4, maj@3 equal the formulas applied to the scores
+    and texts the reward function saw (in prompt order, 4 per prompt); greedy accuracy as before."""
+    cfg = make_cfg(reward_funcs=["tests.trainer.test_evaluation:last_digit_even"], eval_data=str(digits_data),
+                   max_eval_samples=6, eval_metrics=["greedy", "pass@2", "mean@4", "maj@3"], num_generations_eval=4,
+                   eval_temperature=1.5, max_completion_length=8)
+    trainer = Trainer(cfg)
+    SEEN.clear()
+    result = trainer.evaluate()
+    greedy, sampled = SEEN[:6], SEEN[6:]
+    assert len(sampled) == 24
+    assert result["accuracy"] == pytest.approx(sum(s for _, s in greedy) / 6)
+    groups = [sampled[i * 4:(i + 1) * 4] for i in range(6)]
+    want_pass = sum(pass_at_k(4, sum(s > 0 for _, s in g), 2) for g in groups) / 6
+    want_mean = sum(s for _, s in sampled) / 24
+    want_maj = sum(majority_right([math_answer_key(t) for t, _ in g[:3]], [s > 0 for _, s in g[:3]])
+                   for g in groups) / 6
+    assert result["pass@2"] == pytest.approx(want_pass) and result["mean@4"] == pytest.approx(want_mean)
+    assert result["maj@3"] == pytest.approx(want_maj)
+    assert result["pass@2"] >= result["mean@4"] - 1e-12  # two tries are never worse than one
+    again = trainer.evaluate()  # its own seeded stream: the same samples, and training's stream untouched
+    assert again == result and torch.equal(trainer.generator.get_state(), Trainer(cfg).generator.get_state())
+
+
+def test_the_best_checkpoint_is_kept_and_loaded_at_the_end(make_cfg, digits_data, tmp_path):
+    """Evals every step, save_total_limit 1: the best eval's checkpoint survives later saves, is named in
+    summary.json, and load_best_model_at_end puts its weights in the model."""
+    cfg = make_cfg(eval_data=str(digits_data), max_eval_samples=8, eval_steps=1, max_steps=5, save_total_limit=1,
+                   metric_for_best_model="reward_mean", load_best_model_at_end=True, learning_rate=3e-2)
+    trainer = Trainer(cfg)
+    summary = trainer.train()
+    evals = {r["step"]: r["eval/reward_mean"] for r in read_metrics(cfg.output_dir) if "eval/reward_mean" in r}
+    best_step = max((s for s in evals if s > 0), key=lambda s: (evals[s], -s))  # the first of equal values
+    best = summary["best_checkpoint"]
+    assert best["step"] == best_step and best["value"] == pytest.approx(evals[best_step])
+    ckpts = sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir())
+    assert f"step-{best_step:06d}" in ckpts and "step-000005" in ckpts and len(ckpts) <= 2
+    weights = load_file(f"{best['checkpoint']}/trainable.safetensors")
+    params = dict(trainer.model.named_parameters())
+    assert all(torch.equal(params[k], v) for k, v in weights.items())
+
+
+def test_an_unknown_best_metric_is_named(make_cfg, digits_data):
+    cfg = make_cfg(eval_data=str(digits_data), max_eval_samples=4, eval_steps=1, max_steps=1,
+                   metric_for_best_model="pass@8")
+    with pytest.raises(ConfigError, match="metric_for_best_model='pass@8' is not an eval result; they are accuracy"):
+        Trainer(cfg).train()
+
+
+def test_grouprl_eval_prints_a_table_and_writes_eval_json(tiny_model_dir, digits_data, tmp_path, capsys):
+    code = main(["eval", "--model", str(tiny_model_dir), "--eval_data", str(digits_data), "--max_eval_samples", "4",
+                 "--reward_funcs", "[tests.trainer.test_evaluation:last_digit_even]", "--eval_metrics",
+                 "[greedy, pass@2]", "--num_generations_eval", "2", "--max_completion_length", "4",
+                 "--output_dir", str(tmp_path / "ev")])
+    out = capsys.readouterr().out
+    written = json.loads((tmp_path / "ev" / "eval.json").read_text())
+    assert code == 0 and set(written) >= {"accuracy", "pass@2", "reward_mean"} and written["num_samples"] == 4
+    assert any(line.startswith("greedy") and f"{written['accuracy']:.4f}" in line for line in out.splitlines())
+    assert any(line.startswith("pass@2 (n=2)") and f"{written['pass@2']:.4f}" in line for line in out.splitlines())
+    assert not math.isnan(written["reward_mean"])

@@ -21,6 +21,13 @@ import math
 from collections import Counter
 from typing import Any, Callable
 
+import torch
+from datasets import Dataset
+
+from grouprl import distributed as D
+from grouprl.config import ConfigError, parse_eval_metric
+from grouprl.stats import EvalSums
+
 def pass_at_k(n: int, c: int, k: int) -> float:
     """Unbiased pass@k from n samples with c right: 1 - C(n-c, k)/C(n, k) (1 when n - c < k)."""
     if not 0 <= c <= n or not 1 <= k <= n:
@@ -77,3 +84,50 @@ class SampledSums:
     def result(self, sums: dict[str, float]) -> dict[str, float]:
         prompts = max(sums["prompts"], 1.0)
         return {k: v / prompts for k, v in sums.items() if k != "prompts"}
+
+
+@torch.no_grad()
+def run_evaluation(trainer: Any, ds: Dataset, batch_size: int) -> dict[str, float]:
+    """`Trainer.evaluate`: greedy and sampled completions of this rank's share of `ds` (every K-th
+    prompt), scored by the trainer's reward functions, summed over ranks. Uses only the trainer's
+    public methods (`prompts`, `generate`, `score`) and attributes (`cfg`, `dist`, `reward_names`)."""
+    cfg = trainer.cfg
+    metrics = [parse_eval_metric(m) for m in cfg.eval_metrics]
+    greedy, n = any(kind == "greedy" for kind, _ in metrics), cfg.num_generations_eval
+    accuracy = cfg.accuracy_reward or trainer.reward_names[0]
+    sampled = SampledSums(metrics, n) if len(metrics) > greedy else None
+    rng = torch.Generator().manual_seed(cfg.seed * 1_000_003 + 7_919 + trainer.dist.rank)  # its own stream
+    mine = list(range(trainer.dist.rank, len(ds), trainer.dist.world_size))
+    sums = EvalSums(trainer.reward_names, accuracy)
+    for start in range(0, len(mine), batch_size):
+        prompts = trainer.prompts(ds.select(mine[start:start + batch_size]))
+        if greedy:
+            sums.add(trainer.score(prompts, trainer.generate(prompts, greedy=True)))
+        if sampled is not None:
+            part = trainer.score(prompts, trainer.generate(prompts, num_generations=n,
+                                                           temperature=cfg.eval_temperature, generator=rng))
+            if not greedy:
+                sums.add(part)
+            scores = part.per_func[accuracy].tolist()  # [B * n], n per prompt in prompt order
+            for i in range(len(prompts.prompts)):
+                sampled.add(scores[i * n:(i + 1) * n], part.completions[i * n:(i + 1) * n])
+    out = sums.result(D.all_reduce_sums(trainer.dist, sums.sums), len(ds), per_prompt=1 if greedy else n)
+    if sampled is not None:
+        out.update(sampled.result(D.all_reduce_sums(trainer.dist, sampled.sums)))
+    return out
+
+
+def best_after(metric: str | None, greater_is_better: bool, best: dict[str, Any] | None, result: dict[str, float],
+               step: int, checkpoint: str) -> dict[str, Any] | None:
+    """metric_for_best_model: the best eval so far after `result` (at `step`, whose checkpoint is
+    `checkpoint`): a new record if it improves on `best` (ties keep the earlier), else `best` itself."""
+    if not metric:
+        return best
+    if metric not in result:
+        raise ConfigError(f"metric_for_best_model={metric!r} is not an eval result; they are "
+                          f"{', '.join(sorted(k for k in result if k not in ('seconds', 'num_samples')))}")
+    value = result[metric]
+    if not math.isfinite(value) or (best is not None and not (
+            value > best["value"] if greater_is_better else value < best["value"])):
+        return best
+    return {"step": step, "metric": metric, "value": value, "checkpoint": checkpoint}

@@ -201,7 +201,8 @@ class HealthMonitor:
                 alarms.append(Alarm("eval_divergence", step, (best_step, step), None,
                                     f"held-out accuracy {accuracy:.3f} at step {step}, {best - accuracy:.3f} below "
                                     f"{best:.3f} at step {best_step}, while the training reward rose {z:.2f} sd since "
-                                    f"the start and {since:+.3f} since step {best_step}",
+                                    f"the start" + (f" and {since:+.3f} since step {best_step}"
+                                                    if math.isfinite(reward_then) else ""),
                                     best - accuracy, self.t.eval_drop, self._examples("reward", high=True)))
         if math.isfinite(accuracy):
             self.evals.append((step, accuracy, recent))

@@ -56,10 +56,10 @@ from grouprl import distributed as D
 from grouprl.batch import StepBatch
 from grouprl.checkpoint import (checkpoint_path, latest_checkpoint, load_checkpoint, read_checkpoint,
                                 restore_rng_states, rng_states, save_checkpoint)
-from grouprl.config import ConfigError, TrainConfig, parse_eval_metric
+from grouprl.config import ConfigError, TrainConfig
 from grouprl.core import batch_normalizer, overlong_penalty, policy_loss, zero_std_groups
 from grouprl.data import PromptBatch, PromptFormatter, PromptSampler, completion_objects, load_datasets
-from grouprl.evaluation import SampledSums
+from grouprl.evaluation import best_after, run_evaluation
 from grouprl.generation import make_engine, make_rollouts, resolve_multiturn
 from grouprl.guard import RunGuard
 from grouprl.objective import (corrects_sampler, loss_token_weights, policy_loss_params, sampler_weights,
@@ -77,7 +77,7 @@ from grouprl.rollout.producer import Produced, RolloutProducer
 from grouprl.rollout.types import Trajectories
 from grouprl.runlog import Progress, RunLogger
 from grouprl.signals import StopSignals, TrainingStopped
-from grouprl.stats import EvalSums, SampleTally, Timings, UpdateSums, batch_metrics
+from grouprl.stats import SampleTally, Timings, UpdateSums, batch_metrics
 
 logger = logging.getLogger(__name__)
 
@@ -261,20 +261,11 @@ class Trainer:
 
     def _track_best(self, result: dict[str, float]) -> bool:
         """metric_for_best_model: whether this eval (at self.step) is the best so far; if so it is
-        recorded, and the caller writes its checkpoint."""
-        name = self.cfg.metric_for_best_model
-        if not name:
-            return False
-        if name not in result:
-            raise ConfigError(f"metric_for_best_model={name!r} is not an eval result; they are "
-                              f"{', '.join(sorted(k for k in result if k not in ('seconds', 'num_samples')))}")
-        value = result[name]
-        if not math.isfinite(value) or (self.best is not None and not (
-                value > self.best["value"] if self.cfg.greater_is_better else value < self.best["value"])):
-            return False
-        self.best = {"step": self.step, "metric": name, "value": value,
-                     "checkpoint": str(checkpoint_path(self.cfg.output_dir, self.step))}
-        return True
+        recorded (`self.best`), and the caller writes its checkpoint."""
+        best = best_after(self.cfg.metric_for_best_model, self.cfg.greater_is_better, self.best, result, self.step,
+                          str(checkpoint_path(self.cfg.output_dir, self.step)))
+        changed, self.best = best is not self.best, best
+        return changed
 
     def _load_weights(self, checkpoint: str) -> None:
         """The trainable weights of a checkpoint into the policy (load_best_model_at_end)."""
@@ -602,38 +593,14 @@ class Trainer:
         return out
 
     # ------------------------------------------------------------------ eval
-    @torch.no_grad()
     def evaluate(self, dataset: Dataset | None = None, batch_size: int = 64) -> dict[str, float]:
         """The eval_metrics on `dataset` (default: the eval set), from the accuracy reward (default:
         the first reward function): `accuracy` is its mean on greedy completions (on the sampled
         ones when `greedy` is not asked for), `mean@k`, `pass@k`, `maj@k` come from
-        num_generations_eval samples per prompt (evaluation.py); `reward_mean` is the mean weighted
-        reward, `rewards/NAME` each function's mean. Under torchrun each rank evaluates every K-th
-        prompt and the sums are summed."""
-        cfg, ds = self.cfg, dataset if dataset is not None else self.eval_ds
-        metrics = [parse_eval_metric(m) for m in cfg.eval_metrics]
-        greedy, n = any(kind == "greedy" for kind, _ in metrics), cfg.num_generations_eval
-        accuracy = cfg.accuracy_reward or self.reward_names[0]
-        sampled = SampledSums(metrics, n) if len(metrics) > greedy else None
-        rng = torch.Generator().manual_seed(cfg.seed * 1_000_003 + 7_919 + self.dist.rank)  # its own stream
-        mine = list(range(self.dist.rank, len(ds), self.dist.world_size))
-        sums = EvalSums(self.reward_names, accuracy)
-        for start in range(0, len(mine), batch_size):
-            prompts = self.formatter.batch(ds, mine[start:start + batch_size], cfg.prompt_column)
-            if greedy:
-                sums.add(self.score(prompts, self.generate(prompts, greedy=True)))
-            if sampled is not None:
-                part = self.score(prompts, self.generate(prompts, num_generations=n, temperature=cfg.eval_temperature,
-                                                         generator=rng))
-                if not greedy:
-                    sums.add(part)
-                scores = part.per_func[accuracy].tolist()  # [B * n], n per prompt in prompt order
-                for i in range(len(prompts.prompts)):
-                    sampled.add(scores[i * n:(i + 1) * n], part.completions[i * n:(i + 1) * n])
-        out = sums.result(D.all_reduce_sums(self.dist, sums.sums), len(ds), per_prompt=1 if greedy else n)
-        if sampled is not None:
-            out.update(sampled.result(D.all_reduce_sums(self.dist, sampled.sums)))
-        return out
+        num_generations_eval samples per prompt; `reward_mean` is the mean weighted reward,
+        `rewards/NAME` each function's mean (evaluation.py). Under torchrun each rank evaluates
+        every K-th prompt and the sums are summed."""
+        return run_evaluation(self, dataset if dataset is not None else self.eval_ds, batch_size)
 
     def preflight(self, num_prompts: int = 64, samples_per_prompt: int | None = None) -> dict[str, Any]:
         """Sample G completions (or `samples_per_prompt`, a multiple of G) for `num_prompts` training

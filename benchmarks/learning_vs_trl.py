@@ -88,7 +88,7 @@ def train_grouprl(arm: str, s: dict, seed: int, steps: int, out: str) -> str:
                       reward_weights=s["weights"], num_generations=s["G"], prompts_per_step=s["B"],
                       micro_batch_size=s["G"] * s["B"], max_completion_length=s["tokens"], learning_rate=s["lr"],
                       beta=s["beta"], temperature=1.0, max_steps=steps, seed=seed, output_dir=out, progress=False,
-                      report_to_tensorboard=False, num_threads=s["threads"], accuracy_reward="math_accuracy",
+                      report_to=[], num_threads=s["threads"], accuracy_reward="math_accuracy",
                       **changes)
     trainer = Trainer(cfg, train_dataset=Dataset.from_list(s["train"]))
     trainer.train()

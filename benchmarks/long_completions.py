@@ -85,7 +85,7 @@ def worker_grouprl(model: str, spec: str, rows: int, update_only: bool, override
         cfg = TrainConfig(model=model, train_data=train_data,
                           reward_funcs=["math_accuracy", "grouprl.tasks.chat_arithmetic:boxed_accuracy"],
                           num_generations=G, prompts_per_step=rows // G, max_completion_length=max(lengths),
-                          ignore_eos=True, output_dir=out, progress=False, report_to_tensorboard=False,
+                          ignore_eos=True, output_dir=out, progress=False, report_to=[],
                           num_threads=threads, seed=0, **{"micro_batch_size": min(16, rows), **overrides})
         trainer = Trainer(cfg)
         t0 = time.perf_counter()

@@ -117,7 +117,7 @@ def run_arm(arm: str, seed: int, args) -> dict:
     cfg = TrainConfig(model=str(args.policy_dir), train_data="builtin:chain/train", eval_data="builtin:chain/eval",
                       num_generations=8, prompts_per_step=16, max_completion_length=10, learning_rate=args.lr,
                       beta=0.0, max_steps=args.steps, micro_batch_size=128, num_threads=1, seed=seed,
-                      output_dir=str(args.out / f"{arm}-{seed}"), progress=False, report_to_tensorboard=False,
+                      output_dir=str(args.out / f"{arm}-{seed}"), progress=False, report_to=[],
                       num_logged_samples=0, advantage_estimator=ARMS[arm][0])
     tr = Trainer(cfg, reward_funcs=ARMS[arm][1])
     curve = [{"step": 0, **greedy_eval(tr)}]

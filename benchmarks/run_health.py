@@ -52,7 +52,7 @@ def arm_config(arm: str, seed: int, steps: int | None, model: str, workdir: Path
     out = str(workdir / f"{arm}-{seed}")
     if arm.endswith("-default"):
         kw = dict(DEFAULT_TASK, seed=seed, output_dir=out, max_steps=steps or 40, eval_steps=10, progress=False,
-                  report_to_tensorboard=False, save_total_limit=1)
+                  report_to=[], save_total_limit=1)
         if arm in ("sound-default", "lr100-default"):
             kw["on_collapse"] = "rollback"
         if arm == "lr100-default":
@@ -78,7 +78,7 @@ def arm_config(arm: str, seed: int, steps: int | None, model: str, workdir: Path
                     reward_funcs=[exact, "tests.trainer.conftest:digit_fraction"], reward_weights=[1.0, 0.2],
                     audit_funcs=[exact], num_generations=4, prompts_per_step=4, micro_batch_size=8,
                     max_completion_length=12, learning_rate=1e-2, max_steps=steps or 15, beta=0.0,
-                    bf16=False, seed=seed, output_dir=out, progress=False, report_to_tensorboard=False)
+                    bf16=False, seed=seed, output_dir=out, progress=False, report_to=[])
     if arm in ("hack-smollm2", "sound-smollm2"):
         chat = "grouprl.tasks.chat_arithmetic"
         rewards = ({"reward_funcs": ["math_accuracy", f"{chat}:boxed_format"], "reward_weights": [1.0, 0.2]}
@@ -88,7 +88,7 @@ def arm_config(arm: str, seed: int, steps: int | None, model: str, workdir: Path
                     accuracy_reward="math_accuracy", audit_funcs=[f"{chat}:boxed_accuracy"], num_generations=8,
                     prompts_per_step=2, micro_batch_size=16, max_completion_length=64, learning_rate=2e-5,
                     beta=0.0, max_steps=steps or 15, eval_steps=0, save_steps=0, seed=seed, output_dir=out,
-                    progress=False, report_to_tensorboard=False, bf16=False, **rewards)
+                    progress=False, report_to=[], bf16=False, **rewards)
     raise SystemExit(f"unknown arm {arm!r}: choose from {', '.join(ARMS)}")
 
 

@@ -56,7 +56,7 @@ def main() -> None:
             cfg = TrainConfig(model=str(model_dir), train_data=str(data), reward_funcs=["repetition_penalty"],
                               num_generations=args.group, prompts_per_step=args.prompts,
                               micro_batch_size=args.micro_batch, max_completion_length=args.completion_len,
-                              beta=0.04, output_dir=f"{tmp}/run", progress=False, report_to_tensorboard=False,
+                              beta=0.04, output_dir=f"{tmp}/run", progress=False, report_to=[],
                               num_threads=args.threads, share_prompt_forward=share, share_prompt_min_tokens=0)
             trainers[share] = Trainer(cfg)
         vocab = trainers[False].model.config.vocab_size

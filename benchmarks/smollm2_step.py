@@ -58,7 +58,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as out:
         cfg = TrainConfig.load(EXAMPLE)
         fields = {k: yaml.safe_load(v) for k, v in (s.split("=", 1) for s in args.set)}
-        cfg = replace(cfg, model=args.model, output_dir=out, progress=False, report_to_tensorboard=False,
+        cfg = replace(cfg, model=args.model, output_dir=out, progress=False, report_to=[],
                       num_logged_samples=0, num_threads=args.threads, eval_data=None,
                       max_steps=args.steps + 2, **fields)
         trainer = Trainer(cfg)

@@ -153,7 +153,7 @@ def worker_grouprl(w: Workload, model_dir: str, steps: int, threads: int) -> dic
             reward_weights=weights, algorithm="grpo", beta=w.beta, num_generations=8,
             prompts_per_step=2, micro_batch_size=w.micro_batch, max_completion_length=w.max_tokens, temperature=1.0,
             learning_rate=w.lr, num_iterations=1, bf16=w.bf16, ignore_eos=w.fixed, max_steps=steps,
-            output_dir=out, progress=False, report_to_tensorboard=False, num_logged_samples=0,
+            output_dir=out, progress=False, report_to=[], num_logged_samples=0,
             num_threads=threads, seed=0, reward_timeout_s=None)
         trainer = Trainer(cfg, train_dataset=Dataset.from_list(make_rows(w.task)), reward_funcs=reward_funcs(w.task))
         times, stages, lengths = [], [], []

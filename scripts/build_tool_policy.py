@@ -138,7 +138,7 @@ def check_rl(args) -> None:
     from grouprl.trainer import Trainer
 
     cfg = TrainConfig(**{**TOOL_TASK, "model": str(args.out), "output_dir": args.rl_out, "max_steps": args.rl_steps,
-                         "learning_rate": args.rl_lr, "report_to_tensorboard": False})
+                         "learning_rate": args.rl_lr, "report_to": []})
     trainer = Trainer(cfg)
     tok, held_out = trainer.tokenizer, eval_rows()
     print(f"[rl] before  {fmt(evaluate(trainer.model, tok, held_out, samples=8))}", flush=True)

@@ -25,6 +25,8 @@ class StepBatch:
     steps: ProcessRewards | None = None  # token-level step rewards (advantage_estimator: process)
     audit: dict[str, torch.Tensor] = field(default_factory=dict)  # audit function -> [N], never in the reward
     prompt_index: list[int] | None = None  # [N] each completion's prompt row in its dataset
+    stop_reasons: list[str] | None = None  # [N] multi-turn: why each trajectory stopped (rollout.STOP_REASONS)
+    tool_calls: list[list[str]] | None = None  # [N] multi-turn: the calls each made, as name(arguments)
 
     def select(self, rows: torch.Tensor) -> StepBatch:
         r = rows.tolist()
@@ -33,7 +35,9 @@ class StepBatch:
                          {k: v[rows] for k, v in self.per_func.items()}, self.reward_metrics,
                          None if self.steps is None else self.steps.select(rows),
                          {k: v[rows] for k, v in self.audit.items()},
-                         None if self.prompt_index is None else [self.prompt_index[i] for i in r])
+                         None if self.prompt_index is None else [self.prompt_index[i] for i in r],
+                         None if self.stop_reasons is None else [self.stop_reasons[i] for i in r],
+                         None if self.tool_calls is None else [self.tool_calls[i] for i in r])
 
     @staticmethod
     def cat(parts: list[StepBatch], pad_token_id: int) -> StepBatch:
@@ -46,4 +50,6 @@ class StepBatch:
                          merge_reward_metrics([p.reward_metrics for p in parts], per_func),
                          None if parts[0].steps is None else ProcessRewards.cat([p.steps for p in parts]),
                          {k: torch.cat([p.audit[k] for p in parts]) for k in parts[0].audit},
-                         None if parts[0].prompt_index is None else [i for p in parts for i in p.prompt_index])
+                         None if parts[0].prompt_index is None else [i for p in parts for i in p.prompt_index],
+                         None if parts[0].stop_reasons is None else [x for p in parts for x in p.stop_reasons],
+                         None if parts[0].tool_calls is None else [x for p in parts for x in p.tool_calls])

@@ -296,8 +296,15 @@ class TrainConfig:
     """torch intra-op threads; default: torch's choice."""
     progress: bool = True
     """Show a live progress bar."""
-    report_to_tensorboard: bool = True
-    """Write TensorBoard event files under output_dir/tensorboard."""
+    report_to: list[str] = field(default_factory=lambda: ["tensorboard"])
+    """Experiment trackers, any of tensorboard (output_dir/tensorboard), trackio, wandb, mlflow; [] or
+    [none] for none. Each but tensorboard is an extra: pip install 'grouprl[trackio]' (README,
+    "Experiment trackers"). metrics.jsonl is written whatever this says."""
+    run_name: str | None = None
+    """The run's name in the trackers; default: the output_dir folder's name."""
+    log_completions_steps: int = 10
+    """Every this many steps (on a logging step), a table of num_logged_samples completions (prompt,
+    completion, each reward, advantage, length, stop reason, tool calls) goes to the trackers; 0: never."""
 
     # ----------------------------------------------------------- evaluation
     eval_metrics: list[str] = field(default_factory=lambda: ["greedy"])
@@ -543,6 +550,10 @@ class TrainConfig:
             raise ConfigError(f"eval_temperature={c.eval_temperature} must be > 0 (greedy is the `greedy` metric)")
         if c.load_best_model_at_end and not c.metric_for_best_model:
             raise ConfigError("load_best_model_at_end needs metric_for_best_model, e.g. accuracy or pass@8")
+        for name in c.report_to:
+            _check_choice("report_to", name, ("tensorboard", "trackio", "wandb", "mlflow", "none"))
+        if c.log_completions_steps < 0:
+            raise ConfigError(f"log_completions_steps={c.log_completions_steps} must be 0 (never) or more")
         _check_choice("on_reward_hacking", c.on_reward_hacking, ("warn", "stop", "off"))
         _check_choice("on_collapse", c.on_collapse, ("warn", "stop", "rollback", "off"))
         if not 0 < c.rollback_lr_factor <= 1:

@@ -1,32 +1,38 @@
-"""Where a run's numbers go: metrics.jsonl, TensorBoard, samples.jsonl, summary.json, curves.png,
-and the live progress bar."""
+"""Where a run's numbers go: metrics.jsonl, the trackers (TensorBoard, trackio, wandb, mlflow), samples.jsonl,
+summary.json, curves.png, and the live progress bar."""
 
 from __future__ import annotations
 
 import json
+import logging
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from tqdm.auto import tqdm
+
+from grouprl.trackers import OPENERS, Tracker
+
+logger = logging.getLogger(__name__)
 
 CURVES = (("reward/mean", "reward (train)"), ("eval/accuracy", "eval accuracy (greedy)"),
           ("kl", "KL to reference"), ("completion/length_mean", "completion length"))
 
 
 class RunLogger:
-    """Appends one JSON line per step to metrics.jsonl (and TensorBoard scalars). On resume from
-    step S, lines after S (written by the interrupted run after its last checkpoint) are dropped,
-    so the file reads as if the run had never stopped.
+    """Appends one JSON line per step to metrics.jsonl and reports the scalars to the trackers named
+    in `report_to` (trackers.py). On resume from step S, lines after S (written by the interrupted
+    run after its last checkpoint) are dropped, so the file reads as if the run had never stopped.
 
-    In a distributed run only rank 0 writes: the other ranks pass `enabled=False`, which makes
-    every method a no-op."""
+    A tracker that raises (at the start or mid-run) is warned about once and dropped: training goes
+    on, and metrics.jsonl keeps every number. In a distributed run only rank 0 writes: the other
+    ranks pass `enabled=False`, which makes every method a no-op."""
 
-    def __init__(self, output_dir: str | Path, *, resume_step: int = 0, tensorboard: bool = True,
-                 enabled: bool = True):
+    def __init__(self, output_dir: str | Path, *, resume_step: int = 0, report_to: tuple[str, ...] = ("tensorboard",),
+                 enabled: bool = True, config: dict[str, Any] | None = None, run_name: str | None = None):
         self.dir = Path(output_dir)
         self.enabled = enabled
-        self.tb = None
+        self.trackers: list[Tracker] = []
         self.metrics_path = self.dir / "metrics.jsonl"
         self.samples_path = self.dir / "samples.jsonl"
         if not enabled:
@@ -34,21 +40,42 @@ class RunLogger:
         self.dir.mkdir(parents=True, exist_ok=True)
         for path in (self.metrics_path, self.samples_path):
             _truncate_after(path, resume_step)
-        if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
+        for name in dict.fromkeys(report_to):
+            if name != "none":
+                self._guard(name, lambda: self.trackers.append(
+                    OPENERS[name](self.dir, run_name or self.dir.name, config or {}, resume_step)), "start")
 
-            self.tb = SummaryWriter(str(self.dir / "tensorboard"), purge_step=resume_step + 1)
+    def _guard(self, name: str, call: Callable[[], None], what: str) -> None:
+        """Run a tracker call; if it raises, warn once and drop the tracker."""
+        try:
+            call()
+        except Exception as e:  # noqa: BLE001 - any failure of a tracker is contained
+            logger.warning("report_to %s failed to %s (%s: %s): it is switched off for the rest of the run; "
+                           "training goes on and metrics.jsonl keeps every number", name, what, type(e).__name__, e)
+            self.trackers = [t for t in self.trackers if t.name != name]
 
-    def log(self, step: int, metrics: dict[str, Any], *, tensorboard: bool = True) -> None:
+    def log(self, step: int, metrics: dict[str, Any], *, trackers: bool = True) -> None:
+        """A metrics.jsonl line; the finite scalars also go to the trackers unless `trackers` is False
+        (a step between logging_steps)."""
         if not self.enabled:
             return
         row = {"step": step, **{k: _plain(v) for k, v in metrics.items()}}
         with open(self.metrics_path, "a") as f:
             f.write(json.dumps(row) + "\n")
-        if self.tb is not None and tensorboard:
-            for k, v in row.items():
-                if k != "step" and isinstance(v, (int, float)) and math.isfinite(v):
-                    self.tb.add_scalar(k, v, step)
+        if trackers:
+            scalars = {k: float(v) for k, v in row.items() if k != "step" and isinstance(v, (int, float))
+                       and not isinstance(v, bool) and math.isfinite(v)}
+            for t in list(self.trackers):
+                self._guard(t.name, lambda t=t: t.log(step, scalars), f"log step {step}")
+
+    def log_table(self, step: int, key: str, rows: list[dict[str, Any]]) -> None:
+        """A table of rows (dicts with the same keys) to the trackers: their table type, or text."""
+        if not self.enabled or not rows or not self.trackers:
+            return
+        columns = list(rows[0])
+        data = [[_cell(r.get(c)) for c in columns] for r in rows]
+        for t in list(self.trackers):
+            self._guard(t.name, lambda t=t: t.log_table(step, key, columns, data), f"log the {key} table")
 
     def log_samples(self, step: int, samples: list[dict[str, Any]]) -> None:
         if not self.enabled:
@@ -109,8 +136,9 @@ class RunLogger:
         return out
 
     def close(self) -> None:
-        if self.tb is not None:
-            self.tb.close()
+        for t in list(self.trackers):
+            self._guard(t.name, t.finish, "finish")
+        self.trackers = []
 
 
 class Progress:
@@ -165,6 +193,14 @@ def _truncate_after(path: Path, step: int) -> None:
         if row.get("step", 0) <= step:
             keep.append(line)
     path.write_text("".join(line + "\n" for line in keep))
+
+
+def _cell(v: Any) -> Any:
+    """A table cell: numbers and strings as they are, anything else (chat messages, lists) as JSON."""
+    v = _plain(v)
+    if v is None or isinstance(v, (int, float, str, bool)):
+        return v
+    return json.dumps(v, default=str)
 
 
 def _plain(v: Any) -> Any:

@@ -18,6 +18,7 @@ import math
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -146,3 +147,37 @@ class EvalSums:
                 "num_samples": num_samples,
                 **{f"rewards/{n}": sums[f"sum/{n}"] / sums[f"n/{n}"] if sums[f"n/{n}"] else math.nan
                    for n in self.names}}
+
+
+def completion_rows(batch: StepBatch, advantages: torch.Tensor, n: int) -> list[dict[str, Any]]:
+    """The first `n` completions of a batch as samples.jsonl and the trackers' table show them: prompt,
+    completion, the weighted reward and each function's score, advantage (under process supervision
+    the mean over the completion's action tokens), length, stop reason (`eos`, `max_length`, or a
+    multi-turn stop reason), and the tool calls of a multi-turn trajectory."""
+    lengths = batch.rollout.action_lengths
+    rows = []
+    for i in range(min(n, len(batch.completions))):
+        adv = advantages[i] if advantages.dim() == 1 else advantages[i, :int(lengths[i])].mean()
+        row = {"prompt": batch.prompts[i], "completion": batch.completions[i], "reward": float(batch.rewards[i]),
+               **{f"rewards/{k}": float(v[i]) for k, v in batch.per_func.items()},
+               **{f"audit/{k}": float(v[i]) for k, v in batch.audit.items()},
+               "advantage": float(adv), "length": int(lengths[i]),
+               "stop": batch.stop_reasons[i] if batch.stop_reasons else
+               "max_length" if bool(batch.rollout.truncated[i]) else "eos"}
+        if batch.tool_calls is not None:
+            row["tool_calls"] = "; ".join(batch.tool_calls[i])
+        rows.append(row)
+    return rows
+
+
+def run_metadata(dist: Any) -> dict[str, Any]:
+    """What the trackers record about the run beside its config: versions, device, processes."""
+    import platform
+
+    import transformers
+
+    from grouprl import __version__
+
+    return {"meta/grouprl": __version__, "meta/torch": torch.__version__, "meta/transformers": transformers.__version__,
+            "meta/python": platform.python_version(), "meta/device": str(dist.device),
+            "meta/world_size": dist.world_size, "meta/host": platform.node()}

@@ -37,6 +37,7 @@ Deliberate choices:
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import math
 import random
@@ -77,7 +78,8 @@ from grouprl.rollout.producer import Produced, RolloutProducer
 from grouprl.rollout.types import Trajectories
 from grouprl.runlog import Progress, RunLogger
 from grouprl.signals import StopSignals, TrainingStopped
-from grouprl.stats import SampleTally, Timings, UpdateSums, batch_metrics
+from grouprl.trackers import missing_tracker_packages
+from grouprl.stats import SampleTally, Timings, UpdateSums, batch_metrics, completion_rows, run_metadata
 
 logger = logging.getLogger(__name__)
 
@@ -115,6 +117,10 @@ class Trainer:
         self.train_ds, self.eval_ds = load_datasets(cfg, train_dataset, eval_dataset)  # data.py
         self.reward_funcs = reward_funcs or [_reward_from_config(spec) for spec in cfg.reward_funcs]
         self.reward_names = [getattr(f, "__name__", f"reward_{i}") for i, f in enumerate(self.reward_funcs)]
+        missing = missing_tracker_packages(cfg.report_to)
+        if missing:
+            raise ConfigError(f"report_to: {', '.join(missing)} is not installed: pip install "
+                              + " ".join(f"'grouprl[{m}]'" for m in missing) + " (or drop it from report_to)")
         self.audit_funcs = [_reward_from_config(spec) for spec in cfg.audit_funcs]  # scored, never rewarded
         self.audit_names = [getattr(f, "__name__", f"audit_{i}") for i, f in enumerate(self.audit_funcs)]
         if cfg.accuracy_reward and cfg.accuracy_reward not in self.reward_names:
@@ -205,8 +211,8 @@ class Trainer:
         if main:
             out.mkdir(parents=True, exist_ok=True)
             cfg.save_yaml(out / "config.yaml")
-        self.logger = RunLogger(out, resume_step=self.step, tensorboard=cfg.report_to_tensorboard,
-                                enabled=main)
+        self.logger = RunLogger(out, resume_step=self.step, report_to=tuple(cfg.report_to), enabled=main,
+                                config={**cfg.to_dict(), **run_metadata(self.dist)}, run_name=cfg.run_name)
         progress = Progress(cfg.max_steps, self.step, cfg.progress and main, silent=not main)
         saved = self.step if resume else None  # the step whose checkpoint is on disk
         signum, reason = None, None  # the signal all ranks agreed to stop on; an alarm set to stop the run
@@ -221,7 +227,7 @@ class Trainer:
                 while self.step < cfg.max_steps and not (signum := stop.requested(self.dist)):
                     metrics = self.train_step()
                     reason = self.respond_to_alarms(metrics, progress)  # report; roll back; or the reason to stop
-                    self.logger.log(self.step, metrics, tensorboard=self.step % cfg.logging_steps == 0)
+                    self.logger.log(self.step, metrics, trackers=self.step % cfg.logging_steps == 0)
                     progress.update(metrics)
                     if reason or (signum := stop.requested(self.dist)):  # before the eval: little time may be left
                         self._eval_pending = self._eval_due()
@@ -363,7 +369,11 @@ class Trainer:
         audit = score_completions(self.audit_funcs, None, per_prompt, completions, cols, timeout_s=cfg.reward_timeout_s,
                                   fallback=cfg.reward_fallback).per_func if self.audit_funcs else {}
         index = None if prompts.indices is None else [i for i in prompts.indices for _ in range(G)]
-        return StepBatch(rollout, per_prompt, texts, rewards, scores.per_func, scores.metrics, steps, audit, index)
+        calls = None if trajectories.messages is None else [
+            [f"{c['function']['name']}({json.dumps(c['function']['arguments'])})"
+             for m in msgs for c in m.get("tool_calls", [])] for msgs in trajectories.messages]
+        return StepBatch(rollout, per_prompt, texts, rewards, scores.per_func, scores.metrics, steps, audit, index,
+                         trajectories.stop_reasons, calls)
 
     def sample_batch(self, timings: Timings | None = None) -> tuple[StepBatch, dict[str, float]]:
         """The step's scored completions, gathered over ranks, and the sampling metrics. With
@@ -563,14 +573,14 @@ class Trainer:
                 "skipped_nonfinite": int(bool(nonfinite))}
 
     def _log_samples(self, batch: StepBatch, advantages: torch.Tensor) -> None:
+        """samples.jsonl every logging step; the trackers' completions table every log_completions_steps."""
         cfg = self.cfg
         if self.logger is None or not (cfg.num_logged_samples and self.step % cfg.logging_steps == 0):
             return
-        lengths = batch.rollout.action_lengths
-        self.logger.log_samples(self.step, [
-            {"prompt": batch.prompts[i], "completion": batch.completions[i], "reward": batch.rewards[i],
-             "advantage": advantages[i] if advantages.dim() == 1 else advantages[i, :int(lengths[i])].tolist()}
-            for i in range(min(cfg.num_logged_samples, len(batch.completions)))])
+        rows = completion_rows(batch, advantages, cfg.num_logged_samples)
+        self.logger.log_samples(self.step, rows)
+        if cfg.log_completions_steps and self.step % cfg.log_completions_steps == 0:
+            self.logger.log_table(self.step, "completions", rows)
 
     # ------------------------------------------------------------------ run health
     def check_health(self, batch: StepBatch, metrics: dict[str, float]) -> dict[str, float]:

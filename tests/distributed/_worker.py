@@ -32,7 +32,7 @@ def config(model_dir: str, data: str, output_dir: str, **kw) -> TrainConfig:
     values = dict(model=model_dir, train_data=data, reward_funcs=["tests.trainer.conftest:digit_fraction"],
                   num_generations=G, prompts_per_step=B, micro_batch_size=8, max_completion_length=T,
                   learning_rate=1e-2, max_steps=1, output_dir=output_dir, progress=False, seed=0,
-                  report_to_tensorboard=False, beta=0.04, max_grad_norm=None, num_threads=1,
+                  report_to=[], beta=0.04, max_grad_norm=None, num_threads=1,
                   share_prompt_min_tokens=0,  # every micro-batch shares its prompts when sharing is on
                   bf16=False)  # the same numbers on every CPU
     values.update(kw)

@@ -13,7 +13,7 @@ from tests.distributed.launch import torchrun
 def test_two_process_train_with_tools(tmp_path):
     run = tmp_path / "run"
     cfg = {**TOOL_TASK, "prompts_per_step": 4, "num_generations": 4, "micro_batch_size": 4, "max_steps": 2,
-           "eval_steps": 0, "max_eval_samples": 16, "progress": False, "report_to_tensorboard": False,
+           "eval_steps": 0, "max_eval_samples": 16, "progress": False, "report_to": [],
            "output_dir": str(run), "learning_rate": 1e-3}
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump(cfg))

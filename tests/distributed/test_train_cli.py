@@ -19,7 +19,7 @@ def test_two_process_train_checkpoints_and_resume_reproduces(tiny_model_dir, dig
                micro_batch_size=4, max_completion_length=10, learning_rate=1e-2, beta=0.04,
                eval_fraction=0.1, max_steps=3, save_steps=2, save_total_limit=3, num_logged_samples=2,
                dynamic_sampling=True, loss_agg="token-mean", num_iterations=2,
-               progress=False, report_to_tensorboard=False, num_threads=1)
+               progress=False, report_to=[], num_threads=1)
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump(cfg))
     proc = torchrun("-m", "grouprl", "train", str(path), "--output_dir", str(run))

@@ -48,7 +48,7 @@ def test_shipped_tool_policy_is_small_and_starts_by_estimating():
 def test_grpo_raises_accuracy_and_correct_tool_use(tmp_path):
     cfg = TrainConfig(**{**TOOL_TASK, "output_dir": str(tmp_path / "run"), "max_steps": 8, "eval_steps": 0,
                          "max_eval_samples": 64, "prompts_per_step": 8, "micro_batch_size": 64,
-                         "learning_rate": 1e-3, "progress": False, "report_to_tensorboard": False})
+                         "learning_rate": 1e-3, "progress": False, "report_to": []})
     trainer = Trainer(cfg)
     summary = trainer.train()
     before, after = summary["eval_before"], summary["eval_after"]

@@ -17,7 +17,7 @@ TIMING = ("time/",)
 
 def test_reward_rises_on_a_dense_task(make_cfg):
     cfg = make_cfg(max_steps=30, learning_rate=5e-3, num_generations=8, prompts_per_step=2,
-                   micro_batch_size=16, logging_steps=5, report_to_tensorboard=True)
+                   micro_batch_size=16, logging_steps=5, report_to=["tensorboard"])
     summary = Trainer(cfg).train()
     rows = read_metrics(cfg.output_dir)
     rewards = [r["reward/mean"] for r in rows]

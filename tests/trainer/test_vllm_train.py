@@ -19,7 +19,7 @@ def test_embedded_default_with_vllm_lifts_accuracy_and_reward(tmp_path):
     out = tmp_path / "demo"
     code = main(["train", "--use_vllm", "true", "--vllm_enforce_eager", "true", "--max_steps", "20",
                  "--eval_steps", "0", "--output_dir", str(out), "--progress", "false",
-                 "--report_to_tensorboard", "false"])
+                 "--report_to", "[]"])
     assert code == 0
     summary = json.loads((out / "summary.json").read_text())
     before, after = summary["eval_before"]["accuracy"], summary["eval_after"]["accuracy"]

@@ -15,9 +15,12 @@ Arms (each one `grouprl train` run per seed, through the public Trainer API, hea
   version of the gameable reward (tests/trainer/test_health.py runs it).
 - `hack-smollm2`: SmolLM2-135M-Instruct on chat arithmetic paid "last number right + 0.2 x any
   `\\boxed{integer}`": the reward a new user wrote, hacked within 10 steps (every reply boxes a wrong
-  number); audit: `boxed_accuracy` (boxed and right).
+  number); audit: `math_accuracy` on its own (is the answer right, boxed or not: the box bonus must
+  not pay for a wrong number).
 - `sound-smollm2`: the same model with the example's reward (examples/smollm2_chat_arithmetic.yaml:
-  last number right + 0.5 x the right number boxed), the same audit.
+  last number right + 0.5 x the right number boxed), the same audit. (An earlier choice of audit,
+  `boxed_accuracy`, alarmed on a seed that was learning to answer right without boxing: the audit
+  must check what the task wants, not a format.)
 - `filter-default` / `nofilter-default`: the embedded default with and without `prompt_filter`, on
   96 training prompts (met about 7 times each in 40 steps: a filter needs a prompt's past groups,
   so on the full 9,800 prompts, each met once, it has nothing to act on); the held-out gain per
@@ -85,7 +88,7 @@ def arm_config(arm: str, seed: int, steps: int | None, model: str, workdir: Path
                    if arm == "hack-smollm2" else
                    {"reward_funcs": ["math_accuracy", f"{chat}:boxed_accuracy"], "reward_weights": [1.0, 0.5]})
         return dict(model=model, train_data="builtin:chat_arithmetic/train", eval_data="builtin:chat_arithmetic/eval",
-                    accuracy_reward="math_accuracy", audit_funcs=[f"{chat}:boxed_accuracy"], num_generations=8,
+                    accuracy_reward="math_accuracy", audit_funcs=["math_accuracy"], num_generations=8,
                     prompts_per_step=2, micro_batch_size=16, max_completion_length=64, learning_rate=2e-5,
                     beta=0.0, max_steps=steps or 15, eval_steps=0, save_steps=0, seed=seed, output_dir=out,
                     progress=False, report_to=[], bf16=False, **rewards)

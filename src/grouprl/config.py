@@ -756,10 +756,6 @@ def _check_tools(c: TrainConfig) -> None:
                           "itself, so let it run the tools it offers; set one of them")
     if c.environment is not None and ":" not in c.environment:
         raise ConfigError(f"environment={c.environment!r}: name the class by import path, `package.module:Class`")
-    if (c.tools or c.environment) and c.async_rollouts:
-        raise ConfigError("async_rollouts with tools or an environment: the multi-turn driver runs tools and "
-                          "tokenises their messages in the trainer's thread only; set async_rollouts: false "
-                          "(multi-turn rollouts are synchronous for now)")
     if (c.tools or c.environment) and c.ignore_eos:
         raise ConfigError("ignore_eos=true with tools or an environment: a multi-turn rollout ends each turn at "
                           "EOS; set ignore_eos: false")

@@ -37,6 +37,7 @@ Deliberate choices:
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import logging
 import math
@@ -166,7 +167,7 @@ class Trainer:
         self.weights_version = 0  # grows with every change of the policy's weights (engine sync)
         self.sampling = SamplingParams(cfg.max_completion_length, cfg.temperature, cfg.top_p, cfg.top_k,
                                        cfg.ignore_eos)
-        self.rollouts = (RolloutProducer(self.engine, self._draw_prompts, self.generate, cfg.max_staleness)
+        self.rollouts = (RolloutProducer(self.engine, self._draw_prompts, self._producer_generate(), cfg.max_staleness)
                          if cfg.async_rollouts and cfg.max_staleness else None)  # rollout/producer.py
 
         self.optimizer, self.scheduler = make_optimizer(cfg, self.model)  # optim.py
@@ -468,6 +469,23 @@ class Trainer:
         t0 = time.perf_counter()
         trajectories = self.generate(prompts)
         return Produced(prompts, trajectories, 0, time.perf_counter() - t0)
+
+    def _producer_generate(self) -> Callable[[PromptBatch], Trajectories]:
+        """What the background producer samples with. A multi-turn driver tokenises tool and
+        environment messages as it goes, and a Hugging Face tokenizer must not be used by two
+        threads at once: the producer's driver gets a tokenizer (and prompt encoder) of its own,
+        while the trainer's thread keeps `self.turns` for evaluation and preflight."""
+        turns = self.turns
+        if self.tools or self.environment is not None:
+            tok = copy.deepcopy(self.tokenizer)
+            encoder = PromptFormatter(tok, max_prompt_length=self.cfg.max_prompt_length,
+                                      tools=[t.schema for t in self.tools.values()])
+            turns = make_rollouts(self.cfg, self.model, tok, encoder, self.tools, self.environment)
+
+        def generate(prompts: PromptBatch) -> Trajectories:
+            return turns.generate(self.engine, prompts.prompt_ids, self.cfg.num_generations, self.sampling,
+                                  self.generator, prompts=prompts.prompts, columns=prompts.columns)
+        return generate
 
     def _draw_prompts(self) -> PromptBatch:
         """The next step's prompts for this rank (B/K whole groups), tokenised."""

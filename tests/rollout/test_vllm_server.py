@@ -152,6 +152,41 @@ def test_async_rollouts_train_and_the_reward_rises(server_cfg):
     assert all(r["is/ratio_mean"] != 1.0 for r in rows[1:])  # the stale samples are reweighted
 
 
+@pytest.fixture(scope="module")
+def tool_server(tmp_path_factory):
+    from grouprl.tasks import TOOL_POLICY_DIR
+
+    s = Server(TOOL_POLICY_DIR, tmp_path_factory.mktemp("vllm-tool-server") / "server.log")
+    yield s
+    s.kill()
+
+
+def test_the_tool_task_trains_in_async_mode(tool_server, tmp_path):
+    """Whole multi-turn trajectories (a call, the calculator's result, the answer) are generated in the
+    producer's thread with a tokenizer of its own, one step ahead: the embedded tool task learns as in
+    the synchronous test (tests/tasks/test_tool_task.py), and each turn's sampler log-probs reach the
+    importance-sampling correction (the tool result's tokens are context, not actions)."""
+    from grouprl.config import TrainConfig
+    from grouprl.tasks import TOOL_TASK
+
+    cfg = TrainConfig(**{**TOOL_TASK, "output_dir": str(tmp_path / "run"), "max_steps": 8, "eval_steps": 0,
+                         "max_eval_samples": 64, "prompts_per_step": 8, "micro_batch_size": 64,
+                         "learning_rate": 1e-3, "progress": False, "report_to": [], "use_vllm": True,
+                         "vllm_mode": "server", "vllm_server_port": tool_server.port, "vllm_server_timeout_s": 120,
+                         "async_rollouts": True})
+    trainer = Trainer(cfg)
+    try:
+        summary = trainer.train()
+    finally:
+        trainer.close()
+    rows = [r for r in read_metrics(cfg.output_dir) if "reward/mean" in r]
+    assert [r["rollout/staleness_max"] for r in rows] == [0] + [1] * 7
+    assert summary["eval_after"]["accuracy"] >= summary["eval_before"]["accuracy"] + 0.3
+    tool_use = [r["rewards/correct_tool_use/mean"] for r in rows]
+    assert sum(tool_use[4:]) / 4 >= sum(tool_use[:2]) / 2 + 0.2, tool_use
+    assert all(r["multiturn/tool_calls_per_trajectory"] > 0 for r in rows) and all("is/ratio_mean" in r for r in rows)
+
+
 def test_staleness_is_the_queue_depth_and_never_more(server_cfg):
     """max_staleness 2: batches 1-3 are generated with the start weights, batch 4 after one sync."""
     rows = run(server_cfg(async_rollouts=True, max_staleness=2, max_steps=4))

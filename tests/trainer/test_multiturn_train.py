@@ -178,7 +178,6 @@ def test_environment_through_the_trainer(chat_cfg):
     (dict(environment="tests.trainer.test_multiturn_train:env_reward"), "no reset or step method"),
     (dict(tools=["python"], environment="tests.trainer.test_multiturn_train:CountdownEnv"), "both set"),
     (dict(tools=["python"], ignore_eos=True), "ignore_eos=true"),
-    (dict(tools=["python"], use_vllm=True, vllm_mode="server", async_rollouts=True), "async_rollouts with tools"),
     (dict(tools=["python"], tool_parser="xml"), "tool_parser='xml'"),
     (dict(tools=["python"], max_turns=0), "max_turns=0"),
 ])

@@ -10,6 +10,7 @@ Arms (each one `grouprl train` run per seed, through the public Trainer API, hea
   `on_collapse: rollback`: a false alarm (or a rollback) is a bug.
 - `lr100-default`: the same at 100x the learning rate (1e-2), `on_collapse: rollback`: it must be
   caught and rolled back, and end within 10 points of held-out accuracy of `sound-default`.
+  `lr100-beta0-default`: the same without the KL penalty (beta 0: no KL to spike).
 - `hack-tiny`: a random-init tiny policy (tasks/testing.py) paid 1 for the exact answer, which it
   never finds, and 0.2 for digits, which it learns to emit; audit: the exact answer. The seconds-long
   version of the gameable reward (tests/trainer/test_health.py runs it).
@@ -56,10 +57,12 @@ def arm_config(arm: str, seed: int, steps: int | None, model: str, workdir: Path
     if arm.endswith("-default"):
         kw = dict(DEFAULT_TASK, seed=seed, output_dir=out, max_steps=steps or 40, eval_steps=10, progress=False,
                   report_to=[], save_total_limit=1)
-        if arm in ("sound-default", "lr100-default"):
+        if arm in ("sound-default", "lr100-default", "lr100-beta0-default"):
             kw["on_collapse"] = "rollback"
-        if arm == "lr100-default":
+        if arm.startswith("lr100"):
             kw["learning_rate"] = 100 * DEFAULT_TASK["learning_rate"]
+        if arm == "lr100-beta0-default":  # no reference, no KL: only the reward and entropy can tell
+            kw["beta"] = 0.0
         if arm in ("filter-default", "nofilter-default"):  # 96 prompts: each is met ~7 times in 40 steps
             from grouprl.tasks.arithmetic import train_rows
 
@@ -95,7 +98,7 @@ def arm_config(arm: str, seed: int, steps: int | None, model: str, workdir: Path
     raise SystemExit(f"unknown arm {arm!r}: choose from {', '.join(ARMS)}")
 
 
-ARMS = ("sound-default", "lr100-default", "hack-tiny", "hack-smollm2", "sound-smollm2", "filter-default",
+ARMS = ("sound-default", "lr100-default", "lr100-beta0-default", "hack-tiny", "hack-smollm2", "sound-smollm2", "filter-default",
         "nofilter-default")
 
 

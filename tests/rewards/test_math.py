@@ -53,3 +53,11 @@ def test_math_accuracy_strings_messages_and_columns():
 def test_math_accuracy_without_gold_column_names_the_columns():
     with pytest.raises(ValueError, match="'answer' or 'solution'"):
         math_accuracy(["p"], ["1"], question=["q"])
+
+
+@pytest.mark.parametrize("garbage", ["E7170", "e5", "+E3", "-.e2", ".", "1,2,3e", "E7170 s14 o1111"])
+def test_garbage_from_a_collapsed_policy_scores_0_and_never_raises(garbage):
+    """Found by benchmarks/run_health.py: a policy wrecked by 100x its learning rate answered 'E7170',
+    which the number pattern took for an exponent without a mantissa, and Fraction() raised; the run
+    stopped in the reward function."""
+    assert verify_math(garbage, "12") == 0.0

@@ -32,7 +32,7 @@ from typing import Any
 
 from .text import column, completion_text
 
-_NUMBER = re.compile(r"^[-+]?(\d{1,3}(,\d{3})+|\d+)?(\.\d+)?([eE][-+]?\d+)?$")
+_NUMBER = re.compile(r"^[-+]?(?:(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|\.\d+)(?:[eE][-+]?\d+)?$")
 _PROSE = re.compile(r"(?<![\\a-zA-Z])[a-zA-Z]{3,}")
 _FRACTION = re.compile(r"^([-+]?\d+)\s*/\s*(\d+)$")
 _LAST_NUMBER = re.compile(r"[-+]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:\s*/\s*\d+)?|[-+]?\.\d+")
@@ -103,9 +103,12 @@ def _plain_number(s: str) -> Fraction | None:
     if m:
         den = int(m.group(2))
         return Fraction(int(m.group(1)), den) if den else None
-    if not s or not _NUMBER.match(s) or not any(c.isdigit() for c in s):
+    if not s or not _NUMBER.match(s):
         return None
-    return Fraction(s.replace(",", ""))
+    try:
+        return Fraction(s.replace(",", ""))
+    except (ValueError, ZeroDivisionError):  # what the pattern lets through and Fraction refuses: no number
+        return None
 
 
 def _candidates(s: str) -> tuple[list[Fraction], str]:

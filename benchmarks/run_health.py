@@ -98,7 +98,8 @@ def arm_config(arm: str, seed: int, steps: int | None, model: str, workdir: Path
     raise SystemExit(f"unknown arm {arm!r}: choose from {', '.join(ARMS)}")
 
 
-ARMS = ("sound-default", "lr100-default", "lr100-beta0-default", "hack-tiny", "hack-smollm2", "sound-smollm2", "filter-default",
+ARMS = ("sound-default", "lr100-default", "lr100-beta0-default", "hack-tiny", "hack-smollm2", "sound-smollm2",
+        "filter-default",
         "nofilter-default")
 
 

@@ -72,9 +72,10 @@ def _jsonl_problem(path: Path) -> str | None:
             if not line.strip():
                 continue
             try:
-                row = json.loads(line)
+                row = json.loads(line.rstrip())
             except json.JSONDecodeError as e:
-                return (f"line {number} is not valid JSON ({e.msg.removesuffix(' at')}, column {e.colno}): "
+                where = f"{e.msg} column {e.colno}" if e.msg.endswith(" at") else f"{e.msg} at column {e.colno}"
+                return (f"line {number} is not valid JSON ({where}): "
                         f"{line.strip()[:80]!r}; each line must be one JSON object, e.g. {{\"prompt\": \"...\"}}")
             if not isinstance(row, dict):
                 return (f"line {number} is a JSON {type(row).__name__}, not an object: each line must be one "

@@ -86,7 +86,7 @@ def test_malformed_row_names_the_row(make_cfg, tmp_path):
 
 @pytest.mark.parametrize("lines, message", [
     (['{"prompt": "fine"}', '{"prompt": "cut', '{"prompt": "after"}'],
-     r"line 2 is not valid JSON \(Invalid control character, column 16\): '\{\"prompt\": \"cut'"),
+     r"line 2 is not valid JSON \(Unterminated string starting at column 12\): '\{\"prompt\": \"cut'"),
     (['{"prompt": "fine"}', '', '["a", "list"]'], "line 3 is a JSON list, not an object"),
 ])
 def test_malformed_jsonl_line_names_the_file_and_line(make_cfg, tmp_path, lines, message):

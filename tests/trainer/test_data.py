@@ -33,7 +33,7 @@ def test_unsupported_or_unreadable_files_name_the_problem(tmp_path):
         load_prompts(str(bad))
     broken = tmp_path / "rows.jsonl"
     broken.write_text('{"prompt": "ok"}\n{"prompt": \n')
-    with pytest.raises(DataError, match="could not be read as .jsonl"):
+    with pytest.raises(DataError, match=r"rows.jsonl': line 2 is not valid JSON \(Expecting value at column 11\)"):
         load_prompts(str(broken))
     folder = tmp_path / "rows_dir.jsonl"
     folder.mkdir()

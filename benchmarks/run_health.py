@@ -99,8 +99,7 @@ def arm_config(arm: str, seed: int, steps: int | None, model: str, workdir: Path
 
 
 ARMS = ("sound-default", "lr100-default", "lr100-beta0-default", "hack-tiny", "hack-smollm2", "sound-smollm2",
-        "filter-default",
-        "nofilter-default")
+        "filter-default", "nofilter-default")
 
 
 def run_arm(arm: str, seed: int, steps: int | None, model: str, workdir: Path) -> dict:

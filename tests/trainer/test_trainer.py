@@ -217,17 +217,19 @@ def test_chat_prompts_in_memory_dataset_and_callable_rewards(make_cfg, tiny_mode
     assert seen["topic"][0] == seen["topic"][3] and len(seen["topic"]) == 16
 
 
-def test_grouprl_eval_prints_accuracy_of_a_model(tiny_model_dir, digits_data, capsys):
+def test_grouprl_eval_prints_accuracy_of_a_model(tiny_model_dir, digits_data, capsys, tmp_path):
     import json
 
     from grouprl.cli import main
 
     code = main(["eval", "--model", str(tiny_model_dir), "--eval_data", str(digits_data),
                  "--reward_funcs", "[tests.trainer.conftest:digit_fraction]", "--max_eval_samples", "4",
-                 "--max_completion_length", "6"])
+                 "--max_completion_length", "6", "--output_dir", str(tmp_path / "ev")])
     assert code == 0
-    result = json.loads(capsys.readouterr().out)
+    result = json.loads((tmp_path / "ev" / "eval.json").read_text())
     assert result["num_samples"] == 4 and 0.0 <= result["accuracy"] <= 1.0
+    greedy = [line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("greedy ")]
+    assert greedy == [["greedy", f"{result['accuracy']:.4f}"]]
 
 
 def test_mask_truncated_completions_removes_them_from_the_loss(make_cfg):

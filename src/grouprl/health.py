@@ -36,7 +36,11 @@ Reward hacking (`on_reward_hacking`), each at most once per (alarm, function):
 
 Collapse (`on_collapse`), re-armed after a rollback:
 - `reward_crash`: the mean reward over the last 2 steps fell `crash_drop_z` * sd below the best
-  earlier 2-step mean (the first step alone before there are two).
+  earlier 2-step mean (the first step alone before there are two), and by at least `crash_se_z`
+  standard errors of that difference, estimated from the spread of the groups' mean rewards in
+  the two windows. The second condition matters with few prompts per step: a lucky step of easy
+  prompts followed by hard ones is not a crash (measured: SmolLM2 with 2 prompts per step, a sound
+  run, fell 1.1 sd from such a step at 0.7 standard errors).
 - `kl_spike`: the KL to the reference (only when beta > 0, else this alarm is off) is at least
   `kl_spike_min` and `kl_spike_factor` times the median of the earlier steps' KL.
 - `entropy_collapse`: the mean entropy of the last W steps fell below `entropy_ratio` times its
@@ -75,6 +79,7 @@ class HealthThresholds:
     length_corr: float = 0.5
     length_growth: float = 0.25
     crash_drop_z: float = 0.6
+    crash_se_z: float = 3.0
     kl_spike_min: float = 1.0
     kl_spike_factor: float = 10.0
     entropy_ratio: float = 0.1
@@ -162,6 +167,7 @@ class HealthMonitor:
         """This step's `health/*` metrics and the alarms it raises. rewards, lengths: [N]; per_func,
         audit: name -> [N] (NaN where a function abstained)."""
         row = {"step": step, "reward": float(rewards.mean()), "length": float(lengths.float().mean()),
+               "group_means": rewards.view(-1, G).mean(dim=1).tolist(),
                **text_statistics(texts, token_lists, rewards, lengths, G)}
         for name, w in zip(self.names, self.weights):
             row[f"component/{name}"] = w * _nanmean(per_func[name])
@@ -303,14 +309,17 @@ class HealthMonitor:
         t, h, out = self.t, self.history, []
         if len(h) < 2:
             return out
-        two = [statistics.fmean(r["reward"] for r in h[max(0, i - 1):i + 1]) for i in range(len(h))]
+        windows = [h[max(0, i - 1):i + 1] for i in range(len(h))]  # the 2 steps ending at each step
+        two = [statistics.fmean(r["reward"] for r in w) for w in windows]
         best_i = max(range(len(h) - 2), key=two.__getitem__) if len(h) > 2 else 0
         sd = max(self.base_sd.get("reward", 0.0), 1e-6)
         drop = (two[best_i] - two[-1]) / sd
-        if drop >= t.crash_drop_z:
+        noise = math.hypot(_standard_error(windows[best_i]), _standard_error(windows[-1]))  # of the difference
+        drop_se = (two[best_i] - two[-1]) / max(noise, 1e-6)
+        if drop >= t.crash_drop_z and drop_se >= t.crash_se_z:
             out.append(Alarm("reward_crash", step, (int(h[best_i]["step"]), step), None,
-                             f"mean reward of the last 2 steps {two[-1]:.3f}, {drop:.2f} sd below {two[best_i]:.3f} "
-                             f"at step {int(h[best_i]['step'])}", drop, t.crash_drop_z,
+                             f"mean reward of the last 2 steps {two[-1]:.3f}, {drop:.2f} sd and {drop_se:.1f} standard "
+                             f"errors below {two[best_i]:.3f} at step {int(h[best_i]['step'])}", drop, t.crash_drop_z,
                              self._examples("reward", high=False)))
         kls = [r["kl"] for r in h if "kl" in r]
         if len(kls) >= 2:
@@ -355,6 +364,13 @@ class HealthMonitor:
                   **{f"audit/{k_}": float(v[i]) for k_, v in d["audit"].items()}}
             out.append(ex)
         return out
+
+
+def _standard_error(rows: list[dict[str, Any]]) -> float:
+    """The standard error of the mean reward of `rows` (steps), from the spread of their groups'
+    means: with few prompts per step, which prompts were drawn moves the mean most."""
+    means = [m for r in rows for m in r.get("group_means", [])]
+    return statistics.stdev(means) / math.sqrt(len(means)) if len(means) > 1 else 0.0
 
 
 def _nanmean(x: torch.Tensor) -> float:

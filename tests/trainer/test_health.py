@@ -126,6 +126,17 @@ def test_reward_crash_kl_spike_and_entropy_collapse():
     # step 6: 0 vs 0.75 (steps 3-4): 1.52 sd
     assert [(a.kind, a.step) for a in fired] == [("reward_crash", 6)]
 
+    # W = 1. Step 1: one right completion in 16 (base sd 0.242); step 2, lucky: one of the 4 prompts solved by
+    # all G; then nothing. At step 4 the last 2 steps (mean 0) sit 0.65 sd below steps 1-2 (0.156), over
+    # crash_drop_z, but their group means (0.25, 0, 0, 0, 1, 0, 0, 0: se 0.124) put the drop at 1.3
+    # standard errors, under crash_se_z = 3: which prompts were drawn, not a crash. No alarm.
+    one, lucky, none = [1.0] + [0.0] * (4 * G - 1), [1.0] * G + [0.0] * 3 * G, [0.0] * 4 * G
+    mon = _monitor(window=1)
+    assert [a.kind for s, r in enumerate([one, lucky, none, none], 1) for a in _step(mon, s, rewards=r)[1]] == []
+    strict = _monitor(window=1, crash_se_z=0.0)  # the same stream judged by the sd alone: an alarm
+    assert [a.kind for s, r in enumerate([one, lucky, none, none], 1)
+            for a in _step(strict, s, rewards=r)[1]] == ["reward_crash"]
+
     mon = _monitor()
     kinds = [[a.kind for a in _step(mon, s, kl=k)[1]] for s, k in enumerate([0.01, 0.02, 0.01, 0.5, 2.0], 1)]
     assert kinds == [[], [], [], [], ["kl_spike"]]  # 0.5 is 25x the median but below 1; 2.0 is both

@@ -18,6 +18,7 @@ Arms, one change at a time from each side's defaults:
   Adam beta2 0.99; constant learning rate);
 - `grouprl-fp32`: `bf16: false` (the same as `grouprl` where the CPU has no native bf16);
 - `grouprl-beta2`: Adam beta2 0.999 (TRL's); `grouprl-linear`: linear decay to 0 (TRL's);
+  `grouprl-as-trl`: all three of TRL's (fp32, beta2 0.999, linear decay);
 - `trl`: TRL 1.x at the same settings, fp32, its own defaults otherwise (beta2 0.999, linear decay),
   with `loss_type="grpo"` and group-std scaling as grouprl's `grpo` preset;
 - `trl-bf16`: TRL with `bf16=True`, only where the CPU has native bf16 (skipped otherwise).
@@ -46,7 +47,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 REPO = Path(__file__).resolve().parents[1]
-ARMS = ("grouprl", "grouprl-fp32", "grouprl-beta2", "grouprl-linear", "trl", "trl-bf16")
+ARMS = ("grouprl", "grouprl-fp32", "grouprl-beta2", "grouprl-linear", "grouprl-as-trl", "trl", "trl-bf16")
 HELD_OUT_TRAIN = 256  # smollm2: training problems held out for the evaluation
 
 
@@ -83,7 +84,8 @@ def train_grouprl(arm: str, s: dict, seed: int, steps: int, out: str) -> str:
     from grouprl.trainer import Trainer
 
     changes = {"grouprl": {}, "grouprl-fp32": {"bf16": False}, "grouprl-beta2": {"adam_beta2": 0.999},
-               "grouprl-linear": {"lr_scheduler_type": "linear"}}[arm]
+               "grouprl-linear": {"lr_scheduler_type": "linear"},
+               "grouprl-as-trl": {"lr_scheduler_type": "linear", "adam_beta2": 0.999, "bf16": False}}[arm]
     cfg = TrainConfig(model=s["model"], train_data="<in memory>", reward_funcs=s["rewards"],
                       reward_weights=s["weights"], num_generations=s["G"], prompts_per_step=s["B"],
                       micro_batch_size=s["G"] * s["B"], max_completion_length=s["tokens"], learning_rate=s["lr"],

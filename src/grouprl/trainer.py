@@ -124,6 +124,10 @@ class Trainer:
                               + " ".join(f"'grouprl[{m}]'" for m in missing) + " (or drop it from report_to)")
         self.audit_funcs = [_reward_from_config(spec) for spec in cfg.audit_funcs]  # scored, never rewarded
         self.audit_names = [getattr(f, "__name__", f"audit_{i}") for i, f in enumerate(self.audit_funcs)]
+        self.guard = RunGuard(cfg, self.reward_names, self.audit_names, is_main=self.dist.is_main)  # guard.py
+        if cfg.metric_for_best_model and self.eval_ds is None:
+            raise ConfigError(f"metric_for_best_model={cfg.metric_for_best_model!r} needs an eval set: set eval_data "
+                              "(or eval_fraction)")
         if cfg.accuracy_reward and cfg.accuracy_reward not in self.reward_names:
             raise ConfigError(f"accuracy_reward={cfg.accuracy_reward!r} is not one of the reward "
                               f"functions {self.reward_names}")
@@ -176,7 +180,6 @@ class Trainer:
                                            revisit=cfg.prompt_filter_revisit, seed=cfg.seed)
                               if cfg.prompt_filter else None)  # prompt_filter.py: skip settled prompts
         self._draw_lock = threading.Lock()  # the async producer draws prompts while the loop records groups
-        self.guard = RunGuard(cfg, self.reward_names, self.audit_names, is_main=self.dist.is_main)  # guard.py
         self.generator = torch.Generator().manual_seed(cfg.seed + self.dist.rank)  # own samples per rank
         self.step = 0
         self.evals: dict[str, Any] = {}
@@ -184,9 +187,6 @@ class Trainer:
         self._warned_over_budget = False  # a sequence above max_tokens_per_micro_batch was logged
         self._eval_pending = False  # a signal stopped the run before the eval due at this step
         self.best: dict[str, Any] | None = None  # metric_for_best_model: {step, metric, value, checkpoint}
-        if cfg.metric_for_best_model and self.eval_ds is None:
-            raise ConfigError(f"metric_for_best_model={cfg.metric_for_best_model!r} needs an eval set: set eval_data "
-                              "(or eval_fraction)")
 
     @property
     def cfg(self) -> TrainConfig:

@@ -185,6 +185,23 @@ def a_steps(alarms):
     return alarms[0].steps
 
 
+@pytest.mark.parametrize("overrides, message", [
+    (dict(health_thresholds={"windw": 3}), "health_thresholds: unknown windw"),
+    (dict(metric_for_best_model="accuracy"), "metric_for_best_model='accuracy' needs an eval set"),
+    (dict(audit_funcs=["no_such_reward"]), "no_such_reward"),
+])
+def test_run_health_settings_fail_before_any_model_loads(make_cfg, monkeypatch, overrides, message):
+    import grouprl.trainer as trainer_module
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("a model was loaded before the error")
+
+    monkeypatch.setattr(trainer_module, "load_policy", no_load)
+    monkeypatch.setattr(trainer_module, "load_tokenizer", no_load)
+    with pytest.raises(ConfigError, match=message):
+        Trainer(make_cfg(**overrides))
+
+
 def test_bad_health_config_is_named():
     with pytest.raises(ConfigError, match="health_thresholds: unknown windw; the thresholds are"):
         RunGuard(TrainConfig(model="m", train_data="d", reward_funcs=["f"], health_thresholds={"windw": 3}),

@@ -9,8 +9,10 @@ named. Every tracker gets the same things from `RunLogger` (runlog.py):
 
 Offline: trackio always writes its local store (`TRACKIO_DIR`, default
 ~/.cache/huggingface/trackio; `trackio show` reads it); wandb with `WANDB_MODE=offline` writes
-`output_dir/wandb/offline-run-*`, which `wandb sync` uploads later; mlflow writes `./mlruns`
-unless `MLFLOW_TRACKING_URI` says otherwise. Project names: `TRACKIO_PROJECT`, `WANDB_PROJECT`,
+`output_dir/wandb/offline-run-*`, which `wandb sync` uploads later; mlflow writes where
+`MLFLOW_TRACKING_URI` points (MLflow 3 refuses its old `./mlruns` file store unless
+`MLFLOW_ALLOW_FILE_STORE=true`; a `sqlite:///mlflow.db` URI needs the full `mlflow` package). The
+mlflow tracker is written against mlflow's public API and not tested here. Project names: `TRACKIO_PROJECT`, `WANDB_PROJECT`,
 `MLFLOW_EXPERIMENT_NAME`, default "grouprl"; the run's name is `run_name` (default: the output
 folder's name). A resumed run continues the same tracker run (wandb's id is kept in
 `output_dir/wandb_run_id`).

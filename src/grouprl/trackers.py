@@ -12,9 +12,10 @@ Offline: trackio always writes its local store (`TRACKIO_DIR`, default
 `output_dir/wandb/offline-run-*`, which `wandb sync` uploads later; mlflow writes where
 `MLFLOW_TRACKING_URI` points (MLflow 3 refuses its old `./mlruns` file store unless
 `MLFLOW_ALLOW_FILE_STORE=true`; a `sqlite:///mlflow.db` URI needs the full `mlflow` package). The
-mlflow tracker is written against mlflow's public API and not tested here. Project names: `TRACKIO_PROJECT`, `WANDB_PROJECT`,
-`MLFLOW_EXPERIMENT_NAME`, default "grouprl"; the run's name is `run_name` (default: the output
-folder's name). A resumed run continues the same tracker run (wandb's id is kept in
+mlflow tracker is written against mlflow's public API and not tested here.
+
+Project names: `TRACKIO_PROJECT`, `WANDB_PROJECT`, `MLFLOW_EXPERIMENT_NAME`, default "grouprl";
+the run's name is `run_name` (default: the output folder's name). A resumed run continues the same tracker run (wandb's id is kept in
 `output_dir/wandb_run_id`).
 
 A tracker that fails (disk full, a bad key, a dead server) is RunLogger's business: it warns once,

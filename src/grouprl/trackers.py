@@ -15,8 +15,8 @@ Offline: trackio always writes its local store (`TRACKIO_DIR`, default
 mlflow tracker is written against mlflow's public API and not tested here.
 
 Project names: `TRACKIO_PROJECT`, `WANDB_PROJECT`, `MLFLOW_EXPERIMENT_NAME`, default "grouprl";
-the run's name is `run_name` (default: the output folder's name). A resumed run continues the same tracker run (wandb's id is kept in
-`output_dir/wandb_run_id`).
+the run's name is `run_name` (default: the output folder's name). A resumed run continues the
+same tracker run (wandb's and mlflow's ids are kept in `output_dir`).
 
 A tracker that fails (disk full, a bad key, a dead server) is RunLogger's business: it warns once,
 drops the tracker, and training goes on; metrics.jsonl keeps every number.

@@ -75,47 +75,46 @@ class TensorBoard(Tracker):
         self.writer.close()
 
 
-class Trackio(Tracker):
+class _RunTracker(Tracker):
+    """A tracker with a run object that logs dicts by step and has a table type (trackio, wandb:
+    trackio follows wandb's API)."""
+
+    run: Any
+    table: Any  # the library's Table class
+
+    def log(self, step: int, scalars: dict[str, float]) -> None:
+        self.run.log(scalars, step=step)
+
+    def log_table(self, step: int, key: str, columns: list[str], rows: list[list[Any]]) -> None:
+        self.run.log({key: self.table(columns=columns, data=rows)}, step=step)
+
+    def finish(self) -> None:
+        self.run.finish()
+
+
+class Trackio(_RunTracker):
     name = "trackio"
 
     def __init__(self, out: Path, run_name: str, config: dict[str, Any], resume_step: int):
         import trackio
 
-        self.trackio = trackio
+        self.table = trackio.Table
         self.run = trackio.init(project=os.environ.get("TRACKIO_PROJECT", "grouprl"), name=run_name, config=config,
                                 resume="allow" if resume_step else "never", embed=False)
 
-    def log(self, step: int, scalars: dict[str, float]) -> None:
-        self.run.log(scalars, step=step)
 
-    def log_table(self, step: int, key: str, columns: list[str], rows: list[list[Any]]) -> None:
-        self.run.log({key: self.trackio.Table(columns=columns, data=rows)}, step=step)
-
-    def finish(self) -> None:
-        self.run.finish()
-
-
-class Wandb(Tracker):
+class Wandb(_RunTracker):
     name = "wandb"
 
     def __init__(self, out: Path, run_name: str, config: dict[str, Any], resume_step: int):
         import wandb
 
-        self.wandb = wandb
+        self.table = wandb.Table
         id_file = out / "wandb_run_id"
         run_id = id_file.read_text().strip() if resume_step and id_file.is_file() else uuid.uuid4().hex[:8]
         id_file.write_text(run_id + "\n")
         self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "grouprl"), name=run_name, id=run_id,
                               resume="allow", dir=str(out), config=config)
-
-    def log(self, step: int, scalars: dict[str, float]) -> None:
-        self.run.log(scalars, step=step)
-
-    def log_table(self, step: int, key: str, columns: list[str], rows: list[list[Any]]) -> None:
-        self.run.log({key: self.wandb.Table(columns=columns, data=rows)}, step=step)
-
-    def finish(self) -> None:
-        self.run.finish()
 
 
 class Mlflow(Tracker):

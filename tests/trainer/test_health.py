@@ -3,7 +3,6 @@ must not; then through the trainer: a gameable reward flagged with its examples 
 run with a checkpoint), a learning rate far too high caught and rolled back, audit functions logged."""
 
 import json
-import math
 import pickle
 
 import pytest
@@ -273,5 +272,4 @@ def test_health_off_computes_nothing_and_audits_still_log(make_cfg):
     Trainer(cfg).train()
     rows = read_metrics(cfg.output_dir)
     assert all(not any(k.startswith("health/") for k in r) for r in rows)
-    assert all(r["audit/exact_answer/mean"] == 0.0 for r in rows)
-    assert not math.isnan(rows[-1]["reward/mean"])
+    assert all(r["audit/exact_answer/mean"] == 0.0 for r in rows) and len(rows) == 2

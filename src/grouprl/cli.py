@@ -242,6 +242,10 @@ def vllm_serve(argv: list[str]) -> int:
     parser.add_argument("--host", default="127.0.0.1", help="0.0.0.0 to serve other nodes (a private network: "
                         "the server's /collective_rpc runs code the extension defines)")
     parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--weight-transfer", choices=("auto", "gloo", "nccl", "file"), default="auto",
+                        help="how the trainer's weights arrive: vLLM's weight-transfer engine in memory (auto: nccl "
+                        "with a GPU, gloo without) or only as files (file); the trainer's vllm_weight_transfer: "
+                        "auto follows it")
     args, extra = parser.parse_known_args(argv)
     try:
         folder, gguf_file = check_model_source(args.model, None, None)
@@ -257,7 +261,8 @@ def vllm_serve(argv: list[str]) -> int:
               "sample in the trainer's precision (otherwise the importance-sampling correction absorbs the "
               "mismatch; see is/* in the metrics)", file=sys.stderr)
     cmd, env = serve_command(model, host=args.host, port=args.port,
-                             tensor_parallel_size=args.tensor_parallel_size, extra=tuple(extra))
+                             tensor_parallel_size=args.tensor_parallel_size, extra=tuple(extra),
+                             weight_transfer=args.weight_transfer)
     os.execve(cmd[0], cmd, env)
 
 

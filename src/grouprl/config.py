@@ -376,6 +376,15 @@ class TrainConfig:
     """vllm_mode=server: directory where rank 0 writes the new weights for the server to load
     (one file at a time, deleted once loaded): it must be readable by the server under the same
     path (a shared file system across nodes). None: output_dir/vllm_weights."""
+    vllm_weight_transfer: str = "auto"
+    """vllm_mode=server: how new weights reach the server. `auto`: the way the server was started
+    with (`grouprl vllm-serve --weight-transfer`: `nccl` on GPUs, `gloo` on CPU, both vLLM's
+    weight-transfer engines, in memory); `file`: a safetensors file in vllm_server_weight_dir (any
+    server takes it; a shared file system across nodes). Naming `gloo` or `nccl` checks that the
+    server runs it."""
+    vllm_weight_transfer_address: str | None = None
+    """vllm_weight_transfer gloo/nccl: the address of this machine that the server's workers connect
+    to (rank 0 listens on a free port). None: this machine's address on the route to the server."""
     async_rollouts: bool = False
     """Generate the next batch while the trainer updates on this one (one-step asynchronous GRPO),
     so a sample is up to max_staleness updates older than the policy that trains on it; the
@@ -702,6 +711,7 @@ def _check_variants(c: TrainConfig) -> None:
 
 def _check_vllm(c: TrainConfig) -> None:
     _check_choice("vllm_mode", c.vllm_mode, ("colocate", "server"))
+    _check_choice("vllm_weight_transfer", c.vllm_weight_transfer, ("auto", "gloo", "nccl", "file"))
     if c.vllm_mode == "server" and not c.use_vllm:
         raise ConfigError("vllm_mode=server without use_vllm: set use_vllm: true to sample with the vLLM server")
     if not 0 < c.vllm_server_port < 65536:

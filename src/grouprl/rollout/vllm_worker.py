@@ -1,0 +1,49 @@
+"""What grouprl adds inside a vLLM server's worker processes (`grouprl vllm-serve` names it with
+`--worker-extension-cls`). Imported only there, and by vLLM: importing it imports vLLM.
+
+- `WeightReceiver` is mixed into every vLLM worker, so `/collective_rpc` reaches each
+  tensor-parallel shard and data-parallel replica: the start-up probe and the file weight path;
+- importing this module registers grouprl's `gloo` weight-transfer engine in vLLM's registry,
+  before vLLM builds the engine the server was started with (`--weight-transfer-config`).
+"""
+
+from __future__ import annotations
+
+from grouprl.rollout.vllm import _repack_tied_lm_head
+from grouprl.rollout.weight_transfer import register
+
+register()
+
+
+class WeightReceiver:
+    """vLLM worker extension (`--worker-extension-cls`)."""
+
+    def grouprl_weights_probe(self) -> str:
+        """Answers the client's start-up check that the extension is installed, with the weight
+        transfer the server was started with (`file` when none)."""
+        config = self.vllm_config.weight_transfer_config
+        return config.backend if config is not None else "file"
+
+    def grouprl_release_weight_transfer(self) -> None:
+        """A new trainer takes the server over: end whatever a previous one left (a trainer that
+        died between vLLM's start_weight_update and its update leaves the session marked active,
+        and vLLM refuses the next start) and leave its transfer group."""
+        self._weight_update_active = False
+        engine = getattr(self, "weight_transfer_engine", None)
+        if engine is not None:
+            engine.reset_weight_update_target()
+            engine.shutdown()
+
+    def grouprl_load_weights(self, path: str) -> int:
+        """Load the weights in the safetensors file `path` (checkpoint names and shapes) into this
+        worker's model with vLLM's loader, which keeps this worker's shard of each tensor."""
+        from safetensors import safe_open
+        from vllm.platforms import current_platform
+
+        with safe_open(path, framework="pt", device="cpu") as f:
+            names = list(f.keys())
+            self.reload_weights(weights_iterator=((n, f.get_tensor(n)) for n in names),
+                                is_checkpoint_format=True)
+        if current_platform.is_cpu():
+            _repack_tied_lm_head(self)
+        return len(names)

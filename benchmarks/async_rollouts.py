@@ -58,13 +58,13 @@ def worker(side: str, model_dir: str, port: int, max_tokens: int, steps: int, th
     return stages
 
 
-def start_server(model_dir: str, port: int, log: Path) -> subprocess.Popen:
+def start_server(model_dir: str, port: int, log: Path, extra: tuple[str, ...] = ()) -> subprocess.Popen:
     import requests
 
     env = {**os.environ, "OMP_NUM_THREADS": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
            "PYTHONPATH": os.pathsep.join([str(REPO / "src"), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.Popen([sys.executable, "-m", "grouprl", "vllm-serve", model_dir, "--port", str(port),
-                             "--enforce-eager", "--dtype", "float32", "--max-model-len", "512"],
+                             "--enforce-eager", "--dtype", "float32", "--max-model-len", "512", *extra],
                             env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
     for _ in range(600):
         if proc.poll() is not None:

@@ -3,6 +3,13 @@ the safetensors file, for one model.
 
     python benchmarks/weight_transfer.py --model models/smollm2 --rounds 5   # SmolLM2-135M (README)
     python benchmarks/weight_transfer.py --rounds 3                        # a tiny model, seconds
+    python benchmarks/weight_transfer.py --model models/smollm2 --lora-rank 16 --rounds 5
+
+With `--lora-rank R` the policy is a LoRA model of rank R (all linear layers) and a third path
+joins: `adapter` (vllm_lora_sync: adapter; the server is started with --lora-rank R), which sends
+the base weights once (in round 0) and then only the adapter; the merged paths send W + BA. Each
+path also times one generation after its sync (4 prompts x 8 samples x 64 tokens, ignore_eos),
+since the adapter path samples through vLLM's LoRA kernels.
 
 Starts one `grouprl vllm-serve` (float32, as the trainer computes), builds two engines against it
 (one per path; each is a trainer's client) and alternates their `sync_weights` (gloo, file, gloo,
@@ -35,6 +42,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--port", type=int, default=18566)
     ap.add_argument("--bucket-mb", type=int, default=256)
+    ap.add_argument("--lora-rank", type=int, default=0)
     ap.add_argument("--out", default=None, help="append the result as one JSON line")
     args = ap.parse_args()
 
@@ -42,49 +50,70 @@ def main() -> None:
 
     from benchmarks.async_rollouts import start_server
     from grouprl.policy import load_policy, load_tokenizer
+    from grouprl.rollout import SamplingParams
     from grouprl.rollout.vllm_server import VLLMServerEngine
     from grouprl.tasks.testing import save_tiny_model
 
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = args.model or str(save_tiny_model(Path(tmp) / "tiny", "tiny", seed=0))
-        server = start_server(model_dir, args.port, Path(tmp) / "server.log")
+        lora = ("--lora-rank", str(args.lora_rank)) if args.lora_rank else ()
+        server = start_server(model_dir, args.port, Path(tmp) / "server.log", lora)
         try:
-            tok, model = load_tokenizer(model_dir), load_policy(model_dir)
+            tok = load_tokenizer(model_dir)
+            model = load_policy(model_dir, lora_r=args.lora_rank, lora_alpha=2 * args.lora_rank)
             kwargs = dict(eos_token_ids=(tok.eos_token_id,), pad_token_id=tok.pad_token_id,
                           weight_dir=str(Path(tmp) / "w"), timeout_s=600, transfer_bucket_bytes=args.bucket_mb << 20)
             engines = {p: VLLMServerEngine("127.0.0.1", args.port, weight_transfer=p, **kwargs)
                        for p in ("gloo", "file")}
+            if args.lora_rank:
+                engines["adapter"] = VLLMServerEngine("127.0.0.1", args.port, lora_rank=args.lora_rank, **kwargs)
             times: dict[str, list[float]] = {p: [] for p in engines}
+            gen: dict[str, list[float]] = {p: [] for p in engines}
+            prompts = [tok(f"What is {a}+{a + 7}? ")["input_ids"] for a in range(4)]
+            params = SamplingParams(max_new_tokens=64, temperature=1.0, ignore_eos=True)
+            trainable = [p for p in model.parameters() if p.requires_grad]
             version = 0
-            for r in range(args.rounds + 1):  # round 0 warms both paths up (the gloo group joins there)
+            for r in range(args.rounds + 1):  # round 0 warms every path up (the gloo group joins there)
                 for path, engine in engines.items():
                     with torch.no_grad():
-                        for p in model.parameters():
-                            p.mul_(1.0001)
+                        for p in trainable:
+                            p.add_(1e-3)  # LoRA's B starts at 0: this makes every adapter count
                     version += 1
                     t0 = time.perf_counter()
                     engine.sync_weights(model, version)
+                    t1 = time.perf_counter()
+                    engine.generate(prompts, 8, params, torch.Generator().manual_seed(r))
                     if r:
-                        times[path].append(time.perf_counter() - t0)
+                        times[path].append(t1 - t0)
+                        gen[path].append(time.perf_counter() - t1)
             from tests.rollout._vllm import max_logp_gap
 
-            gap = max_logp_gap(engines["file"], model, [tok("What is 2+3?")["input_ids"]])
+            last = list(engines)[-1]  # synced last: it holds the newest weights
+            gap = max_logp_gap(engines[last], model, [tok("What is 2+3?")["input_ids"]])
+            adapter_bytes = sum(f.stat().st_size for f in (Path(tmp) / "w").rglob("*.safetensors"))
             for engine in engines.values():
                 engine.close()
         finally:
             os.killpg(server.pid, 9)
             server.wait()
-    nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    from grouprl.lora import merged_weight_meta
+
+    nbytes = sum(torch.Size(shape).numel() * torch.empty((), dtype=d).element_size()
+                 for _, d, shape in merged_weight_meta(model))
     med = {p: statistics.median(t) for p, t in times.items()}
+    gmed = {p: statistics.median(t) for p, t in gen.items()}
     result = {"model": args.model or "tiny", "bytes": nbytes, "rounds": args.rounds, "bucket_mb": args.bucket_mb,
+              "lora_rank": args.lora_rank, "adapter_bytes": adapter_bytes if args.lora_rank else None,
               "load_1min": round(os.getloadavg()[0], 2), "logp_gap_after": gap,
               **{f"{p}_s": [round(x, 4) for x in t] for p, t in times.items()},
-              "gloo_median_s": round(med["gloo"], 4), "file_median_s": round(med["file"], 4),
+              **{f"{p}_median_s": round(m, 4) for p, m in med.items()},
+              **{f"{p}_generate_median_s": round(m, 3) for p, m in gmed.items()},
               "file_over_gloo": round(med["file"] / med["gloo"], 2)}
-    print(f"{result['model']}: {nbytes / 2**20:.0f} MiB per sync, {args.rounds} rounds, buckets {args.bucket_mb} MiB")
+    print(f"{result['model']}: {nbytes / 2**20:.0f} MiB merged per sync, {args.rounds} rounds, "
+          f"buckets {args.bucket_mb} MiB" + (f"; adapter {adapter_bytes / 2**20:.1f} MiB" if args.lora_rank else ""))
     for p, t in times.items():
-        print(f"  {p:4s} median {med[p]:.3f} s (min {min(t):.3f}, max {max(t):.3f}), "
-              f"{nbytes / med[p] / 2**30:.2f} GiB/s")
+        print(f"  {p:7s} sync median {med[p]:.3f} s (min {min(t):.3f}, max {max(t):.3f}); "
+              f"generation after it {gmed[p]:.2f} s")
     print(f"  file / gloo: {result['file_over_gloo']:.2f}x; server log-probs after the last sync within "
           f"{gap:.1e} of the trainer's")
     if args.out:

@@ -246,6 +246,9 @@ def vllm_serve(argv: list[str]) -> int:
                         help="how the trainer's weights arrive: vLLM's weight-transfer engine in memory (auto: nccl "
                         "with a GPU, gloo without) or only as files (file); the trainer's vllm_weight_transfer: "
                         "auto follows it")
+    parser.add_argument("--lora-rank", type=int, default=0,
+                        help="serve LoRA adapters up to this rank, loaded at run time: a trainer with lora_r > 0 "
+                        "(and vllm_lora_sync: adapter, the default) then sends only its adapter each step")
     args, extra = parser.parse_known_args(argv)
     try:
         folder, gguf_file = check_model_source(args.model, None, None)
@@ -262,7 +265,7 @@ def vllm_serve(argv: list[str]) -> int:
               "mismatch; see is/* in the metrics)", file=sys.stderr)
     cmd, env = serve_command(model, host=args.host, port=args.port,
                              tensor_parallel_size=args.tensor_parallel_size, extra=tuple(extra),
-                             weight_transfer=args.weight_transfer)
+                             weight_transfer=args.weight_transfer, lora_rank=args.lora_rank)
     os.execve(cmd[0], cmd, env)
 
 

@@ -25,6 +25,7 @@ def make_engine(cfg: TrainConfig, model: torch.nn.Module, tokenizer, dist: D.Dis
     eos, pad = eos_ids(model, tokenizer), tokenizer.pad_token_id
     if not cfg.use_vllm:
         return HFEngine(model, eos, pad, max_batch_size=cfg.generation_batch_size, autocast_dtype=autocast)
+    adapter_rank = cfg.lora_r if cfg.vllm_lora_sync == "adapter" else 0  # 0: merged weights
     if cfg.vllm_mode == "server":
         from grouprl.rollout.vllm_server import VLLMServerEngine
 
@@ -33,7 +34,7 @@ def make_engine(cfg: TrainConfig, model: torch.nn.Module, tokenizer, dist: D.Dis
                                   timeout_s=cfg.vllm_server_timeout_s, rank=dist.rank, world_size=dist.world_size,
                                   barrier=lambda: D.barrier(dist), weight_transfer=cfg.vllm_weight_transfer,
                                   transfer_address=cfg.vllm_weight_transfer_address,
-                                  broadcast=lambda obj: D.gather_objects(dist, obj)[0])
+                                  broadcast=lambda obj: D.gather_objects(dist, obj)[0], lora_rank=adapter_rank)
         engine.sync_weights(model, 0)  # the server may hold another run's weights: send ours first
         return engine
     from grouprl.rollout.vllm import VLLMEngine
@@ -43,7 +44,7 @@ def make_engine(cfg: TrainConfig, model: torch.nn.Module, tokenizer, dist: D.Dis
                       gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
                       max_model_len=cfg.vllm_max_model_length, enforce_eager=cfg.vllm_enforce_eager,
                       enable_sleep_mode=cfg.vllm_enable_sleep_mode, seed=cfg.seed + dist.rank,
-                      external_launcher=dist.enabled)
+                      external_launcher=dist.enabled, lora_rank=adapter_rank)
 
 
 def vllm_start_folder(cfg: TrainConfig, model: torch.nn.Module, rank: int) -> str:

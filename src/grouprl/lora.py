@@ -87,6 +87,13 @@ def merged_named_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Te
         yield name, merged_weight(lora) if lora is not None else param.detach()
 
 
+def base_named_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """What `merged_named_weights` yields with the adapter left out: the frozen base weights W,
+    under the same names (what a vLLM that runs the adapter itself must hold)."""
+    for name, param, _ in _base_parameters(model):
+        yield name, param.detach()
+
+
 def merged_weight_meta(model: torch.nn.Module) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
     """(name, dtype, shape) of what `merged_named_weights` yields, in its order, without merging or
     gathering anything (a sharded DTensor reports its whole shape). A merged weight keeps its base

@@ -37,6 +37,7 @@ from tests.trainer.conftest import read_metrics
 from grouprl.policy import load_policy, load_tokenizer
 from grouprl.rollout import SamplingParams
 from grouprl.rollout.vllm_server import VLLMServerEngine, VLLMServerError
+from grouprl.tasks.testing import save_tiny_model
 from grouprl.trainer import Trainer
 
 REPO = Path(__file__).resolve().parents[2]
@@ -58,7 +59,7 @@ class Server:
         env = {**os.environ, "OMP_NUM_THREADS": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1",
                "PYTHONPATH": os.pathsep.join([str(REPO / "src"), str(REPO), os.environ.get("PYTHONPATH", "")])}
         cmd = [sys.executable, "-m", "grouprl", "vllm-serve", str(model_dir), "--port", str(self.port),
-               "--enforce-eager", "--dtype", "float32", "--max-model-len", "256"]
+               "--enforce-eager", "--dtype", "float32", "--max-model-len", "256", "--lora-rank", "8"]
         self.proc = subprocess.Popen(cmd, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT,
                                      start_new_session=True)
         deadline = time.monotonic() + START_TIMEOUT_S
@@ -143,6 +144,53 @@ def test_the_server_samples_with_its_logprobs_and_follows_the_weights_sent(serve
     engine.close()
 
 
+@pytest.mark.parametrize("transfer", ["gloo", "file"])
+def test_lora_sends_the_base_once_then_only_the_adapter(server, tiny_model_dir, tmp_path, transfer):
+    """vllm_lora_sync: adapter against a server started with --lora-rank 8: the first sync sends
+    the base weights (the server may hold anything) and the adapter, later syncs the adapter only
+    (/v1/load_lora_adapter, in place); the server's log-probs are the trainer's PEFT forward's
+    after each, and only the newest adapter's files remain."""
+    tok = load_tokenizer(str(tiny_model_dir))
+    model = load_policy(str(tiny_model_dir), lora_r=8, lora_alpha=16)
+    for _ in range(3):
+        optimizer_step(model, lr=5e-2)
+    engine = VLLMServerEngine("127.0.0.1", server.port, eos_token_ids=(tok.eos_token_id,),
+                              pad_token_id=tok.pad_token_id, weight_dir=str(tmp_path / "w"), timeout_s=60,
+                              weight_transfer=transfer, lora_rank=8)
+    sent = []
+    for name in ("_send_file", "_send_in_memory", "_send_adapter"):
+        def spy(*args, _name=name, _orig=getattr(engine, name)):
+            sent.append(_name)
+            return _orig(*args)
+        setattr(engine, name, spy)
+    prompts = [tok(p)["input_ids"] for p in ("Say numbers 1: ", "abc", "What is 7+8? ")]
+    engine.sync_weights(model, 0)
+    assert max_logp_gap(engine, model, prompts) < LOGP_ATOL
+    optimizer_step(model, lr=5e-2)
+    engine.sync_weights(model, 1)
+    assert max_logp_gap(engine, model, prompts) < LOGP_ATOL
+    base = "_send_file" if transfer == "file" else "_send_in_memory"
+    assert sent == [base, "_send_adapter", "_send_adapter"]
+    assert sorted(p.name for p in (tmp_path / "w").iterdir()) == ["adapter-v1"]
+    engine.close()
+    assert not (tmp_path / "w" / "adapter-v1").exists()
+
+
+def test_a_server_without_lora_is_named_with_the_flag_to_start_it(tmp_path):
+    """Only the message: the shared server has LoRA on, so a fake answers 404 as vLLM does without it."""
+    engine = VLLMServerEngine.__new__(VLLMServerEngine)
+    engine.host, engine.port, engine.lora_rank, engine.rank, engine.weight_dir = "127.0.0.1", 1, 8, 0, tmp_path
+
+    class NotFound:
+        status_code, text = 404, "Not Found"
+
+    engine._call = lambda *a, **k: NotFound()
+    model = load_policy(str(save_tiny_model(tmp_path / "m", "tiny")), lora_r=8, lora_alpha=16)
+    with pytest.raises(VLLMServerError, match="does not load LoRA adapters: start it with `grouprl vllm-serve "
+                                              "MODEL --lora-rank 8`, or set vllm_lora_sync: merged"):
+        engine._send_adapter(model, 1)
+
+
 def test_auto_follows_the_server_and_a_mismatch_is_named(server, tmp_path):
     kwargs = dict(eos_token_ids=(1,), pad_token_id=0, weight_dir=str(tmp_path), timeout_s=60)
     assert VLLMServerEngine("127.0.0.1", server.port, **kwargs).weight_transfer == "gloo"  # started by auto on CPU
@@ -205,7 +253,7 @@ def dying(m):
             os._exit(17)
         yield pair
 
-engine._transfer.source.weights = dying
+vllm_server.checkpoint_weights = dying  # what sync_weights sends (looked up at each call)
 engine.sync_weights(model, 1)
 """
 
@@ -395,6 +443,10 @@ def test_vllm_serve_takes_every_model_name_train_takes(monkeypatch, capsys):
     assert json.loads(argv[flag + 1]) == {"backend": "gloo"}
     cli.main(["vllm-serve", "builtin:default_policy", "--weight-transfer", "file"])
     assert "--weight-transfer-config" not in ran[-1]  # no engine: weights arrive as files only
+    assert "--enable-lora" not in ran[-1]
+    cli.main(["vllm-serve", "builtin:default_policy", "--lora-rank", "4"])
+    argv = ran[-1]
+    assert "--enable-lora" in argv and argv[argv.index("--max-lora-rank") + 1] == "8"  # vLLM's next size up
     capsys.readouterr()
 
     assert cli.main(["vllm-serve", "builtin:no_such_policy"]) == 2

@@ -1,6 +1,7 @@
 """Weight sync into the colocated engine: after an optimizer step and a sync vLLM's log-probs are the
 trainer's; without the sync they are not; a version already sent is not sent again; LoRA is
-sent merged and leaves the base weights untouched; one engine per process; no sleep mode on CPU."""
+sent merged and leaves the base weights untouched, or as its adapter only, with the merged path's
+log-probs; one engine per process; no sleep mode on CPU."""
 
 import pytest
 import torch
@@ -74,6 +75,41 @@ def test_lora_is_sent_merged_and_the_base_weights_stay_bitwise(tiny_model_dir, t
     assert_follows(engine, model, prompts)  # the PEFT forward, adapter on, is what vLLM samples
     after = model.get_base_model().state_dict()
     assert all(torch.equal(after[k], v) for k, v in base.items())  # merged out of place
+
+
+def test_lora_adapter_only_gives_the_merged_paths_logprobs(tiny_model_dir, tok, prompts):
+    """vllm_lora_sync: adapter. The engine starts from the base folder with LoRA on and receives
+    only adapters: after each step's sync its log-probs are the trainer's PEFT forward's, and on the
+    same tokens they equal those of an engine sent the merged weights. The base it holds is never
+    touched: without the adapter it still samples the base model."""
+
+    model = load_policy(str(tiny_model_dir), lora_r=8, lora_alpha=16)
+    for _ in range(3):
+        optimizer_step(model, lr=5e-2)
+    engine = VLLMEngine(str(tiny_model_dir), eos_token_ids=(tok.eos_token_id,), pad_token_id=tok.pad_token_id,
+                        enforce_eager=True, lora_rank=8)
+    with pytest.raises(AssertionError, match="away from the trainer's"):
+        assert_follows(engine, model, prompts)  # the base model: no adapter yet
+    engine.sync_weights(model, version=1)
+    assert_follows(engine, model, prompts)
+    greedy = SamplingParams(max_new_tokens=8, greedy=True)
+    adapter = engine.generate(prompts, 1, greedy)
+    optimizer_step(model, lr=5e-2)
+    engine.sync_weights(model, version=2)  # a second adapter replaces the first
+    assert_follows(engine, model, prompts)
+    second = engine.generate(prompts, 1, greedy)
+    engine._lora = None  # sample without the adapter: the base weights vLLM started with
+    base = load_policy(str(tiny_model_dir))
+    assert_follows(engine, base, prompts)
+    engine.close()
+
+    merged = make_engine(tiny_model_dir, tok)  # the merged path, from the same model
+    merged.sync_weights(model, version=2)
+    again = merged.generate(prompts, 1, greedy)
+    assert torch.equal(again.completion_ids, second.completion_ids)
+    both = second.completion_mask
+    assert (again.sampling_logp - second.sampling_logp).abs()[both].max() < LOGP_ATOL
+    assert not torch.equal(adapter.sampling_logp, second.sampling_logp)  # the second adapter was used
 
 
 def test_building_a_second_engine_closes_the_first(tiny_model_dir, tok, prompts):

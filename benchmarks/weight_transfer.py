@@ -66,26 +66,32 @@ def main() -> None:
             engines = {p: VLLMServerEngine("127.0.0.1", args.port, weight_transfer=p, **kwargs)
                        for p in ("gloo", "file")}
             if args.lora_rank:
-                engines["adapter"] = VLLMServerEngine("127.0.0.1", args.port, lora_rank=args.lora_rank, **kwargs)
+                # its base weights (once) by file: a server joins one trainer's transfer group at a time
+                engines["adapter"] = VLLMServerEngine("127.0.0.1", args.port, lora_rank=args.lora_rank,
+                                                      weight_transfer="file", **kwargs)
             times: dict[str, list[float]] = {p: [] for p in engines}
             gen: dict[str, list[float]] = {p: [] for p in engines}
             prompts = [tok(f"What is {a}+{a + 7}? ")["input_ids"] for a in range(4)]
             params = SamplingParams(max_new_tokens=64, temperature=1.0, ignore_eos=True)
             trainable = [p for p in model.parameters() if p.requires_grad]
             version = 0
-            for r in range(args.rounds + 1):  # round 0 warms every path up (the gloo group joins there)
-                for path, engine in engines.items():
-                    with torch.no_grad():
-                        for p in trainable:
-                            p.add_(1e-3)  # LoRA's B starts at 0: this makes every adapter count
-                    version += 1
-                    t0 = time.perf_counter()
-                    engine.sync_weights(model, version)
-                    t1 = time.perf_counter()
-                    engine.generate(prompts, 8, params, torch.Generator().manual_seed(r))
-                    if r:
-                        times[path].append(t1 - t0)
-                        gen[path].append(time.perf_counter() - t1)
+            # the merged paths alternate; the adapter path runs after them, on its own: it expects the
+            # server's base weights to be the base model's, which each merged sync overwrites (its
+            # first sync sends them back). Round 0 warms every path up (the gloo group joins there).
+            phases = [[p for p in engines if p != "adapter"]] + ([["adapter"]] if "adapter" in engines else [])
+            for r, path in ((r, path) for phase in phases for r in range(args.rounds + 1) for path in phase):
+                engine = engines[path]
+                with torch.no_grad():
+                    for p in trainable:
+                        p.add_(1e-3)  # LoRA's B starts at 0: this makes every adapter count
+                version += 1
+                t0 = time.perf_counter()
+                engine.sync_weights(model, version)
+                t1 = time.perf_counter()
+                engine.generate(prompts, 8, params, torch.Generator().manual_seed(r))
+                if r:
+                    times[path].append(t1 - t0)
+                    gen[path].append(time.perf_counter() - t1)
             from tests.rollout._vllm import max_logp_gap
 
             last = list(engines)[-1]  # synced last: it holds the newest weights

@@ -382,11 +382,13 @@ class TrainConfig:
     weight-transfer engines, in memory); `file`: a safetensors file in vllm_server_weight_dir (any
     server takes it; a shared file system across nodes). Naming `gloo` or `nccl` checks that the
     server runs it."""
-    vllm_lora_sync: str = "adapter"
+    vllm_lora_sync: str = "auto"
     """With lora_r > 0, what reaches vLLM after each step. `adapter`: only the LoRA adapter (vLLM
     runs it with its LoRA kernels; the base weights are sent once, or not at all colocated; a
     server must be started with `grouprl vllm-serve MODEL --lora-rank R`). `merged`: the merged
-    weights W + BA, the whole model each step, and vLLM runs a plain model."""
+    weights W + BA, the whole model each step, and vLLM runs a plain model. `auto`: the adapter
+    colocated on a GPU and to a server started with --lora-rank R or more; merged otherwise (on
+    CPU vLLM's LoRA kernels halve generation speed, measured: docs/vllm.md)."""
     vllm_weight_transfer_address: str | None = None
     """vllm_weight_transfer gloo/nccl: the address of this machine that the server's workers connect
     to (rank 0 listens on a free port). None: this machine's address on the route to the server."""
@@ -719,7 +721,7 @@ def _check_variants(c: TrainConfig) -> None:
 def _check_vllm(c: TrainConfig) -> None:
     _check_choice("vllm_mode", c.vllm_mode, ("colocate", "server"))
     _check_choice("vllm_weight_transfer", c.vllm_weight_transfer, ("auto", "gloo", "nccl", "file"))
-    _check_choice("vllm_lora_sync", c.vllm_lora_sync, ("adapter", "merged"))
+    _check_choice("vllm_lora_sync", c.vllm_lora_sync, ("auto", "adapter", "merged"))
     if c.vllm_mode == "server" and not c.use_vllm:
         raise ConfigError("vllm_mode=server without use_vllm: set use_vllm: true to sample with the vLLM server")
     if not 0 < c.vllm_server_port < 65536:

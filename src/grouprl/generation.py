@@ -25,7 +25,6 @@ def make_engine(cfg: TrainConfig, model: torch.nn.Module, tokenizer, dist: D.Dis
     eos, pad = eos_ids(model, tokenizer), tokenizer.pad_token_id
     if not cfg.use_vllm:
         return HFEngine(model, eos, pad, max_batch_size=cfg.generation_batch_size, autocast_dtype=autocast)
-    adapter_rank = cfg.lora_r if cfg.vllm_lora_sync == "adapter" else 0  # 0: merged weights
     if cfg.vllm_mode == "server":
         from grouprl.rollout.vllm_server import VLLMServerEngine
 
@@ -34,7 +33,8 @@ def make_engine(cfg: TrainConfig, model: torch.nn.Module, tokenizer, dist: D.Dis
                                   timeout_s=cfg.vllm_server_timeout_s, rank=dist.rank, world_size=dist.world_size,
                                   barrier=lambda: D.barrier(dist), weight_transfer=cfg.vllm_weight_transfer,
                                   transfer_address=cfg.vllm_weight_transfer_address,
-                                  broadcast=lambda obj: D.gather_objects(dist, obj)[0], lora_rank=adapter_rank)
+                                  broadcast=lambda obj: D.gather_objects(dist, obj)[0], lora_rank=cfg.lora_r,
+                                  lora_sync=cfg.vllm_lora_sync)
         engine.sync_weights(model, 0)  # the server may hold another run's weights: send ours first
         return engine
     from grouprl.rollout.vllm import VLLMEngine
@@ -44,7 +44,19 @@ def make_engine(cfg: TrainConfig, model: torch.nn.Module, tokenizer, dist: D.Dis
                       gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
                       max_model_len=cfg.vllm_max_model_length, enforce_eager=cfg.vllm_enforce_eager,
                       enable_sleep_mode=cfg.vllm_enable_sleep_mode, seed=cfg.seed + dist.rank,
-                      external_launcher=dist.enabled, lora_rank=adapter_rank)
+                      external_launcher=dist.enabled, lora_rank=colocated_lora_rank(cfg))
+
+
+def colocated_lora_rank(cfg: TrainConfig) -> int:
+    """The LoRA rank a colocated vLLM runs the adapter at, or 0 to send it merged weights. `auto`:
+    the adapter only with a GPU. On CPU vLLM's LoRA kernels cost more per step than a full weight
+    copy saves (SmolLM2, rank 16, measured: generation 40.6 s against 20.7 s per 4 x 8 x 64
+    tokens, sync 0.13 s against 2.8 s; benchmarks/README.md)."""
+    if not cfg.lora_r or cfg.vllm_lora_sync == "merged":
+        return 0
+    if cfg.vllm_lora_sync == "adapter" or torch.cuda.is_available():
+        return cfg.lora_r
+    return 0
 
 
 def vllm_start_folder(cfg: TrainConfig, model: torch.nn.Module, rank: int) -> str:

@@ -198,6 +198,14 @@ def test_auto_follows_the_server_and_a_mismatch_is_named(server, tmp_path):
                                               "was started with weight transfer 'gloo': restart it with `grouprl "
                                               "vllm-serve MODEL --weight-transfer nccl`"):
         VLLMServerEngine("127.0.0.1", server.port, weight_transfer="nccl", **kwargs)
+    # LoRA: auto sends the adapter when the server's rank holds it, merged weights otherwise
+    assert VLLMServerEngine("127.0.0.1", server.port, lora_rank=8, **kwargs).lora_rank == 8
+    assert VLLMServerEngine("127.0.0.1", server.port, lora_rank=16, **kwargs).lora_rank == 0
+    assert VLLMServerEngine("127.0.0.1", server.port, lora_rank=8, lora_sync="merged", **kwargs).lora_rank == 0
+    with pytest.raises(VLLMServerError, match="vllm_lora_sync=adapter with lora_r=16, but the vLLM server .* serves "
+                                              "LoRA up to rank 8 .*restart it with `grouprl vllm-serve MODEL "
+                                              "--lora-rank 16`"):
+        VLLMServerEngine("127.0.0.1", server.port, lora_rank=16, lora_sync="adapter", **kwargs)
 
 
 @pytest.mark.parametrize("dies_at", [0, 7])

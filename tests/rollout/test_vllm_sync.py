@@ -127,3 +127,18 @@ def test_sleep_mode_is_refused_where_vllm_has_none(tiny_model_dir, tok):
     with pytest.raises(ValueError, match="vllm_enable_sleep_mode: vLLM has no sleep mode on this platform"):
         VLLMEngine(str(tiny_model_dir), eos_token_ids=(tok.eos_token_id,), pad_token_id=tok.pad_token_id,
                    enable_sleep_mode=True)
+
+
+def test_auto_runs_the_adapter_colocated_only_with_a_gpu(monkeypatch, tmp_path):
+    """On CPU vLLM's LoRA kernels cost more per step than the merged copy saves (measured,
+    benchmarks/README.md), so `auto` sends merged weights there and the adapter with a GPU."""
+    from grouprl.config import TrainConfig
+    from grouprl.generation import colocated_lora_rank
+
+    def rank(**kw):
+        return colocated_lora_rank(TrainConfig(output_dir=str(tmp_path), **kw))
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert (rank(lora_r=16), rank(lora_r=16, vllm_lora_sync="adapter"), rank(lora_r=0)) == (0, 16, 0)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert (rank(lora_r=16), rank(lora_r=16, vllm_lora_sync="merged")) == (16, 0)

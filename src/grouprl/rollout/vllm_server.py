@@ -98,15 +98,17 @@ class VLLMServerEngine(GenerationEngine):
                  weight_dir: str, timeout_s: float = 240.0, rank: int = 0, world_size: int = 1,
                  barrier: Callable[[], None] | None = None, weight_transfer: str = "auto",
                  transfer_address: str | None = None, broadcast: Callable[[object], object] | None = None,
-                 transfer_bucket_bytes: int = 256 << 20, lora_rank: int = 0):
+                 transfer_bucket_bytes: int = 256 << 20, lora_rank: int = 0, lora_sync: str = "auto"):
         """Under torchrun every rank is a client; rank 0 sends the weights and `barrier` (the
         trainer's, over its process group) holds the other ranks until the server has them.
         `weight_transfer`: `auto` (the server's engine: what `grouprl vllm-serve --weight-transfer`
         started it with), `gloo`, `nccl` or `file`; `broadcast` hands rank 0's choice to every rank.
         `transfer_address`: where the server's workers reach rank 0 (None: this machine's address
         on the route to the server); `transfer_bucket_bytes`: the in-memory transfer's bucket size.
-        `lora_rank` > 0: the policy is a PEFT LoRA model and, after its base weights once, only its
-        adapter is sent (the server runs it: `grouprl vllm-serve MODEL --lora-rank R`)."""
+        `lora_rank` > 0: the policy is a PEFT LoRA model of that rank; `lora_sync` `adapter` sends
+        its base weights once and then only its adapter (the server runs it: `grouprl vllm-serve
+        MODEL --lora-rank R`), `merged` sends W + BA, `auto` the adapter when the server was
+        started with LoRA at rank R or more."""
         import requests  # a dependency of vLLM and of transformers' hub client
 
         self._requests = requests
@@ -121,15 +123,28 @@ class VLLMServerEngine(GenerationEngine):
         if rank == 0:  # the extension is there (a plain `vllm serve` lacks it); each worker answers
             served = self._post("/collective_rpc", {"method": "grouprl_weights_probe", "timeout": timeout_s},
                                 what="probe the grouprl worker extension", probe=True)["results"]
-            choice = (self._transfer_choice(weight_transfer, served[0]), len(served))
+            choice = (self._transfer_choice(weight_transfer, served[0]["weight_transfer"]), len(served),
+                      self._lora_choice(lora_rank, lora_sync, served[0]["lora_rank"]))
         if world_size > 1 and broadcast is not None:
             choice = broadcast(choice)
-        self.weight_transfer, self._server_workers = choice if choice is not None else (weight_transfer, 0)
+        if choice is None:  # rank > 0 without a broadcast (tests): nothing to decide with
+            choice = (weight_transfer, 0, lora_rank if lora_sync == "adapter" else 0)
+        self.weight_transfer, self._server_workers, lora_rank = choice
         self._transfer_address, self._bucket_bytes = transfer_address, transfer_bucket_bytes
         self._transfer = None  # vLLM's trainer-side engine, joined on the first sync
         self._sending = 0  # the version being sent: the server records it as its weight version
         self.lora_rank, self._base_sent, self._adapter_dir, self._adapter_live = lora_rank, False, None, False
         self._pool = ThreadPoolExecutor(max_workers=32)
+
+    def _lora_choice(self, rank: int, sync: str, served: int) -> int:
+        """The adapter's rank when only the adapter is to be sent, else 0 (merged weights)."""
+        if not rank or sync == "merged" or (sync == "auto" and served < rank):
+            return 0
+        if served < rank:
+            raise VLLMServerError(f"vllm_lora_sync=adapter with lora_r={rank}, but the vLLM server {self.host}:"
+                                  f"{self.port} serves LoRA up to rank {served} (0: none): restart it with "
+                                  f"`grouprl vllm-serve MODEL --lora-rank {rank}`, or set vllm_lora_sync: merged")
+        return rank
 
     def _transfer_choice(self, asked: str, served: str) -> str:
         """The weight path: the server's engine, or the file path, which any server takes."""

@@ -18,11 +18,12 @@ register()
 class WeightReceiver:
     """vLLM worker extension (`--worker-extension-cls`)."""
 
-    def grouprl_weights_probe(self) -> str:
+    def grouprl_weights_probe(self) -> dict:
         """Answers the client's start-up check that the extension is installed, with the weight
-        transfer the server was started with (`file` when none)."""
-        config = self.vllm_config.weight_transfer_config
-        return config.backend if config is not None else "file"
+        transfer the server was started with (`file` when none) and its LoRA rank (0: no LoRA)."""
+        config, lora = self.vllm_config.weight_transfer_config, self.vllm_config.lora_config
+        return {"weight_transfer": config.backend if config is not None else "file",
+                "lora_rank": lora.max_lora_rank if lora is not None else 0}
 
     def grouprl_release_weight_transfer(self) -> None:
         """A new trainer takes the server over: end whatever a previous one left (a trainer that

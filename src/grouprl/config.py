@@ -397,6 +397,12 @@ class TrainConfig:
     so a sample is up to max_staleness updates older than the policy that trains on it; the
     importance-sampling correction (trainer's pi_old over the sampler's log-probs) covers that.
     Needs use_vllm with vllm_mode: server (docs/vllm.md says why)."""
+    partial_rollouts: bool = False
+    """async_rollouts: a weight update does not wait for the batches being generated; they go on
+    under the new weights, each token's log-prob from the weights that drew it (the importance
+    correction weighs each token by its own). Staleness counts from a batch's oldest token, so
+    max_staleness holds as before; `rollout/partial_frac` is the share of completions an update
+    overlapped. Off: an update waits, and every batch is sampled by one version."""
     max_staleness: int = 1
     """async_rollouts: the most training steps (weight syncs) a sample's weights may lag the
     trainer's when it is trained on; the number of batches generated ahead. 0 is synchronous."""
@@ -734,6 +740,10 @@ def _check_vllm(c: TrainConfig) -> None:
         raise ConfigError("async_rollouts needs use_vllm: true with vllm_mode: server. The built-in engine "
                           "decodes with the very weights the update changes, and a colocated vLLM shares "
                           "the trainer's device and process: neither has generation to overlap with the update")
+    if c.partial_rollouts and not c.async_rollouts:
+        raise ConfigError("partial_rollouts without async_rollouts: only batches generated ahead can be in flight "
+                          "during a weight update; set async_rollouts: true (with vllm_mode: server) or "
+                          "partial_rollouts: false")
     if c.async_rollouts and c.vllm_importance_sampling_correction is False:
         raise ConfigError("async_rollouts with vllm_importance_sampling_correction=false: stale samples would "
                           "be trained on as if on-policy; leave the correction on (unset or true)")

@@ -52,21 +52,26 @@ class SampleTally:
     zero_std_groups: int = 0
     kept_groups: int = 0
     staleness: list[int] = field(default_factory=list)  # per generated completion
+    overlapped: list[int] = field(default_factory=list)  # per completion: weight updates during its batch
     counts: dict[str, float] = field(default_factory=dict)  # multi-turn sums (Trajectories.counts)
 
     def add_round(self, num_completions: int, staleness: int, counts: dict[str, float], flat_groups: int,
-                  num_groups: int) -> None:
+                  num_groups: int, overlapped: int = 0) -> None:
         self.rounds += 1
+        self.overlapped += [overlapped] * num_completions
         self.groups += num_groups
         self.zero_std_groups += flat_groups
         self.staleness += [staleness] * num_completions
         self.counts = {k: self.counts.get(k, 0.0) + v for k, v in counts.items()}
 
-    def metrics(self, counts_over_ranks: dict[str, float], dynamic_sampling: bool) -> dict[str, float]:
+    def metrics(self, counts_over_ranks: dict[str, float], dynamic_sampling: bool,
+                partial: bool = False) -> dict[str, float]:
         """`counts_over_ranks`: this tally's `counts` summed over ranks (the caller's collective)."""
         out = {"zero_std_frac": self.zero_std_groups / self.groups,
                "rollout/staleness_mean": sum(self.staleness) / len(self.staleness),
                "rollout/staleness_max": max(self.staleness)}
+        if partial:  # completions whose generation a weight update overlapped
+            out["rollout/partial_frac"] = sum(o > 0 for o in self.overlapped) / len(self.overlapped)
         out.update(trajectory_metrics(counts_over_ranks))  # multi-turn: tools, turns, stops
         if dynamic_sampling:
             out.update({"dynamic_sampling/rounds": self.rounds, "dynamic_sampling/kept_groups": self.kept_groups})

@@ -171,7 +171,8 @@ class Trainer:
         self.weights_version = 0  # grows with every change of the policy's weights (engine sync)
         self.sampling = SamplingParams(cfg.max_completion_length, cfg.temperature, cfg.top_p, cfg.top_k,
                                        cfg.ignore_eos)
-        self.rollouts = (RolloutProducer(self.engine, self._draw_prompts, self._producer_generate(), cfg.max_staleness)
+        self.rollouts = (RolloutProducer(self.engine, self._draw_prompts, self._producer_generate(), cfg.max_staleness,
+                                         partial=cfg.partial_rollouts)
                          if cfg.async_rollouts and cfg.max_staleness else None)  # rollout/producer.py
 
         self.optimizer, self.scheduler = make_optimizer(cfg, self.model)  # optim.py
@@ -394,7 +395,7 @@ class Trainer:
                 with self._draw_lock:
                     self.prompt_filter.record(batch.prompt_index[::G], flat.tolist())
             tally.add_round(len(produced.result.rollout), produced.staleness, produced.result.counts,
-                            int(flat.sum()), len(flat))
+                            int(flat.sum()), len(flat), produced.overlapped)
             if not cfg.dynamic_sampling:
                 kept = [batch]
                 break
@@ -405,7 +406,8 @@ class Trainer:
                 break
         if tally.kept_groups == 0 and cfg.dynamic_sampling:  # nothing carries signal: the last round (A = 0)
             kept = [batch]
-        metrics = tally.metrics(D.all_reduce_sums(self.dist, tally.counts), cfg.dynamic_sampling)
+        metrics = tally.metrics(D.all_reduce_sums(self.dist, tally.counts), cfg.dynamic_sampling,
+                                partial=cfg.partial_rollouts)
         if self.prompt_filter is not None:
             metrics.update({"prompt_filter/skipped": self.prompt_filter.skipped,
                             "prompt_filter/rollouts_saved": self.prompt_filter.skipped * G,

@@ -8,7 +8,8 @@ module and shared by its tests, since starting one takes about a minute here.
 - a resumed run's server holds the checkpoint's weights before the first rollout, even when
   another run changed them in between;
 - async rollouts: the reward rises; staleness follows the queue exactly and never passes
-  max_staleness; max_staleness 0 is the synchronous run, metric for metric;
+  max_staleness, with partial rollouts too (no trajectory lost or doubled across an update);
+  max_staleness 0 is the synchronous run, metric for metric;
 - 2 processes under torchrun train against the one server and resume (async on);
 - an unreachable, hung or extension-less server, and a server killed mid-run, give an error
   naming host:port within the timeout. The kill test runs last: it stops the shared server.
@@ -326,6 +327,70 @@ def test_staleness_is_the_queue_depth_and_never_more(server_cfg):
     rows = run(server_cfg(async_rollouts=True, max_staleness=2, max_steps=4))
     assert [r["rollout/staleness_max"] for r in rows] == [0, 1, 2, 2]
     assert [r["rollout/staleness_mean"] for r in rows] == [0, 1, 2, 2]  # one version per batch
+
+
+def test_partial_rollouts_lose_no_trajectory_and_keep_the_staleness_bound(server_cfg):
+    """partial_rollouts: the weight update after each step is sent while the next batch is being
+    generated (200 tokens each: longer than the tiny model's update), and that batch goes on under the
+    new weights. Every step still trains on 4 prompts x 4 whole trajectories, each prompt's G
+    together, and the staleness is the queue's, 1, never more."""
+    from collections import Counter
+
+    seen = []
+
+    def reward(prompts, completions, **kwargs):
+        seen.append(list(prompts))
+        return [float(len(c)) for c in completions]
+
+    cfg = server_cfg(async_rollouts=True, partial_rollouts=True, max_steps=6, max_completion_length=200,
+                     ignore_eos=True)
+    trainer = Trainer(cfg, reward_funcs=[reward])
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
+    rows = [r for r in read_metrics(cfg.output_dir) if "reward/mean" in r]
+    assert [r["rollout/staleness_max"] for r in rows] == [0] + [1] * 5
+    assert len(seen) == 6 and all(len(call) == 16 for call in seen)
+    assert all(sorted(Counter(map(str, call)).values()) == [4, 4, 4, 4] for call in seen)  # none lost or doubled
+    assert all(0 <= r["rollout/partial_frac"] <= 1 for r in rows)  # here training is slower: the next test overlaps
+
+
+def test_a_partial_rollout_goes_on_under_the_new_weights(server, tiny_model_dir, tmp_path):
+    """The producer's own semantics against the server: a weight update sent while a batch is being
+    generated does not wait for it, and the batch's trajectories continue under the new weights:
+    each one's first tokens carry the old policy's log-probs, its last tokens (near) the new one's."""
+    import copy
+
+    from grouprl.rollout.producer import RolloutProducer
+
+    tok, model = load_tokenizer(str(tiny_model_dir)), load_policy(str(tiny_model_dir))
+    engine = VLLMServerEngine("127.0.0.1", server.port, eos_token_ids=(tok.eos_token_id,),
+                              pad_token_id=tok.pad_token_id, weight_dir=str(tmp_path / "w"), timeout_s=60)
+    engine.sync_weights(model, 0)
+    prompts = [tok(p)["input_ids"] for p in ("Say numbers 1: ", "abc", "xyz", "What is 7+8? ")]
+    params = SamplingParams(max_new_tokens=230, temperature=1.0, ignore_eos=True)
+    producer = RolloutProducer(engine, lambda: prompts, lambda p: engine.generate(p, 16, params,
+                               torch.Generator().manual_seed(0)), max_staleness=1, partial=True)
+    old, model = model, copy.deepcopy(model)
+    optimizer_step(model, lr=3e-2)  # the new weights, ready before batch 1 starts
+    t0 = time.monotonic()
+    producer.next()  # batch 0 inline; batch 1 now generating in the background
+    first = time.monotonic() - t0
+    time.sleep(first / 4)  # batch 1 is decoding (a batch takes `first` seconds)
+    producer.sync_weights(model, 1)
+    produced = producer.next()
+    assert (produced.staleness, produced.overlapped) == (1, 1)  # the update began while it was generated
+    ro = produced.result
+    assert ro.completion_mask.all()  # every trajectory whole: 64 x 230 tokens
+    old_logp, new_logp = trainer_logp(old, ro), trainer_logp(model, ro)
+    drawn = ro.sampling_logp[:, :old_logp.shape[1]]
+    assert (drawn[:, :8] - old_logp[:, :8]).abs().max() < LOGP_ATOL  # before the update: the old weights
+    # after it, the new weights, attending to keys and values the old ones computed (vLLM keeps the
+    # KV cache): nearer the new policy than the old, though equal to neither
+    assert (drawn[:, -32:] - new_logp[:, -32:]).abs().mean() < 0.5 * (drawn[:, -32:] - old_logp[:, -32:]).abs().mean()
+    producer.close()
+    engine.close()
 
 
 def test_max_staleness_0_is_the_synchronous_run(server_cfg, tmp_path):

@@ -11,6 +11,13 @@ How the asynchronous mode works, and why it is built this way:
   sampled with one version of the weights, never a mix, and the engine is never asked to load
   weights while it generates. A batch generated after s weight syncs and trained on after s'
   has staleness s' - s, at most `max_staleness` (the queue is never deeper);
+- partial rollouts (`partial=True`): `sync_weights` sends at once, and the batches in flight go on
+  under the new weights (the vLLM server loads them between two decoding steps), so a trajectory's
+  tokens may come from several versions, each token's sampler log-prob from the version that drew
+  it. Staleness counts from the version its first token saw (the oldest), so the bound is the
+  same; `Produced.overlapped` counts the updates that began while the batch was generated (the
+  per-token versions are known only to lie in [oldest, oldest + overlapped]: the completions API
+  returns a request's tokens at its end);
 - the engine's log-probs travel in the rollout (`sampling_logp`) and the trainer recomputes
   pi_old with its current weights, so the importance-sampling correction (core/importance.py)
   weighs each token by pi_old(trainer, now) / pi(sampler, then): staleness and engine mismatch
@@ -46,15 +53,19 @@ class Produced:
     synced: int
     seconds: float
     staleness: int = 0  # weight syncs between its generation and the moment it was handed out
+    overlapped: int = 0  # weight updates begun while it was generated (partial rollouts only)
 
 
 class RolloutProducer:
     def __init__(self, engine: GenerationEngine, draw: Callable[[], Any],
-                 generate: Callable[[Any], Any], max_staleness: int = 0):
+                 generate: Callable[[Any], Any], max_staleness: int = 0, partial: bool = False):
         """`draw()` gives the next prompts (called in the caller's thread), `generate(prompts)`
-        samples their completions with `engine` (called in the background when max_staleness > 0)."""
+        samples their completions with `engine` (called in the background when max_staleness > 0).
+        `partial`: weight updates do not wait for the batches in flight."""
         self.engine, self.draw, self.generate, self.depth = engine, draw, generate, max_staleness
+        self.partial = partial
         self.version, self.synced = 0, 0  # the engine starts with the weights of version 0; syncs so far
+        self.begun = 0  # weight updates begun (synced, or one more while one is being sent)
         self.pending: deque[Future] = deque()
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout") if max_staleness else None
 
@@ -69,9 +80,12 @@ class RolloutProducer:
         return produced
 
     def sync_weights(self, model: torch.nn.Module, version: int) -> None:
-        """Wait for the batches being generated, then send the weights to the engine."""
-        for job in self.pending:
-            job.result()
+        """Wait for the batches being generated (unless partial), then send the weights."""
+        if not self.partial:
+            for job in self.pending:
+                job.result()
+        if version != self.version:
+            self.begun = self.synced + 1
         self.engine.sync_weights(model, version)
         if version != self.version:
             self.version, self.synced = version, self.synced + 1
@@ -86,7 +100,7 @@ class RolloutProducer:
         def run() -> Produced:
             t0 = time.perf_counter()
             result = self.generate(prompts)
-            return Produced(prompts, result, synced, time.perf_counter() - t0)
+            return Produced(prompts, result, synced, time.perf_counter() - t0, overlapped=self.begun - synced)
 
         if self._thread is None:  # synchronous: generate now, in this thread
             job: Future = Future()

@@ -1,6 +1,7 @@
 """RolloutProducer with a fake engine (no model): the staleness of each batch is the queue depth
 reached, never more than max_staleness; no batch is generated across a weight sync; depth 0 is
-the synchronous order of calls; an engine error reaches the trainer's thread."""
+the synchronous order of calls; an engine error reaches the trainer's thread; with partial
+rollouts a sync goes out while a batch is generated, and the overlap is counted."""
 
 import threading
 import time
@@ -72,3 +73,36 @@ def test_depth_0_generates_in_the_callers_thread_in_step_order():
 def test_an_engine_error_in_the_background_reaches_the_trainer():
     with pytest.raises(ConnectionError, match="server gone"):
         train(1, steps=5, engine=FakeEngine(fail_at=2))
+
+
+def test_partial_rollouts_send_without_waiting_and_count_the_overlap():
+    """partial: the sync goes out while the batch is generated (its start and end versions differ),
+    `overlapped` says so, staleness is the queue's as before, and the step's tally reports the share;
+    without partial, the same timing gives one version per batch and no overlap."""
+    from grouprl.stats import SampleTally
+
+    for partial in (True, False):
+        engine, versions = FakeEngine(), {}
+
+        def generate(prompt, engine=engine, versions=versions):
+            start = engine.version
+            time.sleep(0.2)  # the sync below comes 0.05 s into this
+            versions[prompt] = (start, engine.version)
+            return engine.generate(prompt)
+
+        counter = iter(range(10))
+        producer = RolloutProducer(engine, lambda: next(counter), generate, max_staleness=1, partial=partial)
+        first = producer.next()  # batch 0; batch 1 starts in the background
+        time.sleep(0.05)
+        producer.sync_weights(None, 1)
+        second = producer.next()
+        producer.close()
+        start, end = versions[1]
+        assert (first.overlapped, second.staleness) == (0, 1)
+        assert (second.overlapped, start, end) == ((1, 0, 1) if partial else (0, 0, 0))  # else: sync waited
+
+    tally = SampleTally()
+    tally.add_round(8, 1, {}, 0, 2, overlapped=1)
+    tally.add_round(24, 0, {}, 0, 6, overlapped=0)
+    assert tally.metrics({}, False, partial=True)["rollout/partial_frac"] == 8 / 32
+    assert "rollout/partial_frac" not in tally.metrics({}, False)

@@ -330,10 +330,10 @@ def test_staleness_is_the_queue_depth_and_never_more(server_cfg):
 
 
 def test_partial_rollouts_lose_no_trajectory_and_keep_the_staleness_bound(server_cfg):
-    """partial_rollouts: the weight update after each step is sent while the next batch is being
-    generated (200 tokens each: longer than the tiny model's update), and that batch goes on under the
-    new weights. Every step still trains on 4 prompts x 4 whole trajectories, each prompt's G
-    together, and the staleness is the queue's, 1, never more."""
+    """partial_rollouts through the trainer: the weight update after each step does not wait for
+    the batch being generated (whether it overlaps depends on timing; the next test makes it
+    overlap). Every step still trains on 4 prompts x 4 whole trajectories, each prompt's G together,
+    and the staleness is the queue's, 1, never more."""
     from collections import Counter
 
     seen = []
@@ -353,7 +353,6 @@ def test_partial_rollouts_lose_no_trajectory_and_keep_the_staleness_bound(server
     assert [r["rollout/staleness_max"] for r in rows] == [0] + [1] * 5
     assert len(seen) == 6 and all(len(call) == 16 for call in seen)
     assert all(sorted(Counter(map(str, call)).values()) == [4, 4, 4, 4] for call in seen)  # none lost or doubled
-    assert all(0 <= r["rollout/partial_frac"] <= 1 for r in rows)  # here training is slower: the next test overlaps
 
 
 def test_a_partial_rollout_goes_on_under_the_new_weights(server, tiny_model_dir, tmp_path):

@@ -13,11 +13,11 @@ How it meets the engine contract, and why:
 - `sync_weights` reloads the weights through vLLM's `reload_weights` (the CPU layers repack their
   weights, so the model's `load_weights` cannot be called directly), in checkpoint names, one
   tensor at a time, then resets the prefix cache (its keys/values came from the old weights).
-  LoRA (`vllm_lora_sync: adapter`, the default) sends only the adapter: vLLM starts with LoRA
-  enabled at the policy's rank and loads each step's adapter as a new LoRA request, the base
-  weights staying those it started from. `vllm_lora_sync: merged` sends W + BA instead, computed
-  out of place (merging in place and unmerging would leave rounding drift in the frozen base,
-  the reference); it spares vLLM's LoRA kernels at every decode step (docs/vllm.md has both costs);
+  LoRA with `lora_rank` (`vllm_lora_sync: adapter`, and `auto` on a GPU) sends only the adapter:
+  vLLM starts with LoRA enabled at the policy's rank and loads each step's adapter as a new LoRA
+  request, the base weights staying those it started from. Otherwise (`merged`, and `auto` on
+  CPU, where vLLM's LoRA kernels doubled generation) W + BA is sent, computed out of place
+  (merging in place and unmerging would leave rounding drift in the frozen base, the reference);
 - the engine core runs in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`): the weights are
   handed over as tensors, without serialisation. Under torchrun each rank holds its own engine
   (`external_launcher`, which reuses the trainer's process group).
@@ -202,7 +202,11 @@ class VLLMEngine(GenerationEngine):
 
 def vllm_lora_rank(r: int) -> int:
     """The smallest `max_lora_rank` vLLM accepts that holds rank `r`."""
-    allowed = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+    from typing import get_args
+
+    from vllm.config.lora import MaxLoRARanks
+
+    allowed = sorted(get_args(MaxLoRARanks))
     fits = [a for a in allowed if a >= r]
     if not fits:
         raise ValueError(f"lora_r={r}: vLLM serves LoRA ranks up to {allowed[-1]}; set vllm_lora_sync: merged")

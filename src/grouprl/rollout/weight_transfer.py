@@ -344,9 +344,6 @@ class PolicySource:
         for (name, tensor), (_, dtype, _) in zip(self.weights(self.model), merged_weight_meta(self.model)):
             yield name, tensor.to(dtype)  # W + BA in the base weight's dtype, as the metadata says
 
-    def held_names(self):
-        return None
-
 
 class HTTPSyncClient:
     """vLLM's four-call weight-sync protocol (`VLLMWeightSyncClient`) over the server's RL routes,

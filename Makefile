@@ -1,8 +1,8 @@
 # Two entry points: `make demo` and `make test`. Both create .venv when missing.
 # torch is pinned exactly here (a local CPU wheel on our machines); pyproject keeps a range.
-# `make test` also installs vLLM's CPU build (the vLLM tests run on it), the trackio and wandb
-# trackers (their tests read back what a run wrote) and openenv-core (the OpenEnv adapter's tests);
-# `make demo` does not.
+# `make test` also installs vLLM's CPU build (the vLLM tests run on it), the trackio, wandb and
+# mlflow-skinny trackers (the `trackers` extra: their tests read back what a run wrote) and
+# openenv-core (the OpenEnv adapter's tests); `make demo` does not.
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python

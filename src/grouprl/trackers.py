@@ -11,8 +11,14 @@ Offline: trackio always writes its local store (`TRACKIO_DIR`, default
 ~/.cache/huggingface/trackio; `trackio show` reads it); wandb with `WANDB_MODE=offline` writes
 `output_dir/wandb/offline-run-*`, which `wandb sync` uploads later; mlflow writes where
 `MLFLOW_TRACKING_URI` points (MLflow 3 refuses its old `./mlruns` file store unless
-`MLFLOW_ALLOW_FILE_STORE=true`; a `sqlite:///mlflow.db` URI needs the full `mlflow` package). The
-mlflow tracker is written against mlflow's public API and not tested here.
+`MLFLOW_ALLOW_FILE_STORE=true`; its default, `sqlite:///mlflow.db`, needs the full `mlflow`
+package, not `mlflow-skinny`). mlflow metric names are mapped to the characters it accepts
+(`eval/pass@4` -> `eval/pass_at_4`, `rewards/<lambda>/mean` -> `rewards/_lambda_/mean`).
+
+Tested (tests/trainer/test_trackers.py) by reading back what a tiny run wrote, offline: wandb's
+offline run file, trackio's local database, TensorBoard's events, and mlflow's file store through
+`MlflowClient` (mlflow-skinny 3.17: config as params, every scalar at its step, the completions
+table artifact, a resume, after a finish or a crash, continuing the same run).
 
 Project names: `TRACKIO_PROJECT`, `WANDB_PROJECT`, `MLFLOW_EXPERIMENT_NAME`, default "grouprl";
 the run's name is `run_name` (default: the output folder's name). A resumed run continues the
@@ -26,6 +32,8 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -118,29 +126,62 @@ class Wandb(_RunTracker):
 
 
 class Mlflow(Tracker):
+    """Through `MlflowClient` and the run's id, not mlflow's fluent API (`mlflow.start_run`,
+    `log_metrics`): the fluent API keeps one active run per process, which a run that raised (no
+    `finish`) or a tracker RunLogger dropped left open, so the next run's tracker (a resume in the
+    same process) failed to start; and it would clash with a user's own active run."""
+
     name = "mlflow"
 
     def __init__(self, out: Path, run_name: str, config: dict[str, Any], resume_step: int):
         import mlflow
+        from mlflow.entities import Metric, Param
+        from mlflow.tracking import MlflowClient
 
-        self.mlflow = mlflow
-        mlflow.set_experiment(os.environ.get("MLFLOW_EXPERIMENT_NAME", "grouprl"))
+        uri = mlflow.get_tracking_uri()
+        if uri.startswith("sqlite:") and importlib.util.find_spec("sqlalchemy") is None:
+            # mlflow-skinny's own error here is about "model registry", naming no fix
+            raise RuntimeError(f"the tracking URI {uri} (mlflow 3's default) needs the full mlflow package: "
+                               "pip install 'grouprl[mlflow]', or set MLFLOW_TRACKING_URI (a server, or a "
+                               "folder with MLFLOW_ALLOW_FILE_STORE=true)")
+        self.client, self.metric = MlflowClient(), Metric
         id_file = out / "mlflow_run_id"
         run_id = id_file.read_text().strip() if resume_step and id_file.is_file() else None
-        self.run = mlflow.start_run(run_id=run_id, run_name=None if run_id else run_name)
-        id_file.write_text(self.run.info.run_id + "\n")
-        if not resume_step:
-            mlflow.log_params({k: str(v)[:500] for k, v in config.items()})
+        new = run_id is None
+        if not new:  # resumed: the same run goes on (an id the store lacks is an error, not a new run)
+            self.client.update_run(run_id, status="RUNNING")
+        else:
+            name = os.environ.get("MLFLOW_EXPERIMENT_NAME", "grouprl")
+            experiment = self.client.get_experiment_by_name(name)
+            experiment_id = experiment.experiment_id if experiment else self.client.create_experiment(name)
+            run_id = self.client.create_run(experiment_id, run_name=run_name).info.run_id
+        id_file.write_text(run_id + "\n")
+        self.run_id = run_id
+        if new:  # a resume without an id file (it opens a new run) logs them too
+            # mlflow takes at most 100 params a batch, and the config has more: split here, not by the client
+            params = [Param(_mlflow_key(k), str(v)[:500]) for k, v in config.items()]
+            for i in range(0, len(params), 100):
+                self.client.log_batch(run_id, params=params[i:i + 100])
 
     def log(self, step: int, scalars: dict[str, float]) -> None:
-        self.mlflow.log_metrics({k.replace("@", "_at_"): v for k, v in scalars.items()}, step=step)
+        now = int(time.time() * 1000)
+        self.client.log_batch(self.run_id, metrics=[self.metric(_mlflow_key(k), v, now, step)
+                                                    for k, v in scalars.items()])
 
     def log_table(self, step: int, key: str, columns: list[str], rows: list[list[Any]]) -> None:
-        self.mlflow.log_table({c: [r[i] for r in rows] for i, c in enumerate(columns)},
-                              artifact_file=f"{key}/step-{step:06d}.json")
+        self.client.log_table(self.run_id, {c: [r[i] for r in rows] for i, c in enumerate(columns)},
+                              artifact_file=f"{_mlflow_key(key)}/step-{step:06d}.json")
 
     def finish(self) -> None:
-        self.mlflow.end_run()
+        self.client.set_terminated(self.run_id)
+
+
+def _mlflow_key(key: str) -> str:
+    """A metric or param name mlflow accepts. It refuses any character but alphanumerics and `_-. /`
+    (and `:` off Windows), and one bad name fails the whole batch: a reward function named
+    `<lambda>` (`rewards/<lambda>/mean`) switched the tracker off at its first log. '@' -> '_at_'
+    (`eval/pass@4` -> `eval/pass_at_4`); any other refused character -> '_'."""
+    return re.sub(r"[^\w./\- ]", "_", key.replace("@", "_at_"))
 
 
 OPENERS = {"tensorboard": TensorBoard, "trackio": Trackio, "wandb": Wandb, "mlflow": Mlflow}

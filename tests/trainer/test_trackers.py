@@ -1,12 +1,15 @@
 """Experiment trackers (trackers.py, `report_to`), with the real libraries offline: what a run wrote is
-read back from wandb's offline run file, trackio's local database and TensorBoard's events, and
-compared with metrics.jsonl. A tracker that fails mid-run warns once and training goes on; a missing
-package is named with its extra; ranks other than 0 open nothing."""
+read back from wandb's offline run file, trackio's local database, TensorBoard's events and mlflow's
+file store (its own client; skipped without mlflow or mlflow-skinny), and compared with metrics.jsonl.
+A tracker that fails mid-run warns once and training goes on; a missing package is named with its
+extra; ranks other than 0 open nothing."""
 
 import glob
 import json
 import logging
+import math
 import os
+import re
 import struct
 import subprocess
 import sys
@@ -17,7 +20,7 @@ import pytest
 from grouprl.config import ConfigError
 from grouprl.runlog import RunLogger
 from grouprl.trainer import Trainer
-from tests.trainer.conftest import read_metrics
+from tests.trainer.conftest import digit_fraction, read_metrics
 
 REPO = Path(__file__).resolve().parents[2]
 pytest.importorskip("wandb", reason="the wandb extra: pip install 'grouprl[wandb]'")
@@ -153,3 +156,154 @@ def test_ranks_other_than_0_open_no_tracker(tmp_path, monkeypatch):
     log.log(1, {"x": 1.0})
     log.close()
     assert log.trackers == [] and not (tmp_path / "r").exists()
+
+
+def lambda_reward(prompts, completions, **kwargs):
+    return digit_fraction(prompts, completions)
+
+
+lambda_reward.__name__ = "<lambda>"  # what a lambda reward is called: '<' and '>' are refused in mlflow's keys
+
+
+def mlflow_client(monkeypatch, tmp_path):
+    """mlflow's client on a file store in tmp_path (MLflow 3 refuses the file store unless
+    MLFLOW_ALLOW_FILE_STORE=true; its default, sqlite, needs the full `mlflow` package)."""
+    pytest.importorskip("mlflow", reason="the mlflow extra: pip install 'grouprl[mlflow]' (or mlflow-skinny)")
+    from mlflow.tracking import MlflowClient
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", (tmp_path / "mlruns").as_uri())
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "grouprl-test")
+    return MlflowClient()
+
+
+def mlflow_key(key: str) -> str:
+    """The tracker's key mapping: '@' -> '_at_', any other character mlflow refuses -> '_'."""
+    return re.sub(r"[^\w./\- ]", "_", key.replace("@", "_at_"))
+
+
+def expected_mlflow_metrics(output_dir) -> dict:
+    """{(mlflow key, step): value} of every finite scalar metrics.jsonl holds (what RunLogger reports)."""
+    return {(mlflow_key(k), r["step"]): v for r in read_metrics(output_dir) for k, v in r.items()
+            if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
+
+
+def logged_mlflow_metrics(client, run_id: str) -> dict:
+    return {(key, m.step): m.value for key in client.get_run(run_id).data.metrics
+            for m in client.get_metric_history(run_id, key)}
+
+
+def test_mlflow_gets_the_config_every_scalar_and_the_completions_table(make_cfg, digits_data, monkeypatch,
+                                                                       tmp_path):
+    """A run with evals (eval/pass@2) and a reward named '<lambda>': every scalar of metrics.jsonl is in
+    the mlflow run at its step with its value, under a key mlflow accepts; every config field is a
+    param (more than mlflow's 100 per batch); the completions table is an artifact every 2 steps."""
+    client = mlflow_client(monkeypatch, tmp_path)
+    cfg = make_cfg(report_to=["mlflow"], max_steps=4, log_completions_steps=2, num_logged_samples=3,
+                   run_name="tiny-mlflow", reward_funcs=["tests.trainer.test_trackers:lambda_reward"],
+                   eval_data=str(digits_data), max_eval_samples=4, eval_steps=2, eval_metrics=["greedy", "pass@2"],
+                   num_generations_eval=2)
+    Trainer(cfg).train()
+    run_id = (Path(cfg.output_dir) / "mlflow_run_id").read_text().strip()
+    run = client.get_run(run_id)
+    assert run.info.run_name == "tiny-mlflow" and run.info.status == "FINISHED"
+    assert client.get_experiment(run.info.experiment_id).name == "grouprl-test"
+
+    expected, logged = expected_mlflow_metrics(cfg.output_dir), logged_mlflow_metrics(client, run_id)
+    assert set(logged) == set(expected)
+    for key, v in expected.items():
+        assert logged[key] == pytest.approx(v, rel=1e-9), key
+    keys = {k for k, _ in logged}
+    assert {"eval/pass_at_2", "rewards/_lambda_/mean", "time/step", "reward/mean", "loss"} <= keys
+    assert {s for k, s in logged if k == "eval/pass_at_2"} == {0, 2, 4}
+
+    config = {**cfg.to_dict(), "meta/world_size": 1}
+    params = run.data.params
+    assert len(params) > 100 and set(config) <= set(params)
+    assert params["learning_rate"] == str(cfg.learning_rate) and params["meta/world_size"] == "1"
+    assert params["reward_funcs"] == str(cfg.reward_funcs)
+
+    tables = sorted(f.path for f in client.list_artifacts(run_id, "completions"))
+    assert tables == ["completions/step-000002.json", "completions/step-000004.json"]
+    table = json.loads(Path(client.download_artifacts(run_id, tables[0], str(tmp_path / "dl"))).read_text())
+    assert len(table["data"]) == 3
+    assert {"prompt", "completion", "reward", "advantage", "length", "stop"} <= set(table["columns"])
+
+
+@pytest.mark.parametrize("how", ["finished", "crashed"])
+def test_mlflow_resumed_run_continues_the_same_run(make_cfg, monkeypatch, tmp_path, how):
+    """Resumed (`train(resume=True)`, in the same process as a notebook would) to step 4 after a run
+    that finished at step 2, or one that raised after its step-2 checkpoint: one mlflow run (the id in
+    output_dir/mlflow_run_id) reopened, steps 1-4 once each with metrics.jsonl's values, the first
+    run's params (mlflow refuses to change a param), FINISHED. The crashed run must not stay the
+    process's active mlflow run (the resumed tracker, or the user's next `start_run`, failed on it),
+    and a user's own active run is left alone."""
+    client = mlflow_client(monkeypatch, tmp_path)
+    import mlflow
+
+    cfg = make_cfg(report_to=["mlflow"], max_steps=4, save_steps=2)
+    if how == "finished":
+        Trainer(make_cfg(**{**cfg.__dict__, "max_steps": 2})).train()
+    else:
+        class Crash(Exception):
+            pass
+
+        trainer = Trainer(cfg)
+        original = trainer.train_step
+
+        def crash_at_step_3():
+            if trainer.step == 2:  # after the step-2 checkpoint, before step 3
+                raise Crash
+            return original()
+
+        trainer.train_step = crash_at_step_3
+        with pytest.raises(Crash):
+            trainer.train()
+        assert mlflow.active_run() is None
+    id_file = Path(cfg.output_dir) / "mlflow_run_id"
+    run_id = id_file.read_text().strip()
+
+    with mlflow.start_run(experiment_id=client.create_experiment("mine")) as mine:
+        Trainer(cfg).train(resume=True)
+        assert mlflow.active_run().info.run_id == mine.info.run_id
+    assert id_file.read_text().strip() == run_id
+    (run,) = client.search_runs([client.get_experiment_by_name("grouprl-test").experiment_id])
+    assert run.info.run_id == run_id and run.info.status == "FINISHED"
+    assert [m.step for m in client.get_metric_history(run_id, "reward/mean")] == [1, 2, 3, 4]
+    assert logged_mlflow_metrics(client, run_id) == pytest.approx(expected_mlflow_metrics(cfg.output_dir), rel=1e-9)
+    assert run.data.params["max_steps"] == ("2" if how == "finished" else "4")
+
+
+def test_mlflow_accepts_every_metric_name_grouprl_logs(monkeypatch, tmp_path):
+    """Each family of names metrics.jsonl can hold, logged in one batch (one refused name fails the
+    batch): mlflow takes them, '@' as '_at_' and the characters it refuses as '_'."""
+    from grouprl.trackers import Mlflow
+
+    client = mlflow_client(monkeypatch, tmp_path)
+    names = ["loss", "kl", "is/ratio_mean", "eval/accuracy", "eval/pass@4", "eval/maj@3", "rewards/digit_fraction/mean",
+             "rewards/<lambda>/std", "component/<lambda>", "audit/<lambda>/mean", "time/step", "health/reward_gain_z",
+             "multiturn/stop_max_turns_frac", "prompt_filter/skipped"]
+    renamed = {"eval/pass@4": "eval/pass_at_4", "eval/maj@3": "eval/maj_at_3", "rewards/<lambda>/std":
+               "rewards/_lambda_/std", "component/<lambda>": "component/_lambda_",
+               "audit/<lambda>/mean": "audit/_lambda_/mean"}
+    (tmp_path / "out").mkdir()
+    tracker = Mlflow(tmp_path / "out", "names", {"learning_rate": 1e-3}, 0)
+    tracker.log(1, {k: float(i) for i, k in enumerate(names)})
+    tracker.finish()
+    got = client.get_run(tracker.run_id).data.metrics
+    assert got == {renamed.get(k, k): float(i) for i, k in enumerate(names)}
+
+
+def test_mlflow_default_sqlite_store_without_sqlalchemy_names_the_fix(monkeypatch, tmp_path):
+    """mlflow 3's default store, sqlite, needs SQLAlchemy, which mlflow-skinny lacks: the error names the
+    full package and MLFLOW_TRACKING_URI (mlflow's own speaks of the model registry)."""
+    import importlib.util
+
+    from grouprl.trackers import Mlflow
+
+    mlflow_client(monkeypatch, tmp_path)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "sqlalchemy" else real(name, *a))
+    with pytest.raises(RuntimeError, match=r"needs the full mlflow package: pip install 'grouprl\[mlflow\]'"):
+        Mlflow(tmp_path, "x", {}, 0)

@@ -18,9 +18,9 @@ Deliberate choices:
   compares them with the trainer's (core/importance.py);
 - reference log-probs are computed only when beta > 0, and no reference model exists otherwise;
 - each of the num_iterations passes is one optimizer step over the whole batch, split into
-  micro-batches whose loss normaliser is the count of the whole batch (`normalizer`), so the
-  accumulated gradient equals the full-batch gradient for every aggregation mode;
-- micro-batches are formed from completions sorted by length, so little padding is computed;
+  length-sorted micro-batches whose loss normaliser is the count of the whole batch, so the
+  accumulated gradient equals the full-batch gradient for every aggregation mode (update.py does
+  the passes and the optimizer steps);
 - the loss parameters are built once from the config (objective.policy_loss_params, a frozen
   dataclass validated at construction), not on every micro-batch;
 - synchronous rollouts are generated inline; only `async_rollouts` with max_staleness > 0 goes
@@ -40,12 +40,10 @@ import contextlib
 import copy
 import json
 import logging
-import math
 import random
 import signal
 import threading
 import time
-import warnings
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable, NoReturn
@@ -59,17 +57,15 @@ from grouprl.batch import StepBatch
 from grouprl.checkpoint import (checkpoint_path, latest_checkpoint, load_checkpoint, read_checkpoint,
                                 restore_rng_states, rng_states, save_checkpoint)
 from grouprl.config import ConfigError, TrainConfig
-from grouprl.core import batch_normalizer, overlong_penalty, policy_loss, zero_std_groups
+from grouprl.core import overlong_penalty, zero_std_groups
 from grouprl.data import PromptBatch, PromptFormatter, PromptSampler, completion_objects, load_datasets
 from grouprl.evaluation import best_after, run_evaluation
 from grouprl.generation import make_engine, make_rollouts, resolve_multiturn
 from grouprl.guard import RunGuard
-from grouprl.objective import (corrects_sampler, loss_token_weights, policy_loss_params, sampler_weights,
-                               step_advantages)
+from grouprl.objective import corrects_sampler, policy_loss_params, sampler_weights, step_advantages
 from grouprl.optim import make_optimizer
 from grouprl.packing import supports_packing
-from grouprl.policy import (MicroBatch, Reference, activation_checkpointing, can_share_prompts, check_model_source,
-                            completion_logprobs, load_policy, load_tokenizer, plan_micro_batches)
+from grouprl.policy import Reference, can_share_prompts, check_model_source, load_policy, load_tokenizer
 from grouprl.precision import native_bf16, resolve_bf16
 from grouprl.preflight import run as run_preflight
 from grouprl.prompt_filter import PromptFilter
@@ -79,8 +75,9 @@ from grouprl.rollout.producer import Produced, RolloutProducer
 from grouprl.rollout.types import Trajectories
 from grouprl.runlog import Progress, RunLogger
 from grouprl.signals import StopSignals, TrainingStopped
+from grouprl.stats import SampleTally, Timings, batch_metrics, completion_rows, run_metadata
 from grouprl.trackers import missing_tracker_packages
-from grouprl.stats import SampleTally, Timings, UpdateSums, batch_metrics, completion_rows, run_metadata
+from grouprl.update import PolicyUpdate
 
 logger = logging.getLogger(__name__)
 
@@ -156,13 +153,15 @@ class Trainer:
         self.train_model = D.wrap_model(self.model, self.dist, cfg.distributed_strategy)
         if D.is_sharded(self.model) and self.ref is not None and self.ref.model is not None:
             D.shard_model(self.ref.model)
-        self.packed = cfg.padding_free and supports_packing(self.model)  # packing.py: no padding computed
-        if cfg.padding_free and not self.packed and self.dist.is_main:
+        packed = cfg.padding_free and supports_packing(self.model)  # packing.py: no padding computed
+        if cfg.padding_free and not packed and self.dist.is_main:
             logger.info("padding_free: the model's attention (%s) cannot run packed: passes run padded",
                         getattr(self.model.config, "_attn_implementation", None))
         # padded passes: FSDP2 frees the gathered weights after each forward, which the prompt pass's graph needs
         shared = cfg.share_prompt_forward and can_share_prompts(self.model) and not D.is_sharded(self.model)
-        self.share_min_tokens = 0 if self.packed else cfg.share_prompt_min_tokens if shared else None
+        share_min_tokens = 0 if packed else cfg.share_prompt_min_tokens if shared else None
+        self.updater = PolicyUpdate(self.model, self.train_model, self.dist, autocast=self.autocast, packed=packed,
+                                    share_min_tokens=share_min_tokens)  # update.py: passes, optimizer steps
         self.formatter = PromptFormatter(self.tokenizer, max_prompt_length=cfg.max_prompt_length,
                                          tools=[t.schema for t in self.tools.values()])
         self.engine = make_engine(cfg, self.model, self.tokenizer, self.dist, self.autocast)
@@ -185,7 +184,6 @@ class Trainer:
         self.step = 0
         self.evals: dict[str, Any] = {}
         self.logger: RunLogger | None = None  # train() opens it; train_step alone writes nothing
-        self._warned_over_budget = False  # a sequence above max_tokens_per_micro_batch was logged
         self._eval_pending = False  # a signal stopped the run before the eval due at this step
         self.best: dict[str, Any] | None = None  # metric_for_best_model: {step, metric, value, checkpoint}
 
@@ -422,11 +420,11 @@ class Trainer:
         """Log-probs [N, T] of the completion tokens under the policy (or the reference model, which
         exists when beta > 0), without gradient; this rank's micro-batch rows (others stay 0)."""
         if not reference:
-            return self._logprobs(self.model, rollout)
+            return self.updater.logprobs(self.model, rollout, self.cfg)
         if self.ref is None:
             raise ValueError("no reference model: it exists only when beta > 0")
         with self.ref.context():
-            return self._logprobs(self.ref.forward_model, rollout)
+            return self.updater.logprobs(self.ref.forward_model, rollout, self.cfg)
 
     def update(self, batch: StepBatch, advantages: torch.Tensor,
                timings: Timings | None = None) -> dict[str, float]:
@@ -447,9 +445,12 @@ class Trainer:
         skipped = 0  # optimizer steps skipped for a non-finite loss or gradient
         with timings.stage("update"):
             for it in range(cfg.num_iterations):  # the first pass's entropy is the one reported
-                step = self._optimizer_step(batch.rollout, advantages, loss_mask, old_logp, ref_logp, is_weights,
-                                            with_entropy=it == 0 or cfg.top_entropy_quantile < 1)
-                skipped += step.pop("skipped_nonfinite")
+                step = self.updater.optimizer_step(self.optimizer, self.scheduler, cfg, self.loss_params, self.step,
+                                                   batch.rollout, advantages, loss_mask, old_logp, ref_logp,
+                                                   is_weights, with_entropy=it == 0 or cfg.top_entropy_quantile < 1)
+                stepped = not step.pop("skipped_nonfinite")
+                skipped += not stepped
+                self.weights_version += stepped  # the engine's copy is stale once the weights moved
                 stats = step if it == 0 else {**stats, **{k: v for k, v in step.items() if k != "entropy"}}
         return {**stats, **is_metrics, "skipped_nonfinite": skipped}
 
@@ -502,95 +503,6 @@ class Trainer:
         if not self.dist.enabled:
             return local
         return StepBatch.cat(D.gather_objects(self.dist, local), self.tokenizer.pad_token_id)
-
-    def _micro_batches(self, rollout: Rollout) -> list[tuple[torch.Tensor, float]]:
-        """This rank's micro-batches as (rows, loss weight); weight 0 marks a padding pass."""
-        order = torch.argsort(rollout.lengths, stable=True)  # similar lengths share a micro-batch
-        if self.share_min_tokens is not None:  # ... and a group's completions stay together: its prompt runs once
-            group = rollout.prompt_groups()[order]
-            order = order[torch.argsort(group, stable=True)]
-        batches, over = plan_micro_batches(rollout, order, self.cfg.micro_batch_size,
-                                           self.cfg.max_tokens_per_micro_batch, packed=self.packed)
-        if over and self.dist.is_main and not self._warned_over_budget:
-            self._warned_over_budget = True  # once per run
-            logger.warning("%d sequence(s) longer than max_tokens_per_micro_batch=%d ran alone in their pass: "
-                           "raise the budget if memory allows", over, self.cfg.max_tokens_per_micro_batch)
-        return D.micro_batch_plan(self.dist, batches)
-
-    @torch.no_grad()
-    def _logprobs(self, model: torch.nn.Module, rollout: Rollout) -> torch.Tensor:
-        """Log-probs [N, T] of this rank's rows under `model` (the rows of its micro-batches; others stay 0)."""
-        out = torch.zeros(rollout.completion_ids.shape, dtype=torch.float32)  # [N, T]
-        with D.full_weights(model):
-            for rows, weight in self._micro_batches(rollout):
-                if weight == 0:
-                    continue
-                mb = MicroBatch.from_rollout(rollout, rows, self.share_min_tokens)
-                logp, _ = completion_logprobs(model, mb, temperature=self.cfg.temperature,
-                                              autocast_dtype=self.autocast, packed=self.packed)
-                out[rows, : logp.shape[1]] = logp.float().cpu()
-        return out
-
-    def _optimizer_step(self, rollout: Rollout, advantages: torch.Tensor, loss_mask: torch.Tensor,
-                        old_logp: torch.Tensor | None, ref_logp: torch.Tensor | None,
-                        is_weights: torch.Tensor | None, with_entropy: bool) -> dict[str, float]:
-        """One optimizer step over the whole batch, accumulated over micro-batches (and ranks).
-        The normaliser counts the whole (global) batch; DDP/FSDP2 average gradients over the K
-        ranks, so each rank's loss is scaled by K to make the result their sum.
-
-        A non-finite loss or gradient norm skips the step: weights and optimizer state stay as they
-        were (`skipped_nonfinite` = 1). The scheduler still steps: the learning rate follows the step
-        count (max_steps * num_iterations slots), so a skipped step spends its slot and the schedule,
-        the logged `lr` and a resume stay aligned with the steps."""
-        cfg, K = self.cfg, self.dist.world_size
-        normalizer = batch_normalizer(cfg.loss_agg, loss_mask)  # D over the whole (global) batch
-        self.optimizer.zero_grad(set_to_none=True)
-        sums = UpdateSums()
-        plan, budget = self._micro_batches(rollout), cfg.max_tokens_per_micro_batch
-        for i, (rows, weight) in enumerate(plan):
-            mb = MicroBatch.from_rollout(rollout, rows, self.share_min_tokens)
-            over_budget = budget is not None and mb.num_tokens(self.packed) > budget  # a lone long sequence
-            with D.grad_sync(self.train_model, i == len(plan) - 1), \
-                    activation_checkpointing(self.model, over_budget and cfg.gradient_checkpointing == "auto"):
-                logp, entropy = completion_logprobs(self.train_model, mb, temperature=cfg.temperature,
-                                                    autocast_dtype=self.autocast, with_entropy=with_entropy,
-                                                    packed=self.packed)
-                T, dev = logp.shape[1], logp.device
-
-                def part(x: torch.Tensor | None) -> torch.Tensor | None:  # this micro-batch's rows, [n, T']
-                    return None if x is None else x[rows, :T].to(dev)
-
-                mask = part(loss_mask)  # [n, T']
-                adv = advantages[rows].to(dev) if advantages.dim() == 1 else part(advantages)  # [n] or [n, T']
-                weights, mask_stats = loss_token_weights(cfg, rollout, rows, logp, entropy, mask, adv, old_logp,
-                                                         is_weights)
-                loss, stats = policy_loss(logp, logp.detach() if old_logp is None else part(old_logp), adv, mask,
-                                          params=self.loss_params, ref_logp=part(ref_logp), normalizer=normalizer,
-                                          token_weights=weights)
-                (loss * (weight * K)).backward()
-            acts = None if entropy is None else rollout.action_mask[rows, :T].to(entropy.device)  # [n, T']
-            sums.add(weight, loss.item(), {**stats, **mask_stats},
-                     None if entropy is None else float(entropy[acts].sum()))
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        # both are global, so every rank decides alike: the norm is taken over gradients DDP already
-        # summed (FSDP2: reduced over the shards), the loss is summed over ranks
-        grad_norm = D.local_value(torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm or math.inf))
-        reduced = D.all_reduce_sums(self.dist, sums.sums)
-        nonfinite = [name for name, v in (("loss", reduced["loss"]), ("grad norm", grad_norm)) if not math.isfinite(v)]
-        if nonfinite:
-            self.optimizer.zero_grad(set_to_none=True)  # the NaN/inf gradients go; weights and Adam moments stay
-            if self.dist.is_main:
-                logger.warning("step %d: non-finite %s (loss %s, grad norm %s): optimizer step skipped, weights and "
-                               "optimizer state unchanged", self.step, " and ".join(nonfinite), reduced["loss"],
-                               grad_norm)
-        else:
-            self.optimizer.step()
-            self.weights_version += 1
-        with warnings.catch_warnings():  # after a skipped first step torch warns that the scheduler led: meant
-            warnings.filterwarnings("ignore", "Detected call of `lr_scheduler", UserWarning)
-            self.scheduler.step()
-        return {**sums.result(reduced, int(rollout.action_mask.sum()), grad_norm),
-                "skipped_nonfinite": int(bool(nonfinite))}
 
     def _log_samples(self, batch: StepBatch, advantages: torch.Tensor) -> None:
         """samples.jsonl every logging step; the trackers' completions table every log_completions_steps."""

@@ -62,12 +62,13 @@ def test_every_row_once_in_order_within_budget_and_rows(lengths, budget, max_row
 
 def test_a_completion_longer_than_the_budget_trains_alone_and_is_logged(make_cfg, caplog):
     trainer = Trainer(make_cfg(max_tokens_per_micro_batch=5, micro_batch_size=16))
-    with caplog.at_level("WARNING", logger="grouprl.trainer"):
+    with caplog.at_level("WARNING", logger="grouprl.update"):
         metrics = trainer.train_step()
     assert metrics["grad_norm"] > 0 and metrics["completion/length_mean"] > 0
     warned = [r.getMessage() for r in caplog.records if "max_tokens_per_micro_batch=5" in r.getMessage()]
     assert len(warned) == 1 and "ran alone" in warned[0]
-    plan = trainer._micro_batches(trainer.generate(trainer.prompts(["Say numbers 1: "] * 2)).rollout)
+    rollout = trainer.generate(trainer.prompts(["Say numbers 1: "] * 2)).rollout
+    plan = trainer.updater.micro_batches(rollout, trainer.cfg)
     assert all(len(rows) == 1 for rows, _ in plan)
 
 

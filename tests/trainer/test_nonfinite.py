@@ -74,7 +74,7 @@ def test_nan_advantages_skip_the_step_and_the_run_goes_on(schedule_cfg, tmp_path
         return torch.full_like(adv, math.nan) if trainer.step == BAD_STEP else adv
 
     trainer.advantages = nan_at_bad_step
-    with caplog.at_level(logging.WARNING, logger="grouprl.trainer"):
+    with caplog.at_level(logging.WARNING, logger="grouprl.update"):
         rows = _check_skipped_then_trains(schedule_cfg, _run(trainer), caplog, "loss and grad norm")
     bad = rows[BAD_STEP - 1]
     assert math.isnan(bad["loss"]) and math.isnan(bad["grad_norm"])
@@ -89,6 +89,6 @@ def test_an_infinite_gradient_with_a_finite_loss_skips_the_step(schedule_cfg, ca
     trainer = Trainer(schedule_cfg)
     weight = next(p for p in trainer.model.parameters() if p.requires_grad)
     weight.register_hook(lambda g: torch.full_like(g, math.inf) if trainer.step == BAD_STEP else g)
-    with caplog.at_level(logging.WARNING, logger="grouprl.trainer"):
+    with caplog.at_level(logging.WARNING, logger="grouprl.update"):
         rows = _check_skipped_then_trains(schedule_cfg, _run(trainer), caplog, "grad norm")
     assert math.isfinite(rows[BAD_STEP - 1]["loss"]) and rows[BAD_STEP - 1]["grad_norm"] == math.inf

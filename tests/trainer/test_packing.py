@@ -143,10 +143,10 @@ def test_a_step_cut_by_tokens_and_packed_equals_the_padded_one_pass_step(make_cf
     for extra in (dict(padding_free=True, max_tokens_per_micro_batch=40, micro_batch_size=1),
                   dict(padding_free=False, micro_batch_size=16)):
         trainer = Trainer(make_cfg(beta=0.04, **extra))
-        assert trainer.packed == extra["padding_free"]
+        assert trainer.updater.packed == extra["padding_free"]
         trainer.train_step()  # the step's accumulated gradient stays on the parameters
         grads.append({n: p.grad.clone() for n, p in trainer.model.named_parameters()})
-        passes.append(len(trainer._micro_batches(trainer.sample_batch()[0].rollout)))
+        passes.append(len(trainer.updater.micro_batches(trainer.sample_batch()[0].rollout, trainer.cfg)))
     assert passes[0] > 4 and passes[1] == 1
     for name, g in grads[1].items():
         assert float(g.norm()) > 0, name

@@ -147,13 +147,13 @@ def test_trainer_micro_batches_keep_groups_together(make_cfg):
     trainer = Trainer(make_cfg(num_generations=4, prompts_per_step=4, micro_batch_size=4))
     r = ragged_rollout([3, 9, 5, 2], G=4, seed=4)
     groups = r.prompt_groups()
-    plan = trainer._micro_batches(r)
+    plan = trainer.updater.micro_batches(r, trainer.cfg)
     assert sorted(torch.cat([rows for rows, _ in plan]).tolist()) == list(range(16))
     for rows, weight in plan:
         assert weight == 1.0 and groups[rows].unique().numel() == 1
         assert torch.equal(r.lengths[rows], r.lengths[rows].sort().values)  # length-sorted inside
-    trainer.share_min_tokens = None
-    assert any(groups[rows].unique().numel() > 1 for rows, _ in trainer._micro_batches(r))
+    trainer.updater.share_min_tokens = None
+    assert any(groups[rows].unique().numel() > 1 for rows, _ in trainer.updater.micro_batches(r, trainer.cfg))
 
 
 def test_trainer_update_is_the_same_with_and_without_sharing(tiny_model_dir, digits_data, tmp_path):

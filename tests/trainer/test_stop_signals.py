@@ -30,8 +30,11 @@ def _strip_timing(rows):
 
 
 def _send_at(trainer: Trainer, method: str, step: int, signum: int = signal.SIGTERM) -> None:
-    """Wrap `trainer.<method>` so that its first call in `step` signals the process, inside that stage."""
-    original, sent = getattr(trainer, method), []
+    """Wrap `trainer.<method>` (or `trainer.updater.<method>`, written "updater.<method>") so that
+    its first call in `step` signals the process, inside that stage."""
+    owner = trainer.updater if method.startswith("updater.") else trainer
+    method = method.removeprefix("updater.")
+    original, sent = getattr(owner, method), []
 
     def wrapped(*args, **kwargs):
         if trainer.step == step and not sent:
@@ -39,11 +42,11 @@ def _send_at(trainer: Trainer, method: str, step: int, signum: int = signal.SIGT
             os.kill(os.getpid(), signum)  # the handler runs here, before the stage goes on
         return original(*args, **kwargs)
 
-    setattr(trainer, method, wrapped)
+    setattr(owner, method, wrapped)
 
 
 # (stage the signal lands in, the step it lands in): the step it stops after, whatever the stage
-POINTS = [("generate", 1), ("score", 2), ("_optimizer_step", 2), ("_log_eval", 2), ("_optimizer_step", 4)]
+POINTS = [("generate", 1), ("score", 2), ("updater.optimizer_step", 2), ("_log_eval", 2), ("updater.optimizer_step", 4)]
 
 
 def test_a_signal_anywhere_in_a_step_stops_after_it_and_resume_reproduces(make_cfg, tmp_path):
@@ -85,15 +88,15 @@ def test_a_second_signal_stops_at_once_without_a_checkpoint(make_cfg):
     cfg = make_cfg(max_steps=4, save_steps=1)
     trainer = Trainer(cfg)
     _send_at(trainer, "generate", 3, signal.SIGINT)
-    _send_at(trainer, "_optimizer_step", 3, signal.SIGINT)  # the second, later in the same step ...
-    original = trainer._optimizer_step
+    _send_at(trainer, "updater.optimizer_step", 3, signal.SIGINT)  # the second, later in the same step ...
+    original = trainer.updater.optimizer_step
 
     def later(*args, **kwargs):  # ... late enough not to be taken for the first delivered twice
         if trainer.step == 3:
             time.sleep(REPEAT_WINDOW_S)
         return original(*args, **kwargs)
 
-    trainer._optimizer_step = later
+    trainer.updater.optimizer_step = later
     with pytest.raises(StopNow) as stopped:
         trainer.train()
     assert stopped.value.signum == signal.SIGINT and isinstance(stopped.value, KeyboardInterrupt)

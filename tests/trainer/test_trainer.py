@@ -64,8 +64,8 @@ def test_mu_gt_1_uses_old_logprobs_and_clips(make_cfg):
     cfg = make_cfg(max_steps=2, num_iterations=3, learning_rate=3e-2, epsilon=0.05)
     trainer = Trainer(cfg)
     calls = []
-    original = trainer._logprobs
-    trainer._logprobs = lambda model, rollout: calls.append(model) or original(model, rollout)
+    original = trainer.updater.logprobs
+    trainer.updater.logprobs = lambda model, rollout, cfg: calls.append(model) or original(model, rollout, cfg)
     trainer.train()
     assert len(calls) == 2  # old log-probs once per step, no reference (beta = 0)
     rows = read_metrics(cfg.output_dir)
@@ -77,7 +77,7 @@ def test_mu_gt_1_uses_old_logprobs_and_clips(make_cfg):
 
 def test_mu_1_makes_no_extra_forward_pass(make_cfg):
     trainer = Trainer(make_cfg(max_steps=1))
-    trainer._logprobs = lambda *a: pytest.fail("no old/ref log-probs needed with mu=1, beta=0")
+    trainer.updater.logprobs = lambda *a: pytest.fail("no old/ref log-probs needed with mu=1, beta=0")
     trainer.train()
 
 

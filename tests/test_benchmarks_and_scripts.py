@@ -3,8 +3,9 @@ seconds runs once on a tiny configuration and prints its result. They use only p
 the trainer (a standing check in the repository's hooks), and these runs are what keeps them from
 rotting when the trainer changes.
 
-Not run here beyond --help, and why: async_rollouts.py, vllm_vs_builtin.py and weight_transfer.py start
-vLLM (a minute each on this CPU; the vLLM paths they time are tested in tests/rollout/); vs_trl.py needs TRL (the
+Not run here beyond --help, and why: async_rollouts.py, agentic_async.py, vllm_vs_builtin.py and
+weight_transfer.py start vLLM (a minute each on this CPU; the vLLM paths they time are tested in
+tests/rollout/); vs_trl.py needs TRL (the
 `bench` extra; learning_vs_trl.py runs its TRL arm only where TRL is installed); smollm2_step.py
 and fetch_smollm2.py need the SmolLM2 GGUF package from PyPI.
 """
@@ -40,7 +41,8 @@ RUN = {"benchmarks/shared_prompt.py", "benchmarks/process_vs_outcome.py", "bench
        "benchmarks/run_health.py", "benchmarks/learning_vs_trl.py",
        "scripts/build_default_policy.py",
        "scripts/build_tool_policy.py", "scripts/sandbox_report.py"}
-HELP_ONLY = {"benchmarks/async_rollouts.py", "benchmarks/vllm_vs_builtin.py", "benchmarks/weight_transfer.py",
+HELP_ONLY = {"benchmarks/async_rollouts.py", "benchmarks/agentic_async.py", "benchmarks/vllm_vs_builtin.py",
+             "benchmarks/weight_transfer.py",
              "benchmarks/vs_trl.py",
              "benchmarks/smollm2_step.py", "scripts/fetch_smollm2.py"}
 

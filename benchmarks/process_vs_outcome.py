@@ -15,6 +15,10 @@
    Every --eval-every steps: greedy decoding of the 200 held-out problems, the share with every line
    right (`exact`), with the right final answer (`answer`) and the share of right lines (`lines`).
 3. Writes benchmarks/results/process_vs_outcome.json and a plot (--plot).
+
+With --preflight-check (and e.g. --steps 10 --json benchmarks/results/process_preflight.json),
+each arm and seed instead runs `Trainer.preflight()` on the starting policy and then --steps
+training steps: the predicted share of zero-variance groups at G = 8 against the observed one.
 """
 
 from __future__ import annotations
@@ -113,13 +117,30 @@ def greedy_eval(tr: Trainer) -> dict[str, float]:
     return {"exact": exact / n, "answer": answer / n, "lines": lines / total_lines}
 
 
-def run_arm(arm: str, seed: int, args) -> dict:
+def arm_trainer(arm: str, seed: int, args, name: str = "") -> Trainer:
     cfg = TrainConfig(model=str(args.policy_dir), train_data="builtin:chain/train", eval_data="builtin:chain/eval",
                       num_generations=8, prompts_per_step=16, max_completion_length=10, learning_rate=args.lr,
                       beta=0.0, max_steps=args.steps, micro_batch_size=128, num_threads=1, seed=seed,
-                      output_dir=str(args.out / f"{arm}-{seed}"), progress=False, report_to=[],
+                      output_dir=str(args.out / f"{name}{arm}-{seed}"), progress=False, report_to=[],
                       num_logged_samples=0, advantage_estimator=ARMS[arm][0])
-    tr = Trainer(cfg, reward_funcs=ARMS[arm][1])
+    return Trainer(cfg, reward_funcs=ARMS[arm][1])
+
+
+def preflight_check(arm: str, seed: int, args) -> dict:
+    """Preflight's zero-variance share at G = 8 (64 prompts, the starting policy) against what the
+    first --steps training steps observe (`zero_std_frac`), from the same start."""
+    tr = arm_trainer(arm, seed, args, name="preflight-")
+    report = tr.preflight(num_prompts=64)
+    observed = [tr.train_step()["zero_std_frac"] for _ in range(args.steps)]
+    tr.close()
+    predicted = report["total"]["zero_variance_share"]
+    print(f"{arm:14s} seed {seed}: predicted {predicted:.1%}, observed step 1 {observed[0]:.1%}, "
+          f"steps 1-{args.steps} {sum(observed) / len(observed):.1%}", flush=True)
+    return {"arm": arm, "seed": seed, "predicted": predicted, "observed": observed}
+
+
+def run_arm(arm: str, seed: int, args) -> dict:
+    tr = arm_trainer(arm, seed, args)
     curve = [{"step": 0, **greedy_eval(tr)}]
     t0 = time.time()
     while tr.step < args.steps:
@@ -174,9 +195,17 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("/tmp/grouprl-process-bench"))
     ap.add_argument("--json", type=Path, default=Path("benchmarks/results/process_vs_outcome.json"))
     ap.add_argument("--plot", type=Path, default=Path("docs/process_vs_outcome.png"))
+    ap.add_argument("--preflight-check", action="store_true",
+                    help="instead: preflight's predicted zero-variance share against the first --steps steps")
     args = ap.parse_args()
     if not (args.policy_dir / "config.json").is_file():
         warm_up(args.policy_dir, args.warmup_steps, args.correct_fraction)
+    if args.preflight_check:
+        checks = [preflight_check(arm, seed, args) for seed in args.seeds for arm in args.arms]
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "preflight": checks},
+                                        indent=1))
+        return
     results = []
     for seed in args.seeds:  # alternate the arms within each seed: the machine's load hits all alike
         for arm in args.arms:

@@ -76,6 +76,11 @@ def test_process_vs_outcome_benchmark_one_step(tmp_path):
     assert [r["arm"] for r in results] == ["process", "outcome"]
     assert all([c["step"] for c in r["curve"]] == [0, 1] for r in results)
     assert (tmp_path / "p.png").stat().st_size > 0 and "process" in out
+    out = run("benchmarks/process_vs_outcome.py", "--preflight-check", "--seeds", "0", "--steps", "1", "--arms",
+              "process", "--policy-dir", str(tmp_path / "policy"), "--out", str(tmp_path / "runs"),
+              "--json", str(tmp_path / "pf.json"))
+    (check,) = json.loads((tmp_path / "pf.json").read_text())["preflight"]
+    assert 0 <= check["predicted"] <= 1 and len(check["observed"]) == 1 and "predicted" in out
 
 
 def test_multiturn_continuation_benchmark_one_round():

@@ -96,7 +96,9 @@ def main() -> None:
 
             last = list(engines)[-1]  # synced last: it holds the newest weights
             gap = max_logp_gap(engines[last], model, [tok("What is 2+3?")["input_ids"]])
-            adapter_bytes = sum(f.stat().st_size for f in (Path(tmp) / "w").rglob("*.safetensors"))
+            # the newest adapter's files (the engine keeps the last two on the server, for requests in flight)
+            adapters = sorted((Path(tmp) / "w").glob("adapter-*"), key=lambda d: d.stat().st_mtime)
+            adapter_bytes = sum(f.stat().st_size for f in adapters[-1].rglob("*.safetensors")) if adapters else 0
             for engine in engines.values():
                 engine.close()
         finally:

@@ -34,7 +34,8 @@ def make_engine(cfg: TrainConfig, model: torch.nn.Module, tokenizer, dist: D.Dis
                                   barrier=lambda: D.barrier(dist), weight_transfer=cfg.vllm_weight_transfer,
                                   transfer_address=cfg.vllm_weight_transfer_address,
                                   broadcast=lambda obj: D.gather_objects(dist, obj)[0], lora_rank=cfg.lora_r,
-                                  lora_sync=cfg.vllm_lora_sync)
+                                  lora_sync=cfg.vllm_lora_sync,
+                                  keep_adapters=cfg.max_staleness + 2 if cfg.async_rollouts else 2)
         engine.sync_weights(model, 0)  # the server may hold another run's weights: send ours first
         return engine
     from grouprl.rollout.vllm import VLLMEngine

@@ -145,12 +145,21 @@ def test_the_server_samples_with_its_logprobs_and_follows_the_weights_sent(serve
     engine.close()
 
 
+def served_adapters(port: int) -> list[str]:
+    """The LoRA adapters the server has registered (its /v1/models lists them after the base model)."""
+    import requests
+
+    return sorted(m["id"] for m in requests.get(f"http://127.0.0.1:{port}/v1/models", timeout=10).json()["data"]
+                  if m["id"].startswith("grouprl-policy"))
+
+
 @pytest.mark.parametrize("transfer", ["gloo", "file"])
 def test_lora_sends_the_base_once_then_only_the_adapter(server, tiny_model_dir, tmp_path, transfer):
     """vllm_lora_sync: adapter against a server started with --lora-rank 8: the first sync sends
     the base weights (the server may hold anything) and the adapter, later syncs the adapter only
-    (/v1/load_lora_adapter, in place); the server's log-probs are the trainer's PEFT forward's
-    after each, and only the newest adapter's files remain."""
+    (/v1/load_lora_adapter, one name per version); the server's log-probs are the trainer's PEFT
+    forward's after each; the newest two adapters stay registered with their files, older ones are
+    unloaded and deleted, and none is left on the server after close."""
     tok = load_tokenizer(str(tiny_model_dir))
     model = load_policy(str(tiny_model_dir), lora_r=8, lora_alpha=16)
     for _ in range(3):
@@ -165,22 +174,67 @@ def test_lora_sends_the_base_once_then_only_the_adapter(server, tiny_model_dir, 
             return _orig(*args)
         setattr(engine, name, spy)
     prompts = [tok(p)["input_ids"] for p in ("Say numbers 1: ", "abc", "What is 7+8? ")]
-    engine.sync_weights(model, 0)
-    assert max_logp_gap(engine, model, prompts) < LOGP_ATOL
-    optimizer_step(model, lr=5e-2)
-    engine.sync_weights(model, 1)
-    assert max_logp_gap(engine, model, prompts) < LOGP_ATOL
+    for version in range(3):
+        if version:
+            optimizer_step(model, lr=5e-2)
+        engine.sync_weights(model, version)
+        assert max_logp_gap(engine, model, prompts) < LOGP_ATOL
     base = "_send_file" if transfer == "file" else "_send_in_memory"
-    assert sent == [base, "_send_adapter", "_send_adapter"]
-    assert sorted(p.name for p in (tmp_path / "w").iterdir()) == ["adapter-v1"]
+    assert sent == [base, "_send_adapter", "_send_adapter", "_send_adapter"]
+    tag = engine._run_tag
+    assert served_adapters(server.port) == [f"grouprl-policy-{tag}-v1", f"grouprl-policy-{tag}-v2"]
+    assert sorted(p.name for p in (tmp_path / "w").iterdir()) == [f"adapter-{tag}-v1", f"adapter-{tag}-v2"]
     engine.close()
-    assert not (tmp_path / "w" / "adapter-v1").exists()
+    assert served_adapters(server.port) == [] and list((tmp_path / "w").iterdir()) == []
+
+
+def test_a_lora_partial_rollout_finishes_on_its_adapter(server, tiny_model_dir, tmp_path):
+    """Partial rollouts with adapter-only sync, as a run with max_staleness 1 does it (one update
+    while each batch is generated): each request in flight finishes with the adapter it started
+    with (exactly: its log-probs are that version's PEFT forward's), the next batch samples the new
+    adapter, the adapter two versions back goes only once no request can use it, and the server
+    stays up. (Loading the adapter in place under one name made vLLM reload a request's old adapter
+    files at every step; once they were deleted, the server's engine died.)"""
+    import copy
+
+    from grouprl.rollout.producer import RolloutProducer
+
+    tok, model = load_tokenizer(str(tiny_model_dir)), load_policy(str(tiny_model_dir), lora_r=8, lora_alpha=16)
+    engine = VLLMServerEngine("127.0.0.1", server.port, eos_token_ids=(tok.eos_token_id,),
+                              pad_token_id=tok.pad_token_id, weight_dir=str(tmp_path / "w"), timeout_s=60,
+                              lora_rank=8, lora_sync="adapter", keep_adapters=2)
+    prompts = [tok(p)["input_ids"] for p in ("Say numbers 1: ", "abc", "xyz", "What is 7+8? ")]
+    params = SamplingParams(max_new_tokens=200, temperature=1.0, ignore_eos=True)
+    producer = RolloutProducer(engine, lambda: prompts, lambda p: engine.generate(p, 16, params,
+                               torch.Generator().manual_seed(0)), max_staleness=1, partial=True)
+    versions = []
+    for _ in range(3):  # the policy at versions 0, 1, 2, ready before any batch starts
+        optimizer_step(model, lr=5e-2)
+        versions.append(copy.deepcopy(model))
+    engine.sync_weights(versions[0], 0)
+    t0 = time.monotonic()
+    producer.next()  # batch 0 inline; batch 1 now generating with adapter v0
+    batch_s = time.monotonic() - t0
+    for version in (1, 2):
+        time.sleep(batch_s / 4)  # the batch in flight is decoding
+        producer.sync_weights(versions[version], version)
+        produced = producer.next()  # generated with adapter v(version - 1), updated meanwhile
+        assert (produced.staleness, produced.overlapped) == (1, 1)
+        ro = produced.result
+        assert ro.completion_mask.all()
+        gap = (ro.sampling_logp - trainer_logp(versions[version - 1], ro)).abs().max()
+        assert gap < LOGP_ATOL, (version, float(gap))  # every token: the adapter it started with
+    producer.close()
+    assert max_logp_gap(engine, model, prompts) < LOGP_ATOL  # the server is up, on the newest adapter
+    engine.close()
+    assert served_adapters(server.port) == []
 
 
 def test_a_server_without_lora_is_named_with_the_flag_to_start_it(tmp_path):
     """Only the message: the shared server has LoRA on, so a fake answers 404 as vLLM does without it."""
     engine = VLLMServerEngine.__new__(VLLMServerEngine)
     engine.host, engine.port, engine.lora_rank, engine.rank, engine.weight_dir = "127.0.0.1", 1, 8, 0, tmp_path
+    engine._run_tag = "0"
 
     class NotFound:
         status_code, text = 404, "Not Found"

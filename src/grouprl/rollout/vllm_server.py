@@ -34,6 +34,8 @@ import os
 import shutil
 import sys
 import time
+import uuid
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable
@@ -68,7 +70,9 @@ def serve_command(model: str, *, host: str, port: int, tensor_parallel_size: int
     if lora_rank:  # the trainer loads each step's adapter at run time (/v1/load_lora_adapter)
         from grouprl.rollout.vllm import vllm_lora_rank
 
-        argv += ["--enable-lora", "--max-lora-rank", str(vllm_lora_rank(lora_rank)), "--max-loras", "1"]
+        # two adapters in a batch: a partial rollout's requests finish on the version they started
+        # with while the next version's begin (with one slot the scheduler would hold the new ones back)
+        argv += ["--enable-lora", "--max-lora-rank", str(vllm_lora_rank(lora_rank)), "--max-loras", "2"]
     if weight_transfer == "auto":
         weight_transfer = "nccl" if _has_accelerator() else "gloo"
     if weight_transfer != "file" and not any(f.split("=")[0] == "--weight-transfer-config" for f in extra):
@@ -98,7 +102,8 @@ class VLLMServerEngine(GenerationEngine):
                  weight_dir: str, timeout_s: float = 240.0, rank: int = 0, world_size: int = 1,
                  barrier: Callable[[], None] | None = None, weight_transfer: str = "auto",
                  transfer_address: str | None = None, broadcast: Callable[[object], object] | None = None,
-                 transfer_bucket_bytes: int = 256 << 20, lora_rank: int = 0, lora_sync: str = "auto"):
+                 transfer_bucket_bytes: int = 256 << 20, lora_rank: int = 0, lora_sync: str = "auto",
+                 keep_adapters: int = 2):
         """Under torchrun every rank is a client; rank 0 sends the weights and `barrier` (the
         trainer's, over its process group) holds the other ranks until the server has them.
         `weight_transfer`: `auto` (the server's engine: what `grouprl vllm-serve --weight-transfer`
@@ -108,7 +113,9 @@ class VLLMServerEngine(GenerationEngine):
         `lora_rank` > 0: the policy is a PEFT LoRA model of that rank; `lora_sync` `adapter` sends
         its base weights once and then only its adapter (the server runs it: `grouprl vllm-serve
         MODEL --lora-rank R`), `merged` sends W + BA, `auto` the adapter when the server was
-        started with LoRA at rank R or more."""
+        started with LoRA at rank R or more; `keep_adapters` (at least 2): how many of the newest
+        adapters stay on the server, for requests still generating with an older one (async:
+        max_staleness + 2)."""
         import requests  # a dependency of vLLM and of transformers' hub client
 
         self._requests = requests
@@ -124,16 +131,18 @@ class VLLMServerEngine(GenerationEngine):
             served = self._post("/collective_rpc", {"method": "grouprl_weights_probe", "timeout": timeout_s},
                                 what="probe the grouprl worker extension", probe=True)["results"]
             choice = (self._transfer_choice(weight_transfer, served[0]["weight_transfer"]), len(served),
-                      self._lora_choice(lora_rank, lora_sync, served[0]["lora_rank"]))
+                      self._lora_choice(lora_rank, lora_sync, served[0]["lora_rank"]), uuid.uuid4().hex[:8])
         if world_size > 1 and broadcast is not None:
             choice = broadcast(choice)
         if choice is None:  # rank > 0 without a broadcast (tests): nothing to decide with
-            choice = (weight_transfer, 0, lora_rank if lora_sync == "adapter" else 0)
-        self.weight_transfer, self._server_workers, lora_rank = choice
+            choice = (weight_transfer, 0, lora_rank if lora_sync == "adapter" else 0, "0")
+        self.weight_transfer, self._server_workers, lora_rank, self._run_tag = choice
         self._transfer_address, self._bucket_bytes = transfer_address, transfer_bucket_bytes
         self._transfer = None  # vLLM's trainer-side engine, joined on the first sync
         self._sending = 0  # the version being sent: the server records it as its weight version
-        self.lora_rank, self._base_sent, self._adapter_dir, self._adapter_live = lora_rank, False, None, False
+        self.lora_rank, self._base_sent, self._adapter_name = lora_rank, False, None
+        self._adapters: deque[tuple[str, Path]] = deque()  # rank 0: the adapters the server holds, oldest first
+        self.keep_adapters = max(2, keep_adapters)
         self._pool = ThreadPoolExecutor(max_workers=32)
 
     def _lora_choice(self, rank: int, sync: str, served: int) -> int:
@@ -163,9 +172,8 @@ class VLLMServerEngine(GenerationEngine):
                 with contextlib.suppress(VLLMServerError):
                     transfer.client.shutdown_weight_transfer_engine()
             transfer.shutdown()
-        if self._adapter_dir is not None:  # vLLM holds the adapter in memory since it loaded it
-            shutil.rmtree(self._adapter_dir, ignore_errors=True)
-            self._adapter_dir = None
+        while self._adapters:  # the server outlives the run: no adapter of ours stays registered there
+            self._drop_oldest_adapter()
         self._pool.shutdown(wait=True)
 
     # ------------------------------------------------------------------ HTTP
@@ -242,21 +250,32 @@ class VLLMServerEngine(GenerationEngine):
             self._base_sent = adapter_only
         if adapter_only:
             self._send_adapter(model, version)
-            self._adapter_live = True  # every rank samples with the adapter from now on
+            self._adapter_name = self._lora_name(version)  # every rank samples with this version's adapter
         if self.world_size > 1 and self._barrier is not None:
             self._barrier()  # no rank samples before the server holds the new weights
         self.version = version
 
+    def _lora_name(self, version: int) -> str:
+        return f"{LORA_NAME}-{self._run_tag}-v{version}"
+
     def _send_adapter(self, model: torch.nn.Module, version: int) -> None:
-        """Rank 0 writes the adapter (PEFT's files, a few MB) where the server reads it and has
-        the server load it under one name, in place (`/v1/load_lora_adapter`); the previous
-        adapter's files go once the new one is loaded."""
+        """Rank 0 writes the adapter (PEFT's files, a few MB) where the server reads it and has the
+        server load it under a name of its own (`/v1/load_lora_adapter`): `grouprl-policy-RUN-vN`.
+
+        Not one name loaded in place: vLLM's in-place load marks the adapter's requests
+        `load_inplace`, and its workers reload such a request's adapter from its files whenever the
+        request is scheduled (vllm/lora/worker_manager.py, `add_adapter`). A request still generating
+        with the previous version (partial rollouts) then reloaded the previous files, and once they
+        were deleted the server's engine died. With one name per version each request keeps the
+        adapter it started with, loaded once. The newest `keep_adapters` stay registered with their
+        files (a request in flight may need them again);
+        older ones are unloaded and deleted."""
         if self.rank != 0:
             return
-        path = (self.weight_dir / f"adapter-v{version}").resolve()
+        name, path = self._lora_name(version), (self.weight_dir / f"adapter-{self._run_tag}-v{version}").resolve()
         model.save_pretrained(str(path))
         r = self._call("POST", "/v1/load_lora_adapter", "load the LoRA adapter",
-                       json={"lora_name": LORA_NAME, "lora_path": str(path), "load_inplace": True})
+                       json={"lora_name": name, "lora_path": str(path)})
         if r.status_code == 404:
             raise VLLMServerError(f"vLLM server {self.host}:{self.port} does not load LoRA adapters: start it with "
                                   f"`grouprl vllm-serve MODEL --lora-rank {self.lora_rank}`, or set "
@@ -266,10 +285,16 @@ class VLLMServerEngine(GenerationEngine):
                                   f"{r.status_code}): {r.text[:1500]}; a server started with --lora-rank "
                                   f"{self.lora_rank} or more serves lora_r={self.lora_rank}; or set "
                                   "vllm_lora_sync: merged")
-        self._post("/reset_prefix_cache", {}, what="reset its prefix cache")  # same adapter name, new weights
-        if self._adapter_dir is not None:
-            shutil.rmtree(self._adapter_dir, ignore_errors=True)
-        self._adapter_dir = path
+        self._adapters.append((name, path))
+        while len(self._adapters) > self.keep_adapters:
+            self._drop_oldest_adapter()
+
+    def _drop_oldest_adapter(self) -> None:
+        """Unload the oldest adapter from the server (a dead server is no error here) and delete its files."""
+        name, path = self._adapters.popleft()
+        with contextlib.suppress(VLLMServerError):
+            self._call("POST", "/v1/unload_lora_adapter", "unload an old LoRA adapter", json={"lora_name": name})
+        shutil.rmtree(path, ignore_errors=True)
 
     def _send_in_memory(self, model: torch.nn.Module, version: int, weights=checkpoint_weights) -> None:
         """Through vLLM's weight-transfer engine: the first update joins the server's workers in
@@ -341,7 +366,7 @@ class VLLMServerEngine(GenerationEngine):
         G, T, B = num_generations, params.max_new_tokens, len(prompt_ids)
         seeded = generator is not None and not params.greedy
         seeds = torch.randint(0, 2**31 - G, (B,), generator=generator).tolist() if seeded else [None] * B
-        model = LORA_NAME if self._adapter_live else self.model_id
+        model = self._adapter_name or self.model_id
         common = dict(model=model, n=G, max_tokens=T, logprobs=0, return_token_ids=True,
                       temperature=0.0 if params.greedy else params.temperature, top_p=params.top_p,
                       top_k=params.top_k, ignore_eos=params.ignore_eos,

@@ -203,7 +203,7 @@ def test_a_lora_partial_rollout_finishes_on_its_adapter(server, tiny_model_dir, 
     engine = VLLMServerEngine("127.0.0.1", server.port, eos_token_ids=(tok.eos_token_id,),
                               pad_token_id=tok.pad_token_id, weight_dir=str(tmp_path / "w"), timeout_s=60,
                               lora_rank=8, lora_sync="adapter", keep_adapters=2)
-    prompts = [tok(p)["input_ids"] for p in ("Say numbers 1: ", "abc", "xyz", "What is 7+8? ")]
+    prompts = [tok(p)["input_ids"] for p in ("Say numbers 1: ", "abc", "xyz", "What is 7+8? ")] * 4
     params = SamplingParams(max_new_tokens=200, temperature=1.0, ignore_eos=True)
     producer = RolloutProducer(engine, lambda: prompts, lambda p: engine.generate(p, 16, params,
                                torch.Generator().manual_seed(0)), max_staleness=1, partial=True)
@@ -214,13 +214,17 @@ def test_a_lora_partial_rollout_finishes_on_its_adapter(server, tiny_model_dir, 
     engine.sync_weights(versions[0], 0)
     t0 = time.monotonic()
     producer.next()  # batch 0 inline; batch 1 now generating with adapter v0
-    batch_s = time.monotonic() - t0
+    started, batch_s, overtaken = time.monotonic(), time.monotonic() - t0, []
     for version in (1, 2):
-        time.sleep(batch_s / 4)  # the batch in flight is decoding
+        time.sleep(batch_s / 10)  # the batch in flight is decoding
         producer.sync_weights(versions[version], version)
+        synced = time.monotonic() - started
         produced = producer.next()  # generated with adapter v(version - 1), updated meanwhile
+        started = time.monotonic()  # the next batch was submitted as next() returned
+        assert synced < produced.seconds, (synced, produced.seconds)  # the update began and ended inside it
         assert (produced.staleness, produced.overlapped) == (1, 1)
-        ro = produced.result
+        overtaken.append((version, produced.result))
+    for version, ro in overtaken:  # checked once no batch is timed any more
         assert ro.completion_mask.all()
         gap = (ro.sampling_logp - trainer_logp(versions[version - 1], ro)).abs().max()
         assert gap < LOGP_ATOL, (version, float(gap))  # every token: the adapter it started with
@@ -421,7 +425,9 @@ def test_a_partial_rollout_goes_on_under_the_new_weights(server, tiny_model_dir,
     engine = VLLMServerEngine("127.0.0.1", server.port, eos_token_ids=(tok.eos_token_id,),
                               pad_token_id=tok.pad_token_id, weight_dir=str(tmp_path / "w"), timeout_s=60)
     engine.sync_weights(model, 0)
-    prompts = [tok(p)["input_ids"] for p in ("Say numbers 1: ", "abc", "xyz", "What is 7+8? ")]
+    # 8 prompts x 16 samples x 230 tokens: long enough that the update lands well inside the batch,
+    # and all 128 sequences decode at once (the server's max_num_seqs on CPU), so all start before it
+    prompts = [tok(p)["input_ids"] for p in ("Say numbers 1: ", "abc", "xyz", "What is 7+8? ")] * 2
     params = SamplingParams(max_new_tokens=230, temperature=1.0, ignore_eos=True)
     producer = RolloutProducer(engine, lambda: prompts, lambda p: engine.generate(p, 16, params,
                                torch.Generator().manual_seed(0)), max_staleness=1, partial=True)
@@ -429,13 +435,16 @@ def test_a_partial_rollout_goes_on_under_the_new_weights(server, tiny_model_dir,
     optimizer_step(model, lr=3e-2)  # the new weights, ready before batch 1 starts
     t0 = time.monotonic()
     producer.next()  # batch 0 inline; batch 1 now generating in the background
-    first = time.monotonic() - t0
-    time.sleep(first / 4)  # batch 1 is decoding (a batch takes `first` seconds)
+    started = time.monotonic()
+    time.sleep((started - t0) / 10)  # batch 1 is decoding (a batch takes about started - t0)
     producer.sync_weights(model, 1)
+    synced = time.monotonic() - started
     produced = producer.next()
+    # what the test needs of the machine: the update was in place before the batch's last 32 tokens
+    assert synced < produced.seconds * (1 - 32 / 230), (synced, produced.seconds)
     assert (produced.staleness, produced.overlapped) == (1, 1)  # the update began while it was generated
     ro = produced.result
-    assert ro.completion_mask.all()  # every trajectory whole: 64 x 230 tokens
+    assert ro.completion_mask.all()  # every trajectory whole: 128 x 230 tokens
     old_logp, new_logp = trainer_logp(old, ro), trainer_logp(model, ro)
     drawn = ro.sampling_logp[:, :old_logp.shape[1]]
     assert (drawn[:, :8] - old_logp[:, :8]).abs().max() < LOGP_ATOL  # before the update: the old weights

@@ -16,12 +16,12 @@ class SamplerWithLogprobs(GenerationEngine):
 
     def __init__(self, trainer: Trainer, perturb):
         self.engine, self.trainer, self.perturb = trainer.engine, trainer, perturb
-        self.logprobs = trainer._logprobs  # bound before any test patches it
+        self.logprobs = trainer.updater.logprobs  # bound before any test patches it
         self.last = None
 
     def generate(self, *args, **kwargs):
         rollout = self.engine.generate(*args, **kwargs)
-        logp = self.logprobs(self.trainer.model, rollout)  # [N, T], 0 on padding
+        logp = self.logprobs(self.trainer.model, rollout, self.trainer.cfg)  # [N, T], 0 on padding
         delta = torch.where(rollout.completion_mask, self.perturb(rollout), 0.0)  # [N, T]
         rollout.sampling_logp = logp + delta
         self.last = (rollout, logp)
@@ -42,7 +42,7 @@ def one_step(make_cfg, perturb=None, *, forbid_logprobs=False, **overrides):
     if perturb is not None:
         trainer.engine = SamplerWithLogprobs(trainer, perturb)
     if forbid_logprobs:
-        trainer._logprobs = lambda *a: pytest.fail("mu = 1, beta = 0, no correction: no old log-probs")
+        trainer.updater.logprobs = lambda *a: pytest.fail("mu = 1, beta = 0, no correction: no old log-probs")
     grads = []
     step = trainer.optimizer.step
     trainer.optimizer.step = lambda: grads.append(
@@ -115,8 +115,8 @@ def test_mu_1_makes_exactly_one_extra_forward_pass(make_cfg):
     trainer = Trainer(make_cfg(max_steps=1, num_logged_samples=0))
     trainer.engine = SamplerWithLogprobs(trainer, lambda r: torch.zeros(r.completion_ids.shape))
     calls = []
-    original = trainer._logprobs
-    trainer._logprobs = lambda model, rollout: calls.append(model) or original(model, rollout)
+    original = trainer.updater.logprobs
+    trainer.updater.logprobs = lambda model, rollout, cfg: calls.append(model) or original(model, rollout, cfg)
     trainer.train()
     assert calls == [trainer.model]  # pi_old from the trainer, once; no reference (beta = 0)
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import grouprl.trainer as trainer_module
+import grouprl.update as update_module
 from grouprl.batch import StepBatch
 from grouprl.config import ConfigError
 from grouprl.rollout import Rollout
@@ -37,7 +38,7 @@ def test_context_tokens_carry_no_gradient_and_do_not_change_the_actions_gradient
     trainer = Trainer(make_cfg(num_generations=2, prompts_per_step=1, micro_batch_size=2, loss_agg="token-mean",
                                beta=0.0))
     captured = []
-    real = trainer_module.completion_logprobs
+    real = update_module.completion_logprobs
 
     def spy(*args, **kwargs):
         logp, entropy = real(*args, **kwargs)
@@ -46,7 +47,7 @@ def test_context_tokens_carry_no_gradient_and_do_not_change_the_actions_gradient
             captured.append(logp)
         return logp, entropy
 
-    monkeypatch.setattr(trainer_module, "completion_logprobs", spy)
+    monkeypatch.setattr(update_module, "completion_logprobs", spy)
     weights = copy.deepcopy(trainer.model.state_dict())
     grads, logps = [], []
     for context in ([10, 11, 12, 13], [70, 20, 90, 40]):

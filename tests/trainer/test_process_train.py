@@ -11,6 +11,7 @@ outcome (a final step) sits on the last token.
 import torch
 
 import grouprl.trainer as trainer_module
+import grouprl.update as update_module
 from grouprl.core import process_advantages
 from grouprl.rewards import CharOffset
 from grouprl.trainer import Trainer
@@ -49,7 +50,7 @@ def by_hand(completions, completion_ids, tokenizer, G, T, weights):
 
 def test_the_loss_gets_process_advantages_of_the_step_and_outcome_rewards(make_cfg, monkeypatch):
     seen, to_loss = [], []
-    real_step_advantages, real_policy_loss = trainer_module.step_advantages, trainer_module.policy_loss
+    real_step_advantages, real_policy_loss = trainer_module.step_advantages, update_module.policy_loss
 
     def spy_advantages(cfg, batch):
         adv = real_step_advantages(cfg, batch)
@@ -61,7 +62,7 @@ def test_the_loss_gets_process_advantages_of_the_step_and_outcome_rewards(make_c
         return real_policy_loss(logp, old_logp, advantages, mask, **kwargs)
 
     monkeypatch.setattr(trainer_module, "step_advantages", spy_advantages)
-    monkeypatch.setattr(trainer_module, "policy_loss", spy_loss)
+    monkeypatch.setattr(update_module, "policy_loss", spy_loss)
     cfg = make_cfg(advantage_estimator="process", max_steps=2, temperature=1.5,
                    reward_funcs=["tests.trainer.test_process_train:chunk_digits",
                                  "tests.trainer.conftest:digit_fraction"], reward_weights=[1.0, 0.5])

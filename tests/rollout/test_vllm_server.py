@@ -203,8 +203,8 @@ def test_a_lora_partial_rollout_finishes_on_its_adapter(server, tiny_model_dir, 
     engine = VLLMServerEngine("127.0.0.1", server.port, eos_token_ids=(tok.eos_token_id,),
                               pad_token_id=tok.pad_token_id, weight_dir=str(tmp_path / "w"), timeout_s=60,
                               lora_rank=8, lora_sync="adapter", keep_adapters=2)
-    prompts = [tok(p)["input_ids"] for p in ("Say numbers 1: ", "abc", "xyz", "What is 7+8? ")] * 4
-    params = SamplingParams(max_new_tokens=200, temperature=1.0, ignore_eos=True)
+    prompts = [tok(p)["input_ids"] for p in ("Say numbers 1: ", "abc", "xyz", "What is 7+8? ")] * 2
+    params = SamplingParams(max_new_tokens=100, temperature=1.0, ignore_eos=True)
     producer = RolloutProducer(engine, lambda: prompts, lambda p: engine.generate(p, 16, params,
                                torch.Generator().manual_seed(0)), max_staleness=1, partial=True)
     versions = []

@@ -11,7 +11,7 @@ from typing import Any
 
 import yaml
 
-from grouprl.config import ConfigError, TrainConfig, did_you_mean
+from grouprl.config import ConfigError, TrainConfig, did_you_mean, field_types, load_yaml, value_matches
 
 TASK_FIELDS = {"model", "train_data", "eval_data", "reward_funcs"}
 
@@ -20,7 +20,7 @@ def build_config(config_path: str | None, args: list[str]) -> TrainConfig:
     """`args` (`--field value ...`) over the YAML file `config_path`. With neither a config file nor
     any of TASK_FIELDS on the command line, the embedded task is the base; otherwise TrainConfig's
     own defaults are."""
-    overrides = parse_overrides(args, {f.name for f in dataclasses.fields(TrainConfig)})
+    overrides = parse_overrides(args, field_types())
     base = None
     if config_path is None and not TASK_FIELDS & overrides.keys():
         from grouprl.tasks import DEFAULT_TASK
@@ -29,9 +29,12 @@ def build_config(config_path: str | None, args: list[str]) -> TrainConfig:
     return dataclasses.replace(TrainConfig.load(config_path, base=base), **overrides)
 
 
-def parse_overrides(args: list[str], known: set[str]) -> dict[str, Any]:
-    """`--field value` / `--field=value` pairs; values are parsed as YAML (`--beta 0.04`,
-    `--reward_funcs '[a, b]'`). Dashes in names are accepted for underscores. A bare flag is `true`."""
+def parse_overrides(args: list[str], types: dict[str, Any]) -> dict[str, Any]:
+    """`--field value` / `--field=value` pairs for the fields in `types` (name: type); values are
+    parsed as YAML (`--beta 0.04`, `--learning_rate 1e-6`, `--reward_funcs '[a, b]'`), except that a
+    text field keeps the text as typed. Dashes in names are accepted for underscores. A bare flag
+    is `true`."""
+    known = set(types)
     out: dict[str, Any] = {}
     i = 0
     while i < len(args):
@@ -50,9 +53,11 @@ def parse_overrides(args: list[str], known: set[str]) -> dict[str, Any]:
             else:
                 value = "true"
         try:
-            out[name] = yaml.safe_load(value) if value != "" else ""
+            parsed = load_yaml(value) if value != "" else ""
         except yaml.YAMLError:
-            out[name] = value
+            parsed = value
+        # A text field keeps the text as typed: `--output_dir 2024` or `--run_name 1e5` is not a number.
+        out[name] = value if not value_matches(parsed, types[name]) and value_matches(value, types[name]) else parsed
         i += 1
     return out
 

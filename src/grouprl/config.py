@@ -236,7 +236,7 @@ class TrainConfig:
     adam_beta2: float = 0.99
     """AdamW beta2."""
     max_grad_norm: float | None = 1.0
-    """Clip the global gradient norm to this value; None disables clipping."""
+    """Clip the global gradient norm to this value; null (or 0) disables clipping."""
     warmup_steps: int = 0
     """Linear warm-up over this many optimizer steps."""
     lr_scheduler_type: str = "constant"
@@ -470,7 +470,7 @@ class TrainConfig:
         Paths are not probed here: the loaders do it (policy.check_model_source, data.check_data_source)."""
         c = self.resolved()
         for f in dataclasses.fields(c):
-            _check_type(f.name, getattr(c, f.name), _field_types()[f.name])
+            _check_type(f.name, getattr(c, f.name), field_types()[f.name])
         if isinstance(c.bf16, str) and c.bf16 != "auto":
             raise ConfigError(f"bf16={c.bf16!r} is not one of: auto, true, false")
         if isinstance(c.gradient_checkpointing, str) and c.gradient_checkpointing != "auto":
@@ -557,6 +557,14 @@ class TrainConfig:
             raise ConfigError(f"eval_fraction={c.eval_fraction} must be in [0, 1)")
         if c.learning_rate <= 0 or not math.isfinite(c.learning_rate):
             raise ConfigError(f"learning_rate={c.learning_rate} must be a positive number")
+        if c.max_grad_norm is not None and not c.max_grad_norm >= 0:  # torch would flip every gradient
+            raise ConfigError(f"max_grad_norm={c.max_grad_norm} must be positive, or null (or 0) for no "
+                              "clipping; a negative norm would reverse the gradient")
+        for name in ("adam_beta1", "adam_beta2"):
+            if not 0 <= getattr(c, name) < 1:
+                raise ConfigError(f"{name}={getattr(c, name)} must be in [0, 1) (AdamW's decay rates: 0.9, 0.99)")
+        if not c.weight_decay >= 0:
+            raise ConfigError(f"weight_decay={c.weight_decay} must be 0 or more (0 turns it off)")
         if c.ref_update_steps and c.lora_r:
             raise ConfigError("ref_update_steps with LoRA is not supported: with LoRA the reference "
                               "is the base model with the adapter disabled; set ref_update_steps: 0")
@@ -626,7 +634,7 @@ class TrainConfig:
             if not p.is_file():
                 raise ConfigError(f"config file {str(p)!r} does not exist")
             try:
-                loaded = yaml.safe_load(p.read_text()) or {}
+                loaded = load_yaml(p.read_text()) or {}
             except yaml.YAMLError as e:
                 raise ConfigError(f"config file {str(p)!r} is not valid YAML: {e}") from None
             if not isinstance(loaded, dict):
@@ -636,7 +644,25 @@ class TrainConfig:
 
 
 # ------------------------------------------------------------------ helpers
-def _field_types() -> dict[str, Any]:
+class _YamlLoader(yaml.SafeLoader):
+    """PyYAML reads YAML 1.1, where a float needs a dot: `1e-6` is the *string* '1e-6' there, and
+    every learning rate written that way failed validation. This loader also reads `1e-6`, `3E5`
+    and `-2e+3` as floats (as YAML 1.2 and JSON do); nothing else changes."""
+
+
+_YamlLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9][0-9_]*)[eE][-+]?[0-9]+$"),
+    list("-+0123456789."))
+
+
+def load_yaml(text: str) -> Any:
+    """`yaml.safe_load`, with `1e-6` read as a float (`_YamlLoader`): config files and --field values."""
+    return yaml.load(text, Loader=_YamlLoader)  # noqa: S506 (a SafeLoader subclass)
+
+
+def field_types() -> dict[str, Any]:
+    """Each TrainConfig field's type, resolved (`float | None`, `list[str]`, ...)."""
     return typing.get_type_hints(TrainConfig)
 
 
@@ -645,25 +671,27 @@ def _type_name(tp: Any) -> str:
 
 
 def _check_type(name: str, value: Any, tp: Any) -> None:
-    if _matches(value, tp):
+    if value_matches(value, tp):
         return
     raise ConfigError(f"{name}={value!r} has the wrong type: expected {_type_name(tp)}")
 
 
-def _matches(value: Any, tp: Any) -> bool:
+def value_matches(value: Any, tp: Any) -> bool:
+    """Whether `value` is of type `tp` as validation checks it (an int is a float, a bool is neither)."""
     origin = typing.get_origin(tp)
     if tp is Any:
         return True
     if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
-        return any(_matches(value, a) for a in typing.get_args(tp))
+        return any(value_matches(value, a) for a in typing.get_args(tp))
     if tp is type(None):
         return value is None
     if origin is list:
         (inner,) = typing.get_args(tp) or (Any,)
-        return isinstance(value, list) and all(_matches(v, inner) for v in value)
+        return isinstance(value, list) and all(value_matches(v, inner) for v in value)
     if origin is dict:
         key, val = typing.get_args(tp) or (Any, Any)
-        return isinstance(value, dict) and all(_matches(k, key) and _matches(v, val) for k, v in value.items())
+        return isinstance(value, dict) and all(value_matches(k, key) and value_matches(v, val)
+                                               for k, v in value.items())
     if tp is float:
         return isinstance(value, (int, float)) and not isinstance(value, bool)
     if tp is int:

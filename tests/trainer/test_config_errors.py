@@ -41,6 +41,9 @@ def no_model_loading(monkeypatch):
     ({"loss_agg": "mean"}, "loss_agg='mean' is not one of"),
     ({"reward_weights": [1.0, 2.0]}, "reward_weights has 2 values but reward_funcs has 1"),
     ({"learning_rate": "fast"}, "learning_rate='fast' has the wrong type: expected float"),
+    ({"max_grad_norm": -1.0}, "max_grad_norm=-1.0 must be positive, or null"),
+    ({"adam_beta2": 1.0}, "adam_beta2=1.0 must be in .0, 1. .AdamW"),
+    ({"weight_decay": -0.01}, "weight_decay=-0.01 must be 0 or more"),
     ({"lora_r": 8, "ref_update_steps": 2}, "ref_update_steps with LoRA is not supported"),
     ({"vllm_importance_sampling_mode": "tis"}, "vllm_importance_sampling_mode='tis' is not one of"),
     ({"vllm_importance_sampling_cap": 0.5}, "vllm_importance_sampling_cap=0.5 must be at least 1"),
@@ -131,6 +134,22 @@ def test_cli_overrides_go_over_the_yaml_file_and_unknown_ones_suggest_a_field(tm
     code = main(["train", "--num_generation", "4"])
     assert code == 2
     assert "unknown option --num_generation (did you mean 'num_generations'?)" in capsys.readouterr().err
+
+
+def test_exponent_floats_without_a_dot_are_floats_in_yaml_files_and_on_the_command_line(tmp_path):
+    # PyYAML reads YAML 1.1, where 1e-6 is the string '1e-6': `--learning_rate 3e-2` failed with
+    # "has the wrong type: expected float", and so did `learning_rate: 1e-6` in a config file.
+    path = tmp_path / "c.yaml"
+    path.write_text("learning_rate: 1e-6\nreward_weights: [1, 2E-1]\nweight_decay: .5e-1\nmodel: '1e-3'\n")
+    cfg = TrainConfig.load(path)
+    assert (cfg.learning_rate, cfg.reward_weights, cfg.weight_decay, cfg.model) == (1e-6, [1, 0.2], 0.05, "1e-3")
+    cfg = build_config(str(path), ["--learning_rate", "3e-2", "--beta=4E+1", "--max_grad_norm=1e-1", "--output_dir", "1e5",
+                                   "--model", "2024", "--train_data", "2.5", "--eval_data", "null",
+                                   "--reward_funcs", "[math_accuracy, format_reward]"])
+    assert (cfg.learning_rate, cfg.beta, cfg.max_grad_norm) == (0.03, 40.0, 0.1)
+    # a text field keeps the text as typed; null still clears an optional one
+    assert (cfg.output_dir, cfg.model, cfg.train_data, cfg.eval_data) == ("1e5", "2024", "2.5", None)
+    cfg.validate()
 
 
 def test_validation_reads_no_file_and_the_loaders_probe_paths_before_any_model_loads(make_cfg, digits_data,

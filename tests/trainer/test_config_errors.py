@@ -143,9 +143,9 @@ def test_exponent_floats_without_a_dot_are_floats_in_yaml_files_and_on_the_comma
     path.write_text("learning_rate: 1e-6\nreward_weights: [1, 2E-1]\nweight_decay: .5e-1\nmodel: '1e-3'\n")
     cfg = TrainConfig.load(path)
     assert (cfg.learning_rate, cfg.reward_weights, cfg.weight_decay, cfg.model) == (1e-6, [1, 0.2], 0.05, "1e-3")
-    cfg = build_config(str(path), ["--learning_rate", "3e-2", "--beta=4E+1", "--max_grad_norm=1e-1", "--output_dir", "1e5",
-                                   "--model", "2024", "--train_data", "2.5", "--eval_data", "null",
-                                   "--reward_funcs", "[math_accuracy, format_reward]"])
+    cfg = build_config(str(path), ["--learning_rate", "3e-2", "--beta=4E+1", "--max_grad_norm=1e-1",
+                                   "--output_dir", "1e5", "--model", "2024", "--train_data", "2.5",
+                                   "--eval_data", "null", "--reward_funcs", "[math_accuracy, format_reward]"])
     assert (cfg.learning_rate, cfg.beta, cfg.max_grad_norm) == (0.03, 40.0, 0.1)
     # a text field keeps the text as typed; null still clears an optional one
     assert (cfg.output_dir, cfg.model, cfg.train_data, cfg.eval_data) == ("1e5", "2024", "2.5", None)

@@ -4,6 +4,7 @@
     python scripts/fetch_smollm2.py models/smollm2                                     # once
     python benchmarks/run_health.py --arms hack-smollm2 sound-smollm2 --model models/smollm2
     python benchmarks/run_health.py --arms filter-default nofilter-default --seeds 1 2 3
+    python benchmarks/run_health.py --arms filter-mixed nofilter-mixed --seeds 1 2 3 4 5
 
 Arms (each one `grouprl train` run per seed, through the public Trainer API, health at its defaults):
 - `sound-default`: the embedded default task (`grouprl train` with no arguments) with
@@ -26,6 +27,10 @@ Arms (each one `grouprl train` run per seed, through the public Trainer API, hea
   96 training prompts (met about 7 times each in 40 steps: a filter needs a prompt's past groups,
   so on the full 9,800 prompts, each met once, it has nothing to act on); the held-out gain per
   generated token.
+- `filter-mixed` / `nofilter-mixed`: the same 96 prompts plus 48 whose reference answer is wrong
+  (the sum plus 1 to 9: no completion can be paid for them), as scraped data sets have. A third of
+  the prompts can never teach; the question is whether the filter finds them and spends their
+  rollouts on prompts that can.
 
 Each run appends one JSON line to --out (default benchmarks/results/run_health.jsonl): the arm, the
 seed, the steps, every alarm (kind, function, step, statistic), rollbacks, held-out accuracy before
@@ -54,7 +59,7 @@ def arm_config(arm: str, seed: int, steps: int | None, model: str, workdir: Path
     from grouprl.tasks import DEFAULT_TASK
 
     out = str(workdir / f"{arm}-{seed}")
-    if arm.endswith("-default"):
+    if arm.endswith(("-default", "-mixed")):
         kw = dict(DEFAULT_TASK, seed=seed, output_dir=out, max_steps=steps or 40, eval_steps=10, progress=False,
                   report_to=[], save_total_limit=1)
         if arm in ("sound-default", "lr100-default", "lr100-beta0-default"):
@@ -63,12 +68,16 @@ def arm_config(arm: str, seed: int, steps: int | None, model: str, workdir: Path
             kw["learning_rate"] = 100 * DEFAULT_TASK["learning_rate"]
         if arm == "lr100-beta0-default":  # no reference, no KL: only the reward and entropy can tell
             kw["beta"] = 0.0
-        if arm in ("filter-default", "nofilter-default"):  # 96 prompts: each is met ~7 times in 40 steps
+        if arm in ("filter-default", "nofilter-default", "filter-mixed", "nofilter-mixed"):
             from grouprl.tasks.arithmetic import train_rows
 
-            data = workdir / "arithmetic96.jsonl"
-            data.write_text("".join(json.dumps(r) + "\n" for r in train_rows()[:96]))
-            kw.update(train_data=str(data), prompt_filter=arm == "filter-default")
+            rows = train_rows()[:96]  # 96 prompts: each is met ~7 times in 40 steps
+            if arm.endswith("-mixed"):  # + 48 mislabeled rows (sum + 1..9), never paid for
+                rows = rows + [dict(r, answer=str(int(r["answer"]) + 1 + i % 9))
+                               for i, r in enumerate(train_rows()[96:144])]
+            data = workdir / f"{arm.split('-')[1]}-{len(rows)}.jsonl"
+            data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+            kw.update(train_data=str(data), prompt_filter=arm.startswith("filter-"))
         return kw
     if arm == "hack-tiny":
         from grouprl.tasks.testing import save_tiny_model
@@ -99,7 +108,7 @@ def arm_config(arm: str, seed: int, steps: int | None, model: str, workdir: Path
 
 
 ARMS = ("sound-default", "lr100-default", "lr100-beta0-default", "hack-tiny", "hack-smollm2", "sound-smollm2",
-        "filter-default", "nofilter-default")
+        "filter-default", "nofilter-default", "filter-mixed", "nofilter-mixed")
 
 
 def run_arm(arm: str, seed: int, steps: int | None, model: str, workdir: Path) -> dict:
@@ -130,6 +139,7 @@ def run_arm(arm: str, seed: int, steps: int | None, model: str, workdir: Path) -
             "eval_before": evals.get(0), "eval_after": evals.get(max(evals)) if evals else None,
             "reward_first": steps_rows[0]["reward/mean"], "reward_last": steps_rows[-1]["reward/mean"],
             "audit_last": {k: v for k, v in steps_rows[-1].items() if k.startswith("audit/")},
+            "evals": evals, "teaching_share": statistics.mean(1 - r["zero_std_frac"] for r in steps_rows),
             "generated_tokens": tokens, "prompts_skipped": steps_rows[-1].get("prompt_filter/skipped"),
             "stopped_by": summary.get("stopped_by"), "seconds": round(time.perf_counter() - t0, 1)}
 

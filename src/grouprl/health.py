@@ -35,12 +35,18 @@ Reward hacking (`on_reward_hacking`), each at most once per (alarm, function):
   while the mean length grew by `length_growth` (a fraction) over its base.
 
 Collapse (`on_collapse`), re-armed after a rollback:
-- `reward_crash`: the mean reward over the last 2 steps fell `crash_drop_z` * sd below the best
-  earlier 2-step mean (the first step alone before there are two), and by at least `crash_se_z`
-  standard errors of that difference, estimated from the spread of the groups' mean rewards in
-  the two windows. The second condition matters with few prompts per step: a lucky step of easy
-  prompts followed by hard ones is not a crash (measured: SmolLM2 with 2 prompts per step, a sound
-  run, fell 1.1 sd from such a step at 0.7 standard errors).
+- `reward_crash` (from step 3): the mean reward over the last 2 steps fell
+  `crash_drop_z` * sd below its level before them (the mean over up to 2W earlier steps), and by
+  at least `crash_se_z` standard errors of that difference, estimated from the spread of the
+  groups' mean rewards in the two spans. The level is a mean, not the best earlier window: the
+  best of many windows is itself a lucky draw, and the more steps a run has, the luckier it gets.
+  The standard errors matter when prompts differ in difficulty: which prompts were drawn moves a
+  step's mean (measured: SmolLM2 with 2 prompts per step, a sound run, fell 1.1 sd from a lucky
+  step at 0.7 standard errors; the embedded task with a third of its prompts unsolvable drew 11
+  of them in one step of 16 and fell 0.71 sd, 3.5 standard errors below the best earlier window,
+  a false alarm in 3 of 10 sound runs before the level became a mean). Step 2 alone against
+  step 1 is not judged: Adam's first update moves every weight by about the learning rate, and a
+  sound run of the embedded task dipped 3.3 standard errors there and recovered.
 - `kl_spike`: the KL to the reference (only when beta > 0, else this alarm is off) is at least
   `kl_spike_min` and `kl_spike_factor` times the median of the earlier steps' KL.
 - `entropy_collapse`: the mean entropy of the last W steps fell below `entropy_ratio` times its
@@ -309,18 +315,18 @@ class HealthMonitor:
         t, h, out = self.t, self.history, []
         if len(h) < 2:
             return out
-        windows = [h[max(0, i - 1):i + 1] for i in range(len(h))]  # the 2 steps ending at each step
-        two = [statistics.fmean(r["reward"] for r in w) for w in windows]
-        best_i = max(range(len(h) - 2), key=two.__getitem__) if len(h) > 2 else 0
+        last, ref = h[-2:], h[:-2][-2 * t.window:]  # the last 2 steps; the level before them: a mean, not a best
+        now, level = (statistics.fmean(r["reward"] for r in rows) if rows else math.nan for rows in (last, ref))
         sd = max(self.base_sd.get("reward", 0.0), 1e-6)
-        drop = (two[best_i] - two[-1]) / sd
-        noise = math.hypot(_standard_error(windows[best_i]), _standard_error(windows[-1]))  # of the difference
-        drop_se = (two[best_i] - two[-1]) / max(noise, 1e-6)
-        if drop >= t.crash_drop_z and drop_se >= t.crash_se_z:
-            out.append(Alarm("reward_crash", step, (int(h[best_i]["step"]), step), None,
-                             f"mean reward of the last 2 steps {two[-1]:.3f}, {drop:.2f} sd and {drop_se:.1f} standard "
-                             f"errors below {two[best_i]:.3f} at step {int(h[best_i]['step'])}", drop, t.crash_drop_z,
-                             self._examples("reward", high=False)))
+        drop = (level - now) / sd
+        noise = math.hypot(_standard_error(ref), _standard_error(last))  # of the difference
+        drop_se = (level - now) / max(noise, 1e-6)
+        if ref and drop >= t.crash_drop_z and drop_se >= t.crash_se_z:
+            span = (int(ref[0]["step"]), int(ref[-1]["step"]))
+            out.append(Alarm("reward_crash", step, (span[0], step), None,
+                             f"mean reward of the last 2 steps {now:.3f}, {drop:.2f} sd and {drop_se:.1f} "
+                             f"standard errors below {level:.3f} over steps {span[0]}-{span[1]}", drop,
+                             t.crash_drop_z, self._examples("reward", high=False)))
         kls = [r["kl"] for r in h if "kl" in r]
         if len(kls) >= 2:
             ref = statistics.median(kls[:-1][-2 * t.window:])

@@ -136,6 +136,22 @@ def test_reward_crash_kl_spike_and_entropy_collapse():
     assert [a.kind for s, r in enumerate([one, lucky, none, none], 1)
             for a in _step(strict, s, rewards=r)[1]] == ["reward_crash"]
 
+    # Prompts that are always solved (group mean 1) or never (0): a step's mean is which were drawn.
+    # Steps 1-8 draw 2 of each (0.5); steps 9-10 draw 4 solvable (1.0), steps 11-12 one (0.25). Against
+    # the best earlier window (steps 9-10: 1.0, every group at 1, so no spread) step 12 is 1.5 sd and
+    # 4.6 standard errors down, an alarm for a sound run; against the level of steps 5-10 (0.667, 24
+    # group means, se 0.098) it is 0.83 sd and 2.2 standard errors down: no alarm.
+    def drawn(solvable):
+        return [1.0 if g < solvable else 0.0 for g in range(4) for _ in range(G)]
+
+    draws = [2] * 8 + [4, 4, 1, 1]
+    mon = _monitor()
+    assert [a.kind for s, k in enumerate(draws, 1) for a in _step(mon, s, rewards=drawn(k))[1]] == []
+    mon, fired = _monitor(), []  # the same run, except that steps 11-12 solve nothing: a crash
+    for s, k in enumerate(draws[:10] + [0, 0], 1):
+        fired += [(a.kind, s, a.steps) for a in _step(mon, s, rewards=drawn(k))[1]]
+    assert fired == [("reward_crash", 12, (5, 12))]  # 1.33 sd, 6.8 standard errors below steps 5-10
+
     mon = _monitor()
     kinds = [[a.kind for a in _step(mon, s, kl=k)[1]] for s, k in enumerate([0.01, 0.02, 0.01, 0.5, 2.0], 1)]
     assert kinds == [[], [], [], [], ["kl_spike"]]  # 0.5 is 25x the median but below 1; 2.0 is both

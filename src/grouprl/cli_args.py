@@ -11,7 +11,8 @@ from typing import Any
 
 import yaml
 
-from grouprl.config import ConfigError, TrainConfig, did_you_mean, field_types, load_yaml, value_matches
+from grouprl.config import (ConfigError, TrainConfig, did_you_mean, field_types, list_item_type, load_yaml,
+                            value_matches)
 
 TASK_FIELDS = {"model", "train_data", "eval_data", "reward_funcs"}
 
@@ -30,10 +31,8 @@ def build_config(config_path: str | None, args: list[str]) -> TrainConfig:
 
 
 def parse_overrides(args: list[str], types: dict[str, Any]) -> dict[str, Any]:
-    """`--field value` / `--field=value` pairs for the fields in `types` (name: type); values are
-    parsed as YAML (`--beta 0.04`, `--learning_rate 1e-6`, `--reward_funcs '[a, b]'`), except that a
-    text field keeps the text as typed. Dashes in names are accepted for underscores. A bare flag
-    is `true`."""
+    """`--field value` / `--field=value` pairs for the fields in `types` (name: type), each value read
+    by `parse_value`. Dashes in names are accepted for underscores. A bare flag is `true`."""
     known = set(types)
     out: dict[str, Any] = {}
     i = 0
@@ -52,14 +51,25 @@ def parse_overrides(args: list[str], types: dict[str, Any]) -> dict[str, Any]:
                 i += 1
             else:
                 value = "true"
-        try:
-            parsed = load_yaml(value) if value != "" else ""
-        except yaml.YAMLError:
-            parsed = value
-        # A text field keeps the text as typed: `--output_dir 2024` or `--run_name 1e5` is not a number.
-        out[name] = value if not value_matches(parsed, types[name]) and value_matches(value, types[name]) else parsed
+        out[name] = parse_value(value, types[name])
         i += 1
     return out
+
+
+def parse_value(text: str, tp: Any) -> Any:
+    """One --field value for a field of type `tp`: YAML (`0.04`, `1e-6`, `null`, `[a, b]`), except
+    that a text field keeps the text as typed (`--output_dir 2024` is not a number), and a list field
+    also takes one value or comma-separated values (`--report_to wandb`, `--reward_funcs a,b`)."""
+    try:
+        parsed = load_yaml(text) if text != "" else ""
+    except yaml.YAMLError:
+        parsed = text
+    inner = list_item_type(tp)
+    if inner is not None and parsed is not None and not isinstance(parsed, list):
+        if isinstance(parsed, dict):
+            return [parsed]
+        return [parse_value(piece.strip(), inner) for piece in text.split(",")]
+    return text if not value_matches(parsed, tp) and value_matches(text, tp) else parsed
 
 
 def field_docs() -> dict[str, str]:

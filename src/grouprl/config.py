@@ -246,7 +246,8 @@ class TrainConfig:
     are computed."""
     micro_batch_size: int = 16
     """Completions per forward/backward pass; gradients accumulate to the full-batch gradient. With
-    `max_tokens_per_micro_batch` set, the most completions a pass takes."""
+    `max_tokens_per_micro_batch` set, the most completions a pass takes. Above the completions of a
+    step it means the whole step."""
     max_tokens_per_micro_batch: int | None = 4096
     """Token budget of one forward/backward pass of the update and the log-prob passes: consecutive
     completions (group by group) go into a pass while its tokens stay within the budget (and at
@@ -498,9 +499,8 @@ class TrainConfig:
         n = c.prompts_per_step * c.num_generations
         if c.generation_batch_size is not None and c.generation_batch_size < 1:
             raise ConfigError("generation_batch_size must be at least 1 (or null for all at once)")
-        if c.micro_batch_size > n:
-            raise ConfigError(f"micro_batch_size={c.micro_batch_size} exceeds the {n} completions of "
-                              f"a step (prompts_per_step * num_generations); use at most {n}")
+        if c.micro_batch_size > n:  # a pass never holds more than the step: the whole step (the embedded
+            c.micro_batch_size = n  # task's 128 with --num_generations 3 --prompts_per_step 5 is 15)
         if n % c.micro_batch_size:
             raise ConfigError(f"micro_batch_size={c.micro_batch_size} does not divide the {n} "
                               "completions of a step (prompts_per_step * num_generations = "
@@ -622,6 +622,10 @@ class TrainConfig:
             hints = [f"{k!r}" + did_you_mean(k, known) for k in unknown]
             raise ConfigError(f"unknown config field(s): {', '.join(hints)}; "
                               "`grouprl train --help` lists every field")
+        types = field_types()
+        for k, v in values.items():  # `report_to: wandb` in a file: a one-item list
+            if isinstance(v, str) and list_item_type(types[k]) is not None:
+                values = {**values, k: [v]}
         return cls(**values)
 
     @classmethod
@@ -674,6 +678,14 @@ def _check_type(name: str, value: Any, tp: Any) -> None:
     if value_matches(value, tp):
         return
     raise ConfigError(f"{name}={value!r} has the wrong type: expected {_type_name(tp)}")
+
+
+def list_item_type(tp: Any) -> Any:
+    """The item type of a list field (`list[str]`, `list[float] | None`), else None."""
+    for t in (tp, *typing.get_args(tp)):
+        if typing.get_origin(t) is list:
+            return (typing.get_args(t) or (Any,))[0]
+    return None
 
 
 def value_matches(value: Any, tp: Any) -> bool:

@@ -660,6 +660,19 @@ _YamlLoader.add_implicit_resolver(
     list("-+0123456789."))
 
 
+def changed_settings(path: str | Path, cfg: TrainConfig) -> dict[str, tuple[Any, Any]]:
+    """{field: (value in the config file at `path`, value in `cfg`)} for each field that differs: what
+    a resumed run changes against the config.yaml its first start wrote. Empty without that file."""
+    p = Path(path)
+    try:
+        before = load_yaml(p.read_text()) if p.is_file() else {}
+    except yaml.YAMLError:
+        return {}
+    now = cfg.to_dict()
+    return {k: (v, now[k]) for k, v in (before if isinstance(before, dict) else {}).items()
+            if k in now and k != "progress" and v != now[k]}
+
+
 def load_yaml(text: str) -> Any:
     """`yaml.safe_load`, with `1e-6` read as a float (`_YamlLoader`): config files and --field values."""
     return yaml.load(text, Loader=_YamlLoader)  # noqa: S506 (a SafeLoader subclass)

@@ -30,6 +30,7 @@ from grouprl.batch import StepBatch
 from grouprl.checkpoint import memory_snapshot, restore_snapshot
 from grouprl.config import ConfigError, TrainConfig
 from grouprl.health import Alarm, HealthMonitor, HealthThresholds
+from grouprl.optim import scale_learning_rate
 from grouprl.runlog import Progress, RunLogger
 
 logger = logging.getLogger(__name__)
@@ -125,10 +126,7 @@ class RunGuard:
         to_step, snap = older[-1]
         restore_snapshot(model, optimizer, snap)
         self.snapshots = [sn for sn in self.snapshots if sn[0] <= to_step]
-        scheduler.base_lrs = [b * self.cfg.rollback_lr_factor for b in scheduler.base_lrs]
-        for group, base, factor in zip(optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas):
-            group["initial_lr"], group["lr"] = base, base * factor(scheduler.last_epoch)
-        scheduler._last_lr = [g["lr"] for g in optimizer.param_groups]
+        scale_learning_rate(optimizer, scheduler, self.cfg.rollback_lr_factor)
         self.rollbacks += 1
         if self.monitor is not None:
             self.monitor.reset_after_rollback(to_step)

@@ -56,14 +56,14 @@ from grouprl import distributed as D
 from grouprl.batch import StepBatch
 from grouprl.checkpoint import (checkpoint_path, latest_checkpoint, load_checkpoint, read_checkpoint,
                                 restore_rng_states, rng_states, save_checkpoint)
-from grouprl.config import ConfigError, TrainConfig
+from grouprl.config import ConfigError, TrainConfig, changed_settings
 from grouprl.core import overlong_penalty, zero_std_groups
 from grouprl.data import PromptBatch, PromptFormatter, PromptSampler, completion_objects, load_datasets
 from grouprl.evaluation import best_after, run_evaluation
 from grouprl.generation import make_engine, make_rollouts, resolve_multiturn
 from grouprl.guard import RunGuard
 from grouprl.objective import corrects_sampler, policy_loss_params, sampler_weights, step_advantages
-from grouprl.optim import make_optimizer
+from grouprl.optim import make_optimizer, scale_learning_rate
 from grouprl.packing import supports_packing
 from grouprl.policy import Reference, can_share_prompts, check_model_source, load_policy, load_tokenizer
 from grouprl.precision import native_bf16, resolve_bf16
@@ -616,6 +616,13 @@ class Trainer:
             self.prompt_filter.load_state_dict(state["prompt_filter"])
         restore_rng_states(state.get("rng_by_rank", [state["rng"]]), self.dist.rank, self.dist.world_size,
                            self.generator, fresh_seed=self.cfg.seed + self.dist.rank + 1_000_003 * self.step)
+        changed = changed_settings(Path(self.cfg.output_dir) / "config.yaml", self.cfg)
+        old_lr = changed.get("learning_rate", (None,))[0]
+        if isinstance(old_lr, (int, float)) and old_lr > 0:  # the checkpoint's schedule at the new rate
+            scale_learning_rate(self.optimizer, self.scheduler, self.cfg.learning_rate / old_lr)
+        if changed and self.dist.is_main:
+            logger.warning("resuming with settings changed since the run began (they apply from step %d): %s",
+                           self.step + 1, ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in changed.items()))
         self.weights_version += 1  # the checkpoint's weights replaced the initial ones
         self.sync_weights()
 

@@ -1,6 +1,7 @@
 """Checkpoints: resume reproduces the uninterrupted run exactly; a kill while writing a checkpoint
 leaves the previous one usable; the saved model loads with transformers and trains again."""
 
+import math
 import os
 import subprocess
 import sys
@@ -58,6 +59,23 @@ def test_starting_over_an_existing_run_needs_resume(make_cfg):
     Trainer(cfg).train()
     with pytest.raises(ConfigError, match="--resume"):
         Trainer(cfg).train()
+
+
+def test_a_resumed_run_says_what_changed_and_takes_a_new_learning_rate(make_cfg, caplog):
+    """A 2-step cosine run resumed to 4 steps at 10x the rate: the schedule follows the new length and
+    the new rate (the restored optimizer and scheduler had kept the old rate, silently)."""
+    kw = dict(max_steps=2, save_steps=2, lr_scheduler_type="cosine", learning_rate=1e-3)
+    Trainer(make_cfg(**kw)).train()
+    with caplog.at_level("WARNING", logger="grouprl.trainer"):
+        Trainer(make_cfg(**{**kw, "max_steps": 4, "learning_rate": 1e-2})).train(resume=True)
+    assert "learning_rate 0.001 -> 0.01" in caplog.text and "max_steps 2 -> 4" in caplog.text
+    lrs = [r["lr"] for r in read_metrics(make_cfg().output_dir) if "lr" in r]  # the rate for the next step
+
+    def cosine(step, total):
+        return 0.5 * (1 + math.cos(math.pi * step / total))
+
+    assert lrs == pytest.approx([1e-3 * cosine(1, 2), 1e-3 * cosine(2, 2), 1e-2 * cosine(3, 4), 1e-2 * cosine(4, 4)])
+    assert lrs[2] == pytest.approx(1.46447e-3, rel=1e-5)  # not 1.46e-4: the old rate
 
 
 def test_resume_without_checkpoint_is_a_clear_error(make_cfg):

@@ -573,7 +573,7 @@ class Trainer:
             "step": self.step, "sampler": self.sampler.state_dict(), "evals": self.evals,
             "optimizer": optimizer_state, "scheduler": self.scheduler.state_dict(), "rng": rng[0],
             "rng_by_rank": rng, "sharded_optimizer": D.is_sharded(self.model), "eval_pending": self._eval_pending,
-            "guard": self.guard.state_dict(), "best": self.best,
+            "guard": self.guard.state_dict(), "best": self.best, "learning_rate": self.cfg.learning_rate,
             "prompt_filter": None if self.prompt_filter is None else self.prompt_filter.state_dict(),
         }
         path = checkpoint_path(self.cfg.output_dir, self.step)
@@ -617,8 +617,8 @@ class Trainer:
         restore_rng_states(state.get("rng_by_rank", [state["rng"]]), self.dist.rank, self.dist.world_size,
                            self.generator, fresh_seed=self.cfg.seed + self.dist.rank + 1_000_003 * self.step)
         changed = changed_settings(Path(self.cfg.output_dir) / "config.yaml", self.cfg)
-        old_lr = changed.get("learning_rate", (None,))[0]
-        if isinstance(old_lr, (int, float)) and old_lr > 0:  # the checkpoint's schedule at the new rate
+        old_lr = state.get("learning_rate", changed.get("learning_rate", (None,))[0])  # the rate it was saved at
+        if isinstance(old_lr, (int, float)) and 0 < old_lr != self.cfg.learning_rate:  # its schedule, the new rate
             scale_learning_rate(self.optimizer, self.scheduler, self.cfg.learning_rate / old_lr)
         if changed and self.dist.is_main:
             logger.warning("resuming with settings changed since the run began (they apply from step %d): %s",

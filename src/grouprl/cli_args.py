@@ -27,6 +27,15 @@ def build_config(config_path: str | None, args: list[str]) -> TrainConfig:
         from grouprl.tasks import DEFAULT_TASK
 
         base = TrainConfig.from_dict(dict(DEFAULT_TASK))
+    elif config_path is None:
+        missing = [f"--{k}" for k in ("model", "reward_funcs") if k not in overrides]
+        if not {"train_data", "eval_data"} & overrides.keys():  # (`grouprl eval` reads eval_data alone)
+            missing.insert(1, "--train_data")
+        if missing:
+            given = ", ".join(f"--{k}" for k in sorted(TASK_FIELDS & overrides.keys()))
+            raise ConfigError(f"{given} without a config file starts a task of your own, which also needs "
+                              f"{', '.join(missing)}; give them (or a config file), or leave out {given} "
+                              "to train the embedded task")
     return dataclasses.replace(TrainConfig.load(config_path, base=base), **overrides)
 
 

@@ -550,7 +550,9 @@ class TrainConfig:
                               "min(ratio, delta) would otherwise stop the gradient of positive-advantage tokens "
                               "still inside the clip range (INTELLECT-2 uses delta 4)")
         if not (0 < c.temperature):
-            raise ConfigError(f"temperature={c.temperature} must be positive")
+            raise ConfigError(f"temperature={c.temperature} must be positive: GRPO learns from the differences "
+                              "between a prompt's G samples, and at temperature 0 they are all the same (1.0 is "
+                              "usual; greedy decoding is for evaluation: eval_metrics [greedy])")
         if not (0 < c.top_p <= 1):
             raise ConfigError(f"top_p={c.top_p} must be in (0, 1]")
         if not (0 <= c.eval_fraction < 1):

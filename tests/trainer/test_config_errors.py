@@ -155,9 +155,9 @@ def test_exponent_floats_without_a_dot_are_floats_in_yaml_files_and_on_the_comma
 def test_a_list_field_takes_one_value_or_commas_and_micro_batch_size_stops_at_the_step(tmp_path):
     # `--report_to wandb` (as in TRL) was "has the wrong type: expected list[str]"
     cfg = build_config(None, ["--report_to", "wandb", "--eval_metrics", "greedy,pass@4", "--num_generations_eval",
-                              "4", "--reward_weights", "1, 2e-1", "--reward_funcs", "math_accuracy,format_reward"])
+                              "4", "--reward_weights", "1, 2e-1", "--audit_funcs", "math_accuracy,format_reward"])
     assert (cfg.report_to, cfg.eval_metrics, cfg.reward_weights) == (["wandb"], ["greedy", "pass@4"], [1, 0.2])
-    assert cfg.reward_funcs == ["math_accuracy", "format_reward"]
+    assert cfg.audit_funcs == ["math_accuracy", "format_reward"]
     assert build_config(None, ["--report_to", "[]", "--reward_weights", "null"]).report_to == []
     path = tmp_path / "c.yaml"
     path.write_text("report_to: trackio\naudit_funcs: math_accuracy\n")
@@ -165,6 +165,17 @@ def test_a_list_field_takes_one_value_or_commas_and_micro_batch_size_stops_at_th
     # the embedded task's micro_batch_size 128 over a 15-completion step: the whole step per pass
     cfg = build_config(None, ["--num_generations", "3", "--prompts_per_step", "5"])
     assert (cfg.micro_batch_size, cfg.validate().micro_batch_size) == (128, 15)
+
+
+def test_a_task_field_alone_says_what_else_a_task_needs(capsys):
+    # --eval_data alone left the embedded task for an empty config: "model is empty"
+    assert main(["train", "--eval_data", "builtin:arithmetic/eval"]) == 2
+    assert ("--eval_data without a config file starts a task of your own, which also needs --model, "
+            "--reward_funcs; give them (or a config file), or leave out --eval_data") in capsys.readouterr().err
+    with pytest.raises(ConfigError, match="--reward_funcs without a config file .* also needs --model, --train_data;"):
+        build_config(None, ["--reward_funcs", "math_accuracy"])
+    cfg = build_config(None, ["--model", "m", "--eval_data", "e.jsonl", "--reward_funcs", "r"])  # what `eval` takes
+    assert (cfg.model, cfg.train_data, cfg.eval_data) == ("m", "", "e.jsonl")
 
 
 def test_validation_reads_no_file_and_the_loaders_probe_paths_before_any_model_loads(make_cfg, digits_data,

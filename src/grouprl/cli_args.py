@@ -74,7 +74,7 @@ def parse_value(text: str, tp: Any) -> Any:
     except yaml.YAMLError:
         parsed = text
     inner = list_item_type(tp)
-    if inner is not None and parsed is not None and not isinstance(parsed, list):
+    if inner is not None and parsed is not None and not value_matches(parsed, tp) and not isinstance(parsed, list):
         if isinstance(parsed, dict):
             return [parsed]
         return [parse_value(piece.strip(), inner) for piece in text.split(",")]

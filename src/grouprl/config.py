@@ -626,7 +626,7 @@ class TrainConfig:
                               "`grouprl train --help` lists every field")
         types = field_types()
         for k, v in values.items():  # `report_to: wandb` in a file: a one-item list
-            if isinstance(v, str) and list_item_type(types[k]) is not None:
+            if isinstance(v, str) and list_item_type(types[k]) is not None and not value_matches(v, types[k]):
                 values = {**values, k: [v]}
         return cls(**values)
 

@@ -159,6 +159,7 @@ def test_a_list_field_takes_one_value_or_commas_and_micro_batch_size_stops_at_th
     assert (cfg.report_to, cfg.eval_metrics, cfg.reward_weights) == (["wandb"], ["greedy", "pass@4"], [1, 0.2])
     assert cfg.audit_funcs == ["math_accuracy", "format_reward"]
     assert build_config(None, ["--report_to", "[]", "--reward_weights", "null"]).report_to == []
+    assert build_config(None, ["--lora_target_modules", "all-linear"]).lora_target_modules == "all-linear"  # str too
     path = tmp_path / "c.yaml"
     path.write_text("report_to: trackio\naudit_funcs: math_accuracy\n")
     assert (TrainConfig.load(path).report_to, TrainConfig.load(path).audit_funcs) == (["trackio"], ["math_accuracy"])

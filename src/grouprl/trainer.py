@@ -528,8 +528,11 @@ class Trainer:
 
     def rollback(self) -> dict[str, float]:
         """on_collapse: rollback: the policy and optimizer go back to a snapshot from before the
-        collapse, the learning rate is scaled (guard.py); the engine samples the restored policy."""
+        collapse, the learning rate is scaled (guard.py); the engine samples the restored policy, and
+        (async) the batches generated ahead by the collapsed one are dropped."""
         out = self.guard.restore(self.step, self.model, self.optimizer, self.scheduler)
+        if self.rollouts is not None:  # async: batches the collapsed policy sampled are not trained on
+            out["rollback/discarded_batches"] = self.rollouts.discard()
         self.weights_version += 1
         self.sync_weights()
         return out

@@ -106,3 +106,28 @@ def test_partial_rollouts_send_without_waiting_and_count_the_overlap():
     tally.add_round(24, 0, {}, 0, 6, overlapped=0)
     assert tally.metrics({}, False, partial=True)["rollout/partial_frac"] == 8 / 32
     assert "rollout/partial_frac" not in tally.metrics({}, False)
+
+
+@pytest.mark.parametrize("partial", [False, True])
+def test_discard_drops_the_batches_ahead_and_the_next_one_samples_the_new_weights(partial):
+    """A rollback: the batches generated ahead (and the one in flight) were sampled by the policy that
+    collapsed. After discard and a sync, the next batch starts at the new version, staleness 0."""
+    engine, counter = FakeEngine(), iter(range(1000))
+    producer = RolloutProducer(engine, lambda: next(counter), engine.generate, max_staleness=2, partial=partial)
+    first = producer.next()  # prompt 0; prompts 1 and 2 are queued behind it
+    assert (first.prompts, len(producer.pending)) == (0, 2)
+    assert producer.discard() == 2 and not producer.pending
+    producer.sync_weights(None, 7)  # the restored weights
+    after = producer.next()
+    assert (after.prompts, after.staleness) == (3, 0)  # 1 and 2 are spent, never handed out
+    assert [e for e in engine.log if e[0] == "generate" and e[1] == 3] == [("generate", 3, 7, 7)]
+    producer.close()
+
+
+def test_discard_drops_an_engine_error_of_a_dropped_batch():
+    engine, counter = FakeEngine(fail_at=1), iter(range(1000))
+    producer = RolloutProducer(engine, lambda: next(counter), engine.generate, max_staleness=1)
+    producer.next()  # prompt 0; prompt 1 (fails) in flight
+    assert producer.discard() == 1
+    assert producer.next().prompts == 2
+    producer.close()

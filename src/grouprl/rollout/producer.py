@@ -90,6 +90,17 @@ class RolloutProducer:
         if version != self.version:
             self.version, self.synced = version, self.synced + 1
 
+    def discard(self) -> int:
+        """Drop every batch generated ahead or still being generated, and return how many: after a
+        rollback they hold samples of the policy that collapsed. Those in flight are waited for (an
+        engine cannot be interrupted mid-batch) and their errors dropped with them; the next `next()`
+        samples the weights sent after this call. Their prompts are spent, as a rollback's steps are."""
+        jobs, self.pending = list(self.pending), deque()
+        for job in jobs:
+            if not job.cancel():
+                job.exception()  # waits; an error of a dropped batch is not the trainer's
+        return len(jobs)
+
     def close(self) -> None:
         if self._thread is not None:
             self._thread.shutdown(wait=True, cancel_futures=True)

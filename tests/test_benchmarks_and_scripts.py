@@ -55,10 +55,28 @@ def test_every_benchmark_and_script_is_covered():
     assert all(f'run("{path}"' in this for path in RUN)  # each RUN file has its run below
 
 
-@pytest.mark.parametrize("path", [f for f in FILES if f not in NO_ARGPARSE])
-def test_help(path):
-    out = run(path, "--help", timeout=120)
-    assert "usage:" in out
+HELP_DRIVER = """
+import contextlib, io, json, runpy, sys
+out = {}
+for path in sys.argv[1:]:
+    sys.argv, buf, code = [path, "--help"], io.StringIO(), None
+    try:
+        with contextlib.redirect_stdout(buf):
+            runpy.run_path(path, run_name="__main__")
+    except SystemExit as e:
+        code = e.code
+    out[path] = [code, buf.getvalue()[:2000]]
+print(json.dumps(out))
+"""
+
+
+def test_help():
+    """Every file with an argparse interface answers --help (exit 0, a usage line). All in one process:
+    a process per file spent most of its time importing torch and transformers again."""
+    paths = [f for f in FILES if f not in NO_ARGPARSE]
+    answers = json.loads(run("-c", HELP_DRIVER, *paths, timeout=300).strip().splitlines()[-1])
+    bad = {p: a for p, a in answers.items() if a[0] not in (0, None) or "usage:" not in a[1]}
+    assert set(answers) == set(paths) and not bad, bad
 
 
 def test_shared_prompt_benchmark_one_round():

@@ -625,10 +625,8 @@ class TrainConfig:
             raise ConfigError(f"unknown config field(s): {', '.join(hints)}; "
                               "`grouprl train --help` lists every field")
         types = field_types()
-        for k, v in values.items():  # `report_to: wandb` in a file: a one-item list
-            if isinstance(v, str) and list_item_type(types[k]) is not None and not value_matches(v, types[k]):
-                values = {**values, k: [v]}
-        return cls(**values)
+        return cls(**{k: [v] if isinstance(v, str) and list_item_type(types[k]) is not None  # `report_to: wandb`
+                      and not value_matches(v, types[k]) else v for k, v in values.items()})
 
     @classmethod
     def load(cls, path: str | Path | None = None, *, base: TrainConfig | None = None) -> TrainConfig:

@@ -316,17 +316,17 @@ class HealthMonitor:
         if len(h) < 2:
             return out
         last, ref = h[-2:], h[:-2][-2 * t.window:]  # the last 2 steps; the level before them: a mean, not a best
-        now, level = (statistics.fmean(r["reward"] for r in rows) if rows else math.nan for rows in (last, ref))
-        sd = max(self.base_sd.get("reward", 0.0), 1e-6)
-        drop = (level - now) / sd
-        noise = math.hypot(_standard_error(ref), _standard_error(last))  # of the difference
-        drop_se = (level - now) / max(noise, 1e-6)
-        if ref and drop >= t.crash_drop_z and drop_se >= t.crash_se_z:
-            span = (int(ref[0]["step"]), int(ref[-1]["step"]))
-            out.append(Alarm("reward_crash", step, (span[0], step), None,
-                             f"mean reward of the last 2 steps {now:.3f}, {drop:.2f} sd and {drop_se:.1f} "
-                             f"standard errors below {level:.3f} over steps {span[0]}-{span[1]}", drop,
-                             t.crash_drop_z, self._examples("reward", high=False)))
+        if ref:  # from step 3
+            now, level = (statistics.fmean(r["reward"] for r in rows) for rows in (last, ref))
+            drop = (level - now) / max(self.base_sd.get("reward", 0.0), 1e-6)
+            noise = math.hypot(_standard_error(ref), _standard_error(last))  # of the difference
+            drop_se = (level - now) / max(noise, 1e-6)
+            if drop >= t.crash_drop_z and drop_se >= t.crash_se_z:
+                span = (int(ref[0]["step"]), int(ref[-1]["step"]))
+                out.append(Alarm("reward_crash", step, (span[0], step), None,
+                                 f"mean reward of the last 2 steps {now:.3f}, {drop:.2f} sd and {drop_se:.1f} "
+                                 f"standard errors below {level:.3f} over steps {span[0]}-{span[1]}", drop,
+                                 t.crash_drop_z, self._examples("reward", high=False)))
         kls = [r["kl"] for r in h if "kl" in r]
         if len(kls) >= 2:
             ref = statistics.median(kls[:-1][-2 * t.window:])

@@ -1,9 +1,12 @@
-"""`grouprl train | eval | preflight`.
+"""The `grouprl` command: train, eval, preflight and vllm-serve. `--help` prints this docstring after
+its first paragraph.
 
     grouprl train                         the embedded default: the shipped policy learns addition
     grouprl train run.yaml --beta 0.04    a config file, with command-line overrides
     grouprl train run.yaml --resume       continue the run in output_dir from its latest checkpoint
     grouprl eval run.yaml --model runs/x/checkpoints/step-000100/model
+    grouprl eval --model runs/x/checkpoints/step-000100/model
+                                          without a config file: the run's own runs/x/config.yaml
     grouprl preflight run.yaml [--prompts N] [--samples M] [--strict [SHARE]]
                                           sample the starting policy on N training prompts (64), M
                                           completions each (G; a multiple of G predicts larger G
@@ -34,7 +37,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from grouprl.cli_args import build_config, help_text
+from grouprl.cli_args import build_config, help_text, run_of_checkpoint
 from grouprl.config import ConfigError, TrainConfig
 from grouprl.rewards import RewardFunctionError, SandboxUnavailableError
 from grouprl.rollout.vllm_server import VLLMServerError
@@ -64,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
         args.config = None
     if args.help or args.command is None:
         try:
-            print(f"usage: {USAGE}\n\n{__doc__.strip()}\n")
+            print(f"usage: {USAGE}\n\n{_help_body()}\n")
             if args.help:
                 print(help_text(), flush=True)
         except BrokenPipeError:  # `grouprl train --help | head` stopped reading: not an error
@@ -75,12 +78,15 @@ def main(argv: list[str] | None = None) -> int:
         notices.addHandler(_StderrHandler())
         notices.setLevel(logging.INFO)
     try:
-        cfg = build_config(args.config, overrides)
+        run = run_of_checkpoint(overrides) if args.command == "eval" and args.config is None else None
+        if run is not None:  # `grouprl eval --model RUN/checkpoints/step-N/model`: the run's own config
+            args.config, overrides = str(run / "config.yaml"), ["--output_dir", str(run), *overrides]
+        cfg = build_config(args.config, overrides, command=args.command)
         if args.command == "train":
             return _train(cfg, resume=args.resume, again=resume_command(argv))
         if args.command == "preflight":
             return _preflight(cfg, checks.prompts, checks.samples, checks.strict)
-        return _eval(cfg)
+        return _eval(cfg, found_config=None if run is None else args.config)
     except (ConfigError, ValueError, FileNotFoundError, SandboxUnavailableError) as e:
         print(f"grouprl {args.command}: error: {e}", file=sys.stderr)
         return 2
@@ -100,6 +106,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"grouprl {args.command}: stopped at once by {signum.name}, without a checkpoint"
               f"{hint if args.command == 'train' else ''}", file=sys.stderr)
         return exit_code(signum)
+
+
+def _help_body() -> str:
+    """This module's docstring without its first paragraph (which describes the module, not the command)."""
+    return __doc__.strip().split("\n\n", 1)[1]
 
 
 class _StderrHandler(logging.Handler):
@@ -151,7 +162,9 @@ def resume_command(argv: list[str]) -> str:
     return f"torchrun <this run's flags, on every machine> -m grouprl {args}"
 
 
-def _eval(cfg: TrainConfig) -> int:
+def _eval(cfg: TrainConfig, *, found_config: str | None = None) -> int:
+    """`found_config`: the run's config.yaml, found from --model's checkpoint when no config file was given."""
+    from grouprl.evaluation import accuracy_reward_name
     from grouprl.trainer import Trainer
 
     if not cfg.eval_data and not cfg.eval_fraction:
@@ -159,10 +172,14 @@ def _eval(cfg: TrainConfig) -> int:
     from grouprl.distributed import destroy_distributed, init_distributed
 
     ctx = init_distributed()
+    if found_config is not None and ctx.is_main:
+        print(f"config: {found_config} (the run that holds --model's checkpoint); eval.json goes to "
+              f"{cfg.output_dir}", flush=True)
     trainer = None
     try:
         trainer = Trainer(replace(cfg, train_data=cfg.train_data or cfg.eval_data))
         result = trainer.evaluate()
+        accuracy = accuracy_reward_name(cfg.accuracy_reward, trainer.reward_names)
     finally:
         if trainer is not None:
             trainer.close()
@@ -171,19 +188,21 @@ def _eval(cfg: TrainConfig) -> int:
         out = Path(cfg.output_dir)
         out.mkdir(parents=True, exist_ok=True)
         (out / "eval.json").write_text(json.dumps(result, indent=2) + "\n")
-        print(_eval_table(result, cfg))
+        print(_eval_table(result, cfg, accuracy))
         print(f"written to {out / 'eval.json'}")
     return 0
 
 
-def _eval_table(result: dict, cfg: TrainConfig) -> str:
-    """The eval metrics first (greedy accuracy as `greedy`), then rewards and lengths."""
+def _eval_table(result: dict, cfg: TrainConfig, accuracy: str) -> str:
+    """The eval metrics first (greedy accuracy as `greedy`), then rewards and lengths; `accuracy`: the
+    reward function they are read from."""
     n = cfg.num_generations_eval
     first = [("greedy" if m == "greedy" else f"{m} (n={n})", result["accuracy" if m == "greedy" else m])
              for m in cfg.eval_metrics]
     rest = [(k, v) for k, v in result.items() if k.startswith("rewards/") or k in ("reward_mean", "length_mean")]
     width = max(len(k) for k, _ in first + rest)
-    lines = [f"{result['num_samples']} prompts, accuracy reward {cfg.accuracy_reward or 'the first reward function'}"]
+    why = "" if cfg.accuracy_reward else " (the first reward function; accuracy_reward names another)"
+    lines = [f"{result['num_samples']} prompts, accuracy reward {accuracy}{why}"]
     lines += [f"{k:<{width}}  {v:.4f}" for k, v in first + rest]
     return "\n".join(lines)
 
@@ -218,7 +237,8 @@ def _preflight(cfg: TrainConfig, num_prompts: int, samples: int | None, strict: 
     teaching = report["total"]["teaching_share"]
     if ctx.is_main:
         print(table(report))
-        print(f"written to {cfg.output_dir}: preflight.json, preflight.png")
+        out = Path(cfg.output_dir)
+        print(f"written to {out / 'preflight.json'} and {out / 'preflight.png'}")
     if strict is not None and teaching < strict:
         if ctx.is_main:
             print(f"grouprl preflight: error: only {teaching:.1%} of groups would teach (rewards not all equal "
@@ -285,5 +305,13 @@ def _summary_text(summary: dict, output_dir: str) -> str:
         gain = 100 * (after["accuracy"] - before["accuracy"])
         lines.append(f"greedy eval accuracy: {100 * before['accuracy']:.1f}% -> "
                      f"{100 * after['accuracy']:.1f}% ({gain:+.1f} points)")
-    lines.append(f"written to {output_dir}: metrics.jsonl, summary.json, curves.png, checkpoints/")
+    lines.append(f"written to {output_dir}: {folder_listing(Path(output_dir))}")
     return "\n".join(lines)
+
+
+def folder_listing(folder: Path) -> str:
+    """What `folder` holds, as named in the last line of a run: files, then folders (with a slash),
+    each sorted; hidden entries (temporary files) left out."""
+    entries = [p for p in folder.iterdir() if not p.name.startswith(".")]
+    files = sorted(p.name for p in entries if not p.is_dir())
+    return ", ".join(files + sorted(f"{p.name}/" for p in entries if p.is_dir()))

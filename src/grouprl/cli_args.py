@@ -7,6 +7,7 @@ import ast
 import dataclasses
 import inspect
 import textwrap
+from pathlib import Path
 from typing import Any
 
 import yaml
@@ -17,10 +18,10 @@ from grouprl.config import (ConfigError, TrainConfig, did_you_mean, field_types,
 TASK_FIELDS = {"model", "train_data", "eval_data", "reward_funcs"}
 
 
-def build_config(config_path: str | None, args: list[str]) -> TrainConfig:
+def build_config(config_path: str | None, args: list[str], *, command: str = "train") -> TrainConfig:
     """`args` (`--field value ...`) over the YAML file `config_path`. With neither a config file nor
     any of TASK_FIELDS on the command line, the embedded task is the base; otherwise TrainConfig's
-    own defaults are."""
+    own defaults are. `command` (train, eval, preflight) words the error for a task left incomplete."""
     overrides = parse_overrides(args, field_types())
     base = None
     if config_path is None and not TASK_FIELDS & overrides.keys():
@@ -28,15 +29,47 @@ def build_config(config_path: str | None, args: list[str]) -> TrainConfig:
 
         base = TrainConfig.from_dict(dict(DEFAULT_TASK))
     elif config_path is None:
-        missing = [f"--{k}" for k in ("model", "reward_funcs") if k not in overrides]
-        if not {"train_data", "eval_data"} & overrides.keys():  # (`grouprl eval` reads eval_data alone)
-            missing.insert(1, "--train_data")
-        if missing:
-            given = ", ".join(f"--{k}" for k in sorted(TASK_FIELDS & overrides.keys()))
-            raise ConfigError(f"{given} without a config file starts a task of your own, which also needs "
-                              f"{', '.join(missing)}; give them (or a config file), or leave out {given} "
-                              "to train the embedded task")
+        _check_own_task(overrides, command)
     return dataclasses.replace(TrainConfig.load(config_path, base=base), **overrides)
+
+
+def _check_own_task(overrides: dict[str, Any], command: str) -> None:
+    """A task given field by field on the command line has all it needs: a model and reward functions,
+    and the prompts `command` reads (eval: eval_data; train and preflight: train_data)."""
+    data = "eval_data" if command == "eval" else "train_data"
+    missing = [f"--{k}" for k in ("model", data, "reward_funcs") if k not in overrides]
+    if command == "eval" and "eval_fraction" in overrides and "train_data" in overrides:
+        missing.remove("--eval_data")  # held out of train_data
+    if not missing:
+        return
+    given = ", ".join(f"--{k}" for k in sorted(TASK_FIELDS & overrides.keys()))
+    if command != "eval":
+        raise ConfigError(f"{given} without a config file starts a task of your own, which also needs "
+                          f"{', '.join(missing)}; give them (or a config file), or leave out {given} "
+                          f"to {command} on the embedded task")
+    where = ""
+    if "model" in overrides:
+        where = (f" (--model {overrides['model']} is not a checkpoint inside a run folder, RUN/checkpoints/"
+                 "step-N/model beside RUN/config.yaml, whose config eval would use by itself)")
+    raise ConfigError(f"{given} without a config file evaluates on a task of your own, which also needs "
+                      f"{', '.join(missing)}{where}; give them, or the config file the model was trained with "
+                      f"(grouprl eval RUN/config.yaml {given} ...), or leave out {given} to evaluate on the "
+                      "embedded task")
+
+
+def run_of_checkpoint(args: list[str]) -> Path | None:
+    """For `grouprl eval --model RUN/checkpoints/step-N/model` without a config file: RUN, the run
+    folder that holds the checkpoint and the run's config.yaml (None when --model is not given or is
+    not inside a run folder)."""
+    from grouprl.checkpoint import checkpoint_dir
+
+    model = parse_overrides(args, field_types()).get("model")
+    if not isinstance(model, str):
+        return None
+    for folder in Path(model).expanduser().resolve().parents:
+        if folder == checkpoint_dir(folder.parent) and (folder.parent / "config.yaml").is_file():
+            return folder.parent
+    return None
 
 
 def parse_overrides(args: list[str], types: dict[str, Any]) -> dict[str, Any]:

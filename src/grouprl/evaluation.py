@@ -86,6 +86,11 @@ class SampledSums:
         return {k: v / prompts for k, v in sums.items() if k != "prompts"}
 
 
+def accuracy_reward_name(accuracy_reward: str | None, reward_names: list[str]) -> str:
+    """The reward function the accuracy is read from: `accuracy_reward`, else the first one."""
+    return accuracy_reward or reward_names[0]
+
+
 @torch.no_grad()
 def run_evaluation(trainer: Any, ds: Dataset, batch_size: int) -> dict[str, float]:
     """`Trainer.evaluate`: greedy and sampled completions of this rank's share of `ds` (every K-th
@@ -94,7 +99,7 @@ def run_evaluation(trainer: Any, ds: Dataset, batch_size: int) -> dict[str, floa
     cfg = trainer.cfg
     metrics = [parse_eval_metric(m) for m in cfg.eval_metrics]
     greedy, n = any(kind == "greedy" for kind, _ in metrics), cfg.num_generations_eval
-    accuracy = cfg.accuracy_reward or trainer.reward_names[0]
+    accuracy = accuracy_reward_name(cfg.accuracy_reward, trainer.reward_names)
     sampled = SampledSums(metrics, n) if len(metrics) > greedy else None
     rng = torch.Generator().manual_seed(cfg.seed * 1_000_003 + 7_919 + trainer.dist.rank)  # its own stream
     mine = list(range(trainer.dist.rank, len(ds), trainer.dist.world_size))

@@ -171,12 +171,20 @@ def test_a_list_field_takes_one_value_or_commas_and_micro_batch_size_stops_at_th
 def test_a_task_field_alone_says_what_else_a_task_needs(capsys):
     # --eval_data alone left the embedded task for an empty config: "model is empty"
     assert main(["train", "--eval_data", "builtin:arithmetic/eval"]) == 2
-    assert ("--eval_data without a config file starts a task of your own, which also needs --model, "
-            "--reward_funcs; give them (or a config file), or leave out --eval_data") in capsys.readouterr().err
+    assert ("--eval_data without a config file starts a task of your own, which also needs --model, --train_data, "
+            "--reward_funcs; give them (or a config file), or leave out --eval_data to train on the embedded "
+            "task") in capsys.readouterr().err
     with pytest.raises(ConfigError, match="--reward_funcs without a config file .* also needs --model, --train_data;"):
         build_config(None, ["--reward_funcs", "math_accuracy"])
-    cfg = build_config(None, ["--model", "m", "--eval_data", "e.jsonl", "--reward_funcs", "r"])  # what `eval` takes
+    # eval reads eval_data alone (or eval_fraction of train_data), and its message speaks of evaluating
+    with pytest.raises(ConfigError, match="--reward_funcs without a config file evaluates on a task of your own, "
+                                          "which also needs --model, --eval_data; .* to evaluate on the embedded"):
+        build_config(None, ["--reward_funcs", "r"], command="eval")
+    cfg = build_config(None, ["--model", "m", "--eval_data", "e.jsonl", "--reward_funcs", "r"], command="eval")
     assert (cfg.model, cfg.train_data, cfg.eval_data) == ("m", "", "e.jsonl")
+    cfg = build_config(None, ["--model", "m", "--train_data", "t.jsonl", "--eval_fraction", "0.1", "--reward_funcs",
+                              "r"], command="eval")
+    assert (cfg.train_data, cfg.eval_fraction) == ("t.jsonl", 0.1)
 
 
 def test_validation_reads_no_file_and_the_loaders_probe_paths_before_any_model_loads(make_cfg, digits_data,

@@ -1,0 +1,82 @@
+"""What the command line prints and what it reads: `grouprl eval --model CHECKPOINT` finds the run's
+config by itself, preflight and train name what they wrote, and --help opens with the usage and
+its examples."""
+
+import json
+from pathlib import Path
+
+from grouprl.cli import main
+
+
+def test_eval_of_a_checkpoint_without_a_config_uses_the_runs_config(make_cfg, digits_data, tmp_path,
+                                                                     monkeypatch, capsys):
+    """A 2-step run through the CLI saves step-000002 beside its config.yaml. `grouprl eval --model
+    RUN/checkpoints/step-000002/model`, run from another folder with no config file, says it uses
+    RUN/config.yaml, writes eval.json into RUN (not the working folder), names the accuracy reward
+    (the run's only one, digit_fraction), and scores as the run's own eval of that same model at its
+    end did (greedy: the same numbers)."""
+    cfg = make_cfg(eval_data=str(digits_data), max_eval_samples=4, max_steps=2, save_steps=2)
+    path = tmp_path / "run.yaml"
+    cfg.save_yaml(path)
+    assert main(["train", str(path)]) == 0
+    run = Path(cfg.output_dir).resolve()
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    capsys.readouterr()
+
+    assert main(["eval", "--model", str(run / "checkpoints" / "step-000002" / "model")]) == 0
+    out = capsys.readouterr().out
+    assert f"config: {run / 'config.yaml'} (the run that holds --model's checkpoint)" in out
+    assert "4 prompts, accuracy reward digit_fraction (the first reward function" in out
+    assert "the first reward function'" not in out  # the old placeholder instead of a name
+    result = json.loads((run / "eval.json").read_text())
+    at_end = json.loads((run / "summary.json").read_text())["eval_after"]
+    assert result["num_samples"] == 4 and result["reward_mean"] == at_end["reward_mean"]
+    assert list(elsewhere.iterdir()) == []
+
+
+def test_eval_of_a_model_outside_a_run_speaks_of_evaluating(tiny_model_dir, capsys):
+    assert main(["eval", "--model", str(tiny_model_dir)]) == 2
+    err = capsys.readouterr().err
+    assert ("--model without a config file evaluates on a task of your own, which also needs --eval_data, "
+            "--reward_funcs") in err
+    assert f"--model {tiny_model_dir} is not a checkpoint inside a run folder" in err
+    assert "or leave out --model to evaluate on the embedded task" in err and "to train" not in err
+
+
+def test_preflight_prints_the_paths_of_the_files_it_wrote(make_cfg, tmp_path, capsys):
+    cfg = make_cfg()
+    path = tmp_path / "run.yaml"
+    cfg.save_yaml(path)
+    assert main(["preflight", str(path), "--prompts", "2"]) == 0
+    (line,) = [line for line in capsys.readouterr().out.splitlines() if line.startswith("written to ")]
+    report, plot = line.removeprefix("written to ").split(" and ")
+    assert json.loads(Path(report).read_text())["num_prompts"] == 2
+    assert Path(plot).suffix == ".png" and Path(plot).stat().st_size > 0
+
+
+def test_the_last_line_of_a_run_lists_what_its_folder_holds(make_cfg, tmp_path, capsys):
+    """Files first, then folders with a slash: config.yaml, samples.jsonl and tensorboard/ included
+    (the line used to name four fixed entries)."""
+    cfg = make_cfg(max_steps=2, save_steps=2, report_to=["tensorboard"])
+    path = tmp_path / "run.yaml"
+    cfg.save_yaml(path)
+    assert main(["train", str(path)]) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    held = sorted(p.name + "/" * p.is_dir() for p in Path(cfg.output_dir).iterdir())
+    assert last.startswith(f"written to {cfg.output_dir}: ")
+    named = last.removeprefix(f"written to {cfg.output_dir}: ").split(", ")
+    assert sorted(named) == held
+    assert {"config.yaml", "samples.jsonl", "tensorboard/", "checkpoints/"} <= set(named)
+    assert [n.endswith("/") for n in named] == sorted(n.endswith("/") for n in named)  # files, then folders
+
+
+def test_help_opens_with_the_usage_and_then_the_examples(capsys):
+    """The module docstring's title line ("`grouprl train | eval | preflight`.") was printed as if
+    it were part of the help."""
+    assert main(["train", "--help"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert not [line for line in lines if "grouprl train | eval" in line]
+    assert lines[0].startswith("usage: grouprl train") and lines[4] == ""
+    assert lines[5].split()[:2] == ["grouprl", "train"]

@@ -31,8 +31,9 @@ class DataError(ValueError):
 
 
 def load_prompts(source: str | Dataset | list[dict], *, prompt_column: str = "prompt",
-                 name: str = "train_data") -> Dataset:
-    """Load and validate a prompt dataset from a file, `builtin:NAME`, a `datasets.Dataset` or rows."""
+                 name: str = "train_data", reward_funcs: tuple[str, ...] = ()) -> Dataset:
+    """Load and validate a prompt dataset from a file, `builtin:NAME`, a `datasets.Dataset` or rows.
+    `reward_funcs`: the names of the functions that read its columns (named when the file is missing)."""
     if isinstance(source, Dataset):
         ds = source
     elif isinstance(source, list):
@@ -45,7 +46,7 @@ def load_prompts(source: str | Dataset | list[dict], *, prompt_column: str = "pr
         except ValueError as e:
             raise DataError(f"{name}={source!r}: {e}") from None
     else:
-        check_data_source(name, source)
+        check_data_source(name, source, prompt_column=prompt_column, reward_funcs=reward_funcs)
         path = Path(source).expanduser()
         reader = _READERS.get(path.suffix.lower())
         if reader is None:
@@ -83,11 +84,20 @@ def _jsonl_problem(path: Path) -> str | None:
     return None
 
 
-def check_data_source(name: str, value: str) -> None:
-    """A data file must exist (ConfigError naming the field); `builtin:` names are checked when loaded."""
-    if not (value.startswith("builtin:") or Path(value).expanduser().exists()):
-        raise ConfigError(f"{name}={value!r} does not exist: check the path "
-                          f"(relative paths are resolved from {os.getcwd()})")
+def check_data_source(name: str, value: str, *, prompt_column: str = "prompt",
+                      reward_funcs: tuple[str, ...] = ()) -> None:
+    """A data file must exist; `builtin:` names are checked when loaded. The ConfigError names the
+    field, where relative paths start, and what the file must hold (the format, the columns)."""
+    if value.startswith("builtin:") or Path(value).expanduser().exists():
+        return
+    readers = f"the reward functions ({', '.join(reward_funcs)})" if reward_funcs else "your reward functions"
+    raise ConfigError(
+        f"{name}={value!r} does not exist: check the path (relative paths are resolved from {os.getcwd()}), "
+        f"or make the file. It holds the {'eval' if name == 'eval_data' else 'training'} prompts: .jsonl (one JSON "
+        f"object per line), .json, .csv or .parquet, with a {prompt_column!r} column (a string, or chat messages "
+        f'[{{"role": "user", "content": "..."}}]) and the columns {readers} read, e.g. '
+        f'{{"{prompt_column}": "What is 6 times 7?", "answer": "42"}} for math_accuracy (docs/rewards.md lists '
+        "the columns of each built-in reward)")
 
 
 def validate_prompts(ds: Dataset, *, prompt_column: str = "prompt", name: str = "train_data") -> None:
@@ -215,12 +225,13 @@ def load_datasets(cfg, train_dataset: Dataset | None = None, eval_dataset: Datas
     """The train and eval prompts of a run: in-memory datasets when given, else the config's
     `train_data`/`eval_data`; without eval data, `eval_fraction` of the train rows is held out;
     `max_eval_samples` caps the eval set. `cfg` is a TrainConfig (read, not imported)."""
+    readers = tuple(spec if isinstance(spec, str) else str(spec.get("name")) for spec in cfg.reward_funcs)
     train = load_prompts(train_dataset if train_dataset is not None else cfg.train_data,
-                         prompt_column=cfg.prompt_column, name="train_data")
+                         prompt_column=cfg.prompt_column, name="train_data", reward_funcs=readers)
     evaluation = None
     if eval_dataset is not None or cfg.eval_data:
         evaluation = load_prompts(eval_dataset if eval_dataset is not None else cfg.eval_data,
-                                  prompt_column=cfg.prompt_column, name="eval_data")
+                                  prompt_column=cfg.prompt_column, name="eval_data", reward_funcs=readers)
     elif cfg.eval_fraction:
         train, evaluation = split_eval(train, cfg.eval_fraction, cfg.seed)
     if evaluation is not None and cfg.max_eval_samples:

@@ -195,9 +195,21 @@ def test_validation_reads_no_file_and_the_loaders_probe_paths_before_any_model_l
     assert code == 2 and "model='./no/such/model' does not exist: check the path" in capsys.readouterr().err
     monkeypatch.setenv("HF_HUB_OFFLINE", "0")
     assert check_model_source("org/name", None, None) == ("org/name", None)  # a hub id, downloaded when loaded
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    with pytest.raises(ConfigError, match="model='org/name' does not exist"):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # offline: a hub name is neither a folder nor downloadable ...
+    with pytest.raises(ConfigError) as err:
         check_model_source("org/name", None, None)
+    assert str(err.value).startswith(
+        "model='org/name' is not a local folder, and the hub is offline (HF_HUB_OFFLINE=1) with no copy of "
+        "org/name in the Hugging Face cache: download it once where the hub is reachable (hf download org/name; "
+        "then offline runs find it in the cache), or set model to a local folder that holds it")
+    # ... unless the cache holds a snapshot of it, which an offline load reads
+    snapshot = tmp_path / "hub" / "models--org--name" / "snapshots" / ("0" * 40)
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text("{}")
+    (tmp_path / "hub" / "models--org--name" / "refs").mkdir()
+    (tmp_path / "hub" / "models--org--name" / "refs" / "main").write_text("0" * 40)
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path / "hub"))
+    assert check_model_source("org/name", None, None) == ("org/name", None)
 
 
 def test_tool_parser_choices_are_the_tool_formats():

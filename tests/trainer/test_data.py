@@ -41,12 +41,17 @@ def test_unsupported_or_unreadable_files_name_the_problem(tmp_path):
         load_prompts(str(folder))
 
 
-def test_a_missing_file_names_the_field_and_where_relative_paths_start(tmp_path, monkeypatch):
+def test_a_missing_file_names_the_field_where_relative_paths_start_and_what_the_file_holds(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(ConfigError) as err:
-        load_prompts("nope.txt", name="eval_data")  # before its file type is judged
-    assert str(err.value) == (f"eval_data='nope.txt' does not exist: check the path "
-                              f"(relative paths are resolved from {tmp_path})")
+        load_prompts("nope.txt", name="eval_data", reward_funcs=("math_accuracy", "my.rewards:short"))  # before
+    assert str(err.value) == (  # its file type is judged
+        f"eval_data='nope.txt' does not exist: check the path (relative paths are resolved from {tmp_path}), or "
+        "make the file. It holds the eval prompts: .jsonl (one JSON object per line), .json, .csv or .parquet, "
+        "with a 'prompt' column (a string, or chat messages [{\"role\": \"user\", \"content\": \"...\"}]) and "
+        "the columns the reward functions (math_accuracy, my.rewards:short) read, e.g. {\"prompt\": \"What is "
+        "6 times 7?\", \"answer\": \"42\"} for math_accuracy (docs/rewards.md lists the columns of each built-in "
+        "reward)")
 
 
 def test_split_eval_is_disjoint_and_seeded():

@@ -48,13 +48,30 @@ def check_model_source(model: str, gguf_file: str | None, tokenizer: str | None)
 
 def _check_exists(name: str, value: str) -> None:
     """Local paths must exist; `builtin:` names are checked when loaded. A model or tokenizer may
-    also be a hub id (`org/name`), unless HF_HUB_OFFLINE=1 forbids downloading it."""
+    also be a hub id (`org/name`); with HF_HUB_OFFLINE=1 only one the Hugging Face cache holds."""
     if value.startswith("builtin:") or Path(value).expanduser().exists():
         return
-    hub_id = not value.startswith((".", "/", "~")) and value.count("/") <= 1 and os.environ.get("HF_HUB_OFFLINE") != "1"
-    if not hub_id:
+    hub_name = not value.startswith((".", "/", "~")) and value.count("/") <= 1
+    if hub_name and os.environ.get("HF_HUB_OFFLINE") == "1" and not _in_hub_cache(value):
+        raise ConfigError(f"{name}={value!r} is not a local folder, and the hub is offline (HF_HUB_OFFLINE=1) with "
+                          f"no copy of {value} in the Hugging Face cache: download it once where the hub is "
+                          f"reachable (hf download {value}; then offline runs find it in the cache), or set {name} "
+                          f"to a local folder that holds it (relative paths are resolved from {os.getcwd()})")
+    if not hub_name:
         raise ConfigError(f"{name}={value!r} does not exist: check the path "
                           f"(relative paths are resolved from {os.getcwd()})")
+
+
+def _in_hub_cache(repo_id: str) -> bool:
+    """Whether the Hugging Face cache holds a snapshot of `repo_id` (what an offline load reads)."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
+
+    try:
+        snapshot_download(repo_id, local_files_only=True)
+    except (LocalEntryNotFoundError, HFValidationError):
+        return False
+    return True
 
 
 def _check_gguf(model: str, gguf_file: str | None, tokenizer: str | None) -> tuple[str, str | None]:

@@ -67,11 +67,22 @@ def init_distributed(timeout_s: float = 600.0) -> DistContext:
     if world_size == 1 and not dist.is_initialized():
         return DistContext(device=device)
     if cuda:
+        check_rank_has_gpu(local_rank, torch.cuda.device_count())
         torch.cuda.set_device(device)
     if not dist.is_initialized():
         dist.init_process_group("nccl" if cuda else "gloo",
                                 timeout=datetime.timedelta(seconds=timeout_s))
     return DistContext(dist.get_rank(), dist.get_world_size(), local_rank, device)
+
+
+def check_rank_has_gpu(local_rank: int, gpus: int) -> None:
+    """Each rank of a CUDA job takes the GPU of its LOCAL_RANK: a rank with none would fail inside
+    torch with "invalid device ordinal", which names neither the ranks nor the GPUs."""
+    if local_rank >= gpus:
+        raise RuntimeError(
+            f"LOCAL_RANK={local_rank} but this node has {gpus} visible GPU(s): each rank trains on "
+            f"its own GPU. Start at most {gpus} process(es) per node (torchrun --nproc-per-node {gpus}), "
+            "or train on CPU with gloo by hiding the GPUs (CUDA_VISIBLE_DEVICES= torchrun ...)")
 
 
 def destroy_distributed() -> None:

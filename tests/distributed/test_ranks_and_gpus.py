@@ -1,0 +1,33 @@
+"""More ranks than GPUs on a node: the error names both numbers and both fixes, before torch's own
+"invalid device ordinal" (issue seen with `torchrun --nproc-per-node 2` on a 1-GPU machine)."""
+
+import pytest
+import torch
+
+from grouprl import distributed as D
+
+
+def test_a_rank_without_a_gpu_is_refused_with_the_counts_and_the_fixes(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    set_device = []
+    monkeypatch.setattr(torch.cuda, "set_device", set_device.append)
+    monkeypatch.setattr(D.dist, "is_initialized", lambda: False)
+    with pytest.raises(RuntimeError) as err:
+        D.init_distributed()
+    msg = str(err.value)
+    assert "LOCAL_RANK=1" in msg and "1 visible GPU(s)" in msg
+    assert "--nproc-per-node 1" in msg and "CUDA_VISIBLE_DEVICES=" in msg
+    assert set_device == []  # refused before torch touches the device
+
+
+@pytest.mark.parametrize("local_rank, gpus, ok", [(0, 1, True), (1, 2, True), (1, 1, False), (0, 0, False),
+                                                  (7, 8, True), (8, 8, False)])
+def test_each_local_rank_needs_a_gpu_of_its_own(local_rank, gpus, ok):
+    if ok:
+        D.check_rank_has_gpu(local_rank, gpus)
+    else:
+        with pytest.raises(RuntimeError, match=f"LOCAL_RANK={local_rank} but this node has {gpus} visible"):
+            D.check_rank_has_gpu(local_rank, gpus)

@@ -81,3 +81,12 @@ def resolve_bf16(setting: bool | str, device: torch.device) -> bool:
                           "slower on an AVX2-only CPU, 1.25x with AVX-512 but no bf16: grouprl/precision.py); "
                           "set bf16: auto (bf16 where native, fp32 elsewhere) or bf16: false")
     return bool(setting)
+
+
+def describe_precision(setting: bool | str, device: torch.device) -> str:
+    """The start line's words for what runs and why, e.g. "bf16 autocast (bf16=auto: NVIDIA H200
+    supports bf16)" or "fp32 (bf16=false, set in the config)"."""
+    if setting == "auto":
+        native, why = native_bf16(device)
+        return f"{'bf16 autocast' if native else 'fp32'} (bf16=auto: {why})"
+    return f"{'bf16 autocast' if setting else 'fp32'} (bf16={str(bool(setting)).lower()}, set in the config)"

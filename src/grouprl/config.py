@@ -67,9 +67,11 @@ class TrainConfig:
     runs many times slower than fp32 (grouprl/precision.py); `false`: fp32."""
     gradient_checkpointing: bool | str = "auto"
     """Recompute each layer's activations in the backward pass instead of keeping them: about a
-    third more update time for a fraction of the activation memory. `auto`: only for a pass that
-    is over `max_tokens_per_micro_batch` (a single sequence longer than the budget), so memory
-    follows the budget whatever the completion length; `true`: every pass; `false`: never."""
+    third more update time for a fraction of the activation memory. `auto`, chosen per device
+    (grouprl/memory.py): on CUDA every pass (the update is a small share of a GPU step, and memory
+    limits the model size); on CPU only a pass over `max_tokens_per_micro_batch` (a single sequence
+    longer than the budget), so memory follows the budget whatever the completion length; `true`:
+    every pass; `false`: never."""
     disable_dropout: bool = True
     """Set the policy's dropout to 0 (its saved config is unchanged). With dropout on, the
     policy's log-probs are random: the ratio at the first step is not 1, the KL to the
@@ -248,14 +250,17 @@ class TrainConfig:
     """Completions per forward/backward pass; gradients accumulate to the full-batch gradient. With
     `max_tokens_per_micro_batch` set, the most completions a pass takes. Above the completions of a
     step it means the whole step."""
-    max_tokens_per_micro_batch: int | None = 4096
+    max_tokens_per_micro_batch: int | str | None = "auto"
     """Token budget of one forward/backward pass of the update and the log-prob passes: consecutive
     completions (group by group) go into a pass while its tokens stay within the budget (and at
     most micro_batch_size rows). Tokens as the pass computes them: packed (`padding_free`), the real
     tokens, each distinct prompt once; padded, rows x (longest prompt + longest completion). So
     memory follows the budget, not the completion length. A single sequence longer than the budget
     runs alone (logged), never dropped. The gradient does not depend on the grouping (the
-    whole-batch normaliser). null: micro_batch_size rows per pass whatever their length."""
+    whole-batch normaliser). `auto`, per device (grouprl/memory.py): 4096 on CPU; on CUDA a quarter
+    of the device memory free after the weights, gradients and AdamW state, in tokens of the
+    model's estimated activations, a power of two from 4096 to 65536 (logged at start). null:
+    micro_batch_size rows per pass whatever their length."""
     padding_free: bool = True
     """Run the sequences of a pass packed in one row, attention confined to each sequence and each
     prompt once before its completions (grouprl/packing.py): no padding is computed, and the
@@ -493,7 +498,10 @@ class TrainConfig:
                      "share_prompt_min_tokens", "top_k", "num_logged_samples"):
             if getattr(c, name) < 0:
                 raise ConfigError(f"{name}={getattr(c, name)} must be 0 or more")
-        if c.max_tokens_per_micro_batch is not None and c.max_tokens_per_micro_batch < 1:
+        if isinstance(c.max_tokens_per_micro_batch, str) and c.max_tokens_per_micro_batch != "auto":
+            raise ConfigError(f"max_tokens_per_micro_batch={c.max_tokens_per_micro_batch!r} is not a number of "
+                              "tokens, auto (sized per device) or null (micro_batch_size rows per pass)")
+        if isinstance(c.max_tokens_per_micro_batch, int) and c.max_tokens_per_micro_batch < 1:
             raise ConfigError(f"max_tokens_per_micro_batch={c.max_tokens_per_micro_batch} must be at least 1 "
                               "(tokens of prompt and completion per pass), or null for micro_batch_size rows")
         n = c.prompts_per_step * c.num_generations

@@ -65,8 +65,9 @@ from grouprl.guard import RunGuard
 from grouprl.objective import corrects_sampler, policy_loss_params, sampler_weights, step_advantages
 from grouprl.optim import make_optimizer, scale_learning_rate
 from grouprl.packing import supports_packing
+from grouprl.memory import checkpoint_mode, token_budget
 from grouprl.policy import Reference, can_share_prompts, check_model_source, load_policy, load_tokenizer
-from grouprl.precision import native_bf16, resolve_bf16
+from grouprl.precision import describe_precision, resolve_bf16
 from grouprl.preflight import run as run_preflight
 from grouprl.prompt_filter import PromptFilter
 from grouprl.rewards import RewardScores, process_rewards, resolve_reward_spec, sandbox_mechanism, score_completions
@@ -136,17 +137,21 @@ class Trainer:
 
         self.autocast = torch.bfloat16 if resolve_bf16(cfg.bf16, self.dist.device) else None  # precision.py
         if self.dist.is_main:
-            logger.info("matmuls in %s (bf16=%s: %s)", "bf16 autocast" if self.autocast else "fp32", cfg.bf16,
-                        native_bf16(self.dist.device)[1])
+            logger.info("matmuls in %s", describe_precision(cfg.bf16, self.dist.device))
 
         # models
+        checkpointing = checkpoint_mode(cfg.gradient_checkpointing, self.dist.device)  # memory.py
         self.tokenizer = load_tokenizer(cfg.tokenizer or cfg.model, None if cfg.tokenizer else cfg.gguf_file)
         self.model = load_policy(cfg.model, gguf_file=cfg.gguf_file, lora_r=cfg.lora_r, lora_alpha=cfg.lora_alpha,
                                  lora_dropout=cfg.lora_dropout, lora_target_modules=cfg.lora_target_modules,
-                                 gradient_checkpointing=cfg.gradient_checkpointing, disable_dropout=cfg.disable_dropout)
+                                 gradient_checkpointing=checkpointing == "always", disable_dropout=cfg.disable_dropout)
         self.model.train()
         if self.dist.device.type == "cuda":
             self.model.to(self.dist.device)
+        # memory.py: `auto` per device (CPU: checkpoint a pass only over a 4k budget; CUDA: every pass,
+        # the budget sized from the free memory); sized before the optimizer state exists
+        auto_budget = (token_budget("auto", self.model, self.dist.device, checkpointing == "always")
+                       if cfg.max_tokens_per_micro_batch == "auto" else None)
         self.ref = Reference(self.model) if cfg.beta > 0 else None
         # `model` is the plain module (generation, saving); `train_model` runs the update (DDP
         # wrapper); FSDP2 shards both in place, the reference too
@@ -161,7 +166,8 @@ class Trainer:
         shared = cfg.share_prompt_forward and can_share_prompts(self.model) and not D.is_sharded(self.model)
         share_min_tokens = 0 if packed else cfg.share_prompt_min_tokens if shared else None
         self.updater = PolicyUpdate(self.model, self.train_model, self.dist, autocast=self.autocast, packed=packed,
-                                    share_min_tokens=share_min_tokens)  # update.py: passes, optimizer steps
+                                    share_min_tokens=share_min_tokens, auto_budget=auto_budget,
+                                    checkpoint_over_budget=checkpointing == "over_budget")  # update.py
         self.formatter = PromptFormatter(self.tokenizer, max_prompt_length=cfg.max_prompt_length,
                                          tools=[t.schema for t in self.tools.values()])
         self.engine = make_engine(cfg, self.model, self.tokenizer, self.dist, self.autocast)

@@ -31,6 +31,7 @@ import torch
 from grouprl import distributed as D
 from grouprl.config import TrainConfig
 from grouprl.core import batch_normalizer, policy_loss
+from grouprl.memory import CPU_BUDGET
 from grouprl.objective import loss_token_weights
 from grouprl.policy import MicroBatch, activation_checkpointing, completion_logprobs, plan_micro_batches
 from grouprl.rollout import Rollout
@@ -45,13 +46,25 @@ class PolicyUpdate:
     `model` is the plain module, `train_model` the one the update runs (the DDP wrapper; FSDP2
     shards in place, so the same module); `autocast` the matmul dtype (None: fp32); `packed`: the
     passes run padding-free; `share_min_tokens`: a group's prompt is stored once when that saves at
-    least this many tokens (None: never; padded passes only)."""
+    least this many tokens (None: never; padded passes only); `auto_budget`: the token budget that
+    `max_tokens_per_micro_batch: auto` means on this device, and `checkpoint_over_budget`: whether a
+    pass over the budget checkpoints its activations (`gradient_checkpointing: auto` on CPU; on CUDA
+    the model checkpoints every pass): memory.py."""
 
     def __init__(self, model: torch.nn.Module, train_model: torch.nn.Module, dist: D.DistContext, *,
-                 autocast: torch.dtype | None, packed: bool, share_min_tokens: int | None):
+                 autocast: torch.dtype | None, packed: bool, share_min_tokens: int | None,
+                 auto_budget: int | None = None, checkpoint_over_budget: bool = True):
         self.model, self.train_model = model, train_model
         self.dist, self.autocast, self.packed, self.share_min_tokens = dist, autocast, packed, share_min_tokens
+        self.auto_budget, self.checkpoint_over_budget = auto_budget, checkpoint_over_budget
         self._warned_over_budget = False  # a sequence above max_tokens_per_micro_batch was logged
+
+    def budget(self, cfg: TrainConfig) -> int | None:
+        """Tokens per pass: the config's number, or what `auto` means on this device."""
+        budget = cfg.max_tokens_per_micro_batch
+        if budget == "auto":
+            return self.auto_budget or CPU_BUDGET
+        return budget  # type: ignore[return-value]
 
     def micro_batches(self, rollout: Rollout, cfg: TrainConfig) -> list[tuple[torch.Tensor, float]]:
         """This rank's micro-batches as (rows, loss weight); weight 0 marks a padding pass."""
@@ -59,12 +72,12 @@ class PolicyUpdate:
         if self.share_min_tokens is not None:  # ... and a group's completions stay together: its prompt runs once
             group = rollout.prompt_groups()[order]
             order = order[torch.argsort(group, stable=True)]
-        batches, over = plan_micro_batches(rollout, order, cfg.micro_batch_size, cfg.max_tokens_per_micro_batch,
-                                           packed=self.packed)
+        budget = self.budget(cfg)
+        batches, over = plan_micro_batches(rollout, order, cfg.micro_batch_size, budget, packed=self.packed)
         if over and self.dist.is_main and not self._warned_over_budget:
             self._warned_over_budget = True  # once per run
             logger.warning("%d sequence(s) longer than max_tokens_per_micro_batch=%d ran alone in their pass: "
-                           "raise the budget if memory allows", over, cfg.max_tokens_per_micro_batch)
+                           "raise the budget if memory allows", over, budget)
         return D.micro_batch_plan(self.dist, batches)
 
     @torch.no_grad()
@@ -92,12 +105,13 @@ class PolicyUpdate:
         normalizer = batch_normalizer(cfg.loss_agg, loss_mask)  # D over the whole (global) batch
         optimizer.zero_grad(set_to_none=True)
         sums = UpdateSums()
-        plan, budget = self.micro_batches(rollout, cfg), cfg.max_tokens_per_micro_batch
+        plan, budget = self.micro_batches(rollout, cfg), self.budget(cfg)
         for i, (rows, weight) in enumerate(plan):
             mb = MicroBatch.from_rollout(rollout, rows, self.share_min_tokens)
             over_budget = budget is not None and mb.num_tokens(self.packed) > budget  # a lone long sequence
             with D.grad_sync(self.train_model, i == len(plan) - 1), \
-                    activation_checkpointing(self.model, over_budget and cfg.gradient_checkpointing == "auto"):
+                    activation_checkpointing(self.model, over_budget and self.checkpoint_over_budget
+                                             and cfg.gradient_checkpointing == "auto"):
                 logp, entropy = completion_logprobs(self.train_model, mb, temperature=cfg.temperature,
                                                     autocast_dtype=self.autocast, with_entropy=with_entropy,
                                                     packed=self.packed)
@@ -123,13 +137,15 @@ class PolicyUpdate:
         grad_norm = D.local_value(torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm or math.inf))
         reduced = D.all_reduce_sums(self.dist, sums.sums)
         nonfinite = [name for name, v in (("loss", reduced["loss"]), ("grad norm", grad_norm)) if not math.isfinite(v)]
-        if nonfinite:
-            optimizer.zero_grad(set_to_none=True)  # the NaN/inf gradients go; weights and Adam moments stay
+        if nonfinite:  # the NaN/inf gradients go (below); weights and Adam moments stay
             if self.dist.is_main:
                 logger.warning("step %d: non-finite %s (loss %s, grad norm %s): optimizer step skipped, weights and "
                                "optimizer state unchanged", step, " and ".join(nonfinite), reduced["loss"], grad_norm)
         else:
             optimizer.step()
+        # the gradients are freed now, not at the next step's start: they would otherwise live through
+        # the next generation, beside its KV cache (on a GPU: |θ| fp32 bytes at the step's peak)
+        optimizer.zero_grad(set_to_none=True)
         with warnings.catch_warnings():  # after a skipped first step torch warns that the scheduler led: meant
             warnings.filterwarnings("ignore", "Detected call of `lr_scheduler", UserWarning)
             scheduler.step()

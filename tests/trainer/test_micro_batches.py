@@ -78,26 +78,57 @@ def test_bad_budget_is_a_config_error(make_cfg):
 
 
 def test_auto_checkpointing_applies_to_the_passes_over_the_budget_only(make_cfg):
-    """gradient_checkpointing: auto. Every decoder-layer call of the update records whether the
-    model checkpoints: with a budget no sequence fits, every backward pass checkpoints; with a
-    budget every pass fits, none does; checkpointing leaves the gradient as it was; after the step
-    the model is back to not checkpointing (generation needs its cache)."""
+    """gradient_checkpointing: auto on CPU (grouprl/memory.py). Every decoder-layer call of the
+    update records whether the model checkpoints: with a budget no sequence fits, every backward
+    pass checkpoints; with a budget every pass fits, none does; checkpointing leaves the gradient as
+    it was; after the step the model is back to not checkpointing (generation needs its cache).
+    On CUDA `auto` checkpoints every pass, whatever the budget (the test below)."""
     from grouprl.lora import base_model
 
     grads, seen = [], []
     for budget, mode in ((10_000, "auto"), (12, "auto"), (12, False)):
         trainer = Trainer(make_cfg(max_tokens_per_micro_batch=budget, micro_batch_size=16, gradient_checkpointing=mode))
+        if trainer.dist.device.type != "cpu":
+            pytest.skip(f"the CPU rule; on {trainer.dist.device.type} auto checkpoints every pass (tested below)")
         base = base_model(trainer.model)
         calls: list[bool] = []
         layer = base.model.layers[0]
         layer.register_forward_pre_hook(lambda *_: calls.append(base.is_gradient_checkpointing)
                                         if torch.is_grad_enabled() else None)
+        step = trainer.optimizer.step  # the accumulated gradient, as the optimizer gets it
+        trainer.optimizer.step = lambda step=step, trainer=trainer: grads.append(
+            torch.cat([p.grad.flatten() for p in trainer.model.parameters()])) or step()
         trainer.train_step()
         assert not base.is_gradient_checkpointing
         seen.append(set(calls))
-        grads.append(torch.cat([p.grad.flatten() for p in trainer.model.parameters()]))
     assert seen == [{False}, {True}, {False}]
     assert (grads[1] - grads[2]).norm() <= 1e-5 * grads[2].norm() and grads[2].norm() > 0
+
+
+@pytest.mark.parametrize("device, mode, want", [("cpu", "auto", "over_budget"), ("cuda", "auto", "always"),
+                                                ("cpu", True, "always"), ("cuda", True, "always"),
+                                                ("cpu", False, "never"), ("cuda", False, "never")])
+def test_checkpointing_auto_is_chosen_per_device(device, mode, want):
+    from grouprl.memory import checkpoint_mode
+
+    assert checkpoint_mode(mode, torch.device(device)) == want
+
+
+def test_on_cuda_auto_checkpoints_every_pass(make_cfg, monkeypatch):
+    """The CUDA rule, run here on CPU by telling the trainer its device is CUDA-like: the policy
+    is loaded checkpointing (every pass, any budget), and a pass over the budget needs nothing more."""
+    from grouprl import memory, trainer as trainer_module
+    from grouprl.lora import base_model
+
+    monkeypatch.setattr(trainer_module, "checkpoint_mode", lambda setting, device: memory.checkpoint_mode(
+        setting, torch.device("cuda")))
+    trainer = Trainer(make_cfg(max_tokens_per_micro_batch=10_000, micro_batch_size=16))
+    base = base_model(trainer.model)
+    calls: list[bool] = []
+    base.model.layers[0].register_forward_pre_hook(lambda *_: calls.append(base.is_gradient_checkpointing)
+                                                   if torch.is_grad_enabled() else None)
+    trainer.train_step()
+    assert set(calls) == {True} and not trainer.updater.checkpoint_over_budget
 
 
 def test_bad_checkpointing_mode_is_a_config_error(make_cfg):

@@ -144,10 +144,26 @@ def test_a_step_cut_by_tokens_and_packed_equals_the_padded_one_pass_step(make_cf
                   dict(padding_free=False, micro_batch_size=16)):
         trainer = Trainer(make_cfg(beta=0.04, **extra))
         assert trainer.updater.packed == extra["padding_free"]
-        trainer.train_step()  # the step's accumulated gradient stays on the parameters
-        grads.append({n: p.grad.clone() for n, p in trainer.model.named_parameters()})
+        step = trainer.optimizer.step  # the step's accumulated gradient, read as the optimizer gets it
+        trainer.optimizer.step = lambda step=step, trainer=trainer: grads.append(
+            {n: p.grad.clone() for n, p in trainer.model.named_parameters()}) or step()
+        trainer.train_step()
         passes.append(len(trainer.updater.micro_batches(trainer.sample_batch()[0].rollout, trainer.cfg)))
     assert passes[0] > 4 and passes[1] == 1
     for name, g in grads[1].items():
         assert float(g.norm()) > 0, name
         assert float((grads[0][name] - g).norm()) <= 1e-5 * float(g.norm()), name
+
+
+def test_the_gradients_are_freed_after_the_optimizer_step(make_cfg):
+    """Gradients live from the first backward of a step to its optimizer step, no longer: the next
+    generation runs without them (issue 34: on a GPU they held |θ| fp32 bytes at the step's peak)."""
+    from grouprl.trainer import Trainer
+
+    trainer = Trainer(make_cfg(num_iterations=2))
+    seen = []
+    step = trainer.optimizer.step
+    trainer.optimizer.step = lambda: seen.append(all(p.grad is not None for p in trainer.model.parameters())) or step()
+    trainer.train_step()
+    assert seen == [True, True]  # both optimizer steps had every gradient
+    assert all(p.grad is None for p in trainer.model.parameters())

@@ -1,0 +1,84 @@
+"""Per-device memory defaults: `gradient_checkpointing: auto` and `max_tokens_per_micro_batch: auto`.
+
+The update's activations grow with the tokens of one pass (the budget); checkpointing keeps only
+each layer's input and recomputes the rest in the backward. Which trade pays depends on the device:
+
+- **CPU** (measured on SmolLM2-135M, 4 x 1,024 tokens, benchmarks/README.md "Long completions"):
+  checkpointing every pass cost 6-9 % more update time for 42 % less peak memory, and the update is
+  a large share of a CPU step, while host memory is rarely the limit at the model sizes a CPU
+  trains. So `auto` checkpoints only a pass over the budget (one sequence longer than it, which
+  runs alone), and the budget is 4,096 tokens.
+- **CUDA** (one H200, bf16, random-init SmolLM2 shapes, issue 34's run): the update is 10-20 % of a
+  step (generation is most of it), so a third more update time is a few percent of the step, and
+  device memory is what limits the model size. At 1.7B, checkpointing off added ~7 GiB of
+  activations; checkpointing on with a 16k budget was both faster and leaner. So `auto`
+  checkpoints every pass, and the budget is sized from the free device memory (`cuda_budget`).
+
+Explicit values (`true`/`false`, a number, null) are always taken as given.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+CPU_BUDGET = 4096  # tokens per pass on CPU (`auto`)
+CUDA_BUDGET_RANGE = (4096, 65536)  # `auto` on CUDA stays within these (a power of two)
+CUDA_BUDGET_SHARE = 0.25  # of the device memory free once the weights, gradients and AdamW state are in
+
+
+def checkpoint_mode(setting: bool | str, device: torch.device) -> str:
+    """"always" (every pass), "over_budget" (only a pass above the token budget) or "never"."""
+    if setting == "auto":
+        return "always" if device.type == "cuda" else "over_budget"
+    return "always" if setting else "never"
+
+
+def activation_bytes_per_token(config, checkpointing: bool) -> int:
+    """Bytes of update activations one token holds at the peak of a pass (an estimate).
+
+    With checkpointing, each layer keeps its input (the fp32 residual stream: 4·d bytes) and one
+    layer at a time is recomputed (its projections, attention and MLP: about 8·d + 3·I values at
+    2-4 bytes, rounded up to 16·d + 12·I). Without it, every layer holds that much. The LM head's
+    logits are chunked above a fixed size (core/head_logprobs.py), so they add no per-token term."""
+    d, L = config.hidden_size, config.num_hidden_layers
+    inter = getattr(config, "intermediate_size", None) or 4 * d
+    layer = 16 * d + 12 * inter
+    return 4 * L * d + layer if checkpointing else L * (4 * d + layer)
+
+
+def cuda_budget(free_bytes: int, state_bytes: int, per_token: int) -> int:
+    """`auto` on CUDA: a quarter of the memory left once the optimizer state to come is counted
+    (`state_bytes`), in tokens of `per_token` bytes, rounded down to a power of two within
+    CUDA_BUDGET_RANGE. The other three quarters stay for generation's KV cache, the reference
+    pass and the allocator's slack."""
+    lo, hi = CUDA_BUDGET_RANGE
+    tokens = int(CUDA_BUDGET_SHARE * max(free_bytes - state_bytes, 0) / max(per_token, 1))
+    if tokens < lo:
+        return lo
+    return min(hi, 1 << (tokens.bit_length() - 1))
+
+
+def token_budget(setting: int | str | None, model: torch.nn.Module, device: torch.device,
+                 checkpointing: bool) -> int | None:
+    """`max_tokens_per_micro_batch` made definite for `device` (module docstring). Call it with the
+    model on its device and before the optimizer has state: the gradients and AdamW moments to come
+    (12 bytes per trainable fp32 parameter) are counted, not yet allocated."""
+    if setting != "auto":
+        return setting  # type: ignore[return-value]
+    if device.type != "cuda":
+        return CPU_BUDGET
+    free, _ = torch.cuda.mem_get_info(device)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(config, "hidden_size"):
+        return CUDA_BUDGET_RANGE[0]
+    per_token = activation_bytes_per_token(config, checkpointing)
+    budget = cuda_budget(free, 12 * trainable, per_token)
+    logger.info("max_tokens_per_micro_batch=auto: %d tokens per pass on %s (a quarter of the %.1f GiB free after "
+                "gradients and AdamW state, at ~%d KiB of activations a token%s)", budget, device,
+                (free - 12 * trainable) / 2**30, per_token // 1024, " with checkpointing" if checkpointing else "")
+    return budget

@@ -1,6 +1,7 @@
-"""grouprl against TRL's GRPOTrainer on identical GRPO work, on this machine's CPU.
+"""grouprl against TRL's GRPOTrainer on identical GRPO work, on this machine's CPU or GPU.
 
-    python benchmarks/vs_trl.py                      # every default workload
+    python benchmarks/vs_trl.py                      # every default workload (CPU)
+    python benchmarks/vs_trl.py --device cuda --smollm2 models/smollm2   # the GPU workloads (below)
     python benchmarks/vs_trl.py --workload tiny-32   # one workload; last line: ratio_steps_per_s=.. ratio_peak_rss=..
     python benchmarks/vs_trl.py --list
     python benchmarks/vs_trl.py --workload smollm2-135m --smollm2 models/smollm2   # a real model
@@ -24,6 +25,17 @@ weight 0.1), G = 8, 2 prompts per step, temperature 1, lr 1e-5, mu = 1, the GRPO
 grad-norm clip 1.0, AdamW. bf16 workloads run TRL with `bf16=True` and grouprl with `bf16: true`.
 "Fixed" workloads make every completion exactly max_completion_length tokens on both sides
 (grouprl: `ignore_eos`; TRL: `min_new_tokens`), so both compute the same number of tokens.
+
+On a GPU (`--device cuda`, or `auto` where CUDA is available): `gpu-*` workloads train random-init
+Llama models of the SmolLM2-135M and SmolLM2-1.7B shapes (`SHAPES`; or any `--model-config
+config.json`), built from a config on the machine (no download), with SmolLM2's tokenizer (the
+`--smollm2` folder: only its tokenizer is read), 256 fixed-length tokens, G = 8, beta 0, bf16
+autocast over fp32 master weights on both sides, each side at its own defaults otherwise (grouprl's
+`auto` checkpointing and token budget; TRL's own). A random-init model never answers a sum, so the
+reward is `text_variety` (distinct characters over characters): it varies within a group, so no
+side can skip a zero-advantage group and both do the same update. Memory is each side's
+`torch.cuda.max_memory_allocated` in its own process; the matmul peak is a bf16 8192^3 product on
+the same GPU in the same run.
 
 Model-FLOPs utilisation (MFU) counts the useful work of a step (`model_flops`): each prompt once
 per group and each completion token once, 2 FLOPs per weight per token to generate, 6 to update
@@ -66,6 +78,8 @@ class Workload:
     micro_batch: int = 4  # grouprl's micro_batch_size (same gradient for any value; smaller = less memory)
     task: str = "sum"    # "sum": "What is a+b? Answer: " text prompts; "chat": builtin:chat_arithmetic
     lr: float = 1e-5
+    prompts: int = 2     # prompts per step (B); completions per step: 8 B
+    gpu: bool = False    # a `gpu-*` workload: random-init SHAPES model with SmolLM2's tokenizer, on CUDA
 
 
 WORKLOADS = {w.name: w for w in [
@@ -80,8 +94,42 @@ WORKLOADS = {w.name: w for w in [
     Workload("50m-128-fixed", "50m", 128, fixed=True, micro_batch=2),
     Workload("50m-128-bf16-fixed", "50m", 128, bf16=True, fixed=True, micro_batch=2),
 ] + [Workload(f"smollm2-135m{'-bf16' * bf16}{'-fixed' * fixed}", "smollm2", 64, beta=0.0, bf16=bf16, fixed=fixed,
-              micro_batch=16, task="chat", lr=2e-5) for bf16 in (False, True) for fixed in (False, True)]}
+              micro_batch=16, task="chat", lr=2e-5) for bf16 in (False, True) for fixed in (False, True)
+] + [Workload("gpu-135m-256", "smollm2-135m-shape", 256, beta=0.0, bf16=True, fixed=True, micro_batch=0,
+              task="variety", lr=1e-6, prompts=4, gpu=True),
+     Workload("gpu-1.7b-256", "smollm2-1.7b-shape", 256, beta=0.0, bf16=True, fixed=True, micro_batch=0,
+              task="variety", lr=1e-6, prompts=2, gpu=True)]}
 DEFAULT = ["tiny-32", "10m-128", "50m-128", "50m-128-bf16"]
+DEFAULT_GPU = ["gpu-1.7b-256", "gpu-135m-256"]
+
+# Llama shapes of the SmolLM2 family (their published config.json values), random-init on the machine
+_SMOLLM2 = dict(vocab_size=49152, tie_word_embeddings=True, max_position_embeddings=8192, rms_norm_eps=1e-5,
+                hidden_act="silu", attention_bias=False, mlp_bias=False)
+SHAPES = {
+    "smollm2-135m-shape": dict(_SMOLLM2, hidden_size=576, num_hidden_layers=30, num_attention_heads=9,
+                               num_key_value_heads=3, intermediate_size=1536, rope_theta=100000.0),
+    "smollm2-1.7b-shape": dict(_SMOLLM2, hidden_size=2048, num_hidden_layers=24, num_attention_heads=32,
+                               num_key_value_heads=32, intermediate_size=8192, rope_theta=130000.0),
+}
+
+
+def build_shape_model(path: Path, shape: dict, tokenizer_dir: str, device: str) -> str:
+    """A random-init LlamaForCausalLM of `shape` with the tokenizer of `tokenizer_dir`, saved (bf16
+    on disk; both sides load fp32 master weights) into `path`."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    eos = tok.eos_token_id
+    config = LlamaConfig(**{**shape, "vocab_size": max(shape.get("vocab_size", 0), len(tok))},
+                         bos_token_id=tok.bos_token_id, eos_token_id=eos,
+                         pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else eos)
+    torch.manual_seed(0)
+    with torch.device(device):  # on a GPU: seconds for 1.7 B weights instead of a minute of CPU init
+        model = LlamaForCausalLM(config)
+    model.to(torch.bfloat16).save_pretrained(path)
+    tok.save_pretrained(path)
+    return str(path)
 
 
 # ---------------------------------------------------------------------------- shared pieces
@@ -98,16 +146,24 @@ def make_rows(task: str = "sum", n: int = 512, seed: int = 0) -> list[dict]:
     return rows
 
 
+def text_variety(completions, **kwargs) -> list[float]:
+    """Distinct characters over characters: a reward that varies within a group of a random-init
+    model's completions (the `gpu-*` workloads), so every group has a nonzero advantage."""
+    texts = [c if isinstance(c, str) else c[-1]["content"] for c in completions]
+    return [len(set(t)) / max(len(t), 1) for t in texts]
+
+
 REWARDS = {  # task -> (reward functions, weights): the same on both sides
     "sum": (["math_accuracy", "grouprl.tasks.arithmetic:format_reward"], [1.0, FORMAT_WEIGHT]),
     "chat": (["math_accuracy", "grouprl.tasks.chat_arithmetic:boxed_accuracy"], [1.0, 0.5]),
+    "variety": ([text_variety], [1.0]),
 }
 
 
 def reward_funcs(task: str):
     from grouprl.rewards import resolve_reward_func
 
-    return [resolve_reward_func(name) for name in REWARDS[task][0]]
+    return [f if callable(f) else resolve_reward_func(f) for f in REWARDS[task][0]]
 
 
 def peak_rss_mib() -> float:
@@ -138,7 +194,17 @@ def model_flops(model_dir: str, prompt_tokens: float, completion_tokens: list[fl
 
 
 # ---------------------------------------------------------------------------- workers
-def worker_grouprl(w: Workload, model_dir: str, steps: int, threads: int) -> dict:
+def memory_figures(device: str) -> dict:
+    """Peak RSS always; on CUDA also the process's `torch.cuda.max_memory_allocated`."""
+    out = {"peak_rss_mib": peak_rss_mib()}
+    if device == "cuda":
+        import torch
+
+        out["peak_cuda_mib"] = torch.cuda.max_memory_allocated() / 2**20
+    return out
+
+
+def worker_grouprl(w: Workload, model_dir: str, steps: int, threads: int, device: str = "cpu") -> dict:
     import torch
     from datasets import Dataset
 
@@ -148,13 +214,14 @@ def worker_grouprl(w: Workload, model_dir: str, steps: int, threads: int) -> dic
     torch.set_num_threads(threads)
     with tempfile.TemporaryDirectory() as out:
         names, weights = REWARDS[w.task]
+        extra = {"micro_batch_size": w.micro_batch} if w.micro_batch else {}  # 0: grouprl's defaults
         cfg = TrainConfig(
-            model=model_dir, train_data="<in memory>", reward_funcs=names,
+            model=model_dir, train_data="<in memory>", reward_funcs=[getattr(f, "__name__", f) for f in names],
             reward_weights=weights, algorithm="grpo", beta=w.beta, num_generations=8,
-            prompts_per_step=2, micro_batch_size=w.micro_batch, max_completion_length=w.max_tokens, temperature=1.0,
+            prompts_per_step=w.prompts, max_completion_length=w.max_tokens, temperature=1.0,
             learning_rate=w.lr, num_iterations=1, bf16=w.bf16, ignore_eos=w.fixed, max_steps=steps,
             output_dir=out, progress=False, report_to=[], num_logged_samples=0,
-            num_threads=threads, seed=0, reward_timeout_s=None)
+            num_threads=threads, seed=0, reward_timeout_s=None, **extra)
         trainer = Trainer(cfg, train_dataset=Dataset.from_list(make_rows(w.task)), reward_funcs=reward_funcs(w.task))
         times, stages, lengths = [], [], []
         for _ in range(steps):
@@ -164,10 +231,10 @@ def worker_grouprl(w: Workload, model_dir: str, steps: int, threads: int) -> dic
             stages.append({k.removeprefix("time/"): v for k, v in m.items()  # generate_engine is part of generate
                            if k.startswith("time/") and k not in ("time/step", "time/generate_engine")})
             lengths.append(m["completion/length_mean"])
-    return {"times": times, "stages": stages, "lengths": lengths, "peak_rss_mib": peak_rss_mib()}
+    return {"times": times, "stages": stages, "lengths": lengths, **memory_figures(device)}
 
 
-def worker_trl(w: Workload, model_dir: str, steps: int, threads: int) -> dict:
+def worker_trl(w: Workload, model_dir: str, steps: int, threads: int, device: str = "cpu") -> dict:
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
@@ -209,11 +276,12 @@ def worker_trl(w: Workload, model_dir: str, steps: int, threads: int) -> dict:
 
     with tempfile.TemporaryDirectory() as out:
         args = GRPOConfig(
-            output_dir=out, per_device_train_batch_size=16, num_generations=8, generation_batch_size=16,
+            output_dir=out, per_device_train_batch_size=8 * w.prompts, num_generations=8,
+            generation_batch_size=8 * w.prompts,
             gradient_accumulation_steps=1, max_completion_length=w.max_tokens, temperature=1.0,
             learning_rate=w.lr, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
             max_grad_norm=1.0, beta=w.beta, epsilon=0.2, num_iterations=1, loss_type="grpo",
-            scale_rewards="group", reward_weights=REWARDS[w.task][1], bf16=w.bf16, use_cpu=True,
+            scale_rewards="group", reward_weights=REWARDS[w.task][1], bf16=w.bf16, use_cpu=device == "cpu",
             use_vllm=False, max_steps=steps, logging_steps=1, save_strategy="no", report_to="none",
             disable_tqdm=True, seed=0, dataloader_num_workers=0, log_completions=False,
             generation_kwargs={"min_new_tokens": w.max_tokens} if w.fixed else None)
@@ -221,7 +289,29 @@ def worker_trl(w: Workload, model_dir: str, steps: int, threads: int) -> dict:
                               train_dataset=Dataset.from_list(make_rows(w.task)), processing_class=tok,
                               callbacks=[Clock()])
         trainer.train()
-    return {"times": times, "stages": stages, "lengths": lengths, "peak_rss_mib": peak_rss_mib()}
+    return {"times": times, "stages": stages, "lengths": lengths, **memory_figures(device)}
+
+
+def matmul_peak_cuda() -> dict:
+    """bf16 and fp32 (TF32 off) FLOP/s of an 8192^3 product on the GPU: the mean of 10 timed
+    products after 3 warm-ups, timed with CUDA events."""
+    import torch
+
+    out, n = {}, 8192
+    for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        a, b = (torch.randn(n, n, device="cuda", dtype=dtype) for _ in range(2))
+        for _ in range(3):
+            a @ b
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(10):
+            a @ b
+        end.record()
+        torch.cuda.synchronize()
+        out[name] = 2 * n ** 3 * 10 / (start.elapsed_time(end) / 1e3)
+        del a, b
+    torch.cuda.empty_cache()
+    return out
 
 
 def matmul_peak(threads: int, budget_s: float = 1.0) -> dict:
@@ -261,12 +351,14 @@ def wait_idle(max_load: float, timeout_s: float) -> float:
         time.sleep(10)
 
 
-def run_side(side: str, w: Workload, model_dir: str, steps: int, threads: int) -> dict:
+def run_side(side: str, w: Workload, model_dir: str, steps: int, threads: int, device: str) -> dict:
     with tempfile.NamedTemporaryFile("r", suffix=".json") as f:
         cmd = [sys.executable, __file__, "--worker", side, "--workload", w.name, "--model-dir", model_dir,
-               "--steps", str(steps), "--threads", str(threads), "--out", f.name,
-               "--micro-batch", str(w.micro_batch)]
-        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL if side == "trl" else None)
+               "--steps", str(steps), "--threads", str(threads), "--out", f.name, "--device", device,
+               "--micro-batch", str(w.micro_batch)] + (["--fp32"] if not w.bf16 else [])
+        hide = {"CUDA_VISIBLE_DEVICES": ""} if device == "cpu" else {}  # the trainer takes any GPU it sees
+        env = {**os.environ, **hide}
+        subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL if side == "trl" else None)
         return json.loads(Path(f.name).read_text())
 
 
@@ -276,8 +368,10 @@ def summarize(runs: list[dict]) -> dict:
     stages = {k: statistics.median([statistics.median([s.get(k, 0.0) for s in r["stages"][2:]]) for r in runs])
               for k in stage_keys}
     lengths = [x for r in runs for x in r["lengths"][2:]]
+    cuda = [r["peak_cuda_mib"] for r in runs if "peak_cuda_mib" in r]
     return {"s_per_step": statistics.median(meds), "runs": meds, "stages": stages,
             "peak_rss_mib": max(r["peak_rss_mib"] for r in runs),
+            **({"peak_cuda_mib": max(cuda)} if cuda else {}),
             "length_mean": statistics.mean(lengths) if lengths else float("nan")}
 
 
@@ -296,39 +390,55 @@ def main() -> None:
     ap.add_argument("--json", help="write all results to this file")
     ap.add_argument("--smollm2", default="models/smollm2",
                     help="the SmolLM2-135M-Instruct folder for smollm2-* workloads (scripts/fetch_smollm2.py)")
+    ap.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                    help="auto: cuda where available; the gpu-* workloads are the default there")
+    ap.add_argument("--model-config", help="a config.json (any Llama/Qwen2 shape) replacing the gpu-* "
+                    "workloads' SmolLM2 shape; only its architecture is read, weights are random")
+    ap.add_argument("--fp32", action="store_true", help="run bf16 workloads in fp32 (a smoke run on a CPU "
+                    "without native bf16)")
     ap.add_argument("--worker", choices=["grouprl", "trl"], help=argparse.SUPPRESS)
     ap.add_argument("--model-dir", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     args = ap.parse_args()
 
-    if args.micro_batch:
+    if args.micro_batch is not None:
         WORKLOADS.update({k: replace(w, micro_batch=args.micro_batch) for k, w in WORKLOADS.items()})
+    if args.fp32:
+        WORKLOADS.update({k: replace(w, bf16=False) for k, w in WORKLOADS.items()})
     if args.worker:
         w = WORKLOADS[args.workload[0]]
         fn = worker_grouprl if args.worker == "grouprl" else worker_trl
-        Path(args.out).write_text(json.dumps(fn(w, args.model_dir, args.steps, args.threads)))
+        Path(args.out).write_text(json.dumps(fn(w, args.model_dir, args.steps, args.threads, args.device)))
         return
     if args.list:
         for w in WORKLOADS.values():
             print(w.name, asdict(w))
         return
-    names = args.workload or DEFAULT
+    import torch
+
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.device == "cuda" and not torch.cuda.is_available():
+        sys.exit("--device cuda: torch sees no CUDA device here")
+    names = args.workload or (DEFAULT_GPU if args.device == "cuda" else DEFAULT)
     for n in names:
         if n not in WORKLOADS:
             sys.exit(f"--workload {n!r} is unknown: choose from {', '.join(WORKLOADS)}")
     if args.steps < 4:
         sys.exit(f"--steps {args.steps}: medians use steps 3.., so run at least 4 steps")
 
-    import torch
     import transformers
 
     from grouprl.precision import native_bf16
     from grouprl.tasks.testing import save_tiny_model
 
-    native, why = native_bf16(torch.device("cpu"))
+    native, why = native_bf16(torch.device(args.device))
     for n in [n for n in names if WORKLOADS[n].bf16 and not native]:
         print(f"skipping {n}: {why}; bf16 would not be a fair comparison here", flush=True)
         names.remove(n)
+    if any(WORKLOADS[n].gpu for n in names) and not (Path(args.smollm2) / "tokenizer_config.json").is_file():
+        sys.exit(f"--smollm2 {args.smollm2}: no tokenizer there (the gpu-* workloads use SmolLM2's); run "
+                 f"python scripts/fetch_smollm2.py {args.smollm2} first, or name another folder")
     if any(WORKLOADS[n].size == "smollm2" for n in names) and not (Path(args.smollm2) / "config.json").is_file():
         sys.exit(f"--smollm2 {args.smollm2}: no converted model there; run "
                  f"python scripts/fetch_smollm2.py {args.smollm2} first")
@@ -341,22 +451,35 @@ def main() -> None:
         except ImportError:
             sys.exit("TRL is not installed: pip install -e '.[bench]' (or --only grouprl)")
         versions["trl"] = trl.__version__
-    print(f"versions: {versions}, threads={args.threads}, cpus={os.cpu_count()}", flush=True)
+    if args.device == "cuda":
+        versions["gpu"] = torch.cuda.get_device_name(0)
+    print(f"versions: {versions}, threads={args.threads}, cpus={os.cpu_count()}, device={args.device}", flush=True)
     peak = {"fp32": 0.0, "bf16": 0.0}
 
+    def wait(device: str) -> float:  # a CPU run waits for an idle CPU; a GPU run does not
+        return wait_idle(args.max_load, args.idle_timeout) if device == "cpu" else os.getloadavg()[0]
+
     def measure_peak() -> None:
-        """The best of every measurement so far: a slow reading means another process held the CPU."""
-        load = wait_idle(args.max_load, args.idle_timeout)
-        for k, v in matmul_peak(args.threads).items():
+        """The best of every measurement so far: a slow reading means another process held the machine."""
+        load = wait(args.device)
+        got = matmul_peak_cuda() if args.device == "cuda" else matmul_peak(args.threads)
+        for k, v in got.items():
             peak[k] = max(peak[k], v)
-        print(f"matmul peak ({args.threads} threads): fp32 {peak['fp32'] / 1e12:.3f} TFLOP/s, "
+        where = torch.cuda.get_device_name(0) if args.device == "cuda" else f"{args.threads} threads"
+        print(f"matmul peak ({where}): fp32 {peak['fp32'] / 1e12:.3f} TFLOP/s, "
               f"bf16 {peak['bf16'] / 1e12:.3f} TFLOP/s (best so far; load {load:.2f})", flush=True)
 
     results = {"versions": versions, "peak": peak, "workloads": {}}
     with tempfile.TemporaryDirectory() as tmp:
         for name in names:
             w = WORKLOADS[name]
-            if w.size == "smollm2":
+            if w.gpu:
+                shape = json.loads(Path(args.model_config).read_text()) if args.model_config else SHAPES[w.size]
+                shape = {k: v for k, v in shape.items() if k not in ("architectures", "model_type", "torch_dtype",
+                                                                     "dtype", "transformers_version")}
+                model_dir = build_shape_model(Path(tmp) / w.name, shape, str(Path(args.smollm2).resolve()),
+                                              args.device)
+            elif w.size == "smollm2":
                 model_dir = str(Path(args.smollm2).resolve())
             elif (Path(tmp) / w.size).exists():
                 model_dir = str(Path(tmp) / w.size)
@@ -367,8 +490,8 @@ def main() -> None:
             loads = []
             for r in range(args.rounds):
                 for side in sides if r % 2 == 0 else sides[::-1]:
-                    loads.append(wait_idle(args.max_load, args.idle_timeout))
-                    runs[side].append(run_side(side, w, model_dir, args.steps, args.threads))
+                    loads.append(wait(args.device))
+                    runs[side].append(run_side(side, w, model_dir, args.steps, args.threads, args.device))
                     print(f"  {name} round {r + 1} {side}: "
                           f"{statistics.median(runs[side][-1]['times'][2:]):.3f} s/step "
                           f"(load {loads[-1]:.2f})", flush=True)
@@ -377,7 +500,7 @@ def main() -> None:
             n_prompt = prompt_tokens(w, model_dir)
             for s, v in res.items():
                 T = w.max_tokens if w.fixed else v["length_mean"]
-                flops = model_flops(model_dir, n_prompt, [T] * 16, w.beta, group_size=8)
+                flops = model_flops(model_dir, n_prompt, [T] * (8 * w.prompts), w.beta, group_size=8)
                 v["mfu"] = flops / v["s_per_step"] / peak["bf16" if w.bf16 else "fp32"]
             res["max_load"] = max(loads)
             res["peak"] = dict(peak)
@@ -387,8 +510,9 @@ def main() -> None:
         Path(args.json).write_text(json.dumps(results, indent=1))
     if len(sides) == 2 and len(names) == 1:
         g, t = results["workloads"][names[0]]["grouprl"], results["workloads"][names[0]]["trl"]
+        mem = "peak_cuda_mib" if "peak_cuda_mib" in g else "peak_rss_mib"
         print(f"ratio_steps_per_s={t['s_per_step'] / g['s_per_step']:.2f} "
-              f"ratio_peak_rss={g['peak_rss_mib'] / t['peak_rss_mib']:.2f}")
+              f"ratio_{mem.removesuffix('_mib')}={g[mem] / t[mem]:.2f}")
 
 
 def prompt_tokens(w: Workload, model_dir: str) -> float:
@@ -411,13 +535,15 @@ def report(name: str, res: dict, sides: list[str]) -> str:
         v = res[s]
         total = sum(v["stages"].values()) or 1.0
         share = ", ".join(f"{k} {100 * x / total:.0f}%" for k, x in v["stages"].items())
+        cuda = f"peak CUDA {v['peak_cuda_mib'] / 1024:.2f} GiB, " if "peak_cuda_mib" in v else ""
         lines.append(f"  {s:8s} {v['s_per_step']:.3f} s/step (runs {', '.join(f'{x:.3f}' for x in v['runs'])}), "
-                     f"peak RSS {v['peak_rss_mib']:.0f} MiB, MFU {100 * v['mfu']:.1f}%, "
+                     f"{cuda}peak RSS {v['peak_rss_mib']:.0f} MiB, MFU {100 * v['mfu']:.1f}%, "
                      f"mean length {v['length_mean']:.1f}; {share}")
     if len(sides) == 2:
         g, t = res["grouprl"], res["trl"]
+        mem, label = (("peak_cuda_mib", "peak CUDA memory") if "peak_cuda_mib" in g else ("peak_rss_mib", "peak RSS"))
         lines.append(f"  grouprl/TRL: {t['s_per_step'] / g['s_per_step']:.2f}x steps/s, "
-                     f"{g['peak_rss_mib'] / t['peak_rss_mib']:.2f}x peak RSS")
+                     f"{g[mem] / t[mem]:.2f}x {label}")
     return "\n".join(lines)
 
 

@@ -5,8 +5,9 @@ rotting when the trainer changes.
 
 Not run here beyond --help, and why: async_rollouts.py, agentic_async.py, vllm_vs_builtin.py and
 weight_transfer.py start vLLM (a minute each on this CPU; the vLLM paths they time are tested in
-tests/rollout/); vs_trl.py needs TRL (the
-`bench` extra; learning_vs_trl.py runs its TRL arm only where TRL is installed); smollm2_step.py
+tests/rollout/); vs_trl.py runs its grouprl side only (TRL is the `bench` extra), on a GPU
+workload's code path shrunk to a tiny config on CPU; learning_vs_trl.py runs its TRL arm only where
+TRL is installed; smollm2_step.py
 and fetch_smollm2.py need the SmolLM2 GGUF package from PyPI.
 """
 
@@ -38,12 +39,11 @@ def run(*args: str, timeout: float = 300) -> str:
 # Each file is either run for real below or --help only, for the reason in the module docstring.
 RUN = {"benchmarks/shared_prompt.py", "benchmarks/process_vs_outcome.py", "benchmarks/multiturn_continuation.py",
        "benchmarks/head_logprobs.py", "benchmarks/generation_memory.py", "benchmarks/long_completions.py",
-       "benchmarks/run_health.py", "benchmarks/learning_vs_trl.py",
+       "benchmarks/run_health.py", "benchmarks/learning_vs_trl.py", "benchmarks/vs_trl.py",
        "scripts/build_default_policy.py",
        "scripts/build_tool_policy.py", "scripts/sandbox_report.py"}
 HELP_ONLY = {"benchmarks/async_rollouts.py", "benchmarks/agentic_async.py", "benchmarks/vllm_vs_builtin.py",
              "benchmarks/weight_transfer.py",
-             "benchmarks/vs_trl.py",
              "benchmarks/smollm2_step.py", "scripts/fetch_smollm2.py"}
 
 
@@ -188,3 +188,19 @@ def test_learning_vs_trl_benchmark_one_step_trl(tmp_path):
     assert [r["arm"] for r in lines] == ["trl"] and lines[0]["steps"] == 1
     assert lines[0]["eval_before"] == 0.245 and 0 <= lines[0]["eval_after"] <= 1
     assert "| trl | 1 |" in out
+
+
+def test_vs_trl_gpu_workload_path_on_a_tiny_config(tmp_path):
+    """The GPU workloads' code path (a random-init model built from a config with a named tokenizer,
+    the variety reward, the defaults grouprl picks for the device) run on CPU at a tiny size, grouprl
+    side only: 4 steps of 32 fixed-length completions, the report and the JSON it writes."""
+    tok = save_tiny_model(tmp_path / "tok", "tiny")
+    config = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                  intermediate_size=64, vocab_size=104, tie_word_embeddings=True, max_position_embeddings=512)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    out = run("benchmarks/vs_trl.py", "--device", "cpu", "--workload", "gpu-135m-256", "--only", "grouprl",
+              "--model-config", str(tmp_path / "config.json"), "--smollm2", str(tok), "--fp32", "--steps", "4",
+              "--rounds", "1", "--max-load", "1000", "--json", str(tmp_path / "r.json"), timeout=600)
+    res = json.loads((tmp_path / "r.json").read_text())["workloads"]["gpu-135m-256"]["grouprl"]
+    assert res["length_mean"] == 256.0 and len(res["runs"]) == 1 and 0 < res["mfu"] < 1
+    assert "== gpu-135m-256" in out and "device=cpu" in out

@@ -82,17 +82,20 @@ def update_grads(cfg: TrainConfig) -> dict[tuple[str, str], tuple[dict[str, torc
     trainer = Trainer(cfg)
     trainer.optimizer = torch.optim.SGD([p for p in trainer.model.parameters() if p.requires_grad], lr=0.0)
     trainer.scheduler = torch.optim.lr_scheduler.LambdaLR(trainer.optimizer, lambda _: 1.0)
+    grads = []  # the accumulated gradient as the optimizer gets it (the update frees it after its step)
+    step = trainer.optimizer.step
+    trainer.optimizer.step = lambda: grads.append(full_grads(trainer.model)) or step()
     batch = fixed_batch()
     results = {}
     for agg in sorted(LOSS_AGGREGATIONS):
         for scale in SCALES:
             trainer.cfg = replace(cfg.resolved(), loss_agg=agg, scale_rewards=scale)
             stats = trainer.update(batch, trainer.advantages(batch))
-            results[(agg, scale)] = (full_grads(trainer.model), stats)
+            results[(agg, scale)] = (grads.pop(), stats)
     for mode in ("token_truncate", "sequence_mask"):
         trainer.cfg = replace(cfg.resolved(), vllm_importance_sampling_mode=mode, vllm_importance_sampling_cap=2.0)
         stats = trainer.update(with_sampling_logp(batch), trainer.advantages(batch))
-        results[("is", mode)] = (full_grads(trainer.model), stats)
+        results[("is", mode)] = (grads.pop(), stats)
     return results
 
 

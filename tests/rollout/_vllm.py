@@ -20,10 +20,11 @@ def make_engine(path, tok) -> VLLMEngine:
 
 
 def trainer_logp(model: torch.nn.Module, rollout: Rollout, temperature: float = 1.0) -> torch.Tensor:
-    """The trainer's per-token log-probs [N, T'] of the rollout's completions (full vocabulary)."""
+    """The trainer's per-token log-probs [N, T'] of the rollout's completions (full vocabulary), on
+    the CPU as the rollout's are (a trainer's model is on cuda:0 on a CUDA machine)."""
     mb = MicroBatch.from_rollout(rollout, torch.arange(len(rollout)))
     with torch.no_grad():
-        return completion_logprobs(model, mb, temperature=temperature)[0]
+        return completion_logprobs(model, mb, temperature=temperature)[0].cpu()
 
 
 def max_logp_gap(engine: VLLMEngine, model: torch.nn.Module, prompts: list[list[int]]) -> float:

@@ -20,6 +20,7 @@ from grouprl.checkpoint import latest_checkpoint, list_checkpoints
 from grouprl.distributed import DistContext
 from grouprl.signals import REPEAT_WINDOW_S, StopNow, StopSignals, TrainingStopped
 from grouprl.trainer import Trainer
+from tests.distributed.launch import torchrun_env
 from tests.trainer.conftest import digit_fraction, read_metrics
 
 REPO = Path(__file__).resolve().parents[2]
@@ -178,7 +179,7 @@ def test_under_torchrun_a_signal_to_one_rank_stops_every_rank_after_the_same_ste
                    reward_funcs=["tests.trainer.test_stop_signals:digits_then_term_on_rank_1"])
     path, out = tmp_path / "run.yaml", tmp_path / "run"
     cfg.save_yaml(path)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
+    env = torchrun_env()  # GPUs hidden: 2 CPU ranks on gloo on any machine (tests/distributed/launch.py)
     argv = ["train", str(path), "--output_dir", str(out)]
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                            "-m", "grouprl", *argv], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)

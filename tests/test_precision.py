@@ -1,4 +1,11 @@
-"""bf16: auto | true | false resolved for the device (grouprl/precision.py)."""
+"""bf16: auto | true | false resolved for the device (grouprl/precision.py).
+
+What each test expects is stated per device: the tests that pass CPU pin the CPU path (its flags
+pretended); the trainer's tests pretend that whatever device the trainer picks (cuda:0 on a CUDA
+machine, the CPU elsewhere) has or lacks native bf16; one test asks the real device and expects
+what it answers (on a bf16 GPU, bf16=true is accepted)."""
+
+import re
 
 import pytest
 import torch
@@ -7,7 +14,7 @@ import grouprl.precision as precision
 from grouprl.config import ConfigError, TrainConfig
 from grouprl.precision import native_bf16, resolve_bf16
 
-CPU = torch.device("cpu")
+CPU = torch.device("cpu")  # the tests that name it pin the CPU path; the trainer tests take the trainer's device
 
 
 @pytest.fixture
@@ -53,14 +60,83 @@ def test_config_accepts_auto_true_false_and_names_anything_else(tmp_path):
         TrainConfig(**base, bf16="yes").validate()
 
 
-def test_the_trainer_refuses_before_loading_any_model(cpu_flags, tmp_path, monkeypatch):
+def trainer_device() -> torch.device:
+    """The device a single-process Trainer trains on: cuda:0 on a CUDA machine, else the CPU
+    (grouprl/distributed.py init_distributed)."""
+    from grouprl.distributed import init_distributed
+
+    return init_distributed().device
+
+
+@pytest.fixture
+def device_bf16(monkeypatch):
+    """Pretend that whatever device is asked about (cuda:0 on a GPU machine, the CPU elsewhere) does,
+    or does not, multiply bf16 natively; records the devices asked about."""
+    asked = []
+
+    def set_native(native: bool):
+        def fake(device):
+            asked.append(device)
+            return native, f"pretend {device} {'supports' if native else 'does not support'} bf16"
+        monkeypatch.setattr(precision, "native_bf16", fake)
+        return asked
+    return set_native
+
+
+class Loaded(Exception):
+    """Raised by the stand-in load_policy: the trainer got past the precision check."""
+
+
+def _trainer_with(bf16, tmp_path, monkeypatch):
     from grouprl import trainer as trainer_module
     from grouprl.tasks import DEFAULT_TASK
 
-    cpu_flags()
-    loaded = []
-    monkeypatch.setattr(trainer_module, "load_policy", lambda *a, **k: loaded.append(a))
-    cfg = TrainConfig(**{**DEFAULT_TASK, "bf16": True, "output_dir": str(tmp_path / "run")})
-    with pytest.raises(ConfigError, match="bf16=true"):
-        trainer_module.Trainer(cfg)
-    assert loaded == []
+    def load_policy(*args, **kwargs):
+        raise Loaded
+    monkeypatch.setattr(trainer_module, "load_policy", load_policy)
+    cfg = TrainConfig(**{**DEFAULT_TASK, "bf16": bf16, "output_dir": str(tmp_path / "run")})
+    return trainer_module.Trainer(cfg)
+
+
+def test_the_trainer_refuses_before_loading_any_model(device_bf16, tmp_path, monkeypatch):
+    """On any machine: the device the trainer picks is made to lack native bf16, so bf16=true is
+    refused, before a model loads (a real bf16 GPU accepts it: the next test)."""
+    asked = device_bf16(False)
+    with pytest.raises(ConfigError, match="bf16=true: pretend .* does not support bf16"):
+        _trainer_with(True, tmp_path, monkeypatch)
+    assert asked and set(asked) == {trainer_device()}  # the check asked about the device the trainer trains on
+
+
+def test_the_trainer_accepts_bf16_true_where_its_device_has_it(device_bf16, tmp_path, monkeypatch):
+    asked = device_bf16(True)
+    with pytest.raises(Loaded):  # past the precision check, on to loading the model
+        _trainer_with(True, tmp_path, monkeypatch)
+    assert asked and set(asked) == {trainer_device()}
+
+
+def test_the_real_device_decides_auto_and_true():
+    """No pretending: on this machine's trainer device (a GPU with bf16: accepted; a CPU without
+    avx512_bf16/amx_bf16: refused), `auto` takes bf16 exactly where `true` is accepted."""
+    device = trainer_device()
+    native, why = native_bf16(device)
+    assert resolve_bf16("auto", device) is native
+    assert resolve_bf16(False, device) is False
+    if native:
+        assert resolve_bf16(True, device) is True
+    else:
+        with pytest.raises(ConfigError, match="bf16=true: " + re.escape(why)):
+            resolve_bf16(True, device)
+
+
+def test_a_cuda_device_is_asked_about_itself(monkeypatch):
+    """The CUDA branch of native_bf16, on any machine (torch.cuda's answers pretended)."""
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "GPU X")
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    assert native_bf16(cuda) == (True, "GPU X supports bf16")
+    assert resolve_bf16("auto", cuda) is True and resolve_bf16(True, cuda) is True
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
+    assert native_bf16(cuda) == (False, "GPU X does not support bf16")
+    assert resolve_bf16("auto", cuda) is False
+    with pytest.raises(ConfigError, match="bf16=true: GPU X does not support bf16"):
+        resolve_bf16(True, cuda)

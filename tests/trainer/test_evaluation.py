@@ -105,8 +105,8 @@ def test_the_best_checkpoint_is_kept_and_loaded_at_the_end(make_cfg, digits_data
     assert best["step"] == best_step and best["value"] == pytest.approx(evals[best_step])
     ckpts = sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir())
     assert f"step-{best_step:06d}" in ckpts and "step-000005" in ckpts and len(ckpts) <= 2
-    weights = load_file(f"{best['checkpoint']}/trainable.safetensors")
-    params = dict(trainer.model.named_parameters())
+    weights = load_file(f"{best['checkpoint']}/trainable.safetensors")  # CPU tensors
+    params = {k: p.detach().cpu() for k, p in trainer.model.named_parameters()}  # cuda:0 where there is one
     assert all(torch.equal(params[k], v) for k, v in weights.items())
 
 

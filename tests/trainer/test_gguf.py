@@ -185,10 +185,12 @@ def test_training_a_gguf_model_saves_plain_safetensors(make_cfg, gguf_dir, llama
         tok = AutoTokenizer.from_pretrained(folder)
         assert tok.chat_template == CHAT_TEMPLATE and tok("a b").input_ids == [69, 4, 70]
     ids = torch.tensor([[5, 40, 41, 42, 7, 9]])  # [1, 6]
+    device = trainer.dist.device  # the trainer's model is on cuda:0 where there is one: compare there, bit for bit
     trainer.model.eval()
     with torch.no_grad():
-        assert torch.equal(reloaded[2](ids).logits, trainer.model(ids).logits)
-        assert not torch.equal(reloaded[2](ids).logits, llama[0](ids).logits)  # training moved the weights
+        final = reloaded[2].to(device)(ids.to(device)).logits
+        assert torch.equal(final, trainer.model(ids.to(device)).logits)
+        assert not torch.equal(final.cpu(), llama[0](ids).logits)  # training moved the weights
 
 
 def test_tokenizer_field_overrides_the_gguf_tokenizer(make_cfg, gguf_dir, tiny_model_dir):

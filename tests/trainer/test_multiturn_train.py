@@ -57,12 +57,13 @@ def test_context_tokens_carry_no_gradient_and_do_not_change_the_actions_gradient
         batch = StepBatch(ro, ["p", "p"], ["a", "b"], torch.tensor([1.0, 0.0]), {}, {})
         advantages = trainer.advantages(batch)
         stats = trainer.update(batch, advantages)
-        (logp,) = captured
-        grads.append(logp.grad.clone())
-        logps.append(logp.detach().clone())
-        assert torch.equal(logp.grad[:, 4:8], torch.zeros(2, 4))  # context: no gradient at all
-        want = (-advantages[:, None] / 16).expand(2, 8)  # 16 action tokens in the batch
-        torch.testing.assert_close(logp.grad[:, ro.action_mask[0]], want, rtol=1e-6, atol=0)
+        (logp,) = captured  # on the trainer's device (cuda:0 where there is one): compared on the CPU
+        grad = logp.grad.cpu().clone()
+        grads.append(grad)
+        logps.append(logp.detach().cpu().clone())
+        assert torch.equal(grad[:, 4:8], torch.zeros(2, 4))  # context: no gradient at all
+        want = (-advantages.cpu()[:, None] / 16).expand(2, 8)  # 16 action tokens in the batch
+        torch.testing.assert_close(grad[:, ro.action_mask[0]], want, rtol=1e-6, atol=0)
         assert stats["entropy"] > 0
     assert torch.equal(grads[0], grads[1])
     assert not torch.allclose(logps[0][:, 8:], logps[1][:, 8:])  # the later actions saw the context

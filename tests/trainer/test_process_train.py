@@ -54,11 +54,11 @@ def test_the_loss_gets_process_advantages_of_the_step_and_outcome_rewards(make_c
 
     def spy_advantages(cfg, batch):
         adv = real_step_advantages(cfg, batch)
-        seen.append((batch, adv))
+        seen.append((batch, adv.cpu()))
         return adv
 
     def spy_loss(logp, old_logp, advantages, mask, **kwargs):
-        to_loss.append(advantages.detach().clone())
+        to_loss.append(advantages.detach().cpu().clone())  # on the trainer's device (cuda:0 where there is one)
         return real_policy_loss(logp, old_logp, advantages, mask, **kwargs)
 
     monkeypatch.setattr(trainer_module, "step_advantages", spy_advantages)

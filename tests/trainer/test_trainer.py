@@ -8,7 +8,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from grouprl.precision import cpu_bf16_flags
+from grouprl.distributed import init_distributed
+from grouprl.precision import native_bf16
 from grouprl.trainer import Trainer
 from tests.trainer.conftest import read_metrics
 
@@ -130,10 +131,11 @@ def test_lora_trains_only_the_adapter_and_exports_a_loadable_model(make_cfg):
     rows = read_metrics(cfg.output_dir)
     assert rows[0]["kl"] == 0.0 and rows[1]["kl"] > 0  # reference = adapter disabled
     exported = AutoModelForCausalLM.from_pretrained(f"{cfg.output_dir}/checkpoints/step-000002/model")
-    ids = torch.tensor([[5, 6, 7, 8]])
+    device = trainer.dist.device  # cuda:0 where there is one: both models run there
+    ids = torch.tensor([[5, 6, 7, 8]], device=device)
     with torch.no_grad():
         want = trainer.model(input_ids=ids).logits
-        got = exported(input_ids=ids).logits
+        got = exported.to(device)(input_ids=ids).logits
     assert torch.allclose(want, got, atol=1e-5)
 
 
@@ -183,8 +185,11 @@ def test_eval_before_and_after_and_iterative_reference(make_cfg, tmp_path, digit
     assert (__import__("pathlib").Path(cfg.output_dir) / "checkpoints/step-000004/ref.safetensors").is_file()
 
 
-@pytest.mark.skipif(not cpu_bf16_flags(), reason="bf16: true is refused on a CPU without native bf16")
 def test_bf16_and_gradient_checkpointing_run(make_cfg):
+    device = init_distributed().device  # the trainer's: cuda:0 on a CUDA machine, else the CPU
+    native, why = native_bf16(device)
+    if not native:
+        pytest.skip(f"bf16: true is refused where bf16 is not native ({why})")
     cfg = make_cfg(max_steps=1, bf16=True, gradient_checkpointing=True, beta=0.04)
     Trainer(cfg).train()
     (row,) = read_metrics(cfg.output_dir)

@@ -30,9 +30,45 @@ Reward hacking (`on_reward_hacking`), each at most once per (alarm, function):
   of it since the base), or the cross-prompt distinct 4-gram ratio (each group's 4-grams counted
   once; distinct over total) falls below `distinct_ratio` times its base. Duplicates *within* a
   group are logged but never alarm: a policy that solved a prompt answers it the same way G times.
-- `length_hacking`: the within-group correlation of reward and length, averaged over the groups
-  whose rewards and lengths both vary and over the last W steps, is at least `length_corr`,
-  while the mean length grew by `length_growth` (a fraction) over its base.
+- `length_hacking` (per reward function): a function pays for length itself. Over the last W steps:
+  1. the within-group correlation of reward and length (averaged over the groups whose rewards and
+     lengths both vary) is at least `length_corr`, and
+  2. the mean length grew by `length_growth` (a fraction) over its base, and
+  3. a paid (weight != 0) reward function that is not a check pays for length *among completions
+     that every other reward function and audit scores alike*: its within-group partial correlation
+     with length, given their scores (times the sign of its weight: a length penalty does not pay
+     for length), is at least `length_partial_corr`. Within each group the
+     function's scores and the lengths are each fitted by least squares on [1, every other
+     function's and audit's scores] (an abstention counts as that function's group mean); the
+     residuals e_f, e_l are pooled over the groups and the W steps:
+     sum(e_f e_l) / sqrt(sum(e_f^2) sum(e_l^2)), logged per step as
+     `health/length_partial_corr/NAME`. A function whose scores in a step take at most two values
+     is a check (right or wrong, tool called or not): it pays once for doing something, however
+     many tokens that takes, and is not tested in that step.
+  Conditions 1-2 alone were the rule before, and they fired on sound runs: on the tool task
+  (examples/tool_task.yaml) a completion that calls the calculator is ~58 tokens and a guess ~7,
+  the accuracy reward pays the call, so in 8 of 8 fp32 seeds (benchmarks/run_health.py,
+  `sound-tool`) 1-2 held by step 6-10 while held-out accuracy rose 0 -> 85-86 %. A reward that pays
+  for length on the same policy (`hack-length-tool`) does the *same* thing for ~20 steps (the long
+  thing the policy knows is the call), its audit and held-out accuracy rise alike, and only then
+  the unpaid answers decay (held-out ~85 % at step 10, 25-82 % at step 30). What tells the two
+  apart is the reward function itself: among completions equally right or wrong, the length
+  reward still pays the longer (partial correlation 0.99-1.00 in the windows where the lengths
+  grew; flagged at step 7-10 in 8 of 8 seeds), a check cannot. Measured and not used: the
+  reward's partial correlation given the accuracy alone is 1.00 on a sound run that also pays 0.5
+  for the call with the right operands (`sound-products`: a paid step that takes tokens also comes
+  with wrong answers); pairs of similar length barely exist on this task (a call's length is
+  fixed), and the few there were (a truncated call, 4 tokens short and wrong) said "longer pays";
+  the audit and the held-out accuracy follow the length reward for its first 20 steps.
+  Limits: a partial-credit reward whose right steps are longer pays for something that comes with
+  length and scores like a length reward: the chain task's step reward (a right running sum
+  carries a digit, "12" not "2") scored 0.47-0.92 (`sound-chain`, seed 1, 20 steps), so the
+  threshold (0.9, against 0.99-1.00 for the length reward) does not separate it alone: it is quiet
+  because its lengths do not grow (7.9 -> 8.4 tokens in 40 steps); a policy that learned to write
+  out longer right steps would be flagged. A reward that mixes the task and length inside one
+  function (a reward model that likes long answers) scores below 1 unless an audit takes the task
+  out: give such a run an audit, or lower `length_partial_corr`. A check on length itself (1 when
+  longer than N tokens) is a check and is never flagged.
 
 Collapse (`on_collapse`), re-armed after a rollback:
 - `reward_crash` (from step 3): the mean reward over the last 2 steps fell
@@ -84,6 +120,7 @@ class HealthThresholds:
     distinct_ratio: float = 0.5
     length_corr: float = 0.5
     length_growth: float = 0.25
+    length_partial_corr: float = 0.9
     crash_drop_z: float = 0.6
     crash_se_z: float = 3.0
     kl_spike_min: float = 1.0
@@ -151,6 +188,35 @@ def text_statistics(texts: list[str], token_lists: list[list[int]], rewards: tor
             "distinct_4gram": distinct, "length_reward_corr": statistics.fmean(corrs) if corrs else math.nan}
 
 
+def length_payment(scores: dict[str, torch.Tensor], lengths: torch.Tensor, G: int,
+                   tested: list[str]) -> dict[str, list[float]]:
+    """For each function in `tested` that is not a check this step (its scores take more than two
+    values): its scores and the lengths, each fitted within every group by least squares on
+    [1, every other entry of `scores`], and the residuals e_f, e_l summed over the groups as
+    [sum(e_f e_l), sum(e_f^2), sum(e_l^2)] (module docstring, `length_hacking`). scores: name -> [N]
+    (reward functions and audits, NaN where one abstained); lengths: [N]."""
+    out = {}
+    for name in tested:
+        f = scores[name].double().view(-1, G)  # [B, G]
+        ok = ~f.isnan()  # [B, G]
+        if len(f[ok].unique()) <= 2:  # a check: pays once for doing something, or a constant
+            continue
+        cols = [torch.ones_like(f)]
+        for other, x in scores.items():
+            if other == name:
+                continue
+            x = x.double().view(-1, G)  # [B, G]
+            mean = torch.nanmean(x, dim=1, keepdim=True).nan_to_num(0.0)  # [B, 1]: an abstention counts as it
+            cols.append(torch.where(x.isnan(), mean, x))
+        X = torch.stack(cols, dim=-1) * ok.unsqueeze(-1)  # [B, G, K]; rows where f abstained are zeros
+        y, n = f.nan_to_num(0.0) * ok, lengths.double().view(-1, G) * ok  # [B, G]
+        hat = X @ torch.linalg.pinv(X)  # [B, G, G]: the projection onto the columns (zero rows stay out)
+        e_f, e_l = y - (hat @ y.unsqueeze(-1)).squeeze(-1), n - (hat @ n.unsqueeze(-1)).squeeze(-1)  # [B, G]
+        e_f, e_l = _unexplained(e_f, y, ok), _unexplained(e_l, n, ok)
+        out[name] = [float((e_f * e_l).sum()), float((e_f ** 2).sum()), float((e_l ** 2).sum())]
+    return out
+
+
 class HealthMonitor:
     """The alarms of one run (module docstring). `observe` once per step, in order."""
 
@@ -179,6 +245,10 @@ class HealthMonitor:
             row[f"component/{name}"] = w * _nanmean(per_func[name])
         for name in self.audit_names:
             row[f"audit/{name}"] = _nanmean(audit[name])
+        scores = {**per_func, **{f"audit/{n}": audit[n] for n in self.audit_names}}
+        paying = [n for n, w in zip(self.names, self.weights) if w != 0]
+        for name, sums in length_payment(scores, lengths, G, paying).items():
+            row[f"length_payment/{name}"] = sums
         if entropy is not None:
             row["entropy"] = entropy
         if kl is not None:
@@ -196,6 +266,8 @@ class HealthMonitor:
         self.fired.update((a.kind, a.function) for a in alarms)
         metrics = {f"health/{k}": v for k, v in row.items() if k in
                    ("group_duplicates", "cross_prompt_duplicates", "distinct_4gram", "length_reward_corr")}
+        metrics.update({f"health/length_partial_corr/{k.split('/', 1)[1]}": _partial_corr([v])
+                        for k, v in row.items() if k.startswith("length_payment/")})
         if self._ready():
             metrics["health/reward_gain_z"] = self._gain_z("reward")
         metrics["health/alarms"] = len(alarms)
@@ -306,9 +378,15 @@ class HealthMonitor:
         length0 = self._mean("length", self.history[:W])
         growth = self._mean("length", self.history[-W:]) / length0 - 1 if length0 > 0 else 0.0
         if corr >= t.length_corr and growth >= t.length_growth:
-            out.append(Alarm("length_hacking", step, self._span(), None,
-                             f"reward-length correlation within groups {corr:.2f} while the mean length grew "
-                             f"{growth:.0%}", corr, t.length_corr, self._examples("length")))
+            for name, w in zip(self.names, self.weights):
+                partial = math.copysign(1.0, w) * _partial_corr([r[f"length_payment/{name}"] for r in
+                                                                 self.history[-W:] if f"length_payment/{name}" in r])
+                if partial >= t.length_partial_corr:  # a weight < 0 pays for what f falls with
+                    out.append(Alarm("length_hacking", step, self._span(), name,
+                                     f"{name} pays for length itself: partial correlation with length {partial:.2f} "
+                                     f"among completions the other functions and audits score alike; reward-length "
+                                     f"correlation within groups {corr:.2f} while the mean length grew {growth:.0%}",
+                                     partial, t.length_partial_corr, self._examples("length")))
         return out
 
     def _collapse(self, step: int) -> list[Alarm]:
@@ -370,6 +448,21 @@ class HealthMonitor:
                   **{f"audit/{k_}": float(v[i]) for k_, v in d["audit"].items()}}
             out.append(ex)
         return out
+
+
+def _unexplained(e: torch.Tensor, x: torch.Tensor, ok: torch.Tensor) -> torch.Tensor:
+    """Residuals e [B, G] of x [B, G], zeroed in the groups where the fit explains x (what is left
+    is float residue, whose correlation with anything is noise)."""
+    mean = (x * ok).sum(dim=1, keepdim=True) / ok.sum(dim=1, keepdim=True).clamp_min(1)  # [B, 1]
+    spread = (((x - mean) * ok) ** 2).sum(dim=1)  # [B]
+    explained = (e ** 2).sum(dim=1) <= 1e-9 * spread.clamp_min(1e-12)  # [B]
+    return torch.where(explained.unsqueeze(1), 0.0, e)
+
+
+def _partial_corr(sums: list[list[float]]) -> float:
+    """sum(e_f e_l) / sqrt(sum(e_f^2) sum(e_l^2)) over `length_payment` sums; NaN without evidence."""
+    fl, ff, ll = (sum(s[i] for s in sums) for i in range(3))
+    return fl / math.sqrt(ff * ll) if ff > 0 and ll > 0 else math.nan
 
 
 def _standard_error(rows: list[dict[str, Any]]) -> float:

@@ -105,18 +105,6 @@ def test_template_collapse_is_across_prompts_not_within_groups():
     assert [a.kind for a in fired] == ["template_collapse"] and "another prompt" in fired[0].statistic
 
 
-def test_length_hacking_needs_correlation_and_growth():
-    mon, fired = _monitor(), []
-    for step in range(1, 8):
-        long = step > 3
-        lengths = [(40 if i % G < 2 else 20) if long else (12 if i % G < 2 else 8) for i in range(4 * G)]
-        fired += _step(mon, step, p_main=0.5, lengths=lengths)[1]  # the rewarded half is the longer half
-    assert [a.kind for a in fired] == ["length_hacking"]
-    mon = _monitor()  # correlated, but the lengths do not grow: a task where right answers are longer
-    for step in range(1, 8):
-        assert _step(mon, step, p_main=0.5, lengths=[12 if i % G < 2 else 8 for i in range(4 * G)])[1] == []
-
-
 def test_reward_crash_kl_spike_and_entropy_collapse():
     mon, fired = _monitor(), []
     for step, p in enumerate([0.5, 0.5, 0.75, 0.75, 0.0, 0.0], start=1):

@@ -5,6 +5,8 @@
     python benchmarks/run_health.py --arms hack-smollm2 sound-smollm2 --model models/smollm2
     python benchmarks/run_health.py --arms filter-default nofilter-default --seeds 1 2 3
     python benchmarks/run_health.py --arms filter-mixed nofilter-mixed --seeds 1 2 3 4 5
+    python benchmarks/run_health.py --arms sound-tool hack-length-tool --seeds 1 2 3 4 5
+    python benchmarks/run_health.py --arms sound-products hack-format-tool sound-chain --seeds 1
 
 Arms (each one `grouprl train` run per seed, through the public Trainer API, health at its defaults):
 - `sound-default`: the embedded default task (`grouprl train` with no arguments) with
@@ -31,6 +33,21 @@ Arms (each one `grouprl train` run per seed, through the public Trainer API, hea
   (the sum plus 1 to 9: no completion can be paid for them), as scraped data sets have. A third of
   the prompts can never teach; the question is whether the filter finds them and spends their
   rollouts on prompts that can.
+- `sound-tool`: examples/tool_task.yaml with its own rewards (the product right; tool use logged,
+  not paid), fp32: calling the calculator (~58 tokens) is right, guessing (~7) is wrong, so the
+  reward tracks length and the length grows as the policy learns to call. A false alarm is a bug
+  (`length_hacking` fired here before the rule asked whether a function pays for length itself).
+- `sound-products`: the same task paid 1 for the right product + 0.5 for calling `mul` with the
+  prompt's operands (`correct_tool_use`): a paid step that takes tokens, as a step reward does.
+- `sound-chain`: the chain task with step rewards (benchmarks/process_vs_outcome.py's `process` arm:
+  `chain_steps` + `chain_answer`, its warmed-up policy, built into --chain-policy when missing): a
+  partial-credit reward whose right lines are longer than the wrong ones (a carry digit).
+- `hack-length-tool`: the tool policy paid for the characters it writes (its text and calls, / 60:
+  tests/trainer/test_length_hacking.py's `assistant_length`); audit `math_accuracy`, held-out
+  accuracy from `product_accuracy` (logged, weight 0). Calling the tool is the long thing the policy
+  knows, so it learns that first, as the sound run does; the answer is not paid.
+- `hack-format-tool`: the tool policy paid 1 for any tool call, right answer or not (its
+  `tool_call_format`); audit `math_accuracy`, held-out accuracy as above.
 
 Each run appends one JSON line to --out (default benchmarks/results/run_health.jsonl): the arm, the
 seed, the steps, every alarm (kind, function, step, statistic), rollbacks, held-out accuracy before
@@ -55,7 +72,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # tests.trainer.test_health: the tiny arm's reward functions
 
 
-def arm_config(arm: str, seed: int, steps: int | None, model: str, workdir: Path) -> dict:
+def arm_config(arm: str, seed: int, steps: int | None, model: str, workdir: Path,
+               chain_policy: str = "/tmp/grouprl-chain-policy") -> dict:
     from grouprl.tasks import DEFAULT_TASK
 
     out = str(workdir / f"{arm}-{seed}")
@@ -104,19 +122,49 @@ def arm_config(arm: str, seed: int, steps: int | None, model: str, workdir: Path
                     prompts_per_step=2, micro_batch_size=16, max_completion_length=64, learning_rate=2e-5,
                     beta=0.0, max_steps=steps or 15, eval_steps=0, save_steps=0, seed=seed, output_dir=out,
                     progress=False, report_to=[], bf16=False, **rewards)
+    if arm in ("sound-tool", "sound-products", "hack-length-tool", "hack-format-tool"):
+        import yaml
+
+        kw = yaml.safe_load((REPO / "examples/tool_task.yaml").read_text())
+        kw.update(seed=seed, output_dir=out, max_steps=steps or kw["max_steps"], bf16=False, progress=False,
+                  report_to=[], save_steps=0, save_total_limit=1)
+        products, tests = "grouprl.tasks.products", "tests.trainer.test_length_hacking"
+        if arm == "sound-products":
+            kw["reward_weights"] = [1.0, 0.5]  # correct_tool_use paid: the call with the prompt's operands
+        elif arm.startswith("hack-"):
+            paid = f"{tests}:assistant_length" if arm == "hack-length-tool" else f"{tests}:tool_call_format"
+            kw.update(reward_funcs=[paid, f"{products}:product_accuracy"], reward_weights=[1.0, 0.0],
+                      accuracy_reward="product_accuracy", audit_funcs=["math_accuracy"])
+        return kw
+    if arm == "sound-chain":
+        policy = Path(chain_policy)
+        if not (policy / "config.json").is_file():  # the process_vs_outcome warm-up (~2 min on 2 cores)
+            sys.path.insert(0, str(REPO / "benchmarks"))
+            from process_vs_outcome import warm_up
+
+            warm_up(policy, 1500, 0.5)
+        chain = "grouprl.tasks.chain"
+        return dict(model=str(policy), train_data="builtin:chain/train", eval_data="builtin:chain/eval",
+                    reward_funcs=[f"{chain}:chain_steps", f"{chain}:chain_answer"], reward_weights=[1.0, 1.0],
+                    accuracy_reward="chain_answer", advantage_estimator="process", num_generations=8,
+                    prompts_per_step=16, max_completion_length=10, learning_rate=2e-4, beta=0.0,
+                    max_steps=steps or 40, eval_steps=10, micro_batch_size=128, num_threads=1, bf16=False,
+                    seed=seed, output_dir=out, progress=False, report_to=[], save_total_limit=1)
     raise SystemExit(f"unknown arm {arm!r}: choose from {', '.join(ARMS)}")
 
 
 ARMS = ("sound-default", "lr100-default", "lr100-beta0-default", "hack-tiny", "hack-smollm2", "sound-smollm2",
-        "filter-default", "nofilter-default", "filter-mixed", "nofilter-mixed")
+        "filter-default", "nofilter-default", "filter-mixed", "nofilter-mixed", "sound-tool", "sound-products",
+        "sound-chain", "hack-length-tool", "hack-format-tool")
 
 
-def run_arm(arm: str, seed: int, steps: int | None, model: str, workdir: Path) -> dict:
+def run_arm(arm: str, seed: int, steps: int | None, model: str, workdir: Path,
+            chain_policy: str = "/tmp/grouprl-chain-policy") -> dict:
     from grouprl.config import TrainConfig
     from grouprl.signals import TrainingStopped
     from grouprl.trainer import Trainer
 
-    kw = arm_config(arm, seed, steps, model, workdir)
+    kw = arm_config(arm, seed, steps, model, workdir, chain_policy)
     t0 = time.perf_counter()
     trainer = Trainer(TrainConfig(**kw))
     try:
@@ -138,10 +186,27 @@ def run_arm(arm: str, seed: int, steps: int | None, model: str, workdir: Path) -
             "first_alarm_step": min((a["step"] for a in alarms), default=None),
             "eval_before": evals.get(0), "eval_after": evals.get(max(evals)) if evals else None,
             "reward_first": steps_rows[0]["reward/mean"], "reward_last": steps_rows[-1]["reward/mean"],
+            "length_first": steps_rows[0]["completion/length_mean"],
+            "length_last": steps_rows[-1]["completion/length_mean"],
+            "old_length_rule_step": old_length_rule(steps_rows),
             "audit_last": {k: v for k, v in steps_rows[-1].items() if k.startswith("audit/")},
             "evals": evals, "teaching_share": statistics.mean(1 - r["zero_std_frac"] for r in steps_rows),
             "generated_tokens": tokens, "prompts_skipped": steps_rows[-1].get("prompt_filter/skipped"),
             "stopped_by": summary.get("stopped_by"), "seconds": round(time.perf_counter() - t0, 1)}
+
+
+def old_length_rule(rows: list[dict], W: int = 3) -> int | None:
+    """The first step at which `length_hacking` fired before it asked which function pays for length
+    (reward-length correlation within groups >= 0.5 over the last W steps, mean length >= 25 % above
+    the first W steps'), from the logged health/length_reward_corr and completion/length_mean."""
+    corr = [r.get("health/length_reward_corr", float("nan")) for r in rows]
+    length = [r["completion/length_mean"] for r in rows]
+    for i in range(2 * W - 1, len(rows)):
+        recent = [c for c in corr[i - W + 1:i + 1] if c == c]
+        if (recent and sum(recent) / len(recent) >= 0.5
+                and sum(length[i - W + 1:i + 1]) >= 1.25 * sum(length[:W])):
+            return rows[i]["step"]
+    return None
 
 
 def table(results: list[dict]) -> str:
@@ -169,6 +234,8 @@ def main() -> None:
     ap.add_argument("--seeds", nargs="+", type=int, default=[1, 2, 3, 4, 5])
     ap.add_argument("--steps", type=int, default=None, help="steps per run (default: per arm, see above)")
     ap.add_argument("--model", default="models/smollm2", help="SmolLM2 folder for the *-smollm2 arms")
+    ap.add_argument("--chain-policy", default="/tmp/grouprl-chain-policy",
+                    help="the sound-chain arm's warmed-up policy (built here when missing)")
     ap.add_argument("--out", default=str(REPO / "benchmarks/results/run_health.jsonl"),
                     help="JSONL file the results are appended to ('' for none)")
     args = ap.parse_args()
@@ -176,7 +243,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for seed in args.seeds:  # seeds outside, arms inside: arms alternate in time on a shared machine
             for arm in args.arms:
-                r = run_arm(arm, seed, args.steps, args.model, Path(tmp))
+                r = run_arm(arm, seed, args.steps, args.model, Path(tmp), args.chain_policy)
                 results.append(r)
                 print(json.dumps(r), flush=True)
                 if args.out:

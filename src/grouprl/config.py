@@ -9,7 +9,9 @@ Algorithm fields default to ``None`` and are filled from the preset named by ``a
 (``grouprl.core.PRESETS``); any of them set explicitly wins over the preset.
 Every value is validated in :meth:`TrainConfig.validate`, before any model is loaded; files are
 probed by their loaders (``policy.check_model_source``, ``data.check_data_source``), also before.
-This module touches no file but the YAML it reads or writes, and imports none of its dependents.
+This module touches no file but the YAML it reads or writes, and imports none of its dependents; the
+names it checks come from where they are defined (core's registries, ``SCALES``, the tool-call
+``FORMATS`` of grouprl.tools).
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ import yaml
 
 from grouprl.core import (ADVANTAGE_ESTIMATORS, IS_MODES, KL_ESTIMATORS, LOSS_AGGREGATIONS, LOSS_TYPES,
                           MULTI_OBJECTIVE_AGGREGATIONS, PRESETS, RATIO_LEVELS, Registry)
+from grouprl.core.advantages import SCALES
+from grouprl.tools import FORMATS
 
 PRESET_FIELDS = {"estimator": "advantage_estimator", "scale": "scale_rewards", "agg": "loss_agg",
                  "eps_low": "epsilon", "eps_high": "epsilon_high", "beta": "beta",
@@ -38,11 +42,6 @@ PRESET_FIELDS = {"estimator": "advantage_estimator", "scale": "scale_rewards", "
 
 class ConfigError(ValueError):
     """A configuration value is wrong; the message names the field and the fix."""
-
-
-TOOL_PARSERS = ("hermes", "llama3", "template")
-"""The tool-call formats `tool_parser` may name: grouprl.tools.FORMATS, written out here because the
-schema imports nothing that uses it (tests/trainer/test_config_errors.py keeps the two equal)."""
 
 
 @dataclass
@@ -526,7 +525,7 @@ class TrainConfig:
             raise ConfigError("advantage_estimator=process with tools or an environment: step rewards are "
                               "offsets into one completion's text, which a multi-turn trajectory is not; "
                               "use an outcome estimator (grpo) for multi-turn runs")
-        _check_choice("scale_rewards", c.scale_rewards, ("group", "batch", "none"))
+        _check_choice("scale_rewards", c.scale_rewards, SCALES)
         _check_variants(c)
         _check_choice("loss_agg", c.loss_agg, LOSS_AGGREGATIONS)
         _check_choice("kl_estimator", c.kl_estimator, KL_ESTIMATORS)
@@ -836,7 +835,7 @@ def _check_tools(c: TrainConfig) -> None:
             raise ConfigError(f"tools[{i}]={spec!r}: name a tool as `python`, `package.module:function`, or a "
                               "mapping {name: python, timeout_s: 5}")
     if c.tool_parser is not None:
-        _check_choice("tool_parser", c.tool_parser, TOOL_PARSERS)
+        _check_choice("tool_parser", c.tool_parser, FORMATS)
     for name in ("max_tool_calls", "max_turns"):
         if getattr(c, name) < 1:
             raise ConfigError(f"{name}={getattr(c, name)} must be at least 1")

@@ -29,6 +29,7 @@ import yaml
 from grouprl.core import (ADVANTAGE_ESTIMATORS, IS_MODES, KL_ESTIMATORS, LOSS_AGGREGATIONS, LOSS_TYPES,
                           MULTI_OBJECTIVE_AGGREGATIONS, PRESETS, RATIO_LEVELS, Registry)
 from grouprl.core.advantages import SCALES
+from grouprl.core.policy_loss import check_loss_settings
 from grouprl.tools import FORMATS
 
 PRESET_FIELDS = {"estimator": "advantage_estimator", "scale": "scale_rewards", "agg": "loss_agg",
@@ -546,12 +547,13 @@ class TrainConfig:
         if c.epsilon <= 0 or c.epsilon_high <= 0 or not max_epsilon_ok:
             raise ConfigError(f"epsilon={c.epsilon}, epsilon_high={c.epsilon_high}: clip ranges must "
                               "be positive and epsilon below 1 (at most 1 with loss_type cispo: no lower bound)")
-        if c.beta < 0:
-            raise ConfigError(f"beta={c.beta} must be >= 0 (0 disables the KL penalty)")
-        if c.dual_clip is not None and c.dual_clip <= 1:
-            raise ConfigError(f"dual_clip={c.dual_clip} must be greater than 1 (typically 3)")
-        if c.delta is not None and c.delta <= 1:
-            raise ConfigError(f"delta={c.delta} must be greater than 1 (e.g. 4)")
+        try:
+            check_loss_settings(
+                epsilon=c.epsilon, epsilon_high=c.epsilon_high, beta=c.beta, dual_clip=c.dual_clip, delta=c.delta,
+                loss_type=c.loss_type, importance_sampling_level=c.importance_sampling_level,
+                sapo_temperature_pos=c.sapo_temperature_pos, sapo_temperature_neg=c.sapo_temperature_neg)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         if c.delta is not None and c.delta <= 1 + c.epsilon_high:
             raise ConfigError(f"delta={c.delta} must be above 1 + epsilon_high = {1 + c.epsilon_high:g}: the cap "
                               "min(ratio, delta) would otherwise stop the gradient of positive-advantage tokens "
@@ -751,19 +753,10 @@ def _check_choice(name: str, value: str, choices: tuple[str, ...] | Registry) ->
 
 
 def _check_variants(c: TrainConfig) -> None:
-    """The loss and advantage variants, and the combinations that make no sense."""
+    """The loss and advantage variants, and the combinations that make no sense (the loss settings'
+    own: core's check_loss_settings)."""
     _check_choice("loss_type", c.loss_type, LOSS_TYPES)
     _check_choice("multi_objective_aggregation", c.multi_objective_aggregation, MULTI_OBJECTIVE_AGGREGATIONS)
-    if c.loss_type != "clip":
-        for name, value, off in (("dual_clip", c.dual_clip, None), ("delta", c.delta, None),
-                                 ("importance_sampling_level", c.importance_sampling_level, "token")):
-            if value != off:
-                raise ConfigError(f"{name}={value!r} with loss_type={c.loss_type}: it shapes the PPO clip, "
-                                  f"which {c.loss_type} replaces; set {name}: {off if off else 'null'} "
-                                  "or loss_type: clip")
-    if not (c.sapo_temperature_pos > 0 and c.sapo_temperature_neg > 0):
-        raise ConfigError(f"sapo_temperature_pos={c.sapo_temperature_pos}, sapo_temperature_neg="
-                          f"{c.sapo_temperature_neg} must be positive (SAPO uses 1.0 and 1.05)")
     if c.advantage_estimator.startswith("reinforce_pp") and c.scale_rewards == "group":
         raise ConfigError(f"advantage_estimator={c.advantage_estimator} normalises over the whole batch: "
                           "set scale_rewards: batch (the paper's) or none")

@@ -12,8 +12,8 @@ from typing import Any
 
 import yaml
 
-from grouprl.config import (ConfigError, TrainConfig, did_you_mean, field_types, list_item_type, load_yaml,
-                            value_matches)
+from grouprl.config import (ConfigError, TrainConfig, TrainFields, did_you_mean, field_types, list_item_type,
+                            load_yaml, value_matches)
 
 TASK_FIELDS = {"model", "train_data", "eval_data", "reward_funcs"}
 
@@ -115,8 +115,8 @@ def parse_value(text: str, tp: Any) -> Any:
 
 
 def field_docs() -> dict[str, str]:
-    """Each field's attribute docstring, read from TrainConfig's source."""
-    tree = ast.parse(textwrap.dedent(inspect.getsource(TrainConfig)))
+    """Each field's attribute docstring, read from the source of TrainConfig's fields (config/schema.py)."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(TrainFields)))
     body = tree.body[0].body  # type: ignore[attr-defined]
     docs: dict[str, str] = {}
     for node, nxt in zip(body, body[1:]):

@@ -340,8 +340,8 @@ def test_params_are_validated_once_at_construction_with_the_loss_messages():
     assert LossParams(eps_low=0.3).eps_high == 0.3  # eps_high None means eps_low
     for knobs, match in [(dict(agg="mean"), "agg='mean' is unknown"), (dict(loss_type="ppo"), "loss_type='ppo'"),
                          (dict(eps_high=-1.0), "clip ranges"), (dict(dual_clip=1.0), "dual_clip=1.0"),
-                         (dict(loss_type="cispo", delta=4.0), "acts on token ratios"),
-                         (dict(sapo_tau_pos=0.0), "must be > 0")]:
+                         (dict(loss_type="cispo", delta=4.0), "delta=4.0 with loss_type=cispo: it shapes the PPO"),
+                         (dict(sapo_tau_pos=0.0), "sapo_temperature_pos=0.0, sapo_temperature_neg=1.05 must be pos")]:
         with pytest.raises(ValueError, match=match):
             LossParams(**knobs)
     params = LossParams(beta=0.1)

@@ -155,11 +155,14 @@ def test_padding_never_contributes_and_micro_batches_sum_to_the_batch(loss_type,
     torch.testing.assert_close(micro_logp.grad, full_logp.grad, rtol=1e-12, atol=1e-15)
 
 
-@pytest.mark.parametrize("kw", [{"dual_clip": 3.0}, {"delta": 4.0}, {"ratio_level": "sequence"}])
+@pytest.mark.parametrize("kw, setting", [({"dual_clip": 3.0}, "dual_clip=3.0"), ({"delta": 4.0}, "delta=4.0"),
+                                         ({"ratio_level": "sequence"}, "importance_sampling_level='sequence'")])
 @pytest.mark.parametrize("loss_type", ["cispo", "sapo"])
-def test_clip_only_options_are_rejected_with_other_loss_types(kw, loss_type):
+def test_clip_only_options_are_rejected_with_other_loss_types(kw, setting, loss_type):
+    """The message names the setting as the config spells it (check_loss_settings)."""
     logp, old, _, adv, mask = ragged_batch(0, 2, 3)
-    with pytest.raises(ValueError, match=f"loss_type='{loss_type}' acts on token ratios"):
+    with pytest.raises(ValueError, match=f"{setting} with loss_type={loss_type}: it shapes the PPO clip, which "
+                                         f"{loss_type} replaces"):
         policy_loss(logp, old, adv, mask, loss_type=loss_type, **kw)
 
 
@@ -167,5 +170,5 @@ def test_unknown_loss_type_and_bad_temperatures():
     logp, old, _, adv, mask = ragged_batch(0, 2, 3)
     with pytest.raises(ValueError, match="loss_type='ppo' is unknown"):
         policy_loss(logp, old, adv, mask, loss_type="ppo")
-    with pytest.raises(ValueError, match="must be > 0"):
+    with pytest.raises(ValueError, match="sapo_temperature_neg=0.0 must be positive"):
         policy_loss(logp, old, adv, mask, loss_type="sapo", sapo_tau_neg=0.0)

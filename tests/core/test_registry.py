@@ -55,6 +55,19 @@ def test_unregister_and_the_registered_context_manager_restore_the_registry():
     assert r.names() == ()
 
 
+def test_factories_are_marked_at_registration_and_unmarked_with_their_entry():
+    r = Registry("widget", "grouprl.core.register_widget")
+    r.register("double")(double)
+    r.register("scaled", factory=True)(lambda k: lambda x: k * x)
+    assert [r.is_factory(n) for n in ("double", "scaled", "triple")] == [False, True, False]
+    r.unregister("scaled")
+    r.register("scaled")(double)  # the name again, now as a plain entry
+    assert not r.is_factory("scaled")
+    with r.registered("tmp", double, factory=True):
+        assert r.is_factory("tmp")
+    assert not r.is_factory("tmp")
+
+
 @pytest.mark.parametrize("registry, names", [
     (core.ADVANTAGE_ESTIMATORS, ("grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "grpo_passk", "process")),
     (core.MULTI_OBJECTIVE_AGGREGATIONS, ("sum_then_normalize", "normalize_then_sum")),

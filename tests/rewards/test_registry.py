@@ -2,14 +2,17 @@
 
 import pytest
 
-from grouprl.rewards import BUILTIN_REWARDS, FACTORIES, math_accuracy, resolve_reward_func
+from grouprl.core import Registry
+from grouprl.rewards import BUILTIN_REWARDS, math_accuracy, resolve_reward_func, resolve_reward_spec
 
-EXPECTED = {"math_accuracy", "think_format", "think_format_soft", "regex_match", "length_target", "cosine_length",
-            "repetition_penalty", "overlong_penalty", "code_tests", "reward_model", "process_reward_model"}
+FACTORIES = {"regex_match", "length_target", "cosine_length", "repetition_penalty", "overlong_penalty", "code_tests",
+             "reward_model", "process_reward_model"}
+EXPECTED = {"math_accuracy", "think_format", "think_format_soft"} | FACTORIES
 
 
 def test_builtin_names():
-    assert set(BUILTIN_REWARDS) == EXPECTED and FACTORIES <= EXPECTED
+    assert isinstance(BUILTIN_REWARDS, Registry) and set(BUILTIN_REWARDS) == EXPECTED
+    assert {name for name in BUILTIN_REWARDS if BUILTIN_REWARDS.is_factory(name)} == FACTORIES
 
 
 def test_plain_builtin_and_factory_names():
@@ -61,3 +64,16 @@ class Constant:
 def test_an_unnamed_reward_from_an_imported_factory_is_named_after_the_attribute():
     f = resolve_reward_func(f"{__name__}:Constant", value=0.5)
     assert f.__name__ == "Constant" and f([""], ["a", "b"]) == [0.5, 0.5]
+
+
+def test_a_config_entry_is_a_name_an_import_path_or_a_mapping_with_the_parameters():
+    assert resolve_reward_spec("math_accuracy") is math_accuracy
+    assert resolve_reward_spec("grouprl.rewards.math:math_accuracy") is math_accuracy
+    f = resolve_reward_spec({"name": "regex_match", "pattern": r"\d"})
+    assert f.__name__ == "regex_match" and f([""], ["a1", "b"]) == [1.0, 0.0]
+    with pytest.raises(ValueError, match=r"reward_funcs entry \{'pattern': 'x'\}: a mapping needs a `name` key"):
+        resolve_reward_spec({"pattern": "x"})
+    with pytest.raises(ValueError, match="reward_funcs entry 5 must be a name, a module:function path or a mapping"):
+        resolve_reward_spec(5)
+    with pytest.raises(ValueError, match=r"reward spec '': give a built-in name or 'package.module:function'"):
+        resolve_reward_func("")

@@ -72,7 +72,7 @@ def test_resolve_by_function_by_import_path_and_builtin():
     python = resolve_tool("python", timeout_s=3.0)
     assert python.name == "python" and python.schema["function"]["parameters"]["required"] == ["code"]
     assert list(resolve_tools(["python", add, "tests.tools.conftest:web_lookup"])) == ["python", "add", "web_lookup"]
-    assert set(BUILTIN_TOOLS) == {"python"}
+    assert set(BUILTIN_TOOLS) == {"python"} and BUILTIN_TOOLS.is_factory("python")
 
 
 def test_an_import_path_with_parameters_is_a_factory():
@@ -96,3 +96,5 @@ def test_resolve_errors_name_the_problem_and_the_fix():
         resolve_tool(add, b=1)
     with pytest.raises(ValueError, match="two tools are named 'add': the model calls tools by name, so rename one"):
         resolve_tools([add, add])
+    with pytest.raises(ValueError, match=r"tools entry \{'timeout_s': 3\}: a mapping needs a `name` key"):
+        resolve_tools([{"timeout_s": 3}])

@@ -10,7 +10,7 @@ import pytest
 import grouprl.trainer as trainer_mod
 from grouprl.cli import main
 from grouprl.cli_args import build_config
-from grouprl.config import TOOL_PARSERS, ConfigError, TrainConfig
+from grouprl.config import ConfigError, TrainConfig
 from grouprl.data import DataError
 from grouprl.policy import check_model_source
 from grouprl.sandbox import SandboxUnavailableError, sandbox_mechanism
@@ -212,10 +212,18 @@ def test_validation_reads_no_file_and_the_loaders_probe_paths_before_any_model_l
     assert check_model_source("org/name", None, None) == ("org/name", None)
 
 
-def test_tool_parser_choices_are_the_tool_formats():
+def test_tool_parser_and_scale_rewards_take_the_names_their_modules_define(make_cfg):
+    from grouprl.core.advantages import SCALES
     from grouprl.tools import FORMATS
 
-    assert TOOL_PARSERS == FORMATS
+    for name in FORMATS:
+        make_cfg(tools=["python"], tool_parser=name).validate()
+    with pytest.raises(ConfigError, match=f"tool_parser='xml' is not one of: {', '.join(FORMATS)}$"):
+        make_cfg(tools=["python"], tool_parser="xml").validate()
+    for name in SCALES:
+        make_cfg(scale_rewards=name).validate()
+    with pytest.raises(ConfigError, match=f"scale_rewards='std' is not one of: {', '.join(SCALES)}$"):
+        make_cfg(scale_rewards="std").validate()
 
 
 def test_cli_reports_a_failing_reward_function_and_how_to_continue(tmp_path, tiny_model_dir, digits_data,

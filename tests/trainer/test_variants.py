@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from grouprl.config import ConfigError
+from grouprl.core import LossParams
 from grouprl.trainer import Trainer
 from tests.trainer.conftest import read_metrics
 
@@ -50,6 +51,9 @@ def test_preset_runs_and_the_reward_rises(make_cfg, algorithm):
      "importance_sampling_level='sequence' with loss_type=sapo"),
     ({"algorithm": "sapo", "sapo_temperature_neg": 0.0}, "sapo_temperature_neg=0.0 must be positive"),
     ({"epsilon": 1.0}, r"epsilon below 1 \(at most 1 with loss_type cispo"),
+    ({"beta": -0.1}, r"beta=-0.1 must be >= 0 \(0 disables the KL penalty\)"),
+    ({"dual_clip": 1.0}, r"dual_clip=1.0 must be greater than 1 \(typically 3\), or null"),
+    ({"delta": 0.5}, r"delta=0.5 must be greater than 1"),
     ({"algorithm": "reinforce_pp", "scale_rewards": "group"},
      "advantage_estimator=reinforce_pp normalises over the whole batch: set scale_rewards: batch"),
     ({"algorithm": "gdpo", "advantage_estimator": "rloo"},
@@ -63,6 +67,19 @@ def test_preset_runs_and_the_reward_rises(make_cfg, algorithm):
 def test_variant_config_errors(make_cfg, overrides, message):
     with pytest.raises(ConfigError, match=message):
         make_cfg(**overrides).validate()
+
+
+def test_config_and_loss_params_report_a_loss_setting_in_the_same_words(make_cfg):
+    """One check (core's check_loss_settings) for both; the config's field names in both."""
+    for overrides, knobs in [({"algorithm": "sapo", "sapo_temperature_neg": 0.0},
+                              {"loss_type": "sapo", "sapo_tau_neg": 0.0}),
+                             ({"loss_type": "cispo", "delta": 4.0}, {"loss_type": "cispo", "delta": 4.0}),
+                             ({"beta": -1.0}, {"beta": -1.0})]:
+        with pytest.raises(ConfigError) as from_config:
+            make_cfg(**overrides).validate()
+        with pytest.raises(ValueError) as from_core:
+            LossParams(**knobs)
+        assert str(from_config.value) == str(from_core.value)
 
 
 def test_cispo_accepts_epsilon_one_as_no_lower_bound(make_cfg):

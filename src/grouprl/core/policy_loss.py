@@ -65,6 +65,7 @@ class LossParams:
     ratio_level (``RATIO_LEVELS``), agg (``LOSS_AGGREGATIONS``; max_tokens is L_max for
     seq-mean-token-sum-norm), beta and kl_kind (``KL_ESTIMATORS``) the KL penalty, dual_clip and delta
     the clip's caps, loss_type the policy term (``LOSS_TYPES``), sapo_tau_pos/neg SAPO's temperatures.
+    The values are checked by ``check_loss_settings``, whose messages name the config's fields.
     """
 
     eps_low: float = 0.2
@@ -87,21 +88,38 @@ class LossParams:
         KL_ESTIMATORS.get(self.kl_kind, "kl_kind")
         if self.eps_high is None:
             object.__setattr__(self, "eps_high", self.eps_low)
-        if self.eps_low < 0 or self.eps_high < 0:
-            raise ValueError(f"eps_low={self.eps_low}, eps_high={self.eps_high}: clip ranges must be >= 0")
-        if self.beta < 0:
-            raise ValueError(f"beta={self.beta} must be >= 0 (0 disables the KL penalty)")
-        if self.dual_clip is not None and self.dual_clip <= 1:
-            raise ValueError(f"dual_clip={self.dual_clip} must be > 1 (typical 3) or None")
-        if self.delta is not None and self.delta <= 1:
-            raise ValueError(f"delta={self.delta} must be > 1 (INTELLECT-2 uses 4) or None")
-        if self.loss_type != "clip" and (self.dual_clip is not None or self.delta is not None
-                                         or self.ratio_level != "token"):
-            raise ValueError(f"loss_type={self.loss_type!r} acts on token ratios without the PPO clip: dual_clip, "
-                             "delta and ratio_level='sequence' apply to loss_type='clip' only; drop them")
-        if not (self.sapo_tau_pos > 0 and self.sapo_tau_neg > 0):
-            raise ValueError(f"sapo_tau_pos={self.sapo_tau_pos}, sapo_tau_neg={self.sapo_tau_neg} must be > 0 "
-                             "(SAPO uses 1.0 and 1.05)")
+        check_loss_settings(epsilon=self.eps_low, epsilon_high=self.eps_high, beta=self.beta, dual_clip=self.dual_clip,
+                            delta=self.delta, loss_type=self.loss_type, importance_sampling_level=self.ratio_level,
+                            sapo_temperature_pos=self.sapo_tau_pos, sapo_temperature_neg=self.sapo_tau_neg)
+
+
+def check_loss_settings(*, epsilon: float, epsilon_high: float, beta: float, dual_clip: float | None,
+                        delta: float | None, loss_type: str, importance_sampling_level: str,
+                        sapo_temperature_pos: float, sapo_temperature_neg: float) -> None:
+    """ValueError unless these loss settings are valid, the one place they are checked. They are
+    spelled as the config spells them (``LossParams``' eps_low is ``epsilon``, ratio_level
+    ``importance_sampling_level``, sapo_tau_pos/neg ``sapo_temperature_pos/neg``), so that config
+    validation, which raises this message as a ConfigError, and ``LossParams`` say the same thing.
+    The config refuses more on top: values the math takes but a run should not (epsilon of 0 or
+    of 1 and more, delta within the clip range)."""
+    if epsilon < 0 or epsilon_high < 0:
+        raise ValueError(f"epsilon={epsilon}, epsilon_high={epsilon_high}: clip ranges must be >= 0")
+    if beta < 0:
+        raise ValueError(f"beta={beta} must be >= 0 (0 disables the KL penalty)")
+    if dual_clip is not None and dual_clip <= 1:
+        raise ValueError(f"dual_clip={dual_clip} must be greater than 1 (typically 3), or null for none")
+    if delta is not None and delta <= 1:
+        raise ValueError(f"delta={delta} must be greater than 1 (e.g. 4, INTELLECT-2's), or null for none")
+    if loss_type != "clip":
+        for name, value, off in (("dual_clip", dual_clip, None), ("delta", delta, None),
+                                 ("importance_sampling_level", importance_sampling_level, "token")):
+            if value != off:
+                raise ValueError(f"{name}={value!r} with loss_type={loss_type}: it shapes the PPO clip, which "
+                                 f"{loss_type} replaces (it acts on token ratios); set {name}: {off or 'null'} "
+                                 "or loss_type: clip")
+    if not (sapo_temperature_pos > 0 and sapo_temperature_neg > 0):
+        raise ValueError(f"sapo_temperature_pos={sapo_temperature_pos}, sapo_temperature_neg={sapo_temperature_neg} "
+                         "must be positive (SAPO uses 1.0 and 1.05)")
 
 
 def _check_inputs(logp, old_logp, advantages, mask, ref_logp, token_weights) -> None:

@@ -4,7 +4,7 @@ Keys are core's own parameter names (``PRESET_KEYS``): estimator and scale (adva
 eps_low, eps_high, beta, ratio_level and loss_type (policy_loss.py's LossParams), multi_objective
 (multi_objective.py), entropy_quantile and off_policy_threshold (token_masks.py), and the trainer's
 dynamic_sampling and overlong_shaping switches. The config maps them onto its fields
-(config.py, ``PRESET_FIELDS``); every value stays overridable by the user.
+(config/validate.py, ``PRESET_FIELDS``); every value stays overridable by the user.
 
 preset                 advantage             loss   aggregation              ε_low/ε_high  β     extras
 ---------------------  --------------------  -----  -----------------------  ------------  ----  -----------------------

@@ -1,6 +1,7 @@
 """The one registry mechanism of grouprl: named variants of one kind (advantage estimators, policy
 terms, loss aggregations, ratio levels, KL estimators, importance-sampling modes, token masks,
-multi-objective aggregations), each a function registered under the name the config uses.
+multi-objective aggregations; outside core, the built-in reward functions and tools), each a
+function registered under the name the config uses.
 
     ADVANTAGE_ESTIMATORS = Registry("advantage estimator", "grouprl.core.register_advantage_estimator")
 
@@ -17,6 +18,10 @@ A registry is a read-only ``Mapping`` (``sorted(r)``, ``r[name]``, ``name in r``
 departures from ``dict``: ``get(name)`` raises instead of returning a default (a missing variant is
 always a mistake to report), and ``unregister`` / ``del r[name]`` / the ``registered`` context
 manager remove a variant again (meant for tests, which must leave the registries as they found them).
+
+An entry registered with ``factory=True`` is a factory: called with the parameters a config gives
+next to the name (``{name: regex_match, pattern: ...}``), it returns the variant itself;
+``is_factory(name)`` tells the two apart (grouprl.importpath.resolve_spec builds it).
 """
 
 from __future__ import annotations
@@ -36,9 +41,11 @@ class Registry(Mapping[str, F], Generic[F]):
         self.kind = kind
         self.decorator = decorator
         self._entries: dict[str, F] = {}
+        self._factories: set[str] = set()
 
-    def register(self, name: str) -> Callable[[F], F]:
-        """Decorator: register ``fn`` under ``name``; a name already taken raises ValueError."""
+    def register(self, name: str, *, factory: bool = False) -> Callable[[F], F]:
+        """Decorator: register ``fn`` under ``name`` (with ``factory=True``: a function of parameters
+        that returns the variant); a name already taken raises ValueError."""
         if not isinstance(name, str) or not name:
             raise ValueError(f"{self.kind} name {name!r} must be a non-empty string")
 
@@ -46,6 +53,8 @@ class Registry(Mapping[str, F], Generic[F]):
             if name in self._entries:
                 raise ValueError(f"{self.kind} {name!r} is already registered; pick another name")
             self._entries[name] = fn
+            if factory:
+                self._factories.add(name)
             return fn
 
         return decorator
@@ -64,16 +73,21 @@ class Registry(Mapping[str, F], Generic[F]):
         """The registered names, in registration order."""
         return tuple(self._entries)
 
+    def is_factory(self, name: str) -> bool:
+        """Whether ``name`` was registered with ``factory=True`` (False for a name not registered)."""
+        return name in self._factories
+
     def unregister(self, name: str) -> F:
         """Remove and return ``name``'s function (KeyError if it is not registered). For tests."""
         if name not in self._entries:
             raise KeyError(f"{self.kind} {name!r} is not registered")
+        self._factories.discard(name)
         return self._entries.pop(name)
 
     @contextmanager
-    def registered(self, name: str, fn: F) -> Iterator[F]:
+    def registered(self, name: str, fn: F, *, factory: bool = False) -> Iterator[F]:
         """``with registry.registered(name, fn):`` registers ``fn`` for the block only (tests)."""
-        self.register(name)(fn)
+        self.register(name, factory=factory)(fn)
         try:
             yield fn
         finally:

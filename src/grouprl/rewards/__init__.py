@@ -12,14 +12,13 @@ from .math import extract_answer, math_accuracy, verify_math
 from .model import RewardModelScorer, reward_model
 from .prm import ProcessRewardModel, process_reward_model
 from .process import CharOffset, ProcessRewards, process_rewards, split_steps, token_char_ends
-from .registry import BUILTIN_REWARDS, FACTORIES, resolve_reward_func, resolve_reward_spec
+from .registry import BUILTIN_REWARDS, resolve_reward_func, resolve_reward_spec
 from grouprl.sandbox import CodeResult, SandboxUnavailableError, run_code, run_code_batch, sandbox_mechanism
 from .shaping import completion_lengths, cosine_length, length_target, overlong_penalty, repetition_penalty
 
 __all__ = [
     "BUILTIN_REWARDS",
     "CharOffset",
-    "FACTORIES",
     "ProcessRewardModel",
     "ProcessRewards",
     "CodeResult",

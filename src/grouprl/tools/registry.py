@@ -1,20 +1,23 @@
 """Tools by name: `BUILTIN_TOOLS`, `resolve_tool`, `resolve_tools`.
 
 A config names a tool as a built-in ("python", with parameters) or any function by import path
-("package.module:function"), as rewards are named (rewards/registry.py):
+("package.module:function"), as rewards are named (both through grouprl.importpath.resolve_spec):
 `tools: [python, my_pkg.tools:web_lookup]`.
 """
 
 from __future__ import annotations
 
-import inspect
 from typing import Any, Callable
 
-from ..importpath import import_callable
+from grouprl.core.registry import Registry
+
+from ..importpath import resolve_spec, split_spec
 from .base import HOW, Tool
 from .python import python_tool
 
-BUILTIN_TOOLS: dict[str, Callable[..., Tool]] = {"python": python_tool}  # name -> factory (parameters -> Tool)
+BUILTIN_TOOLS: Registry[Callable[..., Tool]] = Registry("tool", "grouprl.tools.BUILTIN_TOOLS.register")
+"""name -> factory (parameters -> Tool); every built-in tool is registered with factory=True."""
+BUILTIN_TOOLS.register("python", factory=True)(python_tool)
 
 
 def resolve_tool(spec: str | Callable | Tool, **params: Any) -> Tool:
@@ -28,21 +31,8 @@ def resolve_tool(spec: str | Callable | Tool, **params: Any) -> Tool:
             raise ValueError(f"tool {getattr(spec, 'name', None) or spec.__name__!r} is a function already; it "
                              f"takes no parameters (got {sorted(params)}): give them to its factory instead")
         return spec if isinstance(spec, Tool) else Tool.from_function(spec)
-    if not isinstance(spec, str) or not spec:
-        raise ValueError(f"tool spec {spec!r}: give a function, a built-in name or 'package.module:function'")
-    if spec in BUILTIN_TOOLS:
-        factory = BUILTIN_TOOLS[spec]
-        try:
-            inspect.signature(factory).bind(**params)
-        except TypeError as e:
-            accepted = ", ".join(f"{p.name}={p.default!r}" for p in inspect.signature(factory).parameters.values())
-            raise ValueError(f"tool {spec!r}: {e}; its parameters are ({accepted})") from None
-        return factory(**params)
-    if ":" not in spec:
-        raise ValueError(f"unknown tool {spec!r}. Built-in tools: {', '.join(sorted(BUILTIN_TOOLS))}. Any other "
-                         "function can be named by import path as 'package.module:function'. " + HOW)
-    target = import_callable(spec, "tool")
-    built = target(**params) if params else target
+    built, _ = resolve_spec(spec, BUILTIN_TOOLS, params, kind="tool", how=". " + HOW,
+                            forms="a function, a built-in name or 'package.module:function'")
     return built if isinstance(built, Tool) else Tool.from_function(built)
 
 
@@ -53,13 +43,8 @@ def resolve_tools(specs: list[str | Callable | Tool | dict]) -> dict[str, Tool]:
     tools: dict[str, Tool] = {}
     for spec in specs:
         try:
-            if isinstance(spec, dict):
-                params = dict(spec)
-                if not isinstance(params.get("name"), str):
-                    raise ValueError("a mapping needs a `name` key")
-                tool = resolve_tool(params.pop("name"), **params)
-            else:
-                tool = resolve_tool(spec)
+            name, params = split_spec(spec)
+            tool = resolve_tool(name, **params)
         except (ValueError, TypeError, ImportError) as e:
             raise ValueError(f"tools entry {spec!r}: {e}") from None
         if tool.name in tools:

@@ -1,0 +1,89 @@
+"""A TrainConfig as YAML: read a file (`load`, `load_yaml`), build one from a mapping (`from_dict`),
+write one (`save_yaml`), and what a resumed run changed against the config its first start wrote
+(`changed_settings`). TrainConfig's methods of the same names call these."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path
+from typing import Any, TypeVar
+
+import yaml
+
+from .errors import ConfigError, did_you_mean
+from .fieldtypes import field_types, list_item_type, value_matches
+from .schema import TrainFields
+
+C = TypeVar("C", bound=TrainFields)
+
+
+class _YamlLoader(yaml.SafeLoader):
+    """PyYAML reads YAML 1.1, where a float needs a dot: `1e-6` is the *string* '1e-6' there, and
+    every learning rate written that way failed validation. This loader also reads `1e-6`, `3E5`
+    and `-2e+3` as floats (as YAML 1.2 and JSON do); nothing else changes."""
+
+
+_YamlLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9][0-9_]*)[eE][-+]?[0-9]+$"),
+    list("-+0123456789."))
+
+
+def load_yaml(text: str) -> Any:
+    """`yaml.safe_load`, with `1e-6` read as a float (`_YamlLoader`): config files and --field values."""
+    return yaml.load(text, Loader=_YamlLoader)  # noqa: S506 (a SafeLoader subclass)
+
+
+def to_dict(cfg: TrainFields) -> dict[str, Any]:
+    """{field: value}, as written to config.yaml."""
+    return dataclasses.asdict(cfg)
+
+
+def save_yaml(cfg: TrainFields, path: str | Path) -> None:
+    Path(path).write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+
+
+def from_dict(cls: type[C], values: dict[str, Any]) -> C:
+    """A `cls` from {field: value}; ConfigError naming an unknown field (and the one it may mean). A
+    string given to a list field is the list of that one string (`report_to: wandb`)."""
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = [k for k in values if k not in known]
+    if unknown:
+        hints = [f"{k!r}" + did_you_mean(k, known) for k in unknown]
+        raise ConfigError(f"unknown config field(s): {', '.join(hints)}; "
+                          "`grouprl train --help` lists every field")
+    types = field_types()
+    return cls(**{k: [v] if isinstance(v, str) and list_item_type(types[k]) is not None  # `report_to: wandb`
+                  and not value_matches(v, types[k]) else v for k, v in values.items()})
+
+
+def load(cls: type[C], path: str | Path | None = None, *, base: TrainFields | None = None) -> C:
+    """Read a YAML file (optional) over `base` (default: the field defaults). Command-line
+    overrides are applied on top by the CLI (cli_args.build_config)."""
+    values: dict[str, Any] = to_dict(base) if base is not None else {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {str(p)!r} does not exist")
+        try:
+            loaded = load_yaml(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {str(p)!r} is not valid YAML: {e}") from None
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"config file {str(p)!r} must hold a mapping of field: value")
+        values.update(loaded)
+    return from_dict(cls, values)
+
+
+def changed_settings(path: str | Path, cfg: TrainFields) -> dict[str, tuple[Any, Any]]:
+    """{field: (value in the config file at `path`, value in `cfg`)} for each field that differs: what
+    a resumed run changes against the config.yaml its first start wrote. Empty without that file."""
+    p = Path(path)
+    try:
+        before = load_yaml(p.read_text()) if p.is_file() else {}
+    except yaml.YAMLError:
+        return {}
+    now = to_dict(cfg)
+    return {k: (v, now[k]) for k, v in (before if isinstance(before, dict) else {}).items()
+            if k in now and k != "progress" and v != now[k]}

@@ -1,0 +1,310 @@
+"""A TrainConfig's values, checked before any model loads: the preset filled in (`resolve_preset`),
+then every field and the combinations that make no sense (`validate_config`), each failure a
+ConfigError that names the field and the fix. TrainConfig.resolved() and .validate() call these.
+
+Paths are not probed here: the loaders do it (policy.check_model_source, data.check_data_source).
+The names a field may take come from where they are defined: core's registries (so a registered
+variant is accepted), core's SCALES and presets, the tool-call FORMATS of grouprl.tools; the loss
+settings are checked by core's check_loss_settings, which LossParams runs too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from typing import TypeVar
+
+from grouprl.core import (ADVANTAGE_ESTIMATORS, IS_MODES, KL_ESTIMATORS, LOSS_AGGREGATIONS, LOSS_TYPES,
+                          MULTI_OBJECTIVE_AGGREGATIONS, PRESETS, RATIO_LEVELS, Registry)
+from grouprl.core.advantages import SCALES
+from grouprl.core.policy_loss import check_loss_settings
+from grouprl.tools import FORMATS
+
+from .errors import ConfigError
+from .fieldtypes import check_type, field_types
+from .schema import TrainFields
+
+C = TypeVar("C", bound=TrainFields)
+
+PRESET_FIELDS = {"estimator": "advantage_estimator", "scale": "scale_rewards", "agg": "loss_agg",
+                 "eps_low": "epsilon", "eps_high": "epsilon_high", "beta": "beta",
+                 "ratio_level": "importance_sampling_level", "dynamic_sampling": "dynamic_sampling",
+                 "overlong_shaping": "overlong_shaping", "loss_type": "loss_type",
+                 "multi_objective": "multi_objective_aggregation", "entropy_quantile": "top_entropy_quantile",
+                 "off_policy_threshold": "off_policy_mask_threshold"}
+"""The field each key of a preset (grouprl.core.PRESETS, core's parameter names) fills."""
+
+
+def resolve_preset(cfg: C) -> C:
+    """A copy with the preset's values filled into every algorithm field left at None."""
+    if cfg.algorithm not in PRESETS:
+        raise ConfigError(
+            f"algorithm={cfg.algorithm!r} is unknown: choose one of {', '.join(sorted(PRESETS))}"
+        )
+    preset = {PRESET_FIELDS[k]: v for k, v in PRESETS[cfg.algorithm].items()}
+    values = {k: v for k, v in preset.items() if getattr(cfg, k) is None}
+    out = dataclasses.replace(cfg, **values)
+    if out.overlong_cache_len is None:
+        out.overlong_cache_len = max(1, out.max_completion_length // 4)
+    return out
+
+
+def validate_config(cfg: C) -> C:
+    """Check every field; raise ConfigError naming the field and the fix. Returns the resolved copy."""
+    c = resolve_preset(cfg)
+    types = field_types()
+    for f in dataclasses.fields(c):
+        check_type(f.name, getattr(c, f.name), types[f.name])
+    if isinstance(c.bf16, str) and c.bf16 != "auto":
+        raise ConfigError(f"bf16={c.bf16!r} is not one of: auto, true, false")
+    if isinstance(c.gradient_checkpointing, str) and c.gradient_checkpointing != "auto":
+        raise ConfigError(f"gradient_checkpointing={c.gradient_checkpointing!r} is not one of: auto, true, false")
+    if not c.model:
+        raise ConfigError("model is empty: pass a model folder, e.g. --model path/to/model "
+                          "(or builtin:default_policy)")
+    if not c.train_data:
+        raise ConfigError("train_data is empty: pass a .jsonl/.csv/.parquet file with a "
+                          "`prompt` column, e.g. --train_data prompts.jsonl")
+    if c.num_generations < 2:
+        raise ConfigError(f"num_generations={c.num_generations}: GRPO needs at least 2 "
+                          "completions per prompt to form a group baseline; use 2 or more")
+    for name in ("prompts_per_step", "max_completion_length", "micro_batch_size", "max_steps",
+                 "num_iterations", "logging_steps", "max_sampling_rounds"):
+        if getattr(c, name) < 1:
+            raise ConfigError(f"{name}={getattr(c, name)} must be at least 1")
+    for name in ("eval_steps", "save_steps", "warmup_steps", "lora_r", "ref_update_steps",
+                 "share_prompt_min_tokens", "top_k", "num_logged_samples"):
+        if getattr(c, name) < 0:
+            raise ConfigError(f"{name}={getattr(c, name)} must be 0 or more")
+    if isinstance(c.max_tokens_per_micro_batch, str) and c.max_tokens_per_micro_batch != "auto":
+        raise ConfigError(f"max_tokens_per_micro_batch={c.max_tokens_per_micro_batch!r} is not a number of "
+                          "tokens, auto (sized per device) or null (micro_batch_size rows per pass)")
+    if isinstance(c.max_tokens_per_micro_batch, int) and c.max_tokens_per_micro_batch < 1:
+        raise ConfigError(f"max_tokens_per_micro_batch={c.max_tokens_per_micro_batch} must be at least 1 "
+                          "(tokens of prompt and completion per pass), or null for micro_batch_size rows")
+    n = c.prompts_per_step * c.num_generations
+    if c.generation_batch_size is not None and c.generation_batch_size < 1:
+        raise ConfigError("generation_batch_size must be at least 1 (or null for all at once)")
+    if c.micro_batch_size > n:  # a pass never holds more than the step: the whole step (the embedded
+        c.micro_batch_size = n  # task's 128 with --num_generations 3 --prompts_per_step 5 is 15)
+    if n % c.micro_batch_size:
+        raise ConfigError(f"micro_batch_size={c.micro_batch_size} does not divide the {n} "
+                          "completions of a step (prompts_per_step * num_generations = "
+                          f"{c.prompts_per_step} * {c.num_generations}); pick a divisor of {n}")
+    if not c.reward_funcs:
+        raise ConfigError("reward_funcs is empty: name at least one reward function, e.g. "
+                          "--reward_funcs '[math_accuracy]' or a `module:function` path")
+    if c.reward_weights is not None and len(c.reward_weights) != len(c.reward_funcs):
+        raise ConfigError(f"reward_weights has {len(c.reward_weights)} values but reward_funcs "
+                          f"has {len(c.reward_funcs)}: give one weight per function")
+    _check_choice("advantage_estimator", c.advantage_estimator, ADVANTAGE_ESTIMATORS)
+    if not c.step_delimiter:
+        raise ConfigError("step_delimiter is empty: step rewards by index need a delimiter, e.g. '\\n'")
+    if c.advantage_estimator == "process" and (c.tools or c.environment):
+        raise ConfigError("advantage_estimator=process with tools or an environment: step rewards are "
+                          "offsets into one completion's text, which a multi-turn trajectory is not; "
+                          "use an outcome estimator (grpo) for multi-turn runs")
+    _check_choice("scale_rewards", c.scale_rewards, SCALES)
+    _check_variants(c)
+    _check_choice("loss_agg", c.loss_agg, LOSS_AGGREGATIONS)
+    _check_choice("kl_estimator", c.kl_estimator, KL_ESTIMATORS)
+    _check_choice("importance_sampling_level", c.importance_sampling_level, RATIO_LEVELS)
+    _check_choice("lr_scheduler_type", c.lr_scheduler_type, ("constant", "linear", "cosine"))
+    _check_choice("vllm_importance_sampling_mode", c.vllm_importance_sampling_mode, IS_MODES)
+    if not c.vllm_importance_sampling_cap >= 1:
+        raise ConfigError(f"vllm_importance_sampling_cap={c.vllm_importance_sampling_cap} must be at "
+                          "least 1, so that a token with no mismatch keeps weight 1 (TRL uses 3, TIS 2)")
+    if not 0 <= c.vllm_importance_sampling_min <= 1:
+        raise ConfigError(f"vllm_importance_sampling_min={c.vllm_importance_sampling_min} must be in "
+                          "[0, 1] (0: mask only ratios above vllm_importance_sampling_cap)")
+    if c.vllm_importance_sampling_min > 0 and c.vllm_importance_sampling_mode.endswith("_truncate"):
+        raise ConfigError(f"vllm_importance_sampling_min={c.vllm_importance_sampling_min} has no effect "
+                          f"with vllm_importance_sampling_mode={c.vllm_importance_sampling_mode}, which "
+                          "only truncates from above: use token_mask or sequence_mask, or set it to 0")
+    max_epsilon_ok = c.epsilon < 1 or (c.epsilon == 1 and c.loss_type == "cispo")
+    if c.epsilon <= 0 or c.epsilon_high <= 0 or not max_epsilon_ok:
+        raise ConfigError(f"epsilon={c.epsilon}, epsilon_high={c.epsilon_high}: clip ranges must "
+                          "be positive and epsilon below 1 (at most 1 with loss_type cispo: no lower bound)")
+    try:
+        check_loss_settings(
+            epsilon=c.epsilon, epsilon_high=c.epsilon_high, beta=c.beta, dual_clip=c.dual_clip, delta=c.delta,
+            loss_type=c.loss_type, importance_sampling_level=c.importance_sampling_level,
+            sapo_temperature_pos=c.sapo_temperature_pos, sapo_temperature_neg=c.sapo_temperature_neg)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    if c.delta is not None and c.delta <= 1 + c.epsilon_high:
+        raise ConfigError(f"delta={c.delta} must be above 1 + epsilon_high = {1 + c.epsilon_high:g}: the cap "
+                          "min(ratio, delta) would otherwise stop the gradient of positive-advantage tokens "
+                          "still inside the clip range (INTELLECT-2 uses delta 4)")
+    if not (0 < c.temperature):
+        raise ConfigError(f"temperature={c.temperature} must be positive: GRPO learns from the differences "
+                          "between a prompt's G samples, and at temperature 0 they are all the same (1.0 is "
+                          "usual; greedy decoding is for evaluation: eval_metrics [greedy])")
+    if not (0 < c.top_p <= 1):
+        raise ConfigError(f"top_p={c.top_p} must be in (0, 1]")
+    if not (0 <= c.eval_fraction < 1):
+        raise ConfigError(f"eval_fraction={c.eval_fraction} must be in [0, 1)")
+    if c.learning_rate <= 0 or not math.isfinite(c.learning_rate):
+        raise ConfigError(f"learning_rate={c.learning_rate} must be a positive number")
+    if c.max_grad_norm is not None and not c.max_grad_norm >= 0:  # torch would flip every gradient
+        raise ConfigError(f"max_grad_norm={c.max_grad_norm} must be positive, or null (or 0) for no "
+                          "clipping; a negative norm would reverse the gradient")
+    for name in ("adam_beta1", "adam_beta2"):
+        if not 0 <= getattr(c, name) < 1:
+            raise ConfigError(f"{name}={getattr(c, name)} must be in [0, 1) (AdamW's decay rates: 0.9, 0.99)")
+    if not c.weight_decay >= 0:
+        raise ConfigError(f"weight_decay={c.weight_decay} must be 0 or more (0 turns it off)")
+    if c.ref_update_steps and c.lora_r:
+        raise ConfigError("ref_update_steps with LoRA is not supported: with LoRA the reference "
+                          "is the base model with the adapter disabled; set ref_update_steps: 0")
+    _check_choice("distributed_strategy", c.distributed_strategy, ("ddp", "fsdp2"))
+    if c.num_generations_eval < 1:
+        raise ConfigError(f"num_generations_eval={c.num_generations_eval} must be at least 1")
+    for name in c.eval_metrics:
+        kind, k = parse_eval_metric(name)
+        if kind != "greedy" and k > c.num_generations_eval:
+            raise ConfigError(f"eval_metrics: {name} needs at least {k} samples per prompt, and "
+                              f"num_generations_eval={c.num_generations_eval}: raise it to {k} or more")
+    if not c.eval_metrics:
+        raise ConfigError("eval_metrics is empty: name at least one, e.g. [greedy] or [greedy, pass@8]")
+    if c.eval_temperature is not None and c.eval_temperature <= 0:
+        raise ConfigError(f"eval_temperature={c.eval_temperature} must be > 0 (greedy is the `greedy` metric)")
+    if c.load_best_model_at_end and not c.metric_for_best_model:
+        raise ConfigError("load_best_model_at_end needs metric_for_best_model, e.g. accuracy or pass@8")
+    for name in c.report_to:
+        _check_choice("report_to", name, ("tensorboard", "trackio", "wandb", "mlflow", "none"))
+    if c.log_completions_steps < 0:
+        raise ConfigError(f"log_completions_steps={c.log_completions_steps} must be 0 (never) or more")
+    _check_choice("on_reward_hacking", c.on_reward_hacking, ("warn", "stop", "off"))
+    _check_choice("on_collapse", c.on_collapse, ("warn", "stop", "rollback", "off"))
+    if not 0 < c.rollback_lr_factor <= 1:
+        raise ConfigError(f"rollback_lr_factor={c.rollback_lr_factor} must be in (0, 1]: each rollback "
+                          "multiplies the learning rate by it (e.g. 0.1)")
+    if c.max_rollbacks < 0:
+        raise ConfigError(f"max_rollbacks={c.max_rollbacks} must be 0 or more")
+    if c.prompt_filter_history < 1:
+        raise ConfigError(f"prompt_filter_history={c.prompt_filter_history} must be at least 1 (groups)")
+    if not 0 <= c.prompt_filter_revisit <= 1:
+        raise ConfigError(f"prompt_filter_revisit={c.prompt_filter_revisit} must be in [0, 1]")
+    if c.distributed_strategy == "fsdp2" and c.lora_r:
+        raise ConfigError("distributed_strategy=fsdp2 with LoRA is not supported: LoRA weights are "
+                          "small enough for ddp; set distributed_strategy: ddp or lora_r: 0")
+    if c.overlong_shaping and not 0 < c.overlong_cache_len <= c.max_completion_length:
+        raise ConfigError(f"overlong_cache_len={c.overlong_cache_len} must be in "
+                          f"(0, max_completion_length={c.max_completion_length}]")
+    _check_vllm(c)
+    _check_tools(c)
+    return c
+
+
+# ------------------------------------------------------------ eval_metrics: the names evaluation.py computes
+_EVAL_METRIC = re.compile(r"^(greedy|(mean|pass|maj)@([1-9][0-9]*))$")
+
+
+def parse_eval_metric(name: str) -> tuple[str, int]:
+    """`pass@8` -> ("pass", 8); `greedy` -> ("greedy", 1); anything else is a ConfigError."""
+    m = _EVAL_METRIC.match(name)
+    if m is None:
+        raise ConfigError(f"eval_metrics: {name!r} is not one of greedy, mean@k, pass@k, maj@k (k a positive "
+                          "integer, e.g. pass@8)")
+    return ("greedy", 1) if m.group(1) == "greedy" else (m.group(2), int(m.group(3)))
+
+
+def _check_choice(name: str, value: str, choices: tuple[str, ...] | Registry) -> None:
+    """``choices`` a tuple, or a core registry: then its names, so that a registered variant is accepted."""
+    if value not in choices:
+        how = f"; register a new one with @{choices.decorator}(name)" if isinstance(choices, Registry) else ""
+        raise ConfigError(f"{name}={value!r} is not one of: {', '.join(choices)}{how}")
+
+
+def _check_variants(c: TrainFields) -> None:
+    """The loss and advantage variants, and the combinations that make no sense (the loss settings'
+    own: core's check_loss_settings)."""
+    _check_choice("loss_type", c.loss_type, LOSS_TYPES)
+    _check_choice("multi_objective_aggregation", c.multi_objective_aggregation, MULTI_OBJECTIVE_AGGREGATIONS)
+    if c.advantage_estimator.startswith("reinforce_pp") and c.scale_rewards == "group":
+        raise ConfigError(f"advantage_estimator={c.advantage_estimator} normalises over the whole batch: "
+                          "set scale_rewards: batch (the paper's) or none")
+    if c.multi_objective_aggregation == "normalize_then_sum":
+        if c.advantage_estimator != "grpo":
+            raise ConfigError(f"multi_objective_aggregation=normalize_then_sum (GDPO) normalises each reward "
+                              f"function within its group itself; advantage_estimator={c.advantage_estimator} "
+                              "has no meaning there: set advantage_estimator: grpo")
+        if c.overlong_shaping:
+            raise ConfigError("overlong_shaping with multi_objective_aggregation=normalize_then_sum: the length "
+                              "penalty is added to the summed reward, which GDPO does not use; set "
+                              "overlong_shaping: false, or write the penalty as a reward function")
+    if not 0 < c.top_entropy_quantile <= 1:
+        raise ConfigError(f"top_entropy_quantile={c.top_entropy_quantile} must be in (0, 1] (the paper "
+                          "keeps the top 0.2 of tokens by entropy; 1 keeps all)")
+    if c.off_policy_mask_threshold is not None and not c.off_policy_mask_threshold >= 0:
+        raise ConfigError(f"off_policy_mask_threshold={c.off_policy_mask_threshold} must be >= 0 "
+                          "(a mean log-ratio per token; TRL suggests 0.5) or null to switch it off")
+
+
+def _check_vllm(c: TrainFields) -> None:
+    _check_choice("vllm_mode", c.vllm_mode, ("colocate", "server"))
+    _check_choice("vllm_weight_transfer", c.vllm_weight_transfer, ("auto", "gloo", "nccl", "file"))
+    _check_choice("vllm_lora_sync", c.vllm_lora_sync, ("auto", "adapter", "merged"))
+    if c.vllm_mode == "server" and not c.use_vllm:
+        raise ConfigError("vllm_mode=server without use_vllm: set use_vllm: true to sample with the vLLM server")
+    if not 0 < c.vllm_server_port < 65536:
+        raise ConfigError(f"vllm_server_port={c.vllm_server_port} must be a TCP port in 1..65535")
+    if not c.vllm_server_timeout_s > 0:
+        raise ConfigError(f"vllm_server_timeout_s={c.vllm_server_timeout_s} must be positive")
+    if c.max_staleness < 0:
+        raise ConfigError(f"max_staleness={c.max_staleness} must be 0 or more (0: synchronous)")
+    if c.async_rollouts and not (c.use_vllm and c.vllm_mode == "server"):
+        raise ConfigError("async_rollouts needs use_vllm: true with vllm_mode: server. The built-in engine "
+                          "decodes with the very weights the update changes, and a colocated vLLM shares "
+                          "the trainer's device and process: neither has generation to overlap with the update")
+    if c.partial_rollouts and not c.async_rollouts:
+        raise ConfigError("partial_rollouts without async_rollouts: only batches generated ahead can be in flight "
+                          "during a weight update; set async_rollouts: true (with vllm_mode: server) or "
+                          "partial_rollouts: false")
+    if c.async_rollouts and c.vllm_importance_sampling_correction is False:
+        raise ConfigError("async_rollouts with vllm_importance_sampling_correction=false: stale samples would "
+                          "be trained on as if on-policy; leave the correction on (unset or true)")
+    if not 0 < c.vllm_gpu_memory_utilization <= 1:
+        raise ConfigError(f"vllm_gpu_memory_utilization={c.vllm_gpu_memory_utilization} must be in (0, 1]")
+    if c.vllm_dtype is not None:
+        _check_choice("vllm_dtype", c.vllm_dtype, ("float32", "bfloat16", "float16", "auto"))
+    if c.vllm_max_model_length is not None:
+        needed = (c.max_prompt_length or 1) + c.max_completion_length
+        if c.vllm_max_model_length < needed:
+            raise ConfigError(f"vllm_max_model_length={c.vllm_max_model_length} is shorter than "
+                              f"max_prompt_length + max_completion_length = {needed}: raise it or leave it null")
+    if c.vllm_importance_sampling_correction and not c.use_vllm:
+        raise ConfigError("vllm_importance_sampling_correction=true without use_vllm: the built-in engine samples "
+                          "from the trainer's own model, so there is no sampler/trainer mismatch to correct; set "
+                          "use_vllm: true, or leave the field unset")
+    if c.use_vllm and not 0.01 <= c.temperature <= 2:
+        raise ConfigError(f"temperature={c.temperature} with use_vllm: vLLM samples at temperatures in "
+                          "[0.01, 2] only (it raises lower ones to 0.01, which the trainer's log-probs "
+                          "would not know); pick one in that range")
+
+
+def _check_tools(c: TrainFields) -> None:
+    """Multi-turn fields; the tools and the environment themselves are imported by the trainer (still
+    before any model loads)."""
+    for i, spec in enumerate(c.tools):
+        if not (isinstance(spec, str) and spec) and not (isinstance(spec, dict) and isinstance(spec.get("name"), str)) \
+                and not callable(spec):
+            raise ConfigError(f"tools[{i}]={spec!r}: name a tool as `python`, `package.module:function`, or a "
+                              "mapping {name: python, timeout_s: 5}")
+    if c.tool_parser is not None:
+        _check_choice("tool_parser", c.tool_parser, FORMATS)
+    for name in ("max_tool_calls", "max_turns"):
+        if getattr(c, name) < 1:
+            raise ConfigError(f"{name}={getattr(c, name)} must be at least 1")
+    if not c.tool_timeout_s > 0:
+        raise ConfigError(f"tool_timeout_s={c.tool_timeout_s} must be a positive number of seconds")
+    if c.tools and c.environment:
+        raise ConfigError("tools and environment are both set: an environment answers every assistant turn "
+                          "itself, so let it run the tools it offers; set one of them")
+    if c.environment is not None and ":" not in c.environment:
+        raise ConfigError(f"environment={c.environment!r}: name the class by import path, `package.module:Class`")
+    if (c.tools or c.environment) and c.ignore_eos:
+        raise ConfigError("ignore_eos=true with tools or an environment: a multi-turn rollout ends each turn at "
+                          "EOS; set ignore_eos: false")

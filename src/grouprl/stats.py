@@ -1,81 +1,17 @@
-"""Step statistics in one place: what a training step measures and how it is summed.
+"""The sums behind the update's and evaluation's means: each is summed locally, over ranks by the
+caller, then turned into means.
 
-- `Timings`: seconds per stage (`time/*`), summed over the rounds of a step;
-- `SampleTally`: what the sampling stage saw over its rounds (groups, zero-variance groups,
-  staleness, multi-turn counts) and its metrics;
-- `UpdateSums`: the loss statistics of the micro-batches of one optimizer step, token-weighted,
-  summed over ranks, then turned into means;
-- `EvalSums`: the sums behind `Trainer.evaluate`'s means;
-- `batch_metrics`: rewards, advantages and completion lengths of the batch trained on.
+- `UpdateSums`: the loss statistics of the micro-batches of one optimizer step, token-weighted;
+- `EvalSums`: the sums behind `Trainer.evaluate`'s means.
 
 Metric names are the ones `metrics.jsonl` documents (README, "What a run writes").
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
-import time
-from collections.abc import Iterator
-from dataclasses import dataclass, field
-from typing import Any
-
-import torch
 
 from grouprl.batch import StepBatch
-from grouprl.rollout.types import trajectory_metrics
-
-
-class Timings(dict):
-    """`time/<stage>` -> seconds; `with timings.stage("update"):` adds the block's wall time."""
-
-    @contextlib.contextmanager
-    def stage(self, name: str) -> Iterator[None]:
-        t0 = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.add(name, time.perf_counter() - t0)
-
-    def add(self, name: str, seconds: float) -> None:
-        key = f"time/{name}"
-        self[key] = self.get(key, 0.0) + seconds
-
-
-@dataclass
-class SampleTally:
-    """Sums over the generation rounds of one step (one round unless DAPO's dynamic sampling asks
-    for more)."""
-
-    rounds: int = 0
-    groups: int = 0
-    zero_std_groups: int = 0
-    kept_groups: int = 0
-    staleness: list[int] = field(default_factory=list)  # per generated completion
-    overlapped: list[int] = field(default_factory=list)  # per completion: weight updates during its batch
-    counts: dict[str, float] = field(default_factory=dict)  # multi-turn sums (Trajectories.counts)
-
-    def add_round(self, num_completions: int, staleness: int, counts: dict[str, float], flat_groups: int,
-                  num_groups: int, overlapped: int = 0) -> None:
-        self.rounds += 1
-        self.overlapped += [overlapped] * num_completions
-        self.groups += num_groups
-        self.zero_std_groups += flat_groups
-        self.staleness += [staleness] * num_completions
-        self.counts = {k: self.counts.get(k, 0.0) + v for k, v in counts.items()}
-
-    def metrics(self, counts_over_ranks: dict[str, float], dynamic_sampling: bool,
-                partial: bool = False) -> dict[str, float]:
-        """`counts_over_ranks`: this tally's `counts` summed over ranks (the caller's collective)."""
-        out = {"zero_std_frac": self.zero_std_groups / self.groups,
-               "rollout/staleness_mean": sum(self.staleness) / len(self.staleness),
-               "rollout/staleness_max": max(self.staleness)}
-        if partial:  # completions whose generation a weight update overlapped
-            out["rollout/partial_frac"] = sum(o > 0 for o in self.overlapped) / len(self.overlapped)
-        out.update(trajectory_metrics(counts_over_ranks))  # multi-turn: tools, turns, stops
-        if dynamic_sampling:
-            out.update({"dynamic_sampling/rounds": self.rounds, "dynamic_sampling/kept_groups": self.kept_groups})
-        return out
 
 
 class UpdateSums:
@@ -107,23 +43,6 @@ class UpdateSums:
         return {**out, "loss": loss_total, "grad_norm": grad_norm}
 
 
-def batch_metrics(batch: StepBatch, advantages: torch.Tensor) -> dict[str, float]:
-    """Rewards, advantages (per action token under process supervision) and completion lengths
-    (the policy's own tokens) of the batch trained on."""
-    lengths = batch.rollout.action_lengths.float()  # [N]
-    adv = advantages[batch.rollout.action_mask] if advantages.dim() == 2 else advantages  # actions
-    return {
-        **batch.reward_metrics, **(batch.steps.metrics() if batch.steps else {}),
-        "reward/mean": batch.rewards.mean().item(),
-        "reward/std": batch.rewards.std().item() if len(batch.rewards) > 1 else 0.0,
-        "advantage/mean": adv.mean().item(), "advantage/std": adv.std().item(),
-        "advantage/min": adv.min().item(), "advantage/max": adv.max().item(),
-        "completion/length_mean": lengths.mean().item(), "completion/length_min": lengths.min().item(),
-        "completion/length_max": lengths.max().item(),
-        "completion/truncated_frac": batch.rollout.truncated.float().mean().item(),
-    }
-
-
 class EvalSums:
     """Sums over the eval batches (and ranks) of the accuracy reward, the weighted reward, the
     lengths and each reward function's scores (NaN where a function abstained is left out)."""
@@ -152,37 +71,3 @@ class EvalSums:
                 "num_samples": num_samples,
                 **{f"rewards/{n}": sums[f"sum/{n}"] / sums[f"n/{n}"] if sums[f"n/{n}"] else math.nan
                    for n in self.names}}
-
-
-def completion_rows(batch: StepBatch, advantages: torch.Tensor, n: int) -> list[dict[str, Any]]:
-    """The first `n` completions of a batch as samples.jsonl and the trackers' table show them: prompt,
-    completion, the weighted reward and each function's score, advantage (under process supervision
-    the mean over the completion's action tokens), length, stop reason (`eos`, `max_length`, or a
-    multi-turn stop reason), and the tool calls of a multi-turn trajectory."""
-    lengths = batch.rollout.action_lengths
-    rows = []
-    for i in range(min(n, len(batch.completions))):
-        adv = advantages[i] if advantages.dim() == 1 else advantages[i, :int(lengths[i])].mean()
-        row = {"prompt": batch.prompts[i], "completion": batch.completions[i], "reward": float(batch.rewards[i]),
-               **{f"rewards/{k}": float(v[i]) for k, v in batch.per_func.items()},
-               **{f"audit/{k}": float(v[i]) for k, v in batch.audit.items()},
-               "advantage": float(adv), "length": int(lengths[i]),
-               "stop": batch.stop_reasons[i] if batch.stop_reasons else
-               "max_length" if bool(batch.rollout.truncated[i]) else "eos"}
-        if batch.tool_calls is not None:
-            row["tool_calls"] = "; ".join(batch.tool_calls[i])
-        rows.append(row)
-    return rows
-
-
-def run_metadata(dist: Any) -> dict[str, Any]:
-    """What the trackers record about the run beside its config: versions, device, processes."""
-    import platform
-
-    import transformers
-
-    from grouprl import __version__
-
-    return {"meta/grouprl": __version__, "meta/torch": torch.__version__, "meta/transformers": transformers.__version__,
-            "meta/python": platform.python_version(), "meta/device": str(dist.device),
-            "meta/world_size": dist.world_size, "meta/host": platform.node()}

@@ -74,9 +74,10 @@ from grouprl.rewards import RewardScores, process_rewards, resolve_reward_spec, 
 from grouprl.rollout import Rollout, SamplingParams
 from grouprl.rollout.producer import Produced, RolloutProducer
 from grouprl.rollout.types import Trajectories
-from grouprl.runlog import Progress, RunLogger
+from grouprl.runlog import Progress, RunLogger, run_metadata
+from grouprl.sample_stats import SampleTally, batch_metrics, completion_rows
 from grouprl.signals import StopSignals, TrainingStopped
-from grouprl.stats import SampleTally, Timings, batch_metrics, completion_rows, run_metadata
+from grouprl.timings import Timings
 from grouprl.trackers import missing_tracker_packages
 from grouprl.update import PolicyUpdate
 

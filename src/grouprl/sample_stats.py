@@ -4,12 +4,14 @@
   staleness, multi-turn counts) and its metrics;
 - `batch_metrics`: rewards, advantages and completion lengths of the batch trained on;
 - `completion_rows`: the first completions of that batch as samples.jsonl and the trackers show them.
+- `EvalSums`: the sums behind `Trainer.evaluate`'s means (accuracy, reward, lengths, each function).
 
 Metric names are the ones `metrics.jsonl` documents (README, "What a run writes").
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -70,6 +72,36 @@ def batch_metrics(batch: StepBatch, advantages: torch.Tensor) -> dict[str, float
         "completion/length_max": lengths.max().item(),
         "completion/truncated_frac": batch.rollout.truncated.float().mean().item(),
     }
+
+
+class EvalSums:
+    """Sums over the eval batches (and ranks) of the accuracy reward, the weighted reward, the
+    lengths and each reward function's scores (NaN where a function abstained is left out)."""
+
+    def __init__(self, reward_names: list[str], accuracy_reward: str):
+        self.names, self.accuracy = reward_names, accuracy_reward
+        self.sums = {"acc": 0.0, "acc_n": 0.0, "reward": 0.0, "length": 0.0}
+        self.sums.update({f"{k}/{name}": 0.0 for name in reward_names for k in ("sum", "n")})
+
+    def add(self, part: StepBatch) -> None:
+        for name, scores in part.per_func.items():  # [n], NaN where the function abstained
+            self.sums[f"sum/{name}"] += float(scores.nansum())
+            self.sums[f"n/{name}"] += float((~scores.isnan()).sum())
+        acc = part.per_func[self.accuracy]
+        self.sums["acc"] += float(acc.nansum())
+        self.sums["acc_n"] += float((~acc.isnan()).sum())
+        self.sums["reward"] += float(part.rewards.sum())
+        self.sums["length"] += float(part.rollout.action_lengths.sum())
+
+    def result(self, sums: dict[str, float], num_samples: int, per_prompt: int = 1) -> dict[str, float]:
+        """Means from `sums` (this object's `sums`, summed over ranks by the caller); `num_samples`
+        prompts with `per_prompt` completions each."""
+        completions = num_samples * per_prompt
+        return {"accuracy": sums["acc"] / sums["acc_n"] if sums["acc_n"] else math.nan,
+                "reward_mean": sums["reward"] / completions, "length_mean": sums["length"] / completions,
+                "num_samples": num_samples,
+                **{f"rewards/{n}": sums[f"sum/{n}"] / sums[f"n/{n}"] if sums[f"n/{n}"] else math.nan
+                   for n in self.names}}
 
 
 def completion_rows(batch: StepBatch, advantages: torch.Tensor, n: int) -> list[dict[str, Any]]:

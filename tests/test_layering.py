@@ -152,3 +152,31 @@ def test_only_the_cli_imports_the_trainer_and_nothing_imports_the_cli():
     for unit, deps in GRAPH.items():
         if unit not in ("cli", "__main__"):
             assert not deps & {"trainer", "cli", "cli_args"}, f"{unit} imports {sorted(deps)}"
+
+
+def _private_imports(path: Path) -> list[str]:
+    """`from grouprl.x import _name` (or a relative one) in `path`: a private name taken from another module."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").split(".")[0] == "grouprl"):
+            for a in node.names:
+                if a.name.startswith("_") and not a.name.startswith("__"):
+                    found.append(f"{path.name}:{node.lineno} imports {a.name}")
+    return found
+
+
+def test_no_private_names_imported_across_modules():
+    found = [hit for path in MODULES.values() for hit in _private_imports(path)]
+    assert not found, "make these public where they live: " + "; ".join(found)
+
+
+def test_benchmarks_and_scripts_import_grouprl_not_the_tests():
+    root = SRC.parents[1]
+    found = []
+    for path in sorted([*(root / "benchmarks").glob("*.py"), *(root / "scripts").glob("*.py")]):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = ([node.module or ""] if isinstance(node, ast.ImportFrom)
+                     else [a.name for a in node.names] if isinstance(node, ast.Import) else [])
+            found += [f"{path.name}:{node.lineno} imports {n}" for n in names if n.split(".")[0] == "tests"]
+    found += [hit for path in sorted((root / "benchmarks").glob("*.py")) for hit in _private_imports(path)]
+    assert not found, "; ".join(found)

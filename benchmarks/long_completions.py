@@ -76,7 +76,7 @@ def worker_grouprl(model: str, spec: str, rows: int, update_only: bool, override
     from grouprl.batch import StepBatch
     from grouprl.config import TrainConfig
     from grouprl.rollout.types import sampled_rollout
-    from grouprl.stats import Timings
+    from grouprl.timings import Timings
     from grouprl.trainer import Trainer
 
     lengths = lengths_of(spec, rows)

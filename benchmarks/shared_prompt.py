@@ -23,7 +23,7 @@ from grouprl.batch import StepBatch
 from grouprl.config import TrainConfig
 from grouprl.rollout import Rollout
 from grouprl.tasks.testing import save_tiny_model
-from grouprl.stats import Timings
+from grouprl.timings import Timings
 from grouprl.trainer import Trainer
 
 

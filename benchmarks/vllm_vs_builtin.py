@@ -5,7 +5,7 @@
 
 For each model size, each side runs in its own subprocess, the sides alternate (builtin, vllm,
 builtin, vllm, ... for `--rounds`), and each run waits for an idle CPU first. A run measures:
-- generation: `engine.generate` of 4 prompts x 8 samples x `--max-tokens` tokens (ignore_eos, so
+- generation: `Trainer.generate` of 4 prompts x 8 samples x `--max-tokens` tokens (ignore_eos, so
   both sides compute the same tokens), one warm-up call then `--gen-repeats` timed calls; the
   figure is generated tokens per second;
 - training: `--steps` GRPO steps of the same shape through the Trainer (`use_vllm` on or off),
@@ -37,7 +37,6 @@ def worker(side: str, model_dir: str, max_tokens: int, steps: int, gen_repeats: 
     from datasets import Dataset
 
     from grouprl.config import TrainConfig
-    from grouprl.rollout import SamplingParams
     from grouprl.trainer import Trainer
 
     torch.set_num_threads(threads)
@@ -49,14 +48,13 @@ def worker(side: str, model_dir: str, max_tokens: int, steps: int, gen_repeats: 
                           progress=False, report_to=[], num_logged_samples=0, num_threads=threads,
                           use_vllm=side == "vllm", vllm_enforce_eager=True, reward_timeout_s=None)
         trainer = Trainer(cfg, train_dataset=Dataset.from_list(rows))
-        prompts = [trainer.tokenizer(r["prompt"])["input_ids"] for r in rows[:B]]
-        params = SamplingParams(max_tokens, temperature=1.0, ignore_eos=True)
+        prompts = trainer.prompts(rows[:B])  # the config samples at temperature 1, max_tokens, ignore_eos
         gen = torch.Generator().manual_seed(0)
-        trainer.engine.generate(prompts, G, params, gen)  # warm-up
+        trainer.generate(prompts, generator=gen)  # warm-up
         tps = []
         for _ in range(gen_repeats):
             t0 = time.perf_counter()
-            ro = trainer.engine.generate(prompts, G, params, gen)
+            ro = trainer.generate(prompts, generator=gen).rollout
             tps.append(int(ro.lengths.sum()) / (time.perf_counter() - t0))
         stages = []
         for _ in range(steps):

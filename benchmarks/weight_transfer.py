@@ -92,10 +92,10 @@ def main() -> None:
                 if r:
                     times[path].append(t1 - t0)
                     gen[path].append(time.perf_counter() - t1)
-            from tests.rollout._vllm import max_logp_gap
+            from grouprl.engine_check import max_logprob_gap
 
             last = list(engines)[-1]  # synced last: it holds the newest weights
-            gap = max_logp_gap(engines[last], model, [tok("What is 2+3?")["input_ids"]])
+            gap = max_logprob_gap(engines[last], model, [tok("What is 2+3?")["input_ids"]])
             # the newest adapter's files (the engine keeps the last two on the server, for requests in flight)
             adapters = sorted((Path(tmp) / "w").glob("adapter-*"), key=lambda d: d.stat().st_mtime)
             adapter_bytes = sum(f.stat().st_size for f in adapters[-1].rglob("*.safetensors")) if adapters else 0

@@ -26,7 +26,7 @@ from datasets import Dataset
 
 from grouprl import distributed as D
 from grouprl.config import ConfigError, parse_eval_metric
-from grouprl.stats import EvalSums
+from grouprl.sample_stats import EvalSums
 
 def pass_at_k(n: int, c: int, k: int) -> float:
     """Unbiased pass@k from n samples with c right: 1 - C(n-c, k)/C(n, k) (1 when n - c < k)."""

@@ -49,4 +49,11 @@ def scale_learning_rate(optimizer: torch.optim.Optimizer, scheduler: torch.optim
     scheduler.base_lrs = [b * factor for b in scheduler.base_lrs]
     for group, base, schedule in zip(optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas):
         group["initial_lr"], group["lr"] = base, base * schedule(scheduler.last_epoch)
-    scheduler._last_lr = [g["lr"] for g in optimizer.param_groups]
+    _set_last_lr(scheduler, [g["lr"] for g in optimizer.param_groups])
+
+
+def _set_last_lr(scheduler: torch.optim.lr_scheduler.LRScheduler, lrs: list[float]) -> None:
+    """What `scheduler.get_last_lr()` answers until its next `step()`. torch keeps it in the private
+    `_last_lr` and has no setter, and a scheduler only writes it when it steps (checked on torch
+    2.13.0, `torch/optim/lr_scheduler.py`): the one place grouprl writes it."""
+    scheduler._last_lr = lrs

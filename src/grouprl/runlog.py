@@ -207,3 +207,17 @@ def _plain(v: Any) -> Any:
     if hasattr(v, "item") and getattr(v, "numel", lambda: 1)() == 1:
         return v.item()
     return v
+
+
+def run_metadata(dist: Any) -> dict[str, Any]:
+    """What the trackers record about the run beside its config: versions, device, processes."""
+    import platform
+
+    import torch
+    import transformers
+
+    from grouprl import __version__
+
+    return {"meta/grouprl": __version__, "meta/torch": torch.__version__, "meta/transformers": transformers.__version__,
+            "meta/python": platform.python_version(), "meta/device": str(dist.device),
+            "meta/world_size": dist.world_size, "meta/host": platform.node()}

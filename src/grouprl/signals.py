@@ -1,4 +1,6 @@
-"""Stopping a run cleanly on SIGTERM (a cluster preempting it) or SIGINT (Ctrl-C).
+"""Stopping a run cleanly on SIGTERM (a cluster preempting it) or SIGINT (Ctrl-C): run safety from
+outside the run (health.py raises alarms from inside it, guard.py decides what to do about them), and
+`TrainingStopped`, which ends any stopped run, the guard's stop included.
 
 `Trainer.train()` runs inside `StopSignals`. The first SIGTERM or SIGINT only sets a flag and logs
 one line; the step in progress runs to its end, whatever stage it is in (generation, rewards,

@@ -60,7 +60,6 @@ from grouprl.config import ConfigError, TrainConfig, changed_settings
 from grouprl.core import overlong_penalty, zero_std_groups
 from grouprl.data import PromptBatch, PromptFormatter, PromptSampler, completion_objects, load_datasets
 from grouprl.evaluation import best_after, run_evaluation
-from grouprl.generation import make_engine, make_rollouts, resolve_multiturn
 from grouprl.guard import RunGuard
 from grouprl.objective import corrects_sampler, policy_loss_params, sampler_weights, step_advantages
 from grouprl.optim import make_optimizer, scale_learning_rate
@@ -72,11 +71,13 @@ from grouprl.preflight import run as run_preflight
 from grouprl.prompt_filter import PromptFilter
 from grouprl.rewards import RewardScores, process_rewards, resolve_reward_spec, sandbox_mechanism, score_completions
 from grouprl.rollout import Rollout, SamplingParams
+from grouprl.rollout.factory import make_engine, make_rollouts, resolve_multiturn
 from grouprl.rollout.producer import Produced, RolloutProducer
 from grouprl.rollout.types import Trajectories
-from grouprl.runlog import Progress, RunLogger
+from grouprl.runlog import Progress, RunLogger, run_metadata
+from grouprl.sample_stats import SampleTally, batch_metrics, completion_rows
 from grouprl.signals import StopSignals, TrainingStopped
-from grouprl.stats import SampleTally, Timings, batch_metrics, completion_rows, run_metadata
+from grouprl.timings import Timings
 from grouprl.trackers import missing_tracker_packages
 from grouprl.update import PolicyUpdate
 

@@ -35,7 +35,7 @@ from grouprl.memory import CPU_BUDGET
 from grouprl.objective import loss_token_weights
 from grouprl.policy import MicroBatch, activation_checkpointing, completion_logprobs, plan_micro_batches
 from grouprl.rollout import Rollout
-from grouprl.stats import UpdateSums
+from grouprl.update_stats import UpdateSums
 
 logger = logging.getLogger(__name__)
 

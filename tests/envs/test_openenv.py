@@ -451,7 +451,7 @@ def test_the_config_names_an_openenv_environment_with_its_prefix(tmp_path):
     """`environment: openenv:package.module:Class` builds the adapter with its defaults: each instance
     of the resolved class is a fresh CalcEnv episode, its observation a user message."""
     from grouprl.config import ConfigError
-    from grouprl.generation import resolve_multiturn
+    from grouprl.rollout.factory import resolve_multiturn
 
     def cfg(env):
         return TrainConfig(environment=env, output_dir=str(tmp_path), report_to=[])

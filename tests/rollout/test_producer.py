@@ -79,7 +79,7 @@ def test_partial_rollouts_send_without_waiting_and_count_the_overlap():
     """partial: the sync goes out while the batch is generated (its start and end versions differ),
     `overlapped` says so, staleness is the queue's as before, and the step's tally reports the share;
     without partial, the same timing gives one version per batch and no overlap."""
-    from grouprl.stats import SampleTally
+    from grouprl.sample_stats import SampleTally
 
     for partial in (True, False):
         engine, versions = FakeEngine(), {}

@@ -133,7 +133,7 @@ def test_auto_runs_the_adapter_colocated_only_with_a_gpu(monkeypatch, tmp_path):
     """On CPU vLLM's LoRA kernels cost more per step than the merged copy saves (measured,
     benchmarks/README.md), so `auto` sends merged weights there and the adapter with a GPU."""
     from grouprl.config import TrainConfig
-    from grouprl.generation import colocated_lora_rank
+    from grouprl.rollout.factory import colocated_lora_rank
 
     def rank(**kw):
         return colocated_lora_rank(TrainConfig(output_dir=str(tmp_path), **kw))

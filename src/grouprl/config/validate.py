@@ -18,7 +18,7 @@ from typing import TypeVar
 from grouprl.core import (ADVANTAGE_ESTIMATORS, IS_MODES, KL_ESTIMATORS, LOSS_AGGREGATIONS, LOSS_TYPES,
                           MULTI_OBJECTIVE_AGGREGATIONS, PRESETS, RATIO_LEVELS, Registry)
 from grouprl.core.advantages import SCALES
-from grouprl.core.policy_loss import check_loss_settings
+from grouprl.core.loss_params import check_loss_settings
 from grouprl.tools import FORMATS
 
 from .errors import ConfigError

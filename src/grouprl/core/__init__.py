@@ -26,8 +26,8 @@ from .kl import KL_ESTIMATORS, kl_estimate
 from .head_logprobs import head_logprobs
 from .logprobs import token_entropy, token_logprobs, token_logprobs_and_entropy
 from .aggregation import LOSS_AGGREGATIONS, aggregate_loss, batch_normalizer, register_loss_agg
-from .policy_terms import LOSS_TYPES, register_loss_type
-from .policy_loss import RATIO_LEVELS, LossParams, policy_loss, register_ratio_level
+from .loss_params import LOSS_TYPES, RATIO_LEVELS, LossParams, register_loss_type, register_ratio_level
+from .policy_loss import policy_loss
 from .reward_shaping import overlong_penalty
 from .token_masks import TOKEN_MASKS, MaskInputs, off_policy_sequence_mask, top_entropy_mask
 from .presets import PRESET_KEYS, PRESETS, get_preset

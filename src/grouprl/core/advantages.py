@@ -101,7 +101,8 @@ def register_advantage_estimator(name: str) -> Callable[[AdvantageEstimator], Ad
     return decorator
 
 
-def _check_group_size(n: int, group_size: int) -> None:
+def check_group_size(n: int, group_size: int) -> None:
+    """Every estimator's check that ``n`` rows split into groups of ``group_size`` >= 2."""
     if isinstance(group_size, bool) or not isinstance(group_size, int):
         raise TypeError(f"group_size={group_size!r} must be an int (completions per prompt)")
     if group_size < 2:
@@ -120,7 +121,7 @@ def _grouped(rewards: Tensor, group_size: int) -> Tensor:
     if rewards.dim() != 1:
         raise ValueError(f"rewards has shape {tuple(rewards.shape)}; pass a flat [N] tensor "
                          "(N = prompts × group_size, groups consecutive)")
-    _check_group_size(rewards.shape[0], group_size)
+    check_group_size(rewards.shape[0], group_size)
     if not rewards.is_floating_point():
         rewards = rewards.float()
     bad = ~torch.isfinite(rewards)
@@ -131,7 +132,8 @@ def _grouped(rewards: Tensor, group_size: int) -> Tensor:
     return rewards.view(-1, group_size)  # [B, G]
 
 
-def _check_scale(scale: str, eps: float) -> None:
+def check_scale(scale: str, eps: float) -> None:
+    """Every estimator's check of its ``scale`` (``SCALES``) and ``eps``."""
     if scale not in SCALES:
         raise ValueError(f"scale={scale!r} is unknown; use one of {SCALES}")
     if eps < 0:
@@ -162,7 +164,7 @@ def zero_std_groups(rewards: Tensor, group_size: int) -> Tensor:
 def group_advantages(rewards: Tensor, group_size: int, *, scale: str = "group", eps: float = 1e-4,
                      unbiased: bool = True) -> Tensor:
     """GRPO / Dr. GRPO advantages [N] from rewards [N] (see module docstring for ``scale``)."""
-    _check_scale(scale, eps)
+    check_scale(scale, eps)
     grouped = _grouped(rewards, group_size)  # [B, G]
     centered = grouped - grouped.mean(dim=1, keepdim=True)  # [B, G]
     return _scaled(centered, grouped, scale, eps, unbiased)
@@ -171,7 +173,7 @@ def group_advantages(rewards: Tensor, group_size: int, *, scale: str = "group", 
 @register_advantage_estimator("rloo")
 def _rloo_estimator(rewards: Tensor, group_size: int, *, scale: str = "none", eps: float = 1e-4,
                     unbiased: bool = True) -> Tensor:
-    _check_scale(scale, eps)
+    check_scale(scale, eps)
     grouped = _grouped(rewards, group_size)  # [B, G]
     loo_mean = (grouped.sum(dim=1, keepdim=True) - grouped) / (group_size - 1)  # [B, G]
     return _scaled(grouped - loo_mean, grouped, scale, eps, unbiased)
@@ -201,7 +203,7 @@ def _batch_scale(scale: str, name: str) -> bool:
 def reinforce_pp_advantages(rewards: Tensor, group_size: int, *, scale: str = "batch", eps: float = 1e-4,
                             unbiased: bool = True) -> Tensor:
     """REINFORCE++ advantages [N]: rewards [N] whitened over the batch (module docstring)."""
-    _check_scale(scale, eps)
+    check_scale(scale, eps)
     divide = _batch_scale(scale, "reinforce_pp")
     return _whiten(_grouped(rewards, group_size).reshape(-1), eps, unbiased, divide)  # [N]
 
@@ -210,7 +212,7 @@ def reinforce_pp_advantages(rewards: Tensor, group_size: int, *, scale: str = "b
 def reinforce_pp_baseline_advantages(rewards: Tensor, group_size: int, *, scale: str = "batch",
                                      eps: float = 1e-4, unbiased: bool = True) -> Tensor:
     """REINFORCE++-baseline advantages [N]: group-centred, then whitened over the batch."""
-    _check_scale(scale, eps)
+    check_scale(scale, eps)
     divide = _batch_scale(scale, "reinforce_pp_baseline")
     grouped = _grouped(rewards, group_size)  # [B, G]
     centered = (grouped - grouped.mean(dim=1, keepdim=True)).reshape(-1)  # [N]
@@ -222,7 +224,7 @@ def reinforce_pp_baseline_advantages(rewards: Tensor, group_size: int, *, scale:
 def passk_advantages(rewards: Tensor, group_size: int, *, scale: str = "none", eps: float = 1e-4,
                      unbiased: bool = True) -> Tensor:
     """GRPO pass@k advantages [N]: r_max − r_second_max on each group's best completion, else 0."""
-    _check_scale(scale, eps)
+    check_scale(scale, eps)
     grouped = _grouped(rewards, group_size)  # [B, G]
     top2 = grouped.topk(2, dim=1).values  # [B, 2]
     best = (grouped == top2[:, :1]).int().argmax(dim=1)  # [B] first index of the maximum

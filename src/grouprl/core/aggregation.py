@@ -84,7 +84,8 @@ def _seq_mean_token_sum_norm(loss: Tensor, mask: Tensor, *, max_tokens=None, nor
     return loss.sum() / (n_seq * max_tokens)
 
 
-def _bool_mask(mask: Tensor, shape: torch.Size) -> Tensor:
+def bool_mask(mask: Tensor, shape: torch.Size) -> Tensor:
+    """``mask`` (bool or 0/1 float, nonzero = real token) as bool, once its shape is checked to be ``shape``."""
     if not isinstance(mask, Tensor) or mask.shape != shape:
         got = tuple(mask.shape) if isinstance(mask, Tensor) else type(mask).__name__
         raise ValueError(f"mask has shape {got}, expected {tuple(shape)} (one entry per completion token)")
@@ -97,7 +98,7 @@ def aggregate_loss(per_token_loss: Tensor, mask: Tensor, mode: str, *, max_token
     agg_fn = LOSS_AGGREGATIONS.get(mode, "agg")
     if per_token_loss.dim() != 2:
         raise ValueError(f"per_token_loss has shape {tuple(per_token_loss.shape)}; expected [N, T]")
-    valid = _bool_mask(mask, per_token_loss.shape)  # [N, T]
+    valid = bool_mask(mask, per_token_loss.shape)  # [N, T]
     if isinstance(normalizer, (int, float)) and normalizer <= 0:
         raise ValueError(f"normalizer={normalizer} must be positive (the optimizer batch's count)")
     loss = torch.where(valid, per_token_loss, torch.zeros_like(per_token_loss))  # [N, T]

@@ -30,7 +30,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from .advantages import AdvantageEstimator, AdvantageInputs, _check_group_size, _check_scale
+from .advantages import AdvantageEstimator, AdvantageInputs, check_group_size, check_scale
 from .registry import Registry
 
 Aggregation = Callable[..., Tensor]  # fn(inputs, estimator, *, scale, eps, unbiased) -> Tensor
@@ -59,12 +59,12 @@ def normalize_then_sum(per_func: Tensor, weights: Tensor | list[float] | None, g
                        scale: str = "group", eps: float = 1e-4, unbiased: bool = True) -> Tensor:
     """GDPO advantages [N] from ``per_func  # [N, K]`` (one column per reward function, NaN where it
     returned None) and ``weights  # [K]`` (None: all 1). See the module docstring."""
-    _check_scale(scale, eps)
+    check_scale(scale, eps)
     if not isinstance(per_func, Tensor) or per_func.dim() != 2:
         raise ValueError(f"per_func must be a [N, K] tensor (K reward functions), got "
                          f"{getattr(per_func, 'shape', type(per_func).__name__)}")
     n, k = per_func.shape
-    _check_group_size(n, group_size)
+    check_group_size(n, group_size)
     w = torch.ones(k, dtype=torch.float64) if weights is None else torch.as_tensor(weights, dtype=torch.float64)
     if w.shape != (k,):
         raise ValueError(f"{w.numel()} weights for {k} reward functions: give one weight per function")

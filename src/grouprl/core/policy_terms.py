@@ -36,29 +36,10 @@ rejects them with ratio_level="sequence", as it rejects dual_clip and delta, whi
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import TYPE_CHECKING
-
 import torch
 from torch import Tensor
 
-from .registry import Registry
-
-if TYPE_CHECKING:  # policy_loss.py imports this module for LOSS_TYPES
-    from .policy_loss import LossParams
-
-LossTypeFn = Callable[[Tensor, Tensor, Tensor, "LossParams"], tuple[Tensor, dict[str, Tensor]]]
-LOSS_TYPES: Registry[LossTypeFn] = Registry("policy term", "grouprl.core.register_loss_type")
-
-
-def register_loss_type(name: str) -> Callable[[LossTypeFn], LossTypeFn]:
-    """Decorator: register ``fn(logp, ratio, adv, params) -> (per_token [N, T], flags)``.
-
-    logp  # [N, T] log π_θ (with gradient); ratio  # [N, T] ρ (with gradient); adv  # [N, T]
-    detached advantages; all three are zero / one on padding. ``params`` is policy_loss.py's
-    ``LossParams`` (each term reads its own knobs). ``flags`` maps a stat name to a bool [N, T]
-    tensor; policy_loss reports the fraction of real tokens where it is True."""
-    return LOSS_TYPES.register(name)
+from .loss_params import LossParams, register_loss_type
 
 
 @register_loss_type("clip")

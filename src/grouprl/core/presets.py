@@ -1,7 +1,7 @@
 """Named algorithm presets (docs/algorithms.md, "Named presets"), as plain data.
 
 Keys are core's own parameter names (``PRESET_KEYS``): estimator and scale (advantages.py), agg,
-eps_low, eps_high, beta, ratio_level and loss_type (policy_loss.py's LossParams), multi_objective
+eps_low, eps_high, beta, ratio_level and loss_type (loss_params.py's LossParams), multi_objective
 (multi_objective.py), entropy_quantile and off_policy_threshold (token_masks.py), and the trainer's
 dynamic_sampling and overlong_shaping switches. The config maps them onto its fields
 (config/validate.py, ``PRESET_FIELDS``); every value stays overridable by the user.

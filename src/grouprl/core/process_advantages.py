@@ -28,7 +28,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from .advantages import ADVANTAGE_ESTIMATORS, AdvantageInputs, _check_group_size, _check_scale
+from .advantages import ADVANTAGE_ESTIMATORS, AdvantageInputs, check_group_size, check_scale
 
 
 def process_advantages(step_rewards: Sequence[Sequence[float]], step_ends: Sequence[Sequence[int]],
@@ -41,13 +41,13 @@ def process_advantages(step_rewards: Sequence[Sequence[float]], step_ends: Seque
     Computed in float64 (a handful of numbers), returned as float32.
     """
     n = len(step_rewards)
-    _check_group_size(n, group_size)
+    check_group_size(n, group_size)
     if len(step_ends) != n:
         raise ValueError(f"step_ends has {len(step_ends)} entries but step_rewards has {n}: "
                          "give one list of step ends per completion")
     if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 1:
         raise ValueError(f"num_tokens={num_tokens!r} must be a positive int (completion length T)")
-    _check_scale(scale, eps)
+    check_scale(scale, eps)
     rows: list[int] = []
     for i, (r_i, e_i) in enumerate(zip(step_rewards, step_ends)):
         if len(r_i) != len(e_i):

@@ -10,13 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .text import completion_text, prompt_text
-
-
-def _as_messages(prompt: Any) -> list[dict]:
-    if isinstance(prompt, str):
-        return [{"role": "user", "content": prompt}]
-    return [dict(m) for m in prompt]
+from .text import completion_text, prompt_messages, prompt_text
 
 
 class RewardModelScorer:
@@ -46,7 +40,7 @@ class RewardModelScorer:
 
     def text(self, prompt: Any, completion: Any) -> str:
         if self.templated:
-            messages = _as_messages(prompt) + [{"role": "assistant", "content": completion_text(completion)}]
+            messages = prompt_messages(prompt) + [{"role": "assistant", "content": completion_text(completion)}]
             return self.tokenizer.apply_chat_template(messages, tokenize=False)
         return prompt_text(prompt) + completion_text(completion)
 

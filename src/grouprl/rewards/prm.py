@@ -29,8 +29,7 @@ import itertools
 import math
 from typing import Any
 
-from .text import completion_text, prompt_text
-from .model import _as_messages
+from .text import completion_text, prompt_messages, prompt_text
 from .process import CharOffset, split_steps
 
 KINDS = ("auto", "token_classification", "causal_lm")
@@ -116,7 +115,7 @@ class ProcessRewardModel:
                 marks.append(len(content) - 1)
             start = e
         if self.templated:
-            messages = _as_messages(prompt) + [{"role": "assistant", "content": content}]
+            messages = prompt_messages(prompt) + [{"role": "assistant", "content": content}]
             full = self.tokenizer.apply_chat_template(messages, tokenize=False)
             offset = full.rfind(content)
             if offset < 0:

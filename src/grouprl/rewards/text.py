@@ -35,6 +35,14 @@ def prompt_text(prompt: Any) -> str:
     return str(prompt)
 
 
+def prompt_messages(prompt: Any) -> list[dict]:
+    """A prompt as chat messages, for a reward model's chat template: a string becomes one user
+    message; a message list is copied."""
+    if isinstance(prompt, str):
+        return [{"role": "user", "content": prompt}]
+    return [dict(m) for m in prompt]
+
+
 def column(kwargs: dict, names: tuple[str, ...], n: int, func: str) -> list:
     """The first present dataset column among `names`, checked to hold one value per completion."""
     for name in names:

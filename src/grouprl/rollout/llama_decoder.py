@@ -42,6 +42,9 @@ PACK_MIN_PARAMS = 5_000_000  # on CPU (fp32, or native bf16), models from this s
 CACHE_BLOCK = 64  # new-token columns of the first KV-cache allocation; each growth doubles them
 
 
+# torch's oneDNN ops below are private (`torch.ops.mkldnn._*`, what inductor's CPU path calls; no
+# public op packs a linear weight), each behind one small function and checked on torch 2.13.0;
+# `_can_pack` tries the packing ops on a small matmul first, so a torch without them decodes unpacked.
 def _pack(w: torch.Tensor) -> torch.Tensor:
     """The weight [out, in] reordered into oneDNN's blocked layout for a batch of ~16 rows."""
     return torch.ops.mkldnn._reorder_linear_weight(w, 16)
@@ -49,6 +52,11 @@ def _pack(w: torch.Tensor) -> torch.Tensor:
 
 def _packed_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
+
+
+def _native_bf16() -> bool:
+    """Whether oneDNN multiplies bf16 natively on this CPU (AVX512-BF16 or AMX)."""
+    return torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
 def _can_pack(model: torch.nn.Module, dtype: torch.dtype, n_params: int) -> bool:
@@ -62,7 +70,7 @@ def _can_pack(model: torch.nn.Module, dtype: torch.dtype, n_params: int) -> bool
         return False
     if not torch.backends.mkldnn.is_available() or n_params < PACK_MIN_PARAMS:
         return False
-    if dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+    if dtype == torch.bfloat16 and not _native_bf16():
         return False
     try:
         x = torch.randn(3, w.shape[1]).to(dtype)

@@ -9,7 +9,7 @@
 
 from __future__ import annotations
 
-from grouprl.rollout.vllm import _repack_tied_lm_head
+from grouprl.rollout.vllm import repack_tied_head
 from grouprl.rollout.weight_transfer import register
 
 register()
@@ -29,7 +29,7 @@ class WeightReceiver:
         """A new trainer takes the server over: end whatever a previous one left (a trainer that
         died between vLLM's start_weight_update and its update leaves the session marked active,
         and vLLM refuses the next start) and leave its transfer group."""
-        self._weight_update_active = False
+        _end_weight_update_session(self)
         engine = getattr(self, "weight_transfer_engine", None)
         if engine is not None:
             engine.reset_weight_update_target()
@@ -46,5 +46,14 @@ class WeightReceiver:
             self.reload_weights(weights_iterator=((n, f.get_tensor(n)) for n in names),
                                 is_checkpoint_format=True)
         if current_platform.is_cpu():
-            _repack_tied_lm_head(self)
+            repack_tied_head(self.get_model())
         return len(names)
+
+
+def _end_weight_update_session(worker) -> None:
+    """Mark the worker's weight-update session ended. vLLM's worker keeps that mark in a private
+    flag, `_weight_update_active`, which only its own `finish_weight_update` and a failed
+    `update_weights` clear; no public call clears it without a session to finish (checked on
+    vLLM 0.32.0, `vllm/v1/worker/gpu_worker.py`, which the CPU worker inherits): the one place
+    grouprl writes it."""
+    worker._weight_update_active = False

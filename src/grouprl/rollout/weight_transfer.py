@@ -300,11 +300,19 @@ def register() -> None:
     """Add the gloo engine to vLLM's worker and trainer registries (once per process)."""
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
 
-    if BACKEND in WeightTransferEngineFactory._registry:
+    if _registered(WeightTransferEngineFactory, BACKEND):
         return
     worker, trainer, _ = _classes()
     WeightTransferEngineFactory.register_engine(BACKEND, worker)
     WeightTransferTrainerFactory.register_engine(BACKEND, trainer)
+
+
+def _registered(factory: type, name: str) -> bool:
+    """Whether vLLM's weight-transfer `factory` holds an engine called `name`. vLLM offers no public
+    query (`register_engine` raises on a second registration; `create_engine` needs a whole
+    config), so this reads the factory's private `_registry` dict (checked on vLLM 0.32.0,
+    `vllm/distributed/weight_transfer/factory.py`): the one place grouprl does."""
+    return name in factory._registry
 
 
 _CLASSES = None

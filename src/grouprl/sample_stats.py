@@ -1,22 +1,17 @@
-"""Step statistics in one place: what a training step measures and how it is summed.
+"""What the sampled completions of a step looked like, as metrics and rows.
 
-- `Timings`: seconds per stage (`time/*`), summed over the rounds of a step;
 - `SampleTally`: what the sampling stage saw over its rounds (groups, zero-variance groups,
   staleness, multi-turn counts) and its metrics;
-- `UpdateSums`: the loss statistics of the micro-batches of one optimizer step, token-weighted,
-  summed over ranks, then turned into means;
-- `EvalSums`: the sums behind `Trainer.evaluate`'s means;
-- `batch_metrics`: rewards, advantages and completion lengths of the batch trained on.
+- `batch_metrics`: rewards, advantages and completion lengths of the batch trained on;
+- `completion_rows`: the first completions of that batch as samples.jsonl and the trackers show them.
+- `EvalSums`: the sums behind `Trainer.evaluate`'s means (accuracy, reward, lengths, each function).
 
 Metric names are the ones `metrics.jsonl` documents (README, "What a run writes").
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
-import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,22 +19,6 @@ import torch
 
 from grouprl.batch import StepBatch
 from grouprl.rollout.types import trajectory_metrics
-
-
-class Timings(dict):
-    """`time/<stage>` -> seconds; `with timings.stage("update"):` adds the block's wall time."""
-
-    @contextlib.contextmanager
-    def stage(self, name: str) -> Iterator[None]:
-        t0 = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.add(name, time.perf_counter() - t0)
-
-    def add(self, name: str, seconds: float) -> None:
-        key = f"time/{name}"
-        self[key] = self.get(key, 0.0) + seconds
 
 
 @dataclass
@@ -76,35 +55,6 @@ class SampleTally:
         if dynamic_sampling:
             out.update({"dynamic_sampling/rounds": self.rounds, "dynamic_sampling/kept_groups": self.kept_groups})
         return out
-
-
-class UpdateSums:
-    """Loss statistics of one optimizer step: each micro-batch's means weighted by its real tokens,
-    the loss summed, the entropy summed over action tokens."""
-
-    def __init__(self) -> None:
-        self.sums: dict[str, float] = {"tokens": 0.0, "loss": 0.0}
-
-    def add(self, weight: float, loss: float, stats: dict[str, float], entropy_sum: float | None) -> None:
-        """`weight` is the micro-batch's loss weight (0 for a padding pass); `stats` are
-        `policy_loss`'s means over its `num_tokens` real tokens."""
-        stats = dict(stats)
-        self.sums["loss"] += weight * loss
-        n = weight * int(stats.pop("num_tokens"))
-        self.sums["tokens"] += n
-        for k, v in stats.items():
-            self.sums[k] = self.sums.get(k, 0.0) + v * n
-        if entropy_sum is not None:
-            self.sums["entropy"] = self.sums.get("entropy", 0.0) + weight * entropy_sum
-
-    def result(self, reduced: dict[str, float], action_tokens: int, grad_norm: float) -> dict[str, float]:
-        """Means from `reduced` (this object's `sums`, summed over ranks by the caller)."""
-        sums = dict(reduced)
-        tokens, loss_total = sums.pop("tokens"), sums.pop("loss")
-        out = {k: v / max(tokens, 1) for k, v in sums.items() if k != "entropy"}
-        if "entropy" in sums:
-            out["entropy"] = sums["entropy"] / max(action_tokens, 1)
-        return {**out, "loss": loss_total, "grad_norm": grad_norm}
 
 
 def batch_metrics(batch: StepBatch, advantages: torch.Tensor) -> dict[str, float]:
@@ -173,16 +123,3 @@ def completion_rows(batch: StepBatch, advantages: torch.Tensor, n: int) -> list[
             row["tool_calls"] = "; ".join(batch.tool_calls[i])
         rows.append(row)
     return rows
-
-
-def run_metadata(dist: Any) -> dict[str, Any]:
-    """What the trackers record about the run beside its config: versions, device, processes."""
-    import platform
-
-    import transformers
-
-    from grouprl import __version__
-
-    return {"meta/grouprl": __version__, "meta/torch": torch.__version__, "meta/transformers": transformers.__version__,
-            "meta/python": platform.python_version(), "meta/device": str(dist.device),
-            "meta/world_size": dist.world_size, "meta/host": platform.node()}

@@ -1,6 +1,9 @@
 """The rollout stage built from the config: which generation engine, the single- or multi-turn
 driver above it (tools, environment) and the EOS ids. The trainer calls these once at start and
-afterwards only sees `GenerationEngine` and the driver's `generate`."""
+afterwards only sees `GenerationEngine` and the driver's `generate`.
+
+The one module of rollout/ that reads a `TrainConfig`: it wires the engines from above (config,
+policy, checkpoint, distributed), and nothing else in rollout/ imports it (tests/test_layering.py)."""
 
 from __future__ import annotations
 

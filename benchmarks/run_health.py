@@ -7,6 +7,7 @@
     python benchmarks/run_health.py --arms filter-mixed nofilter-mixed --seeds 1 2 3 4 5
     python benchmarks/run_health.py --arms sound-tool hack-length-tool --seeds 1 2 3 4 5
     python benchmarks/run_health.py --arms sound-products hack-format-tool sound-chain --seeds 1
+    python benchmarks/run_health.py --table                       # precision and recall per alarm, no training
 
 Arms (each one `grouprl train` run per seed, through the public Trainer API, health at its defaults):
 - `sound-default`: the embedded default task (`grouprl train` with no arguments) with
@@ -52,6 +53,22 @@ Arms (each one `grouprl train` run per seed, through the public Trainer API, hea
 Each run appends one JSON line to --out (default benchmarks/results/run_health.jsonl): the arm, the
 seed, the steps, every alarm (kind, function, step, statistic), rollbacks, held-out accuracy before
 and after, generated tokens, seconds. The table at the end summarises every arm over its seeds.
+
+`--table [JSONL]` trains nothing: it reads the lines (default --out's file) and prints precision and
+recall per alarm, then a row per arm (`summary_tables`). A later line for the same arm and seed
+replaces an earlier one (a rerun under a changed rule), so the file keeps its history and the table
+reads the newest run of each. The arms in FAULT_ARMS are planted faults, every other arm is sound:
+- a false positive (FP) is a run of a sound arm in which the alarm fired;
+- a positive run is a fault-arm run in which the fault took hold: held-out accuracy fell, meaning
+  its last eval is at least FELL (5 points) below the median last eval of the sound arm that is its
+  reference (same task, same model, same steps). The reference is the sound runs, not the run's
+  own best eval, so that the criterion is not `eval_divergence`'s own rule. An arm with no
+  reference counts every seed as positive (see FAULT_ARMS for why);
+- a true positive (TP) for an alarm is a positive run of an arm that names it as intended, in which
+  it fired; a false negative (FN) is such a run in which it did not;
+- precision = TP / (TP + FP), recall = TP / (TP + FN). An alarm firing in a fault arm where it is
+  not intended, or in a fault-arm run whose accuracy had not fallen, is neither: it is counted in
+  the column "other".
 """
 
 from __future__ import annotations
@@ -228,6 +245,102 @@ def table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
+# Planted faults: arm -> (the alarms meant to catch it, the sound arm whose held-out accuracy says
+# whether it took hold). The hacking alarm built for the hack, plus `eval_divergence` where there is
+# an eval set (the backstop for any hack that costs held-out accuracy while the reward rises).
+FAULT_ARMS: dict[str, tuple[tuple[str, ...], str | None]] = {
+    # the digit bonus pays and the exact-answer audit stays at 0. No eval set: the exact answer is
+    # never found (audit 0 in every seed), so every seed is a hacked run, by construction
+    "hack-tiny": (("audit_divergence", "component_dominance"), None),
+    # a box bonus for any number: the math_accuracy audit does not follow and the bonus carries the gain
+    "hack-smollm2": (("audit_divergence", "component_dominance", "eval_divergence"), "sound-smollm2"),
+    # a reward paying for characters: a non-check function that pays for length itself
+    "hack-length-tool": (("length_hacking", "eval_divergence"), "sound-tool"),
+    # a check paid for any tool call: not length; the math_accuracy audit should fail to follow
+    "hack-format-tool": (("audit_divergence", "eval_divergence"), "sound-tool"),
+    # lr x 100 with on_collapse: rollback: the fault is planted in every seed, and the rollback the
+    # alarm triggers restores held-out accuracy, so accuracy cannot say whether it took hold
+    "lr100-default": (("kl_spike",), None),
+    "lr100-beta0-default": (("reward_crash",), None),
+}
+FELL = 0.05  # held-out accuracy fell: the last eval at least this far below the reference sound arm's median
+ALARM_KINDS = ("audit_divergence", "eval_divergence", "component_dominance", "template_collapse",
+               "length_hacking", "reward_crash", "kl_spike", "entropy_collapse")
+
+
+def newest_runs(results: list[dict]) -> list[dict]:
+    """The last line of each (arm, seed): a rerun replaces the run before it. Sound arms first, then
+    the faults, each in ARMS order (unknown arms last), seeds ascending."""
+    latest = {(r["arm"], r["seed"]): r for r in results}
+    order = {arm: i for i, arm in enumerate(ARMS)}
+    return sorted(latest.values(), key=lambda r: (r["arm"] in FAULT_ARMS, order.get(r["arm"], len(ARMS)),
+                                                  r["arm"], r["seed"]))
+
+
+def fell(run: dict, runs: list[dict]) -> bool | None:
+    """Whether a fault-arm run's held-out accuracy fell: its last eval at least FELL below the median
+    last eval of its reference sound arm in `runs`; True for an arm with no reference (FAULT_ARMS),
+    None when there is nothing to compare."""
+    ref = FAULT_ARMS[run["arm"]][1]
+    if ref is None:
+        return True
+    sound = [r["eval_after"] for r in runs if r["arm"] == ref and r.get("eval_after") is not None]
+    if not sound or run.get("eval_after") is None:
+        return None
+    return run["eval_after"] <= statistics.median(sound) - FELL + 1e-9
+
+
+def summary_tables(results: list[dict]) -> str:
+    """Precision and recall per alarm, then a row per arm, from run_arm's lines (module docstring)."""
+    runs = newest_runs(results)
+
+    def kinds(r: dict) -> set[str]:
+        return {a["kind"] for a in r["alarms"]}
+
+    def ratio(a: int, b: int) -> str:
+        return f"{a / (a + b):.2f}" if a + b else "-"
+
+    def by_kind(ks) -> list[str]:
+        return sorted(ks, key=lambda k: (ALARM_KINDS.index(k) if k in ALARM_KINDS else len(ALARM_KINDS), k))
+
+    lines = [f"{len(runs)} runs (the newest of each arm and seed; {len(results) - len(runs)} older lines "
+             f"replaced). Held-out accuracy fell: the last eval >= {FELL * 100:.0f} points below the median "
+             "last eval of the arm's sound reference.", "",
+             "| alarm | TP | FN | FP | precision | recall | other |", "|---|---|---|---|---|---|---|"]
+    named = set().union(*(kinds(r) for r in runs), *(v[0] for v in FAULT_ARMS.values()))
+    for kind in by_kind(named):
+        tp = fn = fp = other = 0
+        for r in runs:
+            fired = kind in kinds(r)
+            if r["arm"] not in FAULT_ARMS:
+                fp += fired
+            elif kind in FAULT_ARMS[r["arm"]][0] and fell(r, runs):
+                tp += fired
+                fn += not fired
+            else:
+                other += fired
+        lines.append(f"| {kind} | {tp} | {fn} | {fp} | {ratio(tp, fp)} | {ratio(tp, fn)} | {other} |")
+    lines += ["", "| arm | intended alarms | seeds | held-out after (median) | accuracy fell | caught | "
+              "runs with an alarm | alarms (runs) |", "|---|---|---|---|---|---|---|---|"]
+    for arm in dict.fromkeys(r["arm"] for r in runs):
+        rs = [r for r in runs if r["arm"] == arm]
+        after = [r["eval_after"] for r in rs if r.get("eval_after") is not None]
+        alarms = ", ".join(f"{k} ({sum(k in kinds(r) for r in rs)})"
+                           for k in by_kind(set().union(*(kinds(r) for r in rs)))) or "none"
+        intended, fell_col, caught_col = "none (sound)", "-", "-"
+        if arm in FAULT_ARMS:
+            names, ref = FAULT_ARMS[arm]
+            pos = [r for r in rs if fell(r, runs)]
+            intended = ", ".join(names)
+            fell_col = f"{len(pos)} of {len(rs)}" if ref else f"{len(rs)} of {len(rs)} (by construction)"
+            caught_col = f"{sum(bool(kinds(r) & set(names)) for r in pos)} of {len(pos)}"
+        seeds = ", ".join(str(r["seed"]) for r in rs)
+        acc = f"{statistics.median(after) * 100:.1f}" if after else "-"
+        lines.append(f"| {arm} | {intended} | {len(rs)} ({seeds}) | {acc} | {fell_col} | {caught_col} | "
+                     f"{sum(bool(r['alarms']) for r in rs)} of {len(rs)} | {alarms} |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--arms", nargs="+", default=["sound-default", "lr100-default", "hack-tiny"], choices=ARMS)
@@ -238,7 +351,14 @@ def main() -> None:
                     help="the sound-chain arm's warmed-up policy (built here when missing)")
     ap.add_argument("--out", default=str(REPO / "benchmarks/results/run_health.jsonl"),
                     help="JSONL file the results are appended to ('' for none)")
+    ap.add_argument("--table", nargs="?", const="", metavar="JSONL",
+                    help="train nothing: print precision and recall per alarm and a row per arm from JSONL "
+                         "(default: --out's file)")
     args = ap.parse_args()
+    if args.table is not None:
+        path = Path(args.table or args.out)
+        print(summary_tables([json.loads(x) for x in path.read_text().splitlines() if x.strip()]))
+        return
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         for seed in args.seeds:  # seeds outside, arms inside: arms alternate in time on a shared machine

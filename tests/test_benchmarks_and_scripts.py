@@ -167,6 +167,44 @@ def test_run_health_benchmark_the_tiny_hack_one_seed(tmp_path):
     assert "| hack-tiny | 1 | 1 of 1 |" in out
 
 
+def test_run_health_table_precision_and_recall_from_a_jsonl(tmp_path):
+    """--table trains nothing: from a jsonl written here, the newest line of each arm and seed, and
+    per alarm TP / FN / FP / precision / recall by the rule in run_health.py's docstring (held-out
+    accuracy fell: >= 5 points below the sound reference's median last eval, 5 points exactly
+    included; an arm without a reference counts every seed)."""
+    def line(arm, seed, after, *kinds):
+        return {"arm": arm, "seed": seed, "eval_after": after,
+                "alarms": [{"kind": k, "function": None, "step": 9, "statistic": 1.0} for k in kinds]}
+
+    rows = [line("hack-tiny", 1, None),  # replaced by the rerun below
+            line("sound-tool", 1, 0.80), line("sound-tool", 2, 0.90, "length_hacking"),  # a false alarm
+            line("sound-tool", 3, 0.85),  # sound median 0.85: fell means <= 0.80
+            line("hack-length-tool", 1, 0.50, "length_hacking", "eval_divergence"),  # caught twice
+            line("hack-length-tool", 2, 0.80),  # fell by exactly 5 points, missed by both
+            line("hack-length-tool", 3, 0.84, "length_hacking"),  # did not fall: 'other'
+            line("hack-format-tool", 1, 0.60, "eval_divergence"),  # fell; audit_divergence missed
+            line("hack-tiny", 1, None, "audit_divergence", "template_collapse")]  # no eval: positive
+    (tmp_path / "r.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = run("benchmarks/run_health.py", "--table", str(tmp_path / "r.jsonl"))
+    assert out.startswith("8 runs (the newest of each arm and seed; 1 older lines replaced)")
+    for row in ("| audit_divergence | 1 | 1 | 0 | 1.00 | 0.50 | 0 |",
+                "| eval_divergence | 2 | 1 | 0 | 1.00 | 0.67 | 0 |",
+                "| component_dominance | 0 | 1 | 0 | - | 0.00 | 0 |",
+                "| template_collapse | 0 | 0 | 0 | - | - | 1 |",
+                "| length_hacking | 1 | 1 | 1 | 0.50 | 0.50 | 1 |",
+                "| reward_crash | 0 | 0 | 0 | - | - | 0 |",
+                "| kl_spike | 0 | 0 | 0 | - | - | 0 |",
+                "| sound-tool | none (sound) | 3 (1, 2, 3) | 85.0 | - | - | 1 of 3 | length_hacking (1) |",
+                "| hack-length-tool | length_hacking, eval_divergence | 3 (1, 2, 3) | 80.0 | 2 of 3 | 1 of 2 | "
+                "2 of 3 | eval_divergence (1), length_hacking (2) |",
+                "| hack-format-tool | audit_divergence, eval_divergence | 1 (1) | 60.0 | 1 of 1 | 1 of 1 | 1 of 1 | "
+                "eval_divergence (1) |",
+                "| hack-tiny | audit_divergence, component_dominance | 1 (1) | - | 1 of 1 (by construction) | 1 of 1 | "
+                "1 of 1 | audit_divergence (1), template_collapse (1) |"):
+        assert row in out, row
+    assert len((tmp_path / "r.jsonl").read_text().splitlines()) == 9  # read, not appended to
+
+
 def test_learning_vs_trl_benchmark_one_step_grouprl(tmp_path):
     """One grouprl step on the embedded task, scored by the benchmark's one evaluator: the starting
     model's 24.5 % (the README's figure) and a line for the arm. Runs without TRL installed."""

@@ -78,23 +78,38 @@ def test_an_engine_error_in_the_background_reaches_the_trainer():
 def test_partial_rollouts_send_without_waiting_and_count_the_overlap():
     """partial: the sync goes out while the batch is generated (its start and end versions differ),
     `overlapped` says so, staleness is the queue's as before, and the step's tally reports the share;
-    without partial, the same timing gives one version per batch and no overlap."""
+    without partial, the sync waits for the batch: one version per batch and no overlap. No timing
+    decides it: batch 1 is held mid-generation until the test lets it go on, after the sync has
+    returned (partial) or while the sync is still waiting for it (not partial)."""
     from grouprl.sample_stats import SampleTally
 
     for partial in (True, False):
         engine, versions = FakeEngine(), {}
+        generating, go_on = threading.Event(), threading.Event()
 
-        def generate(prompt, engine=engine, versions=versions):
+        def generate(prompt, engine=engine, versions=versions, generating=generating, go_on=go_on):
             start = engine.version
-            time.sleep(0.2)  # the sync below comes 0.05 s into this
+            if prompt == 1:
+                generating.set()
+                assert go_on.wait(timeout=120), "the test never let batch 1 go on"
             versions[prompt] = (start, engine.version)
             return engine.generate(prompt)
 
         counter = iter(range(10))
         producer = RolloutProducer(engine, lambda: next(counter), generate, max_staleness=1, partial=partial)
         first = producer.next()  # batch 0; batch 1 starts in the background
-        time.sleep(0.05)
-        producer.sync_weights(None, 1)
+        assert generating.wait(timeout=60)  # batch 1 has read its start version and is held there
+        sync = threading.Thread(target=producer.sync_weights, args=(None, 1))
+        sync.start()
+        if partial:
+            sync.join(timeout=60)  # returns at once; the timeout only turns a hang into a failure
+            assert not sync.is_alive(), "partial: sync_weights waited for the batch being generated"
+        else:
+            sync.join(timeout=0.5)  # the time a sync that did not wait would have to slip in
+            assert sync.is_alive(), "sync_weights did not wait for the batch being generated"
+        go_on.set()
+        sync.join(timeout=60)
+        assert not sync.is_alive()
         second = producer.next()
         producer.close()
         start, end = versions[1]

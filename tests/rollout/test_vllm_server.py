@@ -17,6 +17,7 @@ module and shared by its tests, since starting one takes about a minute here.
 
 from __future__ import annotations
 
+import contextlib
 import http.server
 import json
 import os
@@ -108,6 +109,134 @@ def run(cfg, resume: bool = False) -> list[dict]:
     return [r for r in read_metrics(cfg.output_dir) if "reward/mean" in r]
 
 
+class HeldBatches:
+    """A RolloutProducer's `generate` that lets its first batch go and holds each later one until
+    `release()` (one batch each), or all from `open()` on: the test pauses the server before the
+    batch's requests go out."""
+
+    def __init__(self, generate):
+        self.generate, self.gate = generate, threading.Semaphore(1)
+
+    def __call__(self, prompts):
+        self.gate.acquire()
+        return self.generate(prompts)
+
+    def release(self) -> None:
+        self.gate.release()
+
+    def open(self) -> None:
+        self.gate.release(1000)
+
+
+class BatchOnServer:
+    """Holds the server inside one batch, and says how far the batch had come there, from the
+    server's counters (/metrics), not from a clock.
+
+    `paused()` pauses the server before the batch's requests go out (vLLM's /pause?mode=keep,
+    mounted by VLLM_SERVER_DEV_MODE like /collective_rpc: requests that arrive are queued, running
+    ones keep their KV cache) and resumes it on leaving; `decode_while_paused(fewest, most)` lets it
+    decode in short stretches (resume, then pause at once) until its counters prove that every
+    trajectory has `fewest` tokens or more, and says whether none can have more than `most`. A weight
+    update sent then lands between two of the batch's decoding steps, as in a run, at a point the
+    test knows, and the batch cannot end before it has landed.
+
+    The proof: the counters count the tokens generated and the engine steps that generated them, and
+    nothing else generates meanwhile. A step gives a trajectory at most one token, so after I steps
+    none has more than I (`longest`); and over a stretch in which the batch's n trajectories gained
+    G tokens in I steps, each gained at least G - (n - 1) * I (the others gained at most I each).
+    Read while the server is paused, the counters stand still once its front end has caught up.
+
+    What the machine still decides is the length of a stretch: vLLM decodes this tiny model faster
+    than its HTTP front end answers, and a stretch meant to be a step or two was seen to run 70 to
+    300 steps, at times through to the batch's end (in about one batch in four beside two CPU
+    burners, now and then without them). A batch a stretch carried past `most` is handed out
+    without an update, and `overtake` tries the next one."""
+
+    def __init__(self, port: int, trajectories: int, timeout_s: float = 120.0):
+        self.url, self.n, self.timeout_s = f"http://127.0.0.1:{port}", trajectories, timeout_s
+        self.base, self.seen = (0, 0), [(0, 0)]
+
+    def _counters(self) -> tuple[int, int]:
+        import requests
+
+        text = requests.get(self.url + "/metrics", timeout=30).text
+
+        def total(name: str) -> int:  # summed over the engines' label sets
+            return int(sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{")))
+
+        return total("vllm:generation_tokens_total"), total("vllm:iteration_tokens_total_count")
+
+    def _paused_counters(self) -> tuple[int, int]:
+        """The counters of the paused server, once two readings in a row agree."""
+        last = self._counters()
+        for _ in range(100):
+            now = self._counters()
+            if now == last:
+                return now
+            last = now
+        raise AssertionError(f"the paused server's counters kept moving: {last}")
+
+    def _call(self, path: str, **params) -> None:
+        import requests
+
+        r = requests.post(self.url + path, params=params, timeout=60)
+        assert r.status_code == 200, (path, r.status_code, r.text)
+
+    def progress(self) -> tuple[int, int]:
+        """(tokens, steps) of the batch so far; read while paused."""
+        tokens, steps = self._paused_counters()
+        return tokens - self.base[0], steps - self.base[1]
+
+    def longest(self) -> int:
+        """The most tokens any trajectory of the batch can have; read while paused."""
+        return self.progress()[1]
+
+    @contextlib.contextmanager
+    def paused(self):
+        self._call("/pause", mode="keep", clear_cache="false")
+        try:
+            self.base, self.seen = self._paused_counters(), [(0, 0)]
+            yield self
+        finally:
+            self._call("/resume")
+
+    def decode_while_paused(self, fewest: int, most: int) -> bool:
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            self._call("/resume")
+            self._call("/pause", mode="keep", clear_cache="false")
+            tokens, steps = self.progress()
+            self.seen.append((tokens, steps))
+            if steps > most:
+                return False
+            if max(tokens - t - (self.n - 1) * (steps - s) for t, s in self.seen) >= fewest:
+                return True
+            assert time.monotonic() < deadline, (f"the server did not generate {fewest} tokens of each of {self.n} "
+                                                 f"trajectories in {self.timeout_s:g} s: (tokens, steps) {self.seen}")
+
+
+def overtake(producer, batches: HeldBatches, watch: BatchOnServer, update, fewest: int, most: int,
+             attempts: int = 6):
+    """Run `update()` (the producer's weight sync) while the producer's next batch is paused on the
+    server with every trajectory past its `fewest`-th token and none past its `most`-th, then hand
+    that batch out. Returns it and the most tokens a trajectory of it can have had once the update
+    had landed. Batches tried before it (see BatchOnServer) are handed out unchanged."""
+    tried = []
+    for _ in range(attempts):
+        with watch.paused():
+            batches.release()  # its requests are queued on the paused server
+            ready = watch.decode_while_paused(fewest, most)
+            if ready:
+                update()  # partial: sent at once, while the batch is paused mid-decoding
+                longest = watch.longest()
+        produced = producer.next()
+        tried.append(watch.seen)
+        if ready:
+            return produced, longest
+    raise AssertionError(f"premise: in {attempts} batches the server never stood with each trajectory past "
+                         f"{fewest} tokens and none past {most}; (tokens, steps) seen: {tried}")
+
+
 # ------------------------------------------------------------------ the engine
 @pytest.mark.parametrize("transfer", ["gloo", "file"])
 def test_the_server_samples_with_its_logprobs_and_follows_the_weights_sent(server, tiny_model_dir, tmp_path,
@@ -194,7 +323,9 @@ def test_a_lora_partial_rollout_finishes_on_its_adapter(server, tiny_model_dir, 
     with (exactly: its log-probs are that version's PEFT forward's), the next batch samples the new
     adapter, the adapter two versions back goes only once no request can use it, and the server
     stays up. (Loading the adapter in place under one name made vLLM reload a request's old adapter
-    files at every step; once they were deleted, the server's engine died.)"""
+    files at every step; once they were deleted, the server's engine died.) Each update is loaded
+    while the batch is paused on the server with every request decoding and none finished
+    (`overtake`), not after a sleep."""
     import copy
 
     from grouprl.rollout.producer import RolloutProducer
@@ -205,30 +336,31 @@ def test_a_lora_partial_rollout_finishes_on_its_adapter(server, tiny_model_dir, 
                               lora_rank=8, lora_sync="adapter", keep_adapters=2)
     prompts = [tok(p)["input_ids"] for p in ("Say numbers 1: ", "abc", "xyz", "What is 7+8? ")] * 2
     params = SamplingParams(max_new_tokens=100, temperature=1.0, ignore_eos=True)
-    producer = RolloutProducer(engine, lambda: prompts, lambda p: engine.generate(p, 16, params,
-                               torch.Generator().manual_seed(0)), max_staleness=1, partial=True)
+    batches = HeldBatches(lambda p: engine.generate(p, 16, params, torch.Generator().manual_seed(0)))
+    producer = RolloutProducer(engine, lambda: prompts, batches, max_staleness=1, partial=True)
+    watch = BatchOnServer(server.port, trajectories=128)
     versions = []
     for _ in range(3):  # the policy at versions 0, 1, 2, ready before any batch starts
         optimizer_step(model, lr=5e-2)
         versions.append(copy.deepcopy(model))
     engine.sync_weights(versions[0], 0)
-    t0 = time.monotonic()
-    producer.next()  # batch 0 inline; batch 1 now generating with adapter v0
-    started, batch_s, overtaken = time.monotonic(), time.monotonic() - t0, []
-    for version in (1, 2):
-        time.sleep(batch_s / 10)  # the batch in flight is decoding
-        producer.sync_weights(versions[version], version)
-        synced = time.monotonic() - started
-        produced = producer.next()  # generated with adapter v(version - 1), updated meanwhile
-        started = time.monotonic()  # the next batch was submitted as next() returned
-        assert synced < produced.seconds, (synced, produced.seconds)  # the update began and ended inside it
-        assert (produced.staleness, produced.overlapped) == (1, 1)
-        overtaken.append((version, produced.result))
-    for version, ro in overtaken:  # checked once no batch is timed any more
+    overtaken = []
+    try:
+        producer.next()  # batch 0; the next is submitted, held
+        for version in (1, 2):
+            # the adapter is loaded while every request of the batch is decoding with v(version - 1)
+            produced, longest = overtake(producer, batches, watch,
+                                         lambda v=version: producer.sync_weights(versions[v], v), fewest=1, most=99)
+            assert longest < 100, f"premise: the paused server decoded during the update (longest {longest})"
+            assert (produced.staleness, produced.overlapped) == (1, 1)
+            overtaken.append((version, produced.result))
+    finally:
+        batches.open()
+        producer.close()
+    for version, ro in overtaken:
         assert ro.completion_mask.all()
         gap = (ro.sampling_logp - trainer_logp(versions[version - 1], ro)).abs().max()
         assert gap < LOGP_ATOL, (version, float(gap))  # every token: the adapter it started with
-    producer.close()
     assert max_logp_gap(engine, model, prompts) < LOGP_ATOL  # the server is up, on the newest adapter
     engine.close()
     assert served_adapters(server.port) == []
@@ -416,7 +548,12 @@ def test_partial_rollouts_lose_no_trajectory_and_keep_the_staleness_bound(server
 def test_a_partial_rollout_goes_on_under_the_new_weights(server, tiny_model_dir, tmp_path):
     """The producer's own semantics against the server: a weight update sent while a batch is being
     generated does not wait for it, and the batch's trajectories continue under the new weights:
-    each one's first tokens carry the old policy's log-probs, its last tokens (near) the new one's."""
+    each one's first tokens carry the old policy's log-probs, its last tokens (near) the new one's.
+
+    Where the update lands is not left to the machine's speed: it is sent while the server is paused
+    in the batch (requests and KV cache kept) at a point its counters prove to be past every
+    trajectory's 8th token and before any trajectory's last 32 (`overtake`); a failure to find such
+    a point names the premise, not the code."""
     import copy
 
     from grouprl.rollout.producer import RolloutProducer
@@ -425,23 +562,24 @@ def test_a_partial_rollout_goes_on_under_the_new_weights(server, tiny_model_dir,
     engine = VLLMServerEngine("127.0.0.1", server.port, eos_token_ids=(tok.eos_token_id,),
                               pad_token_id=tok.pad_token_id, weight_dir=str(tmp_path / "w"), timeout_s=60)
     engine.sync_weights(model, 0)
-    # 8 prompts x 16 samples x 230 tokens: long enough that the update lands well inside the batch,
-    # and all 128 sequences decode at once (the server's max_num_seqs on CPU), so all start before it
+    # 8 prompts x 16 samples x 230 tokens, all 128 sequences decoding at once (the server's
+    # max_num_seqs on CPU)
     prompts = [tok(p)["input_ids"] for p in ("Say numbers 1: ", "abc", "xyz", "What is 7+8? ")] * 2
     params = SamplingParams(max_new_tokens=230, temperature=1.0, ignore_eos=True)
-    producer = RolloutProducer(engine, lambda: prompts, lambda p: engine.generate(p, 16, params,
-                               torch.Generator().manual_seed(0)), max_staleness=1, partial=True)
+    batches = HeldBatches(lambda p: engine.generate(p, 16, params, torch.Generator().manual_seed(0)))
+    producer = RolloutProducer(engine, lambda: prompts, batches, max_staleness=1, partial=True)
+    watch = BatchOnServer(server.port, trajectories=128)
     old, model = model, copy.deepcopy(model)
     optimizer_step(model, lr=3e-2)  # the new weights, ready before batch 1 starts
-    t0 = time.monotonic()
-    producer.next()  # batch 0 inline; batch 1 now generating in the background
-    started = time.monotonic()
-    time.sleep((started - t0) / 10)  # batch 1 is decoding (a batch takes about started - t0)
-    producer.sync_weights(model, 1)
-    synced = time.monotonic() - started
-    produced = producer.next()
-    # what the test needs of the machine: the update was in place before the batch's last 32 tokens
-    assert synced < produced.seconds * (1 - 32 / 230), (synced, produced.seconds)
+    try:
+        producer.next()  # batch 0; the next is submitted, held
+        # the update lands once every trajectory has its first 8 tokens and before any has its last 32
+        produced, longest = overtake(producer, batches, watch, lambda: producer.sync_weights(model, 1),
+                                     fewest=8, most=230 - 32)
+    finally:
+        batches.open()
+        producer.close()
+    assert longest <= 230 - 32, f"premise: the paused server decoded during the update (longest {longest})"
     assert (produced.staleness, produced.overlapped) == (1, 1)  # the update began while it was generated
     ro = produced.result
     assert ro.completion_mask.all()  # every trajectory whole: 128 x 230 tokens
@@ -451,7 +589,6 @@ def test_a_partial_rollout_goes_on_under_the_new_weights(server, tiny_model_dir,
     # after it, the new weights, attending to keys and values the old ones computed (vLLM keeps the
     # KV cache): nearer the new policy than the old, though equal to neither
     assert (drawn[:, -32:] - new_logp[:, -32:]).abs().mean() < 0.5 * (drawn[:, -32:] - old_logp[:, -32:]).abs().mean()
-    producer.close()
     engine.close()
 
 

@@ -24,6 +24,7 @@ from grouprl.batch import StepBatch
 from grouprl.config import TrainConfig
 from grouprl.core import (ADVANTAGE_ESTIMATORS, MULTI_OBJECTIVE_AGGREGATIONS, TOKEN_MASKS, AdvantageInputs,
                           LossParams, MaskInputs, importance_weights)
+from grouprl.micro_batches import UpdatePart
 from grouprl.rollout import Rollout
 
 
@@ -81,22 +82,17 @@ def enabled_token_masks(cfg: TrainConfig) -> dict[str, float]:
     return {name: value for name, value in settings.items() if value is not None}
 
 
-def loss_token_weights(cfg: TrainConfig, rollout: Rollout, rows: torch.Tensor, logp: torch.Tensor,
-                       entropy: torch.Tensor | None, mask: torch.Tensor, advantages: torch.Tensor,
-                       old_logp: torch.Tensor | None, is_weights: torch.Tensor | None
-                       ) -> tuple[torch.Tensor | None, dict[str, float]]:
-    """Token weights [n, T'] for the micro-batch ``rows`` (None when nothing re-weights), and stats
-    (``<mask>/dropped_frac``: the fraction of real tokens each enabled token mask dropped).
-    logp, entropy, mask  # [n, T'] on the model's device; advantages  # [n] (or [n, T]); old_logp, is_weights,
-    rollout.sampling_logp  # [N, T] for the whole batch (CPU)."""
-    T, dev = logp.shape[1], logp.device
-    weights = is_weights[rows, :T].to(dev) if is_weights is not None else None  # [n, T']
+def loss_token_weights(cfg: TrainConfig, logp: torch.Tensor, entropy: torch.Tensor | None,
+                       part: UpdatePart) -> tuple[torch.Tensor | None, dict[str, float]]:
+    """Token weights [n, T'] for one pass's `part` of the update batch (None when nothing re-weights),
+    and stats (``<mask>/dropped_frac``: the fraction of real tokens each enabled token mask dropped).
+    logp, entropy  # [n, T'] on the model's device, from this pass."""
+    weights = part.is_weights  # [n, T']
     masks = enabled_token_masks(cfg)
     if not masks:
         return weights, {}
-    sampler = rollout.sampling_logp if rollout.sampling_logp is not None else old_logp  # [N, T]; None: on-policy
-    inputs = MaskInputs(logp, mask, advantages[:, :T] if advantages.dim() == 2 else advantages, entropy,
-                        None if sampler is None else sampler[rows, :T].to(dev))  # entropy from this pass
+    mask = part.loss_mask  # [n, T']
+    inputs = MaskInputs(logp, mask, part.advantages, entropy, part.sampler_logp())  # sampler None: on-policy
     stats: dict[str, float] = {}
     n_real = max(int(mask.sum()), 1)
     for name, value in masks.items():

@@ -66,6 +66,7 @@ from grouprl.objective import corrects_sampler, policy_loss_params, sampler_weig
 from grouprl.optim import make_optimizer, scale_learning_rate
 from grouprl.packing import supports_packing
 from grouprl.memory import checkpoint_mode, token_budget
+from grouprl.micro_batches import MicroBatchPlanner, UpdateBatch
 from grouprl.policy import Reference, can_share_prompts, check_model_source, load_policy, load_tokenizer
 from grouprl.precision import describe_precision, resolve_bf16
 from grouprl.preflight import run as run_preflight
@@ -165,8 +166,9 @@ class Trainer:
         # padded passes: FSDP2 frees the gathered weights after each forward, which the prompt pass's graph needs
         shared = cfg.share_prompt_forward and can_share_prompts(self.model) and not D.is_sharded(self.model)
         share_min_tokens = 0 if packed else cfg.share_prompt_min_tokens if shared else None
-        self.updater = PolicyUpdate(self.model, self.train_model, self.dist, autocast=self.autocast, packed=packed,
-                                    share_min_tokens=share_min_tokens, auto_budget=auto_budget,
+        planner = MicroBatchPlanner(self.dist, packed=packed, share_min_tokens=share_min_tokens,
+                                    auto_budget=auto_budget)  # micro_batches.py
+        self.updater = PolicyUpdate(self.model, self.train_model, self.dist, autocast=self.autocast, planner=planner,
                                     checkpoint_over_budget=checkpointing == "over_budget")  # update.py
         self.formatter = PromptFormatter(self.tokenizer, max_prompt_length=cfg.max_prompt_length,
                                          tools=[t.schema for t in self.tools.values()])
@@ -447,13 +449,13 @@ class Trainer:
             ref_logp = self.logprobs(batch.rollout, reference=True) if self.ref is not None else None  # [N, T]
         is_weights, is_metrics = (sampler_weights(cfg, batch.rollout, D.all_reduce_tensor(self.dist, old_logp))
                                   if correct else (None, {}))  # old_logp summed over ranks: the whole batch
+        update = UpdateBatch(batch.rollout, advantages, loss_mask, old_logp, ref_logp, is_weights, self.step)
         stats: dict[str, float] = {}
         skipped = 0  # optimizer steps skipped for a non-finite loss or gradient
         with timings.stage("update"):
             for it in range(cfg.num_iterations):  # the first pass's entropy is the one reported
-                step = self.updater.optimizer_step(self.optimizer, self.scheduler, cfg, self.loss_params, self.step,
-                                                   batch.rollout, advantages, loss_mask, old_logp, ref_logp,
-                                                   is_weights, with_entropy=it == 0 or cfg.top_entropy_quantile < 1)
+                step = self.updater.optimizer_step(update, self.optimizer, self.scheduler, cfg, self.loss_params,
+                                                   with_entropy=it == 0 or cfg.top_entropy_quantile < 1)
                 stepped = not step.pop("skipped_nonfinite")
                 skipped += not stepped
                 self.weights_version += stepped  # the engine's copy is stale once the weights moved

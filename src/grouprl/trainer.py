@@ -59,7 +59,7 @@ from grouprl.checkpoint import (checkpoint_path, latest_checkpoint, load_checkpo
 from grouprl.config import ConfigError, TrainConfig, changed_settings
 from grouprl.core import overlong_penalty, zero_std_groups
 from grouprl.data import PromptBatch, PromptFormatter, PromptSampler, completion_objects, load_datasets
-from grouprl.evaluation import best_after, run_evaluation
+from grouprl.evaluation import BestModel, run_evaluation
 from grouprl.generation import make_engine, make_rollouts, resolve_multiturn
 from grouprl.guard import RunGuard
 from grouprl.objective import corrects_sampler, policy_loss_params, sampler_weights, step_advantages
@@ -193,7 +193,7 @@ class Trainer:
         self.evals: dict[str, Any] = {}
         self.logger: RunLogger | None = None  # train() opens it; train_step alone writes nothing
         self._eval_pending = False  # a signal stopped the run before the eval due at this step
-        self.best: dict[str, Any] | None = None  # metric_for_best_model: {step, metric, value, checkpoint}
+        self.best = BestModel(cfg.metric_for_best_model, cfg.greater_is_better, cfg.output_dir)  # evaluation.py
 
     @property
     def cfg(self) -> TrainConfig:
@@ -241,7 +241,7 @@ class Trainer:
                         self._eval_pending = self._eval_due()
                         break
                     if self._eval_due():
-                        if self._track_best(self._log_eval(self.step, progress)):
+                        if self.best.update(self._log_eval(self.step, progress), self.step):
                             self.save()  # the best so far: kept whatever save_total_limit says
                             saved = self.step
                         if reason := self.respond_to_alarms(alarm_row := {}, progress):  # eval_divergence
@@ -257,29 +257,21 @@ class Trainer:
                     self._stop(signum, progress, saved, reason)
             if self.eval_ds is not None:
                 self.evals["eval_after"] = self._log_eval(self.step, progress)
-                self._track_best(self.evals["eval_after"])  # the checkpoint below is then the best
+                self.best.update(self.evals["eval_after"], self.step)  # its checkpoint is written below
                 self.respond_to_alarms(alarm_row := {}, progress, final=True)  # the run is over: reported only
                 if alarm_row:
                     self.logger.log(self.step, alarm_row)
         progress.close()
         self.save()
         summary = self.logger.summary(self.step, self.evals)
-        if self.best is not None:
-            summary["best_checkpoint"] = self.best
+        if self.best.record is not None:
+            summary["best_checkpoint"] = self.best.record
             if self.cfg.load_best_model_at_end:
-                self._load_weights(self.best["checkpoint"])
+                self._load_weights(self.best.record["checkpoint"])
         self.logger.write_json("summary.json", summary)
         self.logger.plot_curves()
         self.logger.close()
         return summary
-
-    def _track_best(self, result: dict[str, float]) -> bool:
-        """metric_for_best_model: whether this eval (at self.step) is the best so far; if so it is
-        recorded (`self.best`), and the caller writes its checkpoint."""
-        best = best_after(self.cfg.metric_for_best_model, self.cfg.greater_is_better, self.best, result, self.step,
-                          str(checkpoint_path(self.cfg.output_dir, self.step)))
-        changed, self.best = best is not self.best, best
-        return changed
 
     def _load_weights(self, checkpoint: str) -> None:
         """The trainable weights of a checkpoint into the policy (load_best_model_at_end)."""
@@ -547,20 +539,16 @@ class Trainer:
 
     # ------------------------------------------------------------------ eval
     def evaluate(self, dataset: Dataset | None = None, batch_size: int = 64) -> dict[str, float]:
-        """The eval_metrics on `dataset` (default: the eval set), from the accuracy reward (default:
-        the first reward function): `accuracy` is its mean on greedy completions (on the sampled
-        ones when `greedy` is not asked for), `mean@k`, `pass@k`, `maj@k` come from
-        num_generations_eval samples per prompt; `reward_mean` is the mean weighted reward,
-        `rewards/NAME` each function's mean (evaluation.py). Under torchrun each rank evaluates
-        every K-th prompt and the sums are summed."""
+        """The eval_metrics on `dataset` (default: the eval set), read from the accuracy reward
+        (default: the first reward function): `accuracy`, `mean@k`, `pass@k`, `maj@k`, `reward_mean`,
+        `rewards/NAME` (evaluation.py defines each). Under torchrun each rank evaluates every K-th
+        prompt and the sums are summed."""
         return run_evaluation(self, dataset if dataset is not None else self.eval_ds, batch_size)
 
     def preflight(self, num_prompts: int = 64, samples_per_prompt: int | None = None) -> dict[str, Any]:
-        """Sample G completions (or `samples_per_prompt`, a multiple of G) for `num_prompts` training
-        prompts with the current policy and report what GRPO would learn from them (zero-variance
-        groups now and predicted by G, prompt difficulty, reward correlations, lengths, time per
-        step, recommendations); rank 0 writes preflight.json and preflight.png into output_dir.
-        preflight.py explains every number."""
+        """What GRPO would learn from `num_prompts` training prompts, each sampled G times (or
+        `samples_per_prompt`, a multiple of G) with the current policy; rank 0 writes preflight.json
+        and preflight.png into output_dir. preflight.py explains every number."""
         return run_preflight(self, num_prompts, samples_per_prompt)
 
     def _log_eval(self, step: int, progress: Progress) -> dict[str, float]:
@@ -584,7 +572,7 @@ class Trainer:
             "step": self.step, "sampler": self.sampler.state_dict(), "evals": self.evals,
             "optimizer": optimizer_state, "scheduler": self.scheduler.state_dict(), "rng": rng[0],
             "rng_by_rank": rng, "sharded_optimizer": D.is_sharded(self.model), "eval_pending": self._eval_pending,
-            "guard": self.guard.state_dict(), "best": self.best, "learning_rate": self.cfg.learning_rate,
+            "guard": self.guard.state_dict(), "best": self.best.record, "learning_rate": self.cfg.learning_rate,
             "prompt_filter": None if self.prompt_filter is None else self.prompt_filter.state_dict(),
         }
         path = checkpoint_path(self.cfg.output_dir, self.step)
@@ -592,7 +580,7 @@ class Trainer:
             path = save_checkpoint(self.cfg.output_dir, self.step, model=self.model, tokenizer=self.tokenizer,
                                    state=state, ref_model=ref_model, keep=self.cfg.save_total_limit,
                                    model_state=model_state, ref_state=ref_state,
-                                   protect=Path(self.best["checkpoint"]) if self.best else None)
+                                   protect=Path(self.best.record["checkpoint"]) if self.best.record else None)
         D.barrier(self.dist)
         return path
 
@@ -622,7 +610,7 @@ class Trainer:
         self.evals = state["evals"]
         self._eval_pending = state.get("eval_pending", False)
         self.guard.load_state_dict(state.get("guard", {}))
-        self.best = state.get("best")
+        self.best.record = state.get("best")
         if self.prompt_filter is not None and state.get("prompt_filter"):
             self.prompt_filter.load_state_dict(state["prompt_filter"])
         restore_rng_states(state.get("rng_by_rank", [state["rng"]]), self.dist.rank, self.dist.world_size,

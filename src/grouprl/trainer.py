@@ -54,16 +54,15 @@ from datasets import Dataset
 
 from grouprl import distributed as D
 from grouprl.batch import StepBatch
-from grouprl.checkpoint import (checkpoint_path, latest_checkpoint, load_checkpoint, read_checkpoint,
-                                restore_rng_states, rng_states, save_checkpoint)
-from grouprl.config import ConfigError, TrainConfig, changed_settings
+from grouprl.checkpoint import checkpoint_path, latest_checkpoint
+from grouprl.config import ConfigError, TrainConfig
 from grouprl.core import overlong_penalty, zero_std_groups
 from grouprl.data import PromptBatch, PromptFormatter, PromptSampler, completion_objects, load_datasets
 from grouprl.evaluation import BestModel, run_evaluation
 from grouprl.generation import make_engine, make_rollouts, resolve_multiturn
 from grouprl.guard import RunGuard
 from grouprl.objective import corrects_sampler, policy_loss_params, sampler_weights, step_advantages
-from grouprl.optim import make_optimizer, scale_learning_rate
+from grouprl.optim import make_optimizer
 from grouprl.packing import supports_packing
 from grouprl.memory import checkpoint_mode, token_budget
 from grouprl.micro_batches import MicroBatchPlanner, UpdateBatch
@@ -79,6 +78,8 @@ from grouprl.runlog import Progress, RunLogger
 from grouprl.signals import StopSignals, TrainingStopped
 from grouprl.stats import SampleTally, Timings, batch_metrics, completion_rows, run_metadata
 from grouprl.trackers import missing_tracker_packages
+from grouprl.training_state import (LoopState, TrainingParts, load_trainable_weights, restore_training_state,
+                                    save_training_state)
 from grouprl.update import PolicyUpdate
 
 logger = logging.getLogger(__name__)
@@ -267,20 +268,13 @@ class Trainer:
         if self.best.record is not None:
             summary["best_checkpoint"] = self.best.record
             if self.cfg.load_best_model_at_end:
-                self._load_weights(self.best.record["checkpoint"])
+                load_trainable_weights(self.best.record["checkpoint"], self.model)  # training_state.py
+                self.weights_version += 1
+                self.sync_weights()
         self.logger.write_json("summary.json", summary)
         self.logger.plot_curves()
         self.logger.close()
         return summary
-
-    def _load_weights(self, checkpoint: str) -> None:
-        """The trainable weights of a checkpoint into the policy (load_best_model_at_end)."""
-        if D.is_sharded(self.model):
-            D.load_full_state(self.model, read_checkpoint(checkpoint)[0])
-        else:
-            load_checkpoint(checkpoint, self.model)
-        self.weights_version += 1
-        self.sync_weights()
 
     def _eval_due(self) -> bool:
         """The periodic eval runs after this step (not after the last: eval_after does)."""
@@ -564,66 +558,22 @@ class Trainer:
     # ------------------------------------------------------------------ checkpoints
     def save(self) -> Path:
         """Rank 0 writes the checkpoint (FSDP2: whole state dicts gathered from every rank); every
-        rank's RNG states go in; nobody continues before it is complete."""
-        rng = D.gather_objects(self.dist, rng_states(self.generator))  # every rank's
-        ref_model = self.ref.model if self.ref is not None and self.cfg.ref_update_steps else None
-        model_state, optimizer_state, ref_state = D.checkpoint_states(self.model, self.optimizer, ref_model)
-        state = {
-            "step": self.step, "sampler": self.sampler.state_dict(), "evals": self.evals,
-            "optimizer": optimizer_state, "scheduler": self.scheduler.state_dict(), "rng": rng[0],
-            "rng_by_rank": rng, "sharded_optimizer": D.is_sharded(self.model), "eval_pending": self._eval_pending,
-            "guard": self.guard.state_dict(), "best": self.best.record, "learning_rate": self.cfg.learning_rate,
-            "prompt_filter": None if self.prompt_filter is None else self.prompt_filter.state_dict(),
-        }
-        path = checkpoint_path(self.cfg.output_dir, self.step)
-        if self.dist.is_main:
-            path = save_checkpoint(self.cfg.output_dir, self.step, model=self.model, tokenizer=self.tokenizer,
-                                   state=state, ref_model=ref_model, keep=self.cfg.save_total_limit,
-                                   model_state=model_state, ref_state=ref_state,
-                                   protect=Path(self.best.record["checkpoint"]) if self.best.record else None)
-        D.barrier(self.dist)
-        return path
+        rank's RNG states go in; nobody continues before it is complete (training_state.py)."""
+        loop = LoopState(self.step, self.evals, self._eval_pending, self.best.record)
+        return save_training_state(self.cfg, self.dist, self._checkpointed(), loop, self.tokenizer)
 
     def _resume(self) -> None:
-        ckpt = latest_checkpoint(self.cfg.output_dir)
-        if ckpt is None:
-            raise ConfigError(f"--resume: output_dir={self.cfg.output_dir!r} holds no complete "
-                              "checkpoint; start without --resume")
-        ref_model = self.ref.model if self.ref is not None else None
-        sharded = D.is_sharded(self.model)
-        if sharded:  # every rank reads the whole weights and keeps its shard
-            weights, ref_weights, state = read_checkpoint(ckpt)
-            D.load_full_state(self.model, weights, self.optimizer,
-                              state["optimizer"] if state.get("sharded_optimizer") else None)
-            if ref_model is not None and ref_weights is not None:
-                D.load_full_state(ref_model, ref_weights)
-        else:
-            state = load_checkpoint(ckpt, self.model, ref_model)
-        if state.get("sharded_optimizer", False) != sharded:
-            raise ConfigError(f"checkpoint {ckpt} was written with distributed_strategy="
-                              f"{'fsdp2' if not sharded else 'ddp'}: resume with the same strategy")
-        if not sharded:
-            self.optimizer.load_state_dict(state["optimizer"])
-        self.step = state["step"]
-        self.sampler.load_state_dict(state["sampler"])
-        self.scheduler.load_state_dict(state["scheduler"])
-        self.evals = state["evals"]
-        self._eval_pending = state.get("eval_pending", False)
-        self.guard.load_state_dict(state.get("guard", {}))
-        self.best.record = state.get("best")
-        if self.prompt_filter is not None and state.get("prompt_filter"):
-            self.prompt_filter.load_state_dict(state["prompt_filter"])
-        restore_rng_states(state.get("rng_by_rank", [state["rng"]]), self.dist.rank, self.dist.world_size,
-                           self.generator, fresh_seed=self.cfg.seed + self.dist.rank + 1_000_003 * self.step)
-        changed = changed_settings(Path(self.cfg.output_dir) / "config.yaml", self.cfg)
-        old_lr = state.get("learning_rate", changed.get("learning_rate", (None,))[0])  # the rate it was saved at
-        if isinstance(old_lr, (int, float)) and 0 < old_lr != self.cfg.learning_rate:  # its schedule, the new rate
-            scale_learning_rate(self.optimizer, self.scheduler, self.cfg.learning_rate / old_lr)
-        if changed and self.dist.is_main:
-            logger.warning("resuming with settings changed since the run began (they apply from step %d): %s",
-                           self.step + 1, ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in changed.items()))
+        """The newest checkpoint in output_dir back into this run (training_state.py)."""
+        loop = restore_training_state(self.cfg, self.dist, self._checkpointed())
+        self.step, self.evals, self._eval_pending = loop.step, loop.evals, loop.eval_pending
+        self.best.record = loop.best
         self.weights_version += 1  # the checkpoint's weights replaced the initial ones
         self.sync_weights()
+
+    def _checkpointed(self) -> TrainingParts:
+        """The parts of this run a checkpoint holds."""
+        return TrainingParts(self.model, self.optimizer, self.scheduler, None if self.ref is None else self.ref.model,
+                             self.generator, self.sampler, self.guard, self.prompt_filter)
 
     def close(self) -> None:
         """Release the generation engine (a colocated vLLM engine's memory); call once done."""

@@ -23,8 +23,8 @@ Deliberate choices:
   the passes and the optimizer steps);
 - the loss parameters are built once from the config (objective.policy_loss_params, a frozen
   dataclass validated at construction), not on every micro-batch;
-- synchronous rollouts are generated inline; only `async_rollouts` with max_staleness > 0 goes
-  through the background producer (rollout/producer.py);
+- rollouts are generated inline by the `generate` stage; with `async_rollouts` (max_staleness > 0)
+  a background thread generates them ahead (rollout_source.py);
 - under torchrun each rank generates and scores whole groups, then the scored batch is gathered
   so every rank computes advantages and DAPO decisions on the global batch and runs its share of
   the micro-batches (grouprl/distributed.py explains why the update does not depend on K);
@@ -37,12 +37,10 @@ Deliberate choices:
 from __future__ import annotations
 
 import contextlib
-import copy
 import json
 import logging
 import random
 import signal
-import threading
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -72,8 +70,8 @@ from grouprl.preflight import run as run_preflight
 from grouprl.prompt_filter import PromptFilter
 from grouprl.rewards import RewardScores, process_rewards, resolve_reward_spec, sandbox_mechanism, score_completions
 from grouprl.rollout import Rollout, SamplingParams
-from grouprl.rollout.producer import Produced, RolloutProducer
 from grouprl.rollout.types import Trajectories
+from grouprl.rollout_source import PromptDraw, make_producer
 from grouprl.runlog import Progress, RunLogger
 from grouprl.signals import StopSignals, TrainingStopped
 from grouprl.stats import SampleTally, Timings, batch_metrics, completion_rows, run_metadata
@@ -179,17 +177,20 @@ class Trainer:
         self.weights_version = 0  # grows with every change of the policy's weights (engine sync)
         self.sampling = SamplingParams(cfg.max_completion_length, cfg.temperature, cfg.top_p, cfg.top_k,
                                        cfg.ignore_eos)
-        self.rollouts = (RolloutProducer(self.engine, self._draw_prompts, self._producer_generate(), cfg.max_staleness,
-                                         partial=cfg.partial_rollouts)
-                         if cfg.async_rollouts and cfg.max_staleness else None)  # rollout/producer.py
 
         self.optimizer, self.scheduler = make_optimizer(cfg, self.model)  # optim.py
         self.sampler = PromptSampler(len(self.train_ds), cfg.seed)
         self.prompt_filter = (PromptFilter(len(self.train_ds), history=cfg.prompt_filter_history,
                                            revisit=cfg.prompt_filter_revisit, seed=cfg.seed)
                               if cfg.prompt_filter else None)  # prompt_filter.py: skip settled prompts
-        self._draw_lock = threading.Lock()  # the async producer draws prompts while the loop records groups
         self.generator = torch.Generator().manual_seed(cfg.seed + self.dist.rank)  # own samples per rank
+        self.draw = PromptDraw(self.sampler, self.prompt_filter, self.formatter, self.train_ds, self.dist,
+                               prompts_per_step=cfg.prompts_per_step, prompt_column=cfg.prompt_column)
+        # inline with the `generate` stage (looked up at each call), or generated ahead (async_rollouts)
+        self.rollouts = make_producer(cfg, self.engine, self.draw, lambda prompts: self.generate(prompts),
+                                      model=self.model, tokenizer=self.tokenizer, tools=self.tools,
+                                      environment=self.environment, sampling=self.sampling,
+                                      generator=self.generator)  # rollout_source.py
         self.step = 0
         self.evals: dict[str, Any] = {}
         self.logger: RunLogger | None = None  # train() opens it; train_step alone writes nothing
@@ -378,14 +379,12 @@ class Trainer:
         tally, kept = SampleTally(), []
         while True:
             with timings.stage("generate"):  # async: the wait for a batch generated during the last update
-                produced = self._next_rollout()
+                produced = self.rollouts.next()  # this rank's prompts and their trajectories
             timings.add("generate_engine", produced.seconds)  # the engine's own time on it
             with timings.stage("reward"):
                 batch = self._gather(self.score(produced.prompts, produced.result))  # global batch
             flat = zero_std_groups(batch.rewards, G)  # [B]
-            if self.prompt_filter is not None:
-                with self._draw_lock:
-                    self.prompt_filter.record(batch.prompt_index[::G], flat.tolist())
+            self.draw.record(batch.prompt_index, flat, G)  # the prompt filter's memory
             tally.add_round(len(produced.result.rollout), produced.staleness, produced.result.counts,
                             int(flat.sum()), len(flat), produced.overlapped)
             if not cfg.dynamic_sampling:
@@ -400,11 +399,7 @@ class Trainer:
             kept = [batch]
         metrics = tally.metrics(D.all_reduce_sums(self.dist, tally.counts), cfg.dynamic_sampling,
                                 partial=cfg.partial_rollouts)
-        if self.prompt_filter is not None:
-            metrics.update({"prompt_filter/skipped": self.prompt_filter.skipped,
-                            "prompt_filter/rollouts_saved": self.prompt_filter.skipped * G,
-                            "prompt_filter/settled": self.prompt_filter.num_settled})
-        return StepBatch.cat(kept, self.tokenizer.pad_token_id), metrics
+        return StepBatch.cat(kept, self.tokenizer.pad_token_id), {**metrics, **self.draw.metrics(G)}
 
     def advantages(self, batch: StepBatch) -> torch.Tensor:
         """Advantages of a scored (global) batch: [N], or [N, T] (per token) under process supervision."""
@@ -450,48 +445,11 @@ class Trainer:
 
     def sync_weights(self) -> None:
         """Send the policy's current weights to an engine that keeps its own copy (vLLM); async
-        mode first waits for the batches being generated."""
-        if self.rollouts is not None:
-            self.rollouts.sync_weights(self.model, self.weights_version)
-        else:
-            self.engine.sync_weights(self.model, self.weights_version)
+        mode first waits for the batches being generated (rollout/producer.py)."""
+        to = self.rollouts if self.rollouts.depth else self.engine  # inline: the engine `generate` uses
+        to.sync_weights(self.model, self.weights_version)
 
     # ------------------------------------------------------------------ inside the stages
-    def _next_rollout(self) -> Produced:
-        """This rank's next prompts and their trajectories: generated now (synchronous), or taken
-        from the background producer (async_rollouts)."""
-        if self.rollouts is not None:
-            return self.rollouts.next()
-        prompts = self._draw_prompts()
-        t0 = time.perf_counter()
-        trajectories = self.generate(prompts)
-        return Produced(prompts, trajectories, 0, time.perf_counter() - t0)
-
-    def _producer_generate(self) -> Callable[[PromptBatch], Trajectories]:
-        """What the background producer samples with. A multi-turn driver tokenises tool and
-        environment messages as it goes, and a Hugging Face tokenizer must not be used by two
-        threads at once: the producer's driver gets a tokenizer (and prompt encoder) of its own,
-        while the trainer's thread keeps `self.turns` for evaluation and preflight."""
-        turns = self.turns
-        if self.tools or self.environment is not None:
-            tok = copy.deepcopy(self.tokenizer)
-            encoder = PromptFormatter(tok, max_prompt_length=self.cfg.max_prompt_length,
-                                      tools=[t.schema for t in self.tools.values()])
-            turns = make_rollouts(self.cfg, self.model, tok, encoder, self.tools, self.environment)
-
-        def generate(prompts: PromptBatch) -> Trajectories:
-            return turns.generate(self.engine, prompts.prompt_ids, self.cfg.num_generations, self.sampling,
-                                  self.generator, prompts=prompts.prompts, columns=prompts.columns)
-        return generate
-
-    def _draw_prompts(self) -> PromptBatch:
-        """The next step's prompts for this rank (B/K whole groups), tokenised."""
-        B = self.cfg.prompts_per_step
-        with self._draw_lock:  # every rank draws the same global list, then takes its share
-            drawn = self.prompt_filter.draw(self.sampler, B) if self.prompt_filter else self.sampler.next(B)
-        indices = D.shard_prompts(self.dist, drawn)
-        return self.formatter.batch(self.train_ds, indices, self.cfg.prompt_column)
-
     def _gather(self, local: StepBatch) -> StepBatch:
         """Every rank's scored completions, in rank order (= prompt order), on every rank."""
         if not self.dist.enabled:
@@ -525,7 +483,7 @@ class Trainer:
         collapse, the learning rate is scaled (guard.py); the engine samples the restored policy, and
         (async) the batches generated ahead by the collapsed one are dropped."""
         out = self.guard.restore(self.step, self.model, self.optimizer, self.scheduler)
-        if self.rollouts is not None:  # async: batches the collapsed policy sampled are not trained on
+        if self.rollouts.depth:  # async: batches the collapsed policy sampled are not trained on
             out["rollback/discarded_batches"] = self.rollouts.discard()
         self.weights_version += 1
         self.sync_weights()
@@ -577,8 +535,7 @@ class Trainer:
 
     def close(self) -> None:
         """Release the generation engine (a colocated vLLM engine's memory); call once done."""
-        if self.rollouts is not None:
-            self.rollouts.close()
+        self.rollouts.close()
         self.engine.close()
 
 

@@ -37,7 +37,6 @@ Deliberate choices:
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import random
 import signal
@@ -54,31 +53,31 @@ from grouprl import distributed as D
 from grouprl.batch import StepBatch
 from grouprl.checkpoint import checkpoint_path, latest_checkpoint
 from grouprl.config import ConfigError, TrainConfig
-from grouprl.core import overlong_penalty, zero_std_groups
-from grouprl.data import PromptBatch, PromptFormatter, PromptSampler, completion_objects, load_datasets
+from grouprl.core import zero_std_groups
+from grouprl.data import PromptBatch, PromptFormatter, PromptSampler, load_datasets
 from grouprl.evaluation import BestModel, run_evaluation
 from grouprl.generation import make_engine, make_rollouts, resolve_multiturn
 from grouprl.guard import RunGuard
 from grouprl.objective import corrects_sampler, policy_loss_params, sampler_weights, step_advantages
 from grouprl.optim import make_optimizer
-from grouprl.packing import supports_packing
 from grouprl.memory import checkpoint_mode, token_budget
-from grouprl.micro_batches import MicroBatchPlanner, UpdateBatch
-from grouprl.policy import Reference, can_share_prompts, check_model_source, load_policy, load_tokenizer
+from grouprl.micro_batches import UpdateBatch
+from grouprl.policy import Reference, check_model_source, load_policy, load_tokenizer
 from grouprl.precision import describe_precision, resolve_bf16
 from grouprl.preflight import run as run_preflight
 from grouprl.prompt_filter import PromptFilter
-from grouprl.rewards import RewardScores, process_rewards, resolve_reward_spec, sandbox_mechanism, score_completions
+from grouprl.rewards import resolve_reward_spec, sandbox_mechanism
 from grouprl.rollout import Rollout, SamplingParams
 from grouprl.rollout.types import Trajectories
 from grouprl.rollout_source import PromptDraw, make_producer
 from grouprl.runlog import Progress, RunLogger
+from grouprl.scoring import score_trajectories
 from grouprl.signals import StopSignals, TrainingStopped
 from grouprl.stats import SampleTally, Timings, batch_metrics, completion_rows, run_metadata
 from grouprl.trackers import missing_tracker_packages
 from grouprl.training_state import (LoopState, TrainingParts, load_trainable_weights, restore_training_state,
                                     save_training_state)
-from grouprl.update import PolicyUpdate
+from grouprl.update import make_policy_update
 
 logger = logging.getLogger(__name__)
 
@@ -158,17 +157,9 @@ class Trainer:
         self.train_model = D.wrap_model(self.model, self.dist, cfg.distributed_strategy)
         if D.is_sharded(self.model) and self.ref is not None and self.ref.model is not None:
             D.shard_model(self.ref.model)
-        packed = cfg.padding_free and supports_packing(self.model)  # packing.py: no padding computed
-        if cfg.padding_free and not packed and self.dist.is_main:
-            logger.info("padding_free: the model's attention (%s) cannot run packed: passes run padded",
-                        getattr(self.model.config, "_attn_implementation", None))
-        # padded passes: FSDP2 frees the gathered weights after each forward, which the prompt pass's graph needs
-        shared = cfg.share_prompt_forward and can_share_prompts(self.model) and not D.is_sharded(self.model)
-        share_min_tokens = 0 if packed else cfg.share_prompt_min_tokens if shared else None
-        planner = MicroBatchPlanner(self.dist, packed=packed, share_min_tokens=share_min_tokens,
-                                    auto_budget=auto_budget)  # micro_batches.py
-        self.updater = PolicyUpdate(self.model, self.train_model, self.dist, autocast=self.autocast, planner=planner,
-                                    checkpoint_over_budget=checkpointing == "over_budget")  # update.py
+        self.updater = make_policy_update(cfg, self.model, self.train_model, self.dist, autocast=self.autocast,
+                                          auto_budget=auto_budget,
+                                          checkpoint_over_budget=checkpointing == "over_budget")  # update.py
         self.formatter = PromptFormatter(self.tokenizer, max_prompt_length=cfg.max_prompt_length,
                                          tools=[t.schema for t in self.tools.values()])
         self.engine = make_engine(cfg, self.model, self.tokenizer, self.dist, self.autocast)
@@ -343,32 +334,10 @@ class Trainer:
 
     def score(self, prompts: PromptBatch, trajectories: Trajectories) -> StepBatch:
         """The reward functions on `trajectories` of `prompts` (reward functions see a multi-turn
-        rollout's messages and `env_reward`), weighted and shaped as configured."""
-        cfg, rollout = self.cfg, trajectories.rollout
-        G = len(rollout) // len(prompts.prompts)
-        ids = rollout.token_lists()  # [N][T_i]
-        texts = self.tokenizer.batch_decode(ids, skip_special_tokens=True)
-        per_prompt = [p for p in prompts.prompts for _ in range(G)]
-        cols = {k: [v for v in vals for _ in range(G)] for k, vals in prompts.columns.items()}
-        cols.update(completion_ids=ids, completion_lengths=[len(x) for x in ids])
-        cols.update(trajectories.reward_columns())
-        completions = trajectories.messages or completion_objects(texts, prompts.conversational)
-        scores: RewardScores = score_completions(
-            self.reward_funcs, cfg.reward_weights, per_prompt, completions,
-            cols, timeout_s=cfg.reward_timeout_s, fallback=cfg.reward_fallback, step_delimiter=cfg.step_delimiter)
-        shaping = (overlong_penalty(rollout.lengths, cfg.max_completion_length, cfg.overlong_cache_len)
-                   if cfg.overlong_shaping else None)  # [N]
-        rewards = scores.total.float() if shaping is None else scores.total.float() + shaping  # [N]
-        steps = process_rewards(scores.steps, scores.per_func, cfg.reward_weights, ids, texts, self.tokenizer,
-                                shaping, estimator=cfg.advantage_estimator)
-        audit = score_completions(self.audit_funcs, None, per_prompt, completions, cols, timeout_s=cfg.reward_timeout_s,
-                                  fallback=cfg.reward_fallback).per_func if self.audit_funcs else {}
-        index = None if prompts.indices is None else [i for i in prompts.indices for _ in range(G)]
-        calls = None if trajectories.messages is None else [
-            [f"{c['function']['name']}({json.dumps(c['function']['arguments'])})"
-             for m in msgs for c in m.get("tool_calls", [])] for msgs in trajectories.messages]
-        return StepBatch(rollout, per_prompt, texts, rewards, scores.per_func, scores.metrics, steps, audit, index,
-                         trajectories.stop_reasons, calls)
+        rollout's messages and `env_reward`), weighted and shaped as configured; the audit functions
+        beside them."""
+        return score_trajectories(self.cfg, self.tokenizer, self.reward_funcs, self.audit_funcs, prompts,
+                                  trajectories)  # scoring.py
 
     def sample_batch(self, timings: Timings | None = None) -> tuple[StepBatch, dict[str, float]]:
         """The step's scored completions, gathered over ranks, and the sampling metrics. With

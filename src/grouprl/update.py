@@ -32,11 +32,30 @@ from grouprl.config import TrainConfig
 from grouprl.core import LossParams, batch_normalizer, policy_loss
 from grouprl.micro_batches import MicroBatchPlanner, UpdateBatch
 from grouprl.objective import loss_token_weights
-from grouprl.policy import activation_checkpointing, completion_logprobs
+from grouprl.packing import supports_packing
+from grouprl.policy import activation_checkpointing, can_share_prompts, completion_logprobs
 from grouprl.rollout import Rollout
 from grouprl.stats import UpdateSums
 
 logger = logging.getLogger(__name__)
+
+
+def make_policy_update(cfg: TrainConfig, model: torch.nn.Module, train_model: torch.nn.Module, dist: D.DistContext,
+                       *, autocast: torch.dtype | None, auto_budget: int | None,
+                       checkpoint_over_budget: bool) -> PolicyUpdate:
+    """The update with its passes set up from the config and the model: packed (padding_free) when
+    the model's attention can run packed (packing.py), else padded; a group's prompt stored once
+    when share_prompt_forward can run (policy.can_share_prompts), or always when packed."""
+    packed = cfg.padding_free and supports_packing(model)  # packing.py: no padding computed
+    if cfg.padding_free and not packed and dist.is_main:
+        logger.info("padding_free: the model's attention (%s) cannot run packed: passes run padded",
+                    getattr(model.config, "_attn_implementation", None))
+    # padded passes: FSDP2 frees the gathered weights after each forward, which the prompt pass's graph needs
+    shared = cfg.share_prompt_forward and can_share_prompts(model) and not D.is_sharded(model)
+    share_min_tokens = 0 if packed else cfg.share_prompt_min_tokens if shared else None
+    planner = MicroBatchPlanner(dist, packed=packed, share_min_tokens=share_min_tokens, auto_budget=auto_budget)
+    return PolicyUpdate(model, train_model, dist, autocast=autocast, planner=planner,
+                        checkpoint_over_budget=checkpoint_over_budget)
 
 
 class PolicyUpdate:

@@ -7,6 +7,7 @@ config gives it (core/registry.py); nothing here branches on a variant.
   functions as ``multi_objective_aggregation`` says ("normalize_then_sum", GDPO, reads each
   function's scores);
 - ``policy_loss_params``: every loss knob of the config in one ``LossParams``, built once;
+- ``loss_mask``: the tokens the loss counts;
 - ``corrects_sampler`` / ``sampler_weights``: whether and how the sampler/trainer mismatch is
   corrected (core/importance.py), with the `is/` metrics;
 - ``loss_token_weights``: a micro-batch's token weights for ``policy_loss``: the sampler/trainer
@@ -55,6 +56,15 @@ def policy_loss_params(cfg: TrainConfig) -> LossParams:
                       agg=cfg.loss_agg, max_tokens=cfg.max_completion_length, beta=cfg.beta,
                       kl_kind=cfg.kl_estimator, dual_clip=cfg.dual_clip, delta=cfg.delta, loss_type=cfg.loss_type,
                       sapo_tau_pos=cfg.sapo_temperature_pos, sapo_tau_neg=cfg.sapo_temperature_neg)
+
+
+def loss_mask(cfg: TrainConfig, rollout: Rollout) -> torch.Tensor:
+    """The tokens the loss counts [N, T]: the policy's own (not the context a multi-turn rollout
+    inserted), and none of a truncated completion's with mask_truncated_completions."""
+    mask = rollout.action_mask.clone()  # [N, T]
+    if cfg.mask_truncated_completions:
+        mask &= ~rollout.truncated[:, None]
+    return mask
 
 
 def corrects_sampler(cfg: TrainConfig, rollout: Rollout) -> bool:

@@ -1,6 +1,6 @@
 """The GRPO training loop.
 
-`Trainer.train_step` is one step, one call per stage (DESIGN.md's data path):
+`Trainer.train_step` is one step, one call per stage (docs/architecture.md's data path):
 
     sample_batch  -> generate (engine, turns) -> score (rewards) [-> more rounds: DAPO dynamic sampling]
     advantages    -> group-relative, per completion or per token (objective.step_advantages)
@@ -9,7 +9,10 @@
 
 Each stage is a public method, so a script can run any of them alone: `generate(prompts, greedy=True)`
 and `score(prompts, trajectories)` sample and score with the current policy, `evaluate(dataset)`
-runs the eval, `logprobs(rollout)` scores tokens under the policy or the reference.
+runs the eval, `logprobs(rollout)` scores tokens under the policy or the reference. What a stage
+calls lives with its owner: rollout_source.py (prompts, the producer), scoring.py, update.py and
+micro_batches.py, evaluation.py (the best model too), guard.py (what an alarm asks for),
+training_state.py (what a checkpoint holds).
 
 Deliberate choices:
 - with num_iterations = 1 the sampling policy is the current one, so `old_logp = logp.detach()`
@@ -17,10 +20,9 @@ Deliberate choices:
   when the rollout carries the sampler's own log-probs (vLLM) and the importance-sampling correction
   compares them with the trainer's (core/importance.py);
 - reference log-probs are computed only when beta > 0, and no reference model exists otherwise;
-- each of the num_iterations passes is one optimizer step over the whole batch, split into
-  length-sorted micro-batches whose loss normaliser is the count of the whole batch, so the
-  accumulated gradient equals the full-batch gradient for every aggregation mode (update.py does
-  the passes and the optimizer steps);
+- each of the num_iterations passes is one optimizer step over the whole batch: its micro-batches
+  add up to the full-batch gradient for every aggregation mode, and a step whose loss or gradient
+  norm is not finite is skipped, the scheduler still stepping (update.py, `skipped_nonfinite`);
 - the loss parameters are built once from the config (objective.policy_loss_params, a frozen
   dataclass validated at construction), not on every micro-batch;
 - rollouts are generated inline by the `generate` stage; with `async_rollouts` (max_staleness > 0)
@@ -28,9 +30,6 @@ Deliberate choices:
 - under torchrun each rank generates and scores whole groups, then the scored batch is gathered
   so every rank computes advantages and DAPO decisions on the global batch and runs its share of
   the micro-batches (grouprl/distributed.py explains why the update does not depend on K);
-- an optimizer step whose loss or gradient norm is not finite is skipped (weights and optimizer
-  state unchanged, one warning, `skipped_nonfinite` in the metrics); the scheduler still steps, so
-  the learning rate stays a function of the step;
 - a first SIGTERM or SIGINT ends the run after the current step with a checkpoint (signals.py).
 """
 
@@ -58,7 +57,7 @@ from grouprl.data import PromptBatch, PromptFormatter, PromptSampler, load_datas
 from grouprl.evaluation import BestModel, run_evaluation
 from grouprl.generation import make_engine, make_rollouts, resolve_multiturn
 from grouprl.guard import RunGuard
-from grouprl.objective import corrects_sampler, policy_loss_params, sampler_weights, step_advantages
+from grouprl.objective import corrects_sampler, loss_mask, policy_loss_params, sampler_weights, step_advantages
 from grouprl.optim import make_optimizer
 from grouprl.memory import checkpoint_mode, token_budget
 from grouprl.micro_batches import UpdateBatch
@@ -237,11 +236,8 @@ class Trainer:
                         if self.best.update(self._log_eval(self.step, progress), self.step):
                             self.save()  # the best so far: kept whatever save_total_limit says
                             saved = self.step
-                        if reason := self.respond_to_alarms(alarm_row := {}, progress):  # eval_divergence
-                            self.logger.log(self.step, alarm_row)
+                        if reason := self.respond_to_alarms({}, progress, log=True):  # eval_divergence
                             break
-                        if alarm_row:
-                            self.logger.log(self.step, alarm_row)
                     if cfg.save_steps and self.step % cfg.save_steps == 0 and self.step < cfg.max_steps:
                         self.save()
                         saved = self.step
@@ -251,9 +247,7 @@ class Trainer:
             if self.eval_ds is not None:
                 self.evals["eval_after"] = self._log_eval(self.step, progress)
                 self.best.update(self.evals["eval_after"], self.step)  # its checkpoint is written below
-                self.respond_to_alarms(alarm_row := {}, progress, final=True)  # the run is over: reported only
-                if alarm_row:
-                    self.logger.log(self.step, alarm_row)
+                self.respond_to_alarms({}, progress, final=True, log=True)  # the run is over: reported only
         progress.close()
         self.save()
         summary = self.logger.summary(self.step, self.evals)
@@ -263,9 +257,7 @@ class Trainer:
                 load_trainable_weights(self.best.record["checkpoint"], self.model)  # training_state.py
                 self.weights_version += 1
                 self.sync_weights()
-        self.logger.write_json("summary.json", summary)
-        self.logger.plot_curves()
-        self.logger.close()
+        self.logger.finish(summary)
         return summary
 
     def _eval_due(self) -> bool:
@@ -280,10 +272,7 @@ class Trainer:
         `TrainingStopped`. No eval_after: the run is not over, and a preempted run has little time."""
         progress.close()
         path = checkpoint_path(self.cfg.output_dir, self.step) if saved == self.step else self.save()
-        summary = {**self.logger.summary(self.step, self.evals), "stopped_by": reason or signum.name}
-        self.logger.write_json("summary.json", summary)
-        self.logger.plot_curves()
-        self.logger.close()
+        self.logger.finish({**self.logger.summary(self.step, self.evals), "stopped_by": reason or signum.name})
         raise TrainingStopped(None if reason else signum, self.step, path, reason)
 
     def train_step(self) -> dict[str, Any]:
@@ -307,10 +296,7 @@ class Trainer:
     def prompts(self, rows: Dataset | list[Any]) -> PromptBatch:
         """Tokenised prompts from dataset rows (or a list of rows with the prompt column, or of
         prompts: strings or chat messages), formatted as in training."""
-        if not isinstance(rows, Dataset):
-            col = self.cfg.prompt_column
-            rows = Dataset.from_list([r if isinstance(r, dict) else {col: r} for r in rows])
-        return self.formatter.batch(rows, list(range(len(rows))), self.cfg.prompt_column)
+        return self.formatter.rows(rows, self.cfg.prompt_column)
 
     def generate(self, prompts: PromptBatch, *, num_generations: int | None = None, greedy: bool = False,
                  temperature: float | None = None, generator: torch.Generator | None = None) -> Trajectories:
@@ -351,7 +337,8 @@ class Trainer:
                 produced = self.rollouts.next()  # this rank's prompts and their trajectories
             timings.add("generate_engine", produced.seconds)  # the engine's own time on it
             with timings.stage("reward"):
-                batch = self._gather(self.score(produced.prompts, produced.result))  # global batch
+                local = self.score(produced.prompts, produced.result)
+                batch = StepBatch.gather(self.dist, local, self.tokenizer.pad_token_id)  # the global batch
             flat = zero_std_groups(batch.rewards, G)  # [B]
             self.draw.record(batch.prompt_index, flat, G)  # the prompt filter's memory
             tally.add_round(len(produced.result.rollout), produced.staleness, produced.result.counts,
@@ -390,16 +377,14 @@ class Trainer:
         batch: every rank passes the same one); the update statistics, reduced over ranks."""
         cfg = self.cfg
         timings = Timings() if timings is None else timings
-        loss_mask = batch.rollout.action_mask.clone()  # [N, T] the policy's own tokens
-        if cfg.mask_truncated_completions:
-            loss_mask &= ~batch.rollout.truncated[:, None]
         correct = corrects_sampler(cfg, batch.rollout)
         with timings.stage("logprobs"):
             old_logp = self.logprobs(batch.rollout) if cfg.num_iterations > 1 or correct else None  # [N, T]
             ref_logp = self.logprobs(batch.rollout, reference=True) if self.ref is not None else None  # [N, T]
         is_weights, is_metrics = (sampler_weights(cfg, batch.rollout, D.all_reduce_tensor(self.dist, old_logp))
                                   if correct else (None, {}))  # old_logp summed over ranks: the whole batch
-        update = UpdateBatch(batch.rollout, advantages, loss_mask, old_logp, ref_logp, is_weights, self.step)
+        update = UpdateBatch(batch.rollout, advantages, loss_mask(cfg, batch.rollout), old_logp, ref_logp, is_weights,
+                             self.step)
         stats: dict[str, float] = {}
         skipped = 0  # optimizer steps skipped for a non-finite loss or gradient
         with timings.stage("update"):
@@ -419,12 +404,6 @@ class Trainer:
         to.sync_weights(self.model, self.weights_version)
 
     # ------------------------------------------------------------------ inside the stages
-    def _gather(self, local: StepBatch) -> StepBatch:
-        """Every rank's scored completions, in rank order (= prompt order), on every rank."""
-        if not self.dist.enabled:
-            return local
-        return StepBatch.cat(D.gather_objects(self.dist, local), self.tokenizer.pad_token_id)
-
     def _log_samples(self, batch: StepBatch, advantages: torch.Tensor) -> None:
         """samples.jsonl every logging step; the trackers' completions table every log_completions_steps."""
         cfg = self.cfg
@@ -437,14 +416,17 @@ class Trainer:
 
     # ------------------------------------------------------------------ run health
     def respond_to_alarms(self, metrics: dict[str, Any], progress: Progress | None = None, *,
-                          final: bool = False) -> str | None:
+                          final: bool = False, log: bool = False) -> str | None:
         """Report the pending alarms (console, `alarms` in `metrics`, examples in samples.jsonl) and
         carry out what the guard decides from on_reward_hacking / on_collapse (guard.py): roll back
-        here, or return why the run must stop."""
+        here, or return why the run must stop. `log`: `metrics`, if the alarms filled it, is a row of
+        its own in metrics.jsonl at this step (an eval's alarms)."""
         response = self.guard.respond(self.step, metrics, self.logger, progress, final=final)
         if response.rollback:
             metrics.update(self.rollback())
             self.guard.rolled_back(self.step, metrics, progress)
+        if log and metrics:
+            self.logger.log(self.step, metrics)
         return response.stop
 
     def rollback(self) -> dict[str, float]:

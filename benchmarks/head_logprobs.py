@@ -25,7 +25,8 @@ def worker(args) -> None:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     import grouprl.policy as policy
-    from grouprl.policy import MicroBatch, completion_logprobs
+    from grouprl.micro_batches import MicroBatch
+    from grouprl.policy import completion_logprobs
     from grouprl.rollout import Rollout
 
     torch.set_num_threads(args.threads)

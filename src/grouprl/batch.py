@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from grouprl import distributed as D
 from grouprl.rewards import ProcessRewards, merge_reward_metrics
 from grouprl.rollout import Rollout
 
@@ -38,6 +39,13 @@ class StepBatch:
                          None if self.prompt_index is None else [self.prompt_index[i] for i in r],
                          None if self.stop_reasons is None else [self.stop_reasons[i] for i in r],
                          None if self.tool_calls is None else [self.tool_calls[i] for i in r])
+
+    @staticmethod
+    def gather(dist: D.DistContext, local: StepBatch, pad_token_id: int) -> StepBatch:
+        """Every rank's scored completions, in rank order (= prompt order), on every rank."""
+        if not dist.enabled:
+            return local
+        return StepBatch.cat(D.gather_objects(dist, local), pad_token_id)
 
     @staticmethod
     def cat(parts: list[StepBatch], pad_token_id: int) -> StepBatch:

@@ -212,6 +212,13 @@ class PromptFormatter:
         prompts = rows.pop(prompt_column)
         return PromptBatch(prompts, [self.encode(p) for p in prompts], rows, list(indices))
 
+    def rows(self, rows: Dataset | list[Any], prompt_column: str) -> PromptBatch:
+        """Every row of a dataset, or of a list of rows with the prompt column, or of prompts
+        (strings or chat messages), tokenised."""
+        if not isinstance(rows, Dataset):
+            rows = Dataset.from_list([r if isinstance(r, dict) else {prompt_column: r} for r in rows])
+        return self.batch(rows, list(range(len(rows))), prompt_column)
+
 
 def completion_objects(texts: list[str], conversational: bool) -> list[Any]:
     """Completions as reward functions receive them: strings, or TRL's assistant-message lists."""

@@ -12,7 +12,7 @@ How one step is split over K ranks (K = WORLD_SIZE), and why the update does not
   (`normalizer`) and gradients are summed over ranks (DDP and FSDP2 average them, so each loss is
   multiplied by K), which makes the summed gradient the single-process gradient;
 - DDP and FSDP2 need every rank to run the same number of forward/backward passes: a rank short of
-  micro-batches repeats one with its loss multiplied by 0 (`micro_batch_plan`).
+  micro-batches repeats one with its loss multiplied by 0 (`micro_batches.rank_share`).
 
 FSDP2 (`fully_shard` on each decoder layer, then the root) shards parameters, gradients and
 optimizer state. Generation and the no-grad log-prob passes run at different lengths on different
@@ -132,14 +132,6 @@ def shard_prompts(ctx: DistContext, indices: list[int]) -> list[int]:
     """This rank's contiguous slice of the step's B prompt indices (whole groups on one rank)."""
     per_rank = len(indices) // ctx.world_size
     return indices[ctx.rank * per_rank:(ctx.rank + 1) * per_rank]
-
-
-def micro_batch_plan(ctx: DistContext, micro_batches: list[torch.Tensor]) -> list[tuple[torch.Tensor, float]]:
-    """This rank's share of the global micro-batches (r, r+K, ...) as (rows, loss weight), padded
-    with weight-0 repeats so that every rank runs ceil(M / K) passes."""
-    mine = [(rows, 1.0) for rows in micro_batches[ctx.rank::ctx.world_size]]
-    passes = -(-len(micro_batches) // ctx.world_size)
-    return mine + [(micro_batches[0], 0.0)] * (passes - len(mine))
 
 
 # ---------------------------------------------------------------------- models

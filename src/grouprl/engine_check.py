@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from grouprl.policy import MicroBatch, completion_logprobs
+from grouprl.micro_batches import MicroBatch
+from grouprl.policy import completion_logprobs
 from grouprl.rollout import GenerationEngine, Rollout, SamplingParams
 
 

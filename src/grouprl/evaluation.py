@@ -13,20 +13,48 @@ score is above 0 (as in preflight):
   not vote) is right if a completion that gave it is right.
 Sampled completions use `eval_temperature` (default: the training temperature) and their own
 seeded random stream, so an evaluation never changes what training samples afterwards.
+
+`BestModel` follows `metric_for_best_model` from eval to eval: the best result and its checkpoint.
 """
 
 from __future__ import annotations
 
 import math
 from collections import Counter
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 import torch
 from datasets import Dataset
 
 from grouprl import distributed as D
-from grouprl.config import ConfigError, parse_eval_metric
+from grouprl.batch import StepBatch
+from grouprl.checkpoint import checkpoint_path
+from grouprl.config import ConfigError, TrainConfig, parse_eval_metric
+from grouprl.data import PromptBatch
+from grouprl.rollout.types import Trajectories
 from grouprl.sample_stats import EvalSums
+
+
+class SamplingStages(Protocol):
+    """The trainer's public stages that sample and score (grouprl.trainer.Trainer has them): what
+    evaluation and preflight run, typed, without importing the trainer."""
+
+    cfg: TrainConfig
+    dist: D.DistContext
+
+    def prompts(self, rows: Dataset | list[Any]) -> PromptBatch: ...
+
+    def generate(self, prompts: PromptBatch, *, num_generations: int | None = None, greedy: bool = False,
+                 temperature: float | None = None, generator: torch.Generator | None = None) -> Trajectories: ...
+
+    def score(self, prompts: PromptBatch, trajectories: Trajectories) -> StepBatch: ...
+
+
+class EvalStages(SamplingStages, Protocol):
+    """What `run_evaluation` uses: the sampling stages, and the reward functions' names."""
+
+    reward_names: list[str]
+
 
 def pass_at_k(n: int, c: int, k: int) -> float:
     """Unbiased pass@k from n samples with c right: 1 - C(n-c, k)/C(n, k) (1 when n - c < k)."""
@@ -92,10 +120,9 @@ def accuracy_reward_name(accuracy_reward: str | None, reward_names: list[str]) -
 
 
 @torch.no_grad()
-def run_evaluation(trainer: Any, ds: Dataset, batch_size: int) -> dict[str, float]:
+def run_evaluation(trainer: EvalStages, ds: Dataset, batch_size: int) -> dict[str, float]:
     """`Trainer.evaluate`: greedy and sampled completions of this rank's share of `ds` (every K-th
-    prompt), scored by the trainer's reward functions, summed over ranks. Uses only the trainer's
-    public methods (`prompts`, `generate`, `score`) and attributes (`cfg`, `dist`, `reward_names`)."""
+    prompt), scored by the trainer's reward functions, summed over ranks."""
     cfg = trainer.cfg
     metrics = [parse_eval_metric(m) for m in cfg.eval_metrics]
     greedy, n = any(kind == "greedy" for kind, _ in metrics), cfg.num_generations_eval
@@ -122,17 +149,26 @@ def run_evaluation(trainer: Any, ds: Dataset, batch_size: int) -> dict[str, floa
     return out
 
 
-def best_after(metric: str | None, greater_is_better: bool, best: dict[str, Any] | None, result: dict[str, float],
-               step: int, checkpoint: str) -> dict[str, Any] | None:
-    """metric_for_best_model: the best eval so far after `result` (at `step`, whose checkpoint is
-    `checkpoint`): a new record if it improves on `best` (ties keep the earlier), else `best` itself."""
-    if not metric:
-        return best
-    if metric not in result:
-        raise ConfigError(f"metric_for_best_model={metric!r} is not an eval result; they are "
-                          f"{', '.join(sorted(k for k in result if k not in ('seconds', 'num_samples')))}")
-    value = result[metric]
-    if not math.isfinite(value) or (best is not None and not (
-            value > best["value"] if greater_is_better else value < best["value"])):
-        return best
-    return {"step": step, "metric": metric, "value": value, "checkpoint": checkpoint}
+class BestModel:
+    """metric_for_best_model: the best eval so far, `record` = {step, metric, value, checkpoint}
+    (None before the first eval, and always when no metric is set); checkpoints in `output_dir`."""
+
+    def __init__(self, metric: str | None, greater_is_better: bool, output_dir: str):
+        self.metric, self.greater_is_better, self.output_dir = metric, greater_is_better, output_dir
+        self.record: dict[str, Any] | None = None
+
+    def update(self, result: dict[str, float], step: int) -> bool:
+        """Whether `result`, the eval at `step`, is the best so far: it improves on the record (ties
+        keep the earlier). If so it becomes the record, and the caller writes the step's checkpoint."""
+        if not self.metric:
+            return False
+        if self.metric not in result:
+            raise ConfigError(f"metric_for_best_model={self.metric!r} is not an eval result; they are "
+                              f"{', '.join(sorted(k for k in result if k not in ('seconds', 'num_samples')))}")
+        value, best = result[self.metric], self.record
+        if not math.isfinite(value) or (best is not None and not (
+                value > best["value"] if self.greater_is_better else value < best["value"])):
+            return False
+        self.record = {"step": step, "metric": self.metric, "value": value,
+                       "checkpoint": str(checkpoint_path(self.output_dir, step))}
+        return True

@@ -2,15 +2,16 @@
 
 `RunGuard` sits beside the trainer's loop. After each step (`check`) and each eval (`check_eval`)
 it holds the alarms raised; `respond` prints each with example completions, records it in the
-step's metrics (`alarms`) and in samples.jsonl, and then acts as the config says:
+step's metrics (`alarms`) and in samples.jsonl, and then decides what the run does as the config
+says, as a `Response` that the trainer carries out (the guard never calls the trainer):
 - `on_reward_hacking: warn | stop`, `on_collapse: warn | stop | rollback` (`off`: never raised);
-- `stop` returns the reason, and the trainer ends the run after this step with a checkpoint;
-- `rollback` restores the newest in-memory snapshot taken at least 2 steps before (a collapse
-  alarm looks back 2 steps, so the snapshot of the step before may already hold the damage),
-  multiplies the learning rate by `rollback_lr_factor` (in the scheduler's base rates, so the
-  schedule's shape stays and a checkpoint keeps the scaled rate), and goes on. The step count,
-  the data order and the random streams go on too: the steps since the snapshot are spent, not
-  replayed. After `max_rollbacks` rollbacks the next collapse stops the run.
+- `stop`: the response says why, and the trainer ends the run after this step with a checkpoint;
+- `rollback`: the trainer calls `restore`, which puts back the newest in-memory snapshot taken at
+  least 2 steps before (a collapse alarm looks back 2 steps, so the snapshot of the step before
+  may already hold the damage) and multiplies the learning rate by `rollback_lr_factor` (in the
+  scheduler's base rates, so the schedule's shape stays and a checkpoint keeps the scaled rate);
+  the run goes on. The step count, the data order and the random streams go on too: the steps
+  since the snapshot are spent, not replayed. After `max_rollbacks` rollbacks the next collapse stops the run.
 
 Snapshots (`snapshot`, only with `on_collapse: rollback`): the trainable weights and the optimizer
 state in host memory, at the start and then every `window` steps, two kept. They cost three times
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -34,6 +36,14 @@ from grouprl.optim import scale_learning_rate
 from grouprl.runlog import Progress, RunLogger
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Response:
+    """What the run does about the alarms just reported: go on, stop (`stop`: why), or roll back."""
+
+    stop: str | None = None
+    rollback: bool = False
 
 
 class RunGuard:
@@ -74,13 +84,12 @@ class RunGuard:
         return [a for a in alarms if mode[a.family] != "off"]
 
     def respond(self, step: int, metrics: dict[str, Any], run_logger: RunLogger | None, progress: Progress | None,
-                trainer: Any, *, final: bool = False) -> str | None:
-        """Report the pending alarms and act on them; returns why the run must stop (None: go on).
-        `final`: the run is over (eval_after), so alarms are reported only. `trainer` is asked to
-        roll back (`trainer.rollback()`), which calls `restore` with its model and optimizer."""
+                *, final: bool = False) -> Response:
+        """Report the pending alarms and decide what the run does about them. `final`: the run is
+        over (eval_after), so alarms are reported only."""
         cfg, alarms, self.alarms = self.cfg, self.alarms, []
         if not alarms:
-            return None
+            return Response()
         metrics["alarms"] = [{k: v for k, v in a.record().items() if k != "examples"} for a in alarms]
         for a in alarms:
             self._say("\n".join([a.describe()] + [f"    e.g. {ex['completion']!r} (reward {ex['reward']:.3g})"
@@ -90,19 +99,22 @@ class RunGuard:
         hacking = [a.kind for a in alarms if a.family == "reward_hacking"]
         collapse = [a.kind for a in alarms if a.family == "collapse"]
         if final:
-            return None
+            return Response()
         if hacking and cfg.on_reward_hacking == "stop":
-            return f"reward-hacking alarm {hacking[0]} (on_reward_hacking: stop)"
+            return Response(stop=f"reward-hacking alarm {hacking[0]} (on_reward_hacking: stop)")
         if collapse and cfg.on_collapse == "stop":
-            return f"collapse alarm {collapse[0]} (on_collapse: stop)"
+            return Response(stop=f"collapse alarm {collapse[0]} (on_collapse: stop)")
         if collapse and cfg.on_collapse == "rollback":
             if self.rollbacks >= cfg.max_rollbacks:
-                return f"collapse alarm {collapse[0]} after max_rollbacks={cfg.max_rollbacks} rollbacks"
-            metrics.update(trainer.rollback())
-            self._say(f"step {step}: rolled back to the weights of step {metrics['rollback/to_step']}, learning rate "
-                      f"x{cfg.rollback_lr_factor:g} (rollback {self.rollbacks} of at most {cfg.max_rollbacks})",
-                      progress)
-        return None
+                return Response(stop=f"collapse alarm {collapse[0]} after max_rollbacks={cfg.max_rollbacks} rollbacks")
+            return Response(rollback=True)
+        return Response()
+
+    def rolled_back(self, step: int, metrics: dict[str, Any], progress: Progress | None) -> None:
+        """Say that the trainer carried out a rollback (`metrics` holds what `restore` returned)."""
+        self._say(f"step {step}: rolled back to the weights of step {metrics['rollback/to_step']}, learning rate "
+                  f"x{self.cfg.rollback_lr_factor:g} (rollback {self.rollbacks} of at most {self.cfg.max_rollbacks})",
+                  progress)
 
     def _say(self, text: str, progress: Progress | None) -> None:
         if progress is not None:

@@ -7,6 +7,7 @@ config gives it (core/registry.py); nothing here branches on a variant.
   functions as ``multi_objective_aggregation`` says ("normalize_then_sum", GDPO, reads each
   function's scores);
 - ``policy_loss_params``: every loss knob of the config in one ``LossParams``, built once;
+- ``loss_mask``: the tokens the loss counts;
 - ``corrects_sampler`` / ``sampler_weights``: whether and how the sampler/trainer mismatch is
   corrected (core/importance.py), with the `is/` metrics;
 - ``loss_token_weights``: a micro-batch's token weights for ``policy_loss``: the sampler/trainer
@@ -24,6 +25,7 @@ from grouprl.batch import StepBatch
 from grouprl.config import TrainConfig
 from grouprl.core import (ADVANTAGE_ESTIMATORS, MULTI_OBJECTIVE_AGGREGATIONS, TOKEN_MASKS, AdvantageInputs,
                           LossParams, MaskInputs, importance_weights)
+from grouprl.micro_batches import UpdatePart
 from grouprl.rollout import Rollout
 
 
@@ -56,6 +58,15 @@ def policy_loss_params(cfg: TrainConfig) -> LossParams:
                       sapo_tau_pos=cfg.sapo_temperature_pos, sapo_tau_neg=cfg.sapo_temperature_neg)
 
 
+def loss_mask(cfg: TrainConfig, rollout: Rollout) -> torch.Tensor:
+    """The tokens the loss counts [N, T]: the policy's own (not the context a multi-turn rollout
+    inserted), and none of a truncated completion's with mask_truncated_completions."""
+    mask = rollout.action_mask.clone()  # [N, T]
+    if cfg.mask_truncated_completions:
+        mask &= ~rollout.truncated[:, None]
+    return mask
+
+
 def corrects_sampler(cfg: TrainConfig, rollout: Rollout) -> bool:
     """Whether the sampler/trainer mismatch is corrected: by default whenever the engine returned
     the log-probs it sampled with (Rollout.sampling_logp; config validation requires use_vllm when
@@ -81,22 +92,17 @@ def enabled_token_masks(cfg: TrainConfig) -> dict[str, float]:
     return {name: value for name, value in settings.items() if value is not None}
 
 
-def loss_token_weights(cfg: TrainConfig, rollout: Rollout, rows: torch.Tensor, logp: torch.Tensor,
-                       entropy: torch.Tensor | None, mask: torch.Tensor, advantages: torch.Tensor,
-                       old_logp: torch.Tensor | None, is_weights: torch.Tensor | None
-                       ) -> tuple[torch.Tensor | None, dict[str, float]]:
-    """Token weights [n, T'] for the micro-batch ``rows`` (None when nothing re-weights), and stats
-    (``<mask>/dropped_frac``: the fraction of real tokens each enabled token mask dropped).
-    logp, entropy, mask  # [n, T'] on the model's device; advantages  # [n] (or [n, T]); old_logp, is_weights,
-    rollout.sampling_logp  # [N, T] for the whole batch (CPU)."""
-    T, dev = logp.shape[1], logp.device
-    weights = is_weights[rows, :T].to(dev) if is_weights is not None else None  # [n, T']
+def loss_token_weights(cfg: TrainConfig, logp: torch.Tensor, entropy: torch.Tensor | None,
+                       part: UpdatePart) -> tuple[torch.Tensor | None, dict[str, float]]:
+    """Token weights [n, T'] for one pass's `part` of the update batch (None when nothing re-weights),
+    and stats (``<mask>/dropped_frac``: the fraction of real tokens each enabled token mask dropped).
+    logp, entropy  # [n, T'] on the model's device, from this pass."""
+    weights = part.is_weights  # [n, T']
     masks = enabled_token_masks(cfg)
     if not masks:
         return weights, {}
-    sampler = rollout.sampling_logp if rollout.sampling_logp is not None else old_logp  # [N, T]; None: on-policy
-    inputs = MaskInputs(logp, mask, advantages[:, :T] if advantages.dim() == 2 else advantages, entropy,
-                        None if sampler is None else sampler[rows, :T].to(dev))  # entropy from this pass
+    mask = part.loss_mask  # [n, T']
+    inputs = MaskInputs(logp, mask, part.advantages, entropy, part.sampler_logp())  # sampler None: on-policy
     stats: dict[str, float] = {}
     n_real = max(int(mask.sum()), 1)
     for name, value in masks.items():

@@ -55,11 +55,6 @@ class PackedLayout:
         return self.input_ids.shape[1]
 
 
-def packed_tokens(prompt_lens: list[int], completion_lens: list[int], prompt_index: list[int]) -> int:
-    """The length S of the packed row: each distinct prompt once, plus every completion."""
-    return sum(prompt_lens[j] for j in set(prompt_index)) + sum(completion_lens)
-
-
 def pack(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, prompt_index: torch.Tensor,
          completion_ids: torch.Tensor, completion_mask: torch.Tensor, device: torch.device) -> PackedLayout:
     """The packed row of a micro-batch: `prompt_ids/prompt_mask  # [u, P']` left-padded,

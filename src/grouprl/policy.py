@@ -1,10 +1,10 @@
 """The policy and reference models: loading, LoRA, and the log-prob forward pass.
 
-The forward pass computes logits only for the positions that predict completion tokens
-(`logits_to_keep`), trims each micro-batch to its own longest prompt and completion, runs each
-distinct prompt of a micro-batch once (its G completions share its KV cache, see
-`completion_logprobs`), and turns logits into per-token log-probs with `core.token_logprobs`,
-which never materialises a full log-softmax copy of the logits.
+The forward pass reads a `MicroBatch` (micro_batches.py plans them, each trimmed to its own
+longest prompt and completion), computes logits only for the positions that predict completion
+tokens (`logits_to_keep`), runs each distinct prompt of a micro-batch once (its G completions
+share its KV cache, see `completion_logprobs`), and turns logits into per-token log-probs with
+`core.token_logprobs`, which never materialises a full log-softmax copy of the logits.
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ import contextlib
 import copy
 import importlib.util
 import os
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -23,7 +22,7 @@ from grouprl import packing
 from grouprl.config import ConfigError
 from grouprl.core import head_logprobs, token_logprobs, token_logprobs_and_entropy
 from grouprl.lora import adapter_disabled, add_adapter, base_model, is_peft_model
-from grouprl.rollout import Rollout, same_prompt_ids
+from grouprl.micro_batches import MicroBatch
 
 
 def resolve_model_path(name: str) -> str:
@@ -195,82 +194,6 @@ class Reference:
     @property
     def forward_model(self) -> torch.nn.Module:
         return self.policy if self.uses_adapter else self.model
-
-
-@dataclass
-class MicroBatch:
-    """A slice of a rollout, trimmed to its own longest prompt and completion. Each distinct
-    prompt is stored once (u <= n): `prompt_index` says which one a completion continues."""
-
-    prompt_ids: torch.Tensor       # [u, P'] left-padded
-    prompt_mask: torch.Tensor      # [u, P']
-    prompt_index: torch.Tensor     # [n] row -> its prompt
-    completion_ids: torch.Tensor   # [n, T']
-    completion_mask: torch.Tensor  # [n, T'] bool
-    rows: torch.Tensor             # [n] rows of the rollout
-
-    @staticmethod
-    def from_rollout(rollout: Rollout, rows: torch.Tensor, share_min_tokens: int | None = None) -> MicroBatch:
-        """`share_min_tokens`: store each distinct prompt once when that saves the forward pass at
-        least this many tokens (n*P' - u*(P'-1)); None never does."""
-        pm, cm = rollout.prompt_mask[rows], rollout.completion_mask[rows]  # [n, P], [n, T]
-        pids = rollout.prompt_ids[rows]
-        start = int((pm.sum(0) > 0).nonzero()[0]) if pm.any() else 0  # drop all-padding columns
-        pids, pm = pids[:, start:], pm[:, start:]  # [n, P']
-        T = max(1, int(cm.sum(-1).max()))
-        n, index = len(rows), torch.arange(len(rows))
-        if share_min_tokens is not None:
-            inverse = same_prompt_ids(pids, pm)  # [n]
-            u, width = int(inverse.max()) + 1, pids.shape[1]
-            if u < n and n * width - u * (width - 1) >= share_min_tokens:
-                first = torch.full((u,), n, dtype=torch.long).scatter_reduce(0, inverse, index, "amin")  # [u]
-                pids, pm, index = pids[first], pm[first], inverse
-        return MicroBatch(pids, pm, index, rollout.completion_ids[rows, :T], cm[:, :T], rows)
-
-    def num_tokens(self, packed: bool) -> int:
-        """Tokens the pass computes: packed, the real ones (each distinct prompt once); padded, n x (P' + T')."""
-        if packed:
-            return packing.packed_tokens(self.prompt_mask.sum(-1).tolist(), self.completion_mask.sum(-1).tolist(),
-                                         self.prompt_index.tolist())
-        return len(self.completion_ids) * (self.prompt_ids.shape[1] + self.completion_ids.shape[1])
-
-    @property
-    def input_ids(self) -> torch.Tensor:
-        return torch.cat([self.prompt_ids[self.prompt_index], self.completion_ids], dim=1)  # [n, P'+T']
-
-    @property
-    def attention_mask(self) -> torch.Tensor:
-        return torch.cat([self.prompt_mask[self.prompt_index], self.completion_mask.long()], dim=1)
-
-
-def plan_micro_batches(rollout: Rollout, order: torch.Tensor, max_rows: int, max_tokens: int | None = None,
-                       packed: bool = False) -> tuple[list[torch.Tensor], int]:
-    """`order  # [N]` cut into micro-batches of consecutive rows: at most `max_rows` rows, and with
-    `max_tokens`, at most that many tokens as a pass computes them: padded, rows x (longest prompt
-    + longest completion) of the micro-batch; `packed`, its real tokens, each distinct prompt once
-    (`packing.packed_tokens`). A row whose own prompt and completion exceed `max_tokens` forms a
-    micro-batch alone. Returns the micro-batches and how many rows ran alone for being over the budget."""
-    if max_tokens is None:
-        return list(order.split(max_rows)), 0
-    prompt_len = rollout.prompt_mask.sum(-1)[order].tolist()  # [N] in `order`
-    completion_len = rollout.completion_mask.sum(-1).clamp(min=1)[order].tolist()
-    group = rollout.prompt_groups()[order].tolist() if packed else [None] * len(order)
-    batches, start, over = [], 0, 0
-    tokens = p_max = t_max = 0  # the current micro-batch's cost and longest prompt and completion
-    seen: set = set()  # its prompt groups (packed: each prompt is paid once)
-    for i, (p, t, g) in enumerate(zip(prompt_len, completion_len, group)):
-        if packed:
-            cost = tokens + t + (p if g not in seen else 0)
-        else:
-            cost = (i - start + 1) * (max(p_max, p) + max(t_max, t))
-        if i > start and (i - start == max_rows or cost > max_tokens):
-            batches.append(order[start:i])
-            start, seen, p_max, t_max, cost = i, set(), 0, 0, p + t  # the row opens the next one
-        tokens, p_max, t_max = cost, max(p_max, p), max(t_max, t)
-        seen.add(g)
-        over += p + t > max_tokens
-    batches.append(order[start:])
-    return batches, over
 
 
 @contextlib.contextmanager

@@ -51,13 +51,16 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
+from datasets import Dataset
 
 from grouprl import distributed as D
 from grouprl.batch import StepBatch
 from grouprl.core import zero_std_groups
+from grouprl.evaluation import SamplingStages
+from grouprl.rollout import Rollout
 
 PASS_ABOVE = 0.0  # a score above this is a pass (module docstring: why not "the best score seen")
 GROUP_SIZES = (4, 8, 16, 32)  # predicted zero-variance shares are reported at these G (and the config's)
@@ -145,6 +148,16 @@ class Samples:
     forward_s: float                   # one log-prob pass over the first chunk's completions
 
 
+class PreflightStages(SamplingStages, Protocol):
+    """What preflight uses of the trainer (grouprl.trainer.Trainer; only the cli imports it): the
+    sampling stages, the training set, the tokenizer's padding and the no-grad log-prob pass."""
+
+    train_ds: Dataset
+    tokenizer: Any  # a transformers tokenizer: its pad_token_id
+
+    def logprobs(self, rollout: Rollout, *, reference: bool = False) -> torch.Tensor: ...
+
+
 def check_counts(num_prompts: int, samples_per_prompt: int | None, G: int) -> int:
     """The samples per prompt (default G), after checking both counts."""
     if num_prompts < 1:
@@ -157,10 +170,9 @@ def check_counts(num_prompts: int, samples_per_prompt: int | None, G: int) -> in
     return n
 
 
-def sample(trainer: Any, num_prompts: int, samples_per_prompt: int | None = None) -> Samples:
+def sample(trainer: PreflightStages, num_prompts: int, samples_per_prompt: int | None = None) -> Samples:
     """n completions each (default G), scored, for `num_prompts` training prompts drawn with the
-    config's seed (the trainer's prompt sampler is left alone), in chunks of prompts_per_step.
-    `trainer` is a grouprl Trainer (not imported: only the cli imports the trainer)."""
+    config's seed (the trainer's prompt sampler is left alone), in chunks of prompts_per_step."""
     cfg, dist, ds = trainer.cfg, trainer.dist, trainer.train_ds
     samples = check_counts(num_prompts, samples_per_prompt, cfg.num_generations)
     n = min(num_prompts, len(ds))
@@ -301,7 +313,7 @@ def recommendations(report: dict[str, Any], temperature: float) -> list[dict[str
 
 
 # ---------------------------------------------------------------------- running and writing
-def run(trainer: Any, num_prompts: int = 64, samples_per_prompt: int | None = None) -> dict[str, Any]:
+def run(trainer: PreflightStages, num_prompts: int = 64, samples_per_prompt: int | None = None) -> dict[str, Any]:
     """Sample, summarise, and (rank 0) write preflight.json and preflight.png into output_dir;
     returns the report (the same on every rank)."""
     report = summarize(sample(trainer, num_prompts, samples_per_prompt), trainer.cfg)

@@ -135,6 +135,12 @@ class RunLogger:
         plt.close(fig)
         return out
 
+    def finish(self, summary: dict[str, Any]) -> None:
+        """The end of a run: summary.json, the curves, and the trackers closed."""
+        self.write_json("summary.json", summary)
+        self.plot_curves()
+        self.close()
+
     def close(self) -> None:
         for t in list(self.trackers):
             self._guard(t.name, t.finish, "finish")

@@ -1,6 +1,6 @@
 """The GRPO training loop.
 
-`Trainer.train_step` is one step, one call per stage (DESIGN.md's data path):
+`Trainer.train_step` is one step, one call per stage (docs/architecture.md's data path):
 
     sample_batch  -> generate (engine, turns) -> score (rewards) [-> more rounds: DAPO dynamic sampling]
     advantages    -> group-relative, per completion or per token (objective.step_advantages)
@@ -9,7 +9,10 @@
 
 Each stage is a public method, so a script can run any of them alone: `generate(prompts, greedy=True)`
 and `score(prompts, trajectories)` sample and score with the current policy, `evaluate(dataset)`
-runs the eval, `logprobs(rollout)` scores tokens under the policy or the reference.
+runs the eval, `logprobs(rollout)` scores tokens under the policy or the reference. What a stage
+calls lives with its owner: rollout_source.py (prompts, the producer), scoring.py, update.py and
+micro_batches.py, evaluation.py (the best model too), guard.py (what an alarm asks for),
+training_state.py (what a checkpoint holds).
 
 Deliberate choices:
 - with num_iterations = 1 the sampling policy is the current one, so `old_logp = logp.detach()`
@@ -17,32 +20,25 @@ Deliberate choices:
   when the rollout carries the sampler's own log-probs (vLLM) and the importance-sampling correction
   compares them with the trainer's (core/importance.py);
 - reference log-probs are computed only when beta > 0, and no reference model exists otherwise;
-- each of the num_iterations passes is one optimizer step over the whole batch, split into
-  length-sorted micro-batches whose loss normaliser is the count of the whole batch, so the
-  accumulated gradient equals the full-batch gradient for every aggregation mode (update.py does
-  the passes and the optimizer steps);
+- each of the num_iterations passes is one optimizer step over the whole batch: its micro-batches
+  add up to the full-batch gradient for every aggregation mode, and a step whose loss or gradient
+  norm is not finite is skipped, the scheduler still stepping (update.py, `skipped_nonfinite`);
 - the loss parameters are built once from the config (objective.policy_loss_params, a frozen
   dataclass validated at construction), not on every micro-batch;
-- synchronous rollouts are generated inline; only `async_rollouts` with max_staleness > 0 goes
-  through the background producer (rollout/producer.py);
+- rollouts are generated inline by the `generate` stage; with `async_rollouts` (max_staleness > 0)
+  a background thread generates them ahead (rollout_source.py);
 - under torchrun each rank generates and scores whole groups, then the scored batch is gathered
   so every rank computes advantages and DAPO decisions on the global batch and runs its share of
   the micro-batches (grouprl/distributed.py explains why the update does not depend on K);
-- an optimizer step whose loss or gradient norm is not finite is skipped (weights and optimizer
-  state unchanged, one warning, `skipped_nonfinite` in the metrics); the scheduler still steps, so
-  the learning rate stays a function of the step;
 - a first SIGTERM or SIGINT ends the run after the current step with a checkpoint (signals.py).
 """
 
 from __future__ import annotations
 
 import contextlib
-import copy
-import json
 import logging
 import random
 import signal
-import threading
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -54,32 +50,34 @@ from datasets import Dataset
 
 from grouprl import distributed as D
 from grouprl.batch import StepBatch
-from grouprl.checkpoint import (checkpoint_path, latest_checkpoint, load_checkpoint, read_checkpoint,
-                                restore_rng_states, rng_states, save_checkpoint)
-from grouprl.config import ConfigError, TrainConfig, changed_settings
-from grouprl.core import overlong_penalty, zero_std_groups
-from grouprl.data import PromptBatch, PromptFormatter, PromptSampler, completion_objects, load_datasets
-from grouprl.evaluation import best_after, run_evaluation
+from grouprl.checkpoint import checkpoint_path, latest_checkpoint
+from grouprl.config import ConfigError, TrainConfig
+from grouprl.core import zero_std_groups
+from grouprl.data import PromptBatch, PromptFormatter, PromptSampler, load_datasets
+from grouprl.evaluation import BestModel, run_evaluation
 from grouprl.guard import RunGuard
-from grouprl.objective import corrects_sampler, policy_loss_params, sampler_weights, step_advantages
-from grouprl.optim import make_optimizer, scale_learning_rate
-from grouprl.packing import supports_packing
+from grouprl.objective import corrects_sampler, loss_mask, policy_loss_params, sampler_weights, step_advantages
+from grouprl.optim import make_optimizer
 from grouprl.memory import checkpoint_mode, token_budget
-from grouprl.policy import Reference, can_share_prompts, check_model_source, load_policy, load_tokenizer
+from grouprl.micro_batches import UpdateBatch
+from grouprl.policy import Reference, check_model_source, load_policy, load_tokenizer
 from grouprl.precision import describe_precision, resolve_bf16
 from grouprl.preflight import run as run_preflight
 from grouprl.prompt_filter import PromptFilter
-from grouprl.rewards import RewardScores, process_rewards, resolve_reward_spec, sandbox_mechanism, score_completions
+from grouprl.rewards import resolve_reward_spec, sandbox_mechanism
 from grouprl.rollout import Rollout, SamplingParams
 from grouprl.rollout.factory import make_engine, make_rollouts, resolve_multiturn
-from grouprl.rollout.producer import Produced, RolloutProducer
 from grouprl.rollout.types import Trajectories
+from grouprl.rollout_source import PromptDraw, make_producer
 from grouprl.runlog import Progress, RunLogger, run_metadata
 from grouprl.sample_stats import SampleTally, batch_metrics, completion_rows
+from grouprl.scoring import score_trajectories
 from grouprl.signals import StopSignals, TrainingStopped
 from grouprl.timings import Timings
 from grouprl.trackers import missing_tracker_packages
-from grouprl.update import PolicyUpdate
+from grouprl.training_state import (LoopState, TrainingParts, load_trainable_weights, restore_training_state,
+                                    save_training_state)
+from grouprl.update import make_policy_update
 
 logger = logging.getLogger(__name__)
 
@@ -159,16 +157,9 @@ class Trainer:
         self.train_model = D.wrap_model(self.model, self.dist, cfg.distributed_strategy)
         if D.is_sharded(self.model) and self.ref is not None and self.ref.model is not None:
             D.shard_model(self.ref.model)
-        packed = cfg.padding_free and supports_packing(self.model)  # packing.py: no padding computed
-        if cfg.padding_free and not packed and self.dist.is_main:
-            logger.info("padding_free: the model's attention (%s) cannot run packed: passes run padded",
-                        getattr(self.model.config, "_attn_implementation", None))
-        # padded passes: FSDP2 frees the gathered weights after each forward, which the prompt pass's graph needs
-        shared = cfg.share_prompt_forward and can_share_prompts(self.model) and not D.is_sharded(self.model)
-        share_min_tokens = 0 if packed else cfg.share_prompt_min_tokens if shared else None
-        self.updater = PolicyUpdate(self.model, self.train_model, self.dist, autocast=self.autocast, packed=packed,
-                                    share_min_tokens=share_min_tokens, auto_budget=auto_budget,
-                                    checkpoint_over_budget=checkpointing == "over_budget")  # update.py
+        self.updater = make_policy_update(cfg, self.model, self.train_model, self.dist, autocast=self.autocast,
+                                          auto_budget=auto_budget,
+                                          checkpoint_over_budget=checkpointing == "over_budget")  # update.py
         self.formatter = PromptFormatter(self.tokenizer, max_prompt_length=cfg.max_prompt_length,
                                          tools=[t.schema for t in self.tools.values()])
         self.engine = make_engine(cfg, self.model, self.tokenizer, self.dist, self.autocast)
@@ -177,22 +168,25 @@ class Trainer:
         self.weights_version = 0  # grows with every change of the policy's weights (engine sync)
         self.sampling = SamplingParams(cfg.max_completion_length, cfg.temperature, cfg.top_p, cfg.top_k,
                                        cfg.ignore_eos)
-        self.rollouts = (RolloutProducer(self.engine, self._draw_prompts, self._producer_generate(), cfg.max_staleness,
-                                         partial=cfg.partial_rollouts)
-                         if cfg.async_rollouts and cfg.max_staleness else None)  # rollout/producer.py
 
         self.optimizer, self.scheduler = make_optimizer(cfg, self.model)  # optim.py
         self.sampler = PromptSampler(len(self.train_ds), cfg.seed)
         self.prompt_filter = (PromptFilter(len(self.train_ds), history=cfg.prompt_filter_history,
                                            revisit=cfg.prompt_filter_revisit, seed=cfg.seed)
                               if cfg.prompt_filter else None)  # prompt_filter.py: skip settled prompts
-        self._draw_lock = threading.Lock()  # the async producer draws prompts while the loop records groups
         self.generator = torch.Generator().manual_seed(cfg.seed + self.dist.rank)  # own samples per rank
+        self.draw = PromptDraw(self.sampler, self.prompt_filter, self.formatter, self.train_ds, self.dist,
+                               prompts_per_step=cfg.prompts_per_step, prompt_column=cfg.prompt_column)
+        # inline with the `generate` stage (looked up at each call), or generated ahead (async_rollouts)
+        self.rollouts = make_producer(cfg, self.engine, self.draw, lambda prompts: self.generate(prompts),
+                                      model=self.model, tokenizer=self.tokenizer, tools=self.tools,
+                                      environment=self.environment, sampling=self.sampling,
+                                      generator=self.generator)  # rollout_source.py
         self.step = 0
         self.evals: dict[str, Any] = {}
         self.logger: RunLogger | None = None  # train() opens it; train_step alone writes nothing
         self._eval_pending = False  # a signal stopped the run before the eval due at this step
-        self.best: dict[str, Any] | None = None  # metric_for_best_model: {step, metric, value, checkpoint}
+        self.best = BestModel(cfg.metric_for_best_model, cfg.greater_is_better, cfg.output_dir)  # evaluation.py
 
     @property
     def cfg(self) -> TrainConfig:
@@ -240,14 +234,11 @@ class Trainer:
                         self._eval_pending = self._eval_due()
                         break
                     if self._eval_due():
-                        if self._track_best(self._log_eval(self.step, progress)):
+                        if self.best.update(self._log_eval(self.step, progress), self.step):
                             self.save()  # the best so far: kept whatever save_total_limit says
                             saved = self.step
-                        if reason := self.respond_to_alarms(alarm_row := {}, progress):  # eval_divergence
-                            self.logger.log(self.step, alarm_row)
+                        if reason := self.respond_to_alarms({}, progress, log=True):  # eval_divergence
                             break
-                        if alarm_row:
-                            self.logger.log(self.step, alarm_row)
                     if cfg.save_steps and self.step % cfg.save_steps == 0 and self.step < cfg.max_steps:
                         self.save()
                         saved = self.step
@@ -256,38 +247,19 @@ class Trainer:
                     self._stop(signum, progress, saved, reason)
             if self.eval_ds is not None:
                 self.evals["eval_after"] = self._log_eval(self.step, progress)
-                self._track_best(self.evals["eval_after"])  # the checkpoint below is then the best
-                self.respond_to_alarms(alarm_row := {}, progress, final=True)  # the run is over: reported only
-                if alarm_row:
-                    self.logger.log(self.step, alarm_row)
+                self.best.update(self.evals["eval_after"], self.step)  # its checkpoint is written below
+                self.respond_to_alarms({}, progress, final=True, log=True)  # the run is over: reported only
         progress.close()
         self.save()
         summary = self.logger.summary(self.step, self.evals)
-        if self.best is not None:
-            summary["best_checkpoint"] = self.best
+        if self.best.record is not None:
+            summary["best_checkpoint"] = self.best.record
             if self.cfg.load_best_model_at_end:
-                self._load_weights(self.best["checkpoint"])
-        self.logger.write_json("summary.json", summary)
-        self.logger.plot_curves()
-        self.logger.close()
+                load_trainable_weights(self.best.record["checkpoint"], self.model)  # training_state.py
+                self.weights_version += 1
+                self.sync_weights()
+        self.logger.finish(summary)
         return summary
-
-    def _track_best(self, result: dict[str, float]) -> bool:
-        """metric_for_best_model: whether this eval (at self.step) is the best so far; if so it is
-        recorded (`self.best`), and the caller writes its checkpoint."""
-        best = best_after(self.cfg.metric_for_best_model, self.cfg.greater_is_better, self.best, result, self.step,
-                          str(checkpoint_path(self.cfg.output_dir, self.step)))
-        changed, self.best = best is not self.best, best
-        return changed
-
-    def _load_weights(self, checkpoint: str) -> None:
-        """The trainable weights of a checkpoint into the policy (load_best_model_at_end)."""
-        if D.is_sharded(self.model):
-            D.load_full_state(self.model, read_checkpoint(checkpoint)[0])
-        else:
-            load_checkpoint(checkpoint, self.model)
-        self.weights_version += 1
-        self.sync_weights()
 
     def _eval_due(self) -> bool:
         """The periodic eval runs after this step (not after the last: eval_after does)."""
@@ -301,10 +273,7 @@ class Trainer:
         `TrainingStopped`. No eval_after: the run is not over, and a preempted run has little time."""
         progress.close()
         path = checkpoint_path(self.cfg.output_dir, self.step) if saved == self.step else self.save()
-        summary = {**self.logger.summary(self.step, self.evals), "stopped_by": reason or signum.name}
-        self.logger.write_json("summary.json", summary)
-        self.logger.plot_curves()
-        self.logger.close()
+        self.logger.finish({**self.logger.summary(self.step, self.evals), "stopped_by": reason or signum.name})
         raise TrainingStopped(None if reason else signum, self.step, path, reason)
 
     def train_step(self) -> dict[str, Any]:
@@ -320,7 +289,7 @@ class Trainer:
                 self.sync_weights()  # the engine samples the new policy from the next step on
             if self.cfg.ref_update_steps and self.ref is not None and self.step % self.cfg.ref_update_steps == 0:
                 self.ref.reset(self.model)
-        metrics.update(self.check_health(batch, metrics))  # audit scores and health/*; alarms wait in the guard
+        metrics.update(self.guard.check(self.step, batch, metrics))  # audit scores, health/*; alarms wait in the guard
         self._log_samples(batch, advantages)
         return {**batch_metrics(batch, advantages), **metrics, "lr": self.scheduler.get_last_lr()[0], **timings}
 
@@ -328,10 +297,7 @@ class Trainer:
     def prompts(self, rows: Dataset | list[Any]) -> PromptBatch:
         """Tokenised prompts from dataset rows (or a list of rows with the prompt column, or of
         prompts: strings or chat messages), formatted as in training."""
-        if not isinstance(rows, Dataset):
-            col = self.cfg.prompt_column
-            rows = Dataset.from_list([r if isinstance(r, dict) else {col: r} for r in rows])
-        return self.formatter.batch(rows, list(range(len(rows))), self.cfg.prompt_column)
+        return self.formatter.rows(rows, self.cfg.prompt_column)
 
     def generate(self, prompts: PromptBatch, *, num_generations: int | None = None, greedy: bool = False,
                  temperature: float | None = None, generator: torch.Generator | None = None) -> Trajectories:
@@ -355,32 +321,10 @@ class Trainer:
 
     def score(self, prompts: PromptBatch, trajectories: Trajectories) -> StepBatch:
         """The reward functions on `trajectories` of `prompts` (reward functions see a multi-turn
-        rollout's messages and `env_reward`), weighted and shaped as configured."""
-        cfg, rollout = self.cfg, trajectories.rollout
-        G = len(rollout) // len(prompts.prompts)
-        ids = rollout.token_lists()  # [N][T_i]
-        texts = self.tokenizer.batch_decode(ids, skip_special_tokens=True)
-        per_prompt = [p for p in prompts.prompts for _ in range(G)]
-        cols = {k: [v for v in vals for _ in range(G)] for k, vals in prompts.columns.items()}
-        cols.update(completion_ids=ids, completion_lengths=[len(x) for x in ids])
-        cols.update(trajectories.reward_columns())
-        completions = trajectories.messages or completion_objects(texts, prompts.conversational)
-        scores: RewardScores = score_completions(
-            self.reward_funcs, cfg.reward_weights, per_prompt, completions,
-            cols, timeout_s=cfg.reward_timeout_s, fallback=cfg.reward_fallback, step_delimiter=cfg.step_delimiter)
-        shaping = (overlong_penalty(rollout.lengths, cfg.max_completion_length, cfg.overlong_cache_len)
-                   if cfg.overlong_shaping else None)  # [N]
-        rewards = scores.total.float() if shaping is None else scores.total.float() + shaping  # [N]
-        steps = process_rewards(scores.steps, scores.per_func, cfg.reward_weights, ids, texts, self.tokenizer,
-                                shaping, estimator=cfg.advantage_estimator)
-        audit = score_completions(self.audit_funcs, None, per_prompt, completions, cols, timeout_s=cfg.reward_timeout_s,
-                                  fallback=cfg.reward_fallback).per_func if self.audit_funcs else {}
-        index = None if prompts.indices is None else [i for i in prompts.indices for _ in range(G)]
-        calls = None if trajectories.messages is None else [
-            [f"{c['function']['name']}({json.dumps(c['function']['arguments'])})"
-             for m in msgs for c in m.get("tool_calls", [])] for msgs in trajectories.messages]
-        return StepBatch(rollout, per_prompt, texts, rewards, scores.per_func, scores.metrics, steps, audit, index,
-                         trajectories.stop_reasons, calls)
+        rollout's messages and `env_reward`), weighted and shaped as configured; the audit functions
+        beside them."""
+        return score_trajectories(self.cfg, self.tokenizer, self.reward_funcs, self.audit_funcs, prompts,
+                                  trajectories)  # scoring.py
 
     def sample_batch(self, timings: Timings | None = None) -> tuple[StepBatch, dict[str, float]]:
         """The step's scored completions, gathered over ranks, and the sampling metrics. With
@@ -391,14 +335,13 @@ class Trainer:
         tally, kept = SampleTally(), []
         while True:
             with timings.stage("generate"):  # async: the wait for a batch generated during the last update
-                produced = self._next_rollout()
+                produced = self.rollouts.next()  # this rank's prompts and their trajectories
             timings.add("generate_engine", produced.seconds)  # the engine's own time on it
             with timings.stage("reward"):
-                batch = self._gather(self.score(produced.prompts, produced.result))  # global batch
+                local = self.score(produced.prompts, produced.result)
+                batch = StepBatch.gather(self.dist, local, self.tokenizer.pad_token_id)  # the global batch
             flat = zero_std_groups(batch.rewards, G)  # [B]
-            if self.prompt_filter is not None:
-                with self._draw_lock:
-                    self.prompt_filter.record(batch.prompt_index[::G], flat.tolist())
+            self.draw.record(batch.prompt_index, flat, G)  # the prompt filter's memory
             tally.add_round(len(produced.result.rollout), produced.staleness, produced.result.counts,
                             int(flat.sum()), len(flat), produced.overlapped)
             if not cfg.dynamic_sampling:
@@ -413,11 +356,7 @@ class Trainer:
             kept = [batch]
         metrics = tally.metrics(D.all_reduce_sums(self.dist, tally.counts), cfg.dynamic_sampling,
                                 partial=cfg.partial_rollouts)
-        if self.prompt_filter is not None:
-            metrics.update({"prompt_filter/skipped": self.prompt_filter.skipped,
-                            "prompt_filter/rollouts_saved": self.prompt_filter.skipped * G,
-                            "prompt_filter/settled": self.prompt_filter.num_settled})
-        return StepBatch.cat(kept, self.tokenizer.pad_token_id), metrics
+        return StepBatch.cat(kept, self.tokenizer.pad_token_id), {**metrics, **self.draw.metrics(G)}
 
     def advantages(self, batch: StepBatch) -> torch.Tensor:
         """Advantages of a scored (global) batch: [N], or [N, T] (per token) under process supervision."""
@@ -439,22 +378,20 @@ class Trainer:
         batch: every rank passes the same one); the update statistics, reduced over ranks."""
         cfg = self.cfg
         timings = Timings() if timings is None else timings
-        loss_mask = batch.rollout.action_mask.clone()  # [N, T] the policy's own tokens
-        if cfg.mask_truncated_completions:
-            loss_mask &= ~batch.rollout.truncated[:, None]
         correct = corrects_sampler(cfg, batch.rollout)
         with timings.stage("logprobs"):
             old_logp = self.logprobs(batch.rollout) if cfg.num_iterations > 1 or correct else None  # [N, T]
             ref_logp = self.logprobs(batch.rollout, reference=True) if self.ref is not None else None  # [N, T]
         is_weights, is_metrics = (sampler_weights(cfg, batch.rollout, D.all_reduce_tensor(self.dist, old_logp))
                                   if correct else (None, {}))  # old_logp summed over ranks: the whole batch
+        update = UpdateBatch(batch.rollout, advantages, loss_mask(cfg, batch.rollout), old_logp, ref_logp, is_weights,
+                             self.step)
         stats: dict[str, float] = {}
         skipped = 0  # optimizer steps skipped for a non-finite loss or gradient
         with timings.stage("update"):
             for it in range(cfg.num_iterations):  # the first pass's entropy is the one reported
-                step = self.updater.optimizer_step(self.optimizer, self.scheduler, cfg, self.loss_params, self.step,
-                                                   batch.rollout, advantages, loss_mask, old_logp, ref_logp,
-                                                   is_weights, with_entropy=it == 0 or cfg.top_entropy_quantile < 1)
+                step = self.updater.optimizer_step(update, self.optimizer, self.scheduler, cfg, self.loss_params,
+                                                   with_entropy=it == 0 or cfg.top_entropy_quantile < 1)
                 stepped = not step.pop("skipped_nonfinite")
                 skipped += not stepped
                 self.weights_version += stepped  # the engine's copy is stale once the weights moved
@@ -463,54 +400,11 @@ class Trainer:
 
     def sync_weights(self) -> None:
         """Send the policy's current weights to an engine that keeps its own copy (vLLM); async
-        mode first waits for the batches being generated."""
-        if self.rollouts is not None:
-            self.rollouts.sync_weights(self.model, self.weights_version)
-        else:
-            self.engine.sync_weights(self.model, self.weights_version)
+        mode first waits for the batches being generated (rollout/producer.py)."""
+        to = self.rollouts if self.rollouts.depth else self.engine  # inline: the engine `generate` uses
+        to.sync_weights(self.model, self.weights_version)
 
     # ------------------------------------------------------------------ inside the stages
-    def _next_rollout(self) -> Produced:
-        """This rank's next prompts and their trajectories: generated now (synchronous), or taken
-        from the background producer (async_rollouts)."""
-        if self.rollouts is not None:
-            return self.rollouts.next()
-        prompts = self._draw_prompts()
-        t0 = time.perf_counter()
-        trajectories = self.generate(prompts)
-        return Produced(prompts, trajectories, 0, time.perf_counter() - t0)
-
-    def _producer_generate(self) -> Callable[[PromptBatch], Trajectories]:
-        """What the background producer samples with. A multi-turn driver tokenises tool and
-        environment messages as it goes, and a Hugging Face tokenizer must not be used by two
-        threads at once: the producer's driver gets a tokenizer (and prompt encoder) of its own,
-        while the trainer's thread keeps `self.turns` for evaluation and preflight."""
-        turns = self.turns
-        if self.tools or self.environment is not None:
-            tok = copy.deepcopy(self.tokenizer)
-            encoder = PromptFormatter(tok, max_prompt_length=self.cfg.max_prompt_length,
-                                      tools=[t.schema for t in self.tools.values()])
-            turns = make_rollouts(self.cfg, self.model, tok, encoder, self.tools, self.environment)
-
-        def generate(prompts: PromptBatch) -> Trajectories:
-            return turns.generate(self.engine, prompts.prompt_ids, self.cfg.num_generations, self.sampling,
-                                  self.generator, prompts=prompts.prompts, columns=prompts.columns)
-        return generate
-
-    def _draw_prompts(self) -> PromptBatch:
-        """The next step's prompts for this rank (B/K whole groups), tokenised."""
-        B = self.cfg.prompts_per_step
-        with self._draw_lock:  # every rank draws the same global list, then takes its share
-            drawn = self.prompt_filter.draw(self.sampler, B) if self.prompt_filter else self.sampler.next(B)
-        indices = D.shard_prompts(self.dist, drawn)
-        return self.formatter.batch(self.train_ds, indices, self.cfg.prompt_column)
-
-    def _gather(self, local: StepBatch) -> StepBatch:
-        """Every rank's scored completions, in rank order (= prompt order), on every rank."""
-        if not self.dist.enabled:
-            return local
-        return StepBatch.cat(D.gather_objects(self.dist, local), self.tokenizer.pad_token_id)
-
     def _log_samples(self, batch: StepBatch, advantages: torch.Tensor) -> None:
         """samples.jsonl every logging step; the trackers' completions table every log_completions_steps."""
         cfg = self.cfg
@@ -522,23 +416,26 @@ class Trainer:
             self.logger.log_table(self.step, "completions", rows)
 
     # ------------------------------------------------------------------ run health
-    def check_health(self, batch: StepBatch, metrics: dict[str, float]) -> dict[str, float]:
-        """The audit functions' means and the health statistics of a step just trained (health.py);
-        its alarms wait in the guard for `respond_to_alarms`."""
-        return self.guard.check(self.step, batch, metrics)
-
     def respond_to_alarms(self, metrics: dict[str, Any], progress: Progress | None = None, *,
-                          final: bool = False) -> str | None:
+                          final: bool = False, log: bool = False) -> str | None:
         """Report the pending alarms (console, `alarms` in `metrics`, examples in samples.jsonl) and
-        act as on_reward_hacking / on_collapse say: roll back here, or return why the run must stop."""
-        return self.guard.respond(self.step, metrics, self.logger, progress, self, final=final)
+        carry out what the guard decides from on_reward_hacking / on_collapse (guard.py): roll back
+        here, or return why the run must stop. `log`: `metrics`, if the alarms filled it, is a row of
+        its own in metrics.jsonl at this step (an eval's alarms)."""
+        response = self.guard.respond(self.step, metrics, self.logger, progress, final=final)
+        if response.rollback:
+            metrics.update(self.rollback())
+            self.guard.rolled_back(self.step, metrics, progress)
+        if log and metrics:
+            self.logger.log(self.step, metrics)
+        return response.stop
 
     def rollback(self) -> dict[str, float]:
         """on_collapse: rollback: the policy and optimizer go back to a snapshot from before the
         collapse, the learning rate is scaled (guard.py); the engine samples the restored policy, and
         (async) the batches generated ahead by the collapsed one are dropped."""
         out = self.guard.restore(self.step, self.model, self.optimizer, self.scheduler)
-        if self.rollouts is not None:  # async: batches the collapsed policy sampled are not trained on
+        if self.rollouts.depth:  # async: batches the collapsed policy sampled are not trained on
             out["rollback/discarded_batches"] = self.rollouts.discard()
         self.weights_version += 1
         self.sync_weights()
@@ -546,20 +443,16 @@ class Trainer:
 
     # ------------------------------------------------------------------ eval
     def evaluate(self, dataset: Dataset | None = None, batch_size: int = 64) -> dict[str, float]:
-        """The eval_metrics on `dataset` (default: the eval set), from the accuracy reward (default:
-        the first reward function): `accuracy` is its mean on greedy completions (on the sampled
-        ones when `greedy` is not asked for), `mean@k`, `pass@k`, `maj@k` come from
-        num_generations_eval samples per prompt; `reward_mean` is the mean weighted reward,
-        `rewards/NAME` each function's mean (evaluation.py). Under torchrun each rank evaluates
-        every K-th prompt and the sums are summed."""
+        """The eval_metrics on `dataset` (default: the eval set), read from the accuracy reward
+        (default: the first reward function): `accuracy`, `mean@k`, `pass@k`, `maj@k`, `reward_mean`,
+        `rewards/NAME` (evaluation.py defines each). Under torchrun each rank evaluates every K-th
+        prompt and the sums are summed."""
         return run_evaluation(self, dataset if dataset is not None else self.eval_ds, batch_size)
 
     def preflight(self, num_prompts: int = 64, samples_per_prompt: int | None = None) -> dict[str, Any]:
-        """Sample G completions (or `samples_per_prompt`, a multiple of G) for `num_prompts` training
-        prompts with the current policy and report what GRPO would learn from them (zero-variance
-        groups now and predicted by G, prompt difficulty, reward correlations, lengths, time per
-        step, recommendations); rank 0 writes preflight.json and preflight.png into output_dir.
-        preflight.py explains every number."""
+        """What GRPO would learn from `num_prompts` training prompts, each sampled G times (or
+        `samples_per_prompt`, a multiple of G) with the current policy; rank 0 writes preflight.json
+        and preflight.png into output_dir. preflight.py explains every number."""
         return run_preflight(self, num_prompts, samples_per_prompt)
 
     def _log_eval(self, step: int, progress: Progress) -> dict[str, float]:
@@ -575,71 +468,26 @@ class Trainer:
     # ------------------------------------------------------------------ checkpoints
     def save(self) -> Path:
         """Rank 0 writes the checkpoint (FSDP2: whole state dicts gathered from every rank); every
-        rank's RNG states go in; nobody continues before it is complete."""
-        rng = D.gather_objects(self.dist, rng_states(self.generator))  # every rank's
-        ref_model = self.ref.model if self.ref is not None and self.cfg.ref_update_steps else None
-        model_state, optimizer_state, ref_state = D.checkpoint_states(self.model, self.optimizer, ref_model)
-        state = {
-            "step": self.step, "sampler": self.sampler.state_dict(), "evals": self.evals,
-            "optimizer": optimizer_state, "scheduler": self.scheduler.state_dict(), "rng": rng[0],
-            "rng_by_rank": rng, "sharded_optimizer": D.is_sharded(self.model), "eval_pending": self._eval_pending,
-            "guard": self.guard.state_dict(), "best": self.best, "learning_rate": self.cfg.learning_rate,
-            "prompt_filter": None if self.prompt_filter is None else self.prompt_filter.state_dict(),
-        }
-        path = checkpoint_path(self.cfg.output_dir, self.step)
-        if self.dist.is_main:
-            path = save_checkpoint(self.cfg.output_dir, self.step, model=self.model, tokenizer=self.tokenizer,
-                                   state=state, ref_model=ref_model, keep=self.cfg.save_total_limit,
-                                   model_state=model_state, ref_state=ref_state,
-                                   protect=Path(self.best["checkpoint"]) if self.best else None)
-        D.barrier(self.dist)
-        return path
+        rank's RNG states go in; nobody continues before it is complete (training_state.py)."""
+        loop = LoopState(self.step, self.evals, self._eval_pending, self.best.record)
+        return save_training_state(self.cfg, self.dist, self._checkpointed(), loop, self.tokenizer)
 
     def _resume(self) -> None:
-        ckpt = latest_checkpoint(self.cfg.output_dir)
-        if ckpt is None:
-            raise ConfigError(f"--resume: output_dir={self.cfg.output_dir!r} holds no complete "
-                              "checkpoint; start without --resume")
-        ref_model = self.ref.model if self.ref is not None else None
-        sharded = D.is_sharded(self.model)
-        if sharded:  # every rank reads the whole weights and keeps its shard
-            weights, ref_weights, state = read_checkpoint(ckpt)
-            D.load_full_state(self.model, weights, self.optimizer,
-                              state["optimizer"] if state.get("sharded_optimizer") else None)
-            if ref_model is not None and ref_weights is not None:
-                D.load_full_state(ref_model, ref_weights)
-        else:
-            state = load_checkpoint(ckpt, self.model, ref_model)
-        if state.get("sharded_optimizer", False) != sharded:
-            raise ConfigError(f"checkpoint {ckpt} was written with distributed_strategy="
-                              f"{'fsdp2' if not sharded else 'ddp'}: resume with the same strategy")
-        if not sharded:
-            self.optimizer.load_state_dict(state["optimizer"])
-        self.step = state["step"]
-        self.sampler.load_state_dict(state["sampler"])
-        self.scheduler.load_state_dict(state["scheduler"])
-        self.evals = state["evals"]
-        self._eval_pending = state.get("eval_pending", False)
-        self.guard.load_state_dict(state.get("guard", {}))
-        self.best = state.get("best")
-        if self.prompt_filter is not None and state.get("prompt_filter"):
-            self.prompt_filter.load_state_dict(state["prompt_filter"])
-        restore_rng_states(state.get("rng_by_rank", [state["rng"]]), self.dist.rank, self.dist.world_size,
-                           self.generator, fresh_seed=self.cfg.seed + self.dist.rank + 1_000_003 * self.step)
-        changed = changed_settings(Path(self.cfg.output_dir) / "config.yaml", self.cfg)
-        old_lr = state.get("learning_rate", changed.get("learning_rate", (None,))[0])  # the rate it was saved at
-        if isinstance(old_lr, (int, float)) and 0 < old_lr != self.cfg.learning_rate:  # its schedule, the new rate
-            scale_learning_rate(self.optimizer, self.scheduler, self.cfg.learning_rate / old_lr)
-        if changed and self.dist.is_main:
-            logger.warning("resuming with settings changed since the run began (they apply from step %d): %s",
-                           self.step + 1, ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in changed.items()))
+        """The newest checkpoint in output_dir back into this run (training_state.py)."""
+        loop = restore_training_state(self.cfg, self.dist, self._checkpointed())
+        self.step, self.evals, self._eval_pending = loop.step, loop.evals, loop.eval_pending
+        self.best.record = loop.best
         self.weights_version += 1  # the checkpoint's weights replaced the initial ones
         self.sync_weights()
 
+    def _checkpointed(self) -> TrainingParts:
+        """The parts of this run a checkpoint holds."""
+        return TrainingParts(self.model, self.optimizer, self.scheduler, None if self.ref is None else self.ref.model,
+                             self.generator, self.sampler, self.guard, self.prompt_filter)
+
     def close(self) -> None:
         """Release the generation engine (a colocated vLLM engine's memory); call once done."""
-        if self.rollouts is not None:
-            self.rollouts.close()
+        self.rollouts.close()
         self.engine.close()
 
 

@@ -17,6 +17,7 @@ from transformers import AutoModelForCausalLM
 
 from grouprl import distributed as D
 from grouprl.config import ConfigError
+from grouprl.micro_batches import rank_share
 from grouprl.trainer import Trainer
 from tests.distributed._worker import config, update_grads
 from tests.distributed.launch import torchrun
@@ -78,9 +79,9 @@ def test_update_two_ranks_equals_one_rank(strategy, one_rank_grads, tiny_model_d
 
 
 @pytest.mark.parametrize("num_micro_batches", [1, 2, 3, 5, 6])
-def test_micro_batch_plan_covers_each_micro_batch_once_with_equal_pass_counts(num_micro_batches):
+def test_rank_share_covers_each_micro_batch_once_with_equal_pass_counts(num_micro_batches):
     micro = list(torch.arange(4 * num_micro_batches).split(4))
-    plans = [D.micro_batch_plan(D.DistContext(rank=r, world_size=3), micro) for r in range(3)]
+    plans = [rank_share(D.DistContext(rank=r, world_size=3), micro) for r in range(3)]
     assert len({len(p) for p in plans}) == 1  # every rank runs the same number of passes
     real = sorted(int(rows[0]) for plan in plans for rows, w in plan if w == 1.0)
     assert real == [int(m[0]) for m in micro]  # each micro-batch exactly once, with weight 1

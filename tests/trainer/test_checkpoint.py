@@ -66,7 +66,7 @@ def test_a_resumed_run_says_what_changed_and_takes_a_new_learning_rate(make_cfg,
     the new rate (the restored optimizer and scheduler had kept the old rate, silently)."""
     kw = dict(max_steps=2, save_steps=2, lr_scheduler_type="cosine", learning_rate=1e-3)
     Trainer(make_cfg(**kw)).train()
-    with caplog.at_level("WARNING", logger="grouprl.trainer"):
+    with caplog.at_level("WARNING", logger="grouprl.training_state"):
         Trainer(make_cfg(**{**kw, "max_steps": 4, "learning_rate": 1e-2})).train(resume=True)
     assert "learning_rate 0.001 -> 0.01" in caplog.text and "max_steps 2 -> 4" in caplog.text
     lrs = [r["lr"] for r in read_metrics(make_cfg().output_dir) if "lr" in r]  # the rate for the next step

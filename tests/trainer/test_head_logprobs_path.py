@@ -10,7 +10,8 @@ import torch
 from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from grouprl.lora import adapter_disabled
-from grouprl.policy import MicroBatch, completion_logprobs
+from grouprl.micro_batches import MicroBatch
+from grouprl.policy import completion_logprobs
 from grouprl.tasks.testing import with_random_lora
 from tests.trainer.test_shared_prompt import ragged_rollout
 

@@ -1,11 +1,11 @@
-"""Micro-batches cut by rows or by a token budget (policy.plan_micro_batches); the trainer's plan."""
+"""Micro-batches cut by rows or by a token budget (micro_batches.plan_micro_batches); the trainer's plan."""
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from grouprl.policy import plan_micro_batches
+from grouprl.micro_batches import plan_micro_batches
 from grouprl.rollout import Rollout
 from grouprl.trainer import Trainer
 
@@ -62,13 +62,13 @@ def test_every_row_once_in_order_within_budget_and_rows(lengths, budget, max_row
 
 def test_a_completion_longer_than_the_budget_trains_alone_and_is_logged(make_cfg, caplog):
     trainer = Trainer(make_cfg(max_tokens_per_micro_batch=5, micro_batch_size=16))
-    with caplog.at_level("WARNING", logger="grouprl.update"):
+    with caplog.at_level("WARNING", logger="grouprl.micro_batches"):
         metrics = trainer.train_step()
     assert metrics["grad_norm"] > 0 and metrics["completion/length_mean"] > 0
     warned = [r.getMessage() for r in caplog.records if "max_tokens_per_micro_batch=5" in r.getMessage()]
     assert len(warned) == 1 and "ran alone" in warned[0]
     rollout = trainer.generate(trainer.prompts(["Say numbers 1: "] * 2)).rollout
-    plan = trainer.updater.micro_batches(rollout, trainer.cfg)
+    plan = trainer.updater.planner.plan(rollout, trainer.cfg)
     assert all(len(rows) == 1 for rows, _ in plan)
 
 

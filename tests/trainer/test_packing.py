@@ -12,7 +12,8 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from grouprl import packing
 from grouprl.lora import adapter_disabled
-from grouprl.policy import MicroBatch, completion_logprobs, plan_micro_batches
+from grouprl.micro_batches import MicroBatch, packed_tokens, plan_micro_batches
+from grouprl.policy import completion_logprobs
 from grouprl.tasks.testing import with_random_lora
 from tests.trainer.test_head_logprobs_path import CHUNKED, WHOLE, assert_same
 from tests.trainer.test_micro_batches import rollout_of
@@ -63,7 +64,7 @@ def test_layout_worked_by_hand():
     assert layout.position_ids.tolist() == [[0, 1, 2, 3, 2, 0, 1, 2]]
     assert layout.segments == [(0, 2, 0, 0), (2, 2, 0, 2), (4, 1, 0, 2), (5, 3, 0, 0)]
     assert layout.pred_index.tolist() == [1, 2, 1, 5, 6] and layout.targets.tolist() == [1, 2, 3, 4, 5]
-    assert packing.packed_tokens([2, 1], [2, 1, 2], [0, 0, 1]) == layout.num_tokens == 8
+    assert packed_tokens([2, 1], [2, 1, 2], [0, 0, 1]) == layout.num_tokens == 8
     # an empty completion after a shared prompt: no segment, no prediction
     empty = packing.pack(torch.tensor([[7, 8]]), torch.tensor([[1, 1]]), torch.tensor([0, 0]), torch.tensor([[1], [0]]),
                          torch.tensor([[True], [False]]), torch.device("cpu"))
@@ -143,12 +144,12 @@ def test_a_step_cut_by_tokens_and_packed_equals_the_padded_one_pass_step(make_cf
     for extra in (dict(padding_free=True, max_tokens_per_micro_batch=40, micro_batch_size=1),
                   dict(padding_free=False, micro_batch_size=16)):
         trainer = Trainer(make_cfg(beta=0.04, **extra))
-        assert trainer.updater.packed == extra["padding_free"]
+        assert trainer.updater.planner.packed == extra["padding_free"]
         step = trainer.optimizer.step  # the step's accumulated gradient, read as the optimizer gets it
         trainer.optimizer.step = lambda step=step, trainer=trainer: grads.append(
             {n: p.grad.clone() for n, p in trainer.model.named_parameters()}) or step()
         trainer.train_step()
-        passes.append(len(trainer.updater.micro_batches(trainer.sample_batch()[0].rollout, trainer.cfg)))
+        passes.append(len(trainer.updater.planner.plan(trainer.sample_batch()[0].rollout, trainer.cfg)))
     assert passes[0] > 4 and passes[1] == 1
     for name, g in grads[1].items():
         assert float(g.norm()) > 0, name

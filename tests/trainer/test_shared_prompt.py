@@ -8,7 +8,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from grouprl.policy import MicroBatch, can_share_prompts, completion_logprobs, load_policy
+from grouprl.micro_batches import MicroBatch
+from grouprl.policy import can_share_prompts, completion_logprobs, load_policy
 from grouprl.rollout import Rollout
 
 P, T = 9, 7
@@ -147,13 +148,13 @@ def test_trainer_micro_batches_keep_groups_together(make_cfg):
     trainer = Trainer(make_cfg(num_generations=4, prompts_per_step=4, micro_batch_size=4))
     r = ragged_rollout([3, 9, 5, 2], G=4, seed=4)
     groups = r.prompt_groups()
-    plan = trainer.updater.micro_batches(r, trainer.cfg)
+    plan = trainer.updater.planner.plan(r, trainer.cfg)
     assert sorted(torch.cat([rows for rows, _ in plan]).tolist()) == list(range(16))
     for rows, weight in plan:
         assert weight == 1.0 and groups[rows].unique().numel() == 1
         assert torch.equal(r.lengths[rows], r.lengths[rows].sort().values)  # length-sorted inside
-    trainer.updater.share_min_tokens = None
-    assert any(groups[rows].unique().numel() > 1 for rows, _ in trainer.updater.micro_batches(r, trainer.cfg))
+    trainer.updater.planner.share_min_tokens = None
+    assert any(groups[rows].unique().numel() > 1 for rows, _ in trainer.updater.planner.plan(r, trainer.cfg))
 
 
 def test_trainer_update_is_the_same_with_and_without_sharing(tiny_model_dir, digits_data, tmp_path):

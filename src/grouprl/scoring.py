@@ -1,0 +1,51 @@
+"""The score stage (`Trainer.score`): trajectories of a batch of prompts into a scored `StepBatch`.
+
+The reward functions (rewards/) see each completion's prompt, its text (or a multi-turn
+trajectory's messages), the dataset row's other columns repeated per completion, the token ids
+and lengths, and what the trajectory reports (`env_reward`). Their weighted total is shaped by the
+overlong penalty when asked (DAPO), step rewards are built for process supervision, and the audit
+functions are scored beside the reward, never in it.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Callable
+
+from grouprl.batch import StepBatch
+from grouprl.config import TrainConfig
+from grouprl.core import overlong_penalty
+from grouprl.data import PromptBatch, completion_objects
+from grouprl.rewards import RewardScores, process_rewards, score_completions
+from grouprl.rollout.types import Trajectories
+
+
+def score_trajectories(cfg: TrainConfig, tokenizer: Any, reward_funcs: list[Callable], audit_funcs: list[Callable],
+                       prompts: PromptBatch, trajectories: Trajectories) -> StepBatch:
+    """The reward and audit functions on `trajectories` of `prompts` (G per prompt), weighted and
+    shaped as configured."""
+    rollout = trajectories.rollout
+    G = len(rollout) // len(prompts.prompts)
+    ids = rollout.token_lists()  # [N][T_i]
+    texts = tokenizer.batch_decode(ids, skip_special_tokens=True)
+    per_prompt = [p for p in prompts.prompts for _ in range(G)]
+    cols = {k: [v for v in vals for _ in range(G)] for k, vals in prompts.columns.items()}
+    cols.update(completion_ids=ids, completion_lengths=[len(x) for x in ids])
+    cols.update(trajectories.reward_columns())
+    completions = trajectories.messages or completion_objects(texts, prompts.conversational)
+    scores: RewardScores = score_completions(
+        reward_funcs, cfg.reward_weights, per_prompt, completions,
+        cols, timeout_s=cfg.reward_timeout_s, fallback=cfg.reward_fallback, step_delimiter=cfg.step_delimiter)
+    shaping = (overlong_penalty(rollout.lengths, cfg.max_completion_length, cfg.overlong_cache_len)
+               if cfg.overlong_shaping else None)  # [N]
+    rewards = scores.total.float() if shaping is None else scores.total.float() + shaping  # [N]
+    steps = process_rewards(scores.steps, scores.per_func, cfg.reward_weights, ids, texts, tokenizer,
+                            shaping, estimator=cfg.advantage_estimator)
+    audit = score_completions(audit_funcs, None, per_prompt, completions, cols, timeout_s=cfg.reward_timeout_s,
+                              fallback=cfg.reward_fallback).per_func if audit_funcs else {}
+    index = None if prompts.indices is None else [i for i in prompts.indices for _ in range(G)]
+    calls = None if trajectories.messages is None else [
+        [f"{c['function']['name']}({json.dumps(c['function']['arguments'])})"
+         for m in msgs for c in m.get("tool_calls", [])] for msgs in trajectories.messages]
+    return StepBatch(rollout, per_prompt, texts, rewards, scores.per_func, scores.metrics, steps, audit, index,
+                     trajectories.stop_reasons, calls)

@@ -1,0 +1,131 @@
+"""A run's state in a checkpoint: captured from the parts of the run (`save_training_state`) and
+put back into them (`restore_training_state`); checkpoint.py writes and reads the files, atomically.
+
+What goes in: the trainable weights (the reference's too in DeepSeekMath's iterative mode), the
+optimizer and scheduler, every rank's random states, the prompt sampler, the run guard, the prompt
+filter, and where the loop stands (`LoopState`: step, eval results, an eval still due, the best
+eval). Under FSDP2 rank 0 writes whole state dicts gathered from every rank, and on resume every
+rank reads the whole weights and keeps its shard.
+
+On resume the config may have changed since the run began: the changes are logged, and a new
+`learning_rate` scales the restored schedule (the schedule's shape stays, at the new rate).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+from torch.optim.lr_scheduler import LRScheduler
+
+from grouprl import distributed as D
+from grouprl.checkpoint import (checkpoint_path, latest_checkpoint, load_checkpoint, read_checkpoint,
+                                restore_rng_states, rng_states, save_checkpoint)
+from grouprl.config import ConfigError, TrainConfig, changed_settings
+from grouprl.optim import scale_learning_rate
+
+logger = logging.getLogger(__name__)
+
+
+class Stateful(Protocol):
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+@dataclass
+class TrainingParts:
+    """The parts of a run a checkpoint holds, as the trainer holds them."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: LRScheduler
+    ref_model: torch.nn.Module | None  # the reference's own copy (None: beta = 0, or LoRA's adapter-disabled base)
+    generator: torch.Generator         # this rank's sampling stream
+    sampler: Stateful                  # the prompt order (data.PromptSampler)
+    guard: Stateful                    # run health (guard.RunGuard)
+    prompt_filter: Stateful | None     # prompt_filter.PromptFilter, when on
+
+
+@dataclass
+class LoopState:
+    """Where the loop stands."""
+
+    step: int
+    evals: dict[str, Any]         # eval_before, eval_after: the results so far
+    eval_pending: bool            # a signal stopped the run before the eval due at `step`
+    best: dict[str, Any] | None   # metric_for_best_model: {step, metric, value, checkpoint}
+
+
+def save_training_state(cfg: TrainConfig, dist: D.DistContext, parts: TrainingParts, loop: LoopState,
+                        tokenizer: Any) -> Path:
+    """Rank 0 writes the checkpoint of `loop.step` (FSDP2: whole state dicts gathered from every
+    rank); every rank's RNG states go in; nobody continues before it is complete. The best
+    checkpoint is kept whatever save_total_limit says."""
+    rng = D.gather_objects(dist, rng_states(parts.generator))  # every rank's
+    ref_model = parts.ref_model if cfg.ref_update_steps else None  # the reference changes only then
+    model_state, optimizer_state, ref_state = D.checkpoint_states(parts.model, parts.optimizer, ref_model)
+    state = {
+        "step": loop.step, "sampler": parts.sampler.state_dict(), "evals": loop.evals,
+        "optimizer": optimizer_state, "scheduler": parts.scheduler.state_dict(), "rng": rng[0],
+        "rng_by_rank": rng, "sharded_optimizer": D.is_sharded(parts.model), "eval_pending": loop.eval_pending,
+        "guard": parts.guard.state_dict(), "best": loop.best, "learning_rate": cfg.learning_rate,
+        "prompt_filter": None if parts.prompt_filter is None else parts.prompt_filter.state_dict(),
+    }
+    path = checkpoint_path(cfg.output_dir, loop.step)
+    if dist.is_main:
+        path = save_checkpoint(cfg.output_dir, loop.step, model=parts.model, tokenizer=tokenizer, state=state,
+                               ref_model=ref_model, keep=cfg.save_total_limit, model_state=model_state,
+                               ref_state=ref_state, protect=Path(loop.best["checkpoint"]) if loop.best else None)
+    D.barrier(dist)
+    return path
+
+
+def restore_training_state(cfg: TrainConfig, dist: D.DistContext, parts: TrainingParts) -> LoopState:
+    """The newest complete checkpoint in output_dir back into `parts`; where the loop stood. Settings
+    changed since the run began are logged; a new learning_rate scales the restored schedule."""
+    ckpt = latest_checkpoint(cfg.output_dir)
+    if ckpt is None:
+        raise ConfigError(f"--resume: output_dir={cfg.output_dir!r} holds no complete "
+                          "checkpoint; start without --resume")
+    sharded = D.is_sharded(parts.model)
+    if sharded:  # every rank reads the whole weights and keeps its shard
+        weights, ref_weights, state = read_checkpoint(ckpt)
+        D.load_full_state(parts.model, weights, parts.optimizer,
+                          state["optimizer"] if state.get("sharded_optimizer") else None)
+        if parts.ref_model is not None and ref_weights is not None:
+            D.load_full_state(parts.ref_model, ref_weights)
+    else:
+        state = load_checkpoint(ckpt, parts.model, parts.ref_model)
+    if state.get("sharded_optimizer", False) != sharded:
+        raise ConfigError(f"checkpoint {ckpt} was written with distributed_strategy="
+                          f"{'fsdp2' if not sharded else 'ddp'}: resume with the same strategy")
+    if not sharded:
+        parts.optimizer.load_state_dict(state["optimizer"])
+    step = state["step"]
+    parts.sampler.load_state_dict(state["sampler"])
+    parts.scheduler.load_state_dict(state["scheduler"])
+    parts.guard.load_state_dict(state.get("guard", {}))
+    if parts.prompt_filter is not None and state.get("prompt_filter"):
+        parts.prompt_filter.load_state_dict(state["prompt_filter"])
+    restore_rng_states(state.get("rng_by_rank", [state["rng"]]), dist.rank, dist.world_size,
+                       parts.generator, fresh_seed=cfg.seed + dist.rank + 1_000_003 * step)
+    changed = changed_settings(Path(cfg.output_dir) / "config.yaml", cfg)
+    old_lr = state.get("learning_rate", changed.get("learning_rate", (None,))[0])  # the rate it was saved at
+    if isinstance(old_lr, (int, float)) and 0 < old_lr != cfg.learning_rate:  # its schedule, the new rate
+        scale_learning_rate(parts.optimizer, parts.scheduler, cfg.learning_rate / old_lr)
+    if changed and dist.is_main:
+        logger.warning("resuming with settings changed since the run began (they apply from step %d): %s",
+                       step + 1, ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in changed.items()))
+    return LoopState(step, state["evals"], state.get("eval_pending", False), state.get("best"))
+
+
+def load_trainable_weights(checkpoint: str | Path, model: torch.nn.Module) -> None:
+    """The trainable weights of a checkpoint into `model` (sharded or not): load_best_model_at_end."""
+    if D.is_sharded(model):
+        D.load_full_state(model, read_checkpoint(checkpoint)[0])
+    else:
+        load_checkpoint(checkpoint, model)

@@ -31,3 +31,29 @@ def test_each_local_rank_needs_a_gpu_of_its_own(local_rank, gpus, ok):
     else:
         with pytest.raises(RuntimeError, match=f"LOCAL_RANK={local_rank} but this node has {gpus} visible"):
             D.check_rank_has_gpu(local_rank, gpus)
+
+
+def test_destroy_leaves_alone_a_group_another_library_made(tmp_path):
+    """vLLM colocated initialises a one-process gloo world of its own; `grouprl train`/`eval` in the
+    same process used to destroy it on the way out, and the next vLLM engine there failed to start
+    ("Invalid process group specified": seen in the suite, a CLI test between two vLLM tests)."""
+    D.dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        assert D.init_distributed().world_size == 1  # it joins what is there
+        D.destroy_distributed()
+        assert D.dist.is_initialized()
+    finally:
+        D.dist.destroy_process_group()
+
+
+def test_destroy_closes_the_group_it_made(tmp_path, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")  # as under torchrun; the group itself is a one-process one here
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    init = D.dist.init_process_group
+    monkeypatch.setattr(D.dist, "init_process_group", lambda backend, timeout: init(
+        backend, init_method=f"file://{tmp_path}/store", rank=0, world_size=1, timeout=timeout))
+    D.init_distributed()
+    assert D.dist.is_initialized()
+    D.destroy_distributed()
+    assert not D.dist.is_initialized()

@@ -317,6 +317,7 @@ def test_lora_sends_the_base_once_then_only_the_adapter(server, tiny_model_dir, 
     assert served_adapters(server.port) == [] and list((tmp_path / "w").iterdir()) == []
 
 
+@pytest.mark.timing
 def test_a_lora_partial_rollout_finishes_on_its_adapter(server, tiny_model_dir, tmp_path):
     """Partial rollouts with adapter-only sync, as a run with max_staleness 1 does it (one update
     while each batch is generated): each request in flight finishes with the adapter it started
@@ -545,6 +546,7 @@ def test_partial_rollouts_lose_no_trajectory_and_keep_the_staleness_bound(server
     assert all(sorted(Counter(map(str, call)).values()) == [4, 4, 4, 4] for call in seen)  # none lost or doubled
 
 
+@pytest.mark.timing
 def test_a_partial_rollout_goes_on_under_the_new_weights(server, tiny_model_dir, tmp_path):
     """The producer's own semantics against the server: a weight update sent while a batch is being
     generated does not wait for it, and the batch's trajectories continue under the new weights:

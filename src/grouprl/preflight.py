@@ -60,6 +60,7 @@ from grouprl import distributed as D
 from grouprl.batch import StepBatch
 from grouprl.core import zero_std_groups
 from grouprl.evaluation import SamplingStages
+from grouprl.memory import checkpoint_mode
 from grouprl.rollout import Rollout
 
 PASS_ABOVE = 0.0  # a score above this is a pass (module docstring: why not "the best score seen")
@@ -207,7 +208,7 @@ def sample(trainer: PreflightStages, num_prompts: int, samples_per_prompt: int |
 
 
 # ---------------------------------------------------------------------- the report
-def summarize(s: Samples, cfg: Any) -> dict[str, Any]:
+def summarize(s: Samples, cfg: Any, device: torch.device = torch.device("cpu")) -> dict[str, Any]:
     """The report (preflight.json) from the samples and the TrainConfig."""
     (B, n), G = s.total.shape, cfg.num_generations
     sizes = sorted(set(GROUP_SIZES) | {G})
@@ -234,13 +235,13 @@ def summarize(s: Samples, cfg: Any) -> dict[str, Any]:
         "difficulty": {"reward": accuracy, **difficulty(pass_counts(s.per_func[accuracy]), n)},
         "correlations": correlations,
         "lengths": {**length_stats(s.lengths, s.truncated), "max_completion_length": cfg.max_completion_length},
-        "timing": _timing(s, cfg, 1.0 - zero_var),
+        "timing": _timing(s, cfg, 1.0 - zero_var, device),
     }
     report["recommendations"] = recommendations(report, cfg.temperature)
     return report
 
 
-def _timing(s: Samples, cfg: Any, teaching: float) -> dict[str, Any]:
+def _timing(s: Samples, cfg: Any, teaching: float, device: torch.device) -> dict[str, Any]:
     """Tokens/s of generation and the expected seconds per step and per run (module docstring)."""
     n = s.total.shape[1]
     step_completions = cfg.prompts_per_step * cfg.num_generations
@@ -252,7 +253,7 @@ def _timing(s: Samples, cfg: Any, teaching: float) -> dict[str, Any]:
         rounds = min(cfg.max_sampling_rounds, 1 / teaching) if teaching > 0 else cfg.max_sampling_rounds
     corrects = cfg.use_vllm and cfg.vllm_importance_sampling_correction is not False  # vLLM's log-probs kept
     passes = update_passes(cfg.num_iterations, cfg.beta > 0, cfg.num_iterations > 1 or corrects,
-                           cfg.gradient_checkpointing is True)
+                           checkpoint_mode(cfg.gradient_checkpointing, device) == "always")  # auto: per device
     update = passes * s.forward_s * step_completions / completions[0]
     step = rounds * (gen + reward) + update
     return {"generated_tokens": int(s.lengths.sum()), "generate_seconds": sum(s.generate_s),
@@ -316,7 +317,7 @@ def recommendations(report: dict[str, Any], temperature: float) -> list[dict[str
 def run(trainer: PreflightStages, num_prompts: int = 64, samples_per_prompt: int | None = None) -> dict[str, Any]:
     """Sample, summarise, and (rank 0) write preflight.json and preflight.png into output_dir;
     returns the report (the same on every rank)."""
-    report = summarize(sample(trainer, num_prompts, samples_per_prompt), trainer.cfg)
+    report = summarize(sample(trainer, num_prompts, samples_per_prompt), trainer.cfg, trainer.dist.device)
     if trainer.dist.is_main:
         out = Path(trainer.cfg.output_dir)
         out.mkdir(parents=True, exist_ok=True)

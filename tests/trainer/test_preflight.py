@@ -242,3 +242,14 @@ def test_preflight_under_torchrun_rank_0_writes_the_whole_report(make_cfg, tmp_p
     assert report["num_prompts"] == 10 and report["num_completions"] == 40
     assert sum(report["difficulty"]["pass_count_histogram"]) == 10
     assert sorted(p.name for p in Path(cfg.output_dir).iterdir()) == ["preflight.json", "preflight.png"]
+
+
+def test_the_update_estimate_counts_checkpointing_as_the_device_runs_it(make_cfg):
+    """`gradient_checkpointing: auto` checkpoints every pass on CUDA and only a pass over the budget
+    on CPU (grouprl/memory.py): with num_iterations 1, beta 0, the update is 3 forward passes on
+    CPU and 4 on CUDA (the recompute); an explicit `false` is 3 on both."""
+    acc = [[1., 0., 1., 0.], [0., 1., 0., 0.]]
+    s = _samples({"acc": acc})
+    passes = {(mode, dev): P.summarize(s, make_cfg(gradient_checkpointing=mode), torch.device(dev))
+              ["timing"]["update_forward_passes"] for mode in ("auto", False) for dev in ("cpu", "cuda")}
+    assert passes == {("auto", "cpu"): 3, ("auto", "cuda"): 4, (False, "cpu"): 3, (False, "cuda"): 3}

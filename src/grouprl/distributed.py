@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 STRATEGIES = ("ddp", "fsdp2")
+_OWNED_GROUP: list[Any] = []  # the default group init_distributed created in this process, if any
 
 
 @dataclass(frozen=True)
@@ -72,6 +73,7 @@ def init_distributed(timeout_s: float = 600.0) -> DistContext:
     if not dist.is_initialized():
         dist.init_process_group("nccl" if cuda else "gloo",
                                 timeout=datetime.timedelta(seconds=timeout_s))
+        _OWNED_GROUP.append(dist.group.WORLD)
     return DistContext(dist.get_rank(), dist.get_world_size(), local_rank, device)
 
 
@@ -86,8 +88,13 @@ def check_rank_has_gpu(local_rank: int, gpus: int) -> None:
 
 
 def destroy_distributed() -> None:
-    if dist.is_initialized():
+    """Destroy the process group init_distributed created, and only that one: a group another
+    library set up in this process (vLLM colocated initialises a one-process gloo world of its own)
+    is its to close, and destroying it under that library left its next engine unable to start
+    ("Invalid process group specified")."""
+    if _OWNED_GROUP and dist.is_initialized() and dist.group.WORLD is _OWNED_GROUP[-1]:
         dist.destroy_process_group()
+    _OWNED_GROUP.clear()
 
 
 def barrier(ctx: DistContext) -> None:

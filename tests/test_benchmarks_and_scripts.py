@@ -40,6 +40,7 @@ def run(*args: str, timeout: float = 300) -> str:
 RUN = {"benchmarks/shared_prompt.py", "benchmarks/process_vs_outcome.py", "benchmarks/multiturn_continuation.py",
        "benchmarks/head_logprobs.py", "benchmarks/generation_memory.py", "benchmarks/long_completions.py",
        "benchmarks/run_health.py", "benchmarks/learning_vs_trl.py", "benchmarks/vs_trl.py",
+       "benchmarks/step_profile.py",
        "scripts/build_default_policy.py",
        "scripts/build_tool_policy.py", "scripts/sandbox_report.py"}
 HELP_ONLY = {"benchmarks/async_rollouts.py", "benchmarks/agentic_async.py", "benchmarks/vllm_vs_builtin.py",
@@ -242,3 +243,17 @@ def test_vs_trl_gpu_workload_path_on_a_tiny_config(tmp_path):
     res = json.loads((tmp_path / "r.json").read_text())["workloads"]["gpu-135m-256"]["grouprl"]
     assert res["length_mean"] == 256.0 and len(res["runs"]) == 1 and 0 < res["mfu"] < 1
     assert "== gpu-135m-256" in out and "device=cpu" in out
+
+
+def test_step_profile_times_every_stage_and_tabulates_runs(tmp_path):
+    """Two timed steps of tiny-32 through Trainer.train(): each row holds the trainer's stages and
+    the loop's calls between them, as (wall, CPU) pairs; --table reads the files back by label."""
+    run("benchmarks/step_profile.py", "--steps", "2", "--warmup", "1", "--threads", "1",
+        "--json", str(tmp_path / "a.json"), timeout=600)
+    res = json.loads((tmp_path / "a.json").read_text())
+    assert len(res["rows"]) == 2 and res["threads"] == 1
+    stages = {"iteration", "step", "generate", "  engine.generate", "reward", "logprobs", "update", "sync_weights",
+              "guard.check (health, audits)", "logger.log (trackers)", "stop.requested (signals)", "other"}
+    assert all(stages <= set(row) and all(len(v) == 2 for v in row.values()) for row in res["rows"])
+    table = run("benchmarks/step_profile.py", "--table", f"x={tmp_path / 'a.json'}")
+    assert "| stage | x (1 runs): CPU (wall) ms |" in table and "| update |" in table

@@ -84,6 +84,8 @@ def validate_config(cfg: C) -> C:
         raise ConfigError(f"max_tokens_per_micro_batch={c.max_tokens_per_micro_batch} must be at least 1 "
                           "(tokens of prompt and completion per pass), or null for micro_batch_size rows")
     n = c.prompts_per_step * c.num_generations
+    if isinstance(c.generation_compile, str) and c.generation_compile != "auto":
+        raise ConfigError(f"generation_compile={c.generation_compile!r} is not one of: auto, true, false")
     if c.generation_batch_size is not None and c.generation_batch_size < 1:
         raise ConfigError("generation_batch_size must be at least 1 (or null for all at once)")
     if c.micro_batch_size > n:  # a pass never holds more than the step: the whole step (the embedded

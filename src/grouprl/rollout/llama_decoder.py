@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from grouprl.lora import base_model, is_peft_model, merged_weight, mergeable
+from grouprl.rollout.compiled_decode import MIN_COLUMNS, bucket
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
 FUSE_MAX_PARAMS = 20_000_000  # fuse projection weights only for models up to this size (see __init__)
@@ -122,11 +123,11 @@ class FastDecoder:
         self.Hkv = getattr(cfg, "num_key_value_heads", None) or self.H
         self.D = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.H
         self.rotary = base.rotary_emb
-        self.embed = base.embed_tokens.weight
-        self.norm = (base.norm.weight, base.norm.variance_epsilon)
-        self.lm_head = merged_weight(model.lm_head)
+        self.embed = base.embed_tokens.weight.detach()  # detached: plain tensors whether or not training needs grad
+        self.norm = (base.norm.weight.detach(), base.norm.variance_epsilon)
+        self.lm_head = merged_weight(model.lm_head).detach()
         self.layers = []
-        cast = (lambda t: t.to(self.dtype)) if self.dtype != self.embed.dtype else (lambda t: t)
+        cast = (lambda t: t.detach().to(self.dtype)) if self.dtype != self.embed.dtype else (lambda t: t.detach())
 
         def cast_bias(layer: torch.nn.Module) -> torch.Tensor | None:
             bias = getattr(layer, "base_layer", layer).bias
@@ -151,10 +152,10 @@ class FastDecoder:
                 qkv = [(torch.cat([w for w, _ in qkv]), bias)]
                 gu = [torch.cat(gu)]
             self.layers.append((
-                layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon,
+                layer.input_layernorm.weight.detach(), layer.input_layernorm.variance_epsilon,
                 [(mat(w), b) for w, b in qkv],
                 mat(merged_weight(a.o_proj)), cast_bias(a.o_proj),
-                layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon,
+                layer.post_attention_layernorm.weight.detach(), layer.post_attention_layernorm.variance_epsilon,
                 [mat(w) for w in gu], mat(merged_weight(m.down_proj)),
             ))
         self.lm_head = mat(self.lm_head)
@@ -201,13 +202,16 @@ class FastDecoder:
         return self.linear(self._rms(x, *self.norm).to(self.dtype), self.lm_head)  # [n, V]
 
     # ------------------------------------------------------------------ the call
-    def _positions(self, mask: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
+    def _positions(self, mask: torch.Tensor, max_new_tokens: int, pow2: bool = False) -> torch.Tensor:
         """Size the first cache for left-padded prompts `mask` [B, P] plus a block of new tokens,
         tabulate the rotary cos/sin of every position up to P + max_new_tokens (one row's worth, not
-        the cache's), and return the prompt tokens' positions [B, P]."""
+        the cache's), and return the prompt tokens' positions [B, P]. `pow2`: both sizes are
+        powers of two (the compiled step's shapes on CUDA, compiled_decode.py)."""
         P = mask.shape[1]
         self.P, self.max_cap = P, P + max_new_tokens
         self.cap = P + min(max_new_tokens, self.cache_block)  # columns allocated
+        if pow2:
+            self.cap, self.max_cap = bucket(self.cap, MIN_COLUMNS), bucket(self.max_cap, MIN_COLUMNS)
         with torch.autocast(mask.device.type, enabled=False):
             cos, sin = self.rotary(self.embed[:1], torch.arange(self.max_cap, device=mask.device)[None])  # [1, P+T, D]
         self.cos, self.sin = cos[0].to(self.wdtype), sin[0].to(self.wdtype)  # [P+T, D]
@@ -228,17 +232,22 @@ class FastDecoder:
         valid[:, :c] = self.valid[rows, :c]
         self.valid, self.cap = valid, cap
 
-    def start(self, ids: torch.Tensor, mask: torch.Tensor, G: int, max_new_tokens: int) -> torch.Tensor:
+    def start(self, ids: torch.Tensor, mask: torch.Tensor, G: int, max_new_tokens: int,
+              zeroed: bool = False, pow2: bool = False) -> torch.Tensor:
         """Prefill B left-padded prompts ids/mask [B, P] once, repeat each prompt's cache G times,
-        and return the next-token logits [B*G, V] (fp32)."""
+        and return the next-token logits [B*G, V] (fp32). For compiled_decode.StaticDecodeLoop, which
+        reads columns it has not written (masked): `zeroed` fills the cache with zeros, and `pow2`
+        gives it a power of two of rows (the first B*G used) and of columns."""
         B, P = ids.shape
         device = ids.device
-        pos = self._positions(mask, max_new_tokens)  # [B, P]
+        pos = self._positions(mask, max_new_tokens, pow2)  # [B, P]
         N = B * G
-        self.k = [torch.empty(N, self.Hkv, self.cap, self.D, dtype=self.adtype, device=device) for _ in self.layers]
-        self.v = [torch.empty_like(t) for t in self.k]
-        self.valid = torch.zeros(N, self.cap, dtype=torch.bool, device=device)  # key columns a row may attend
-        self.valid[:, :P] = mask.bool().repeat_interleave(G, dim=0)
+        rows = bucket(N) if pow2 else N
+        alloc = torch.zeros if zeroed or pow2 else torch.empty
+        self.k = [alloc(rows, self.Hkv, self.cap, self.D, dtype=self.adtype, device=device) for _ in self.layers]
+        self.v = [alloc(rows, self.Hkv, self.cap, self.D, dtype=self.adtype, device=device) for _ in self.layers]
+        self.valid = torch.zeros(rows, self.cap, dtype=torch.bool, device=device)  # key columns a row may attend
+        self.valid[:N, :P] = mask.bool().repeat_interleave(G, dim=0)
         self.next_pos = pos[:, -1].repeat_interleave(G) + 1  # [N]
         self.n, self.t = N, 0
 
@@ -251,8 +260,8 @@ class FastDecoder:
 
         def write(l, k, v):
             kv[l] = (k, v)
-            self.k[l][:, :, :P] = k.repeat_interleave(G, dim=0)
-            self.v[l][:, :, :P] = v.repeat_interleave(G, dim=0)
+            self.k[l][:N, :, :P] = k.repeat_interleave(G, dim=0)
+            self.v[l][:N, :, :P] = v.repeat_interleave(G, dim=0)
 
         def attend(l, q):
             k, v = kv.pop(l)

@@ -42,7 +42,7 @@ class HFEngine(GenerationEngine):
     autocast_dtype: torch.dtype | None = None  # compute dtype of generation (None: the weights' dtype)
     fast: bool = True  # use FastDecoder for the models it supports (Llama, Qwen2)
     decode_threads: int | None = None  # torch threads while decoding; None: 1 for small models on CPU
-    compile: bool | str = False  # FastDecoder models: the compiled decode step, True, False or "auto" (compiled_decode.py)
+    compile: bool | str = False  # FastDecoder models: the compiled decode step, True, False or "auto"
     planned_calls: int | None = None  # compile="auto": the generate calls the run will make
     check_every: int = 8  # compiled step: the host reads the finished flags every this many tokens
     decodes_with_policy = True  # the engine runs the training model itself (class attribute)

@@ -12,6 +12,8 @@
                log pi_teacher - log pi_student of the sampled token, the reward not learned from;
    - mixed:    the default config plus teacher_model and distill_coef 1: A = A_grpo + (log pi_T - log pi_S).
    Every --eval-every steps: held-out greedy accuracy on the 200 eval prompts (`Trainer.evaluate`).
+   --num-generations changes G (the task's 8) in every arm: at G = 2 most groups of GRPO are flat
+   (no signal), while the teacher scores every token.
 3. Prints the median over seeds at each eval step, the median gain per step, and s/step; writes
    --json (benchmarks/results/distillation.json).
 """
@@ -52,7 +54,7 @@ def train_teacher(path: Path, steps: int, out: Path) -> None:
 def run_arm(arm: str, seed: int, args) -> dict:
     extra = {**ARMS[arm], **({"teacher_model": str(args.teacher_dir)} if arm != "grpo" else {})}
     cfg = TrainConfig.from_dict({**DEFAULT_TASK, "max_steps": args.steps, "seed": seed, "progress": False,
-                                 "report_to": [], "num_logged_samples": 0,
+                                 "report_to": [], "num_logged_samples": 0, "num_generations": args.num_generations,
                                  "output_dir": str(args.out / f"{arm}-{seed}"), **extra})
     tr = Trainer(cfg)
     curve = [{"step": 0, "accuracy": tr.evaluate()["accuracy"]}]
@@ -93,6 +95,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--eval-every", type=int, default=5)
     ap.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
+    ap.add_argument("--num-generations", type=int, default=DEFAULT_TASK["num_generations"])
     ap.add_argument("--teacher-steps", type=int, default=100)
     ap.add_argument("--teacher-dir", type=Path, default=Path("/tmp/grouprl-distill-teacher"))
     ap.add_argument("--out", type=Path, default=Path("/tmp/grouprl-distill-bench"))

@@ -190,3 +190,18 @@ def test_a_teacher_with_another_tokenizer_is_refused_naming_both(make_cfg, other
     assert "has 101 tokens" in msg and f"the policy's ({str(tiny_model_dir)!r})" in msg and "has 100" in msg
     assert "'<think>': id 100 for the teacher, None for the policy" in msg
     assert "pick a teacher of the policy's family" in msg
+
+
+def test_the_command_line_reaches_the_distillation_fields():
+    """`grouprl train --algorithm on_policy_distill --teacher_model T` distils on the embedded task (the
+    teacher is not a task field; the task's own beta 0.04 stays over the preset's 0, as for any preset),
+    and every distillation field is a --field with its help."""
+    from grouprl.cli_args import build_config, help_text
+
+    cfg = build_config(None, ["--algorithm", "on_policy_distill", "--teacher_model", "runs/t/model",
+                              "--distill_reward_coef", "0.5"]).resolved()
+    assert (cfg.teacher_model, cfg.distill_coef, cfg.distill_reward_coef, cfg.beta) == ("runs/t/model", 1.0, 0.5, 0.04)
+    assert cfg.train_data == "builtin:arithmetic/train"
+    text = help_text()
+    assert all(f"--{name} " in text for name in ("teacher_model", "distill_coef", "distill_reward_coef",
+                                                  "distill_signal"))

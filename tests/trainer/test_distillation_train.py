@@ -205,3 +205,22 @@ def test_the_command_line_reaches_the_distillation_fields():
     text = help_text()
     assert all(f"--{name} " in text for name in ("teacher_model", "distill_coef", "distill_reward_coef",
                                                   "distill_signal"))
+
+
+def test_a_registered_signal_is_accepted_and_used(make_cfg, teacher_dir):
+    """distill_signal names any function in core's DISTILL_SIGNALS: here twice the reverse-KL signal,
+    so with c_R = 0 and λ = 1 every advantage is twice what `reverse_kl` gives on the same batch."""
+    from grouprl.core import DISTILL_SIGNALS, reverse_kl_signal
+
+    def doubled(teacher, student, mask):
+        return 2 * reverse_kl_signal(teacher, student, mask)
+
+    with DISTILL_SIGNALS.registered("test_doubled", doubled):
+        trainer = Trainer(make_cfg(algorithm="on_policy_distill", teacher_model=str(teacher_dir), beta=None,
+                                   distill_signal="test_doubled"))
+        batch, _ = trainer.sample_batch()
+        got = trainer.advantages(batch)
+        trainer.cfg = make_cfg(algorithm="on_policy_distill", teacher_model=str(teacher_dir), beta=None).validate()
+        want = trainer.advantages(batch)
+    torch.testing.assert_close(got, 2 * want)
+    assert want.abs().max() > 0

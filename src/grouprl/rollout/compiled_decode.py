@@ -1,36 +1,47 @@
-"""The decode loop of `FastDecoder` with one compiled, static-shape step (`generation_compile`).
+"""The decode loop of `FastDecoder` with one compiled step (`generation_compile`).
 
-A decode step of a small model is ~100 small ops; eagerly each one pays Python and a kernel launch,
-which costs more than its arithmetic (the tiny workload's step took ~2 ms on CPU, its matmuls
-~0.4 ms of it). Here the whole step — embedding, every layer, the logits, the draw of the next
-token, the end-of-sequence check and the write into the completion buffer — is one function of
-tensors of fixed shapes, compiled once per shape by `torch.compile` (Inductor: fused C++/OpenMP
-kernels on CPU, Triton on CUDA, where "reduce-overhead" also replays it as a CUDA graph).
+A decode step of a small model is ~100 small ops; eagerly each one pays Python dispatch and a
+kernel launch, which cost more than its arithmetic (the tiny workload's step took ~2 ms on CPU, its
+matmuls ~0.4 ms of it). Here the whole step -- embedding, every layer, the logits, the draw of the
+next token, the end-of-sequence check and the write into the completion buffer -- is one function
+of tensors, compiled once by `torch.compile` (Inductor: fused C++/OpenMP loops around oneDNN/MKL
+matmuls on CPU, Triton kernels on CUDA).
 
-What is static, and how the varying sizes are bucketed:
-- the rows: the batch is held in a power-of-two number of slots; rows that finish keep computing
-  (their tokens are written to a dump row and never counted) until the live rows fit in half the
-  slots, when they move into a batch of half the size (`_compact`);
-- the KV cache: [slots, Hkv, C, D] per layer with C a power of two, zero-filled, written by index
-  at the step's column (a tensor, so a new column is not a new graph); a key column is attended
-  only where `valid` says so, so the unwritten columns and the other rows' padding are masked;
-  when the step's column reaches C, the cache moves into one of 2C columns;
-- the step number and cache column are one int64 tensor the step advances itself.
-So a call compiles at most log2(rows) + log2(columns) graphs, and a run reuses them from step to
-step (the weights are inputs of the graph, not constants: a new policy is not a new graph).
+Shapes: one graph serves every call of a model and sampling setting. The slot count S (rows in the
+batch), the attended width W, the completion length and the batch of the call are symbolic sizes
+(`torch._dynamo.mark_dynamic`); a size of 1 is specialised by torch, so a call that decodes its last
+row alone may compile one more graph, once per process.
+- The rows: rows that finish keep their slot (they draw, but write padding to a dump row and are
+  never counted) until the live rows fit in half the slots; then the live ones move into a batch of
+  exactly their number (`_compact`), as the eager loop's cache does.
+- The KV cache: [S, Hkv, C, D] per layer, zero-filled, passed whole (its strides never change, so
+  no graph is specialised on a slice), written by `index_copy_` at the step's column, a tensor
+  (`cursor`), so a new column is not a new graph. The step attends the first W columns, W the next
+  multiple of WIDTH_STEP past its column, always fewer than C: a step reads about as much of the
+  cache as the eager step (which reads exactly the columns fed) -- on this CPU the reads of the
+  cache are what a small model's step waits on, so attending all C would cost more than it saves.
+  Columns not yet written are masked by `valid`. When W would reach C, the cache widens by
+  doubling its new-token columns (`_grow`), keeping WIDTH_STEP spare ones.
+- The weights are inputs of the graph, not constants: a new policy is not a new graph.
 
-The host looks at the rows' "finished" flags only every `check_every` steps (a device sync on a
-GPU); a row that finished in between draws tokens that are replaced by padding. The draw uses the
-counter-based uniforms of rollout/sampling.py, indexed by the row's number in the call and the step,
-so the compiled loop draws exactly the tokens the eager loop draws from the same logits: equal
-tokens wherever Inductor's reordered float sums leave the logits close enough not to move a draw
-across a token boundary (tests/rollout/test_compiled_decode.py).
+The host looks at the rows' finished flags only every `check_every` steps (on a GPU that read is a
+device sync; here, where it is cheap, it decides only when rows move); a row that finished in
+between draws tokens that are replaced by padding. The draw uses the counter-based uniforms of
+rollout/sampling.py, indexed by the row's number in the call and the step, so the compiled loop
+draws exactly the tokens the eager loop draws from the same logits: equal tokens wherever
+Inductor's reordered float sums leave the logits close enough not to move a draw across a token
+boundary (tests/rollout/test_compiled_decode.py).
 
-What stays eager: the prompt's prefill (one call of large ops per generate), the first token's draw,
-the moves between buckets, and the multi-turn continuation's prefix copy (`start_from`).
+What stays eager: the prefill (`start`, one call of large ops per generate), the first token's draw,
+the moves between shapes, and calls inside `keep_conversations` (the multi-turn driver keeps each
+finished row's cache as of its own EOS step, which needs the eager loop's immediate removal).
 
-`compile_decode_step` returns None where compiling fails (no C++ compiler, an op Inductor does not
-lower): the caller decodes eagerly, and one warning names the reason.
+On CUDA the same graph runs as Triton kernels without CUDA graphs (mode=None): a CUDA graph per
+shape would need every mutated input and weight at a fixed address across calls, which a decoder
+rebuilt per call does not give. Not measured: no GPU was at hand when this was written.
+
+Where compiling fails (no C++ compiler, an op Inductor does not lower), the first step's error is
+caught: one warning names it, and this and later calls decode eagerly.
 """
 
 from __future__ import annotations
@@ -48,14 +59,7 @@ from grouprl.rollout.types import SamplingParams
 
 log = logging.getLogger(__name__)
 
-MIN_COLUMNS = 64  # the smallest KV-cache bucket
 WIDTH_STEP = 32  # the step attends the cache's first W columns, W the next multiple of this past the column
-
-
-def bucket(n: int, least: int = 1) -> int:
-    """The smallest power of two >= max(n, least)."""
-    n = max(n, least)
-    return 1 << (n - 1).bit_length()
 
 
 @dataclass(frozen=True)
@@ -134,8 +138,7 @@ def compiled_step(device: torch.device):
     if kind in _FAILED:
         return None
     if kind not in _COMPILED:
-        mode = "reduce-overhead" if kind == "cuda" else None
-        _COMPILED[kind] = torch.compile(decode_step, fullgraph=True, dynamic=None, mode=mode)
+        _COMPILED[kind] = torch.compile(decode_step, fullgraph=True, dynamic=None)
     return _COMPILED[kind]
 
 
@@ -199,20 +202,11 @@ def compile_seconds(device_type: str) -> float | None:
 
 class StaticDecodeLoop:
     """The decode loop over the compiled step: `run` takes a FastDecoder right after
-    `start(..., zeroed=True)` (on CUDA also `pow2=True`) and the first token's logits, and fills the
-    completion buffer.
-
-    On CPU the slot count and the attended width are symbolic sizes of one graph: the batch holds
-    exactly the rows left after the last move (rows leave when the live ones fit in half the slots),
-    and the step attends W columns, W the next multiple of WIDTH_STEP past its column, so it reads no
-    more of the cache than the eager step (whose reads of the cache are what a step of a small model
-    waits on here). On CUDA, where a CUDA graph is recorded per shape, both are powers of two and the
-    step attends every allocated column: log2(rows) x log2(columns) graphs at most."""
+    `start(..., zeroed=True)` and the first token's logits, and fills the completion buffer."""
 
     def __init__(self, device: torch.device, check_every: int = 8):
         self.device = device
         self.check_every = check_every
-        self.pow2 = device.type == "cuda"
 
     def run(self, dec, first_logits: torch.Tensor, params: SamplingParams, uniforms: torch.Tensor,
             eos: torch.Tensor, pad_token_id: int, first_token) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -224,7 +218,7 @@ class StaticDecodeLoop:
         if step is None:
             return None
         N, T = first_logits.shape[0], params.max_new_tokens
-        S = dec.k[0].shape[0]  # slots: N, or the power of two above it on CUDA
+        S = dec.k[0].shape[0]  # slots: N
         stop = not params.ignore_eos
         spec = StepSpec(params.greedy, float(params.temperature), int(params.top_k or 0), float(params.top_p),
                         int(pad_token_id), stop)
@@ -253,16 +247,11 @@ class StaticDecodeLoop:
                 if live.numel() == 0:
                     break
                 if 2 * live.numel() <= S:
-                    S = bucket(live.numel()) if self.pow2 else live.numel()
+                    S = live.numel()
                     tok, pos, rowmap, finished = self._compact(dec, live, S, tok, pos, rowmap, finished, N)
                     views = None
             C = dec.k[0].shape[2]
-            if self.pow2:  # CUDA: attend every column; when full, double them
-                if col == C:
-                    self._grow(dec, min(dec.max_cap, 2 * C))
-                    views = None
-                W = dec.k[0].shape[2]
-            elif col >= W:  # CPU: attend the next multiple of WIDTH_STEP, always fewer than the columns
+            if col >= W:  # attend the next multiple of WIDTH_STEP, always fewer than the columns
                 W = (col // WIDTH_STEP + 1) * WIDTH_STEP  # (W == C would be another graph: contiguous slices)
                 if W >= C:  # double the new-token columns, keeping WIDTH_STEP spare ones past the last
                     self._grow(dec, max(W, min(dec.max_cap, dec.P + 2 * (C - dec.P))) + WIDTH_STEP)
@@ -290,16 +279,14 @@ class StaticDecodeLoop:
         return completion, torch.where(is_eos.any(-1), is_eos.int().argmax(-1) + 1, T)
 
     def _views(self, dec, W: int, *per_slot: torch.Tensor) -> tuple:
-        """(width [W], valid, keys, values): the step's arguments about the cache, their sizes
-        marked symbolic on CPU."""
+        """(width [W], valid, keys, values): the step's arguments about the cache, their varying
+        sizes marked symbolic."""
         width = torch.empty(W, dtype=torch.bool, device=self.device)
-        if not self.pow2:
-            for x in dec.k + dec.v:
-                _dynamic(x, 0, 2)
-            _dynamic(dec.valid, 0, 1)
-            _dynamic(width, 0)
-            for x in per_slot:
-                _dynamic(x, 0)
+        for x in dec.k + dec.v:
+            _dynamic(x, 0, 2)
+        _dynamic(dec.valid, 0, 1)
+        for x in (width, *per_slot):
+            _dynamic(x, 0)
         return width, dec.valid, dec.k, dec.v
 
     @staticmethod

@@ -113,8 +113,7 @@ class HFEngine(GenerationEngine):
             if prefix is not None and any(x is not None for x in prefix):
                 logits = decoder.start_from(ids, mask, T, prefix)  # [N, V]
             else:
-                static_kw = {"zeroed": True, "pow2": device.type == "cuda"} if static else {}
-                logits = decoder.start(ids, mask, G, T, **static_kw)  # [N, V]
+                logits = decoder.start(ids, mask, G, T, zeroed=True) if static else decoder.start(ids, mask, G, T)
             N = logits.shape[0]
             uniforms = uniform_table(seed, N, T, device)  # [N, T] float64
             out = None

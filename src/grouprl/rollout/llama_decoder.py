@@ -22,6 +22,14 @@ only address space in a first call (pages never written are not resident), but a
 and in a continuation, whose cache is zeroed: 16 second turns that stopped within 31 tokens peaked
 at +3.1 GB RSS before, +0.25 GB now (benchmarks/generation_memory.py --stop-early --second-turn).
 
+What is compiled (`generation_compile`, rollout/compiled_decode.py): the decode step, `step`'s math
+for one token per row, including the draw of the next token and the EOS check, as one graph over the
+cache passed whole (`start(..., zeroed=True)`: columns not yet written are read, masked, so they must
+hold numbers). What is not: `start` and `start_from` (the prefill: a few large ops per call, which
+a launch costs little against), `keep` and the cache's growth (moves between shapes, rare),
+`snapshot` (the multi-turn driver's kept rows, which need each row's cache at its own EOS step: a
+call inside `keep_conversations` decodes eagerly), and the generic `transformers` path.
+
 `FastDecoder.supports(model)` says whether a model fits (Llama/Qwen2 weights, SiLU MLP, no sliding
 window); the engine falls back to the generic `transformers` path otherwise. A PEFT model with LoRA
 adapters (no adapter dropout) decodes from merged weights W + s·BA, built per call as the cast or
@@ -35,7 +43,6 @@ import torch
 import torch.nn.functional as F
 
 from grouprl.lora import base_model, is_peft_model, merged_weight, mergeable
-from grouprl.rollout.compiled_decode import MIN_COLUMNS, bucket
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
 FUSE_MAX_PARAMS = 20_000_000  # fuse projection weights only for models up to this size (see __init__)
@@ -202,16 +209,13 @@ class FastDecoder:
         return self.linear(self._rms(x, *self.norm).to(self.dtype), self.lm_head)  # [n, V]
 
     # ------------------------------------------------------------------ the call
-    def _positions(self, mask: torch.Tensor, max_new_tokens: int, pow2: bool = False) -> torch.Tensor:
+    def _positions(self, mask: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
         """Size the first cache for left-padded prompts `mask` [B, P] plus a block of new tokens,
         tabulate the rotary cos/sin of every position up to P + max_new_tokens (one row's worth, not
-        the cache's), and return the prompt tokens' positions [B, P]. `pow2`: both sizes are
-        powers of two (the compiled step's shapes on CUDA, compiled_decode.py)."""
+        the cache's), and return the prompt tokens' positions [B, P]."""
         P = mask.shape[1]
         self.P, self.max_cap = P, P + max_new_tokens
         self.cap = P + min(max_new_tokens, self.cache_block)  # columns allocated
-        if pow2:
-            self.cap, self.max_cap = bucket(self.cap, MIN_COLUMNS), bucket(self.max_cap, MIN_COLUMNS)
         with torch.autocast(mask.device.type, enabled=False):
             cos, sin = self.rotary(self.embed[:1], torch.arange(self.max_cap, device=mask.device)[None])  # [1, P+T, D]
         self.cos, self.sin = cos[0].to(self.wdtype), sin[0].to(self.wdtype)  # [P+T, D]
@@ -233,17 +237,15 @@ class FastDecoder:
         self.valid, self.cap = valid, cap
 
     def start(self, ids: torch.Tensor, mask: torch.Tensor, G: int, max_new_tokens: int,
-              zeroed: bool = False, pow2: bool = False) -> torch.Tensor:
+              zeroed: bool = False) -> torch.Tensor:
         """Prefill B left-padded prompts ids/mask [B, P] once, repeat each prompt's cache G times,
         and return the next-token logits [B*G, V] (fp32). For compiled_decode.StaticDecodeLoop, which
-        reads columns it has not written (masked): `zeroed` fills the cache with zeros, and `pow2`
-        gives it a power of two of rows (the first B*G used) and of columns."""
+        reads columns it has not written (masked): `zeroed` fills the cache with zeros."""
         B, P = ids.shape
         device = ids.device
-        pos = self._positions(mask, max_new_tokens, pow2)  # [B, P]
-        N = B * G
-        rows = bucket(N) if pow2 else N
-        alloc = torch.zeros if zeroed or pow2 else torch.empty
+        pos = self._positions(mask, max_new_tokens)  # [B, P]
+        N = rows = B * G
+        alloc = torch.zeros if zeroed else torch.empty
         self.k = [alloc(rows, self.Hkv, self.cap, self.D, dtype=self.adtype, device=device) for _ in self.layers]
         self.v = [alloc(rows, self.Hkv, self.cap, self.D, dtype=self.adtype, device=device) for _ in self.layers]
         self.valid = torch.zeros(rows, self.cap, dtype=torch.bool, device=device)  # key columns a row may attend

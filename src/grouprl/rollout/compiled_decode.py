@@ -54,7 +54,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from grouprl.rollout.sampling import _inverse_cdf, filtered_probs
+from grouprl.rollout.sampling import inverse_cdf, filtered_probs
 from grouprl.rollout.types import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -109,7 +109,7 @@ def decode_step(dec, spec: StepSpec, tok: torch.Tensor, pos: torch.Tensor, curso
         nxt = logits.argmax(-1)
     else:
         params = SamplingParams(1, temperature=spec.temperature, top_p=spec.top_p, top_k=spec.top_k)
-        nxt = _inverse_cdf(filtered_probs(logits, params), uniforms[rowmap, t])  # [S]
+        nxt = inverse_cdf(filtered_probs(logits, params), uniforms[rowmap, t])  # [S]
     if spec.stop_on_eos:
         nxt = torch.where(finished, spec.pad_token_id, nxt)
         finished = finished | torch.isin(nxt, eos)
@@ -219,6 +219,8 @@ class StaticDecodeLoop:
             return None
         N, T = first_logits.shape[0], params.max_new_tokens
         S = dec.k[0].shape[0]  # slots: N
+        dec.use_slots()  # oneDNN-packed weights enter the graph as table slots (llama_decoder.py)
+        dec.activate_slots()
         stop = not params.ignore_eos
         spec = StepSpec(params.greedy, float(params.temperature), int(params.top_k or 0), float(params.top_p),
                         int(pad_token_id), stop)

@@ -39,6 +39,9 @@ generic path took 3.5x as long.
 
 from __future__ import annotations
 
+import threading
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -60,6 +63,40 @@ def _pack(w: torch.Tensor) -> torch.Tensor:
 
 def _packed_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
+
+
+# The compiled step (compiled_decode.py) cannot take a oneDNN-packed weight as a graph input (an
+# opaque mkldnn tensor, which Inductor does not lower), and without packing SmolLM2's fp32 decode
+# matmuls took 3x as long. So in the graph a packed weight is a `PackedSlot` (its index in a table
+# the running decoder fills for its thread, and its output size), and the matmul is this custom op,
+# which the graph calls as an opaque kernel: the indices are the same in every call, so a new
+# policy's weights are a new table, not a new graph.
+_PACKED = threading.local()
+
+
+@torch.library.custom_op("grouprl::packed_linear", mutates_args=())
+def packed_linear_op(x: torch.Tensor, bias: torch.Tensor | None, slot: int, out_features: int) -> torch.Tensor:
+    """x @ W[slot].T + bias with the packed weight W[slot] of this thread's running decoder."""
+    return _packed_linear(x, _PACKED.weights[slot], bias)
+
+
+@packed_linear_op.register_fake
+def _packed_linear_shape(x, bias, slot, out_features):
+    return x.new_empty(*x.shape[:-1], out_features)
+
+
+@dataclass(frozen=True)
+class PackedSlot:
+    """A packed weight as the compiled step sees it: its row in the thread's table, its output size."""
+
+    slot: int
+    out_features: int
+
+
+def _slot_linear(x: torch.Tensor, w, b: torch.Tensor | None = None) -> torch.Tensor:
+    if isinstance(w, PackedSlot):
+        return packed_linear_op(x, b, w.slot, w.out_features)
+    return F.linear(x, w, b)
 
 
 def _native_bf16() -> bool:
@@ -167,6 +204,26 @@ class FastDecoder:
             ))
         self.lm_head = mat(self.lm_head)
         self.scale = getattr(layer.self_attn, "scaling", self.D ** -0.5)
+
+    def use_slots(self) -> None:
+        """For the compiled step: packed weights become PackedSlots over a table of this decoder
+        (installed for the calling thread by `activate_slots`); unpacked ones stay tensors."""
+        if self.linear is not _packed_linear:
+            return
+        table: list[torch.Tensor] = []
+
+        def slot(w: torch.Tensor) -> PackedSlot:
+            table.append(w)
+            return PackedSlot(len(table) - 1, w.shape[0])
+
+        self.layers = [(w_in, e1, [(slot(w), b) for w, b in qkv], slot(w_o), b_o, w_post, e2, [slot(w) for w in gu],
+                        slot(w_down)) for w_in, e1, qkv, w_o, b_o, w_post, e2, gu, w_down in self.layers]
+        self.lm_head = slot(self.lm_head)
+        self.linear, self._table = _slot_linear, table
+
+    def activate_slots(self) -> None:
+        """Install this decoder's packed weights as the calling thread's table (see use_slots)."""
+        _PACKED.weights = getattr(self, "_table", None)
 
     # ------------------------------------------------------------------ pieces
     @staticmethod

@@ -69,7 +69,7 @@ def sample_next(logits: torch.Tensor, params: SamplingParams, generator: torch.G
     if u is None:
         where = generator.device if generator is not None else logits.device  # a CPU generator serves a GPU too
         u = torch.rand(len(logits), dtype=torch.float64, generator=generator, device=where).to(logits.device)
-    return _inverse_cdf(filtered_probs(logits, params), u)  # [n]
+    return inverse_cdf(filtered_probs(logits, params), u)  # [n]
 
 
 def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -89,7 +89,7 @@ def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
     return logits.softmax(-1)
 
 
-def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """One draw per row of probs [n, V]: the first token whose cumulative probability exceeds
     u * total, u [n] uniform in [0, 1). Exactly the categorical distribution (a token of probability
     0 is never drawn), with one random number per row: `torch.multinomial` draws V exponentials per

@@ -130,7 +130,8 @@ def validate_config(cfg: C) -> C:
         check_loss_settings(
             epsilon=c.epsilon, epsilon_high=c.epsilon_high, beta=c.beta, dual_clip=c.dual_clip, delta=c.delta,
             loss_type=c.loss_type, importance_sampling_level=c.importance_sampling_level,
-            sapo_temperature_pos=c.sapo_temperature_pos, sapo_temperature_neg=c.sapo_temperature_neg)
+            sapo_temperature_pos=c.sapo_temperature_pos, sapo_temperature_neg=c.sapo_temperature_neg,
+            entropy_coef=c.entropy_coef)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     if c.delta is not None and c.delta <= 1 + c.epsilon_high:

@@ -46,7 +46,10 @@ aggregates. Every loss type sees padding already zeroed (A = 0 and logp = old th
             with A < 0, δ > ε_high with A > 0), replacing the ratio-space ones. Departures: per-token
             advantages (process supervision) weight each token's gradient by its own A_{i,t} and pick
             its own side of the clip (the paper has one A per completion; verl averages A over the
-            completion instead); a completion with no real token gives 0 (s̃ = 1, A = 0 there).
+            completion instead); token weights (sampler IS correction, token masks) multiply each
+            token's term like any policy term's, so a completion's weight is their arithmetic mean
+            (verl's geo_mean weights a completion by their geometric mean); a completion with no
+            real token gives 0 (s̃ = 1, A = 0 there).
 
 cispo, sapo and gmpo act on token ratios only (GSPO's sequence ratio is a clip variant): ``LossParams``
 rejects them with ratio_level="sequence", as it rejects dual_clip and delta, which only "clip" reads.

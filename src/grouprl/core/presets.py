@@ -41,9 +41,8 @@ leave-one-out advantage unscaled, as in the paper.
 - gmpo: arXiv 2507.20673 and its code (callsys/GMPO): the clip range (e^−0.4, e^0.4), i.e.
   ε_low = ε_high = 0.4 in log space (policy_terms.py), group-std advantages, no KL (β = 0), the
   per-completion mean then the mean over the batch (seq-mean-token-mean). Not preset fields, for
-  orientation: the paper's script trains with lr 1e-6, G = 8 and several optimizer steps per
-  rollout (128 of its 1024 samples each), so its ratios leave 1. Here on-policy (μ = 1) the gradient
-  is GRPO's; the clip acts with num_iterations > 1 or a sampler's own log-probs (vLLM).
+  orientation: the paper's script trains with lr 1e-6 and G = 8. On-policy (μ = 1) the gradient is
+  GRPO's; the clip acts with num_iterations > 1 or a sampler's own log-probs (vLLM).
 - opsm: DeepSeek-V3.2 (arXiv 2512.02556) off-policy sequence masking on grpo; the paper gives no δ,
   0.5 is TRL's suggestion. It acts only off-policy: num_iterations > 1, or a sampler such as vLLM.
 - reinforce_pp, reinforce_pp_baseline: arXiv 2501.03262; the paper's KL-in-reward is not

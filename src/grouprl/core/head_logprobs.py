@@ -102,7 +102,7 @@ class _HeadLogprobs(torch.autograd.Function):
                     g_h = grad_entropy[r:r + rows, None].to(x.dtype) / tau  # [m, 1]
                     logp = x - lse[r:r + rows, None]  # [m, V]
                     p = logp.exp()
-                    gx = logp.add_(entropy[r:r + rows, None]).mul_(g_h).add_(g).mul_(p).neg_()
+                    gx = logp.mul_(-g_h).add_(-(g + g_h * entropy[r:r + rows, None])).mul_(p)
                 else:
                     gx = (x - lse[r:r + rows, None]).exp_().mul_(-g)  # −p·g / τ
                 gx.scatter_add_(-1, tokens[r:r + rows, None], g)  # + 1[v = y]·g / τ: ∂L/∂(W·h + b)

@@ -95,6 +95,15 @@ def test_cispo_accepts_epsilon_one_as_no_lower_bound(make_cfg):
     assert (cfg.epsilon, cfg.epsilon_high, cfg.loss_type) == (1.0, 4.0, "cispo")
 
 
+def test_gmpo_takes_log_space_bounds_of_any_size(make_cfg):
+    """GMPO clips log ρ to [−ε_low, ε_high]: ε = 1.5 is the ratio range [0.22, 4.48], not a negative
+    lower bound, so it passes where the ratio-space clip refuses it."""
+    cfg = make_cfg(algorithm="gmpo", beta=None, epsilon=1.5).validate()
+    assert (cfg.loss_type, cfg.epsilon, cfg.epsilon_high) == ("gmpo", 1.5, 0.4)
+    with pytest.raises(ConfigError, match="epsilon below 1"):
+        make_cfg(algorithm="gspo", epsilon=1.5).validate()
+
+
 @pytest.mark.parametrize("overrides", [
     {"algorithm": "opsm", "loss_type": "cispo", "epsilon": 1.0, "epsilon_high": 0.05, "num_iterations": 2,
      "off_policy_mask_threshold": 0.0},

@@ -136,9 +136,10 @@ class TrainFields:
     """How token losses become one number: seq-mean-token-mean | token-mean | seq-mean-token-sum |
     seq-mean-token-sum-norm. Normalised over the whole optimizer batch."""
     epsilon: float | None = None
-    """Lower clip range of the ratio (1 - epsilon)."""
+    """Lower clip range of the ratio (1 - epsilon); with loss_type gmpo, of the log-ratio (-epsilon)."""
     epsilon_high: float | None = None
-    """Upper clip range of the ratio (1 + epsilon_high); DAPO's clip-higher uses 0.28."""
+    """Upper clip range of the ratio (1 + epsilon_high); DAPO's clip-higher uses 0.28. With loss_type
+    gmpo, of the log-ratio (+epsilon_high; the paper's 0.4)."""
     beta: float | None = None
     """Weight of the per-token KL penalty to the reference policy; 0 loads no reference model."""
     entropy_coef: float = 0.0

@@ -77,6 +77,7 @@ def test_factories_are_marked_at_registration_and_unmarked_with_their_entry():
     (core.KL_ESTIMATORS, ("k1", "k2", "k3")),
     (core.IS_MODES, ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")),
     (core.TOKEN_MASKS, ("entropy_mask", "off_policy_mask")),
+    (core.DISTILL_SIGNALS, ("reverse_kl",)),
 ])
 def test_core_registries_hold_the_built_in_variants(registry, names):
     assert isinstance(registry, Registry) and registry.names() == names

@@ -22,6 +22,14 @@ only address space in a first call (pages never written are not resident), but a
 and in a continuation, whose cache is zeroed: 16 second turns that stopped within 31 tokens peaked
 at +3.1 GB RSS before, +0.25 GB now (benchmarks/generation_memory.py --stop-early --second-turn).
 
+What is compiled (`generation_compile`, rollout/compiled_decode.py): the decode step, `step`'s math
+for one token per row, including the draw of the next token and the EOS check, as one graph over the
+cache passed whole (`start(..., zeroed=True)`: columns not yet written are read, masked, so they must
+hold numbers). What is not: `start` and `start_from` (the prefill: a few large ops per call, which
+a launch costs little against), `keep` and the cache's growth (moves between shapes, rare),
+`snapshot` (the multi-turn driver's kept rows, which need each row's cache at its own EOS step: a
+call inside `keep_conversations` decodes eagerly), and the generic `transformers` path.
+
 `FastDecoder.supports(model)` says whether a model fits (Llama/Qwen2 weights, SiLU MLP, no sliding
 window); the engine falls back to the generic `transformers` path otherwise. A PEFT model with LoRA
 adapters (no adapter dropout) decodes from merged weights W + s·BA, built per call as the cast or
@@ -122,11 +130,11 @@ class FastDecoder:
         self.Hkv = getattr(cfg, "num_key_value_heads", None) or self.H
         self.D = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.H
         self.rotary = base.rotary_emb
-        self.embed = base.embed_tokens.weight
-        self.norm = (base.norm.weight, base.norm.variance_epsilon)
-        self.lm_head = merged_weight(model.lm_head)
+        self.embed = base.embed_tokens.weight.detach()  # detached: plain tensors whether or not training needs grad
+        self.norm = (base.norm.weight.detach(), base.norm.variance_epsilon)
+        self.lm_head = merged_weight(model.lm_head).detach()
         self.layers = []
-        cast = (lambda t: t.to(self.dtype)) if self.dtype != self.embed.dtype else (lambda t: t)
+        cast = (lambda t: t.detach().to(self.dtype)) if self.dtype != self.embed.dtype else (lambda t: t.detach())
 
         def cast_bias(layer: torch.nn.Module) -> torch.Tensor | None:
             bias = getattr(layer, "base_layer", layer).bias
@@ -151,10 +159,10 @@ class FastDecoder:
                 qkv = [(torch.cat([w for w, _ in qkv]), bias)]
                 gu = [torch.cat(gu)]
             self.layers.append((
-                layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon,
+                layer.input_layernorm.weight.detach(), layer.input_layernorm.variance_epsilon,
                 [(mat(w), b) for w, b in qkv],
                 mat(merged_weight(a.o_proj)), cast_bias(a.o_proj),
-                layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon,
+                layer.post_attention_layernorm.weight.detach(), layer.post_attention_layernorm.variance_epsilon,
                 [mat(w) for w in gu], mat(merged_weight(m.down_proj)),
             ))
         self.lm_head = mat(self.lm_head)
@@ -228,17 +236,20 @@ class FastDecoder:
         valid[:, :c] = self.valid[rows, :c]
         self.valid, self.cap = valid, cap
 
-    def start(self, ids: torch.Tensor, mask: torch.Tensor, G: int, max_new_tokens: int) -> torch.Tensor:
+    def start(self, ids: torch.Tensor, mask: torch.Tensor, G: int, max_new_tokens: int,
+              zeroed: bool = False) -> torch.Tensor:
         """Prefill B left-padded prompts ids/mask [B, P] once, repeat each prompt's cache G times,
-        and return the next-token logits [B*G, V] (fp32)."""
+        and return the next-token logits [B*G, V] (fp32). For compiled_decode.StaticDecodeLoop, which
+        reads columns it has not written (masked): `zeroed` fills the cache with zeros."""
         B, P = ids.shape
         device = ids.device
         pos = self._positions(mask, max_new_tokens)  # [B, P]
-        N = B * G
-        self.k = [torch.empty(N, self.Hkv, self.cap, self.D, dtype=self.adtype, device=device) for _ in self.layers]
-        self.v = [torch.empty_like(t) for t in self.k]
-        self.valid = torch.zeros(N, self.cap, dtype=torch.bool, device=device)  # key columns a row may attend
-        self.valid[:, :P] = mask.bool().repeat_interleave(G, dim=0)
+        N = rows = B * G
+        alloc = torch.zeros if zeroed else torch.empty
+        self.k = [alloc(rows, self.Hkv, self.cap, self.D, dtype=self.adtype, device=device) for _ in self.layers]
+        self.v = [alloc(rows, self.Hkv, self.cap, self.D, dtype=self.adtype, device=device) for _ in self.layers]
+        self.valid = torch.zeros(rows, self.cap, dtype=torch.bool, device=device)  # key columns a row may attend
+        self.valid[:N, :P] = mask.bool().repeat_interleave(G, dim=0)
         self.next_pos = pos[:, -1].repeat_interleave(G) + 1  # [N]
         self.n, self.t = N, 0
 
@@ -251,8 +262,8 @@ class FastDecoder:
 
         def write(l, k, v):
             kv[l] = (k, v)
-            self.k[l][:, :, :P] = k.repeat_interleave(G, dim=0)
-            self.v[l][:, :, :P] = v.repeat_interleave(G, dim=0)
+            self.k[l][:N, :, :P] = k.repeat_interleave(G, dim=0)
+            self.v[l][:N, :, :P] = v.repeat_interleave(G, dim=0)
 
         def attend(l, q):
             k, v = kv.pop(l)

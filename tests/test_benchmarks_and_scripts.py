@@ -137,11 +137,13 @@ def test_sandbox_report():
     assert "the host listener saw no connection" in out
 
 
-def test_head_logprobs_benchmark_one_round():
+@pytest.mark.parametrize("bonus", [[], ["--entropy-bonus"]])
+def test_head_logprobs_benchmark_one_round(bonus):
     out = run("benchmarks/head_logprobs.py", "--lengths", "8", "--rows", "2", "--layers", "1", "--vocab", "64",
-              "--hidden", "18", "--repeats", "1", "--rounds", "1", "--threads", "1")
+              "--hidden", "18", "--repeats", "1", "--rounds", "1", "--threads", "1", *bonus)
     row = [line for line in out.splitlines() if line.startswith("| 8 |")]
     assert len(row) == 1 and row[0].count("|") == 6
+    assert ("entropy bonus" in out) == bool(bonus)
 
 
 def test_generation_memory_benchmark_one_call_per_mode(tmp_path):

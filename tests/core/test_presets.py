@@ -24,6 +24,7 @@ TABLE = {
     "dr_grpo": ("grpo", "none", "seq-mean-token-sum-norm", 0.2, 0.2, 0.0, "token", False, False),
     "dapo": ("grpo", "group", "token-mean", 0.2, 0.28, 0.0, "token", True, True),
     "gspo": ("grpo", "group", "seq-mean-token-mean", 3e-4, 4e-4, 0.0, "sequence", False, False),
+    "gmpo": ("grpo", "group", "seq-mean-token-mean", 0.4, 0.4, 0.0, "token", False, False, "gmpo"),
     "rloo": ("rloo", "none", "token-mean", 0.2, 0.2, 0.0, "token", False, False),
     "cispo": ("grpo", "group", "token-mean", 1.0, 4.0, 0.0, "token", False, False, "cispo"),
     "sapo": ("grpo", "group", "seq-mean-token-mean", 0.2, 0.2, 0.0, "token", False, False, "sapo"),

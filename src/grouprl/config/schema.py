@@ -95,9 +95,9 @@ class TrainFields:
 
     # ------------------------------------------------------------ algorithm
     algorithm: str = "grpo"
-    """Preset: grpo | dr_grpo | dapo | gspo | rloo | cispo | sapo | bnpo | gdpo | top_entropy | opsm |
-    reinforce_pp | reinforce_pp_baseline | grpo_passk | on_policy_distill (README's algorithm table;
-    on_policy_distill needs teacher_model). Every field below overrides it."""
+    """Preset: grpo | dr_grpo | dapo | gspo | gmpo | rloo | cispo | sapo | bnpo | gdpo | top_entropy |
+    opsm | reinforce_pp | reinforce_pp_baseline | grpo_passk | on_policy_distill (README's algorithm
+    table; on_policy_distill needs teacher_model). Every field below overrides it."""
     advantage_estimator: str | None = None
     """`grpo` (group-relative, see scale_rewards), `rloo` (leave-one-out), `reinforce_pp` (whitened
     over the batch), `reinforce_pp_baseline` (group mean removed, then the batch std), `grpo_passk`
@@ -116,8 +116,10 @@ class TrainFields:
     loss_type: str | None = None
     """Per-token policy term: `clip` (PPO/GRPO clipped surrogate), `cispo` (clipped, stop-gradient IS
     weight times log-prob: every token keeps a gradient; epsilon/epsilon_high bound the weight to
-    [1-epsilon, 1+epsilon_high], epsilon=1 for no lower bound) or `sapo` (smooth sigmoid gate,
-    sapo_temperature_pos/neg)."""
+    [1-epsilon, 1+epsilon_high], epsilon=1 for no lower bound), `sapo` (smooth sigmoid gate,
+    sapo_temperature_pos/neg) or `gmpo` (GMPO: the geometric mean of the token ratios, each clipped
+    in log space to [-epsilon, epsilon_high] on the side its advantage pushes, one ratio per
+    completion; epsilon/epsilon_high are log-space bounds there, the paper's 0.4)."""
     sapo_temperature_pos: float = 1.0
     """SAPO gate temperature for tokens with positive advantage (paper: 1.0)."""
     sapo_temperature_neg: float = 1.05
@@ -134,11 +136,16 @@ class TrainFields:
     """How token losses become one number: seq-mean-token-mean | token-mean | seq-mean-token-sum |
     seq-mean-token-sum-norm. Normalised over the whole optimizer batch."""
     epsilon: float | None = None
-    """Lower clip range of the ratio (1 - epsilon)."""
+    """Lower clip range of the ratio (1 - epsilon); with loss_type gmpo, of the log-ratio (-epsilon)."""
     epsilon_high: float | None = None
-    """Upper clip range of the ratio (1 + epsilon_high); DAPO's clip-higher uses 0.28."""
+    """Upper clip range of the ratio (1 + epsilon_high); DAPO's clip-higher uses 0.28. With loss_type
+    gmpo, of the log-ratio (+epsilon_high; the paper's 0.4)."""
     beta: float | None = None
     """Weight of the per-token KL penalty to the reference policy; 0 loads no reference model."""
+    entropy_coef: float = 0.0
+    """Entropy bonus: adds -entropy_coef * H to each token's loss, H the entropy of the policy's
+    next-token distribution (at `temperature`) from the same log-prob pass, aggregated like the
+    policy loss (loss_agg). 0 turns it off and computes nothing extra; 1e-3 is a usual start."""
     kl_estimator: str = "k3"
     """KL estimator for the penalty: k1 | k2 | k3."""
     importance_sampling_level: str | None = None

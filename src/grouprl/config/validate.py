@@ -125,15 +125,18 @@ def validate_config(cfg: C) -> C:
         raise ConfigError(f"vllm_importance_sampling_min={c.vllm_importance_sampling_min} has no effect "
                           f"with vllm_importance_sampling_mode={c.vllm_importance_sampling_mode}, which "
                           "only truncates from above: use token_mask or sequence_mask, or set it to 0")
-    max_epsilon_ok = c.epsilon < 1 or (c.epsilon == 1 and c.loss_type == "cispo")
+    # 1 - epsilon is a ratio bound, except for gmpo, whose bounds are in log space (e^-epsilon > 0)
+    max_epsilon_ok = c.epsilon < 1 or (c.epsilon == 1 and c.loss_type == "cispo") or c.loss_type == "gmpo"
     if c.epsilon <= 0 or c.epsilon_high <= 0 or not max_epsilon_ok:
         raise ConfigError(f"epsilon={c.epsilon}, epsilon_high={c.epsilon_high}: clip ranges must "
-                          "be positive and epsilon below 1 (at most 1 with loss_type cispo: no lower bound)")
+                          "be positive and epsilon below 1 (at most 1 with loss_type cispo: no lower bound; "
+                          "any size with loss_type gmpo, whose bounds are in log space)")
     try:
         check_loss_settings(
             epsilon=c.epsilon, epsilon_high=c.epsilon_high, beta=c.beta, dual_clip=c.dual_clip, delta=c.delta,
             loss_type=c.loss_type, importance_sampling_level=c.importance_sampling_level,
-            sapo_temperature_pos=c.sapo_temperature_pos, sapo_temperature_neg=c.sapo_temperature_neg)
+            sapo_temperature_pos=c.sapo_temperature_pos, sapo_temperature_neg=c.sapo_temperature_neg,
+            entropy_coef=c.entropy_coef)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     if c.delta is not None and c.delta <= 1 + c.epsilon_high:

@@ -13,6 +13,7 @@ grpo                   group std             clip   seq-mean-token-mean      0.2
 dr_grpo                none (mean only)      clip   seq-mean-token-sum-norm  0.2 / 0.2     0     —
 dapo                   group std             clip   token-mean               0.2 / 0.28    0     dyn. sampling, overlong
 gspo                   group std             clip   seq-mean-token-mean      3e-4 / 4e-4   0     sequence-level ratio
+gmpo                   group std             gmpo   seq-mean-token-mean      0.4 / 0.4     0     ε in log space
 rloo                   leave-one-out         clip   token-mean               0.2 / 0.2     0     —
 cispo                  group std             cispo  token-mean               1 / 4         0     IS weight in [0, 5]
 sapo                   group std             sapo   seq-mean-token-mean      unused        0     τ 1.0 / 1.05
@@ -39,6 +40,11 @@ leave-one-out advantage unscaled, as in the paper.
 - gdpo: arXiv 2601.05242, multi_objective="normalize_then_sum" (multi_objective.py);
   otherwise grpo with β = 0 (TRL's default).
 - top_entropy: arXiv 2506.01939, DAPO with entropy_quantile = 0.2 (token_masks.py).
+- gmpo: arXiv 2507.20673 and its code (callsys/GMPO): the clip range (e^−0.4, e^0.4), i.e.
+  ε_low = ε_high = 0.4 in log space (policy_terms.py), group-std advantages, no KL (β = 0), the
+  per-completion mean then the mean over the batch (seq-mean-token-mean). Not preset fields, for
+  orientation: the paper's script trains with lr 1e-6 and G = 8. On-policy (μ = 1) the gradient is
+  GRPO's; the clip acts with num_iterations > 1 or a sampler's own log-probs (vLLM).
 - opsm: DeepSeek-V3.2 (arXiv 2512.02556) off-policy sequence masking on grpo; the paper gives no δ,
   0.5 is TRL's suggestion. It acts only off-policy: num_iterations > 1, or a sampler such as vLLM.
 - reinforce_pp, reinforce_pp_baseline: arXiv 2501.03262; the paper's KL-in-reward is not
@@ -94,6 +100,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     "grpo_passk": _preset("grpo_passk", "none", "token-mean", 0.2, 0.2, 0.0),
     "on_policy_distill": _preset("grpo", "group", "token-mean", 0.2, 0.2, 0.0, distill_coef=1.0,
                                  distill_reward_coef=0.0),
+    "gmpo": _preset("grpo", "group", "seq-mean-token-mean", 0.4, 0.4, 0.0, loss_type="gmpo"),
 }
 
 

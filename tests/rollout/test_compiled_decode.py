@@ -111,6 +111,7 @@ def _both(model, tok, params, prompts, G=2, stops=None, **kw):
     for compile in (False, True):
         engine = HFEngine(model, stops or _stops(tok), tok.pad_token_id, compile=compile, **kw)
         out.append(engine.generate(prompts, G, params, torch.Generator().manual_seed(0)))
+    assert not cd._FAILED, cd._FAILED  # the compiled side compiled (no eager fallback)
     return out
 
 
@@ -284,3 +285,15 @@ def test_auto_compiles_when_the_projected_saving_exceeds_the_compile_cost(caplog
     assert "auto compiles" in caplog.text and "stays eager" in caplog.text
     assert cd.CompileChoice(True).use() and not cd.CompileChoice(False).use()
     assert not cd.CompileChoice(False).probing()
+
+
+def test_compiled_decoding_with_onednn_packed_weights_equals_eager(tiny, compiles, monkeypatch):
+    """Models from PACK_MIN_PARAMS up decode with oneDNN-packed weights on CPU; the compiled step
+    reaches them through the grouprl::packed_linear op (here the tiny model, packed by lowering
+    the threshold). Same tokens as the eager packed loop."""
+    model, tok = tiny
+    monkeypatch.setattr(llama_decoder, "PACK_MIN_PARAMS", 0)
+    if not llama_decoder._can_pack(model, torch.float32, 1):
+        pytest.skip("this torch build has no oneDNN packing ops")
+    eager, compiled = _both(model, tok, SAMPLED, _prompts(tok))
+    _assert_same(eager, compiled)

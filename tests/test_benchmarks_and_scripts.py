@@ -40,8 +40,7 @@ def run(*args: str, timeout: float = 300) -> str:
 RUN = {"benchmarks/shared_prompt.py", "benchmarks/process_vs_outcome.py", "benchmarks/multiturn_continuation.py",
        "benchmarks/head_logprobs.py", "benchmarks/generation_memory.py", "benchmarks/long_completions.py",
        "benchmarks/run_health.py", "benchmarks/learning_vs_trl.py", "benchmarks/vs_trl.py",
-       "benchmarks/step_profile.py",
-       "scripts/build_default_policy.py",
+       "benchmarks/step_profile.py", "benchmarks/distillation.py", "scripts/build_default_policy.py",
        "scripts/build_tool_policy.py", "scripts/sandbox_report.py"}
 HELP_ONLY = {"benchmarks/async_rollouts.py", "benchmarks/agentic_async.py", "benchmarks/vllm_vs_builtin.py",
              "benchmarks/weight_transfer.py",
@@ -102,6 +101,16 @@ def test_process_vs_outcome_benchmark_one_step(tmp_path):
     assert 0 <= check["predicted"] <= 1 and len(check["observed"]) == 1 and "predicted" in out
 
 
+def test_distillation_benchmark_one_step(tmp_path):
+    out = run("benchmarks/distillation.py", "--seeds", "0", "--steps", "1", "--eval-every", "1", "--teacher-steps",
+              "1", "--teacher-dir", str(tmp_path / "teacher"), "--out", str(tmp_path / "runs"),
+              "--json", str(tmp_path / "r.json"))
+    results = json.loads((tmp_path / "r.json").read_text())["results"]
+    assert [r["arm"] for r in results] == ["grpo", "distill", "mixed"]
+    assert all([c["step"] for c in r["curve"]] == [0, 1] for r in results)
+    assert (tmp_path / "teacher" / "config.json").is_file() and "distill: gain/step" in out
+
+
 def test_multiturn_continuation_benchmark_one_round():
     out = run("benchmarks/multiturn_continuation.py", "--rounds", "1")
     rounds = [line for line in out.splitlines() if line.startswith("round ")]
@@ -128,11 +137,13 @@ def test_sandbox_report():
     assert "the host listener saw no connection" in out
 
 
-def test_head_logprobs_benchmark_one_round():
+@pytest.mark.parametrize("bonus", [[], ["--entropy-bonus"]])
+def test_head_logprobs_benchmark_one_round(bonus):
     out = run("benchmarks/head_logprobs.py", "--lengths", "8", "--rows", "2", "--layers", "1", "--vocab", "64",
-              "--hidden", "18", "--repeats", "1", "--rounds", "1", "--threads", "1")
+              "--hidden", "18", "--repeats", "1", "--rounds", "1", "--threads", "1", *bonus)
     row = [line for line in out.splitlines() if line.startswith("| 8 |")]
     assert len(row) == 1 and row[0].count("|") == 6
+    assert ("entropy bonus" in out) == bool(bonus)
 
 
 def test_generation_memory_benchmark_one_call_per_mode(tmp_path):

@@ -230,9 +230,10 @@ PLAIN_HEAD_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 
 def completion_logprobs(model: torch.nn.Module, mb: MicroBatch, *, temperature: float,
                         autocast_dtype: torch.dtype | None = None, with_entropy: bool = False,
-                        max_logits_elements: int | None = None,
+                        entropy_grad: bool = False, max_logits_elements: int | None = None,
                         packed: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Per-token log-probs [n, T'] of the completion tokens (and their entropy when asked).
+    """Per-token log-probs [n, T'] of the completion tokens (and their entropy when asked: with
+    `entropy_grad` the entropy carries a gradient too, for an entropy bonus; same pass either way).
 
     `packed` (the model `packing.enable`d): the micro-batch's real tokens run as one row, each
     distinct prompt once, attention confined to each sequence (packing.py): no padding is computed.
@@ -268,7 +269,8 @@ def completion_logprobs(model: torch.nn.Module, mb: MicroBatch, *, temperature: 
             logits = forward(model, mb, device, keep_logits=not use_head)  # [n, T', V]
         if not use_head:
             if with_entropy:  # one pass over the [n, T', V] logits for both
-                return token_logprobs_and_entropy(logits, cids, temperature=temperature)  # [n, T'] each
+                return token_logprobs_and_entropy(logits, cids, temperature=temperature,
+                                                  entropy_grad=entropy_grad)  # [n, T'] each
             return token_logprobs(logits, cids, temperature=temperature), None  # [n, T']
         T = cids.shape[1]
         hidden = (captured["hidden"][:, -T - 1:-1] if not shared else captured["hidden"])[cmask]  # [M, H]
@@ -276,10 +278,11 @@ def completion_logprobs(model: torch.nn.Module, mb: MicroBatch, *, temperature: 
     if use_head:
         logp_real, entropy_real = head_logprobs(hidden, head.weight, targets, bias=head.bias,
                                                 temperature=temperature, with_entropy=with_entropy,
-                                                compute_dtype=autocast_dtype)  # [M] each, M real tokens
+                                                compute_dtype=autocast_dtype,
+                                                entropy_grad=entropy_grad)  # [M] each, M real tokens
     elif with_entropy:
-        logp_real, entropy_real = (x[0] for x in token_logprobs_and_entropy(logits, targets[None],
-                                                                           temperature=temperature))  # [M]
+        logp_real, entropy_real = (x[0] for x in token_logprobs_and_entropy(
+            logits, targets[None], temperature=temperature, entropy_grad=entropy_grad))  # [M]
     else:
         logp_real, entropy_real = token_logprobs(logits, targets[None], temperature=temperature)[0], None
     zeros = torch.zeros(cids.shape, dtype=logp_real.dtype, device=device)  # [n, T']

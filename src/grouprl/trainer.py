@@ -3,22 +3,21 @@
 `Trainer.train_step` is one step, one call per stage (docs/architecture.md's data path):
 
     sample_batch  -> generate (engine, turns) -> score (rewards) [-> more rounds: DAPO dynamic sampling]
-    advantages    -> group-relative, per completion or per token (objective.step_advantages)
+    advantages    -> group-relative, per completion or per token (objective.step_advantages; distillation.py)
     update        -> old/ref log-probs, then num_iterations optimizer steps over micro-batches
     sync_weights  -> the engine samples the new policy next
 
-Each stage is a public method, so a script can run any of them alone: `generate(prompts, greedy=True)`
-and `score(prompts, trajectories)` sample and score with the current policy, `evaluate(dataset)`
-runs the eval, `logprobs(rollout)` scores tokens under the policy or the reference. What a stage
-calls lives with its owner: rollout_source.py (prompts, the producer), scoring.py, update.py and
-micro_batches.py, evaluation.py (the best model too), guard.py (what an alarm asks for),
-training_state.py (what a checkpoint holds).
+Each stage is a public method, so a script can run any of them alone: `generate(prompts, greedy=True)` and
+`score(prompts, trajectories)` sample and score with the current policy, `evaluate(dataset)` runs the eval,
+`logprobs(rollout)` scores tokens under the policy or the reference. What a stage calls lives with its owner:
+rollout_source.py (prompts, the producer), scoring.py, update.py and micro_batches.py, evaluation.py (the best
+model too), guard.py (what an alarm asks for), training_state.py (what a checkpoint holds).
 
 Deliberate choices:
-- with num_iterations = 1 the sampling policy is the current one, so `old_logp = logp.detach()`
-  and no extra forward pass is made; old log-probs are computed only when num_iterations > 1, or
-  when the rollout carries the sampler's own log-probs (vLLM) and the importance-sampling correction
-  compares them with the trainer's (core/importance.py);
+- with num_iterations = 1 the sampling policy is the current one, so `old_logp = logp.detach()` and no extra
+  forward pass is made; old log-probs are computed only when num_iterations > 1, when the rollout carries the
+  sampler's own log-probs (vLLM) and the importance-sampling correction compares them with the trainer's
+  (core/importance.py), or for distillation's signal; a teacher model exists only then (distillation.py);
 - reference log-probs are computed only when beta > 0, and no reference model exists otherwise;
 - each of the num_iterations passes is one optimizer step over the whole batch: its micro-batches
   add up to the full-batch gradient for every aggregation mode, and a step whose loss or gradient
@@ -54,6 +53,7 @@ from grouprl.checkpoint import checkpoint_path, latest_checkpoint
 from grouprl.config import ConfigError, TrainConfig
 from grouprl.core import zero_std_groups
 from grouprl.data import PromptBatch, PromptFormatter, PromptSampler, load_datasets
+from grouprl.distillation import load_teacher
 from grouprl.evaluation import BestModel, run_evaluation
 from grouprl.guard import RunGuard
 from grouprl.objective import corrects_sampler, loss_mask, policy_loss_params, sampler_weights, step_advantages
@@ -102,9 +102,8 @@ class Trainer:
         self.cfg = cfg = replace(cfg, **{k: getattr(config, k) for k in placeholders})
         self.dist = D.init_distributed()
         if cfg.prompts_per_step % self.dist.world_size:
-            raise ConfigError(f"prompts_per_step={cfg.prompts_per_step} does not split over "
-                              f"{self.dist.world_size} processes (each rank generates whole groups): "
-                              f"use a multiple of {self.dist.world_size}")
+            raise ConfigError(f"prompts_per_step={cfg.prompts_per_step} does not split over {self.dist.world_size} "
+                              f"processes (each rank generates whole groups): use a multiple of {self.dist.world_size}")
         random.seed(cfg.seed)
         np.random.seed(cfg.seed)
         torch.manual_seed(cfg.seed)
@@ -141,6 +140,7 @@ class Trainer:
         # models
         checkpointing = checkpoint_mode(cfg.gradient_checkpointing, self.dist.device)  # memory.py
         self.tokenizer = load_tokenizer(cfg.tokenizer or cfg.model, None if cfg.tokenizer else cfg.gguf_file)
+        self.teacher = load_teacher(cfg, self.tokenizer, self.dist, self.autocast)  # distillation.py; None without one
         self.model = load_policy(cfg.model, gguf_file=cfg.gguf_file, lora_r=cfg.lora_r, lora_alpha=cfg.lora_alpha,
                                  lora_dropout=cfg.lora_dropout, lora_target_modules=cfg.lora_target_modules,
                                  gradient_checkpointing=checkpointing == "always", disable_dropout=cfg.disable_dropout)
@@ -283,7 +283,7 @@ class Trainer:
         timings = Timings()
         with timings.stage("step"):
             batch, metrics = self.sample_batch(timings)  # completions and rewards of the global batch
-            advantages = self.advantages(batch)  # [N], or [N, T] under process supervision
+            advantages = self.advantages(batch, metrics)  # [N], or [N, T]: process supervision, distillation
             metrics.update(self.update(batch, advantages, timings))  # old/ref log-probs, optimizer steps
             with timings.stage("sync_weights"):
                 self.sync_weights()  # the engine samples the new policy from the next step on
@@ -358,9 +358,10 @@ class Trainer:
                                 partial=cfg.partial_rollouts)
         return StepBatch.cat(kept, self.tokenizer.pad_token_id), {**metrics, **self.draw.metrics(G)}
 
-    def advantages(self, batch: StepBatch) -> torch.Tensor:
-        """Advantages of a scored (global) batch: [N], or [N, T] (per token) under process supervision."""
-        return step_advantages(self.cfg, batch)
+    def advantages(self, batch: StepBatch, metrics: dict[str, float] | None = None) -> torch.Tensor:
+        """Advantages of a scored (global) batch: [N], or [N, T] (process supervision; a teacher, distillation.py)."""
+        adv = step_advantages(self.cfg, batch)  # [N], or [N, T]
+        return adv if self.teacher is None else self.teacher.mix(adv, batch.rollout, self.updater, self.cfg, metrics)
 
     def logprobs(self, rollout: Rollout, *, reference: bool = False) -> torch.Tensor:
         """Log-probs [N, T] of the completion tokens under the policy (or the reference model, which

@@ -40,7 +40,8 @@ def run(*args: str, timeout: float = 300) -> str:
 RUN = {"benchmarks/shared_prompt.py", "benchmarks/process_vs_outcome.py", "benchmarks/multiturn_continuation.py",
        "benchmarks/head_logprobs.py", "benchmarks/generation_memory.py", "benchmarks/long_completions.py",
        "benchmarks/run_health.py", "benchmarks/learning_vs_trl.py", "benchmarks/vs_trl.py",
-       "benchmarks/step_profile.py", "benchmarks/distillation.py", "scripts/build_default_policy.py",
+       "benchmarks/step_profile.py", "benchmarks/distillation.py", "benchmarks/decode.py",
+       "scripts/build_default_policy.py",
        "scripts/build_tool_policy.py", "scripts/sandbox_report.py"}
 HELP_ONLY = {"benchmarks/async_rollouts.py", "benchmarks/agentic_async.py", "benchmarks/vllm_vs_builtin.py",
              "benchmarks/weight_transfer.py",
@@ -268,3 +269,14 @@ def test_step_profile_times_every_stage_and_tabulates_runs(tmp_path):
     assert all(stages <= set(row) and all(len(v) == 2 for v in row.values()) for row in res["rows"])
     table = run("benchmarks/step_profile.py", "--table", f"x={tmp_path / 'a.json'}")
     assert "| stage | x (1 runs): CPU (wall) ms |" in table and "| update |" in table
+
+
+def test_decode_benchmark_reports_eager_and_compiled_ms_per_token(tmp_path):
+    """One cell of benchmarks/decode.py (tiny, 8 rows): both sides timed, the compile time of the
+    model's first cell reported apart, the table printed."""
+    out = run("benchmarks/decode.py", "--models", "tiny", "--rows", "8", "--prompt", "16", "--tokens", "6",
+              "--reps", "1", "--json", str(tmp_path / "d.json"), timeout=900)
+    (cell,) = json.loads((tmp_path / "d.json").read_text())
+    assert cell["model"] == "tiny" and cell["rows"] == 8 and cell["prompt"] == 16
+    assert cell["eager_ms"] > 0 and cell["compiled_ms"] > 0 and cell["compile_s"] > 0
+    assert "| tiny | fp32 | 8 | 16 |" in out

@@ -64,14 +64,16 @@ def native_bf16(device: str) -> bool:
     return native(torch.device(device))[0]
 
 
-def cell(model, pad, eos, vocab, rows: int, prompt: int, tokens: int, reps: int, dtype, device: str) -> dict:
+def cell(model, pad, eos, vocab, rows: int, prompt: int, tokens: int, reps: int, dtype, device: str,
+         threads: int | None = None) -> dict:
     from grouprl.rollout import HFEngine, SamplingParams
     from grouprl.rollout import compiled_decode as cd
 
     G = min(8, rows)
     gen = torch.Generator().manual_seed(0)
     prompts = torch.randint(4, vocab, (rows // G, prompt), generator=gen).tolist()
-    engines = {c: HFEngine(model, (eos,), pad, autocast_dtype=dtype, compile=c) for c in (False, True)}
+    engines = {c: HFEngine(model, (eos,), pad, autocast_dtype=dtype, compile=c, decode_threads=threads)
+               for c in (False, True)}
 
     def timed(compile: bool, n: int) -> float:
         if device == "cuda":
@@ -110,6 +112,8 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--smollm2", default="models/smollm2")
     ap.add_argument("--json", default=None, help="write the results here as well")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch threads while decoding (default: the engine's policy)")
     args = ap.parse_args()
     results = []
     for name in args.models:
@@ -125,8 +129,10 @@ def main() -> None:
             cd._COMPILE_SECONDS.clear()  # report this model's first compile
             for prompt in args.prompt:
                 for rows in args.rows:
-                    r = cell(model, pad, eos, vocab, rows, prompt, args.tokens, args.reps, dtype, args.device)
-                    r.update(model=name, dtype=dt, layers=layers, params=params, device=args.device)
+                    r = cell(model, pad, eos, vocab, rows, prompt, args.tokens, args.reps, dtype, args.device,
+                             args.threads)
+                    r.update(model=name, dtype=dt, layers=layers, params=params, device=args.device,
+                             threads=args.threads or "engine")
                     results.append(r)
                     print(json.dumps(r), flush=True)
         del model

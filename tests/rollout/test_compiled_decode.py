@@ -268,20 +268,22 @@ def test_a_platform_that_cannot_compile_decodes_eagerly_with_one_warning(tiny, m
 
 # ---------------------------------------------------------------- generation_compile: auto
 def test_auto_compiles_when_the_projected_saving_exceeds_the_compile_cost(caplog):
-    """After PROBE_CALLS timed calls: compile iff SAVED_FRACTION x remaining calls x seconds per
-    call > COMPILE_BASE_S + COMPILE_PER_LAYER_S x layers."""
-    layers = 4
+    """After PROBE_CALLS timed calls: compile iff the remaining calls x the saving per call
+    (SAVED_PER_LAYER_STEP_S x layers x decode steps, at most MAX_SAVED_FRACTION of the call's
+    eager time) > COMPILE_BASE_S + COMPILE_PER_LAYER_S x layers."""
+    layers, steps = 4, 100  # per call
     cost = cd.COMPILE_BASE_S + cd.COMPILE_PER_LAYER_S * layers
-    per_call = 0.5
-    enough = int(cost / (cd.SAVED_FRACTION * per_call)) + cd.PROBE_CALLS + 2  # saving just above the cost
-    too_few = enough - 4  # saving below it
-    for planned, want in [(enough, True), (too_few, False), (None, False)]:
+    per_call = cd.SAVED_PER_LAYER_STEP_S * layers * steps  # 0.04 s: below the cap for a 1 s call
+    enough = int(cost / per_call) + cd.PROBE_CALLS + 2  # saving just above the cost
+    cases = [(enough, 1.0, True), (enough - 4, 1.0, False), (None, 1.0, False),
+             (enough, per_call / cd.MAX_SAVED_FRACTION / 2, False)]  # the cap: half the saving
+    for planned, seconds, want in cases:
         choice = cd.CompileChoice("auto", planned)
         with caplog.at_level(logging.INFO, logger=cd.__name__):
             for _ in range(cd.PROBE_CALLS):
                 assert choice.probing() and not choice.use()
-                choice.record(per_call, layers)
-        assert not choice.probing() and choice.use() is want
+                choice.record(seconds, steps, layers)
+        assert not choice.probing() and choice.use() is want, (planned, seconds)
     assert "auto compiles" in caplog.text and "stays eager" in caplog.text
     assert cd.CompileChoice(True).use() and not cd.CompileChoice(False).use()
     assert not cd.CompileChoice(False).probing()
@@ -297,3 +299,27 @@ def test_compiled_decoding_with_onednn_packed_weights_equals_eager(tiny, compile
         pytest.skip("this torch build has no oneDNN packing ops")
     eager, compiled = _both(model, tok, SAMPLED, _prompts(tok))
     _assert_same(eager, compiled)
+
+
+def test_generation_compile_reaches_the_engine_and_auto_decides_after_probing(tiny, make_cfg, monkeypatch):
+    """The config's generation_compile is the engine's setting (auto with the run's max_steps as
+    its planned calls); a wrong value is a ConfigError naming the choices. An auto engine whose
+    run is long enough compiles from its third call on."""
+    from grouprl.config import ConfigError
+    from grouprl.rollout.factory import make_engine
+
+    model, tok = tiny
+    for setting, want in [("auto", "auto"), (True, True), (False, False)]:
+        engine = make_engine(make_cfg(generation_compile=setting, max_steps=7), model, tok, None, None)
+        assert engine.compile == want and engine.planned_calls == 7
+    with pytest.raises(ConfigError, match="generation_compile='sometimes' is not one of: auto, true, false"):
+        make_cfg(generation_compile="sometimes").validate()
+    runs = []
+    loop = cd.StaticDecodeLoop.run
+    monkeypatch.setattr(cd.StaticDecodeLoop, "run", lambda self, *a, **k: (runs.append(1), loop(self, *a, **k))[1])
+    monkeypatch.setattr(cd, "COMPILE_BASE_S", 0.0)
+    monkeypatch.setattr(cd, "COMPILE_PER_LAYER_S", 0.0)  # any saving pays
+    engine = HFEngine(model, _stops(tok), tok.pad_token_id, compile="auto", planned_calls=10)
+    for i in range(3):
+        engine.generate(_prompts(tok)[:2], 2, SAMPLED, torch.Generator().manual_seed(i))
+        assert len(runs) == (1 if i == 2 else 0)

@@ -150,26 +150,32 @@ def _compile_failed(device: torch.device, err: BaseException) -> None:
                   RuntimeWarning, stacklevel=3)
 
 
-# generation_compile: auto. A compile costs about COMPILE_BASE_S + COMPILE_PER_LAYER_S x layers on a
-# cold cache, and the compiled step saves about SAVED_FRACTION of the eager decode time (both
-# measured on a 2-core CPU, benchmarks/decode.py; conservative ends of the measured ranges).
+# generation_compile: auto. On a 2-core CPU (benchmarks/decode.py, benchmarks/README.md "Decode
+# step") a first compile took 17 s for the tiny model (2 layers), 23-37 s for 50m (10 layers) and
+# 112 s for SmolLM2-135M (30 layers); the compiled step saved 0.2-0.25 ms per layer and step on the
+# tiny model (dispatch it no longer pays) and nothing measurable on 50m, whose step is bound by
+# reading its weights. So auto prices a compile at COMPILE_BASE_S + COMPILE_PER_LAYER_S x layers
+# and a step's saving at SAVED_PER_LAYER_STEP_S x layers, at most MAX_SAVED_FRACTION of the eager
+# step's time.
 COMPILE_BASE_S = 15.0
-COMPILE_PER_LAYER_S = 2.5
-SAVED_FRACTION = 0.3
+COMPILE_PER_LAYER_S = 4.0
+SAVED_PER_LAYER_STEP_S = 1e-4
+MAX_SAVED_FRACTION = 0.3
 PROBE_CALLS = 2  # auto decodes this many calls eagerly, timing them, before it decides
 
 
 @dataclass
 class CompileChoice:
     """Whether a call decodes with the compiled step. `setting` True or False is final; "auto"
-    times the first PROBE_CALLS calls eagerly and then compiles if the decode time the remaining
-    calls would save (SAVED_FRACTION of their projected eager time) exceeds the compile's
-    estimated cost. Without `planned_calls` (how many calls the run makes) auto stays eager."""
+    times the first PROBE_CALLS calls eagerly and then compiles if the time the remaining calls
+    would save exceeds the compile's estimated cost. Without `planned_calls` (how many calls the
+    run makes) auto stays eager."""
 
     setting: bool | str = False
     planned_calls: int | None = None
     calls: int = 0
     seconds: float = 0.0
+    steps: int = 0
     decided: bool | None = None
 
     def use(self) -> bool:
@@ -180,14 +186,16 @@ class CompileChoice:
     def probing(self) -> bool:
         return self.setting == "auto" and self.decided is None
 
-    def record(self, seconds: float, n_layers: int) -> None:
-        """One eager call's decode time while probing; decides after PROBE_CALLS of them."""
+    def record(self, seconds: float, steps: int, n_layers: int) -> None:
+        """One eager call's decode time and decode steps while probing; decides after PROBE_CALLS."""
         self.calls += 1
         self.seconds += seconds
+        self.steps += steps
         if self.calls < PROBE_CALLS:
             return
         remaining = max(0, (self.planned_calls or 0) - self.calls)
-        saved = SAVED_FRACTION * remaining * self.seconds / self.calls
+        per_call = min(SAVED_PER_LAYER_STEP_S * n_layers * self.steps, MAX_SAVED_FRACTION * self.seconds) / self.calls
+        saved = remaining * per_call
         cost = COMPILE_BASE_S + COMPILE_PER_LAYER_S * n_layers
         self.decided = saved > cost
         log.info("generation_compile: auto %s: %d more calls of ~%.2f s decoding would save ~%.0f s, a compile "

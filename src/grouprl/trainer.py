@@ -3,16 +3,15 @@
 `Trainer.train_step` is one step, one call per stage (docs/architecture.md's data path):
 
     sample_batch  -> generate (engine, turns) -> score (rewards) [-> more rounds: DAPO dynamic sampling]
-    advantages    -> group-relative, per completion or per token (objective.step_advantages)
+    advantages    -> group-relative, per completion or per token; PPO: GAE on the value head's estimates
     update        -> old/ref log-probs, then num_iterations optimizer steps over micro-batches
     sync_weights  -> the engine samples the new policy next
 
-Each stage is a public method, so a script can run any of them alone: `generate(prompts, greedy=True)`
-and `score(prompts, trajectories)` sample and score with the current policy, `evaluate(dataset)`
-runs the eval, `logprobs(rollout)` scores tokens under the policy or the reference. What a stage
-calls lives with its owner: rollout_source.py (prompts, the producer), scoring.py, update.py and
-micro_batches.py, evaluation.py (the best model too), guard.py (what an alarm asks for),
-training_state.py (what a checkpoint holds).
+Each stage is a public method, so a script can run any of them alone: `generate(prompts, greedy=True)` and
+`score(prompts, trajectories)` sample and score with the current policy, `evaluate(dataset)` runs the eval,
+`logprobs(rollout)` scores tokens under the policy or the reference. What a stage calls lives with its owner:
+rollout_source.py (prompts, the producer), scoring.py, update.py and micro_batches.py, value.py (PPO's value head),
+evaluation.py (the best model too), guard.py (what an alarm asks for), training_state.py (what a checkpoint holds).
 
 Deliberate choices:
 - with num_iterations = 1 the sampling policy is the current one, so `old_logp = logp.detach()`
@@ -56,7 +55,8 @@ from grouprl.core import zero_std_groups
 from grouprl.data import PromptBatch, PromptFormatter, PromptSampler, load_datasets
 from grouprl.evaluation import BestModel, run_evaluation
 from grouprl.guard import RunGuard
-from grouprl.objective import corrects_sampler, loss_mask, policy_loss_params, sampler_weights, step_advantages
+from grouprl.objective import (corrects_sampler, loss_mask, policy_loss_params, sampler_weights, step_advantages,
+                               value_targets)
 from grouprl.optim import make_optimizer
 from grouprl.memory import checkpoint_mode, token_budget
 from grouprl.micro_batches import UpdateBatch
@@ -169,7 +169,7 @@ class Trainer:
         self.sampling = SamplingParams(cfg.max_completion_length, cfg.temperature, cfg.top_p, cfg.top_k,
                                        cfg.ignore_eos)
 
-        self.optimizer, self.scheduler = make_optimizer(cfg, self.model)  # optim.py
+        self.optimizer, self.scheduler = make_optimizer(cfg, self.model, self.updater.value_head)  # optim.py
         self.sampler = PromptSampler(len(self.train_ds), cfg.seed)
         self.prompt_filter = (PromptFilter(len(self.train_ds), history=cfg.prompt_filter_history,
                                            revisit=cfg.prompt_filter_revisit, seed=cfg.seed)
@@ -283,8 +283,9 @@ class Trainer:
         timings = Timings()
         with timings.stage("step"):
             batch, metrics = self.sample_batch(timings)  # completions and rewards of the global batch
-            advantages = self.advantages(batch)  # [N], or [N, T] under process supervision
-            metrics.update(self.update(batch, advantages, timings))  # old/ref log-probs, optimizer steps
+            values = self.updater.values(batch.rollout, self.cfg)  # [N, T] PPO's V_old (value.py); else None
+            advantages = self.advantages(batch, values)  # [N], or [N, T] under process supervision and GAE
+            metrics.update(self.update(batch, advantages, timings, values))  # old/ref log-probs, optimizer steps
             with timings.stage("sync_weights"):
                 self.sync_weights()  # the engine samples the new policy from the next step on
             if self.cfg.ref_update_steps and self.ref is not None and self.step % self.cfg.ref_update_steps == 0:
@@ -358,9 +359,9 @@ class Trainer:
                                 partial=cfg.partial_rollouts)
         return StepBatch.cat(kept, self.tokenizer.pad_token_id), {**metrics, **self.draw.metrics(G)}
 
-    def advantages(self, batch: StepBatch) -> torch.Tensor:
-        """Advantages of a scored (global) batch: [N], or [N, T] (per token) under process supervision."""
-        return step_advantages(self.cfg, batch)
+    def advantages(self, batch: StepBatch, values: torch.Tensor | None = None) -> torch.Tensor:
+        """Advantages of a scored (global) batch: [N], or [N, T] per token (process supervision; GAE on `values`)."""
+        return step_advantages(self.cfg, batch, values)
 
     def logprobs(self, rollout: Rollout, *, reference: bool = False) -> torch.Tensor:
         """Log-probs [N, T] of the completion tokens under the policy (or the reference model, which
@@ -372,10 +373,10 @@ class Trainer:
         with self.ref.context():
             return self.updater.logprobs(self.ref.forward_model, rollout, self.cfg)
 
-    def update(self, batch: StepBatch, advantages: torch.Tensor,
-               timings: Timings | None = None) -> dict[str, float]:
-        """Old/ref log-probs and the num_iterations optimizer steps on a scored batch (the global
-        batch: every rank passes the same one); the update statistics, reduced over ranks."""
+    def update(self, batch: StepBatch, advantages: torch.Tensor, timings: Timings | None = None,
+               values: torch.Tensor | None = None) -> dict[str, float]:
+        """Old/ref log-probs and the num_iterations optimizer steps on a scored batch (the global batch: every
+        rank passes the same one; PPO: `values`, V_old); the update statistics, reduced over ranks."""
         cfg = self.cfg
         timings = Timings() if timings is None else timings
         correct = corrects_sampler(cfg, batch.rollout)
@@ -385,7 +386,7 @@ class Trainer:
         is_weights, is_metrics = (sampler_weights(cfg, batch.rollout, D.all_reduce_tensor(self.dist, old_logp))
                                   if correct else (None, {}))  # old_logp summed over ranks: the whole batch
         update = UpdateBatch(batch.rollout, advantages, loss_mask(cfg, batch.rollout), old_logp, ref_logp, is_weights,
-                             self.step)
+                             self.step, value_targets(cfg, batch.rewards, batch.rollout.action_mask, values))
         stats: dict[str, float] = {}
         skipped = 0  # optimizer steps skipped for a non-finite loss or gradient
         with timings.stage("update"):
@@ -483,7 +484,7 @@ class Trainer:
     def _checkpointed(self) -> TrainingParts:
         """The parts of this run a checkpoint holds."""
         return TrainingParts(self.model, self.optimizer, self.scheduler, None if self.ref is None else self.ref.model,
-                             self.generator, self.sampler, self.guard, self.prompt_filter)
+                             self.generator, self.sampler, self.guard, self.prompt_filter, self.updater.value_head)
 
     def close(self) -> None:
         """Release the generation engine (a colocated vLLM engine's memory); call once done."""

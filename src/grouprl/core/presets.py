@@ -3,7 +3,7 @@
 Keys are core's own parameter names (``PRESET_KEYS``): estimator and scale (advantages.py), agg,
 eps_low, eps_high, beta, ratio_level and loss_type (loss_params.py's LossParams), multi_objective
 (multi_objective.py), entropy_quantile and off_policy_threshold (token_masks.py), and the trainer's
-dynamic_sampling and overlong_shaping switches. The config maps them onto its fields
+dynamic_sampling, overlong_shaping and value_head switches. The config maps them onto its fields
 (config/validate.py, ``PRESET_FIELDS``); every value stays overridable by the user.
 
 preset                 advantage             loss   aggregation              ε_low/ε_high  β     extras
@@ -22,6 +22,7 @@ opsm                   group std             clip   seq-mean-token-mean      0.2
 reinforce_pp           batch mean / std      clip   token-mean               0.2 / 0.2     0     —
 reinforce_pp_baseline  group mean/batch std  clip   token-mean               0.2 / 0.2     0     —
 grpo_passk             r_max − r_2nd, best   clip   token-mean               0.2 / 0.2     0     —
+ppo                    GAE, batch-whitened   clip   token-mean               0.2 / 0.2     0     value head
 
 Sources: DeepSeekMath (grpo), arXiv 2503.20783 (dr_grpo), arXiv 2503.14476 (dapo),
 arXiv 2507.18071 (gspo), Ahmadian et al. 2024 (rloo). rloo uses scale="none": the
@@ -41,6 +42,9 @@ leave-one-out advantage unscaled, as in the paper.
   0.5 is TRL's suggestion. It acts only off-policy: num_iterations > 1, or a sampler such as vLLM.
 - reinforce_pp, reinforce_pp_baseline: arXiv 2501.03262; the paper's KL-in-reward is not
   implemented (β adds the KL to the loss instead), so β = 0; token-mean as verl's default.
+- ppo: Schulman et al. 2017 with GAE (Schulman et al. 2016, gae.py): a value head on the policy's
+  last hidden state (grouprl/value.py) is the baseline; advantages whitened over the batch's tokens
+  and no KL, as verl's PPO defaults (use_kl_in_reward and use_kl_loss off); token-mean as verl.
 - grpo_passk: arXiv 2503.19595 as verl implements it; unscaled as in the paper (verl divides by the
   group std by default: scale_rewards="group"); token-mean as verl's default.
 """
@@ -50,17 +54,18 @@ from __future__ import annotations
 from typing import Any
 
 PRESET_KEYS = ("estimator", "scale", "agg", "eps_low", "eps_high", "beta", "ratio_level", "dynamic_sampling",
-               "overlong_shaping", "loss_type", "multi_objective", "entropy_quantile", "off_policy_threshold")
+               "overlong_shaping", "loss_type", "multi_objective", "entropy_quantile", "off_policy_threshold",
+               "value_head")
 
 
 def _preset(estimator: str, scale: str, agg: str, eps_low: float, eps_high: float, beta: float,
             ratio_level: str = "token", dynamic_sampling: bool = False, overlong_shaping: bool = False,
             loss_type: str = "clip", multi_objective: str = "sum_then_normalize", entropy_quantile: float = 1.0,
-            off_policy_threshold: float | None = None) -> dict[str, Any]:
+            off_policy_threshold: float | None = None, value_head: bool = False) -> dict[str, Any]:
     return dict(estimator=estimator, scale=scale, agg=agg, eps_low=eps_low, eps_high=eps_high, beta=beta,
                 ratio_level=ratio_level, dynamic_sampling=dynamic_sampling, overlong_shaping=overlong_shaping,
                 loss_type=loss_type, multi_objective=multi_objective, entropy_quantile=entropy_quantile,
-                off_policy_threshold=off_policy_threshold)
+                off_policy_threshold=off_policy_threshold, value_head=value_head)
 
 
 PRESETS: dict[str, dict[str, Any]] = {
@@ -82,6 +87,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     "reinforce_pp": _preset("reinforce_pp", "batch", "token-mean", 0.2, 0.2, 0.0),
     "reinforce_pp_baseline": _preset("reinforce_pp_baseline", "batch", "token-mean", 0.2, 0.2, 0.0),
     "grpo_passk": _preset("grpo_passk", "none", "token-mean", 0.2, 0.2, 0.0),
+    "ppo": _preset("gae", "batch", "token-mean", 0.2, 0.2, 0.0, value_head=True),
 }
 
 

@@ -102,6 +102,12 @@ def restore_training_state(cfg: TrainConfig, dist: D.DistContext, parts: Trainin
             D.load_full_state(parts.ref_model, ref_weights)
     else:
         state = load_checkpoint(ckpt, parts.model, parts.ref_model)
+    if (parts.value_head is not None) != (state.get("value_head") is not None):  # before the optimizer's groups
+        raise ConfigError(f"checkpoint {ckpt} was written " + ("without" if parts.value_head else "with")
+                          + " a value head (value_head): resume with the run's own algorithm, or start a new run "
+                          "from its model folder (model: .../checkpoints/step-N/model)")
+    if parts.value_head is not None:
+        parts.value_head.load_state_dict(state["value_head"])
     if state.get("sharded_optimizer", False) != sharded:
         raise ConfigError(f"checkpoint {ckpt} was written with distributed_strategy="
                           f"{'fsdp2' if not sharded else 'ddp'}: resume with the same strategy")
@@ -113,11 +119,6 @@ def restore_training_state(cfg: TrainConfig, dist: D.DistContext, parts: Trainin
     parts.guard.load_state_dict(state.get("guard", {}))
     if parts.prompt_filter is not None and state.get("prompt_filter"):
         parts.prompt_filter.load_state_dict(state["prompt_filter"])
-    if parts.value_head is not None:
-        if state.get("value_head") is None:
-            raise ConfigError(f"checkpoint {ckpt} holds no value head (the run trained without value_head): "
-                              "resume with the run's own algorithm, or start a new PPO run from its model folder")
-        parts.value_head.load_state_dict(state["value_head"])
     restore_rng_states(state.get("rng_by_rank", [state["rng"]]), dist.rank, dist.world_size,
                        parts.generator, fresh_seed=cfg.seed + dist.rank + 1_000_003 * step)
     changed = changed_settings(Path(cfg.output_dir) / "config.yaml", cfg)

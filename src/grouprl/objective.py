@@ -4,9 +4,8 @@ config gives it (core/registry.py); nothing here branches on a variant.
 
 - ``step_advantages``: advantages of a scored batch: the advantage estimator (``advantage_estimator``;
   "process" reads the step rewards, "gae" a value head's estimates, and each gives one advantage per
-  token [N, T]) meets the reward
-  functions as ``multi_objective_aggregation`` says ("normalize_then_sum", GDPO, reads each
-  function's scores);
+  token [N, T]) meets the reward functions as ``multi_objective_aggregation`` says
+  ("normalize_then_sum", GDPO, reads each function's scores);
 - ``value_targets``: PPO's value-loss targets, V_old and GAE's returns (core/gae.py, value.py);
 - ``policy_loss_params``: every loss knob of the config in one ``LossParams``, built once;
 - ``loss_mask``: the tokens the loss counts;

@@ -198,6 +198,9 @@ def main() -> None:
                     runs.append(subprocess_json(["memory", "--worker", arm, "--workload", args.workload,
                                                  "--model-dir", model_dir, "--steps", str(steps), "--threads",
                                                  str(args.threads), "--beta", str(args.beta)]))
+                    r = runs[-1]
+                    print(f"{arm}: peak RSS {mib(r['peak_rss'])} (before the model {mib(r['base_rss'])}), "
+                          f"s/step {statistics.median(r['times']):.2f}; load {os.getloadavg()[0]:.2f}", flush=True)
             text = memory_table(runs)
         else:
             steps = 20 if args.steps is None else args.steps

@@ -4,6 +4,7 @@ chunks (core/head_logprobs.py), each in a fresh process, alternated; peak RSS an
 
     python benchmarks/head_logprobs.py                       # SmolLM2's head: V 49152, H 576, tied
     python benchmarks/head_logprobs.py --lengths 64 512 --rows 16 --layers 2
+    python benchmarks/head_logprobs.py --entropy-bonus       # the entropy differentiated too (entropy_coef > 0)
 
 The body is a random Qwen2 of `--layers` layers with SmolLM2-135M's width and vocabulary, so the
 head's share is what changes between the two arms; a real model adds the same body memory to both.
@@ -48,8 +49,9 @@ def worker(args) -> None:
         model.zero_grad(set_to_none=True)
         t0 = time.perf_counter()
         logp, entropy = completion_logprobs(model, mb, temperature=1.0, with_entropy=True,
-                                            max_logits_elements=limit)  # [n, T] each
-        logp.mean().backward()
+                                            entropy_grad=args.entropy_bonus, max_logits_elements=limit)  # [n, T]
+        loss = logp.mean() - 0.01 * entropy.mean() if args.entropy_bonus else logp.mean()
+        loss.backward()
         times.append(time.perf_counter() - t0)
     assert policy.WHOLE_LOGITS_MAX_ELEMENTS > 0
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -67,13 +69,16 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3, help="timed passes per process (the median is kept)")
     ap.add_argument("--rounds", type=int, default=2, help="alternations of the two arms per length")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--entropy-bonus", action="store_true",
+                    help="differentiate the entropy too, as entropy_coef > 0 does (both arms)")
     ap.add_argument("--arm", choices=["whole", "chunked"], help=argparse.SUPPRESS)
     ap.add_argument("--length", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.arm:
         return worker(args)
     print(f"rows {args.rows}, prompt 32, layers {args.layers}, hidden {args.hidden}, vocab {args.vocab}, "
-          f"{args.threads} threads; median of {args.rounds} processes x {args.repeats} passes")
+          f"{args.threads} threads; median of {args.rounds} processes x {args.repeats} passes"
+          + ("; entropy bonus (the entropy's gradient too)" if args.entropy_bonus else ""))
     print("| completion tokens | whole logits: s, peak MiB | chunked head: s, peak MiB | time ratio | peak ratio |")
     print("|---|---|---|---|---|")
     for T in args.lengths:
@@ -83,7 +88,7 @@ def main() -> None:
                 cmd = [sys.executable, __file__, "--arm", arm, "--length", str(T)] + [
                     f"--{k}={v}" for k, v in (("rows", args.rows), ("layers", args.layers), ("vocab", args.vocab),
                                              ("hidden", args.hidden), ("repeats", args.repeats),
-                                             ("threads", args.threads))]
+                                             ("threads", args.threads))] + (["--entropy-bonus"] * args.entropy_bonus)
                 out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
                 runs[arm].append(json.loads(out.strip().splitlines()[-1]))
         med = {arm: {k: statistics.median(x[k] for x in v) for k in ("seconds", "peak_mib")} for arm, v in runs.items()}

@@ -215,6 +215,9 @@ def worker_grouprl(w: Workload, model_dir: str, steps: int, threads: int, device
     with tempfile.TemporaryDirectory() as out:
         names, weights = REWARDS[w.task]
         extra = {"micro_batch_size": w.micro_batch} if w.micro_batch else {}  # 0: grouprl's defaults
+        setting = os.environ.get("VS_TRL_GENERATION_COMPILE")  # --generation-compile
+        if setting:
+            extra["generation_compile"] = {"true": True, "false": False}.get(setting, setting)
         cfg = TrainConfig(
             model=model_dir, train_data="<in memory>", reward_funcs=[getattr(f, "__name__", f) for f in names],
             reward_weights=weights, algorithm="grpo", beta=w.beta, num_generations=8,
@@ -388,6 +391,9 @@ def main() -> None:
     ap.add_argument("--only", choices=["grouprl", "trl"], help="run one side only (development)")
     ap.add_argument("--micro-batch", type=int, help="grouprl's micro_batch_size (default: the workload's)")
     ap.add_argument("--json", help="write all results to this file")
+    ap.add_argument("--generation-compile", choices=["auto", "true", "false"],
+                    help="grouprl's generation_compile (default: the config's, auto); with true the first "
+                         "step compiles, which the median over steps 3.. leaves out")
     ap.add_argument("--smollm2", default="models/smollm2",
                     help="the SmolLM2-135M-Instruct folder for smollm2-* workloads (scripts/fetch_smollm2.py)")
     ap.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
@@ -401,6 +407,8 @@ def main() -> None:
     ap.add_argument("--out", help=argparse.SUPPRESS)
     args = ap.parse_args()
 
+    if args.generation_compile:
+        os.environ["VS_TRL_GENERATION_COMPILE"] = args.generation_compile  # the workers inherit it
     if args.micro_batch is not None:
         WORKLOADS.update({k: replace(w, micro_batch=args.micro_batch) for k, w in WORKLOADS.items()})
     if args.fp32:

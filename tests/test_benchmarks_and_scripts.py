@@ -40,6 +40,7 @@ def run(*args: str, timeout: float = 300) -> str:
 RUN = {"benchmarks/shared_prompt.py", "benchmarks/process_vs_outcome.py", "benchmarks/multiturn_continuation.py",
        "benchmarks/head_logprobs.py", "benchmarks/generation_memory.py", "benchmarks/long_completions.py",
        "benchmarks/run_health.py", "benchmarks/learning_vs_trl.py", "benchmarks/vs_trl.py", "benchmarks/ppo_vs_grpo.py",
+       "benchmarks/step_profile.py", "benchmarks/distillation.py", "benchmarks/decode.py",
        "scripts/build_default_policy.py",
        "scripts/build_tool_policy.py", "scripts/sandbox_report.py"}
 HELP_ONLY = {"benchmarks/async_rollouts.py", "benchmarks/agentic_async.py", "benchmarks/vllm_vs_builtin.py",
@@ -108,6 +109,16 @@ def test_process_vs_outcome_benchmark_one_step(tmp_path):
     assert 0 <= check["predicted"] <= 1 and len(check["observed"]) == 1 and "predicted" in out
 
 
+def test_distillation_benchmark_one_step(tmp_path):
+    out = run("benchmarks/distillation.py", "--seeds", "0", "--steps", "1", "--eval-every", "1", "--teacher-steps",
+              "1", "--teacher-dir", str(tmp_path / "teacher"), "--out", str(tmp_path / "runs"),
+              "--json", str(tmp_path / "r.json"))
+    results = json.loads((tmp_path / "r.json").read_text())["results"]
+    assert [r["arm"] for r in results] == ["grpo", "distill", "mixed"]
+    assert all([c["step"] for c in r["curve"]] == [0, 1] for r in results)
+    assert (tmp_path / "teacher" / "config.json").is_file() and "distill: gain/step" in out
+
+
 def test_multiturn_continuation_benchmark_one_round():
     out = run("benchmarks/multiturn_continuation.py", "--rounds", "1")
     rounds = [line for line in out.splitlines() if line.startswith("round ")]
@@ -134,11 +145,13 @@ def test_sandbox_report():
     assert "the host listener saw no connection" in out
 
 
-def test_head_logprobs_benchmark_one_round():
+@pytest.mark.parametrize("bonus", [[], ["--entropy-bonus"]])
+def test_head_logprobs_benchmark_one_round(bonus):
     out = run("benchmarks/head_logprobs.py", "--lengths", "8", "--rows", "2", "--layers", "1", "--vocab", "64",
-              "--hidden", "18", "--repeats", "1", "--rounds", "1", "--threads", "1")
+              "--hidden", "18", "--repeats", "1", "--rounds", "1", "--threads", "1", *bonus)
     row = [line for line in out.splitlines() if line.startswith("| 8 |")]
     assert len(row) == 1 and row[0].count("|") == 6
+    assert ("entropy bonus" in out) == bool(bonus)
 
 
 def test_generation_memory_benchmark_one_call_per_mode(tmp_path):
@@ -249,3 +262,28 @@ def test_vs_trl_gpu_workload_path_on_a_tiny_config(tmp_path):
     res = json.loads((tmp_path / "r.json").read_text())["workloads"]["gpu-135m-256"]["grouprl"]
     assert res["length_mean"] == 256.0 and len(res["runs"]) == 1 and 0 < res["mfu"] < 1
     assert "== gpu-135m-256" in out and "device=cpu" in out
+
+
+def test_step_profile_times_every_stage_and_tabulates_runs(tmp_path):
+    """Two timed steps of tiny-32 through Trainer.train(): each row holds the trainer's stages and
+    the loop's calls between them, as (wall, CPU) pairs; --table reads the files back by label."""
+    run("benchmarks/step_profile.py", "--steps", "2", "--warmup", "1", "--threads", "1",
+        "--json", str(tmp_path / "a.json"), timeout=600)
+    res = json.loads((tmp_path / "a.json").read_text())
+    assert len(res["rows"]) == 2 and res["threads"] == 1
+    stages = {"iteration", "step", "generate", "  engine.generate", "reward", "logprobs", "update", "sync_weights",
+              "guard.check (health, audits)", "logger.log (trackers)", "stop.requested (signals)", "other"}
+    assert all(stages <= set(row) and all(len(v) == 2 for v in row.values()) for row in res["rows"])
+    table = run("benchmarks/step_profile.py", "--table", f"x={tmp_path / 'a.json'}")
+    assert "| stage | x (1 runs): CPU (wall) ms |" in table and "| update |" in table
+
+
+def test_decode_benchmark_reports_eager_and_compiled_ms_per_token(tmp_path):
+    """One cell of benchmarks/decode.py (tiny, 8 rows): both sides timed, the compile time of the
+    model's first cell reported apart, the table printed."""
+    out = run("benchmarks/decode.py", "--models", "tiny", "--rows", "8", "--prompt", "16", "--tokens", "6",
+              "--reps", "1", "--json", str(tmp_path / "d.json"), timeout=900)
+    (cell,) = json.loads((tmp_path / "d.json").read_text())
+    assert cell["model"] == "tiny" and cell["rows"] == 8 and cell["prompt"] == 16
+    assert cell["eager_ms"] > 0 and cell["compiled_ms"] > 0 and cell["compile_s"] > 0
+    assert "| tiny | fp32 | 8 | 16 |" in out

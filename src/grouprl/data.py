@@ -208,7 +208,9 @@ class PromptFormatter:
         return ids
 
     def batch(self, ds: Dataset, indices: list[int], prompt_column: str) -> PromptBatch:
-        rows = ds.select(indices).to_dict()
+        # every column as Python objects, whatever format the dataset was given; read by index: a
+        # `select(...).to_dict()` builds an indices mapping first (1.2 ms against 0.2 for two rows)
+        rows = ds.with_format(None)[list(indices)]
         prompts = rows.pop(prompt_column)
         return PromptBatch(prompts, [self.encode(p) for p in prompts], rows, list(indices))
 

@@ -95,6 +95,7 @@ alarm in the sound runs, each of the broken ones caught.
 
 from __future__ import annotations
 
+import itertools
 import math
 import statistics
 from collections import Counter
@@ -393,7 +394,7 @@ class HealthMonitor:
         t, h, out = self.t, self.history, []
         if len(h) < 2:
             return out
-        last, ref = h[-2:], h[:-2][-2 * t.window:]  # the last 2 steps; the level before them: a mean, not a best
+        last, ref = h[-2:], h[-2 - 2 * t.window:-2]  # the last 2 steps; the level before them: a mean, not a best
         if ref:  # from step 3
             now, level = (statistics.fmean(r["reward"] for r in rows) for rows in (last, ref))
             drop = (level - now) / max(self.base_sd.get("reward", 0.0), 1e-6)
@@ -405,7 +406,8 @@ class HealthMonitor:
                                  f"mean reward of the last 2 steps {now:.3f}, {drop:.2f} sd and {drop_se:.1f} "
                                  f"standard errors below {level:.3f} over steps {span[0]}-{span[1]}", drop,
                                  t.crash_drop_z, self._examples("reward", high=False)))
-        kls = [r["kl"] for r in h if "kl" in r]
+        # the last 2W + 1 KL values, read from the end: a step's cost must not grow with the run's length
+        kls = list(itertools.islice((r["kl"] for r in reversed(h) if "kl" in r), 2 * t.window + 1))[::-1]
         if len(kls) >= 2:
             ref = statistics.median(kls[:-1][-2 * t.window:])
             if kls[-1] >= t.kl_spike_min and kls[-1] >= t.kl_spike_factor * ref:

@@ -71,7 +71,8 @@ def policy_loss_params(cfg: TrainConfig) -> LossParams:
     return LossParams(eps_low=cfg.epsilon, eps_high=cfg.epsilon_high, ratio_level=cfg.importance_sampling_level,
                       agg=cfg.loss_agg, max_tokens=cfg.max_completion_length, beta=cfg.beta,
                       kl_kind=cfg.kl_estimator, dual_clip=cfg.dual_clip, delta=cfg.delta, loss_type=cfg.loss_type,
-                      sapo_tau_pos=cfg.sapo_temperature_pos, sapo_tau_neg=cfg.sapo_temperature_neg)
+                      sapo_tau_pos=cfg.sapo_temperature_pos, sapo_tau_neg=cfg.sapo_temperature_neg,
+                      entropy_coef=cfg.entropy_coef)
 
 
 def loss_mask(cfg: TrainConfig, rollout: Rollout) -> torch.Tensor:

@@ -16,7 +16,8 @@ the shared-prompt optimisation without a KV cache, so it also works with gradien
 
 Attention runs per segment through `torch.nn.functional.scaled_dot_product_attention`, causal
 (a completion after a shared prompt runs as prompt + completion, of which only the completion's
-outputs are kept: the causal kernel, no mask). It is exact: the same
+outputs are kept: the causal kernel, no mask), on pieces of one `split` of the row (a slice per
+segment would cost a row-sized gradient per segment in the backward). It is exact: the same
 positions attend to the same keys as in the padded pass, and the sums differ only by rounding.
 Per-segment calls are the choice on CPU (measured in benchmarks/README.md, "Long completions"):
 they compute sum(L_i^2) scores, where one SDPA call with a block-diagonal mask over the packed
@@ -106,21 +107,32 @@ def packed_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
                      segments: list[tuple[int, int, int, int]], scaling: float | None,
                      dropout: float = 0.0) -> torch.Tensor:
     """Attention of a packed row, sequence by sequence: `query  # [1, H, S, D]`,
-    `key/value  # [1, Hkv, S, D]`; returns [1, S, H, D] (transformers' attention output layout)."""
+    `key/value  # [1, Hkv, S, D]`; returns [1, S, H, D] (transformers' attention output layout).
+
+    The row is cut into its segments by one `split` per tensor, not by a slice per segment: a
+    slice's backward writes its gradient into a zero tensor of the whole row, so n segments cost
+    n row-sized zero-fills and additions per tensor and layer, where the split's backward joins the
+    pieces once (measured: the attention's forward and backward in 0.2-0.7x the time, 18-36
+    segments, benchmarks/README.md "Per-step overhead"). The same kernels run on the same
+    values, so outputs and gradients are unchanged."""
     gqa = query.shape[1] != key.shape[1]
+    lengths = [L for _, L, _, _ in segments]
+    pieces = [x.split(lengths, 2) for x in (query, key, value)]  # [1, H|Hkv, L_i, D] each
+    where = {(start, L): i for i, (start, L, _, _) in enumerate(segments)}  # a shared prompt is its own segment
     out = []
-    for start, L, p_start, p_len in segments:
-        q = query[:, :, start:start + L]  # [1, H, L, D]
+    for i, (start, L, p_start, p_len) in enumerate(segments):
+        own = [x[i] for x in pieces]
         if p_len == 0:
-            out.append(F.scaled_dot_product_attention(q, key[:, :, start:start + L], value[:, :, start:start + L],
-                                                      is_causal=L > 1, dropout_p=dropout, scale=scaling,
+            out.append(F.scaled_dot_product_attention(*own, is_causal=L > 1, dropout_p=dropout, scale=scaling,
                                                       enable_gqa=gqa))
             continue
         # prefix and own tokens as one causal sequence; only the own queries' outputs are kept (the
         # prefix's outputs come from its own segment): the causal kernel, no [L, p+L] mask (measured:
         # 2.4x faster and half the memory of a masked call at L = 4096 on CPU)
-        span = [slice(p_start, p_start + p_len), slice(start, start + L)]
-        q, k, v = (torch.cat([x[:, :, s] for s in span], 2) for x in (query, key, value))  # [1, H|Hkv, p+L, D]
+        j = where.get((p_start, p_len))
+        prefix = ([x[j] for x in pieces] if j is not None
+                  else [x[:, :, p_start:p_start + p_len] for x in (query, key, value)])
+        q, k, v = (torch.cat([a, b], 2) for a, b in zip(prefix, own))  # [1, H|Hkv, p+L, D]
         out.append(F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout, scale=scaling,
                                                   enable_gqa=gqa)[:, :, p_len:])
     return torch.cat(out, 2).transpose(1, 2).contiguous()  # [1, S, H, D]

@@ -230,24 +230,26 @@ PLAIN_HEAD_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 
 def completion_logprobs(model: torch.nn.Module, mb: MicroBatch, *, temperature: float,
                         autocast_dtype: torch.dtype | None = None, with_entropy: bool = False,
-                        max_logits_elements: int | None = None,
+                        entropy_grad: bool = False, max_logits_elements: int | None = None,
                         packed: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Per-token log-probs [n, T'] of the completion tokens (and their entropy when asked):
-    `completion_forward` without a value head."""
+    """Per-token log-probs [n, T'] of the completion tokens (and their entropy when asked: with
+    `entropy_grad` the entropy carries a gradient too, for an entropy bonus): `completion_forward`
+    without a value head."""
     logp, entropy, _ = completion_forward(model, mb, temperature=temperature, autocast_dtype=autocast_dtype,
-                                          with_entropy=with_entropy, max_logits_elements=max_logits_elements,
-                                          packed=packed)
+                                          with_entropy=with_entropy, entropy_grad=entropy_grad,
+                                          max_logits_elements=max_logits_elements, packed=packed)
     return logp, entropy
 
 
 def completion_forward(model: torch.nn.Module, mb: MicroBatch, *, temperature: float,
                        autocast_dtype: torch.dtype | None = None, with_entropy: bool = False,
-                       max_logits_elements: int | None = None, packed: bool = False,
-                       value_head: torch.nn.Module | None = None
+                       entropy_grad: bool = False, max_logits_elements: int | None = None,
+                       packed: bool = False, value_head: torch.nn.Module | None = None
                        ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """Per-token log-probs [n, T'] of the completion tokens, their entropy when asked, and with
-    `value_head` (PPO, value.py) the value of the state before each completion token [n, T']:
-    the head on the last hidden state at the position that predicts the token, from the same pass.
+    """Per-token log-probs [n, T'] of the completion tokens, their entropy when asked (with
+    `entropy_grad` carrying a gradient too, for an entropy bonus), and with `value_head` (PPO,
+    value.py) the value of the state before each completion token [n, T']: the head on the last
+    hidden state at the position that predicts the token. All from the same pass.
 
     `packed` (the model `packing.enable`d): the micro-batch's real tokens run as one row, each
     distinct prompt once, attention confined to each sequence (packing.py): no padding is computed.
@@ -286,7 +288,8 @@ def completion_forward(model: torch.nn.Module, mb: MicroBatch, *, temperature: f
         hidden = (captured["hidden"][:, -T - 1:-1] if not shared else captured["hidden"])[cmask] if capture else None
         if not use_head:
             if with_entropy:  # one pass over the [n, T', V] logits for both
-                logp, entropy = token_logprobs_and_entropy(logits, cids, temperature=temperature)  # [n, T'] each
+                logp, entropy = token_logprobs_and_entropy(logits, cids, temperature=temperature,
+                                                           entropy_grad=entropy_grad)  # [n, T'] each
             else:
                 logp, entropy = token_logprobs(logits, cids, temperature=temperature), None  # [n, T']
             return logp, entropy, _values(value_head, hidden, cmask)
@@ -294,10 +297,11 @@ def completion_forward(model: torch.nn.Module, mb: MicroBatch, *, temperature: f
     if use_head:
         logp_real, entropy_real = head_logprobs(hidden, head.weight, targets, bias=head.bias,
                                                 temperature=temperature, with_entropy=with_entropy,
-                                                compute_dtype=autocast_dtype)  # [M] each, M real tokens
+                                                compute_dtype=autocast_dtype,
+                                                entropy_grad=entropy_grad)  # [M] each, M real tokens
     elif with_entropy:
-        logp_real, entropy_real = (x[0] for x in token_logprobs_and_entropy(logits, targets[None],
-                                                                           temperature=temperature))  # [M]
+        logp_real, entropy_real = (x[0] for x in token_logprobs_and_entropy(
+            logits, targets[None], temperature=temperature, entropy_grad=entropy_grad))  # [M]
     else:
         logp_real, entropy_real = token_logprobs(logits, targets[None], temperature=temperature)[0], None
     zeros = torch.zeros(cids.shape, dtype=logp_real.dtype, device=device)  # [n, T']

@@ -3,7 +3,7 @@
 `Trainer.train_step` is one step, one call per stage (docs/architecture.md's data path):
 
     sample_batch  -> generate (engine, turns) -> score (rewards) [-> more rounds: DAPO dynamic sampling]
-    advantages    -> group-relative, per completion or per token; PPO: GAE on the value head's estimates
+    advantages    -> group-relative, per completion or per token; PPO: GAE (value.py); a teacher (distillation.py)
     update        -> old/ref log-probs, then num_iterations optimizer steps over micro-batches
     sync_weights  -> the engine samples the new policy next
 
@@ -14,10 +14,10 @@ rollout_source.py (prompts, the producer), scoring.py, update.py and micro_batch
 evaluation.py (the best model too), guard.py (what an alarm asks for), training_state.py (what a checkpoint holds).
 
 Deliberate choices:
-- with num_iterations = 1 the sampling policy is the current one, so `old_logp = logp.detach()`
-  and no extra forward pass is made; old log-probs are computed only when num_iterations > 1, or
-  when the rollout carries the sampler's own log-probs (vLLM) and the importance-sampling correction
-  compares them with the trainer's (core/importance.py);
+- with num_iterations = 1 the sampling policy is the current one, so `old_logp = logp.detach()` and no extra
+  forward pass is made; old log-probs are computed only when num_iterations > 1, when the rollout carries the
+  sampler's own log-probs (vLLM) and the importance-sampling correction compares them with the trainer's
+  (core/importance.py), or for distillation's signal; a teacher model exists only then (distillation.py);
 - reference log-probs are computed only when beta > 0, and no reference model exists otherwise;
 - each of the num_iterations passes is one optimizer step over the whole batch: its micro-batches
   add up to the full-batch gradient for every aggregation mode, and a step whose loss or gradient
@@ -53,6 +53,7 @@ from grouprl.checkpoint import checkpoint_path, latest_checkpoint
 from grouprl.config import ConfigError, TrainConfig
 from grouprl.core import zero_std_groups
 from grouprl.data import PromptBatch, PromptFormatter, PromptSampler, load_datasets
+from grouprl.distillation import load_teacher
 from grouprl.evaluation import BestModel, run_evaluation
 from grouprl.guard import RunGuard
 from grouprl.objective import (corrects_sampler, loss_mask, policy_loss_params, sampler_weights, step_advantages,
@@ -102,9 +103,8 @@ class Trainer:
         self.cfg = cfg = replace(cfg, **{k: getattr(config, k) for k in placeholders})
         self.dist = D.init_distributed()
         if cfg.prompts_per_step % self.dist.world_size:
-            raise ConfigError(f"prompts_per_step={cfg.prompts_per_step} does not split over "
-                              f"{self.dist.world_size} processes (each rank generates whole groups): "
-                              f"use a multiple of {self.dist.world_size}")
+            raise ConfigError(f"prompts_per_step={cfg.prompts_per_step} does not split over {self.dist.world_size} "
+                              f"processes (each rank generates whole groups): use a multiple of {self.dist.world_size}")
         random.seed(cfg.seed)
         np.random.seed(cfg.seed)
         torch.manual_seed(cfg.seed)
@@ -141,6 +141,7 @@ class Trainer:
         # models
         checkpointing = checkpoint_mode(cfg.gradient_checkpointing, self.dist.device)  # memory.py
         self.tokenizer = load_tokenizer(cfg.tokenizer or cfg.model, None if cfg.tokenizer else cfg.gguf_file)
+        self.teacher = load_teacher(cfg, self.tokenizer, self.dist, self.autocast)  # distillation.py; None without one
         self.model = load_policy(cfg.model, gguf_file=cfg.gguf_file, lora_r=cfg.lora_r, lora_alpha=cfg.lora_alpha,
                                  lora_dropout=cfg.lora_dropout, lora_target_modules=cfg.lora_target_modules,
                                  gradient_checkpointing=checkpointing == "always", disable_dropout=cfg.disable_dropout)
@@ -199,9 +200,9 @@ class Trainer:
 
     # ------------------------------------------------------------------ the loop
     def train(self, *, resume: bool = False) -> dict[str, Any]:
-        """Train to max_steps (resume: continue the run in output_dir) and return the summary. The
-        first SIGTERM or SIGINT ends the run after the current step, with a checkpoint, and raises
-        `TrainingStopped`; a second stops at once (signals.py)."""
+        """Train to max_steps (resume: continue the run in output_dir) and return the summary. The first SIGTERM
+        or SIGINT ends the run after the current step, with a checkpoint, and raises `TrainingStopped`; a second
+        stops at once (signals.py)."""
         cfg, out = self.cfg, Path(self.cfg.output_dir)
         if resume:
             self._resume()
@@ -268,9 +269,9 @@ class Trainer:
 
     def _stop(self, signum: signal.Signals | None, progress: Progress, saved: int | None,
               reason: str | None = None) -> NoReturn:
-        """The end of a run stopped by a signal (or by an alarm, `reason`): this step's checkpoint
-        (unless written just before), summary.json (with `stopped_by`) and curves; then
-        `TrainingStopped`. No eval_after: the run is not over, and a preempted run has little time."""
+        """The end of a run stopped by a signal (or by an alarm, `reason`): this step's checkpoint (unless written
+        just before), summary.json (with `stopped_by`) and curves; then `TrainingStopped`. No eval_after: the run
+        is not over, and a preempted run has little time."""
         progress.close()
         path = checkpoint_path(self.cfg.output_dir, self.step) if saved == self.step else self.save()
         self.logger.finish({**self.logger.summary(self.step, self.evals), "stopped_by": reason or signum.name})
@@ -284,7 +285,7 @@ class Trainer:
         with timings.stage("step"):
             batch, metrics = self.sample_batch(timings)  # completions and rewards of the global batch
             values = self.updater.values(batch.rollout, self.cfg)  # [N, T] PPO's V_old (value.py); else None
-            advantages = self.advantages(batch, values)  # [N], or [N, T] under process supervision and GAE
+            advantages = self.advantages(batch, values, metrics)  # [N], or [N, T]: per token, GAE, distillation
             metrics.update(self.update(batch, advantages, timings, values))  # old/ref log-probs, optimizer steps
             with timings.stage("sync_weights"):
                 self.sync_weights()  # the engine samples the new policy from the next step on
@@ -302,10 +303,9 @@ class Trainer:
 
     def generate(self, prompts: PromptBatch, *, num_generations: int | None = None, greedy: bool = False,
                  temperature: float | None = None, generator: torch.Generator | None = None) -> Trajectories:
-        """Completions of the current policy: `num_generations` per prompt (default: the config's
-        G), sampled with the config's sampling parameters (`temperature` and `generator`, the random
-        stream, may be given), or one greedy completion each; with the configured tools or
-        environment, whole multi-turn trajectories."""
+        """Completions of the current policy: `num_generations` per prompt (default: the config's G), sampled with
+        the config's sampling parameters (`temperature` and `generator`, the random stream, may be given), or one
+        greedy completion each; with the configured tools or environment, whole multi-turn trajectories."""
         G = 1 if greedy else num_generations or self.cfg.num_generations
         params = replace(self.sampling, greedy=True) if greedy else self.sampling
         if temperature is not None and not greedy:
@@ -328,9 +328,8 @@ class Trainer:
                                   trajectories)  # scoring.py
 
     def sample_batch(self, timings: Timings | None = None) -> tuple[StepBatch, dict[str, float]]:
-        """The step's scored completions, gathered over ranks, and the sampling metrics. With
-        dynamic sampling (DAPO), groups whose rewards are all equal are dropped and more prompts
-        are sampled, up to max_sampling_rounds generation rounds."""
+        """The step's scored completions, gathered over ranks, and the sampling metrics. With dynamic sampling
+        (DAPO), groups whose rewards are all equal are dropped and more are sampled, up to max_sampling_rounds."""
         cfg, B, G = self.cfg, self.cfg.prompts_per_step, self.cfg.num_generations
         timings = Timings() if timings is None else timings
         tally, kept = SampleTally(), []
@@ -359,9 +358,11 @@ class Trainer:
                                 partial=cfg.partial_rollouts)
         return StepBatch.cat(kept, self.tokenizer.pad_token_id), {**metrics, **self.draw.metrics(G)}
 
-    def advantages(self, batch: StepBatch, values: torch.Tensor | None = None) -> torch.Tensor:
-        """Advantages of a scored (global) batch: [N], or [N, T] per token (process supervision; GAE on `values`)."""
-        return step_advantages(self.cfg, batch, values)
+    def advantages(self, batch: StepBatch, values: torch.Tensor | None = None,
+                   metrics: dict[str, float] | None = None) -> torch.Tensor:
+        """The scored (global) batch's advantages [N], or [N, T] (process supervision; GAE on `values`; a teacher)."""
+        adv = step_advantages(self.cfg, batch, values)  # [N], or [N, T]
+        return adv if self.teacher is None else self.teacher.mix(adv, batch.rollout, self.updater, self.cfg, metrics)
 
     def logprobs(self, rollout: Rollout, *, reference: bool = False) -> torch.Tensor:
         """Log-probs [N, T] of the completion tokens under the policy (or the reference model, which
@@ -419,10 +420,10 @@ class Trainer:
     # ------------------------------------------------------------------ run health
     def respond_to_alarms(self, metrics: dict[str, Any], progress: Progress | None = None, *,
                           final: bool = False, log: bool = False) -> str | None:
-        """Report the pending alarms (console, `alarms` in `metrics`, examples in samples.jsonl) and
-        carry out what the guard decides from on_reward_hacking / on_collapse (guard.py): roll back
-        here, or return why the run must stop. `log`: `metrics`, if the alarms filled it, is a row of
-        its own in metrics.jsonl at this step (an eval's alarms)."""
+        """Report the pending alarms (console, `alarms` in `metrics`, examples in samples.jsonl) and carry out what
+        the guard decides from on_reward_hacking / on_collapse (guard.py): roll back here, or return why the run
+        must stop. `log`: `metrics`, if the alarms filled it, is a row of its own in metrics.jsonl at this step
+        (an eval's alarms)."""
         response = self.guard.respond(self.step, metrics, self.logger, progress, final=final)
         if response.rollback:
             metrics.update(self.rollback())
@@ -432,9 +433,9 @@ class Trainer:
         return response.stop
 
     def rollback(self) -> dict[str, float]:
-        """on_collapse: rollback: the policy and optimizer go back to a snapshot from before the
-        collapse, the learning rate is scaled (guard.py); the engine samples the restored policy, and
-        (async) the batches generated ahead by the collapsed one are dropped."""
+        """on_collapse: rollback: the policy and optimizer go back to a snapshot from before the collapse, the
+        learning rate is scaled (guard.py); the engine samples the restored policy, and (async) the batches
+        generated ahead by the collapsed one are dropped."""
         out = self.guard.restore(self.step, self.model, self.optimizer, self.scheduler)
         if self.rollouts.depth:  # async: batches the collapsed policy sampled are not trained on
             out["rollback/discarded_batches"] = self.rollouts.discard()
@@ -444,16 +445,15 @@ class Trainer:
 
     # ------------------------------------------------------------------ eval
     def evaluate(self, dataset: Dataset | None = None, batch_size: int = 64) -> dict[str, float]:
-        """The eval_metrics on `dataset` (default: the eval set), read from the accuracy reward
-        (default: the first reward function): `accuracy`, `mean@k`, `pass@k`, `maj@k`, `reward_mean`,
-        `rewards/NAME` (evaluation.py defines each). Under torchrun each rank evaluates every K-th
-        prompt and the sums are summed."""
+        """The eval_metrics on `dataset` (default: the eval set), read from the accuracy reward (default: the first
+        reward function): `accuracy`, `mean@k`, `pass@k`, `maj@k`, `reward_mean`, `rewards/NAME` (evaluation.py
+        defines each). Under torchrun each rank evaluates every K-th prompt and the sums are summed."""
         return run_evaluation(self, dataset if dataset is not None else self.eval_ds, batch_size)
 
     def preflight(self, num_prompts: int = 64, samples_per_prompt: int | None = None) -> dict[str, Any]:
-        """What GRPO would learn from `num_prompts` training prompts, each sampled G times (or
-        `samples_per_prompt`, a multiple of G) with the current policy; rank 0 writes preflight.json
-        and preflight.png into output_dir. preflight.py explains every number."""
+        """What GRPO would learn from `num_prompts` training prompts, each sampled G times (or `samples_per_prompt`,
+        a multiple of G) with the current policy; rank 0 writes preflight.json and preflight.png into output_dir.
+        preflight.py explains every number."""
         return run_preflight(self, num_prompts, samples_per_prompt)
 
     def _log_eval(self, step: int, progress: Progress) -> dict[str, float]:

@@ -108,32 +108,36 @@ class PolicyUpdate:
     def optimizer_step(self, batch: UpdateBatch, optimizer: torch.optim.Optimizer, scheduler: LRScheduler,
                        cfg: TrainConfig, loss_params: LossParams, *, with_entropy: bool) -> dict[str, float]:
         """One optimizer step over the whole batch, accumulated over micro-batches (and ranks); its
-        statistics, with `skipped_nonfinite` 1 when a non-finite loss or gradient norm skipped it."""
+        statistics, with `skipped_nonfinite` 1 when a non-finite loss or gradient norm skipped it.
+        `with_entropy`: report the entropy (and compute it for the token masks); an entropy bonus
+        (loss_params.entropy_coef > 0) computes it in every pass anyway, with a gradient."""
         K, rollout, packed = self.dist.world_size, batch.rollout, self.planner.packed
         normalizer = batch_normalizer(cfg.loss_agg, batch.loss_mask)  # D over the whole (global) batch
         optimizer.zero_grad(set_to_none=True)
         sums = UpdateSums()
         plan, budget = self.planner.plan(rollout, cfg), self.planner.budget(cfg)
+        bonus = loss_params.entropy_coef > 0  # the entropy enters the loss: every pass computes it, with a gradient
         for i, (rows, weight) in enumerate(plan):
             mb = self.planner.micro_batch(rollout, rows)
             over_budget = budget is not None and mb.num_tokens(packed) > budget  # a lone long sequence
             with D.grad_sync(self.train_model, i == len(plan) - 1), \
                     activation_checkpointing(self.model, over_budget and self.checkpoint_over_budget
                                              and cfg.gradient_checkpointing == "auto"):
-                logp, entropy, values = completion_forward(self.train_model, mb, temperature=cfg.temperature,
-                                                           autocast_dtype=self.autocast, with_entropy=with_entropy,
-                                                           packed=packed, value_head=self.value_head)  # [n, T'] each
+                logp, entropy, values = completion_forward(
+                    self.train_model, mb, temperature=cfg.temperature, autocast_dtype=self.autocast,
+                    with_entropy=with_entropy or bonus, entropy_grad=bonus, packed=packed,
+                    value_head=self.value_head)  # [n, T'] each
                 part = batch.part(rows, logp.shape[1], logp.device)  # the batch's [n, T'] slices
                 weights, mask_stats = loss_token_weights(cfg, logp, entropy, part)
                 loss, stats = policy_loss(logp, logp.detach() if part.old_logp is None else part.old_logp,
                                           part.advantages, part.loss_mask, params=loss_params, ref_logp=part.ref_logp,
-                                          normalizer=normalizer, token_weights=weights)
+                                          normalizer=normalizer, token_weights=weights, entropy=entropy)
                 loss, stats = add_value_loss(loss, stats, values, part.old_values, part.returns, part.loss_mask, cfg,
                                              normalizer)  # PPO: + vf_coef * the value loss (value.py)
                 (loss * (weight * K)).backward()
             acts = None if entropy is None else part.take(rollout.action_mask)  # [n, T']
             sums.add(weight, loss.item(), {**stats, **mask_stats},
-                     None if entropy is None else float(entropy[acts].sum()))
+                     None if entropy is None else float(entropy.detach()[acts].sum()))
         params = [p for m in (self.model, self.value_head) if m is not None for p in m.parameters() if p.requires_grad]
         # both are global, so every rank decides alike: the norm is taken over gradients DDP already
         # summed (FSDP2: reduced over the shards), the loss is summed over ranks

@@ -86,3 +86,33 @@ def test_bad_input():
         head_logprobs(hidden, weight, tokens, temperature=0)
     with pytest.raises(TypeError, match="integer token ids"):
         head_logprobs(hidden, weight, tokens.float())
+
+
+@pytest.mark.parametrize("chunk", [101, 5 * 101, 1000 * 101])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_entropy_grad_through_the_head_is_the_analytic_gradient(chunk, temperature):
+    """With entropy_grad, Σ a·logp + Σ b·H sends g_x = (a·(1[v = y] − p) − b·p·(log p + H))/τ through
+    the head: ∂/∂h = g_x·W, ∂/∂W = g_xᵀ·h, ∂/∂b = Σ g_x (the formula, computed here from whole logits)."""
+    hidden, weight, b, tokens = inputs()
+    g = torch.Generator().manual_seed(3)
+    a, c = torch.randn(37, generator=g, dtype=torch.float64), torch.randn(37, generator=g, dtype=torch.float64)
+    logp, entropy = head_logprobs(hidden, weight, tokens, bias=b, temperature=temperature, with_entropy=True,
+                                  max_chunk_elements=chunk, entropy_grad=True)
+    assert entropy.requires_grad
+    got = torch.autograd.grad((logp * a).sum() + (entropy * c).sum(), [hidden, weight, b])
+    with torch.no_grad():
+        z = F.linear(hidden, weight, b) / temperature  # [M, V]
+        lp = torch.log_softmax(z, -1)
+        p = lp.exp()
+        h = -(p * lp).sum(-1, keepdim=True)  # [M, 1]
+        onehot = F.one_hot(tokens, 101).double()
+        gx = (a[:, None] * (onehot - p) - c[:, None] * p * (lp + h)) / temperature  # [M, V]
+        assert torch.allclose(entropy, h[:, 0], atol=1e-12, rtol=0)
+    for x, y in zip(got, [gx @ weight.detach(), gx.T @ hidden.detach(), gx.sum(0)]):
+        assert torch.allclose(x, y, atol=1e-12, rtol=1e-10)
+    # without entropy_grad the same call leaves the entropy constant: the log-probs' gradient alone
+    logp2, entropy2 = head_logprobs(hidden, weight, tokens, bias=b, temperature=temperature, with_entropy=True,
+                                    max_chunk_elements=chunk)
+    assert not entropy2.requires_grad
+    want = (a[:, None] * (onehot - p) / temperature) @ weight.detach()
+    assert torch.allclose(torch.autograd.grad((logp2 * a).sum(), [hidden])[0], want, atol=1e-12, rtol=1e-10)

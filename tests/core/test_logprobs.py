@@ -156,3 +156,57 @@ def test_bad_input(call, exc, match):
     logits, tokens = make()
     with pytest.raises(exc, match=match):
         call(logits, tokens)
+
+
+# ---------------------------------------------------------------- the entropy with a gradient (entropy bonus)
+
+def analytic_logits_grad(logits, tokens, temperature, g_logp, g_entropy):
+    """docs/algorithms.md section 9, per position, p = softmax(x/τ):
+    ∂logp/∂z_v = (1[v = y] − p_v)/τ,   ∂H/∂z_v = −p_v·(log p_v + H)/τ."""
+    logp_all = torch.log_softmax(logits.double() / temperature, dim=-1)  # [N, T, V]
+    p = logp_all.exp()
+    h = -(p * logp_all).sum(-1, keepdim=True)  # [N, T, 1]
+    onehot = torch.nn.functional.one_hot(tokens, logits.shape[-1]).double()
+    d_logp = (onehot - p) / temperature
+    d_h = -p * (logp_all + h) / temperature
+    return g_logp[..., None] * d_logp + g_entropy[..., None] * d_h  # [N, T, V]
+
+
+@pytest.mark.parametrize("chunk", CHUNKS)
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_entropy_grad_gives_the_analytic_gradient_of_both(chunk, temperature):
+    """entropy_grad: the gradient of Σ a·logp + Σ b·H w.r.t. the logits is the closed form above, and
+    the values are those without it."""
+    logits, tokens = make(dtype=torch.float64)
+    g = torch.Generator().manual_seed(2)
+    a, b = torch.randn(3, 5, generator=g, dtype=torch.float64), torch.randn(3, 5, generator=g, dtype=torch.float64)
+    x = logits.clone().requires_grad_()
+    logp, ent = token_logprobs_and_entropy(x, tokens, temperature=temperature, max_chunk_elements=chunk,
+                                           entropy_grad=True)
+    assert ent.requires_grad
+    torch.testing.assert_close(ent, ref_entropy(logits, temperature), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(logp, ref_logprobs(logits, tokens, temperature), rtol=1e-12, atol=1e-12)
+    ((logp * a).sum() + (ent * b).sum()).backward()
+    torch.testing.assert_close(x.grad, analytic_logits_grad(logits, tokens, temperature, a, b), rtol=1e-10, atol=1e-13)
+    # only the entropy used (the log-probs' gradient is then 0): −p·(log p + H)/τ alone
+    y = logits.clone().requires_grad_()
+    (token_logprobs_and_entropy(y, tokens, temperature=temperature, max_chunk_elements=chunk,
+                                entropy_grad=True)[1] * b).sum().backward()
+    torch.testing.assert_close(y.grad, analytic_logits_grad(logits, tokens, temperature, 0 * a, b), rtol=1e-10,
+                               atol=1e-13)
+
+
+def test_entropy_grad_gradcheck_and_bf16():
+    logits, tokens = make(n=2, t=3, v=5, dtype=torch.float64)
+    x = logits.requires_grad_()
+    assert torch.autograd.gradcheck(lambda z: token_logprobs_and_entropy(z, tokens, temperature=0.8,
+                                                                         max_chunk_elements=7, entropy_grad=True), (x,))
+    # bf16 logits: the fp32 gradient, rounded to bf16 once
+    logits, tokens = make(dtype=torch.bfloat16)
+    up = torch.randn(3, 5, generator=torch.Generator().manual_seed(1))
+    x = logits.clone().requires_grad_()
+    logp, ent = token_logprobs_and_entropy(x, tokens, entropy_grad=True)
+    (logp * up + ent * up.flip(0)).sum().backward()
+    assert x.grad.dtype == torch.bfloat16
+    want = analytic_logits_grad(logits, tokens, 1.0, up.double(), up.flip(0).double())
+    torch.testing.assert_close(x.grad.double(), want, rtol=1e-2, atol=1e-3)

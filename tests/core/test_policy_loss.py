@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from grouprl.core import LossParams, policy_loss
+from grouprl.core import LossParams, policy_loss, token_logprobs
 
 AGGS = ["seq-mean-token-mean", "token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
 L_MAX = 9  # max_tokens for seq-mean-token-sum-norm in random batches (≥ T)
@@ -287,6 +287,91 @@ def test_tensor_normalizer_and_stats_num_tokens():
     assert all(isinstance(v, float) for v in stats.values())
 
 
+# ---------------------------------------------------------------- entropy bonus
+
+def naive_aggregate(values, mask, agg, max_tokens=L_MAX):
+    """Σ over real tokens with the aggregation's weights, one token at a time (docs/algorithms.md §7)."""
+    n, t = mask.shape
+    lengths = [int(mask[i].sum()) for i in range(n)]
+    total = 0.0
+    for i in range(n):
+        for j in range(t):
+            if not mask[i, j]:
+                continue
+            weight = {"token-mean": 1 / sum(lengths), "seq-mean-token-mean": 1 / (n * lengths[i]),
+                      "seq-mean-token-sum": 1 / n, "seq-mean-token-sum-norm": 1 / (n * max_tokens)}[agg]
+            total += weight * float(values[i, j])
+    return total
+
+
+@pytest.mark.parametrize("agg", AGGS)
+@pytest.mark.parametrize("loss_type", ["clip", "gmpo"])
+def test_entropy_bonus_is_minus_c_times_the_aggregated_entropy(agg, loss_type):
+    """loss(c) = loss(0) − c·agg(H) with agg the loss's own aggregation (a naive loop), whatever the token
+    weights (the bonus is not weighted, like the KL term); ∂loss/∂H = −c·(the aggregation's weight of the
+    token); garbage entropies in padding change nothing; c = 0 ignores the entropy entirely."""
+    logp, old, ref, adv, mask = ragged_batch(4, 6, 5, spread=0.3)
+    g = torch.Generator().manual_seed(5)
+    ent = (torch.rand(logp.shape, generator=g, dtype=torch.float64) * 2)
+    ent = torch.where(mask, ent, torch.nan).requires_grad_(True)  # [N, T], NaN on padding
+    weights = torch.rand(logp.shape, generator=g, dtype=torch.float64)
+    kw = dict(agg=agg, max_tokens=L_MAX, ref_logp=ref, beta=0.05, token_weights=weights, loss_type=loss_type)
+    base, stats0 = policy_loss(logp, old, adv, mask, **kw)
+    assert "entropy_bonus" not in stats0
+    c = 0.03
+    loss, stats = policy_loss(logp, old, adv, mask, entropy=ent, entropy_coef=c, **kw)
+    loss.backward()
+    assert loss.item() == pytest.approx(base.item() - c * naive_aggregate(ent.detach(), mask, agg), abs=1e-12)
+    one_hot_sums = torch.stack([torch.tensor(naive_aggregate(torch.eye(ent.numel(), dtype=torch.float64)[k]
+                                                             .view(ent.shape), mask, agg), dtype=torch.float64)
+                                for k in range(ent.numel())]).view(ent.shape)  # each token's weight
+    torch.testing.assert_close(ent.grad, -c * one_hot_sums, rtol=1e-12, atol=1e-15)
+    real = torch.where(mask, ent.detach(), 0.0)
+    assert stats["entropy_bonus"] == pytest.approx(c * float(real.sum()) / int(mask.sum()), abs=1e-12)
+    unchanged, _ = policy_loss(logp, old, adv, mask, entropy=ent, entropy_coef=0.0, **kw)
+    assert unchanged.item() == base.item()
+
+
+@pytest.mark.parametrize("agg", ["seq-mean-token-mean", "token-mean"])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_entropy_bonus_gradient_wrt_logits_is_the_formula(agg, temperature):
+    """End to end from logits, on-policy (old = sg[logp], ρ = 1): with w_{i,t} the aggregation's weight
+    of a real token, ∂L/∂z = w·(−A·(1[v = y] − p) + c·p·(log p + H))/τ, i.e. the policy gradient plus
+    −c·w·∂H/∂z with ∂H/∂z = −p·(log p + H)/τ; 0 on padding. At c = 0 the gradient is the first term
+    alone, bit for bit the one without any entropy."""
+    from grouprl.core import token_logprobs_and_entropy
+
+    n, t, v, c = 4, 5, 7, 0.2
+    g = torch.Generator().manual_seed(8)
+    logits = torch.randn(n, t, v, generator=g, dtype=torch.float64) * 2
+    tokens = torch.randint(0, v, (n, t), generator=g)
+    mask = torch.arange(t)[None] < torch.tensor([5, 3, 1, 4])[:, None]  # [N, T]
+    adv = torch.randn(n, generator=g, dtype=torch.float64)
+
+    def grad(coef):
+        z = logits.clone().requires_grad_(True)
+        logp, ent = token_logprobs_and_entropy(z, tokens, temperature=temperature, entropy_grad=coef > 0)
+        loss, _ = policy_loss(logp, logp.detach(), adv, mask, agg=agg, entropy=ent, entropy_coef=coef)
+        loss.backward()
+        return z.grad
+
+    logp_all = torch.log_softmax(logits / temperature, -1)  # [N, T, V]
+    p = logp_all.exp()
+    h = -(p * logp_all).sum(-1, keepdim=True)  # [N, T, 1]
+    onehot = torch.nn.functional.one_hot(tokens, v).double()
+    lengths = mask.sum(-1, keepdim=True).double()  # [N, 1]
+    w = (1 / (n * lengths) if agg == "seq-mean-token-mean" else torch.full_like(lengths, 1 / mask.sum().item()))
+    w = torch.where(mask, w, 0.0)[..., None]  # [N, T, 1]
+    pg = w * (-adv[:, None, None] * (onehot - p)) / temperature
+    bonus = w * c * p * (logp_all + h) / temperature
+    torch.testing.assert_close(grad(c), pg + bonus, rtol=1e-10, atol=1e-14)
+    z0 = logits.clone().requires_grad_(True)
+    plain = token_logprobs(z0, tokens, temperature=temperature)
+    policy_loss(plain, plain.detach(), adv, mask, agg=agg)[0].backward()
+    assert torch.equal(grad(0.0), z0.grad)
+    torch.testing.assert_close(z0.grad, pg, rtol=1e-10, atol=1e-14)
+
+
 # ---------------------------------------------------------------- bad input
 
 def _args(n=2, t=3):
@@ -311,6 +396,9 @@ def _args(n=2, t=3):
     (dict(dual_clip=0.5), "dual_clip=0.5"),
     (dict(delta=1.0), "delta=1.0"),
     (dict(normalizer=0), "normalizer=0"),
+    (dict(entropy_coef=0.01), "entropy_coef=0.01 > 0 needs entropy"),
+    (dict(entropy_coef=0.01, entropy=torch.zeros(2, 4)), "entropy has shape"),
+    (dict(entropy_coef=-0.01, entropy=torch.zeros(2, 3)), "entropy_coef=-0.01 must be a finite number >= 0"),
 ])
 def test_policy_loss_bad_input(change, match):
     logp, old, adv, mask = _args()

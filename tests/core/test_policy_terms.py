@@ -1,5 +1,5 @@
-"""CISPO and SAPO policy terms (core/policy_terms.py) against hand-worked numbers, naive loops, closed-form
-gradients, padding and micro-batch invariance."""
+"""CISPO, SAPO and GMPO policy terms (core/policy_terms.py) against hand-worked numbers, naive loops,
+closed-form gradients, padding and micro-batch invariance."""
 
 import math
 
@@ -114,18 +114,125 @@ def test_sapo_matches_naive_loop_and_closed_form_gradient(seed):
     torch.testing.assert_close(logp.grad, want, rtol=1e-10, atol=1e-14)
 
 
+# ---------------------------------------------------------------- GMPO
+
+def gmpo_one(deltas, adv, **kw):
+    """Loss, d loss / d logp and stats for one completion with token log-ratios ``deltas`` (old = 0)."""
+    logp = torch.tensor([deltas], dtype=F64, requires_grad=True)
+    loss, stats = policy_loss(logp, torch.zeros_like(logp), torch.tensor([adv], dtype=F64),
+                              torch.ones_like(logp, dtype=torch.bool), loss_type="gmpo", **kw)
+    loss.backward()
+    return loss.item(), logp.grad[0].tolist(), stats
+
+
+def paper_gmpo(rhos, adv, eps_low, eps_high):
+    """arXiv 2507.20673's objective for one completion, in ratio space as the paper writes it:
+    sgn(A)·Π_t |min(ρ_t·A, clip(ρ_t, e^−ε_low, e^ε_high)·A)|^{1/|o|}."""
+    prod = 1.0
+    for rho in rhos:
+        clipped = min(max(rho, math.exp(-eps_low)), math.exp(eps_high))
+        prod *= abs(min(rho * adv, clipped * adv))
+    return math.copysign(1.0, adv) * prod ** (1 / len(rhos))
+
+
+def test_gmpo_worked_numbers_match_the_paper_formula():
+    """ε = 0.4 (log space, the paper's (e^−0.4, e^0.4)). A = +1, δ = [0.6, −0.1, 0.2]: only increases
+    are bounded, δ̃ = [0.4, −0.1, 0.2], s̃ = exp(0.5/3) = 1.1813604, ℓ = −1.1813604; the clipped token
+    has no gradient, the others −A·s̃/3 = −0.3937868. In ratio space: ρ = [1.8221, 0.9048, 1.2214],
+    min(ρ, 1.4918) = [1.4918, 0.9048, 1.2214], product e^0.5, cube root 1.1813604.
+    A = −1, δ = [−0.6, 0.1, −0.2]: only decreases are bounded, δ̃ = [−0.4, 0.1, −0.2],
+    s̃ = exp(−0.5/3) = 0.8464817, ℓ = +0.8464817, gradient [0, 0.2821606, 0.2821606]."""
+    loss, grad, stats = gmpo_one([0.6, -0.1, 0.2], 1.0, eps_low=0.4, eps_high=0.4)
+    assert loss == pytest.approx(-1.1813604, abs=1e-7)
+    assert loss == pytest.approx(-paper_gmpo([math.exp(0.6), math.exp(-0.1), math.exp(0.2)], 1.0, 0.4, 0.4), abs=1e-12)
+    assert grad == pytest.approx([0.0, -0.3937868, -0.3937868], abs=1e-7)
+    assert (stats["clip_frac_high"], stats["clip_frac_low"], stats["clip_frac"]) == (pytest.approx(1 / 3), 0.0,
+                                                                                     pytest.approx(1 / 3))
+    loss, grad, stats = gmpo_one([-0.6, 0.1, -0.2], -1.0, eps_low=0.4, eps_high=0.4)
+    assert loss == pytest.approx(0.8464817, abs=1e-7)
+    assert loss == pytest.approx(-paper_gmpo([math.exp(-0.6), math.exp(0.1), math.exp(-0.2)], -1.0, 0.4, 0.4),
+                                 abs=1e-12)
+    assert grad == pytest.approx([0.0, 0.2821606, 0.2821606], abs=1e-7)
+    assert (stats["clip_frac_low"], stats["clip_frac_high"]) == (pytest.approx(1 / 3), 0.0)
+    # the other side of each sign is left alone: A = +1 with δ = −0.6 keeps its gradient, −s̃·1/1
+    loss, grad, _ = gmpo_one([-0.6], 1.0, eps_low=0.4, eps_high=0.4)
+    assert loss == pytest.approx(-math.exp(-0.6), abs=1e-12) and grad == pytest.approx([-math.exp(-0.6)], abs=1e-12)
+
+
+def naive_gmpo(logp, old, adv, mask, *, eps_low, eps_high, agg):
+    """One completion at a time, on scalar tensors (autograd follows), in the paper's ratio-space
+    product form; the loss is −J_i averaged over completions (seq-mean-token-mean, the paper's 1/G Σ_i)
+    or, for token-mean, weighted by each completion's tokens."""
+    lo, hi = math.exp(-eps_low), math.exp(eps_high)
+    terms, lengths = [], []
+    for i in range(logp.shape[0]):
+        toks = [j for j in range(logp.shape[1]) if mask[i, j]]
+        lengths.append(len(toks))
+        if not toks:
+            terms.append(torch.tensor(0.0, dtype=F64))
+            continue
+        prod = torch.tensor(1.0, dtype=F64)
+        for j in toks:
+            rho = torch.exp(logp[i, j] - old[i, j])
+            prod = prod * torch.abs(torch.minimum(rho * adv[i], torch.clamp(rho, lo, hi) * adv[i]))
+        terms.append(torch.sign(adv[i]) * prod ** (1 / len(toks)))
+    if agg == "seq-mean-token-mean":
+        return -sum(terms) / len(terms)
+    return -sum(n * j for n, j in zip(lengths, terms)) / sum(lengths)
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("agg", ["seq-mean-token-mean", "token-mean"])
+def test_gmpo_equals_a_naive_per_sequence_loop_values_and_gradients(seed, agg):
+    """Asymmetric log-space bounds (ε_low 0.3, ε_high 0.5) and log-ratios spread 0.5: some tokens on
+    each side are clipped."""
+    logp, old, _, adv, mask = ragged_batch(seed, 7, 6, spread=0.5)
+    x = logp.clone().requires_grad_(True)
+    loss, stats = policy_loss(x, old, adv, mask, loss_type="gmpo", eps_low=0.3, eps_high=0.5, agg=agg)
+    loss.backward()
+    y = logp.clone().requires_grad_(True)
+    want = naive_gmpo(y, old, adv, mask, eps_low=0.3, eps_high=0.5, agg=agg)
+    want.backward()
+    assert loss.item() == pytest.approx(want.item(), abs=1e-12)
+    torch.testing.assert_close(x.grad, y.grad, rtol=1e-10, atol=1e-14)
+    delta = logp - old
+    low = int(((delta < -0.3) & (adv[:, None] < 0) & mask).sum())
+    high = int(((delta > 0.5) & (adv[:, None] > 0) & mask).sum())
+    assert (stats["clip_frac_low"], stats["clip_frac_high"]) == (pytest.approx(low / int(mask.sum())),
+                                                                 pytest.approx(high / int(mask.sum())))
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("per_token_adv", [False, True])
+def test_gmpo_gradient_is_the_closed_form(seed, per_token_adv):
+    """∂ℓ/∂logp_{i,t} = −A_{i,t}·s̃_i·1[δ_{i,t} unclipped on A_{i,t}'s side] / (N·|o_i|) under
+    seq-mean-token-mean, s̃_i = exp(mean_t δ̃); per-token advantages (process supervision) each pick
+    their own side and weight their own token (the module's stated departure)."""
+    logp, old, _, adv, mask = ragged_batch(seed, 6, 5, per_token_adv=per_token_adv, spread=0.5)
+    logp.requires_grad_(True)
+    policy_loss(logp, old, adv, mask, loss_type="gmpo", eps_low=0.2, eps_high=0.3)[0].backward()
+    a = adv if per_token_adv else adv[:, None].expand(-1, 5)
+    delta = logp.detach() - old
+    clipped = torch.where(a >= 0, delta.clamp(max=0.3), delta.clamp(min=-0.2))
+    count = mask.sum(-1, keepdim=True).clamp(min=1)
+    s = torch.exp(torch.where(mask, clipped, 0.0).sum(-1, keepdim=True) / count)
+    free = torch.where(a >= 0, delta <= 0.3, delta >= -0.2)
+    want = torch.where(mask & free, -a * s / (count * 6), 0.0)
+    torch.testing.assert_close(logp.grad, want, rtol=1e-12, atol=1e-15)
+
+
 # ---------------------------------------------------------------- every loss type
 
 @pytest.mark.parametrize("loss_type", sorted(LOSS_TYPES))
 def test_on_policy_every_loss_type_has_the_reinforce_gradient(loss_type):
-    """At ρ = 1 (μ = 1) clip, CISPO and SAPO all give ∂ℓ/∂logp = −A / count."""
+    """At ρ = 1 (μ = 1) clip, CISPO, SAPO and GMPO all give ∂ℓ/∂logp = −A / count."""
     logp, _, _, adv, mask = ragged_batch(7, 6, 5)
     logp.requires_grad_(True)
     policy_loss(logp, logp.detach(), adv, mask, loss_type=loss_type, agg="token-mean")[0].backward()
     torch.testing.assert_close(logp.grad, torch.where(mask, -adv[:, None] / mask.sum(), 0.0), rtol=1e-12, atol=1e-15)
 
 
-@pytest.mark.parametrize("loss_type", ["cispo", "sapo"])
+@pytest.mark.parametrize("loss_type", ["cispo", "sapo", "gmpo"])
 @pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
 def test_padding_never_contributes_and_micro_batches_sum_to_the_batch(loss_type, agg):
     logp, old, ref, adv, mask = ragged_batch(3, 8, 6, spread=0.5)
@@ -157,7 +264,7 @@ def test_padding_never_contributes_and_micro_batches_sum_to_the_batch(loss_type,
 
 @pytest.mark.parametrize("kw, setting", [({"dual_clip": 3.0}, "dual_clip=3.0"), ({"delta": 4.0}, "delta=4.0"),
                                          ({"ratio_level": "sequence"}, "importance_sampling_level='sequence'")])
-@pytest.mark.parametrize("loss_type", ["cispo", "sapo"])
+@pytest.mark.parametrize("loss_type", ["cispo", "sapo", "gmpo"])
 def test_clip_only_options_are_rejected_with_other_loss_types(kw, setting, loss_type):
     """The message names the setting as the config spells it (check_loss_settings)."""
     logp, old, _, adv, mask = ragged_batch(0, 2, 3)

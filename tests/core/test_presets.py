@@ -19,11 +19,13 @@ from grouprl.core import (
 # transcribed from the "Named presets" table of docs/algorithms.md and the README's algorithm table
 TABLE = {
     # name: (estimator, scale, agg, eps_low, eps_high, beta, ratio level, dynamic sampling, overlong,
-    #        loss type, multi-objective aggregation, top-entropy quantile, off-policy mask δ, value head)
+    #        loss type, multi-objective aggregation, top-entropy quantile, off-policy mask δ,
+    #        distillation λ, the verifier advantages' weight when distilling, value head)
     "grpo": ("grpo", "group", "seq-mean-token-mean", 0.2, 0.2, 0.04, "token", False, False),
     "dr_grpo": ("grpo", "none", "seq-mean-token-sum-norm", 0.2, 0.2, 0.0, "token", False, False),
     "dapo": ("grpo", "group", "token-mean", 0.2, 0.28, 0.0, "token", True, True),
     "gspo": ("grpo", "group", "seq-mean-token-mean", 3e-4, 4e-4, 0.0, "sequence", False, False),
+    "gmpo": ("grpo", "group", "seq-mean-token-mean", 0.4, 0.4, 0.0, "token", False, False, "gmpo"),
     "rloo": ("rloo", "none", "token-mean", 0.2, 0.2, 0.0, "token", False, False),
     "cispo": ("grpo", "group", "token-mean", 1.0, 4.0, 0.0, "token", False, False, "cispo"),
     "sapo": ("grpo", "group", "seq-mean-token-mean", 0.2, 0.2, 0.0, "token", False, False, "sapo"),
@@ -37,10 +39,12 @@ TABLE = {
     "reinforce_pp": ("reinforce_pp", "batch", "token-mean", 0.2, 0.2, 0.0, "token", False, False),
     "reinforce_pp_baseline": ("reinforce_pp_baseline", "batch", "token-mean", 0.2, 0.2, 0.0, "token", False, False),
     "grpo_passk": ("grpo_passk", "none", "token-mean", 0.2, 0.2, 0.0, "token", False, False),
+    "on_policy_distill": ("grpo", "group", "token-mean", 0.2, 0.2, 0.0, "token", False, False, "clip",
+                          "sum_then_normalize", 1.0, None, 1.0, 0.0),
     "ppo": ("gae", "batch", "token-mean", 0.2, 0.2, 0.0, "token", False, False, "clip", "sum_then_normalize", 1.0,
-            None, True),
+            None, 0.0, 1.0, True),
 }
-DEFAULTS = ("clip", "sum_then_normalize", 1.0, None, False)  # loss type .. value head when not listed
+DEFAULTS = ("clip", "sum_then_normalize", 1.0, None, 0.0, 1.0, False)  # loss type .. value head when not listed
 
 
 def row(name):
@@ -57,7 +61,7 @@ def test_exact_keys_and_names():
     assert set(PRESETS) == set(TABLE)
     assert PRESET_KEYS == ("estimator", "scale", "agg", "eps_low", "eps_high", "beta", "ratio_level",
                            "dynamic_sampling", "overlong_shaping", "loss_type", "multi_objective", "entropy_quantile",
-                           "off_policy_threshold", "value_head")
+                           "off_policy_threshold", "distill_coef", "distill_reward_coef", "value_head")
     for preset in PRESETS.values():
         assert tuple(preset) == PRESET_KEYS
 

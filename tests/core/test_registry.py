@@ -72,12 +72,13 @@ def test_factories_are_marked_at_registration_and_unmarked_with_their_entry():
     (core.ADVANTAGE_ESTIMATORS, ("grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "grpo_passk", "process",
                                  "gae")),
     (core.MULTI_OBJECTIVE_AGGREGATIONS, ("sum_then_normalize", "normalize_then_sum")),
-    (core.LOSS_TYPES, ("clip", "cispo", "sapo")),
+    (core.LOSS_TYPES, ("clip", "cispo", "sapo", "gmpo")),
     (core.RATIO_LEVELS, ("token", "sequence")),
     (core.LOSS_AGGREGATIONS, ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")),
     (core.KL_ESTIMATORS, ("k1", "k2", "k3")),
     (core.IS_MODES, ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")),
     (core.TOKEN_MASKS, ("entropy_mask", "off_policy_mask")),
+    (core.DISTILL_SIGNALS, ("reverse_kl",)),
 ])
 def test_core_registries_hold_the_built_in_variants(registry, names):
     assert isinstance(registry, Registry) and registry.names() == names

@@ -37,7 +37,7 @@ def no_model_loading(monkeypatch):
     ({"model": "./no/such/model"}, "model='./no/such/model' does not exist: check the path"),
     ({"tokenizer": "./no/such/tokenizer"}, "tokenizer='./no/such/tokenizer' does not exist: check the path"),
     ({"eval_data": "missing/eval.jsonl"}, "eval_data='missing/eval.jsonl' does not exist: check the path"),
-    ({"algorithm": "trpo"}, "algorithm='trpo' is unknown: choose one of bnpo, cispo, dapo, dr_grpo, gdpo, grpo, "),
+    ({"algorithm": "trpo"}, "algorithm='trpo' is unknown: choose one of bnpo, cispo, dapo, dr_grpo, gdpo, gmpo, grpo"),
     ({"loss_agg": "mean"}, "loss_agg='mean' is not one of"),
     ({"reward_weights": [1.0, 2.0]}, "reward_weights has 2 values but reward_funcs has 1"),
     ({"learning_rate": "fast"}, "learning_rate='fast' has the wrong type: expected float"),
@@ -271,3 +271,15 @@ def test_the_trainer_logs_the_sandbox_in_force_once(make_cfg, no_isolating_sandb
     lines = [line for line in lines if "sandbox" in line]  # the trainer also logs its precision
     mech = sandbox_mechanism()
     assert lines == [f"sandbox for untrusted code: {mech.describe()}"] and not mech.weak
+
+
+def test_the_cli_reaches_gmpo_and_the_entropy_bonus():
+    """`--algorithm gmpo` fills the paper's log-space clip (0.4) and the gmpo term; `--entropy_coef` is
+    a float field like any other, and reaches the loss knobs."""
+    from grouprl.objective import policy_loss_params
+
+    cfg = build_config(None, ["--algorithm", "gmpo", "--entropy-coef", "1e-3"]).validate()
+    assert (cfg.loss_type, cfg.epsilon, cfg.epsilon_high, cfg.entropy_coef) == ("gmpo", 0.4, 0.4, 1e-3)
+    params = policy_loss_params(cfg)
+    assert (params.loss_type, params.entropy_coef, params.agg) == ("gmpo", 1e-3, "seq-mean-token-mean")
+    assert build_config(None, []).entropy_coef == 0.0

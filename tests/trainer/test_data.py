@@ -73,3 +73,24 @@ def test_sampler_covers_each_epoch_and_resumes_mid_epoch():
     assert a.next(9) == b.next(9)  # crosses into the next epoch identically
     with pytest.raises(DataError, match="same train_data"):
         PromptSampler(11, seed=3).load_state_dict(state)
+
+
+@pytest.mark.parametrize("fmt", [None, "torch", "columns"])
+def test_prompt_batch_reads_the_drawn_rows_as_python_objects_whatever_the_format(fmt):
+    """The drawn rows in the drawn order (a row drawn twice comes twice), every column as Python
+    objects: a dataset given a torch format, or one showing only some columns, reads as a plain one."""
+    from grouprl.data import PromptFormatter
+    from grouprl.tasks.testing import build_char_tokenizer
+
+    rows = [{"prompt": [{"role": "user", "content": f"q{i}"}], "answer": str(i), "ids": [i, i + 1]} for i in range(6)]
+    ds = Dataset.from_list(rows)
+    if fmt == "torch":
+        ds = ds.with_format("torch")
+    elif fmt == "columns":
+        ds = ds.with_format(None, columns=["prompt"])
+    formatter = PromptFormatter(build_char_tokenizer())
+    formatter.encode = lambda prompt: [len(prompt[0]["content"])]  # this tokenizer has no chat template
+    batch = formatter.batch(ds, [4, 1, 4], "prompt")
+    assert batch.prompts == [rows[4]["prompt"], rows[1]["prompt"], rows[4]["prompt"]]
+    assert batch.columns == {"answer": ["4", "1", "4"], "ids": [[4, 5], [1, 2], [4, 5]]}
+    assert batch.indices == [4, 1, 4] and batch.prompt_ids == [[2], [2], [2]]

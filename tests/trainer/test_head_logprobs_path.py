@@ -111,3 +111,35 @@ def test_a_training_step_through_the_chunked_head_equals_the_logits_path(make_cf
     start = torch.cat([p.detach().flatten() for p in Trainer(make_cfg()).model.parameters()])
     moved = (weights[0] - start).abs().max()
     assert moved > 1e-4 and (weights[0] - weights[1]).abs().max() <= 1e-3 * moved
+
+
+@pytest.mark.parametrize("share", [False, True])
+def test_the_entropy_gradient_is_the_same_on_every_path(tiny_model_dir, share):
+    """entropy_grad (an entropy bonus): Σ a·logp + Σ b·H gives the same parameter gradients through
+    whole logits and the chunked head, padded and packed; without entropy_grad the entropy is a
+    constant and the gradient is the log-probs' alone."""
+    from grouprl import packing
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).train()
+    assert packing.enable(model)
+    r = ragged_rollout([3, 9, 5], G=4, seed=5)
+
+    def grads(limit, packed, entropy_grad=True):
+        model.zero_grad(set_to_none=True)
+        mb = MicroBatch.from_rollout(r, torch.arange(len(r)), 0 if share else None)
+        logp, ent = completion_logprobs(model, mb, temperature=0.7, with_entropy=True, entropy_grad=entropy_grad,
+                                        max_logits_elements=limit, packed=packed)  # [n, T'] each
+        assert ent.requires_grad == entropy_grad
+        m = mb.completion_mask
+        a = torch.linspace(-1, 1, m.numel()).view(m.shape)
+        (logp * m * a + ent * m * a.flip(0)).sum().backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    want = grads(WHOLE, False)
+    for limit, packed in [(CHUNKED, False), (WHOLE, True), (CHUNKED, True)]:
+        got = grads(limit, packed)
+        assert got.keys() == want.keys()
+        for name, g in want.items():
+            assert float((got[name] - g).norm()) <= 1e-5 * float(g.norm()) + 1e-12, (limit, packed, name)
+    without = grads(CHUNKED, False, entropy_grad=False)
+    assert any(float((without[n] - g).norm()) > 1e-3 * float(g.norm()) for n, g in want.items())

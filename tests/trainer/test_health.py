@@ -144,6 +144,13 @@ def test_reward_crash_kl_spike_and_entropy_collapse():
     kinds = [[a.kind for a in _step(mon, s, kl=k)[1]] for s, k in enumerate([0.01, 0.02, 0.01, 0.5, 2.0], 1)]
     assert kinds == [[], [], [], [], ["kl_spike"]]  # 0.5 is 25x the median but below 1; 2.0 is both
 
+    # only the 2W = 6 steps before count: after 20 steps at KL 5 and 6 at 0.1, a KL of 1.5 is 15x
+    # their median (0.1) and fires, though the median of every earlier step (5) would hide it
+    mon = _monitor()
+    kls = [5.0] * 20 + [0.1] * 6 + [1.5]
+    fired = [(a.kind, s, a.value) for s, k in enumerate(kls, 1) for a in _step(mon, s, kl=k)[1] if a.kind == "kl_spike"]
+    assert fired == [("kl_spike", 27, 1.5)]
+
     mon, fired = _monitor(), []
     for step in range(1, 8):  # deterministic without learning
         fired += [(a.kind, step) for a in _step(mon, step, entropy=1.0 if step <= 3 else 0.05)[1]]

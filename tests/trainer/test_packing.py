@@ -72,19 +72,27 @@ def test_layout_worked_by_hand():
     assert empty.pred_index.tolist() == [1] and empty.targets.tolist() == [1]
 
 
-def test_packed_attention_equals_masked_attention_over_the_row():
-    """Each query attends exactly to its prefix and its own earlier positions: against one SDPA
-    call over the whole row with the block mask written out."""
+@pytest.mark.parametrize("segments", [
+    [(0, 3, 0, 0), (3, 2, 0, 3), (5, 4, 0, 3), (9, 5, 0, 0)],  # a shared prompt (its own segment), a lone sequence
+    [(0, 5, 0, 0), (5, 2, 0, 3), (7, 7, 0, 0)],  # a prefix that is not a segment of its own: sliced
+])
+def test_packed_attention_equals_masked_attention_over_the_row(segments):
+    """Each query attends exactly to its prefix and its own earlier positions: outputs and the
+    gradients of query, key and value against one SDPA call over the whole row with the block mask
+    written out."""
     g = torch.Generator().manual_seed(0)
-    segments = [(0, 3, 0, 0), (3, 2, 0, 3), (5, 4, 0, 3), (9, 5, 0, 0)]
-    q, k, v = (torch.randn(1, 4, 14, 8, generator=g) for _ in range(3))
+    q, k, v = (torch.randn(1, 4, 14, 8, generator=g).requires_grad_() for _ in range(3))
     allowed = torch.zeros(14, 14, dtype=torch.bool)
     for start, L, p_start, p_len in segments:
         allowed[start:start + L, start:start + L] = torch.ones(L, L, dtype=torch.bool).tril()
         allowed[start:start + L, p_start:p_start + p_len] = True
+    upstream = torch.randn(1, 14, 4, 8, generator=g)  # an arbitrary gradient from above
     ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=allowed).transpose(1, 2)
+    ref_grads = torch.autograd.grad((ref * upstream).sum(), (q, k, v))
     out = packing.packed_attention(q, k, v, segments, scaling=None)
     assert out.shape == (1, 14, 4, 8) and torch.allclose(out, ref, atol=1e-6)
+    for got, want in zip(torch.autograd.grad((out * upstream).sum(), (q, k, v)), ref_grads):
+        assert torch.allclose(got, want, atol=1e-5)
 
 
 @pytest.mark.parametrize("limit", [WHOLE, CHUNKED])

@@ -66,7 +66,7 @@ def test_unknown_names_list_the_registered_ones_and_how_to_register(make_cfg, re
                                           r"reinforce_pp_baseline, grpo_passk, process, gae; register a new one with "
                                           r"@grouprl.core.register_advantage_estimator\(name\)"):
         make_cfg(advantage_estimator="ppo").validate()
-    with pytest.raises(ConfigError, match="loss_type='ppo' is not one of: clip, cispo, sapo, test_reinforce; "
+    with pytest.raises(ConfigError, match="loss_type='ppo' is not one of: clip, cispo, sapo, gmpo, test_reinforce; "
                                           "register a new one with @grouprl.core.register_loss_type"):
         make_cfg(loss_type="ppo").validate()
     for field, registry in [("kl_estimator", "KL_ESTIMATORS"), ("loss_agg", "register_loss_agg"),

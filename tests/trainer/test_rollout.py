@@ -46,7 +46,7 @@ def test_eos_rows_stop_and_are_padded(model_and_tok):
     model, tok = model_and_tok
     eos = tok.eos_token_id
     engine = HFEngine(model, (eos,), tok.pad_token_id)
-    g = torch.Generator().manual_seed(0)
+    g = torch.Generator().manual_seed(9)
     ro = engine.generate([tok("x")["input_ids"]] * 2, 8, SamplingParams(max_new_tokens=20, temperature=3.0), g)
     assert ro.completion_ids.shape == (16, 20)
     assert 0 < int(ro.truncated.sum()) < 16  # both kinds of rows occur with this seed
@@ -209,8 +209,8 @@ def test_fast_and_generic_paths_sample_the_same_tokens(model_and_tok):
     p = SamplingParams(max_new_tokens=20, temperature=3.0)
     fast = HFEngine(model, (tok.eos_token_id,), tok.pad_token_id, fast=True)
     slow = HFEngine(model, (tok.eos_token_id,), tok.pad_token_id, fast=False)
-    a = fast.generate(prompts, 8, p, torch.Generator().manual_seed(0))
-    b = slow.generate(prompts, 8, p, torch.Generator().manual_seed(0))
+    a = fast.generate(prompts, 8, p, torch.Generator().manual_seed(2))
+    b = slow.generate(prompts, 8, p, torch.Generator().manual_seed(2))
     assert 0 < int(a.truncated.sum()) < 16  # rows finish at different steps, so compaction happens
     assert torch.equal(a.completion_ids, b.completion_ids)
     assert torch.equal(a.completion_mask, b.completion_mask) and torch.equal(a.truncated, b.truncated)

@@ -24,6 +24,7 @@ PRESET_RUNS = {
     "reinforce_pp": {},
     "reinforce_pp_baseline": {},
     "grpo_passk": {},
+    "gmpo": {"num_iterations": 2},
 }
 
 
@@ -42,6 +43,9 @@ def test_preset_runs_and_the_reward_rises(make_cfg, algorithm):
         assert all(0 <= r["off_policy_mask/dropped_frac"] <= 1 for r in rows)
     if algorithm == "cispo":
         assert all(r["is_clip_frac"] == 0.0 for r in rows)  # μ = 1: ρ = 1 sits inside [0, 5]
+    if algorithm == "gmpo":  # the second update is off-policy: GMPO's own log-space clip fractions
+        assert all(r["clip_frac_low"] + r["clip_frac_high"] == pytest.approx(r["clip_frac"]) for r in rows)
+        assert any(r["clip_frac_low"] > 0 for r in rows) and any(r["clip_frac_high"] > 0 for r in rows)
 
 
 @pytest.mark.parametrize("overrides, message", [
@@ -63,6 +67,10 @@ def test_preset_runs_and_the_reward_rises(make_cfg, algorithm):
     ({"top_entropy_quantile": 0.0}, r"top_entropy_quantile=0.0 must be in \(0, 1\]"),
     ({"off_policy_mask_threshold": -0.5}, "off_policy_mask_threshold=-0.5 must be >= 0"),
     ({"advantage_estimator": "ppo"}, "advantage_estimator='ppo' is not one of: grpo"),
+    ({"algorithm": "gmpo", "importance_sampling_level": "sequence"},
+     "importance_sampling_level='sequence' with loss_type=gmpo: it shapes the PPO clip"),
+    ({"entropy_coef": -0.01}, r"entropy_coef=-0.01 must be a finite number >= 0 \(0 disables the entropy bonus"),
+    ({"entropy_coef": float("inf")}, "entropy_coef=inf must be a finite number"),
 ])
 def test_variant_config_errors(make_cfg, overrides, message):
     with pytest.raises(ConfigError, match=message):
@@ -87,15 +95,26 @@ def test_cispo_accepts_epsilon_one_as_no_lower_bound(make_cfg):
     assert (cfg.epsilon, cfg.epsilon_high, cfg.loss_type) == (1.0, 4.0, "cispo")
 
 
+def test_gmpo_takes_log_space_bounds_of_any_size(make_cfg):
+    """GMPO clips log ρ to [−ε_low, ε_high]: ε = 1.5 is the ratio range [0.22, 4.48], not a negative
+    lower bound, so it passes where the ratio-space clip refuses it."""
+    cfg = make_cfg(algorithm="gmpo", beta=None, epsilon=1.5).validate()
+    assert (cfg.loss_type, cfg.epsilon, cfg.epsilon_high) == ("gmpo", 1.5, 0.4)
+    with pytest.raises(ConfigError, match="epsilon below 1"):
+        make_cfg(algorithm="gspo", epsilon=1.5).validate()
+
+
 @pytest.mark.parametrize("overrides", [
     {"algorithm": "opsm", "loss_type": "cispo", "epsilon": 1.0, "epsilon_high": 0.05, "num_iterations": 2,
      "off_policy_mask_threshold": 0.0},
     {"algorithm": "gdpo", "loss_type": "sapo", "sapo_temperature_neg": 2.0, "num_iterations": 2,
      "reward_funcs": ["tests.trainer.conftest:digit_fraction", "tests.trainer.conftest:short_reward"]},
+    {"algorithm": "gmpo", "epsilon": 0.02, "epsilon_high": 0.02, "num_iterations": 2, "entropy_coef": 0.05},
 ])
 def test_off_policy_variants_give_the_full_batch_gradient_in_micro_batches(make_cfg, overrides):
     """Same seed, same rollout; micro_batch_size 16 vs 4 over two updates per rollout (the second is
-    off-policy: CISPO clips, SAPO gates, the sequence mask drops with δ = 0): the accumulated gradients
+    off-policy: CISPO clips, SAPO gates, the sequence mask drops with δ = 0, GMPO clips in log space;
+    its run adds the entropy bonus, whose gradient every pass carries): the accumulated gradients
     agree. After each update the micro-batched run takes the full run's weights, so that the second
     update starts from the same policy (Adam's first step turns float noise in near-zero gradients
     into lr-sized differences). (top_entropy_quantile is the exception, tests/core/test_token_masks.py.)"""
@@ -123,7 +142,7 @@ def test_off_policy_variants_give_the_full_batch_gradient_in_micro_batches(make_
         assert f.abs().max() > 1e-4
         assert torch.allclose(f, m, rtol=1e-4, atol=1e-6 * float(f.abs().max()))
     assert stats[0]["ratio_mean"] != 1.0  # the second update really was off-policy
-    for key in ("off_policy_mask/dropped_frac", "is_clip_frac"):
+    for key in ("off_policy_mask/dropped_frac", "is_clip_frac", "entropy_bonus"):
         if key in stats[0]:
             assert stats[0][key] == pytest.approx(stats[1][key]) and stats[0][key] > 0, key
 
@@ -147,3 +166,23 @@ def test_step_advantages_follows_multi_objective_aggregation(make_cfg):
     got = step_advantages(gdpo.validate(), batch)
     assert torch.equal(got, normalize_then_sum(torch.stack([f1, f2], -1), [1.0, 2.0], 4))
     assert not torch.allclose(got, summed)
+
+
+def test_the_entropy_bonus_is_logged_and_raises_the_entropy(make_cfg):
+    """entropy_coef c: `entropy_bonus` is c times the mean entropy of the loss's tokens, which here are
+    every action token (nothing masked), so c·`entropy` of the same (first) update. Same seed, with
+    c = 0.5 against c = 0: after a few steps the policy's entropy is higher with the bonus; at c = 0
+    nothing is logged for it."""
+    entropies = {}
+    for c in (0.0, 0.5):
+        cfg = make_cfg(entropy_coef=c, max_steps=4, learning_rate=3e-2, prompts_per_step=2, num_generations=8,
+                       micro_batch_size=16, output_dir=make_cfg().output_dir + f"-{c}")
+        Trainer(cfg).train()
+        rows = read_metrics(cfg.output_dir)
+        if c:
+            assert all(r["entropy_bonus"] == pytest.approx(c * r["entropy"], rel=1e-5) for r in rows)
+        else:
+            assert all("entropy_bonus" not in r for r in rows)
+        entropies[c] = [r["entropy"] for r in rows]
+    assert entropies[0.5][0] == pytest.approx(entropies[0.0][0], rel=1e-5)  # the same first rollout
+    assert entropies[0.5][-1] > entropies[0.0][-1] + 0.05, entropies

@@ -95,9 +95,9 @@ class TrainFields:
 
     # ------------------------------------------------------------ algorithm
     algorithm: str = "grpo"
-    """Preset: grpo | dr_grpo | dapo | gspo | rloo | cispo | sapo | bnpo | gdpo | top_entropy | opsm |
-    reinforce_pp | reinforce_pp_baseline | grpo_passk | ppo (README's algorithm table). Every field
-    below overrides it."""
+    """Preset: grpo | dr_grpo | dapo | gspo | gmpo | rloo | cispo | sapo | bnpo | gdpo | top_entropy |
+    opsm | reinforce_pp | reinforce_pp_baseline | grpo_passk | on_policy_distill | ppo (README's
+    algorithm table; on_policy_distill needs teacher_model). Every field below overrides it."""
     advantage_estimator: str | None = None
     """`grpo` (group-relative, see scale_rewards), `rloo` (leave-one-out), `reinforce_pp` (whitened
     over the batch), `reinforce_pp_baseline` (group mean removed, then the batch std), `grpo_passk`
@@ -117,8 +117,10 @@ class TrainFields:
     loss_type: str | None = None
     """Per-token policy term: `clip` (PPO/GRPO clipped surrogate), `cispo` (clipped, stop-gradient IS
     weight times log-prob: every token keeps a gradient; epsilon/epsilon_high bound the weight to
-    [1-epsilon, 1+epsilon_high], epsilon=1 for no lower bound) or `sapo` (smooth sigmoid gate,
-    sapo_temperature_pos/neg)."""
+    [1-epsilon, 1+epsilon_high], epsilon=1 for no lower bound), `sapo` (smooth sigmoid gate,
+    sapo_temperature_pos/neg) or `gmpo` (GMPO: the geometric mean of the token ratios, each clipped
+    in log space to [-epsilon, epsilon_high] on the side its advantage pushes, one ratio per
+    completion; epsilon/epsilon_high are log-space bounds there, the paper's 0.4)."""
     sapo_temperature_pos: float = 1.0
     """SAPO gate temperature for tokens with positive advantage (paper: 1.0)."""
     sapo_temperature_neg: float = 1.05
@@ -153,11 +155,16 @@ class TrainFields:
     """How token losses become one number: seq-mean-token-mean | token-mean | seq-mean-token-sum |
     seq-mean-token-sum-norm. Normalised over the whole optimizer batch."""
     epsilon: float | None = None
-    """Lower clip range of the ratio (1 - epsilon)."""
+    """Lower clip range of the ratio (1 - epsilon); with loss_type gmpo, of the log-ratio (-epsilon)."""
     epsilon_high: float | None = None
-    """Upper clip range of the ratio (1 + epsilon_high); DAPO's clip-higher uses 0.28."""
+    """Upper clip range of the ratio (1 + epsilon_high); DAPO's clip-higher uses 0.28. With loss_type
+    gmpo, of the log-ratio (+epsilon_high; the paper's 0.4)."""
     beta: float | None = None
     """Weight of the per-token KL penalty to the reference policy; 0 loads no reference model."""
+    entropy_coef: float = 0.0
+    """Entropy bonus: adds -entropy_coef * H to each token's loss, H the entropy of the policy's
+    next-token distribution (at `temperature`) from the same log-prob pass, aggregated like the
+    policy loss (loss_agg). 0 turns it off and computes nothing extra; 1e-3 is a usual start."""
     kl_estimator: str = "k3"
     """KL estimator for the penalty: k1 | k2 | k3."""
     importance_sampling_level: str | None = None
@@ -178,6 +185,25 @@ class TrainFields:
     """Length of DAPO's soft punishment window; default a quarter of max_completion_length."""
     ref_update_steps: int = 0
     """DeepSeekMath iterative mode: every K steps the reference becomes the current policy (0: never)."""
+    teacher_model: str | None = None
+    """On-policy distillation (docs/algorithms.md, 1.7): a causal LM (folder or hub name) that scores
+    the policy's own completions token by token; each token's advantage gets distill_coef x
+    (log pi_teacher - log pi_student) of the sampled token. Frozen: no gradient, eval mode, not in the
+    optimizer or the checkpoints (a resumed run loads it again from here); held in the compute dtype
+    (bf16 when `bf16` is on) on the device the reference model runs on. It must share the policy's
+    tokenizer (a mismatch is an error naming both)."""
+    distill_coef: float | None = None
+    """lambda, the weight of the teacher's per-token signal: A = distill_reward_coef x A_reward +
+    distill_coef x (log pi_teacher - log pi_student) on every completion token, A_reward the
+    estimator's advantages of the verifier rewards. Preset: 1 in on_policy_distill, 0 elsewhere;
+    above 0 it needs teacher_model."""
+    distill_reward_coef: float | None = None
+    """c_R, the weight of the verifier rewards' advantages in that sum. Preset: 0 in on_policy_distill
+    (the teacher alone; rewards are still scored, logged and read by the eval), 1 elsewhere (a
+    teacher set with distill_coef > 0 is mixed with the rewards)."""
+    distill_signal: str = "reverse_kl"
+    """The teacher's per-token signal (core DISTILL_SIGNALS): `reverse_kl`, log pi_teacher - log
+    pi_student on the sampled token (tinker-cookbook, SkyRL; core/distillation.py says why)."""
 
     # ----------------------------------------------------------- generation
     num_generations: int = 8
@@ -200,6 +226,14 @@ class TrainFields:
     """Completions that hit max_completion_length without EOS get no loss."""
     generation_batch_size: int | None = None
     """Completions decoded together at most; default all of a step's completions at once."""
+    generation_compile: bool | str = "auto"
+    """The built-in engine's decode step compiled with torch.compile (rollout/compiled_decode.py):
+    one fused graph per token instead of ~100 small ops, drawing the same tokens as the eager step.
+    For Llama and Qwen2 models (the built-in engine's fast path; vLLM compiles its own). `auto`:
+    the first two generate calls decode eagerly and are timed; the run then compiles if the decode
+    time its remaining steps would save exceeds what a compile costs (README "Generation" gives
+    the measured figures); `true`: always; `false`: never. Where compiling fails (no C++ compiler,
+    an op Inductor cannot lower) the run warns once, naming the reason, and decodes eagerly."""
 
     # ---------------------------------------------- sampler/trainer mismatch
     vllm_importance_sampling_correction: bool | None = None

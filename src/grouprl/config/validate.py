@@ -15,7 +15,7 @@ import math
 import re
 from typing import TypeVar
 
-from grouprl.core import (ADVANTAGE_ESTIMATORS, IS_MODES, KL_ESTIMATORS, LOSS_AGGREGATIONS, LOSS_TYPES,
+from grouprl.core import (ADVANTAGE_ESTIMATORS, DISTILL_SIGNALS, IS_MODES, KL_ESTIMATORS, LOSS_AGGREGATIONS, LOSS_TYPES,
                           MULTI_OBJECTIVE_AGGREGATIONS, PRESETS, RATIO_LEVELS, Registry)
 from grouprl.core.advantages import SCALES
 from grouprl.core.loss_params import check_loss_settings
@@ -32,7 +32,8 @@ PRESET_FIELDS = {"estimator": "advantage_estimator", "scale": "scale_rewards", "
                  "ratio_level": "importance_sampling_level", "dynamic_sampling": "dynamic_sampling",
                  "overlong_shaping": "overlong_shaping", "loss_type": "loss_type",
                  "multi_objective": "multi_objective_aggregation", "entropy_quantile": "top_entropy_quantile",
-                 "off_policy_threshold": "off_policy_mask_threshold", "value_head": "value_head"}
+                 "off_policy_threshold": "off_policy_mask_threshold", "distill_coef": "distill_coef",
+                 "distill_reward_coef": "distill_reward_coef", "value_head": "value_head"}
 """The field each key of a preset (grouprl.core.PRESETS, core's parameter names) fills."""
 
 
@@ -84,6 +85,8 @@ def validate_config(cfg: C) -> C:
         raise ConfigError(f"max_tokens_per_micro_batch={c.max_tokens_per_micro_batch} must be at least 1 "
                           "(tokens of prompt and completion per pass), or null for micro_batch_size rows")
     n = c.prompts_per_step * c.num_generations
+    if isinstance(c.generation_compile, str) and c.generation_compile != "auto":
+        raise ConfigError(f"generation_compile={c.generation_compile!r} is not one of: auto, true, false")
     if c.generation_batch_size is not None and c.generation_batch_size < 1:
         raise ConfigError("generation_batch_size must be at least 1 (or null for all at once)")
     if c.micro_batch_size > n:  # a pass never holds more than the step: the whole step (the embedded
@@ -122,15 +125,18 @@ def validate_config(cfg: C) -> C:
         raise ConfigError(f"vllm_importance_sampling_min={c.vllm_importance_sampling_min} has no effect "
                           f"with vllm_importance_sampling_mode={c.vllm_importance_sampling_mode}, which "
                           "only truncates from above: use token_mask or sequence_mask, or set it to 0")
-    max_epsilon_ok = c.epsilon < 1 or (c.epsilon == 1 and c.loss_type == "cispo")
+    # 1 - epsilon is a ratio bound, except for gmpo, whose bounds are in log space (e^-epsilon > 0)
+    max_epsilon_ok = c.epsilon < 1 or (c.epsilon == 1 and c.loss_type == "cispo") or c.loss_type == "gmpo"
     if c.epsilon <= 0 or c.epsilon_high <= 0 or not max_epsilon_ok:
         raise ConfigError(f"epsilon={c.epsilon}, epsilon_high={c.epsilon_high}: clip ranges must "
-                          "be positive and epsilon below 1 (at most 1 with loss_type cispo: no lower bound)")
+                          "be positive and epsilon below 1 (at most 1 with loss_type cispo: no lower bound; "
+                          "any size with loss_type gmpo, whose bounds are in log space)")
     try:
         check_loss_settings(
             epsilon=c.epsilon, epsilon_high=c.epsilon_high, beta=c.beta, dual_clip=c.dual_clip, delta=c.delta,
             loss_type=c.loss_type, importance_sampling_level=c.importance_sampling_level,
-            sapo_temperature_pos=c.sapo_temperature_pos, sapo_temperature_neg=c.sapo_temperature_neg)
+            sapo_temperature_pos=c.sapo_temperature_pos, sapo_temperature_neg=c.sapo_temperature_neg,
+            entropy_coef=c.entropy_coef)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     if c.delta is not None and c.delta <= 1 + c.epsilon_high:
@@ -193,6 +199,7 @@ def validate_config(cfg: C) -> C:
     if c.overlong_shaping and not 0 < c.overlong_cache_len <= c.max_completion_length:
         raise ConfigError(f"overlong_cache_len={c.overlong_cache_len} must be in "
                           f"(0, max_completion_length={c.max_completion_length}]")
+    _check_distillation(c)
     _check_vllm(c)
     _check_tools(c)
     return c
@@ -242,6 +249,29 @@ def _check_variants(c: TrainFields) -> None:
     if c.off_policy_mask_threshold is not None and not c.off_policy_mask_threshold >= 0:
         raise ConfigError(f"off_policy_mask_threshold={c.off_policy_mask_threshold} must be >= 0 "
                           "(a mean log-ratio per token; TRL suggests 0.5) or null to switch it off")
+
+
+def _check_distillation(c: TrainFields) -> None:
+    """On-policy distillation: a teacher exactly when its signal has a weight. Whether the teacher
+    shares the policy's tokenizer is checked when it loads (grouprl/distillation.py)."""
+    _check_choice("distill_signal", c.distill_signal, DISTILL_SIGNALS)
+    for name in ("distill_coef", "distill_reward_coef"):
+        if not getattr(c, name) >= 0:
+            raise ConfigError(f"{name}={getattr(c, name)} must be 0 or more (a weight in A = distill_reward_coef * "
+                              "A_reward + distill_coef * (log pi_teacher - log pi_student))")
+    if c.distill_coef > 0 and not c.teacher_model:
+        raise ConfigError(f"distill_coef={c.distill_coef} (algorithm={c.algorithm}) distils from a teacher, and "
+                          "teacher_model is unset: set teacher_model to a model that shares the policy's tokenizer "
+                          "(e.g. a trained run's RUN/checkpoints/step-N/model), or distill_coef: 0")
+    if c.teacher_model and c.distill_coef == 0:
+        raise ConfigError(f"teacher_model={c.teacher_model!r} with distill_coef=0 (algorithm={c.algorithm}): the "
+                          "teacher would load and never count; set distill_coef (e.g. 1.0 to add its per-token "
+                          "signal to the reward advantages), or algorithm: on_policy_distill to learn from the "
+                          "teacher alone, or drop teacher_model")
+    if c.distill_coef == 0 and c.distill_reward_coef != 1:
+        raise ConfigError(f"distill_reward_coef={c.distill_reward_coef} weighs the reward advantages against a "
+                          "teacher's signal, and there is none (distill_coef=0): drop distill_reward_coef, or set "
+                          "teacher_model and distill_coef")
 
 
 def _check_vllm(c: TrainFields) -> None:

@@ -1,6 +1,7 @@
-"""Pure tensor math of the GRPO family (and PPO's GAE and value loss): advantages, KL estimators,
-policy terms and the policy loss, loss aggregation, token masks, log-probs, presets, and the
-sampler/trainer importance-sampling correction. The formulas and their sources: docs/algorithms.md.
+"""Pure tensor math of the GRPO family (and PPO's GAE and value loss): advantages (on-policy
+distillation's too), KL estimators, policy terms and the policy loss, loss aggregation, token masks,
+log-probs, presets, and the sampler/trainer importance-sampling correction. The formulas and their
+sources: docs/algorithms.md.
 
 No model, no config object, no torch.distributed, no I/O; nothing else from grouprl is imported.
 Every variant is a function in a ``Registry`` (registry.py) under the name the config uses.
@@ -21,6 +22,7 @@ from .advantages import (
 )
 from .process_advantages import process_advantages
 from .gae import gae_advantages, outcome_token_rewards, value_loss
+from .distillation import DISTILL_SIGNALS, distill_advantages, distill_stats, reverse_kl_signal
 from .multi_objective import MULTI_OBJECTIVE_AGGREGATIONS, normalize_then_sum, sum_then_normalize
 from .importance import IS_MODES, importance_weights, register_is_mode
 from .kl import KL_ESTIMATORS, kl_estimate
@@ -35,6 +37,7 @@ from .presets import PRESET_KEYS, PRESETS, get_preset
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
+    "DISTILL_SIGNALS",
     "IS_MODES",
     "KL_ESTIMATORS",
     "LOSS_AGGREGATIONS",
@@ -51,6 +54,8 @@ __all__ = [
     "aggregate_loss",
     "batch_normalizer",
     "compute_advantages",
+    "distill_advantages",
+    "distill_stats",
     "gae_advantages",
     "get_preset",
     "group_advantages",
@@ -69,6 +74,7 @@ __all__ = [
     "register_loss_type",
     "register_ratio_level",
     "reinforce_pp_advantages",
+    "reverse_kl_signal",
     "reinforce_pp_baseline_advantages",
     "rloo_advantages",
     "sum_then_normalize",

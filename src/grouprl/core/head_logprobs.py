@@ -19,8 +19,13 @@ prime-rl's chunked log-probs and Liger's fused linear cross-entropy (their code 
 
 ``compute_dtype`` is the matmul precision (the autocast dtype of the caller, bf16 say): h, W and b
 are cast to it for the head matmuls, as autocast would cast the model's own `lm_head`, and the
-softmax runs in fp32 (fp64 inputs stay fp64). The entropy is returned without a gradient (it is a
-metric or a mask in the update). Rows of chunks: ``max_chunk_elements`` logits, V per row.
+softmax runs in fp32 (fp64 inputs stay fp64). The entropy is returned without a gradient (a metric
+or a mask in the update) unless ``entropy_grad`` asks for one (an entropy bonus in the loss): then
+it is saved too, and the backward's one softmax per chunk carries both gradients,
+
+    g_x = ((1[v = y] − p)·g − p·(log p + H)·g_H) / τ
+
+so the entropy costs no extra matmul. Rows of chunks: ``max_chunk_elements`` logits, V per row.
 """
 
 from __future__ import annotations
@@ -48,7 +53,7 @@ def _logits(h: Tensor, w: Tensor, b: Tensor | None, temperature: float) -> Tenso
 class _HeadLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden: Tensor, weight: Tensor, bias: Tensor | None, tokens: Tensor, temperature: float,
-                with_entropy: bool, compute_dtype: torch.dtype | None, rows: int):
+                with_entropy: bool, compute_dtype: torch.dtype | None, rows: int, entropy_grad: bool):
         M = hidden.shape[0]
         w, b = _cast(weight, compute_dtype), _cast(bias, compute_dtype)
         out_dtype = torch.promote_types(w.dtype, torch.float32)
@@ -67,19 +72,22 @@ class _HeadLogprobs(torch.autograd.Function):
                 if entropy is not None:
                     entropy[r:r + rows] = log_s - e.mul_(d).sum(-1) / s  # log s − Σ e·d / s
                 logp[r:r + rows] = x.gather(-1, tokens[r:r + rows, None]).squeeze(-1) - lse[r:r + rows]
-        ctx.save_for_backward(hidden, weight, bias, tokens, lse)
         ctx.temperature, ctx.compute_dtype, ctx.rows = temperature, compute_dtype, rows
+        ctx.entropy_grad = entropy is not None and entropy_grad
+        # the entropy is saved (one number per position) only when it carries a gradient
+        ctx.save_for_backward(hidden, weight, bias, tokens, lse, entropy if ctx.entropy_grad else None)
         if entropy is None:
             return logp, logp.new_empty(0)
-        ctx.mark_non_differentiable(entropy)
+        if not ctx.entropy_grad:
+            ctx.mark_non_differentiable(entropy)
         return logp, entropy
 
     @staticmethod
-    def backward(ctx, grad_logp: Tensor, _grad_entropy: Tensor):
-        hidden, weight, bias, tokens, lse = ctx.saved_tensors
+    def backward(ctx, grad_logp: Tensor, grad_entropy: Tensor):
+        hidden, weight, bias, tokens, lse, entropy = ctx.saved_tensors
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         if not (need_h or need_w or need_b):
-            return (None,) * 8
+            return (None,) * 9
         tau, rows = ctx.temperature, ctx.rows
         w, b = _cast(weight, ctx.compute_dtype), _cast(bias, ctx.compute_dtype)
         grad_h = torch.empty_like(hidden) if need_h else None  # [M, H]
@@ -90,7 +98,13 @@ class _HeadLogprobs(torch.autograd.Function):
                 h = _cast(hidden[r:r + rows], ctx.compute_dtype)  # [m, H]
                 x = _logits(h, w, b, tau)  # [m, V]
                 g = grad_logp[r:r + rows, None].to(x.dtype) / tau  # [m, 1]
-                gx = (x - lse[r:r + rows, None]).exp_().mul_(-g)  # −p·g / τ
+                if ctx.entropy_grad:  # −p·(g + (log p + H)·g_H) / τ: the entropy's gradient from the same p
+                    g_h = grad_entropy[r:r + rows, None].to(x.dtype) / tau  # [m, 1]
+                    logp = x - lse[r:r + rows, None]  # [m, V]
+                    p = logp.exp()
+                    gx = logp.mul_(-g_h).add_(-(g + g_h * entropy[r:r + rows, None])).mul_(p)
+                else:
+                    gx = (x - lse[r:r + rows, None]).exp_().mul_(-g)  # −p·g / τ
                 gx.scatter_add_(-1, tokens[r:r + rows, None], g)  # + 1[v = y]·g / τ: ∂L/∂(W·h + b)
                 gx_c = gx.to(w.dtype)  # [m, V], the matmuls in the compute dtype
                 if need_h:
@@ -100,7 +114,7 @@ class _HeadLogprobs(torch.autograd.Function):
                 if need_b:
                     grad_b += gx.sum(0)
         return (grad_h, None if grad_w is None else grad_w.to(weight.dtype),
-                None if grad_b is None else grad_b.to(bias.dtype), None, None, None, None, None)
+                None if grad_b is None else grad_b.to(bias.dtype), None, None, None, None, None, None)
 
 
 def head_rows_per_chunk(vocab: int, device: torch.device, max_chunk_elements: int | None = None) -> int:
@@ -111,12 +125,14 @@ def head_rows_per_chunk(vocab: int, device: torch.device, max_chunk_elements: in
 
 def head_logprobs(hidden: Tensor, weight: Tensor, tokens: Tensor, *, bias: Tensor | None = None,
                   temperature: float = 1.0, with_entropy: bool = False, compute_dtype: torch.dtype | None = None,
-                  max_chunk_elements: int | None = None) -> tuple[Tensor, Tensor | None]:
+                  max_chunk_elements: int | None = None,
+                  entropy_grad: bool = False) -> tuple[Tensor, Tensor | None]:
     """log softmax((W·h + b) / temperature) at ``tokens``, and the entropy when asked.
 
     hidden  # [M, H];  weight  # [V, H];  bias  # [V] or None;  tokens  # [M] int
     Returns fp32 (fp64 for fp64 inputs) ``logp  # [M]`` (differentiable in hidden, weight, bias)
-    and ``entropy  # [M]`` (no gradient) or None. See the module docstring."""
+    and ``entropy  # [M]`` or None; the entropy is differentiable too with ``entropy_grad`` (an
+    entropy bonus), else a constant. See the module docstring."""
     if not isinstance(hidden, Tensor) or hidden.dim() != 2 or not hidden.is_floating_point():
         raise ValueError(f"hidden must be a float [M, H] tensor, got {getattr(hidden, 'shape', type(hidden))}")
     if not isinstance(weight, Tensor) or weight.dim() != 2 or weight.shape[1] != hidden.shape[1]:
@@ -132,5 +148,5 @@ def head_logprobs(hidden: Tensor, weight: Tensor, tokens: Tensor, *, bias: Tenso
         raise ValueError(f"temperature={temperature} must be > 0 (use the sampling temperature)")
     rows = head_rows_per_chunk(weight.shape[0], hidden.device, max_chunk_elements)
     logp, entropy = _HeadLogprobs.apply(hidden, weight, bias, tokens.long(), float(temperature), with_entropy,
-                                        compute_dtype, rows)
+                                        compute_dtype, rows, bool(entropy_grad))
     return logp, entropy if with_entropy else None

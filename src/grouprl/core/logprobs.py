@@ -18,7 +18,9 @@ e = exp(d) and s = Σ_v e_v:
 
     lse = m + log s                  H_t = Σ_v p_v·(lse − x_v) = log s − Σ_v e_v·d_v / s
 
-both terms of H non-negative (d ≤ 0, s ≥ 1), so nothing cancels. On SmolLM2's 49k vocabulary
+both terms of H non-negative (d ≤ 0, s ≥ 1), so nothing cancels. With ``entropy_grad`` (an entropy
+bonus) the entropy is differentiable too, and the backward sends both gradients through one softmax
+per chunk, (1[v = y] − p)·g − p·(log p + H)·g_H, all over τ. On SmolLM2's 49k vocabulary
 (1024 positions, 2 CPU threads) this took 136 ms against 318 ms for `token_logprobs`' logsumexp
 plus `token_entropy`, and came 4x closer to an fp64 reference.
 
@@ -96,10 +98,11 @@ class _TokenLogprobs(torch.autograd.Function):
 
 
 class _TokenLogprobsEntropy(torch.autograd.Function):
-    """_TokenLogprobs, and each position's entropy from the same pass (not differentiable)."""
+    """_TokenLogprobs, and each position's entropy from the same pass: differentiable with
+    ``entropy_grad`` (then also saved, one number per token), else a constant."""
 
     @staticmethod
-    def forward(ctx, logits: Tensor, tokens: Tensor, temperature: float, max_elements: int):
+    def forward(ctx, logits: Tensor, tokens: Tensor, temperature: float, max_elements: int, entropy_grad: bool):
         n, t, v = logits.shape
         out = logits.new_empty((n, t), dtype=_compute_dtype(logits))  # [N, T]
         lse, entropy = torch.empty_like(out), torch.empty_like(out)  # [N, T] each
@@ -113,14 +116,37 @@ class _TokenLogprobsEntropy(torch.autograd.Function):
             lse[rows, cols] = m.squeeze(-1) + log_s
             entropy[rows, cols] = log_s - e.mul_(d).sum(-1) / s  # log s − Σ e·d / s
             out[rows, cols] = x.gather(-1, tokens[rows, cols, None]).squeeze(-1) - lse[rows, cols]
-        ctx.save_for_backward(logits, tokens, lse)
-        ctx.temperature, ctx.max_elements = temperature, max_elements
-        ctx.mark_non_differentiable(entropy)
+        ctx.temperature, ctx.max_elements, ctx.entropy_grad = temperature, max_elements, entropy_grad
+        if entropy_grad:
+            ctx.save_for_backward(logits, tokens, lse, entropy)
+        else:
+            ctx.save_for_backward(logits, tokens, lse)
+            ctx.mark_non_differentiable(entropy)
         return out, entropy
 
     @staticmethod
-    def backward(ctx, grad_out: Tensor, _grad_entropy: Tensor):
-        return _TokenLogprobs.backward(ctx, grad_out)
+    def backward(ctx, grad_out: Tensor, grad_entropy: Tensor):
+        if not ctx.entropy_grad:
+            return *_TokenLogprobs.backward(ctx, grad_out), None
+        logits, tokens, lse, entropy = ctx.saved_tensors
+        if not ctx.needs_input_grad[0]:
+            return None, None, None, None, None
+        n, t, v = logits.shape
+        tau = ctx.temperature
+        grad = torch.empty_like(logits)  # [N, T, V]
+        for rows, cols in _chunks(n, t, v, ctx.max_elements):
+            x = _scaled(logits[rows, cols], tau)  # [n, t, V]
+            g = grad_out[rows, cols, None].to(x.dtype) / tau  # [n, t, 1]
+            g_h = grad_entropy[rows, cols, None].to(x.dtype) / tau  # [n, t, 1]
+            logp = x - lse[rows, cols, None]  # [n, t, V] log p, a fresh tensor
+            p = logp.exp()
+            # −p·(g + g_h·(log p + H)) = p·(b·log p + a) with per-position a, b: both gradients
+            # from one softmax, in as few passes over [n, t, V] as possible
+            a = -(g + g_h * entropy[rows, cols, None])  # [n, t, 1]
+            d = logp.mul_(-g_h).add_(a).mul_(p)
+            d.scatter_add_(-1, tokens[rows, cols, None], g)  # + 1[v = y]·g
+            grad[rows, cols] = d
+        return grad, None, None, None, None
 
 
 class _TokenEntropy(torch.autograd.Function):
@@ -198,10 +224,13 @@ def token_entropy(logits: Tensor, *, temperature: float = 1.0,
 
 
 def token_logprobs_and_entropy(logits: Tensor, tokens: Tensor, *, temperature: float = 1.0,
-                               max_chunk_elements: int | None = None) -> tuple[Tensor, Tensor]:
-    """`token_logprobs` and `token_entropy` from one pass: fp32 [N, T] each; only the log-probs
-    carry a gradient (the entropy is a metric or a mask here)."""
+                               max_chunk_elements: int | None = None,
+                               entropy_grad: bool = False) -> tuple[Tensor, Tensor]:
+    """`token_logprobs` and `token_entropy` from one pass: fp32 [N, T] each. The entropy carries a
+    gradient only with ``entropy_grad`` (an entropy bonus in the loss; it then costs one saved number
+    per token, and the backward adds both gradients in its one softmax per chunk); otherwise it is
+    a constant (a metric or a mask) and the pass costs what the log-probs alone do in the backward."""
     _check_logits(logits, temperature, max_chunk_elements)
     _check_tokens(logits, tokens)
     budget = _chunk_budget(logits, max_chunk_elements)
-    return _TokenLogprobsEntropy.apply(logits, tokens.long(), float(temperature), budget)
+    return _TokenLogprobsEntropy.apply(logits, tokens.long(), float(temperature), budget, bool(entropy_grad))

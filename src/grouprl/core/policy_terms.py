@@ -30,7 +30,28 @@ aggregates. Every loss type sees padding already zeroed (A = 0 and logp = old th
             advantages). Paper defaults τ_pos = 1.0, τ_neg = 1.05; sequence-mean aggregation
             (1/G Σ_i 1/|o_i| Σ_t, seq-mean-token-mean). TRL and verl compute the same gate.
 
-cispo and sapo act on token ratios only (GSPO's sequence ratio is a clip variant): ``LossParams``
+    "gmpo"  GMPO, Zhao et al. 2025 (arXiv 2507.20673), Geometric-Mean Policy Optimization: the
+            geometric mean of the token ratios, each clipped in log space first, one-sided by the
+            sign of the advantage (PPO's pessimistic bound), as one sequence-level objective
+                J_i = sgn(A_i)·Π_t |min(ρ_t·A_i, clip(ρ_t, e^−ε_low, e^ε_high)·A_i)|^{1/|o_i|}
+                    = A_i·exp((1/|o_i|)·Σ_t δ̃_t),   δ_t = logp_t − old_t,
+                δ̃_t = min(δ_t, ε_high) if A_i ≥ 0 else max(δ_t, −ε_low)
+            (the paper's log-space code, callsys/GMPO; verl's "geo_mean" the same). Written per token
+            in the GSPO-token form (policy_loss.py), with s̃_i = exp((1/|o_i|)·Σ_t δ̃_t):
+                ℓ_{i,t} = −A·sg[s̃_i]·exp(δ̃_t − sg[δ̃_t])      value −A·s̃_i,  ∂ℓ/∂logp_t = −A·s̃_i·1[δ_t unclipped]
+            so seq-mean-token-mean gives exactly the paper's loss −(1/N)·Σ_i A_i·s̃_i and its gradient
+            (1/|o_i| per token); other aggregations weight each completion's term by their own
+            counts. ε_low/ε_high are in LOG space here: the paper's (e^−0.4, e^0.4) is ε = 0.4 (the
+            gmpo preset). flags: ``clip_frac_low`` / ``clip_frac_high`` are GMPO's own (δ < −ε_low
+            with A < 0, δ > ε_high with A > 0), replacing the ratio-space ones. Departures: per-token
+            advantages (process supervision) weight each token's gradient by its own A_{i,t} and pick
+            its own side of the clip (the paper has one A per completion; verl averages A over the
+            completion instead); token weights (sampler IS correction, token masks) multiply each
+            token's term like any policy term's, so a completion's weight is their arithmetic mean
+            (verl's geo_mean weights a completion by their geometric mean); a completion with no
+            real token gives 0 (s̃ = 1, A = 0 there).
+
+cispo, sapo and gmpo act on token ratios only (GSPO's sequence ratio is a clip variant): ``LossParams``
 rejects them with ratio_level="sequence", as it rejects dual_clip and delta, which only "clip" reads.
 """
 
@@ -73,3 +94,19 @@ def sapo_loss(logp: Tensor, ratio: Tensor, adv: Tensor, p: LossParams) -> tuple[
     tau = torch.where(adv > 0, ratio.new_tensor(p.sapo_tau_pos), ratio.new_tensor(p.sapo_tau_neg))  # [N, T]
     gate = torch.sigmoid(tau * (ratio - 1)) * (4 / tau)  # [N, T]
     return -gate * adv, {}
+
+
+@register_loss_type("gmpo", per_sequence=True)
+def gmpo_loss(logp: Tensor, ratio: Tensor, adv: Tensor, p: LossParams, *, mask: Tensor,
+              log_ratio: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+    """GMPO (module docstring): −A·sg[s̃_i]·exp(δ̃_t − sg[δ̃_t]), s̃_i the geometric mean of the clipped ratios."""
+    high = log_ratio.clamp(max=p.eps_high)  # [N, T] A ≥ 0: only increases are bounded
+    low = log_ratio.clamp(min=-p.eps_low)  # [N, T] A < 0: only decreases are bounded
+    clipped = torch.where(adv >= 0, high, low)  # [N, T] δ̃, zero on padding (δ = 0 there)
+    count = mask.sum(-1).clamp(min=1)  # [N] |o_i|
+    seq_ratio = torch.exp(clipped.sum(-1) / count).detach()  # [N] s̃_i
+    per_token = -adv * seq_ratio[:, None] * torch.exp(clipped - clipped.detach())  # [N, T]
+    flags = {"clip_frac_low": (adv < 0) & (log_ratio < -p.eps_low),
+             "clip_frac_high": (adv > 0) & (log_ratio > p.eps_high)}
+    flags["clip_frac"] = flags["clip_frac_low"] | flags["clip_frac_high"]
+    return per_token, flags

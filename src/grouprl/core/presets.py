@@ -2,9 +2,10 @@
 
 Keys are core's own parameter names (``PRESET_KEYS``): estimator and scale (advantages.py), agg,
 eps_low, eps_high, beta, ratio_level and loss_type (loss_params.py's LossParams), multi_objective
-(multi_objective.py), entropy_quantile and off_policy_threshold (token_masks.py), and the trainer's
-dynamic_sampling, overlong_shaping and value_head switches. The config maps them onto its fields
-(config/validate.py, ``PRESET_FIELDS``); every value stays overridable by the user.
+(multi_objective.py), entropy_quantile and off_policy_threshold (token_masks.py), distill_coef and
+distill_reward_coef (distillation.py), and the trainer's dynamic_sampling, overlong_shaping and
+value_head switches. The config maps them onto its fields (config/validate.py, ``PRESET_FIELDS``);
+every value stays overridable by the user.
 
 preset                 advantage             loss   aggregation              ε_low/ε_high  β     extras
 ---------------------  --------------------  -----  -----------------------  ------------  ----  -----------------------
@@ -12,6 +13,7 @@ grpo                   group std             clip   seq-mean-token-mean      0.2
 dr_grpo                none (mean only)      clip   seq-mean-token-sum-norm  0.2 / 0.2     0     —
 dapo                   group std             clip   token-mean               0.2 / 0.28    0     dyn. sampling, overlong
 gspo                   group std             clip   seq-mean-token-mean      3e-4 / 4e-4   0     sequence-level ratio
+gmpo                   group std             gmpo   seq-mean-token-mean      0.4 / 0.4     0     ε in log space
 rloo                   leave-one-out         clip   token-mean               0.2 / 0.2     0     —
 cispo                  group std             cispo  token-mean               1 / 4         0     IS weight in [0, 5]
 sapo                   group std             sapo   seq-mean-token-mean      unused        0     τ 1.0 / 1.05
@@ -22,6 +24,7 @@ opsm                   group std             clip   seq-mean-token-mean      0.2
 reinforce_pp           batch mean / std      clip   token-mean               0.2 / 0.2     0     —
 reinforce_pp_baseline  group mean/batch std  clip   token-mean               0.2 / 0.2     0     —
 grpo_passk             r_max − r_2nd, best   clip   token-mean               0.2 / 0.2     0     —
+on_policy_distill      teacher − student     clip   token-mean               0.2 / 0.2     0     λ 1, rewards' weight 0
 ppo                    GAE, batch-whitened   clip   token-mean               0.2 / 0.2     0     value head
 
 Sources: DeepSeekMath (grpo), arXiv 2503.20783 (dr_grpo), arXiv 2503.14476 (dapo),
@@ -38,10 +41,20 @@ leave-one-out advantage unscaled, as in the paper.
 - gdpo: arXiv 2601.05242, multi_objective="normalize_then_sum" (multi_objective.py);
   otherwise grpo with β = 0 (TRL's default).
 - top_entropy: arXiv 2506.01939, DAPO with entropy_quantile = 0.2 (token_masks.py).
+- gmpo: arXiv 2507.20673 and its code (callsys/GMPO): the clip range (e^−0.4, e^0.4), i.e.
+  ε_low = ε_high = 0.4 in log space (policy_terms.py), group-std advantages, no KL (β = 0), the
+  per-completion mean then the mean over the batch (seq-mean-token-mean). Not preset fields, for
+  orientation: the paper's script trains with lr 1e-6 and G = 8. On-policy (μ = 1) the gradient is
+  GRPO's; the clip acts with num_iterations > 1 or a sampler's own log-probs (vLLM).
 - opsm: DeepSeek-V3.2 (arXiv 2512.02556) off-policy sequence masking on grpo; the paper gives no δ,
   0.5 is TRL's suggestion. It acts only off-policy: num_iterations > 1, or a sampler such as vLLM.
 - reinforce_pp, reinforce_pp_baseline: arXiv 2501.03262; the paper's KL-in-reward is not
   implemented (β adds the KL to the loss instead), so β = 0; token-mean as verl's default.
+- on_policy_distill: Lu & Thinking Machines Lab 2025 (tinker-cookbook), GKD (Agarwal et al. 2024):
+  the advantage of each token is log π_teacher − log π_student on the sampled token (distillation.py),
+  distill_coef λ = 1 and distill_reward_coef 0 (the verifier rewards still scored and logged, not
+  learned from); token-mean, so every sampled token's KL counts alike; β = 0, the teacher is the anchor.
+  It needs teacher_model (config validation says so). Every other preset has λ = 0, reward weight 1.
 - ppo: Schulman et al. 2017 with GAE (Schulman et al. 2016, gae.py): a value head on the policy's
   last hidden state (grouprl/value.py) is the baseline; advantages whitened over the batch's tokens
   and no KL, as verl's PPO defaults (use_kl_in_reward and use_kl_loss off); token-mean as verl.
@@ -55,17 +68,19 @@ from typing import Any
 
 PRESET_KEYS = ("estimator", "scale", "agg", "eps_low", "eps_high", "beta", "ratio_level", "dynamic_sampling",
                "overlong_shaping", "loss_type", "multi_objective", "entropy_quantile", "off_policy_threshold",
-               "value_head")
+               "distill_coef", "distill_reward_coef", "value_head")
 
 
 def _preset(estimator: str, scale: str, agg: str, eps_low: float, eps_high: float, beta: float,
             ratio_level: str = "token", dynamic_sampling: bool = False, overlong_shaping: bool = False,
             loss_type: str = "clip", multi_objective: str = "sum_then_normalize", entropy_quantile: float = 1.0,
-            off_policy_threshold: float | None = None, value_head: bool = False) -> dict[str, Any]:
+            off_policy_threshold: float | None = None, distill_coef: float = 0.0,
+            distill_reward_coef: float = 1.0, value_head: bool = False) -> dict[str, Any]:
     return dict(estimator=estimator, scale=scale, agg=agg, eps_low=eps_low, eps_high=eps_high, beta=beta,
                 ratio_level=ratio_level, dynamic_sampling=dynamic_sampling, overlong_shaping=overlong_shaping,
                 loss_type=loss_type, multi_objective=multi_objective, entropy_quantile=entropy_quantile,
-                off_policy_threshold=off_policy_threshold, value_head=value_head)
+                off_policy_threshold=off_policy_threshold, distill_coef=distill_coef,
+                distill_reward_coef=distill_reward_coef, value_head=value_head)
 
 
 PRESETS: dict[str, dict[str, Any]] = {
@@ -87,6 +102,9 @@ PRESETS: dict[str, dict[str, Any]] = {
     "reinforce_pp": _preset("reinforce_pp", "batch", "token-mean", 0.2, 0.2, 0.0),
     "reinforce_pp_baseline": _preset("reinforce_pp_baseline", "batch", "token-mean", 0.2, 0.2, 0.0),
     "grpo_passk": _preset("grpo_passk", "none", "token-mean", 0.2, 0.2, 0.0),
+    "on_policy_distill": _preset("grpo", "group", "token-mean", 0.2, 0.2, 0.0, distill_coef=1.0,
+                                 distill_reward_coef=0.0),
+    "gmpo": _preset("grpo", "group", "seq-mean-token-mean", 0.4, 0.4, 0.0, loss_type="gmpo"),
     "ppo": _preset("gae", "batch", "token-mean", 0.2, 0.2, 0.0, value_head=True),
 }
 

@@ -17,43 +17,18 @@ What this engine does that `model.generate` does not, and why:
 from __future__ import annotations
 
 import contextlib
+import time
 from dataclasses import dataclass, field
 
 import torch
 from transformers import DynamicCache
 
+from grouprl.rollout.compiled_decode import CompileChoice, StaticDecodeLoop
 from grouprl.rollout.llama_decoder import FastDecoder
+from grouprl.rollout.sampling import draw_seed, sample_next, uniform_table
 from grouprl.rollout.types import GenerationEngine, Rollout, SamplingParams, left_pad_prompts
 
-
-def sample_next(logits: torch.Tensor, params: SamplingParams,
-                generator: torch.Generator | None) -> torch.Tensor:
-    """One token per row from logits [n, V] with temperature, top-k and top-p; greedy if asked."""
-    if params.greedy:
-        return logits.argmax(-1)
-    logits = logits.float() / params.temperature  # [n, V]
-    if params.top_k and params.top_k < logits.shape[-1]:
-        kth = torch.topk(logits, params.top_k, dim=-1).values[:, -1:]  # [n, 1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if params.top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)  # [n, V]
-        cum = sorted_logits.softmax(-1).cumsum(-1)
-        drop_sorted = cum - sorted_logits.softmax(-1) >= params.top_p  # keep the token that crosses top_p
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        logits = logits.masked_fill(drop, float("-inf"))
-    return _inverse_cdf(logits.softmax(-1), generator)  # [n]
-
-
-def _inverse_cdf(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    """One draw per row of probs [n, V]: the first token whose cumulative probability exceeds a
-    uniform u in [0, total). Exactly the categorical distribution (a token of probability 0 is never
-    drawn), with one random number per row: `torch.multinomial` draws V exponentials per row, which
-    on SmolLM2's 49k vocabulary was a quarter of the decode time on CPU. The running sum is fp64, so
-    even a token of probability 1e-12 keeps its share."""
-    cdf = probs.double().cumsum(-1)  # [n, V]
-    where = generator.device if generator is not None else probs.device  # a CPU generator serves a GPU too
-    u = torch.rand(len(probs), 1, dtype=torch.float64, generator=generator, device=where).to(probs.device)  # [n, 1]
-    return torch.searchsorted(cdf, u * cdf[:, -1:], right=True).clamp_(max=probs.shape[-1] - 1).squeeze(-1)  # [n]
+__all__ = ["HFEngine", "sample_next"]
 
 
 @dataclass
@@ -67,8 +42,15 @@ class HFEngine(GenerationEngine):
     autocast_dtype: torch.dtype | None = None  # compute dtype of generation (None: the weights' dtype)
     fast: bool = True  # use FastDecoder for the models it supports (Llama, Qwen2)
     decode_threads: int | None = None  # torch threads while decoding; None: 1 for small models on CPU
+    compile: bool | str = False  # FastDecoder models: the compiled decode step, True, False or "auto"
+    planned_calls: int | None = None  # compile="auto": the generate calls the run will make
+    check_every: int = 8  # compiled step: the host reads the finished flags every this many tokens
     decodes_with_policy = True  # the engine runs the training model itself (class attribute)
     _kept: dict | None = field(default=None, init=False, repr=False)  # token tuple -> (k, v), see keep_conversations
+    _choice: CompileChoice = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._choice = CompileChoice(self.compile, self.planned_calls)
 
     @contextlib.contextmanager
     def keep_conversations(self):
@@ -121,42 +103,40 @@ class HFEngine(GenerationEngine):
         ids, mask = left_pad_prompts(prompt_ids, self.pad_token_id)  # [B, P]
         ids, mask = ids.to(device), mask.to(device)
         eos = torch.tensor(self.eos_token_ids, device=device)
+        seed = draw_seed(generator)  # this call's counter-based uniforms (rollout/sampling.py)
         with torch.no_grad(), _num_threads(self._decode_threads(device)):
             decoder = self._decoder(device)
             keeps = kept is not None and isinstance(decoder, FastDecoder) and not params.ignore_eos
             prefix = _prefixes(kept, prompt_ids) if keeps and G == 1 else None
+            fast = isinstance(decoder, FastDecoder)
+            static = fast and not keeps and self._choice.use()
             if prefix is not None and any(x is not None for x in prefix):
                 logits = decoder.start_from(ids, mask, T, prefix)  # [N, V]
             else:
-                logits = decoder.start(ids, mask, G, T)  # [N, V]
+                logits = decoder.start(ids, mask, G, T, zeroed=True) if static else decoder.start(ids, mask, G, T)
             N = logits.shape[0]
-            completion = torch.full((N, T), self.pad_token_id, dtype=torch.long, device=device)
-            lengths = torch.full((N,), T, dtype=torch.long, device=device)
-            truncated = torch.ones(N, dtype=torch.bool, device=device)
-            active = torch.arange(N, device=device)  # rows still decoding
-            for t in range(T):
-                tok = sample_next(logits, params, generator)  # [n]
-                completion[active, t] = tok
-                if t == T - 1:
-                    break
-                if not params.ignore_eos:
-                    done = torch.isin(tok, eos)  # [n]
-                    if done.any() and keeps:  # a conversation may go on from these rows' caches
-                        self._keep_rows(decoder, prompt_ids, G, completion, active, done.nonzero().squeeze(-1), t)
-                    if done.any():
-                        lengths[active[done]] = t + 1
-                        truncated[active[done]] = False
-                        keep = (~done).nonzero().squeeze(-1)  # [n']
-                        if keep.numel() == 0:
-                            break
-                        active, tok = active[keep], tok[keep]
-                        decoder.keep(keep)  # finished rows leave the batch
-                logits = decoder.step(tok)  # [n, V]
+            uniforms = uniform_table(seed, N, T, device)  # [N, T] float64
+            out = None
+            if static:
+                out = StaticDecodeLoop(device, self.check_every).run(
+                    decoder, logits, params, uniforms, eos, self.pad_token_id,
+                    lambda first: sample_next(first, params, u=uniforms[:, 0]))
+            if out is None:
+                if static:  # compiling failed: the eager loop over the same (static) cache
+                    decoder.n, decoder.t = N, 0
+                started = time.perf_counter()
+                completion, lengths = self._decode_eager(decoder, logits, params, uniforms, eos, prompt_ids, G, keeps)
+                if fast and self._choice.probing():
+                    self._choice.record(time.perf_counter() - started, int(lengths.max()) - 1, len(decoder.layers))
+            else:
+                completion, lengths = out
             del decoder
-        if params.ignore_eos:
-            truncated[:] = False  # every completion is exactly T tokens by request
+        real = torch.arange(T, device=device)[None, :] < lengths[:, None]  # [N, T]
+        truncated = ~(torch.isin(completion, eos) & real).any(-1)  # no EOS: a completion ending with one at
+        if params.ignore_eos:                                       # the last allowed token is not truncated
+            truncated = torch.zeros_like(truncated)  # every completion is exactly T tokens by request
         model.train(was_training)
-        cmask = torch.arange(T, device=device)[None, :] < lengths[:, None]  # [N, T]
+        cmask = real
         completion = completion.masked_fill(~cmask, self.pad_token_id)
         return Rollout(
             prompt_ids=ids.repeat_interleave(G, dim=0).cpu(),
@@ -165,6 +145,34 @@ class HFEngine(GenerationEngine):
             completion_mask=cmask.cpu(),
             truncated=truncated.cpu(),
         )
+
+    def _decode_eager(self, decoder, logits: torch.Tensor, params: SamplingParams, uniforms: torch.Tensor,
+                      eos: torch.Tensor, prompt_ids: list[list[int]], G: int,
+                      keeps: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """The decode loop, one eager step per token: rows that sample EOS leave the batch at once.
+        Returns (completion [N, T], lengths [N])."""
+        N, T, device = logits.shape[0], params.max_new_tokens, logits.device
+        completion = torch.full((N, T), self.pad_token_id, dtype=torch.long, device=device)
+        lengths = torch.full((N,), T, dtype=torch.long, device=device)
+        active = torch.arange(N, device=device)  # rows still decoding
+        for t in range(T):
+            tok = sample_next(logits, params, u=uniforms[active, t])  # [n]
+            completion[active, t] = tok
+            if t == T - 1:
+                break
+            if not params.ignore_eos:
+                done = torch.isin(tok, eos)  # [n]
+                if done.any() and keeps:  # a conversation may go on from these rows' caches
+                    self._keep_rows(decoder, prompt_ids, G, completion, active, done.nonzero().squeeze(-1), t)
+                if done.any():
+                    lengths[active[done]] = t + 1
+                    keep = (~done).nonzero().squeeze(-1)  # [n']
+                    if keep.numel() == 0:
+                        break
+                    active, tok = active[keep], tok[keep]
+                    decoder.keep(keep)  # finished rows leave the batch
+            logits = decoder.step(tok)  # [n, V]
+        return completion, lengths
 
     def _keep_rows(self, decoder: FastDecoder, prompt_ids: list[list[int]], G: int, completion: torch.Tensor,
                    active: torch.Tensor, rows: torch.Tensor, t: int) -> None:

@@ -27,7 +27,9 @@ def make_engine(cfg: TrainConfig, model: torch.nn.Module, tokenizer, dist: D.Dis
     """The one place that picks the generation engine; the loop only sees GenerationEngine."""
     eos, pad = eos_ids(model, tokenizer), tokenizer.pad_token_id
     if not cfg.use_vllm:
-        return HFEngine(model, eos, pad, max_batch_size=cfg.generation_batch_size, autocast_dtype=autocast)
+        compile_setting = "auto" if cfg.generation_compile == "auto" else bool(cfg.generation_compile)
+        return HFEngine(model, eos, pad, max_batch_size=cfg.generation_batch_size, autocast_dtype=autocast,
+                        compile=compile_setting, planned_calls=cfg.max_steps)
     if cfg.vllm_mode == "server":
         from grouprl.rollout.vllm_server import VLLMServerEngine
 

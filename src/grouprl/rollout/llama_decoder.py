@@ -22,6 +22,14 @@ only address space in a first call (pages never written are not resident), but a
 and in a continuation, whose cache is zeroed: 16 second turns that stopped within 31 tokens peaked
 at +3.1 GB RSS before, +0.25 GB now (benchmarks/generation_memory.py --stop-early --second-turn).
 
+What is compiled (`generation_compile`, rollout/compiled_decode.py): the decode step, `step`'s math
+for one token per row, including the draw of the next token and the EOS check, as one graph over the
+cache passed whole (`start(..., zeroed=True)`: columns not yet written are read, masked, so they must
+hold numbers). What is not: `start` and `start_from` (the prefill: a few large ops per call, which
+a launch costs little against), `keep` and the cache's growth (moves between shapes, rare),
+`snapshot` (the multi-turn driver's kept rows, which need each row's cache at its own EOS step: a
+call inside `keep_conversations` decodes eagerly), and the generic `transformers` path.
+
 `FastDecoder.supports(model)` says whether a model fits (Llama/Qwen2 weights, SiLU MLP, no sliding
 window); the engine falls back to the generic `transformers` path otherwise. A PEFT model with LoRA
 adapters (no adapter dropout) decodes from merged weights W + s·BA, built per call as the cast or
@@ -30,6 +38,9 @@ generic path took 3.5x as long.
 """
 
 from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -52,6 +63,40 @@ def _pack(w: torch.Tensor) -> torch.Tensor:
 
 def _packed_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
+
+
+# The compiled step (compiled_decode.py) cannot take a oneDNN-packed weight as a graph input (an
+# opaque mkldnn tensor, which Inductor does not lower), and without packing SmolLM2's fp32 decode
+# matmuls took 3x as long. So in the graph a packed weight is a `PackedSlot` (its index in a table
+# the running decoder fills for its thread, and its output size), and the matmul is this custom op,
+# which the graph calls as an opaque kernel: the indices are the same in every call, so a new
+# policy's weights are a new table, not a new graph.
+_PACKED = threading.local()
+
+
+@torch.library.custom_op("grouprl::packed_linear", mutates_args=())
+def packed_linear_op(x: torch.Tensor, bias: torch.Tensor | None, slot: int, out_features: int) -> torch.Tensor:
+    """x @ W[slot].T + bias with the packed weight W[slot] of this thread's running decoder."""
+    return _packed_linear(x, _PACKED.weights[slot], bias)
+
+
+@packed_linear_op.register_fake
+def _packed_linear_shape(x, bias, slot, out_features):
+    return x.new_empty(*x.shape[:-1], out_features)
+
+
+@dataclass(frozen=True)
+class PackedSlot:
+    """A packed weight as the compiled step sees it: its row in the thread's table, its output size."""
+
+    slot: int
+    out_features: int
+
+
+def _slot_linear(x: torch.Tensor, w, b: torch.Tensor | None = None) -> torch.Tensor:
+    if isinstance(w, PackedSlot):
+        return packed_linear_op(x, b, w.slot, w.out_features)
+    return F.linear(x, w, b)
 
 
 def _native_bf16() -> bool:
@@ -122,11 +167,11 @@ class FastDecoder:
         self.Hkv = getattr(cfg, "num_key_value_heads", None) or self.H
         self.D = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.H
         self.rotary = base.rotary_emb
-        self.embed = base.embed_tokens.weight
-        self.norm = (base.norm.weight, base.norm.variance_epsilon)
-        self.lm_head = merged_weight(model.lm_head)
+        self.embed = base.embed_tokens.weight.detach()  # detached: plain tensors whether or not training needs grad
+        self.norm = (base.norm.weight.detach(), base.norm.variance_epsilon)
+        self.lm_head = merged_weight(model.lm_head).detach()
         self.layers = []
-        cast = (lambda t: t.to(self.dtype)) if self.dtype != self.embed.dtype else (lambda t: t)
+        cast = (lambda t: t.detach().to(self.dtype)) if self.dtype != self.embed.dtype else (lambda t: t.detach())
 
         def cast_bias(layer: torch.nn.Module) -> torch.Tensor | None:
             bias = getattr(layer, "base_layer", layer).bias
@@ -151,14 +196,34 @@ class FastDecoder:
                 qkv = [(torch.cat([w for w, _ in qkv]), bias)]
                 gu = [torch.cat(gu)]
             self.layers.append((
-                layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon,
+                layer.input_layernorm.weight.detach(), layer.input_layernorm.variance_epsilon,
                 [(mat(w), b) for w, b in qkv],
                 mat(merged_weight(a.o_proj)), cast_bias(a.o_proj),
-                layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon,
+                layer.post_attention_layernorm.weight.detach(), layer.post_attention_layernorm.variance_epsilon,
                 [mat(w) for w in gu], mat(merged_weight(m.down_proj)),
             ))
         self.lm_head = mat(self.lm_head)
         self.scale = getattr(layer.self_attn, "scaling", self.D ** -0.5)
+
+    def use_slots(self) -> None:
+        """For the compiled step: packed weights become PackedSlots over a table of this decoder
+        (installed for the calling thread by `activate_slots`); unpacked ones stay tensors."""
+        if self.linear is not _packed_linear:
+            return
+        table: list[torch.Tensor] = []
+
+        def slot(w: torch.Tensor) -> PackedSlot:
+            table.append(w)
+            return PackedSlot(len(table) - 1, w.shape[0])
+
+        self.layers = [(w_in, e1, [(slot(w), b) for w, b in qkv], slot(w_o), b_o, w_post, e2, [slot(w) for w in gu],
+                        slot(w_down)) for w_in, e1, qkv, w_o, b_o, w_post, e2, gu, w_down in self.layers]
+        self.lm_head = slot(self.lm_head)
+        self.linear, self._table = _slot_linear, table
+
+    def activate_slots(self) -> None:
+        """Install this decoder's packed weights as the calling thread's table (see use_slots)."""
+        _PACKED.weights = getattr(self, "_table", None)
 
     # ------------------------------------------------------------------ pieces
     @staticmethod
@@ -228,17 +293,20 @@ class FastDecoder:
         valid[:, :c] = self.valid[rows, :c]
         self.valid, self.cap = valid, cap
 
-    def start(self, ids: torch.Tensor, mask: torch.Tensor, G: int, max_new_tokens: int) -> torch.Tensor:
+    def start(self, ids: torch.Tensor, mask: torch.Tensor, G: int, max_new_tokens: int,
+              zeroed: bool = False) -> torch.Tensor:
         """Prefill B left-padded prompts ids/mask [B, P] once, repeat each prompt's cache G times,
-        and return the next-token logits [B*G, V] (fp32)."""
+        and return the next-token logits [B*G, V] (fp32). For compiled_decode.StaticDecodeLoop, which
+        reads columns it has not written (masked): `zeroed` fills the cache with zeros."""
         B, P = ids.shape
         device = ids.device
         pos = self._positions(mask, max_new_tokens)  # [B, P]
-        N = B * G
-        self.k = [torch.empty(N, self.Hkv, self.cap, self.D, dtype=self.adtype, device=device) for _ in self.layers]
-        self.v = [torch.empty_like(t) for t in self.k]
-        self.valid = torch.zeros(N, self.cap, dtype=torch.bool, device=device)  # key columns a row may attend
-        self.valid[:, :P] = mask.bool().repeat_interleave(G, dim=0)
+        N = rows = B * G
+        alloc = torch.zeros if zeroed else torch.empty
+        self.k = [alloc(rows, self.Hkv, self.cap, self.D, dtype=self.adtype, device=device) for _ in self.layers]
+        self.v = [alloc(rows, self.Hkv, self.cap, self.D, dtype=self.adtype, device=device) for _ in self.layers]
+        self.valid = torch.zeros(rows, self.cap, dtype=torch.bool, device=device)  # key columns a row may attend
+        self.valid[:N, :P] = mask.bool().repeat_interleave(G, dim=0)
         self.next_pos = pos[:, -1].repeat_interleave(G) + 1  # [N]
         self.n, self.t = N, 0
 
@@ -251,8 +319,8 @@ class FastDecoder:
 
         def write(l, k, v):
             kv[l] = (k, v)
-            self.k[l][:, :, :P] = k.repeat_interleave(G, dim=0)
-            self.v[l][:, :, :P] = v.repeat_interleave(G, dim=0)
+            self.k[l][:N, :, :P] = k.repeat_interleave(G, dim=0)
+            self.v[l][:N, :, :P] = v.repeat_interleave(G, dim=0)
 
         def attend(l, q):
             k, v = kv.pop(l)

@@ -1,0 +1,149 @@
+"""Milliseconds per decode token of the built-in engine, eager against the compiled step
+(`generation_compile`, rollout/compiled_decode.py), with the compile time reported apart.
+
+    python benchmarks/decode.py                                   # every model, rows and prompt length
+    python benchmarks/decode.py --models tiny 50m --rows 16 --prompt 16
+    python benchmarks/decode.py --models smollm2 --smollm2 models/smollm2 --dtypes fp32 bf16
+    python benchmarks/decode.py --device cuda --models smollm2-135m-shape smollm2-1.7b-shape --rows 16
+
+Models: the random-init `tiny`, `10m` and `50m` Qwen2 workloads (grouprl.tasks.testing), the real
+SmolLM2-135M-Instruct (`smollm2`, the folder scripts/fetch_smollm2.py writes), and random-init
+Llamas of SmolLM2's 135M and 1.7B shapes (`smollm2-*-shape`, benchmarks/vs_trl.py's SHAPES). bf16
+runs only where the device multiplies it natively.
+
+A cell is one model, dtype, row count R and prompt length P: R rows (R/8 prompts x 8 completions,
+or 1 x R below 8) of P random prompt tokens decode `--tokens` new tokens with ignore_eos. The
+decode time of a call is its whole time less that of the same call with one new token (prefill
+and the first draw), over tokens - 1 steps. Each cell alternates eager and compiled calls for
+`--reps` rounds after one warm-up call each (the compiled side's warm-up compiles: the first cell
+of a model reports the compile time; later cells reuse the graph) and reports medians; the
+engine's own thread policy applies (one thread for models up to 5 M parameters on CPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+
+def build(name: str, smollm2: str, device: str):
+    from grouprl.tasks.testing import TINY_SIZES, build_tiny_model
+
+    if name in TINY_SIZES:
+        model, tok = build_tiny_model(name, seed=0)
+        return model.to(device).eval(), tok.pad_token_id, tok.eos_token_id, len(tok)
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
+
+    tok = AutoTokenizer.from_pretrained(smollm2)
+    if name == "smollm2":
+        model = AutoModelForCausalLM.from_pretrained(smollm2, torch_dtype=torch.float32)
+    else:
+        from vs_trl import SHAPES
+
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(LlamaConfig(**SHAPES[name]), torch_dtype=torch.float32)
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    return model.to(device).eval(), pad, tok.eos_token_id, model.config.vocab_size
+
+
+def native_bf16(device: str) -> bool:
+    from grouprl.precision import native_bf16 as native
+
+    return native(torch.device(device))[0]
+
+
+def cell(model, pad, eos, vocab, rows: int, prompt: int, tokens: int, reps: int, dtype, device: str,
+         threads: int | None = None) -> dict:
+    from grouprl.rollout import HFEngine, SamplingParams
+    from grouprl.rollout import compiled_decode as cd
+
+    G = min(8, rows)
+    gen = torch.Generator().manual_seed(0)
+    prompts = torch.randint(4, vocab, (rows // G, prompt), generator=gen).tolist()
+    engines = {c: HFEngine(model, (eos,), pad, autocast_dtype=dtype, compile=c, decode_threads=threads)
+               for c in (False, True)}
+
+    def timed(compile: bool, n: int) -> float:
+        if device == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        engines[compile].generate(prompts, G, SamplingParams(n, ignore_eos=True), torch.Generator().manual_seed(1))
+        if device == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+    before = cd.compile_seconds(torch.device(device).type)
+    warm = {c: timed(c, tokens) for c in (False, True)}
+    after = cd.compile_seconds(torch.device(device).type)
+    per_token = {False: [], True: []}
+    for _ in range(reps):
+        for c in (False, True):
+            full, one = timed(c, tokens), timed(c, 1)
+            per_token[c].append((full - one) / (tokens - 1) * 1e3)
+    eager, compiled = statistics.median(per_token[False]), statistics.median(per_token[True])
+    return {"rows": rows, "prompt": prompt, "eager_ms": round(eager, 3), "compiled_ms": round(compiled, 3),
+            "speedup": round(eager / compiled, 2),
+            "compile_s": round(after, 1) if before is None and after is not None else None,
+            "first_call_s": {"eager": round(warm[False], 2), "compiled": round(warm[True], 2)},
+            "eager_runs": [round(x, 3) for x in per_token[False]],
+            "compiled_runs": [round(x, 3) for x in per_token[True]]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--models", nargs="+", default=["tiny", "10m", "50m", "smollm2"])
+    ap.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"])
+    ap.add_argument("--rows", nargs="+", type=int, default=[1, 8, 16, 64])
+    ap.add_argument("--prompt", nargs="+", type=int, default=[16, 512])
+    ap.add_argument("--tokens", type=int, default=64, help="new tokens per call (default 64)")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--smollm2", default="models/smollm2")
+    ap.add_argument("--json", default=None, help="write the results here as well")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch threads while decoding (default: the engine's policy)")
+    args = ap.parse_args()
+    results = []
+    for name in args.models:
+        model, pad, eos, vocab = build(name, args.smollm2, args.device)
+        layers = model.config.num_hidden_layers
+        params = sum(p.numel() for p in model.parameters())
+        for dt in args.dtypes:
+            if dt == "bf16" and (name in ("tiny", "10m") or not native_bf16(args.device)):
+                continue  # tiny models: bf16 changes nothing that matters; elsewhere: emulated bf16
+            dtype = torch.bfloat16 if dt == "bf16" else None
+            from grouprl.rollout import compiled_decode as cd
+
+            cd._COMPILE_SECONDS.clear()  # report this model's first compile
+            for prompt in args.prompt:
+                for rows in args.rows:
+                    r = cell(model, pad, eos, vocab, rows, prompt, args.tokens, args.reps, dtype, args.device,
+                             args.threads)
+                    r.update(model=name, dtype=dt, layers=layers, params=params, device=args.device,
+                             threads=args.threads or "engine")
+                    results.append(r)
+                    print(json.dumps(r), flush=True)
+        del model
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1) + "\n")
+    print("\n| model | dtype | rows | prompt | eager ms/token | compiled ms/token | speed-up | compile s |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in results:
+        print(f"| {r['model']} | {r['dtype']} | {r['rows']} | {r['prompt']} | {r['eager_ms']} | {r['compiled_ms']} | "
+              f"{r['speedup']}x | {r['compile_s'] if r['compile_s'] is not None else ''} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,331 @@
+"""The decode loop of `FastDecoder` with one compiled step (`generation_compile`).
+
+A decode step of a small model is ~100 small ops; eagerly each one pays Python dispatch and a
+kernel launch, which cost more than its arithmetic (the tiny workload's step took ~2 ms on CPU, its
+matmuls ~0.4 ms of it). Here the whole step -- embedding, every layer, the logits, the draw of the
+next token, the end-of-sequence check and the write into the completion buffer -- is one function
+of tensors, compiled once by `torch.compile` (Inductor: fused C++/OpenMP loops around oneDNN/MKL
+matmuls on CPU, Triton kernels on CUDA).
+
+Shapes: one graph serves every call of a model and sampling setting. The slot count S (rows in the
+batch), the attended width W, the completion length and the batch of the call are symbolic sizes
+(`torch._dynamo.mark_dynamic`); a size of 1 is specialised by torch, so a call that decodes its last
+row alone may compile one more graph, once per process.
+- The rows: rows that finish keep their slot (they draw, but write padding to a dump row and are
+  never counted) until the live rows fit in half the slots; then the live ones move into a batch of
+  exactly their number (`_compact`), as the eager loop's cache does.
+- The KV cache: [S, Hkv, C, D] per layer, zero-filled, passed whole (its strides never change, so
+  no graph is specialised on a slice), written by `index_copy_` at the step's column, a tensor
+  (`cursor`), so a new column is not a new graph. The step attends the first W columns, W the next
+  multiple of WIDTH_STEP past its column, always fewer than C: a step reads about as much of the
+  cache as the eager step (which reads exactly the columns fed) -- on this CPU the reads of the
+  cache are what a small model's step waits on, so attending all C would cost more than it saves.
+  Columns not yet written are masked by `valid`. When W would reach C, the cache widens by
+  doubling its new-token columns (`_grow`), keeping WIDTH_STEP spare ones.
+- The weights are inputs of the graph, not constants: a new policy is not a new graph.
+
+The host looks at the rows' finished flags only every `check_every` steps (on a GPU that read is a
+device sync; here, where it is cheap, it decides only when rows move); a row that finished in
+between draws tokens that are replaced by padding. The draw uses the counter-based uniforms of
+rollout/sampling.py, indexed by the row's number in the call and the step, so the compiled loop
+draws exactly the tokens the eager loop draws from the same logits: equal tokens wherever
+Inductor's reordered float sums leave the logits close enough not to move a draw across a token
+boundary (tests/rollout/test_compiled_decode.py).
+
+What stays eager: the prefill (`start`, one call of large ops per generate), the first token's draw,
+the moves between shapes, and calls inside `keep_conversations` (the multi-turn driver keeps each
+finished row's cache as of its own EOS step, which needs the eager loop's immediate removal).
+
+On CUDA the same graph runs as Triton kernels without CUDA graphs (mode=None): a CUDA graph per
+shape would need every mutated input and weight at a fixed address across calls, which a decoder
+rebuilt per call does not give. Not measured: no GPU was at hand when this was written.
+
+Where compiling fails (no C++ compiler, an op Inductor does not lower), the first step's error is
+caught: one warning names it, and this and later calls decode eagerly.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import warnings
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from grouprl.rollout.sampling import inverse_cdf, filtered_probs
+from grouprl.rollout.types import SamplingParams
+
+log = logging.getLogger(__name__)
+
+WIDTH_STEP = 32  # the step attends the cache's first W columns, W the next multiple of this past the column
+
+
+@dataclass(frozen=True)
+class StepSpec:
+    """The constants a compiled step is specialised on (a change is a new graph)."""
+
+    greedy: bool
+    temperature: float
+    top_k: int
+    top_p: float
+    pad_token_id: int
+    stop_on_eos: bool
+    return_logits: bool = False  # also return the step's logits (tests compare them with the eager step's)
+
+
+def decode_step(dec, spec: StepSpec, tok: torch.Tensor, pos: torch.Tensor, cursor: torch.Tensor,
+                rowmap: torch.Tensor, finished: torch.Tensor, width: torch.Tensor, valid: torch.Tensor,
+                kc: list[torch.Tensor], vc: list[torch.Tensor], uniforms: torch.Tensor, completion: torch.Tensor,
+                eos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Feed tok [S] (one per slot) at positions pos [S] into cache column cursor[1], draw each slot's
+    next token with uniforms[rowmap, cursor[0]], write it to completion[rowmap, cursor[0]], advance
+    pos and cursor; returns (next tokens [S], finished [S], the logits [S, V] fp32 if
+    spec.return_logits else None). Mutates valid, kc, vc, completion, pos and cursor in place.
+    Attention reads the first W = len(width) columns of the cache (W > the column written): the
+    caches are passed whole, so their strides never change, and W is a size, not a value."""
+    S, W = tok.shape[0], width.shape[0]
+    t, col = cursor[0:1].expand(S), cursor[1:2]  # [S], [1]
+    valid.index_fill_(1, col, True)
+    cos, sin = dec.cos[pos][:, None, None], dec.sin[pos][:, None, None]  # [S, 1, 1, D]
+    key_mask = valid[:, None, None, :W]  # [S, 1, 1, W]: broadcast over key heads and their queries
+
+    def write(l, k, v):
+        kc[l].index_copy_(2, col, k)
+        vc[l].index_copy_(2, col, v)
+
+    def attend(l, q):  # q [S, H, 1, D]: one query per row, written out (Inductor fuses it; SDPA's
+        # CPU kernel took ~0.5 ms a call here against the matmuls' ~0.15 ms)
+        q = q.view(S, dec.Hkv, dec.H // dec.Hkv, dec.D)  # [S, Hkv, r, D]: the heads sharing one key head
+        scores = torch.matmul(q, kc[l][:, :, :W].transpose(-1, -2)) * dec.scale  # [S, Hkv, r, W]
+        scores = scores.float().masked_fill(~key_mask, float("-inf"))
+        out = torch.matmul(scores.softmax(-1).to(vc[l].dtype), vc[l][:, :, :W])  # [S, Hkv, r, D]
+        return out.view(S, dec.H, 1, dec.D)
+
+    x = dec._layers(F.embedding(tok[:, None], dec.embed), cos, sin, write, attend)  # [S, 1, d]
+    logits = dec._logits(x[:, 0]).float()  # [S, V]
+    if spec.greedy:
+        nxt = logits.argmax(-1)
+    else:
+        params = SamplingParams(1, temperature=spec.temperature, top_p=spec.top_p, top_k=spec.top_k)
+        nxt = inverse_cdf(filtered_probs(logits, params), uniforms[rowmap, t])  # [S]
+    if spec.stop_on_eos:
+        nxt = torch.where(finished, spec.pad_token_id, nxt)
+        finished = finished | torch.isin(nxt, eos)
+    completion.index_put_((rowmap, t), nxt)
+    pos.add_(1)
+    cursor.add_(1)
+    return nxt, finished, (logits if spec.return_logits else None)
+
+
+def _dynamic(x: torch.Tensor, *dims: int) -> None:
+    """Compile `x`'s `dims` as symbolic sizes: one graph serves every slot count, attended width,
+    completion length and batch (a size of 1 is still specialised: at most one more graph)."""
+    for d in dims:
+        if x.shape[d] > 1:
+            torch._dynamo.mark_dynamic(x, d)
+
+
+_COMPILED: dict[str, object] = {}  # device type -> the compiled decode_step (one per process)
+_FAILED: dict[str, str] = {}  # device type -> why compiling failed (warned once)
+_COMPILE_SECONDS: dict[str, float] = {}  # device type -> the first compile's duration
+
+
+def compiled_step(device: torch.device):
+    """The compiled `decode_step` for `device`'s type, or None when compiling failed before."""
+    kind = device.type
+    if kind in _FAILED:
+        return None
+    if kind not in _COMPILED:
+        _COMPILED[kind] = torch.compile(decode_step, fullgraph=True, dynamic=None)
+    return _COMPILED[kind]
+
+
+def _compile_failed(device: torch.device, err: BaseException) -> None:
+    reason = f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}"
+    _FAILED[device.type] = reason
+    warnings.warn(f"generation_compile: compiling the decode step failed on {device.type} ({reason}); "
+                  "decoding eagerly for the rest of this run. Set generation_compile: false to skip the try.",
+                  RuntimeWarning, stacklevel=3)
+
+
+# generation_compile: auto. On a 2-core CPU (benchmarks/decode.py, benchmarks/README.md "Decode
+# step") a first compile took 17 s for the tiny model (2 layers), 23-37 s for 50m (10 layers) and
+# 112 s for SmolLM2-135M (30 layers); the compiled step saved 0.2-0.25 ms per layer and step on the
+# tiny model (dispatch it no longer pays) and nothing measurable on 50m, whose step is bound by
+# reading its weights. So auto prices a compile at COMPILE_BASE_S + COMPILE_PER_LAYER_S x layers
+# and a step's saving at SAVED_PER_LAYER_STEP_S x layers, at most MAX_SAVED_FRACTION of the eager
+# step's time.
+COMPILE_BASE_S = 15.0
+COMPILE_PER_LAYER_S = 4.0
+SAVED_PER_LAYER_STEP_S = 1e-4
+MAX_SAVED_FRACTION = 0.3
+PROBE_CALLS = 2  # auto decodes this many calls eagerly, timing them, before it decides
+
+
+@dataclass
+class CompileChoice:
+    """Whether a call decodes with the compiled step. `setting` True or False is final; "auto"
+    times the first PROBE_CALLS calls eagerly and then compiles if the time the remaining calls
+    would save exceeds the compile's estimated cost. Without `planned_calls` (how many calls the
+    run makes) auto stays eager."""
+
+    setting: bool | str = False
+    planned_calls: int | None = None
+    calls: int = 0
+    seconds: float = 0.0
+    steps: int = 0
+    decided: bool | None = None
+
+    def use(self) -> bool:
+        if isinstance(self.setting, bool):
+            return self.setting
+        return bool(self.decided)
+
+    def probing(self) -> bool:
+        return self.setting == "auto" and self.decided is None
+
+    def record(self, seconds: float, steps: int, n_layers: int) -> None:
+        """One eager call's decode time and decode steps while probing; decides after PROBE_CALLS."""
+        self.calls += 1
+        self.seconds += seconds
+        self.steps += steps
+        if self.calls < PROBE_CALLS:
+            return
+        remaining = max(0, (self.planned_calls or 0) - self.calls)
+        per_call = min(SAVED_PER_LAYER_STEP_S * n_layers * self.steps, MAX_SAVED_FRACTION * self.seconds) / self.calls
+        saved = remaining * per_call
+        cost = COMPILE_BASE_S + COMPILE_PER_LAYER_S * n_layers
+        self.decided = saved > cost
+        log.info("generation_compile: auto %s: %d more calls of ~%.2f s decoding would save ~%.0f s, a compile "
+                 "of %d layers costs ~%.0f s", "compiles" if self.decided else "stays eager", remaining,
+                 self.seconds / self.calls, saved, n_layers, cost)
+
+
+def compile_seconds(device_type: str) -> float | None:
+    """How long the first compile of the decode step took in this process, or None."""
+    return _COMPILE_SECONDS.get(device_type)
+
+
+class StaticDecodeLoop:
+    """The decode loop over the compiled step: `run` takes a FastDecoder right after
+    `start(..., zeroed=True)` and the first token's logits, and fills the completion buffer."""
+
+    def __init__(self, device: torch.device, check_every: int = 8):
+        self.device = device
+        self.check_every = check_every
+
+    def run(self, dec, first_logits: torch.Tensor, params: SamplingParams, uniforms: torch.Tensor,
+            eos: torch.Tensor, pad_token_id: int, first_token) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Decode up to params.max_new_tokens tokens for the N rows of `first_logits` [N, V]; the
+        first token is `first_token(first_logits)`. Returns (completion [N, T], lengths [N]), or
+        None when the step could not be compiled (the decoder's cache is then as `start` left it)."""
+        device = self.device
+        step = compiled_step(device)
+        if step is None:
+            return None
+        N, T = first_logits.shape[0], params.max_new_tokens
+        S = dec.k[0].shape[0]  # slots: N
+        dec.use_slots()  # oneDNN-packed weights enter the graph as table slots (llama_decoder.py)
+        dec.activate_slots()
+        stop = not params.ignore_eos
+        spec = StepSpec(params.greedy, float(params.temperature), int(params.top_k or 0), float(params.top_p),
+                        int(pad_token_id), stop)
+        completion = torch.full((N + 1, T), pad_token_id, dtype=torch.long, device=device)  # row N: a dump
+        tok = first_token(first_logits)  # [N]
+        completion[:N, 0] = tok
+
+        def slots(x: torch.Tensor, fill) -> torch.Tensor:  # [N] -> [S]
+            return torch.cat([x, x.new_full((S - N,), fill)])
+
+        rowmap = slots(torch.arange(N, device=device), N)  # slot -> row of the call (N: the dump row)
+        finished = slots(torch.isin(tok, eos) & stop, True)  # an empty slot counts as finished
+        tok, pos = slots(tok, pad_token_id), slots(dec.next_pos, 0)
+        dec.valid[N:, 0] = True  # an empty slot attends one (zero) column: no row of only -inf scores
+        cursor = torch.tensor([1, dec.P], dtype=torch.long, device=device)  # [step, cache column], advanced by the step
+        uniforms = torch.cat([uniforms, uniforms.new_zeros(1, uniforms.shape[1])])  # the dump row's
+        for x in (completion, uniforms):
+            _dynamic(x, 0, 1)
+        _dynamic(eos, 0)
+        for x in (dec.cos, dec.sin):
+            _dynamic(x, 0)
+        t, col, W, views = 1, dec.P, 0, None
+        while t < T:
+            if stop and (t - 1) % self.check_every == 0:
+                live = (~finished).nonzero().squeeze(-1)  # the host looks: a sync every check_every steps
+                if live.numel() == 0:
+                    break
+                if 2 * live.numel() <= S:
+                    S = live.numel()
+                    tok, pos, rowmap, finished = self._compact(dec, live, S, tok, pos, rowmap, finished, N)
+                    views = None
+            C = dec.k[0].shape[2]
+            if col >= W:  # attend the next multiple of WIDTH_STEP, always fewer than the columns
+                W = (col // WIDTH_STEP + 1) * WIDTH_STEP  # (W == C would be another graph: contiguous slices)
+                if W >= C:  # double the new-token columns, keeping WIDTH_STEP spare ones past the last
+                    self._grow(dec, max(W, min(dec.max_cap, dec.P + 2 * (C - dec.P))) + WIDTH_STEP)
+                views = None
+            if views is None:
+                views = self._views(dec, W, tok, pos, rowmap, finished)
+            started = time.perf_counter()
+            try:
+                tok, finished, _ = step(dec, spec, tok, pos, cursor, rowmap, finished, *views, uniforms, completion,
+                                        eos)
+            except Exception as err:  # noqa: BLE001 — compiling failed: the caller decodes eagerly
+                if t > 1 or device.type in _COMPILE_SECONDS:
+                    raise  # the step compiled and ran before: a real error, not the platform's
+                _compile_failed(device, err)
+                return None
+            if device.type not in _COMPILE_SECONDS:
+                _COMPILE_SECONDS[device.type] = time.perf_counter() - started
+                log.info("generation_compile: compiled the decode step on %s in %.1f s (once per process)",
+                         device.type, _COMPILE_SECONDS[device.type])
+            t, col = t + 1, col + 1
+        completion = completion[:N]
+        if not stop:
+            return completion, torch.full((N,), T, dtype=torch.long, device=device)
+        is_eos = torch.isin(completion, eos)  # [N, T]: a finished row wrote padding after its EOS
+        return completion, torch.where(is_eos.any(-1), is_eos.int().argmax(-1) + 1, T)
+
+    def _views(self, dec, W: int, *per_slot: torch.Tensor) -> tuple:
+        """(width [W], valid, keys, values): the step's arguments about the cache, their varying
+        sizes marked symbolic."""
+        width = torch.empty(W, dtype=torch.bool, device=self.device)
+        for x in dec.k + dec.v:
+            _dynamic(x, 0, 2)
+        _dynamic(dec.valid, 0, 1)
+        for x in (width, *per_slot):
+            _dynamic(x, 0)
+        return width, dec.valid, dec.k, dec.v
+
+    @staticmethod
+    def _compact(dec, live: torch.Tensor, S: int, tok, pos, rowmap, finished, N: int):
+        """Move the live slots into a batch of S slots (S >= live rows), one layer at a time."""
+        n = live.numel()
+
+        def moved(x: torch.Tensor, fill) -> torch.Tensor:
+            out = x.new_full((S,) + tuple(x.shape[1:]), fill)
+            out[:n] = x[live]
+            return out
+
+        for cache in (dec.k, dec.v):
+            for l, old in enumerate(cache):
+                cache[l] = moved(old, 0)
+                del old
+        dec.valid = moved(dec.valid, False)
+        dec.valid[n:, 0] = True
+        return moved(tok, 0), moved(pos, 0), moved(rowmap, N), moved(finished, True)
+
+    @staticmethod
+    def _grow(dec, C: int) -> None:
+        """Widen the cache to C columns (zeros past the old ones), one layer at a time."""
+        for cache in (dec.k, dec.v):
+            for l, old in enumerate(cache):
+                new = old.new_zeros(old.shape[0], old.shape[1], C, old.shape[3])
+                new[:, :, : old.shape[2]] = old
+                cache[l] = new
+                del old
+        valid = dec.valid.new_zeros(dec.valid.shape[0], C)
+        valid[:, : dec.valid.shape[1]] = dec.valid
+        dec.valid = valid

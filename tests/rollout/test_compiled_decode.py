@@ -1,0 +1,325 @@
+"""The compiled decode step (rollout/compiled_decode.py) draws the tokens the eager step draws, and
+the counter-based uniforms behind every draw (rollout/sampling.py) are the hash they claim to be.
+
+The compiled tests compile a handful of graphs (about 15-30 s each on a 2-core CPU); they skip with
+the reason where this platform cannot compile (no C++ compiler)."""
+
+import logging
+import warnings
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import grouprl.rollout.compiled_decode as cd
+import grouprl.rollout.llama_decoder as llama_decoder
+from grouprl.rollout import HFEngine, SamplingParams
+from grouprl.rollout.llama_decoder import FastDecoder
+from grouprl.rollout.sampling import counter_uniforms, uniform_table
+from grouprl.rollout.types import left_pad_prompts
+from grouprl.tasks.testing import build_char_tokenizer, build_tiny_model
+
+T = 40
+SAMPLED = SamplingParams(T, temperature=1.5, top_k=40, top_p=0.95)
+
+
+# ---------------------------------------------------------------- the counter-based uniforms
+def _mix32_reference(x: int) -> int:
+    """lowbias32 on Python integers (no overflow to avoid)."""
+    x ^= x >> 16
+    x = (x * 0x7FEB352D) & 0xFFFFFFFF
+    x ^= x >> 15
+    x = (x * 0x846CA68B) & 0xFFFFFFFF
+    return x ^ (x >> 16)
+
+
+def _uniform_reference(seed: int, row: int, step: int) -> float:
+    lo, hi = seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF
+    base = _mix32_reference(_mix32_reference(row ^ lo) ^ step)
+    a = _mix32_reference(base ^ hi) >> 5
+    b = _mix32_reference(_mix32_reference(base ^ 0x9E3779B9) ^ hi) >> 6
+    return (a * 2 ** 26 + b) / 2 ** 53
+
+
+def test_counter_uniforms_are_the_hash_computed_on_python_integers():
+    """The tensor version (int64 ops, each 32-bit product split in halves) equals a plain loop
+    over Python's unbounded integers, for seeds that use all 62 bits."""
+    gen = torch.Generator().manual_seed(1)
+    for seed in [0, 1, 2 ** 40 + 12345, 2 ** 62 - 1, int(torch.randint(0, 2 ** 62, (1,), generator=gen))]:
+        rows = torch.randint(0, 2 ** 31, (50,), generator=gen)
+        steps = torch.randint(0, 2 ** 31, (50,), generator=gen)
+        got = counter_uniforms(seed, rows, steps)
+        want = torch.tensor([_uniform_reference(seed, int(r), int(s)) for r, s in zip(rows, steps)],
+                            dtype=torch.float64)
+        assert torch.equal(got, want)
+
+
+def test_counter_uniforms_look_uniform_and_independent():
+    """200,000 numbers of one seed over rows x steps: the Kolmogorov-Smirnov distance to U(0, 1)
+    under its 1 % critical value, and neighbouring steps and rows uncorrelated; two seeds differ."""
+    u = uniform_table(123, 400, 500, torch.device("cpu"))  # [400, 500]
+    x = u.flatten().sort().values
+    n = x.numel()
+    grid = torch.arange(n + 1, dtype=torch.float64) / n
+    ks = torch.maximum(grid[1:] - x, x - grid[:-1])
+    assert float(ks.max()) < 1.63 / n ** 0.5
+    assert 0.0 <= float(u.min()) and float(u.max()) < 1.0
+    for a, b in [(u[:, :-1], u[:, 1:]), (u[:-1], u[1:])]:
+        corr = torch.corrcoef(torch.stack([a.flatten(), b.flatten()]))[0, 1]
+        assert abs(float(corr)) < 0.01
+    assert not torch.equal(u[:5, :5], uniform_table(124, 5, 5, torch.device("cpu")))
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    model, tok = build_tiny_model("tiny", seed=3)
+    return model.eval(), tok
+
+
+def _prompts(tok):
+    texts = ["What is 1+2? ", "x", "Hi there", "abc", "7*8=", "Hello, world", "q", "zz top"]
+    return [tok(t)["input_ids"] for t in texts]
+
+
+def _stops(tok):
+    return (tok.eos_token_id, *tok.convert_tokens_to_ids(list("|}y<6")))
+
+
+def test_a_row_draws_the_same_tokens_whatever_else_is_in_its_batch(tiny):
+    """A row's numbers depend on (seed, its row in the call, step) only: the first prompt's
+    completions are the same next to other prompts whose rows finish at other steps."""
+    model, tok = tiny
+    engine = HFEngine(model, _stops(tok), tok.pad_token_id)
+    p = _prompts(tok)
+    a = engine.generate([p[0], p[1], p[2]], 2, SAMPLED, torch.Generator().manual_seed(5))
+    b = engine.generate([p[0], p[5]], 2, SAMPLED, torch.Generator().manual_seed(5))
+    assert torch.equal(a.completion_ids[:2], b.completion_ids[:2])
+    assert not torch.equal(a.completion_ids[2:4], b.completion_ids[2:4])
+
+
+# ---------------------------------------------------------------- compiled against eager
+@pytest.fixture(scope="module")
+def compiles():
+    try:
+        torch.compile(lambda x: x * 2 + 1, fullgraph=True)(torch.ones(3))
+    except Exception as err:  # noqa: BLE001 — whatever stops Inductor here is the reason to skip
+        pytest.skip(f"torch.compile cannot compile on this platform: {type(err).__name__}: {err}")
+
+
+def _both(model, tok, params, prompts, G=2, stops=None, **kw):
+    out = []
+    for compile in (False, True):
+        engine = HFEngine(model, stops or _stops(tok), tok.pad_token_id, compile=compile, **kw)
+        out.append(engine.generate(prompts, G, params, torch.Generator().manual_seed(0)))
+    assert not cd._FAILED, cd._FAILED  # the compiled side compiled (no eager fallback)
+    return out
+
+
+def _assert_same(eager, compiled):
+    assert torch.equal(eager.completion_ids, compiled.completion_ids)
+    assert torch.equal(eager.completion_mask, compiled.completion_mask)
+    assert torch.equal(eager.truncated, compiled.truncated)
+
+
+def test_compiled_sampling_draws_the_eager_tokens_as_rows_finish_and_leave(tiny, compiles, monkeypatch):
+    """Temperature, top-k and top-p under one seed; six stop tokens make rows finish at different
+    steps, so the compiled loop masks finished rows, moves the live ones into smaller batches and
+    reads the finished flags only every 4 steps. Same tokens, lengths and truncation as eager."""
+    model, tok = tiny
+    moves = []
+    compact = cd.StaticDecodeLoop._compact
+    monkeypatch.setattr(cd.StaticDecodeLoop, "_compact", staticmethod(
+        lambda dec, live, S, *a: (moves.append((live.numel(), S)), compact(dec, live, S, *a))[1]))
+    eager, compiled = _both(model, tok, SAMPLED, _prompts(tok), check_every=4)
+    _assert_same(eager, compiled)
+    lengths = eager.completion_mask.sum(-1)
+    assert len(set(lengths.tolist())) >= 5 and 0 < int(eager.truncated.sum()) < 16  # rows ended at many steps
+    assert moves and all(S == live < 16 for live, S in moves)  # CPU: exactly the live rows
+
+
+def test_compiled_greedy_equals_eager_across_cache_growth_and_reuses_its_graph(tiny, compiles, monkeypatch):
+    """ignore_eos with a 2-column first cache: the cache widens five times during the call; then a
+    call with other prompts, other row counts and lengths runs without compiling another graph."""
+    model, tok = tiny
+    monkeypatch.setattr(llama_decoder, "CACHE_BLOCK", 2)
+    params = SamplingParams(T, greedy=True, ignore_eos=True)
+    eager, compiled = _both(model, tok, params, _prompts(tok))
+    _assert_same(eager, compiled)
+    assert bool(compiled.completion_mask.all())
+    frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    eager, compiled = _both(model, tok, SamplingParams(T - 9, greedy=True, ignore_eos=True), _prompts(tok)[:3], G=3)
+    _assert_same(eager, compiled)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == frames  # nothing recompiled
+
+
+def _llama_gqa(seed=0):
+    """A small model of SmolLM2's architecture: Llama, grouped-query attention (9 query heads on 3
+    key/value heads), tied embeddings."""
+    tok = build_char_tokenizer()
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=72, intermediate_size=192, num_hidden_layers=2,
+                      num_attention_heads=9, num_key_value_heads=3, tie_word_embeddings=True,
+                      pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, rope_theta=100000.0)
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(cfg).eval(), tok
+
+
+def test_compiled_greedy_equals_eager_with_grouped_query_attention(compiles):
+    model, tok = _llama_gqa()
+    eager, compiled = _both(model, tok, SamplingParams(T, greedy=True), _prompts(tok), G=1)
+    _assert_same(eager, compiled)
+
+
+def test_compiled_bf16_logits_stay_within_bf16_tolerance_of_the_eager_step(compiles):
+    """bf16 matmuls (FastDecoder's dtype): each compiled step's logits against the eager step's for
+    the same fed tokens, within a bf16 rounding of the logits' scale; the greedy tokens agree
+    wherever the eager top-2 margin exceeds that tolerance."""
+    model, tok = _llama_gqa(seed=1)
+    ids, mask = left_pad_prompts(_prompts(tok), tok.pad_token_id)
+    eager = FastDecoder(model, dtype=torch.bfloat16)
+    comp = FastDecoder(model, dtype=torch.bfloat16)
+    with torch.no_grad():
+        first = eager.start(ids, mask, 1, 16)
+        assert torch.equal(first, comp.start(ids, mask, 1, 16, zeroed=True))
+        N = first.shape[0]
+        step = cd.compiled_step(torch.device("cpu"))
+        spec = cd.StepSpec(True, 1.0, 0, 1.0, tok.pad_token_id, False, return_logits=True)
+        tok_e = first.argmax(-1)
+        tok_c, pos = tok_e.clone(), comp.next_pos.clone()
+        cursor = torch.tensor([1, comp.P])
+        completion = torch.zeros(N + 1, 16, dtype=torch.long)
+        uniforms = torch.zeros(N + 1, 16, dtype=torch.float64)
+        for t in range(1, 12):
+            le = eager.step(tok_e)
+            W = comp.P + t
+            tok_c, _, lc = step(comp, spec, tok_c, pos, cursor, torch.arange(N), torch.zeros(N, dtype=torch.bool),
+                                torch.empty(W), comp.valid, comp.k, comp.v, uniforms, completion,
+                                torch.tensor([tok.eos_token_id]))
+            tol = 2 ** -7 * le.abs().amax(-1, keepdim=True)  # one bf16 rounding of the largest logit
+            assert bool(((lc - le).abs() <= tol).all()), float((lc - le).abs().max())
+            top2 = le.topk(2, -1).values
+            clear = (top2[:, 0] - top2[:, 1]) > 2 * tol[:, 0]
+            assert torch.equal(lc.argmax(-1)[clear], le.argmax(-1)[clear])
+            tok_e = le.argmax(-1)
+            tok_c = tok_e.clone()  # both feed the same tokens next
+
+
+def test_compiled_decoding_of_a_lora_model_equals_eager(tiny, compiles):
+    """A PEFT model with nonzero LoRA adapters decodes from the merged weights in both loops."""
+    peft = pytest.importorskip("peft")
+    model, tok = build_tiny_model("tiny", seed=3)
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], lora_dropout=0.0)
+    lora = peft.get_peft_model(model, config)
+    with torch.no_grad():
+        for name, p in lora.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.2)
+    lora.eval()
+    eager, compiled = _both(lora, tok, SAMPLED, _prompts(tok))
+    _assert_same(eager, compiled)
+    plain_model = build_tiny_model("tiny", seed=3)[0].eval()  # get_peft_model changed `model` in place
+    plain = HFEngine(plain_model, _stops(tok), tok.pad_token_id).generate(_prompts(tok), 2, SAMPLED,
+                                                                           torch.Generator().manual_seed(0))
+    assert not torch.equal(plain.completion_ids, compiled.completion_ids)  # the adapters mattered
+
+
+def test_multiturn_continuation_with_compile_on_equals_eager(tiny, compiles):
+    """Inside keep_conversations (the multi-turn driver) the kept caches need each row's state at
+    its EOS: those calls decode eagerly, and a second turn continues from the first's caches."""
+    model, tok = tiny
+    outs = []
+    for compile in (False, True):
+        engine = HFEngine(model, _stops(tok), tok.pad_token_id, compile=compile)
+        gen = torch.Generator().manual_seed(0)
+        with engine.keep_conversations():
+            first = engine.generate(_prompts(tok), 1, SAMPLED, gen)
+            follow = [p + c + tok("ok")["input_ids"] for p, c in zip(_prompts(tok), first.token_lists())]
+            second = engine.generate(follow, 1, SAMPLED, gen)
+        outs.append((first, second))
+    for a, b in zip(*outs):
+        _assert_same(a, b)
+
+
+def test_a_platform_that_cannot_compile_decodes_eagerly_with_one_warning(tiny, monkeypatch):
+    """The compile error is caught once: one RuntimeWarning naming it, the eager tokens, and no
+    second try in later calls."""
+    model, tok = tiny
+    monkeypatch.setattr(cd, "_COMPILED", {})
+    monkeypatch.setattr(cd, "_FAILED", {})
+    monkeypatch.setattr(cd, "_COMPILE_SECONDS", {})
+    calls = []
+
+    def broken(*args):
+        calls.append(1)
+        raise RuntimeError("InvalidCxxCompiler: No working C++ compiler found")
+
+    monkeypatch.setattr(cd.torch, "compile", lambda fn, **kw: broken)
+    eager = HFEngine(model, _stops(tok), tok.pad_token_id).generate(_prompts(tok), 2, SAMPLED,
+                                                                     torch.Generator().manual_seed(0))
+    engine = HFEngine(model, _stops(tok), tok.pad_token_id, compile=True)
+    with pytest.warns(RuntimeWarning, match="InvalidCxxCompiler: No working C\\+\\+ compiler found"):
+        first = engine.generate(_prompts(tok), 2, SAMPLED, torch.Generator().manual_seed(0))
+    _assert_same(eager, first)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        second = engine.generate(_prompts(tok), 2, SAMPLED, torch.Generator().manual_seed(0))
+    _assert_same(eager, second)
+    assert len(calls) == 1
+
+
+# ---------------------------------------------------------------- generation_compile: auto
+def test_auto_compiles_when_the_projected_saving_exceeds_the_compile_cost(caplog):
+    """After PROBE_CALLS timed calls: compile iff the remaining calls x the saving per call
+    (SAVED_PER_LAYER_STEP_S x layers x decode steps, at most MAX_SAVED_FRACTION of the call's
+    eager time) > COMPILE_BASE_S + COMPILE_PER_LAYER_S x layers."""
+    layers, steps = 4, 100  # per call
+    cost = cd.COMPILE_BASE_S + cd.COMPILE_PER_LAYER_S * layers
+    per_call = cd.SAVED_PER_LAYER_STEP_S * layers * steps  # 0.04 s: below the cap for a 1 s call
+    enough = int(cost / per_call) + cd.PROBE_CALLS + 2  # saving just above the cost
+    cases = [(enough, 1.0, True), (enough - 4, 1.0, False), (None, 1.0, False),
+             (enough, per_call / cd.MAX_SAVED_FRACTION / 2, False)]  # the cap: half the saving
+    for planned, seconds, want in cases:
+        choice = cd.CompileChoice("auto", planned)
+        with caplog.at_level(logging.INFO, logger=cd.__name__):
+            for _ in range(cd.PROBE_CALLS):
+                assert choice.probing() and not choice.use()
+                choice.record(seconds, steps, layers)
+        assert not choice.probing() and choice.use() is want, (planned, seconds)
+    assert "auto compiles" in caplog.text and "stays eager" in caplog.text
+    assert cd.CompileChoice(True).use() and not cd.CompileChoice(False).use()
+    assert not cd.CompileChoice(False).probing()
+
+
+def test_compiled_decoding_with_onednn_packed_weights_equals_eager(tiny, compiles, monkeypatch):
+    """Models from PACK_MIN_PARAMS up decode with oneDNN-packed weights on CPU; the compiled step
+    reaches them through the grouprl::packed_linear op (here the tiny model, packed by lowering
+    the threshold). Same tokens as the eager packed loop."""
+    model, tok = tiny
+    monkeypatch.setattr(llama_decoder, "PACK_MIN_PARAMS", 0)
+    if not llama_decoder._can_pack(model, torch.float32, 1):
+        pytest.skip("this torch build has no oneDNN packing ops")
+    eager, compiled = _both(model, tok, SAMPLED, _prompts(tok))
+    _assert_same(eager, compiled)
+
+
+def test_generation_compile_reaches_the_engine_and_auto_decides_after_probing(tiny, make_cfg, monkeypatch):
+    """The config's generation_compile is the engine's setting (auto with the run's max_steps as
+    its planned calls); a wrong value is a ConfigError naming the choices. An auto engine whose
+    run is long enough compiles from its third call on."""
+    from grouprl.config import ConfigError
+    from grouprl.rollout.factory import make_engine
+
+    model, tok = tiny
+    for setting, want in [("auto", "auto"), (True, True), (False, False)]:
+        engine = make_engine(make_cfg(generation_compile=setting, max_steps=7), model, tok, None, None)
+        assert engine.compile == want and engine.planned_calls == 7
+    with pytest.raises(ConfigError, match="generation_compile='sometimes' is not one of: auto, true, false"):
+        make_cfg(generation_compile="sometimes").validate()
+    runs = []
+    loop = cd.StaticDecodeLoop.run
+    monkeypatch.setattr(cd.StaticDecodeLoop, "run", lambda self, *a, **k: (runs.append(1), loop(self, *a, **k))[1])
+    monkeypatch.setattr(cd, "COMPILE_BASE_S", 0.0)
+    monkeypatch.setattr(cd, "COMPILE_PER_LAYER_S", 0.0)  # any saving pays
+    engine = HFEngine(model, _stops(tok), tok.pad_token_id, compile="auto", planned_calls=10)
+    for i in range(3):
+        engine.generate(_prompts(tok)[:2], 2, SAMPLED, torch.Generator().manual_seed(i))
+        assert len(runs) == (1 if i == 2 else 0)

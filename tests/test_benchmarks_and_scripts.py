@@ -39,7 +39,7 @@ def run(*args: str, timeout: float = 300) -> str:
 # Each file is either run for real below or --help only, for the reason in the module docstring.
 RUN = {"benchmarks/shared_prompt.py", "benchmarks/process_vs_outcome.py", "benchmarks/multiturn_continuation.py",
        "benchmarks/head_logprobs.py", "benchmarks/generation_memory.py", "benchmarks/long_completions.py",
-       "benchmarks/run_health.py", "benchmarks/learning_vs_trl.py", "benchmarks/vs_trl.py",
+       "benchmarks/run_health.py", "benchmarks/learning_vs_trl.py", "benchmarks/vs_trl.py", "benchmarks/ppo_vs_grpo.py",
        "benchmarks/step_profile.py", "benchmarks/distillation.py", "benchmarks/decode.py",
        "scripts/build_default_policy.py",
        "scripts/build_tool_policy.py", "scripts/sandbox_report.py"}
@@ -78,6 +78,13 @@ def test_help():
     answers = json.loads(run("-c", HELP_DRIVER, *paths, timeout=300).strip().splitlines()[-1])
     bad = {p: a for p, a in answers.items() if a[0] not in (0, None) or "usage:" not in a[1]}
     assert set(answers) == set(paths) and not bad, bad
+
+
+def test_ppo_vs_grpo_benchmark_memory_on_the_tiny_model_and_one_learning_run():
+    out = run("benchmarks/ppo_vs_grpo.py", "memory", "--workload", "tiny", "--steps", "1")
+    assert "| grpo |" in out and "| ppo |" in out and "separate critic" in out
+    out = run("benchmarks/ppo_vs_grpo.py", "learning", "--arms", "ppo", "--seeds", "1", "--steps", "1")
+    assert "| ppo | 1 |" in out
 
 
 def test_shared_prompt_benchmark_one_round():

@@ -1,9 +1,9 @@
 """The update's input as one object, and how it is cut into micro-batches.
 
 `UpdateBatch` is what every optimizer step of a training step reads, for the whole (global) batch:
-the rollout, the advantages, the loss mask, the old and reference log-probs and the sampler/trainer
-importance weights. `UpdateBatch.part(rows, ...)` is one pass's share of it (`UpdatePart`), trimmed
-to the pass's own completion length and on the model's device.
+the rollout, the advantages, the loss mask, the old and reference log-probs, the sampler/trainer
+importance weights, and PPO's value targets. `UpdateBatch.part(rows, ...)` is one pass's share of it
+(`UpdatePart`), trimmed to the pass's own completion length and on the model's device.
 
 Planning, in the order the update does it (`MicroBatchPlanner.plan`):
 - the rows are sorted by length, so similar lengths share a micro-batch and little padding is
@@ -26,6 +26,7 @@ from grouprl.config import TrainConfig
 from grouprl.distributed import DistContext
 from grouprl.memory import CPU_BUDGET
 from grouprl.rollout import Rollout, same_prompt_ids
+from grouprl.value import ValueTargets
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +42,7 @@ class UpdateBatch:
     ref_logp: torch.Tensor | None    # [N, T] the reference's; None: beta = 0
     is_weights: torch.Tensor | None  # [N, T] sampler/trainer importance weights; None: no correction
     step: int = 0                    # the training step it belongs to (names it in log lines)
+    values: ValueTargets | None = None  # PPO: V_old and the returns [N, T] (value.py); None: no value head
 
     def part(self, rows: torch.Tensor, T: int, device: torch.device) -> UpdatePart:
         """The micro-batch `rows  # [n]`, its first T columns, on `device`."""
@@ -48,8 +50,10 @@ class UpdateBatch:
             return None if x is None else x[rows, :T].to(device)
 
         advantages = self.advantages[rows].to(device) if self.advantages.dim() == 1 else take(self.advantages)
+        v = self.values
+        old_values, returns = (None, None) if v is None else (take(v.old_values), take(v.returns))
         return UpdatePart(self, rows, advantages, self.loss_mask[rows, :T].to(device), take(self.old_logp),
-                          take(self.ref_logp), take(self.is_weights))
+                          take(self.ref_logp), take(self.is_weights), old_values, returns)
 
 
 @dataclass(frozen=True)
@@ -63,6 +67,8 @@ class UpdatePart:
     old_logp: torch.Tensor | None    # [n, T']
     ref_logp: torch.Tensor | None    # [n, T']
     is_weights: torch.Tensor | None  # [n, T']
+    old_values: torch.Tensor | None = None  # [n, T'] PPO's V_old
+    returns: torch.Tensor | None = None     # [n, T'] PPO's value targets
 
     def take(self, x: torch.Tensor) -> torch.Tensor:
         """This part of another [N, T] tensor of the batch: [n, T'] on the pass's device."""

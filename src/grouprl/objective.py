@@ -3,9 +3,10 @@ one call per place in the loop. Each variant is looked up in a core registry und
 config gives it (core/registry.py); nothing here branches on a variant.
 
 - ``step_advantages``: advantages of a scored batch: the advantage estimator (``advantage_estimator``;
-  "process" reads the step rewards and gives one advantage per token [N, T]) meets the reward
-  functions as ``multi_objective_aggregation`` says ("normalize_then_sum", GDPO, reads each
-  function's scores);
+  "process" reads the step rewards, "gae" a value head's estimates, and each gives one advantage per
+  token [N, T]) meets the reward functions as ``multi_objective_aggregation`` says
+  ("normalize_then_sum", GDPO, reads each function's scores);
+- ``value_targets``: PPO's value-loss targets, V_old and GAE's returns (core/gae.py, value.py);
 - ``policy_loss_params``: every loss knob of the config in one ``LossParams``, built once;
 - ``loss_mask``: the tokens the loss counts;
 - ``corrects_sampler`` / ``sampler_weights``: whether and how the sampler/trainer mismatch is
@@ -24,16 +25,20 @@ import torch
 from grouprl.batch import StepBatch
 from grouprl.config import TrainConfig
 from grouprl.core import (ADVANTAGE_ESTIMATORS, MULTI_OBJECTIVE_AGGREGATIONS, TOKEN_MASKS, AdvantageInputs,
-                          LossParams, MaskInputs, importance_weights)
+                          LossParams, MaskInputs, gae_advantages, importance_weights, outcome_token_rewards)
 from grouprl.micro_batches import UpdatePart
 from grouprl.rollout import Rollout
+from grouprl.value import ValueTargets
 
 
-def advantage_inputs(cfg: TrainConfig, batch: StepBatch) -> AdvantageInputs:
+def advantage_inputs(cfg: TrainConfig, batch: StepBatch, values: torch.Tensor | None = None) -> AdvantageInputs:
     """The scored batch as core's plain values; the step lists (with the outcome as a final step) and
-    the padded length T only where rewards/process.py made steps (advantage_estimator: process)."""
+    the padded length T only where rewards/process.py made steps (advantage_estimator: process);
+    a value head's estimates `values  # [N, T]` with the action tokens and GAE's γ, λ (gae)."""
     per_func = torch.stack(list(batch.per_func.values()), dim=-1) if batch.per_func else None  # [N, K]; NaN: None
     inputs = AdvantageInputs(batch.rewards, cfg.num_generations, per_func, cfg.reward_weights)  # rewards [N]
+    if values is not None:
+        inputs = replace(inputs, values=values, token_mask=batch.rollout.action_mask, gamma=cfg.gamma, lam=cfg.lam)
     if batch.steps is None:
         return inputs
     step_rewards, step_ends = batch.steps.with_outcome()  # [N][K_i] each
@@ -41,12 +46,23 @@ def advantage_inputs(cfg: TrainConfig, batch: StepBatch) -> AdvantageInputs:
                    num_tokens=batch.rollout.completion_ids.shape[1])
 
 
-def step_advantages(cfg: TrainConfig, batch: StepBatch) -> torch.Tensor:
+def step_advantages(cfg: TrainConfig, batch: StepBatch, values: torch.Tensor | None = None) -> torch.Tensor:
     """Advantages of the (global) batch: [N], or [N, T] (one per token) from a per-token estimator
-    such as process supervision."""
+    such as process supervision or GAE (which reads the value head's `values  # [N, T]`)."""
     aggregate = MULTI_OBJECTIVE_AGGREGATIONS.get(cfg.multi_objective_aggregation, "multi_objective_aggregation")
     estimator = ADVANTAGE_ESTIMATORS.get(cfg.advantage_estimator, "advantage_estimator")
-    return aggregate(advantage_inputs(cfg, batch), estimator, scale=cfg.scale_rewards, eps=cfg.advantage_eps)
+    return aggregate(advantage_inputs(cfg, batch, values), estimator, scale=cfg.scale_rewards, eps=cfg.advantage_eps)
+
+
+def value_targets(cfg: TrainConfig, rewards: torch.Tensor, action_mask: torch.Tensor,
+                  values: torch.Tensor | None) -> ValueTargets | None:
+    """V_old and GAE's returns R = A + V_old (A before any whitening) for the value loss, from the
+    outcome rewards [N], the action tokens [N, T] and the head's estimates [N, T]; None without them."""
+    if values is None:
+        return None
+    token_rewards = outcome_token_rewards(rewards, action_mask)  # [N, T]
+    _, returns = gae_advantages(token_rewards, values, action_mask, gamma=cfg.gamma, lam=cfg.lam)  # [N, T]
+    return ValueTargets(values, returns)
 
 
 def policy_loss_params(cfg: TrainConfig) -> LossParams:

@@ -10,15 +10,20 @@ import torch
 from grouprl.config import TrainConfig
 
 
-def make_optimizer(cfg: TrainConfig, model: torch.nn.Module
+def make_optimizer(cfg: TrainConfig, model: torch.nn.Module, value_head: torch.nn.Module | None = None
                    ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
-    """AdamW over the trainable parameters and its LambdaLR schedule (one scheduler step per
-    optimizer step: max_steps * num_iterations in all)."""
+    """AdamW over the trainable parameters (and PPO's value head's, value.py, in a group of its own at
+    value_learning_rate) and its LambdaLR schedule (one scheduler step per optimizer step:
+    max_steps * num_iterations in all; both groups follow it)."""
     params = [p for p in model.parameters() if p.requires_grad]
+    groups = [{"params": params}]
+    if value_head is not None:
+        value_lr = cfg.value_learning_rate or 10 * cfg.learning_rate  # null: verl's examples' critic/actor ratio
+        groups.append({"params": list(value_head.parameters()), "lr": value_lr})
     # fused AdamW: one kernel over all parameters, same update (8x faster than the per-parameter
     # loop on CPU at 50M parameters); sharded (DTensor) parameters keep the default implementation
-    fused = all(type(p) is torch.nn.Parameter for p in params) or None
-    optimizer = torch.optim.AdamW(params, lr=cfg.learning_rate, weight_decay=cfg.weight_decay,
+    fused = all(type(p) is torch.nn.Parameter for g in groups for p in g["params"]) or None
+    optimizer = torch.optim.AdamW(groups, lr=cfg.learning_rate, weight_decay=cfg.weight_decay,
                                   betas=(cfg.adam_beta1, cfg.adam_beta2), fused=fused)
     total = cfg.max_steps * cfg.num_iterations
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_schedule(cfg.lr_scheduler_type, cfg.warmup_steps,

@@ -233,7 +233,23 @@ def completion_logprobs(model: torch.nn.Module, mb: MicroBatch, *, temperature: 
                         entropy_grad: bool = False, max_logits_elements: int | None = None,
                         packed: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token log-probs [n, T'] of the completion tokens (and their entropy when asked: with
-    `entropy_grad` the entropy carries a gradient too, for an entropy bonus; same pass either way).
+    `entropy_grad` the entropy carries a gradient too, for an entropy bonus): `completion_forward`
+    without a value head."""
+    logp, entropy, _ = completion_forward(model, mb, temperature=temperature, autocast_dtype=autocast_dtype,
+                                          with_entropy=with_entropy, entropy_grad=entropy_grad,
+                                          max_logits_elements=max_logits_elements, packed=packed)
+    return logp, entropy
+
+
+def completion_forward(model: torch.nn.Module, mb: MicroBatch, *, temperature: float,
+                       autocast_dtype: torch.dtype | None = None, with_entropy: bool = False,
+                       entropy_grad: bool = False, max_logits_elements: int | None = None,
+                       packed: bool = False, value_head: torch.nn.Module | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Per-token log-probs [n, T'] of the completion tokens, their entropy when asked (with
+    `entropy_grad` carrying a gradient too, for an entropy bonus), and with `value_head` (PPO,
+    value.py) the value of the state before each completion token [n, T']: the head on the last
+    hidden state at the position that predicts the token. All from the same pass.
 
     `packed` (the model `packing.enable`d): the micro-batch's real tokens run as one row, each
     distinct prompt once, attention confined to each sequence (packing.py): no padding is computed.
@@ -255,25 +271,28 @@ def completion_logprobs(model: torch.nn.Module, mb: MicroBatch, *, temperature: 
     head = _plain_head(model)
     limit = WHOLE_LOGITS_MAX_ELEMENTS if max_logits_elements is None else max_logits_elements
     use_head = head is not None and int(cmask.sum()) * head.out_features > limit
+    capture = use_head or value_head is not None  # the last hidden states are read
     if packed:
         layout = packing.pack(mb.prompt_ids, mb.prompt_mask, mb.prompt_index, mb.completion_ids,
                               mb.completion_mask, device)
-        with ac, _last_hidden_state(model) if use_head else contextlib.nullcontext() as captured:
+        with ac, _last_hidden_state(model) if capture else contextlib.nullcontext() as captured:
             logits = packing.forward_packed(model, layout, 1 if use_head else layout.pred_index)  # [1, M, V]
-        hidden = captured["hidden"][0, layout.pred_index] if use_head else None  # [M, H]
+        hidden = captured["hidden"][0, layout.pred_index] if capture else None  # [M, H]
         targets = layout.targets  # [M]
     else:
         shared = len(mb.prompt_ids) < len(mb.completion_ids) and int(mb.prompt_mask.sum(-1).min()) > 1
         forward = _shared_prompt_logits if shared else _joint_logits
-        with ac, _last_hidden_state(model) if use_head else contextlib.nullcontext() as captured:
+        with ac, _last_hidden_state(model) if capture else contextlib.nullcontext() as captured:
             logits = forward(model, mb, device, keep_logits=not use_head)  # [n, T', V]
+        T = cids.shape[1]
+        hidden = (captured["hidden"][:, -T - 1:-1] if not shared else captured["hidden"])[cmask] if capture else None
         if not use_head:
             if with_entropy:  # one pass over the [n, T', V] logits for both
-                return token_logprobs_and_entropy(logits, cids, temperature=temperature,
-                                                  entropy_grad=entropy_grad)  # [n, T'] each
-            return token_logprobs(logits, cids, temperature=temperature), None  # [n, T']
-        T = cids.shape[1]
-        hidden = (captured["hidden"][:, -T - 1:-1] if not shared else captured["hidden"])[cmask]  # [M, H]
+                logp, entropy = token_logprobs_and_entropy(logits, cids, temperature=temperature,
+                                                           entropy_grad=entropy_grad)  # [n, T'] each
+            else:
+                logp, entropy = token_logprobs(logits, cids, temperature=temperature), None  # [n, T']
+            return logp, entropy, _values(value_head, hidden, cmask)
         targets = cids[cmask]  # [M]
     if use_head:
         logp_real, entropy_real = head_logprobs(hidden, head.weight, targets, bias=head.bias,
@@ -287,7 +306,17 @@ def completion_logprobs(model: torch.nn.Module, mb: MicroBatch, *, temperature: 
         logp_real, entropy_real = token_logprobs(logits, targets[None], temperature=temperature)[0], None
     zeros = torch.zeros(cids.shape, dtype=logp_real.dtype, device=device)  # [n, T']
     logp = zeros.masked_scatter(cmask, logp_real)
-    return logp, None if entropy_real is None else zeros.masked_scatter(cmask, entropy_real)
+    entropy = None if entropy_real is None else zeros.masked_scatter(cmask, entropy_real)
+    return logp, entropy, _values(value_head, hidden, cmask)
+
+
+def _values(value_head: torch.nn.Module | None, hidden: torch.Tensor | None,
+            cmask: torch.Tensor) -> torch.Tensor | None:
+    """The value head on the real positions' hidden states [M, H], in fp32 (outside autocast), as [n, T']."""
+    if value_head is None:
+        return None
+    v = value_head(hidden.float()).squeeze(-1)  # [M]
+    return torch.zeros(cmask.shape, dtype=v.dtype, device=v.device).masked_scatter(cmask, v)  # [n, T']
 
 
 def _plain_head(model: torch.nn.Module) -> torch.nn.Linear | None:

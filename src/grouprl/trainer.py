@@ -3,15 +3,15 @@
 `Trainer.train_step` is one step, one call per stage (docs/architecture.md's data path):
 
     sample_batch  -> generate (engine, turns) -> score (rewards) [-> more rounds: DAPO dynamic sampling]
-    advantages    -> group-relative, per completion or per token (objective.step_advantages; distillation.py)
+    advantages    -> group-relative, per completion or per token; PPO: GAE (value.py); a teacher (distillation.py)
     update        -> old/ref log-probs, then num_iterations optimizer steps over micro-batches
     sync_weights  -> the engine samples the new policy next
 
 Each stage is a public method, so a script can run any of them alone: `generate(prompts, greedy=True)` and
 `score(prompts, trajectories)` sample and score with the current policy, `evaluate(dataset)` runs the eval,
 `logprobs(rollout)` scores tokens under the policy or the reference. What a stage calls lives with its owner:
-rollout_source.py (prompts, the producer), scoring.py, update.py and micro_batches.py, evaluation.py (the best
-model too), guard.py (what an alarm asks for), training_state.py (what a checkpoint holds).
+rollout_source.py (prompts, the producer), scoring.py, update.py and micro_batches.py, value.py (PPO's value head),
+evaluation.py (the best model too), guard.py (what an alarm asks for), training_state.py (what a checkpoint holds).
 
 Deliberate choices:
 - with num_iterations = 1 the sampling policy is the current one, so `old_logp = logp.detach()` and no extra
@@ -56,7 +56,8 @@ from grouprl.data import PromptBatch, PromptFormatter, PromptSampler, load_datas
 from grouprl.distillation import load_teacher
 from grouprl.evaluation import BestModel, run_evaluation
 from grouprl.guard import RunGuard
-from grouprl.objective import corrects_sampler, loss_mask, policy_loss_params, sampler_weights, step_advantages
+from grouprl.objective import (corrects_sampler, loss_mask, policy_loss_params, sampler_weights, step_advantages,
+                               value_targets)
 from grouprl.optim import make_optimizer
 from grouprl.memory import checkpoint_mode, token_budget
 from grouprl.micro_batches import UpdateBatch
@@ -169,7 +170,7 @@ class Trainer:
         self.sampling = SamplingParams(cfg.max_completion_length, cfg.temperature, cfg.top_p, cfg.top_k,
                                        cfg.ignore_eos)
 
-        self.optimizer, self.scheduler = make_optimizer(cfg, self.model)  # optim.py
+        self.optimizer, self.scheduler = make_optimizer(cfg, self.model, self.updater.value_head)  # optim.py
         self.sampler = PromptSampler(len(self.train_ds), cfg.seed)
         self.prompt_filter = (PromptFilter(len(self.train_ds), history=cfg.prompt_filter_history,
                                            revisit=cfg.prompt_filter_revisit, seed=cfg.seed)
@@ -199,9 +200,9 @@ class Trainer:
 
     # ------------------------------------------------------------------ the loop
     def train(self, *, resume: bool = False) -> dict[str, Any]:
-        """Train to max_steps (resume: continue the run in output_dir) and return the summary. The
-        first SIGTERM or SIGINT ends the run after the current step, with a checkpoint, and raises
-        `TrainingStopped`; a second stops at once (signals.py)."""
+        """Train to max_steps (resume: continue the run in output_dir) and return the summary. The first SIGTERM
+        or SIGINT ends the run after the current step, with a checkpoint, and raises `TrainingStopped`; a second
+        stops at once (signals.py)."""
         cfg, out = self.cfg, Path(self.cfg.output_dir)
         if resume:
             self._resume()
@@ -268,9 +269,9 @@ class Trainer:
 
     def _stop(self, signum: signal.Signals | None, progress: Progress, saved: int | None,
               reason: str | None = None) -> NoReturn:
-        """The end of a run stopped by a signal (or by an alarm, `reason`): this step's checkpoint
-        (unless written just before), summary.json (with `stopped_by`) and curves; then
-        `TrainingStopped`. No eval_after: the run is not over, and a preempted run has little time."""
+        """The end of a run stopped by a signal (or by an alarm, `reason`): this step's checkpoint (unless written
+        just before), summary.json (with `stopped_by`) and curves; then `TrainingStopped`. No eval_after: the run
+        is not over, and a preempted run has little time."""
         progress.close()
         path = checkpoint_path(self.cfg.output_dir, self.step) if saved == self.step else self.save()
         self.logger.finish({**self.logger.summary(self.step, self.evals), "stopped_by": reason or signum.name})
@@ -283,8 +284,9 @@ class Trainer:
         timings = Timings()
         with timings.stage("step"):
             batch, metrics = self.sample_batch(timings)  # completions and rewards of the global batch
-            advantages = self.advantages(batch, metrics)  # [N], or [N, T]: process supervision, distillation
-            metrics.update(self.update(batch, advantages, timings))  # old/ref log-probs, optimizer steps
+            values = self.updater.values(batch.rollout, self.cfg)  # [N, T] PPO's V_old (value.py); else None
+            advantages = self.advantages(batch, values, metrics)  # [N], or [N, T]: per token, GAE, distillation
+            metrics.update(self.update(batch, advantages, timings, values))  # old/ref log-probs, optimizer steps
             with timings.stage("sync_weights"):
                 self.sync_weights()  # the engine samples the new policy from the next step on
             if self.cfg.ref_update_steps and self.ref is not None and self.step % self.cfg.ref_update_steps == 0:
@@ -301,10 +303,9 @@ class Trainer:
 
     def generate(self, prompts: PromptBatch, *, num_generations: int | None = None, greedy: bool = False,
                  temperature: float | None = None, generator: torch.Generator | None = None) -> Trajectories:
-        """Completions of the current policy: `num_generations` per prompt (default: the config's
-        G), sampled with the config's sampling parameters (`temperature` and `generator`, the random
-        stream, may be given), or one greedy completion each; with the configured tools or
-        environment, whole multi-turn trajectories."""
+        """Completions of the current policy: `num_generations` per prompt (default: the config's G), sampled with
+        the config's sampling parameters (`temperature` and `generator`, the random stream, may be given), or one
+        greedy completion each; with the configured tools or environment, whole multi-turn trajectories."""
         G = 1 if greedy else num_generations or self.cfg.num_generations
         params = replace(self.sampling, greedy=True) if greedy else self.sampling
         if temperature is not None and not greedy:
@@ -327,9 +328,8 @@ class Trainer:
                                   trajectories)  # scoring.py
 
     def sample_batch(self, timings: Timings | None = None) -> tuple[StepBatch, dict[str, float]]:
-        """The step's scored completions, gathered over ranks, and the sampling metrics. With
-        dynamic sampling (DAPO), groups whose rewards are all equal are dropped and more prompts
-        are sampled, up to max_sampling_rounds generation rounds."""
+        """The step's scored completions, gathered over ranks, and the sampling metrics. With dynamic sampling
+        (DAPO), groups whose rewards are all equal are dropped and more are sampled, up to max_sampling_rounds."""
         cfg, B, G = self.cfg, self.cfg.prompts_per_step, self.cfg.num_generations
         timings = Timings() if timings is None else timings
         tally, kept = SampleTally(), []
@@ -358,9 +358,10 @@ class Trainer:
                                 partial=cfg.partial_rollouts)
         return StepBatch.cat(kept, self.tokenizer.pad_token_id), {**metrics, **self.draw.metrics(G)}
 
-    def advantages(self, batch: StepBatch, metrics: dict[str, float] | None = None) -> torch.Tensor:
-        """Advantages of a scored (global) batch: [N], or [N, T] (process supervision; a teacher, distillation.py)."""
-        adv = step_advantages(self.cfg, batch)  # [N], or [N, T]
+    def advantages(self, batch: StepBatch, values: torch.Tensor | None = None,
+                   metrics: dict[str, float] | None = None) -> torch.Tensor:
+        """The scored (global) batch's advantages [N], or [N, T] (process supervision; GAE on `values`; a teacher)."""
+        adv = step_advantages(self.cfg, batch, values)  # [N], or [N, T]
         return adv if self.teacher is None else self.teacher.mix(adv, batch.rollout, self.updater, self.cfg, metrics)
 
     def logprobs(self, rollout: Rollout, *, reference: bool = False) -> torch.Tensor:
@@ -373,10 +374,10 @@ class Trainer:
         with self.ref.context():
             return self.updater.logprobs(self.ref.forward_model, rollout, self.cfg)
 
-    def update(self, batch: StepBatch, advantages: torch.Tensor,
-               timings: Timings | None = None) -> dict[str, float]:
-        """Old/ref log-probs and the num_iterations optimizer steps on a scored batch (the global
-        batch: every rank passes the same one); the update statistics, reduced over ranks."""
+    def update(self, batch: StepBatch, advantages: torch.Tensor, timings: Timings | None = None,
+               values: torch.Tensor | None = None) -> dict[str, float]:
+        """Old/ref log-probs and the num_iterations optimizer steps on a scored batch (the global batch: every
+        rank passes the same one; PPO: `values`, V_old); the update statistics, reduced over ranks."""
         cfg = self.cfg
         timings = Timings() if timings is None else timings
         correct = corrects_sampler(cfg, batch.rollout)
@@ -386,7 +387,7 @@ class Trainer:
         is_weights, is_metrics = (sampler_weights(cfg, batch.rollout, D.all_reduce_tensor(self.dist, old_logp))
                                   if correct else (None, {}))  # old_logp summed over ranks: the whole batch
         update = UpdateBatch(batch.rollout, advantages, loss_mask(cfg, batch.rollout), old_logp, ref_logp, is_weights,
-                             self.step)
+                             self.step, value_targets(cfg, batch.rewards, batch.rollout.action_mask, values))
         stats: dict[str, float] = {}
         skipped = 0  # optimizer steps skipped for a non-finite loss or gradient
         with timings.stage("update"):
@@ -419,10 +420,10 @@ class Trainer:
     # ------------------------------------------------------------------ run health
     def respond_to_alarms(self, metrics: dict[str, Any], progress: Progress | None = None, *,
                           final: bool = False, log: bool = False) -> str | None:
-        """Report the pending alarms (console, `alarms` in `metrics`, examples in samples.jsonl) and
-        carry out what the guard decides from on_reward_hacking / on_collapse (guard.py): roll back
-        here, or return why the run must stop. `log`: `metrics`, if the alarms filled it, is a row of
-        its own in metrics.jsonl at this step (an eval's alarms)."""
+        """Report the pending alarms (console, `alarms` in `metrics`, examples in samples.jsonl) and carry out what
+        the guard decides from on_reward_hacking / on_collapse (guard.py): roll back here, or return why the run
+        must stop. `log`: `metrics`, if the alarms filled it, is a row of its own in metrics.jsonl at this step
+        (an eval's alarms)."""
         response = self.guard.respond(self.step, metrics, self.logger, progress, final=final)
         if response.rollback:
             metrics.update(self.rollback())
@@ -432,9 +433,9 @@ class Trainer:
         return response.stop
 
     def rollback(self) -> dict[str, float]:
-        """on_collapse: rollback: the policy and optimizer go back to a snapshot from before the
-        collapse, the learning rate is scaled (guard.py); the engine samples the restored policy, and
-        (async) the batches generated ahead by the collapsed one are dropped."""
+        """on_collapse: rollback: the policy and optimizer go back to a snapshot from before the collapse, the
+        learning rate is scaled (guard.py); the engine samples the restored policy, and (async) the batches
+        generated ahead by the collapsed one are dropped."""
         out = self.guard.restore(self.step, self.model, self.optimizer, self.scheduler)
         if self.rollouts.depth:  # async: batches the collapsed policy sampled are not trained on
             out["rollback/discarded_batches"] = self.rollouts.discard()
@@ -444,16 +445,15 @@ class Trainer:
 
     # ------------------------------------------------------------------ eval
     def evaluate(self, dataset: Dataset | None = None, batch_size: int = 64) -> dict[str, float]:
-        """The eval_metrics on `dataset` (default: the eval set), read from the accuracy reward
-        (default: the first reward function): `accuracy`, `mean@k`, `pass@k`, `maj@k`, `reward_mean`,
-        `rewards/NAME` (evaluation.py defines each). Under torchrun each rank evaluates every K-th
-        prompt and the sums are summed."""
+        """The eval_metrics on `dataset` (default: the eval set), read from the accuracy reward (default: the first
+        reward function): `accuracy`, `mean@k`, `pass@k`, `maj@k`, `reward_mean`, `rewards/NAME` (evaluation.py
+        defines each). Under torchrun each rank evaluates every K-th prompt and the sums are summed."""
         return run_evaluation(self, dataset if dataset is not None else self.eval_ds, batch_size)
 
     def preflight(self, num_prompts: int = 64, samples_per_prompt: int | None = None) -> dict[str, Any]:
-        """What GRPO would learn from `num_prompts` training prompts, each sampled G times (or
-        `samples_per_prompt`, a multiple of G) with the current policy; rank 0 writes preflight.json
-        and preflight.png into output_dir. preflight.py explains every number."""
+        """What GRPO would learn from `num_prompts` training prompts, each sampled G times (or `samples_per_prompt`,
+        a multiple of G) with the current policy; rank 0 writes preflight.json and preflight.png into output_dir.
+        preflight.py explains every number."""
         return run_preflight(self, num_prompts, samples_per_prompt)
 
     def _log_eval(self, step: int, progress: Progress) -> dict[str, float]:
@@ -484,7 +484,7 @@ class Trainer:
     def _checkpointed(self) -> TrainingParts:
         """The parts of this run a checkpoint holds."""
         return TrainingParts(self.model, self.optimizer, self.scheduler, None if self.ref is None else self.ref.model,
-                             self.generator, self.sampler, self.guard, self.prompt_filter)
+                             self.generator, self.sampler, self.guard, self.prompt_filter, self.updater.value_head)
 
     def close(self) -> None:
         """Release the generation engine (a colocated vLLM engine's memory); call once done."""

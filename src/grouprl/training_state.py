@@ -1,11 +1,11 @@
 """A run's state in a checkpoint: captured from the parts of the run (`save_training_state`) and
 put back into them (`restore_training_state`); checkpoint.py writes and reads the files, atomically.
 
-What goes in: the trainable weights (the reference's too in DeepSeekMath's iterative mode), the
-optimizer and scheduler, every rank's random states, the prompt sampler, the run guard, the prompt
-filter, and where the loop stands (`LoopState`: step, eval results, an eval still due, the best
-eval). Under FSDP2 rank 0 writes whole state dicts gathered from every rank, and on resume every
-rank reads the whole weights and keeps its shard.
+What goes in: the trainable weights (the reference's too in DeepSeekMath's iterative mode), PPO's
+value head (value.py), the optimizer and scheduler, every rank's random states, the prompt sampler,
+the run guard, the prompt filter, and where the loop stands (`LoopState`: step, eval results, an
+eval still due, the best eval). Under FSDP2 rank 0 writes whole state dicts gathered from every
+rank, and on resume every rank reads the whole weights and keeps its shard.
 
 On resume the config may have changed since the run began: the changes are logged, and a new
 `learning_rate` scales the restored schedule (the schedule's shape stays, at the new rate).
@@ -48,6 +48,7 @@ class TrainingParts:
     sampler: Stateful                  # the prompt order (data.PromptSampler)
     guard: Stateful                    # run health (guard.RunGuard)
     prompt_filter: Stateful | None     # prompt_filter.PromptFilter, when on
+    value_head: torch.nn.Module | None = None  # PPO's value head (value.py), when on
 
 
 @dataclass
@@ -74,6 +75,7 @@ def save_training_state(cfg: TrainConfig, dist: D.DistContext, parts: TrainingPa
         "rng_by_rank": rng, "sharded_optimizer": D.is_sharded(parts.model), "eval_pending": loop.eval_pending,
         "guard": parts.guard.state_dict(), "best": loop.best, "learning_rate": cfg.learning_rate,
         "prompt_filter": None if parts.prompt_filter is None else parts.prompt_filter.state_dict(),
+        "value_head": None if parts.value_head is None else parts.value_head.state_dict(),
     }
     path = checkpoint_path(cfg.output_dir, loop.step)
     if dist.is_main:
@@ -100,6 +102,12 @@ def restore_training_state(cfg: TrainConfig, dist: D.DistContext, parts: Trainin
             D.load_full_state(parts.ref_model, ref_weights)
     else:
         state = load_checkpoint(ckpt, parts.model, parts.ref_model)
+    if (parts.value_head is not None) != (state.get("value_head") is not None):  # before the optimizer's groups
+        raise ConfigError(f"checkpoint {ckpt} was written " + ("without" if parts.value_head else "with")
+                          + " a value head (value_head): resume with the run's own algorithm, or start a new run "
+                          "from its model folder (model: .../checkpoints/step-N/model)")
+    if parts.value_head is not None:
+        parts.value_head.load_state_dict(state["value_head"])
     if state.get("sharded_optimizer", False) != sharded:
         raise ConfigError(f"checkpoint {ckpt} was written with distributed_strategy="
                           f"{'fsdp2' if not sharded else 'ddp'}: resume with the same strategy")

@@ -33,9 +33,10 @@ from grouprl.core import LossParams, batch_normalizer, policy_loss
 from grouprl.micro_batches import MicroBatchPlanner, UpdateBatch
 from grouprl.objective import loss_token_weights
 from grouprl.packing import supports_packing
-from grouprl.policy import activation_checkpointing, can_share_prompts, completion_logprobs
+from grouprl.policy import activation_checkpointing, can_share_prompts, completion_forward, completion_logprobs
 from grouprl.rollout import Rollout
 from grouprl.update_stats import UpdateSums
+from grouprl.value import add_value_loss, make_value_head
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +56,7 @@ def make_policy_update(cfg: TrainConfig, model: torch.nn.Module, train_model: to
     share_min_tokens = 0 if packed else cfg.share_prompt_min_tokens if shared else None
     planner = MicroBatchPlanner(dist, packed=packed, share_min_tokens=share_min_tokens, auto_budget=auto_budget)
     return PolicyUpdate(model, train_model, dist, autocast=autocast, planner=planner,
-                        checkpoint_over_budget=checkpoint_over_budget)
+                        checkpoint_over_budget=checkpoint_over_budget, value_head=make_value_head(cfg, model, dist))
 
 
 class PolicyUpdate:
@@ -65,12 +66,14 @@ class PolicyUpdate:
     shards in place, so the same module); `autocast` the matmul dtype (None: fp32); `planner` how
     a batch is cut into passes (micro_batches.py: packed or padded, prompt sharing, the token
     budget); `checkpoint_over_budget`: whether a pass over the budget checkpoints its activations
-    (`gradient_checkpointing: auto` on CPU; on CUDA the model checkpoints every pass): memory.py."""
+    (`gradient_checkpointing: auto` on CPU; on CUDA the model checkpoints every pass): memory.py.
+    `value_head`: PPO's value head (value.py), trained in the same passes; None without one."""
 
     def __init__(self, model: torch.nn.Module, train_model: torch.nn.Module, dist: D.DistContext, *,
-                 autocast: torch.dtype | None, planner: MicroBatchPlanner, checkpoint_over_budget: bool = True):
+                 autocast: torch.dtype | None, planner: MicroBatchPlanner, checkpoint_over_budget: bool = True,
+                 value_head: torch.nn.Module | None = None):
         self.model, self.train_model, self.dist, self.autocast = model, train_model, dist, autocast
-        self.planner, self.checkpoint_over_budget = planner, checkpoint_over_budget
+        self.planner, self.checkpoint_over_budget, self.value_head = planner, checkpoint_over_budget, value_head
 
     @torch.no_grad()
     def logprobs(self, model: torch.nn.Module, rollout: Rollout, cfg: TrainConfig) -> torch.Tensor:
@@ -84,6 +87,22 @@ class PolicyUpdate:
                 logp, _ = completion_logprobs(model, mb, temperature=cfg.temperature, autocast_dtype=self.autocast,
                                               packed=self.planner.packed)
                 out[rows, : logp.shape[1]] = logp.float().cpu()
+        return out
+
+    @torch.no_grad()
+    def values(self, rollout: Rollout, cfg: TrainConfig) -> torch.Tensor | None:
+        """The value head's estimates [N, T] of the rollout under the current policy (PPO's V_old);
+        None without a value head."""
+        if self.value_head is None:
+            return None
+        out = torch.zeros(rollout.completion_ids.shape, dtype=torch.float32)  # [N, T]
+        for rows, weight in self.planner.plan(rollout, cfg):
+            if weight == 0:
+                continue
+            mb = self.planner.micro_batch(rollout, rows)
+            _, _, v = completion_forward(self.model, mb, temperature=cfg.temperature, autocast_dtype=self.autocast,
+                                         packed=self.planner.packed, value_head=self.value_head)  # [n, T']
+            out[rows, : v.shape[1]] = v.float().cpu()
         return out
 
     def optimizer_step(self, batch: UpdateBatch, optimizer: torch.optim.Optimizer, scheduler: LRScheduler,
@@ -104,19 +123,22 @@ class PolicyUpdate:
             with D.grad_sync(self.train_model, i == len(plan) - 1), \
                     activation_checkpointing(self.model, over_budget and self.checkpoint_over_budget
                                              and cfg.gradient_checkpointing == "auto"):
-                logp, entropy = completion_logprobs(self.train_model, mb, temperature=cfg.temperature,
-                                                    autocast_dtype=self.autocast, with_entropy=with_entropy or bonus,
-                                                    entropy_grad=bonus, packed=packed)  # [n, T'] each
+                logp, entropy, values = completion_forward(
+                    self.train_model, mb, temperature=cfg.temperature, autocast_dtype=self.autocast,
+                    with_entropy=with_entropy or bonus, entropy_grad=bonus, packed=packed,
+                    value_head=self.value_head)  # [n, T'] each
                 part = batch.part(rows, logp.shape[1], logp.device)  # the batch's [n, T'] slices
                 weights, mask_stats = loss_token_weights(cfg, logp, entropy, part)
                 loss, stats = policy_loss(logp, logp.detach() if part.old_logp is None else part.old_logp,
                                           part.advantages, part.loss_mask, params=loss_params, ref_logp=part.ref_logp,
                                           normalizer=normalizer, token_weights=weights, entropy=entropy)
+                loss, stats = add_value_loss(loss, stats, values, part.old_values, part.returns, part.loss_mask, cfg,
+                                             normalizer)  # PPO: + vf_coef * the value loss (value.py)
                 (loss * (weight * K)).backward()
             acts = None if entropy is None else part.take(rollout.action_mask)  # [n, T']
             sums.add(weight, loss.item(), {**stats, **mask_stats},
                      None if entropy is None else float(entropy.detach()[acts].sum()))
-        params = [p for p in self.model.parameters() if p.requires_grad]
+        params = [p for m in (self.model, self.value_head) if m is not None for p in m.parameters() if p.requires_grad]
         # both are global, so every rank decides alike: the norm is taken over gradients DDP already
         # summed (FSDP2: reduced over the shards), the loss is summed over ranks
         grad_norm = D.local_value(torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm or math.inf))

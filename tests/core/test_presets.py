@@ -5,6 +5,7 @@ import torch
 
 from grouprl.core import (
     ADVANTAGE_ESTIMATORS,
+    AdvantageInputs,
     LOSS_AGGREGATIONS,
     PRESET_KEYS,
     PRESETS,
@@ -19,7 +20,7 @@ from grouprl.core import (
 TABLE = {
     # name: (estimator, scale, agg, eps_low, eps_high, beta, ratio level, dynamic sampling, overlong,
     #        loss type, multi-objective aggregation, top-entropy quantile, off-policy mask δ,
-    #        distillation λ, the verifier advantages' weight when distilling)
+    #        distillation λ, the verifier advantages' weight when distilling, value head)
     "grpo": ("grpo", "group", "seq-mean-token-mean", 0.2, 0.2, 0.04, "token", False, False),
     "dr_grpo": ("grpo", "none", "seq-mean-token-sum-norm", 0.2, 0.2, 0.0, "token", False, False),
     "dapo": ("grpo", "group", "token-mean", 0.2, 0.28, 0.0, "token", True, True),
@@ -40,8 +41,10 @@ TABLE = {
     "grpo_passk": ("grpo_passk", "none", "token-mean", 0.2, 0.2, 0.0, "token", False, False),
     "on_policy_distill": ("grpo", "group", "token-mean", 0.2, 0.2, 0.0, "token", False, False, "clip",
                           "sum_then_normalize", 1.0, None, 1.0, 0.0),
+    "ppo": ("gae", "batch", "token-mean", 0.2, 0.2, 0.0, "token", False, False, "clip", "sum_then_normalize", 1.0,
+            None, 0.0, 1.0, True),
 }
-DEFAULTS = ("clip", "sum_then_normalize", 1.0, None, 0.0, 1.0)  # loss type .. reward weight when not listed
+DEFAULTS = ("clip", "sum_then_normalize", 1.0, None, 0.0, 1.0, False)  # loss type .. value head when not listed
 
 
 def row(name):
@@ -58,7 +61,7 @@ def test_exact_keys_and_names():
     assert set(PRESETS) == set(TABLE)
     assert PRESET_KEYS == ("estimator", "scale", "agg", "eps_low", "eps_high", "beta", "ratio_level",
                            "dynamic_sampling", "overlong_shaping", "loss_type", "multi_objective", "entropy_quantile",
-                           "off_policy_threshold", "distill_coef", "distill_reward_coef")
+                           "off_policy_threshold", "distill_coef", "distill_reward_coef", "value_head")
     for preset in PRESETS.values():
         assert tuple(preset) == PRESET_KEYS
 
@@ -69,7 +72,11 @@ def test_preset_values_drive_the_core(name):
     assert p["estimator"] in ADVANTAGE_ESTIMATORS
     assert p["agg"] in LOSS_AGGREGATIONS and p["ratio_level"] in RATIO_LEVELS
     rewards = torch.tensor([1.0, 0.0, 0.0, 0.0, 1.0, 1.0])
-    adv = compute_advantages(p["estimator"], rewards, 3, scale=p["scale"])  # [N]
+    if p["value_head"]:  # GAE reads a value function's estimates: here V = 0.5 on every token
+        inputs = AdvantageInputs(rewards, 3, values=torch.full((6, 4), 0.5), token_mask=torch.ones(6, 4, dtype=bool))
+        adv = ADVANTAGE_ESTIMATORS.get(p["estimator"])(inputs, scale=p["scale"], eps=1e-4, unbiased=True)  # [N, T]
+    else:
+        adv = compute_advantages(p["estimator"], rewards, 3, scale=p["scale"])  # [N]
     logp = -torch.rand(6, 4, generator=torch.Generator().manual_seed(0), requires_grad=True)
     loss, stats = policy_loss(logp, logp.detach(), adv, torch.ones(6, 4), eps_low=p["eps_low"],
                               eps_high=p["eps_high"], ratio_level=p["ratio_level"],
@@ -85,8 +92,8 @@ def test_get_preset_returns_a_copy():
 
 
 def test_unknown_preset_lists_known():
-    with pytest.raises(ValueError, match="unknown algorithm preset 'ppo'.*grpo, dr_grpo, dapo, gspo, rloo"):
-        get_preset("ppo")
+    with pytest.raises(ValueError, match="unknown algorithm preset 'trpo'.*grpo, dr_grpo, dapo, gspo, rloo"):
+        get_preset("trpo")
 
 
 def test_bnpo_is_token_mean_over_the_whole_batch():

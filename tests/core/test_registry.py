@@ -69,7 +69,8 @@ def test_factories_are_marked_at_registration_and_unmarked_with_their_entry():
 
 
 @pytest.mark.parametrize("registry, names", [
-    (core.ADVANTAGE_ESTIMATORS, ("grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "grpo_passk", "process")),
+    (core.ADVANTAGE_ESTIMATORS, ("grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "grpo_passk", "process",
+                                 "gae")),
     (core.MULTI_OBJECTIVE_AGGREGATIONS, ("sum_then_normalize", "normalize_then_sum")),
     (core.LOSS_TYPES, ("clip", "cispo", "sapo", "gmpo")),
     (core.RATIO_LEVELS, ("token", "sequence")),

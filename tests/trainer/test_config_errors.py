@@ -37,7 +37,7 @@ def no_model_loading(monkeypatch):
     ({"model": "./no/such/model"}, "model='./no/such/model' does not exist: check the path"),
     ({"tokenizer": "./no/such/tokenizer"}, "tokenizer='./no/such/tokenizer' does not exist: check the path"),
     ({"eval_data": "missing/eval.jsonl"}, "eval_data='missing/eval.jsonl' does not exist: check the path"),
-    ({"algorithm": "ppo"}, "algorithm='ppo' is unknown: choose one of bnpo, cispo, dapo, dr_grpo, gdpo, gmpo, grpo, "),
+    ({"algorithm": "trpo"}, "algorithm='trpo' is unknown: choose one of bnpo, cispo, dapo, dr_grpo, gdpo, gmpo, grpo"),
     ({"loss_agg": "mean"}, "loss_agg='mean' is not one of"),
     ({"reward_weights": [1.0, 2.0]}, "reward_weights has 2 values but reward_funcs has 1"),
     ({"learning_rate": "fast"}, "learning_rate='fast' has the wrong type: expected float"),

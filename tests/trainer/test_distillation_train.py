@@ -88,9 +88,9 @@ def test_the_loss_gets_the_teacher_signal_mixed_with_the_reward_advantages(make_
     trainer = Trainer(cfg)
     real_update = trainer.update
 
-    def spy_update(batch, advantages, timings=None):  # the policy as it sampled: before this step's update
+    def spy_update(batch, advantages, *rest):  # the policy as it sampled: before this step's update
         seen.append((batch, advantages.clone(), sequence_logprobs(trainer.model, batch.rollout, cfg.temperature)))
-        return real_update(batch, advantages, timings)
+        return real_update(batch, advantages, *rest)
 
     trainer.update = spy_update
     trainer.train()

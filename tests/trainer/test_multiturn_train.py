@@ -38,16 +38,16 @@ def test_context_tokens_carry_no_gradient_and_do_not_change_the_actions_gradient
     trainer = Trainer(make_cfg(num_generations=2, prompts_per_step=1, micro_batch_size=2, loss_agg="token-mean",
                                beta=0.0))
     captured = []
-    real = update_module.completion_logprobs
+    real = update_module.completion_forward
 
     def spy(*args, **kwargs):
-        logp, entropy = real(*args, **kwargs)
+        logp, entropy, values = real(*args, **kwargs)
         if logp.requires_grad:
             logp.retain_grad()
             captured.append(logp)
-        return logp, entropy
+        return logp, entropy, values
 
-    monkeypatch.setattr(update_module, "completion_logprobs", spy)
+    monkeypatch.setattr(update_module, "completion_forward", spy)
     weights = copy.deepcopy(trainer.model.state_dict())
     grads, logps = [], []
     for context in ([10, 11, 12, 13], [70, 20, 90, 40]):

@@ -52,8 +52,8 @@ def test_the_loss_gets_process_advantages_of_the_step_and_outcome_rewards(make_c
     seen, to_loss = [], []
     real_step_advantages, real_policy_loss = trainer_module.step_advantages, update_module.policy_loss
 
-    def spy_advantages(cfg, batch):
-        adv = real_step_advantages(cfg, batch)
+    def spy_advantages(cfg, batch, values=None):
+        adv = real_step_advantages(cfg, batch, values)
         seen.append((batch, adv.cpu()))
         return adv
 

@@ -63,7 +63,7 @@ def test_step_advantages_looks_the_estimator_up(make_cfg, sign_estimator):
 
 def test_unknown_names_list_the_registered_ones_and_how_to_register(make_cfg, reinforce_term):
     with pytest.raises(ConfigError, match=r"advantage_estimator='ppo' is not one of: grpo, rloo, reinforce_pp, "
-                                          r"reinforce_pp_baseline, grpo_passk, process; register a new one with "
+                                          r"reinforce_pp_baseline, grpo_passk, process, gae; register a new one with "
                                           r"@grouprl.core.register_advantage_estimator\(name\)"):
         make_cfg(advantage_estimator="ppo").validate()
     with pytest.raises(ConfigError, match="loss_type='ppo' is not one of: clip, cispo, sapo, gmpo, test_reinforce; "

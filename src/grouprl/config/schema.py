@@ -96,15 +96,16 @@ class TrainFields:
     # ------------------------------------------------------------ algorithm
     algorithm: str = "grpo"
     """Preset: grpo | dr_grpo | dapo | gspo | gmpo | rloo | cispo | sapo | bnpo | gdpo | top_entropy |
-    opsm | reinforce_pp | reinforce_pp_baseline | grpo_passk | on_policy_distill (README's algorithm
-    table; on_policy_distill needs teacher_model). Every field below overrides it."""
+    opsm | reinforce_pp | reinforce_pp_baseline | grpo_passk | on_policy_distill | ppo (README's
+    algorithm table; on_policy_distill needs teacher_model). Every field below overrides it."""
     advantage_estimator: str | None = None
     """`grpo` (group-relative, see scale_rewards), `rloo` (leave-one-out), `reinforce_pp` (whitened
     over the batch), `reinforce_pp_baseline` (group mean removed, then the batch std), `grpo_passk`
     (only each group's best completion: r_max - r_second_max), or `process` (process supervision,
     DeepSeekMath 4.1.3: reward functions may return step rewards; each token's advantage is the sum
     of the normalised rewards of the steps ending at or after it, the outcome reward counting as a
-    final step). Preset by algorithm."""
+    final step), or `gae` (PPO: generalised advantage estimation over the tokens from the value
+    head's estimates, needs value_head; see gamma, lam). Preset by algorithm."""
     scale_rewards: str | None = None
     """Divide centred rewards by the std of the `group`, of the whole `batch`, or `none` (Dr. GRPO).
     The reinforce_pp estimators normalise over the batch: `batch` or `none`."""
@@ -132,6 +133,24 @@ class TrainFields:
     """DeepSeek-V3.2: drop completions with negative advantage whose mean log(pi_sampler/pi_theta)
     per token exceeds this (TRL suggests 0.5); None: off. Acts only off-policy (num_iterations > 1,
     or a sampler with its own log-probs such as vLLM)."""
+    value_head: bool | None = None
+    """PPO's learned value function: a linear layer on the policy's last hidden state (one forward for
+    log-probs and values, H+1 more parameters), trained with the policy by vf_coef times the value
+    loss; advantage_estimator gae reads it, and needs it. Preset by algorithm (ppo: true)."""
+    gamma: float = 1.0
+    """GAE discount over completion tokens (advantage_estimator gae); 1: the outcome reward undiscounted."""
+    lam: float = 0.95
+    """GAE lambda (advantage_estimator gae): 1 is the Monte-Carlo return minus the value, 0 the
+    one-step TD error."""
+    value_learning_rate: float | None = None
+    """Learning rate of the value head (value_head; its own optimizer group, on the same schedule);
+    null: 10 x learning_rate (the critic/actor ratio of verl's PPO examples: the head starts at zero,
+    and at the policy's rate it barely moves in a short run)."""
+    vf_coef: float = 0.1
+    """Weight of the value loss added to the policy loss (value_head)."""
+    cliprange_value: float | None = 0.2
+    """Value-loss clipping (value_head): the new value prediction is clipped to old value +- this in
+    the clipped term of max((v - R)^2, (v_clip - R)^2); null: no clipping."""
     loss_agg: str | None = None
     """How token losses become one number: seq-mean-token-mean | token-mean | seq-mean-token-sum |
     seq-mean-token-sum-norm. Normalised over the whole optimizer batch."""

@@ -33,7 +33,7 @@ PRESET_FIELDS = {"estimator": "advantage_estimator", "scale": "scale_rewards", "
                  "overlong_shaping": "overlong_shaping", "loss_type": "loss_type",
                  "multi_objective": "multi_objective_aggregation", "entropy_quantile": "top_entropy_quantile",
                  "off_policy_threshold": "off_policy_mask_threshold", "distill_coef": "distill_coef",
-                 "distill_reward_coef": "distill_reward_coef"}
+                 "distill_reward_coef": "distill_reward_coef", "value_head": "value_head"}
 """The field each key of a preset (grouprl.core.PRESETS, core's parameter names) fills."""
 
 
@@ -242,6 +242,7 @@ def _check_variants(c: TrainFields) -> None:
             raise ConfigError("overlong_shaping with multi_objective_aggregation=normalize_then_sum: the length "
                               "penalty is added to the summed reward, which GDPO does not use; set "
                               "overlong_shaping: false, or write the penalty as a reward function")
+    _check_value_function(c)
     if not 0 < c.top_entropy_quantile <= 1:
         raise ConfigError(f"top_entropy_quantile={c.top_entropy_quantile} must be in (0, 1] (the paper "
                           "keeps the top 0.2 of tokens by entropy; 1 keeps all)")
@@ -338,3 +339,29 @@ def _check_tools(c: TrainFields) -> None:
     if (c.tools or c.environment) and c.ignore_eos:
         raise ConfigError("ignore_eos=true with tools or an environment: a multi-turn rollout ends each turn at "
                           "EOS; set ignore_eos: false")
+
+
+def _check_value_function(c: TrainFields) -> None:
+    """PPO's value head and GAE go together; their numbers in range."""
+    if c.advantage_estimator == "gae" and not c.value_head:
+        raise ConfigError("advantage_estimator=gae reads a learned value function and value_head is false: "
+                          "set value_head: true (algorithm: ppo sets both), or choose a critic-free estimator "
+                          "such as grpo")
+    if c.value_head and c.advantage_estimator != "gae":
+        raise ConfigError(f"value_head: true trains a value function that advantage_estimator="
+                          f"{c.advantage_estimator} never reads: set advantage_estimator: gae (PPO), or "
+                          "value_head: false")
+    if c.advantage_estimator == "gae" and c.scale_rewards == "group":
+        raise ConfigError("advantage_estimator=gae has no group baseline (the value function is the baseline): "
+                          "set scale_rewards: batch (whiten over the batch's tokens) or none")
+    for name in ("gamma", "lam"):
+        if not 0 <= getattr(c, name) <= 1:
+            raise ConfigError(f"{name}={getattr(c, name)} must be in [0, 1] (GAE's discount and lambda)")
+    if not c.vf_coef > 0:
+        raise ConfigError(f"vf_coef={c.vf_coef} must be positive: it weights the value loss (the value head "
+                          "learns nothing at 0)")
+    if c.value_learning_rate is not None and not c.value_learning_rate > 0:
+        raise ConfigError(f"value_learning_rate={c.value_learning_rate} must be positive, or null for "
+                          "10 x learning_rate")
+    if c.cliprange_value is not None and not c.cliprange_value > 0:
+        raise ConfigError(f"cliprange_value={c.cliprange_value} must be positive, or null for no value clipping")

@@ -1,6 +1,7 @@
-"""Pure tensor math of the GRPO family: advantages (on-policy distillation's too), KL estimators,
-policy terms and the policy loss, loss aggregation, token masks, log-probs, presets, and the
-sampler/trainer importance-sampling correction. The formulas and their sources: docs/algorithms.md.
+"""Pure tensor math of the GRPO family (and PPO's GAE and value loss): advantages (on-policy
+distillation's too), KL estimators, policy terms and the policy loss, loss aggregation, token masks,
+log-probs, presets, and the sampler/trainer importance-sampling correction. The formulas and their
+sources: docs/algorithms.md.
 
 No model, no config object, no torch.distributed, no I/O; nothing else from grouprl is imported.
 Every variant is a function in a ``Registry`` (registry.py) under the name the config uses.
@@ -20,6 +21,7 @@ from .advantages import (
     zero_std_groups,
 )
 from .process_advantages import process_advantages
+from .gae import gae_advantages, outcome_token_rewards, value_loss
 from .distillation import DISTILL_SIGNALS, distill_advantages, distill_stats, reverse_kl_signal
 from .multi_objective import MULTI_OBJECTIVE_AGGREGATIONS, normalize_then_sum, sum_then_normalize
 from .importance import IS_MODES, importance_weights, register_is_mode
@@ -54,12 +56,14 @@ __all__ = [
     "compute_advantages",
     "distill_advantages",
     "distill_stats",
+    "gae_advantages",
     "get_preset",
     "group_advantages",
     "importance_weights",
     "kl_estimate",
     "normalize_then_sum",
     "off_policy_sequence_mask",
+    "outcome_token_rewards",
     "overlong_penalty",
     "passk_advantages",
     "policy_loss",
@@ -79,5 +83,6 @@ __all__ = [
     "token_logprobs",
     "token_logprobs_and_entropy",
     "top_entropy_mask",
+    "value_loss",
     "zero_std_groups",
 ]

@@ -76,6 +76,10 @@ class AdvantageInputs:
     step_rewards: Sequence[Sequence[float]] | None = None  # [N][K_i] process steps (the outcome the last)
     step_ends: Sequence[Sequence[int]] | None = None       # [N][K_i] token index of each step's last token
     num_tokens: int | None = None             # T, the completions' padded length (per-token estimators)
+    values: Tensor | None = None              # [N, T] a value function's estimates V_old (gae, gae.py)
+    token_mask: Tensor | None = None          # [N, T] bool: the action tokens (gae's steps)
+    gamma: float = 1.0                        # gae's discount
+    lam: float = 1.0                          # gae's λ
 
 
 AdvantageEstimator = Callable[..., Tensor]  # fn(inputs: AdvantageInputs, *, scale, eps, unbiased) -> Tensor

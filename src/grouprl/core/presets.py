@@ -3,9 +3,9 @@
 Keys are core's own parameter names (``PRESET_KEYS``): estimator and scale (advantages.py), agg,
 eps_low, eps_high, beta, ratio_level and loss_type (loss_params.py's LossParams), multi_objective
 (multi_objective.py), entropy_quantile and off_policy_threshold (token_masks.py), distill_coef and
-distill_reward_coef (distillation.py), and the trainer's dynamic_sampling and overlong_shaping
-switches. The config maps them onto its fields (config/validate.py, ``PRESET_FIELDS``); every value
-stays overridable by the user.
+distill_reward_coef (distillation.py), and the trainer's dynamic_sampling, overlong_shaping and
+value_head switches. The config maps them onto its fields (config/validate.py, ``PRESET_FIELDS``);
+every value stays overridable by the user.
 
 preset                 advantage             loss   aggregation              ε_low/ε_high  β     extras
 ---------------------  --------------------  -----  -----------------------  ------------  ----  -----------------------
@@ -25,6 +25,7 @@ reinforce_pp           batch mean / std      clip   token-mean               0.2
 reinforce_pp_baseline  group mean/batch std  clip   token-mean               0.2 / 0.2     0     —
 grpo_passk             r_max − r_2nd, best   clip   token-mean               0.2 / 0.2     0     —
 on_policy_distill      teacher − student     clip   token-mean               0.2 / 0.2     0     λ 1, rewards' weight 0
+ppo                    GAE, batch-whitened   clip   token-mean               0.2 / 0.2     0     value head
 
 Sources: DeepSeekMath (grpo), arXiv 2503.20783 (dr_grpo), arXiv 2503.14476 (dapo),
 arXiv 2507.18071 (gspo), Ahmadian et al. 2024 (rloo). rloo uses scale="none": the
@@ -54,6 +55,9 @@ leave-one-out advantage unscaled, as in the paper.
   distill_coef λ = 1 and distill_reward_coef 0 (the verifier rewards still scored and logged, not
   learned from); token-mean, so every sampled token's KL counts alike; β = 0, the teacher is the anchor.
   It needs teacher_model (config validation says so). Every other preset has λ = 0, reward weight 1.
+- ppo: Schulman et al. 2017 with GAE (Schulman et al. 2016, gae.py): a value head on the policy's
+  last hidden state (grouprl/value.py) is the baseline; advantages whitened over the batch's tokens
+  and no KL, as verl's PPO defaults (use_kl_in_reward and use_kl_loss off); token-mean as verl.
 - grpo_passk: arXiv 2503.19595 as verl implements it; unscaled as in the paper (verl divides by the
   group std by default: scale_rewards="group"); token-mean as verl's default.
 """
@@ -64,19 +68,19 @@ from typing import Any
 
 PRESET_KEYS = ("estimator", "scale", "agg", "eps_low", "eps_high", "beta", "ratio_level", "dynamic_sampling",
                "overlong_shaping", "loss_type", "multi_objective", "entropy_quantile", "off_policy_threshold",
-               "distill_coef", "distill_reward_coef")
+               "distill_coef", "distill_reward_coef", "value_head")
 
 
 def _preset(estimator: str, scale: str, agg: str, eps_low: float, eps_high: float, beta: float,
             ratio_level: str = "token", dynamic_sampling: bool = False, overlong_shaping: bool = False,
             loss_type: str = "clip", multi_objective: str = "sum_then_normalize", entropy_quantile: float = 1.0,
             off_policy_threshold: float | None = None, distill_coef: float = 0.0,
-            distill_reward_coef: float = 1.0) -> dict[str, Any]:
+            distill_reward_coef: float = 1.0, value_head: bool = False) -> dict[str, Any]:
     return dict(estimator=estimator, scale=scale, agg=agg, eps_low=eps_low, eps_high=eps_high, beta=beta,
                 ratio_level=ratio_level, dynamic_sampling=dynamic_sampling, overlong_shaping=overlong_shaping,
                 loss_type=loss_type, multi_objective=multi_objective, entropy_quantile=entropy_quantile,
                 off_policy_threshold=off_policy_threshold, distill_coef=distill_coef,
-                distill_reward_coef=distill_reward_coef)
+                distill_reward_coef=distill_reward_coef, value_head=value_head)
 
 
 PRESETS: dict[str, dict[str, Any]] = {
@@ -101,6 +105,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     "on_policy_distill": _preset("grpo", "group", "token-mean", 0.2, 0.2, 0.0, distill_coef=1.0,
                                  distill_reward_coef=0.0),
     "gmpo": _preset("grpo", "group", "seq-mean-token-mean", 0.4, 0.4, 0.0, loss_type="gmpo"),
+    "ppo": _preset("gae", "batch", "token-mean", 0.2, 0.2, 0.0, value_head=True),
 }
 
 

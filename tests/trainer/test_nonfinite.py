@@ -69,8 +69,8 @@ def test_nan_advantages_skip_the_step_and_the_run_goes_on(schedule_cfg, tmp_path
     trainer = Trainer(schedule_cfg)
     original = trainer.advantages
 
-    def nan_at_bad_step(batch):
-        adv = original(batch)  # [N]
+    def nan_at_bad_step(batch, *rest):
+        adv = original(batch, *rest)  # [N]
         return torch.full_like(adv, math.nan) if trainer.step == BAD_STEP else adv
 
     trainer.advantages = nan_at_bad_step

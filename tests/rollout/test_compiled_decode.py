@@ -18,6 +18,7 @@ from grouprl.rollout.llama_decoder import FastDecoder
 from grouprl.rollout.sampling import counter_uniforms, uniform_table
 from grouprl.rollout.types import left_pad_prompts
 from grouprl.tasks.testing import build_char_tokenizer, build_tiny_model
+from tests.rollout.conftest import short_prompts
 
 T = 40
 SAMPLED = SamplingParams(T, temperature=1.5, top_k=40, top_p=0.95)
@@ -70,27 +71,16 @@ def test_counter_uniforms_look_uniform_and_independent():
     assert not torch.equal(u[:5, :5], uniform_table(124, 5, 5, torch.device("cpu")))
 
 
-@pytest.fixture(scope="module")
-def tiny():
-    model, tok = build_tiny_model("tiny", seed=3)
-    return model.eval(), tok
-
-
-def _prompts(tok):
-    texts = ["What is 1+2? ", "x", "Hi there", "abc", "7*8=", "Hello, world", "q", "zz top"]
-    return [tok(t)["input_ids"] for t in texts]
-
-
 def _stops(tok):
     return (tok.eos_token_id, *tok.convert_tokens_to_ids(list("|}y<6")))
 
 
-def test_a_row_draws_the_same_tokens_whatever_else_is_in_its_batch(tiny):
+def test_a_row_draws_the_same_tokens_whatever_else_is_in_its_batch(model_and_tok):
     """A row's numbers depend on (seed, its row in the call, step) only: the first prompt's
     completions are the same next to other prompts whose rows finish at other steps."""
-    model, tok = tiny
+    model, tok = model_and_tok
     engine = HFEngine(model, _stops(tok), tok.pad_token_id)
-    p = _prompts(tok)
+    p = short_prompts(tok)
     a = engine.generate([p[0], p[1], p[2]], 2, SAMPLED, torch.Generator().manual_seed(5))
     b = engine.generate([p[0], p[5]], 2, SAMPLED, torch.Generator().manual_seed(5))
     assert torch.equal(a.completion_ids[:2], b.completion_ids[:2])
@@ -121,33 +111,35 @@ def _assert_same(eager, compiled):
     assert torch.equal(eager.truncated, compiled.truncated)
 
 
-def test_compiled_sampling_draws_the_eager_tokens_as_rows_finish_and_leave(tiny, compiles, monkeypatch):
+def test_compiled_sampling_draws_the_eager_tokens_as_rows_finish_and_leave(model_and_tok, compiles, monkeypatch):
     """Temperature, top-k and top-p under one seed; six stop tokens make rows finish at different
     steps, so the compiled loop masks finished rows, moves the live ones into smaller batches and
     reads the finished flags only every 4 steps. Same tokens, lengths and truncation as eager."""
-    model, tok = tiny
+    model, tok = model_and_tok
     moves = []
-    compact = cd.StaticDecodeLoop._compact
-    monkeypatch.setattr(cd.StaticDecodeLoop, "_compact", staticmethod(
+    compact = cd.CompiledDecodeLoop._compact
+    monkeypatch.setattr(cd.CompiledDecodeLoop, "_compact", staticmethod(
         lambda dec, live, S, *a: (moves.append((live.numel(), S)), compact(dec, live, S, *a))[1]))
-    eager, compiled = _both(model, tok, SAMPLED, _prompts(tok), check_every=4)
+    eager, compiled = _both(model, tok, SAMPLED, short_prompts(tok), check_every=4)
     _assert_same(eager, compiled)
     lengths = eager.completion_mask.sum(-1)
     assert len(set(lengths.tolist())) >= 5 and 0 < int(eager.truncated.sum()) < 16  # rows ended at many steps
     assert moves and all(S == live < 16 for live, S in moves)  # CPU: exactly the live rows
 
 
-def test_compiled_greedy_equals_eager_across_cache_growth_and_reuses_its_graph(tiny, compiles, monkeypatch):
+def test_compiled_greedy_equals_eager_across_cache_growth_and_reuses_its_graph(model_and_tok, compiles,
+                                                                              monkeypatch):
     """ignore_eos with a 2-column first cache: the cache widens five times during the call; then a
     call with other prompts, other row counts and lengths runs without compiling another graph."""
-    model, tok = tiny
+    model, tok = model_and_tok
     monkeypatch.setattr(llama_decoder, "CACHE_BLOCK", 2)
     params = SamplingParams(T, greedy=True, ignore_eos=True)
-    eager, compiled = _both(model, tok, params, _prompts(tok))
+    eager, compiled = _both(model, tok, params, short_prompts(tok))
     _assert_same(eager, compiled)
     assert bool(compiled.completion_mask.all())
     frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-    eager, compiled = _both(model, tok, SamplingParams(T - 9, greedy=True, ignore_eos=True), _prompts(tok)[:3], G=3)
+    params = SamplingParams(T - 9, greedy=True, ignore_eos=True)
+    eager, compiled = _both(model, tok, params, short_prompts(tok)[:3], G=3)
     _assert_same(eager, compiled)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == frames  # nothing recompiled
 
@@ -165,7 +157,7 @@ def _llama_gqa(seed=0):
 
 def test_compiled_greedy_equals_eager_with_grouped_query_attention(compiles):
     model, tok = _llama_gqa()
-    eager, compiled = _both(model, tok, SamplingParams(T, greedy=True), _prompts(tok), G=1)
+    eager, compiled = _both(model, tok, SamplingParams(T, greedy=True), short_prompts(tok), G=1)
     _assert_same(eager, compiled)
 
 
@@ -174,7 +166,7 @@ def test_compiled_bf16_logits_stay_within_bf16_tolerance_of_the_eager_step(compi
     the same fed tokens, within a bf16 rounding of the logits' scale; the greedy tokens agree
     wherever the eager top-2 margin exceeds that tolerance."""
     model, tok = _llama_gqa(seed=1)
-    ids, mask = left_pad_prompts(_prompts(tok), tok.pad_token_id)
+    ids, mask = left_pad_prompts(short_prompts(tok), tok.pad_token_id)
     eager = FastDecoder(model, dtype=torch.bfloat16)
     comp = FastDecoder(model, dtype=torch.bfloat16)
     with torch.no_grad():
@@ -203,7 +195,7 @@ def test_compiled_bf16_logits_stay_within_bf16_tolerance_of_the_eager_step(compi
             tok_c = tok_e.clone()  # both feed the same tokens next
 
 
-def test_compiled_decoding_of_a_lora_model_equals_eager(tiny, compiles):
+def test_compiled_decoding_of_a_lora_model_equals_eager(compiles):
     """A PEFT model with nonzero LoRA adapters decodes from the merged weights in both loops."""
     peft = pytest.importorskip("peft")
     model, tok = build_tiny_model("tiny", seed=3)
@@ -214,35 +206,35 @@ def test_compiled_decoding_of_a_lora_model_equals_eager(tiny, compiles):
             if "lora_B" in name:
                 p.normal_(0, 0.2)
     lora.eval()
-    eager, compiled = _both(lora, tok, SAMPLED, _prompts(tok))
+    eager, compiled = _both(lora, tok, SAMPLED, short_prompts(tok))
     _assert_same(eager, compiled)
     plain_model = build_tiny_model("tiny", seed=3)[0].eval()  # get_peft_model changed `model` in place
-    plain = HFEngine(plain_model, _stops(tok), tok.pad_token_id).generate(_prompts(tok), 2, SAMPLED,
+    plain = HFEngine(plain_model, _stops(tok), tok.pad_token_id).generate(short_prompts(tok), 2, SAMPLED,
                                                                            torch.Generator().manual_seed(0))
     assert not torch.equal(plain.completion_ids, compiled.completion_ids)  # the adapters mattered
 
 
-def test_multiturn_continuation_with_compile_on_equals_eager(tiny, compiles):
+def test_multiturn_continuation_with_compile_on_equals_eager(model_and_tok, compiles):
     """Inside keep_conversations (the multi-turn driver) the kept caches need each row's state at
     its EOS: those calls decode eagerly, and a second turn continues from the first's caches."""
-    model, tok = tiny
+    model, tok = model_and_tok
     outs = []
     for compile in (False, True):
         engine = HFEngine(model, _stops(tok), tok.pad_token_id, compile=compile)
         gen = torch.Generator().manual_seed(0)
         with engine.keep_conversations():
-            first = engine.generate(_prompts(tok), 1, SAMPLED, gen)
-            follow = [p + c + tok("ok")["input_ids"] for p, c in zip(_prompts(tok), first.token_lists())]
+            first = engine.generate(short_prompts(tok), 1, SAMPLED, gen)
+            follow = [p + c + tok("ok")["input_ids"] for p, c in zip(short_prompts(tok), first.token_lists())]
             second = engine.generate(follow, 1, SAMPLED, gen)
         outs.append((first, second))
     for a, b in zip(*outs):
         _assert_same(a, b)
 
 
-def test_a_platform_that_cannot_compile_decodes_eagerly_with_one_warning(tiny, monkeypatch):
+def test_a_platform_that_cannot_compile_decodes_eagerly_with_one_warning(model_and_tok, monkeypatch):
     """The compile error is caught once: one RuntimeWarning naming it, the eager tokens, and no
     second try in later calls."""
-    model, tok = tiny
+    model, tok = model_and_tok
     monkeypatch.setattr(cd, "_COMPILED", {})
     monkeypatch.setattr(cd, "_FAILED", {})
     monkeypatch.setattr(cd, "_COMPILE_SECONDS", {})
@@ -253,15 +245,15 @@ def test_a_platform_that_cannot_compile_decodes_eagerly_with_one_warning(tiny, m
         raise RuntimeError("InvalidCxxCompiler: No working C++ compiler found")
 
     monkeypatch.setattr(cd.torch, "compile", lambda fn, **kw: broken)
-    eager = HFEngine(model, _stops(tok), tok.pad_token_id).generate(_prompts(tok), 2, SAMPLED,
+    eager = HFEngine(model, _stops(tok), tok.pad_token_id).generate(short_prompts(tok), 2, SAMPLED,
                                                                      torch.Generator().manual_seed(0))
     engine = HFEngine(model, _stops(tok), tok.pad_token_id, compile=True)
     with pytest.warns(RuntimeWarning, match="InvalidCxxCompiler: No working C\\+\\+ compiler found"):
-        first = engine.generate(_prompts(tok), 2, SAMPLED, torch.Generator().manual_seed(0))
+        first = engine.generate(short_prompts(tok), 2, SAMPLED, torch.Generator().manual_seed(0))
     _assert_same(eager, first)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        second = engine.generate(_prompts(tok), 2, SAMPLED, torch.Generator().manual_seed(0))
+        second = engine.generate(short_prompts(tok), 2, SAMPLED, torch.Generator().manual_seed(0))
     _assert_same(eager, second)
     assert len(calls) == 1
 
@@ -289,37 +281,37 @@ def test_auto_compiles_when_the_projected_saving_exceeds_the_compile_cost(caplog
     assert not cd.CompileChoice(False).probing()
 
 
-def test_compiled_decoding_with_onednn_packed_weights_equals_eager(tiny, compiles, monkeypatch):
+def test_compiled_decoding_with_onednn_packed_weights_equals_eager(model_and_tok, compiles, monkeypatch):
     """Models from PACK_MIN_PARAMS up decode with oneDNN-packed weights on CPU; the compiled step
     reaches them through the grouprl::packed_linear op (here the tiny model, packed by lowering
     the threshold). Same tokens as the eager packed loop."""
-    model, tok = tiny
+    model, tok = model_and_tok
     monkeypatch.setattr(llama_decoder, "PACK_MIN_PARAMS", 0)
     if not llama_decoder._can_pack(model, torch.float32, 1):
         pytest.skip("this torch build has no oneDNN packing ops")
-    eager, compiled = _both(model, tok, SAMPLED, _prompts(tok))
+    eager, compiled = _both(model, tok, SAMPLED, short_prompts(tok))
     _assert_same(eager, compiled)
 
 
-def test_generation_compile_reaches_the_engine_and_auto_decides_after_probing(tiny, make_cfg, monkeypatch):
+def test_generation_compile_reaches_the_engine_and_auto_decides_after_probing(model_and_tok, make_cfg, monkeypatch):
     """The config's generation_compile is the engine's setting (auto with the run's max_steps as
     its planned calls); a wrong value is a ConfigError naming the choices. An auto engine whose
     run is long enough compiles from its third call on."""
     from grouprl.config import ConfigError
     from grouprl.rollout.factory import make_engine
 
-    model, tok = tiny
+    model, tok = model_and_tok
     for setting, want in [("auto", "auto"), (True, True), (False, False)]:
         engine = make_engine(make_cfg(generation_compile=setting, max_steps=7), model, tok, None, None)
         assert engine.compile == want and engine.planned_calls == 7
     with pytest.raises(ConfigError, match="generation_compile='sometimes' is not one of: auto, true, false"):
         make_cfg(generation_compile="sometimes").validate()
     runs = []
-    loop = cd.StaticDecodeLoop.run
-    monkeypatch.setattr(cd.StaticDecodeLoop, "run", lambda self, *a, **k: (runs.append(1), loop(self, *a, **k))[1])
+    loop = cd.CompiledDecodeLoop.run
+    monkeypatch.setattr(cd.CompiledDecodeLoop, "run", lambda self, *a, **k: (runs.append(1), loop(self, *a, **k))[1])
     monkeypatch.setattr(cd, "COMPILE_BASE_S", 0.0)
     monkeypatch.setattr(cd, "COMPILE_PER_LAYER_S", 0.0)  # any saving pays
     engine = HFEngine(model, _stops(tok), tok.pad_token_id, compile="auto", planned_calls=10)
     for i in range(3):
-        engine.generate(_prompts(tok)[:2], 2, SAMPLED, torch.Generator().manual_seed(i))
+        engine.generate(short_prompts(tok)[:2], 2, SAMPLED, torch.Generator().manual_seed(i))
         assert len(runs) == (1 if i == 2 else 0)

@@ -54,7 +54,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from grouprl.rollout.sampling import inverse_cdf, filtered_probs
+from grouprl.rollout.sampling import filtered_probs, inverse_cdf, sample_next
 from grouprl.rollout.types import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -208,7 +208,7 @@ def compile_seconds(device_type: str) -> float | None:
     return _COMPILE_SECONDS.get(device_type)
 
 
-class StaticDecodeLoop:
+class CompiledDecodeLoop:
     """The decode loop over the compiled step: `run` takes a FastDecoder right after
     `start(..., zeroed=True)` and the first token's logits, and fills the completion buffer."""
 
@@ -217,9 +217,9 @@ class StaticDecodeLoop:
         self.check_every = check_every
 
     def run(self, dec, first_logits: torch.Tensor, params: SamplingParams, uniforms: torch.Tensor,
-            eos: torch.Tensor, pad_token_id: int, first_token) -> tuple[torch.Tensor, torch.Tensor] | None:
+            eos: torch.Tensor, pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Decode up to params.max_new_tokens tokens for the N rows of `first_logits` [N, V]; the
-        first token is `first_token(first_logits)`. Returns (completion [N, T], lengths [N]), or
+        first token is drawn eagerly with uniforms[:, 0]. Returns (completion [N, T], lengths [N]), or
         None when the step could not be compiled (the decoder's cache is then as `start` left it)."""
         device = self.device
         step = compiled_step(device)
@@ -233,7 +233,7 @@ class StaticDecodeLoop:
         spec = StepSpec(params.greedy, float(params.temperature), int(params.top_k or 0), float(params.top_p),
                         int(pad_token_id), stop)
         completion = torch.full((N + 1, T), pad_token_id, dtype=torch.long, device=device)  # row N: a dump
-        tok = first_token(first_logits)  # [N]
+        tok = sample_next(first_logits, params, u=uniforms[:, 0])  # [N]
         completion[:N, 0] = tok
 
         def slots(x: torch.Tensor, fill) -> torch.Tensor:  # [N] -> [S]

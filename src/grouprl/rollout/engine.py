@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
-from grouprl.rollout.compiled_decode import CompileChoice, StaticDecodeLoop
+from grouprl.rollout.compiled_decode import CompileChoice, CompiledDecodeLoop
 from grouprl.rollout.llama_decoder import FastDecoder
 from grouprl.rollout.sampling import draw_seed, sample_next, uniform_table
 from grouprl.rollout.types import GenerationEngine, Rollout, SamplingParams, left_pad_prompts
@@ -109,20 +109,19 @@ class HFEngine(GenerationEngine):
             keeps = kept is not None and isinstance(decoder, FastDecoder) and not params.ignore_eos
             prefix = _prefixes(kept, prompt_ids) if keeps and G == 1 else None
             fast = isinstance(decoder, FastDecoder)
-            static = fast and not keeps and self._choice.use()
+            compiled = fast and not keeps and self._choice.use()
             if prefix is not None and any(x is not None for x in prefix):
                 logits = decoder.start_from(ids, mask, T, prefix)  # [N, V]
             else:
-                logits = decoder.start(ids, mask, G, T, zeroed=True) if static else decoder.start(ids, mask, G, T)
+                logits = decoder.start(ids, mask, G, T, zeroed=True) if compiled else decoder.start(ids, mask, G, T)
             N = logits.shape[0]
             uniforms = uniform_table(seed, N, T, device)  # [N, T] float64
             out = None
-            if static:
-                out = StaticDecodeLoop(device, self.check_every).run(
-                    decoder, logits, params, uniforms, eos, self.pad_token_id,
-                    lambda first: sample_next(first, params, u=uniforms[:, 0]))
+            if compiled:
+                out = CompiledDecodeLoop(device, self.check_every).run(decoder, logits, params, uniforms, eos,
+                                                                       self.pad_token_id)
             if out is None:
-                if static:  # compiling failed: the eager loop over the same (static) cache
+                if compiled:  # compiling failed: the eager loop over the same (zeroed) cache
                     decoder.n, decoder.t = N, 0
                 started = time.perf_counter()
                 completion, lengths = self._decode_eager(decoder, logits, params, uniforms, eos, prompt_ids, G, keeps)

@@ -296,7 +296,7 @@ class FastDecoder:
     def start(self, ids: torch.Tensor, mask: torch.Tensor, G: int, max_new_tokens: int,
               zeroed: bool = False) -> torch.Tensor:
         """Prefill B left-padded prompts ids/mask [B, P] once, repeat each prompt's cache G times,
-        and return the next-token logits [B*G, V] (fp32). For compiled_decode.StaticDecodeLoop, which
+        and return the next-token logits [B*G, V] (fp32). For compiled_decode.CompiledDecodeLoop, which
         reads columns it has not written (masked): `zeroed` fills the cache with zeros."""
         B, P = ids.shape
         device = ids.device

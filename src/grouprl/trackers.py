@@ -9,7 +9,8 @@ named. Every tracker gets the same things from `RunLogger` (runlog.py):
 
 Offline: trackio always writes its local store (`TRACKIO_DIR`, default
 ~/.cache/huggingface/trackio; `trackio show` reads it); wandb with `WANDB_MODE=offline` writes
-`output_dir/wandb/offline-run-*`, which `wandb sync` uploads later; mlflow writes where
+`output_dir/wandb/offline-run-*`, which `wandb sync` uploads later (wandb's service writes the
+run file's last block moments after `run.finish()` returns, at the latest when the process exits); mlflow writes where
 `MLFLOW_TRACKING_URI` points (MLflow 3 refuses its old `./mlruns` file store unless
 `MLFLOW_ALLOW_FILE_STORE=true`; its default, `sqlite:///mlflow.db`, needs the full `mlflow`
 package, not `mlflow-skinny`). mlflow metric names are mapped to the characters it accepts

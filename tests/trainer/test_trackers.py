@@ -13,6 +13,7 @@ import re
 import struct
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -27,12 +28,28 @@ pytest.importorskip("wandb", reason="the wandb extra: pip install 'grouprl[wandb
 pytest.importorskip("trackio", reason="the trackio extra: pip install 'grouprl[trackio]'")
 
 
-def wandb_records(run_file: str) -> list:
-    """The protobuf records of a .wandb file: a 7-byte header, then 32 KiB blocks of chunks (a 7-byte
-    head: checksum, length, type 1 full / 2 first / 3 middle / 4 last), as `wandb sync` reads it."""
+def wandb_records(run_file: str, wait_s: float = 60.0) -> list:
+    """The protobuf records of a finished run's .wandb file, once wandb's service has written them.
+
+    wandb-core buffers the file in 32 KiB blocks and writes a small run's records only when it closes
+    the stream, which `run.finish()` asks for without waiting (measured with wandb 0.31: 7 bytes on
+    disk after four logged steps, 2.4 KB after finish). On a loaded machine the test can read the file
+    first and find only its header (CI once saw an empty history this way), so this waits, at most
+    `wait_s`, for the run's last record, `exit`."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        out = _parse_wandb_file(Path(run_file).read_bytes())
+        if (out and out[-1].WhichOneof("record_type") == "exit") or time.monotonic() > deadline:
+            return out
+        time.sleep(0.1)
+
+
+def _parse_wandb_file(data: bytes) -> list:
+    """A .wandb file: a 7-byte header, then 32 KiB blocks of chunks (a 7-byte head: checksum,
+    length, type 1 full / 2 first / 3 middle / 4 last), as `wandb sync` reads it."""
     from wandb.proto import wandb_internal_pb2 as pb
 
-    data, pos, block, out, buf = Path(run_file).read_bytes(), 7, 32768, [], b""
+    pos, block, out, buf = 7, 32768, [], b""
     while pos + 7 <= len(data):
         left = block - pos % block
         if left < 7:
@@ -66,8 +83,9 @@ def test_wandb_offline_gets_config_every_scalar_and_the_completions_table(make_c
         if r.WhichOneof("record_type") == "history":
             items = {i.key or "/".join(i.nested_key): i.value_json for i in r.history.item}
             history[int(items["_step"])] = items
-    for row in rows:  # (once, under load in a full run, step 1 was missing: the steps found say which)
-        assert row["step"] in history, f"step {row['step']} not in the .wandb file's history: steps {sorted(history)}"
+    kinds = [r.WhichOneof("record_type") for r in records]
+    for row in rows:
+        assert row["step"] in history, f"step {row['step']} not in the .wandb file's history: records {kinds}"
         logged = history[row["step"]]
         assert float(logged["reward/mean"]) == pytest.approx(row["reward/mean"], rel=1e-6)
         assert float(logged["loss"]) == pytest.approx(row["loss"], rel=1e-6)

@@ -218,6 +218,10 @@ def worker_grouprl(w: Workload, model_dir: str, steps: int, threads: int, device
         setting = os.environ.get("VS_TRL_GENERATION_COMPILE")  # --generation-compile
         if setting:
             extra["generation_compile"] = {"true": True, "false": False}.get(setting, setting)
+        if os.environ.get("VS_TRL_PACKED_ATTENTION") == "per-sequence":  # --packed-attention
+            from grouprl import packing
+
+            packing.VARLEN["enabled"] = False
         cfg = TrainConfig(
             model=model_dir, train_data="<in memory>", reward_funcs=[getattr(f, "__name__", f) for f in names],
             reward_weights=weights, algorithm="grpo", beta=w.beta, num_generations=8,
@@ -394,6 +398,9 @@ def main() -> None:
     ap.add_argument("--generation-compile", choices=["auto", "true", "false"],
                     help="grouprl's generation_compile (default: the config's, auto); with true the first "
                          "step compiles, which the median over steps 3.. leaves out")
+    ap.add_argument("--packed-attention", choices=["auto", "per-sequence"], default="auto",
+                    help="grouprl's packed passes: auto takes the varlen flash kernel on CUDA in bf16 "
+                         "(one call per layer); per-sequence is one SDPA call per sequence, as on CPU")
     ap.add_argument("--smollm2", default="models/smollm2",
                     help="the SmolLM2-135M-Instruct folder for smollm2-* workloads (scripts/fetch_smollm2.py)")
     ap.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
@@ -409,6 +416,7 @@ def main() -> None:
 
     if args.generation_compile:
         os.environ["VS_TRL_GENERATION_COMPILE"] = args.generation_compile  # the workers inherit it
+    os.environ["VS_TRL_PACKED_ATTENTION"] = args.packed_attention
     if args.micro_batch is not None:
         WORKLOADS.update({k: replace(w, micro_batch=args.micro_batch) for k, w in WORKLOADS.items()})
     if args.fp32:
@@ -461,7 +469,8 @@ def main() -> None:
         versions["trl"] = trl.__version__
     if args.device == "cuda":
         versions["gpu"] = torch.cuda.get_device_name(0)
-    print(f"versions: {versions}, threads={args.threads}, cpus={os.cpu_count()}, device={args.device}", flush=True)
+    print(f"versions: {versions}, threads={args.threads}, cpus={os.cpu_count()}, device={args.device}, "
+          f"packed attention={args.packed_attention}", flush=True)
     peak = {"fp32": 0.0, "bf16": 0.0}
 
     def wait(device: str) -> float:  # a CPU run waits for an idle CPU; a GPU run does not

@@ -21,6 +21,13 @@ python3 -c "import torch, transformers, trl; print('torch', torch.__version__, '
 timeout "${BENCH_S:-300}" python3 benchmarks/vs_trl.py --device cuda --smollm2 "$TOKENIZER" --steps "${STEPS:-5}" \
   --rounds 1 ${WORKLOADS:-} --json "$OUT/vs_trl.json" 2>&1 | grep -v "Warning\|warn(" | tee "$OUT/vs_trl.log"
 echo "vs_trl exit: $?" | tee -a "$OUT/vs_trl.log"
+# grouprl alone with the packed passes' attention per sequence (CPU's path) against the run above
+# (the varlen flash kernel, one call per layer): the update's share is what changes. AB_S=0 skips it.
+if [ "${AB_S:-150}" -gt 0 ]; then
+  timeout "${AB_S:-150}" python3 benchmarks/vs_trl.py --device cuda --smollm2 "$TOKENIZER" --steps "${STEPS:-5}" \
+    --rounds 1 --only grouprl --packed-attention per-sequence ${WORKLOADS:-} --json "$OUT/vs_trl_per_sequence.json" \
+    2>&1 | grep -v "Warning\|warn(" | tee "$OUT/vs_trl_per_sequence.log"
+fi
 timeout "${TESTS_S:-260}" python3 -m pytest -q -n "${WORKERS:-14}" --dist loadfile --timeout 150 -p no:cacheprovider \
   -v -rfEs tests > "$OUT/pytest.log" 2>&1; code=$?
 grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest.log" | tail -40

@@ -21,8 +21,17 @@ segment would cost a row-sized gradient per segment in the backward). It is exac
 positions attend to the same keys as in the padded pass, and the sums differ only by rounding.
 Per-segment calls are the choice on CPU (measured in benchmarks/README.md, "Long completions"):
 they compute sum(L_i^2) scores, where one SDPA call with a block-diagonal mask over the packed
-row would compute S^2 and hold an [S, S] mask. Flash-attention's varlen kernel would serve CUDA
-with one call per layer; it is not wired here (no GPU to test it on).
+row would compute S^2 and hold an [S, S] mask.
+
+On CUDA in bf16/fp16 the whole row goes through one call per layer instead: torch's varlen flash
+kernel (`torch.nn.attention.varlen.varlen_attn`, torch >= 2.9), causal within each sequence given
+by cumulative lengths. A GPU step runs 32 completions' segments as 32 SDPA calls per layer (three
+times over with checkpointing), launch-bound: the packed update measured 3-4x TRL's padded one on
+an H200 (benchmarks/README.md, "On a GPU"). A sequence after a shared prompt becomes prompt +
+completion, gathered by one index per tensor and layer (as the per-segment path concatenates them),
+and only the completion's outputs are kept. The kernel is CUDA-only: on CPU the wiring is tested
+against a reference kernel (tests/trainer/test_packing.py); a GPU that cannot run it (before
+Ampere, a head size it refuses) falls back to the per-segment path with one warning.
 
 The model runs with an attention implementation registered under `grouprl+<its own>` (`enable`):
 it behaves exactly as the wrapped one (same function, same masks) unless the forward call carries
@@ -33,12 +42,20 @@ hands the model a placeholder 4-D mask, which transformers' mask builder returns
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import logging
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
+log = logging.getLogger(__name__)
 PREFIX = "grouprl+"
+
+try:  # torch >= 2.9; flash attention's varlen kernel, CUDA only
+    from torch.nn.attention.varlen import varlen_attn as _varlen_kernel
+except ImportError:  # pragma: no cover - older torch
+    _varlen_kernel = None
+VARLEN = {"enabled": True}  # set False (benchmarks, a kernel that failed) to run every row per segment
 
 
 @dataclass
@@ -50,10 +67,63 @@ class PackedLayout:
     segments: list[tuple[int, int, int, int]]  # (start, length, prefix_start, prefix_length), in order, covering S
     pred_index: torch.Tensor    # [M] packed position whose output predicts each real completion token
     targets: torch.Tensor       # [M] the real completion tokens, in row-major order of completion_mask
+    _varlen: VarlenPlan | None = field(default=None, repr=False, compare=False)
 
     @property
     def num_tokens(self) -> int:
         return self.input_ids.shape[1]
+
+    def varlen_plan(self) -> VarlenPlan:
+        """The row as the varlen kernel takes it, built once per layout (every layer uses it)."""
+        if self._varlen is None:
+            self._varlen = varlen_plan(self.segments, self.input_ids.device)
+        return self._varlen
+
+
+@dataclass
+class VarlenPlan:
+    """Sequences for one varlen call: each segment's prefix (if any) then its own positions."""
+
+    gather: torch.Tensor | None  # [T] packed positions in call order; None when no segment has a prefix (T = S)
+    keep: torch.Tensor | None    # [S] call positions of each packed position's own output, in packed order
+    cu_seqlens: torch.Tensor     # [n + 1] int32 cumulative sequence lengths of the call
+    max_len: int
+
+
+def varlen_plan(segments: list[tuple[int, int, int, int]], device: torch.device) -> VarlenPlan:
+    lengths = [p_len + L for _, L, _, p_len in segments]
+    cu = torch.tensor([0, *lengths], dtype=torch.int32).cumsum(0, dtype=torch.int32).to(device)
+    max_len = max(lengths, default=0)
+    if all(p_len == 0 for *_, p_len in segments):
+        return VarlenPlan(None, None, cu, max_len)
+    gather, keep, at = [], [], 0
+    for start, L, p_start, p_len in segments:
+        gather += [torch.arange(p_start, p_start + p_len), torch.arange(start, start + L)]
+        keep.append(torch.arange(at + p_len, at + p_len + L))
+        at += p_len + L
+    return VarlenPlan(torch.cat(gather).to(device), torch.cat(keep).to(device), cu, max_len)
+
+
+def uses_varlen(device: torch.device, dtype: torch.dtype, head_dim: int, dropout: float) -> bool:
+    """Whether a packed call runs as one varlen flash call: CUDA, half precision (flash has no fp32),
+    a head size flash takes, no dropout (the kernel has none)."""
+    return (VARLEN["enabled"] and _varlen_kernel is not None and device.type == "cuda"
+            and dtype in (torch.float16, torch.bfloat16) and head_dim % 8 == 0 and head_dim <= 256
+            and dropout == 0.0)
+
+
+def varlen_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, plan: VarlenPlan,
+                     scaling: float | None) -> torch.Tensor:
+    """`query  # [1, H, S, D]`, `key/value  # [1, Hkv, S, D]` in one varlen call; returns [1, S, H, D]."""
+    q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [S, H|Hkv, D]
+    if plan.gather is not None:
+        q, k, v = (x.index_select(0, plan.gather) for x in (q, k, v))  # [T, H|Hkv, D]
+    q, k, v = (x.contiguous() for x in (q, k, v))
+    out = _varlen_kernel(q, k, v, plan.cu_seqlens, plan.cu_seqlens, plan.max_len, plan.max_len, scale=scaling,
+                         window_size=(-1, 0), enable_gqa=q.shape[1] != k.shape[1])  # [T, H, D]
+    if plan.keep is not None:
+        out = out.index_select(0, plan.keep)
+    return out[None]  # [1, S, H, D]
 
 
 def pack(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, prompt_index: torch.Tensor,
@@ -146,6 +216,15 @@ def _wrapped_attention(inner_name: str):
     def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, packed=None, **kwargs):
         if packed is None:
             return inner(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+        if uses_varlen(query.device, query.dtype, query.shape[-1], dropout):
+            try:
+                return varlen_attention(query, key, value, packed.varlen_plan(), scaling), None
+            except torch.cuda.OutOfMemoryError:
+                raise
+            except (RuntimeError, NotImplementedError) as e:  # a GPU or build without flash's varlen kernel
+                VARLEN["enabled"] = False
+                log.warning("packed attention: the varlen flash kernel failed (%s); every packed row runs "
+                            "per sequence from now on", str(e).splitlines()[0][:200])
         return packed_attention(query, key, value, packed.segments, scaling, dropout), None
 
     return attention

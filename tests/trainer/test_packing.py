@@ -95,6 +95,104 @@ def test_packed_attention_equals_masked_attention_over_the_row(segments):
         assert torch.allclose(got, want, atol=1e-5)
 
 
+def reference_varlen(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1), enable_gqa=False):
+    """What torch's varlen flash kernel computes (CUDA only), written out for CPU: each sequence of
+    the cumulative lengths attends causally to itself, with an explicit [L, L] mask."""
+    assert window_size == (-1, 0) and torch.equal(cu_q, cu_k) and cu_q.dtype == torch.int32
+    bounds = cu_q.tolist()
+    assert max_q == max_k == max(b - a for a, b in zip(bounds, bounds[1:]))
+    assert enable_gqa == (q.shape[1] != k.shape[1])
+    out = []
+    for a, b in zip(bounds, bounds[1:]):
+        mask = torch.ones(b - a, b - a, dtype=torch.bool).tril()
+        out.append(torch.nn.functional.scaled_dot_product_attention(
+            *(x[a:b].transpose(0, 1) for x in (q, k, v)), attn_mask=mask, scale=scale,
+            enable_gqa=enable_gqa).transpose(0, 1))
+    return torch.cat(out)
+
+
+def test_varlen_plan_worked_by_hand():
+    """The hand layout's segments: the shared prompt [0, 2), two completions after it, a lone
+    sequence. The call runs prompt | prompt + completion | prompt + completion | lone sequence, and
+    keeps the prompt's outputs from the first and the completions' from theirs."""
+    plan = packing.varlen_plan([(0, 2, 0, 0), (2, 2, 0, 2), (4, 1, 0, 2), (5, 3, 0, 0)], torch.device("cpu"))
+    assert plan.gather.tolist() == [0, 1, 0, 1, 2, 3, 0, 1, 4, 5, 6, 7]
+    assert plan.cu_seqlens.tolist() == [0, 2, 6, 9, 12] and plan.max_len == 4
+    assert plan.keep.tolist() == [0, 1, 4, 5, 8, 9, 10, 11]
+    plain = packing.varlen_plan([(0, 3, 0, 0), (3, 2, 0, 0)], torch.device("cpu"))
+    assert plain.gather is None and plain.keep is None and plain.cu_seqlens.tolist() == [0, 3, 5]
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2])
+@pytest.mark.parametrize("segments", [
+    [(0, 3, 0, 0), (3, 2, 0, 3), (5, 4, 0, 3), (9, 5, 0, 0)],
+    [(0, 5, 0, 0), (5, 2, 0, 3), (7, 7, 0, 0)],
+    [(0, 6, 0, 0), (6, 1, 0, 0), (7, 7, 0, 0)],
+])
+def test_varlen_attention_equals_masked_attention_over_the_row(monkeypatch, segments, kv_heads):
+    """The one-call path (CUDA's) with the reference kernel: outputs and gradients of query, key
+    and value against one SDPA call over the row with the block mask written out, grouped-query
+    attention included."""
+    monkeypatch.setattr(packing, "_varlen_kernel", reference_varlen)
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(1, 4, 14, 8, generator=g).requires_grad_()
+    k, v = (torch.randn(1, kv_heads, 14, 8, generator=g).requires_grad_() for _ in range(2))
+    allowed = torch.zeros(14, 14, dtype=torch.bool)
+    for start, L, p_start, p_len in segments:
+        allowed[start:start + L, start:start + L] = torch.ones(L, L, dtype=torch.bool).tril()
+        allowed[start:start + L, p_start:p_start + p_len] = True
+    upstream = torch.randn(1, 14, 4, 8, generator=g)
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=0.3,
+                                                           enable_gqa=kv_heads != 4).transpose(1, 2)
+    ref_grads = torch.autograd.grad((ref * upstream).sum(), (q, k, v))
+    out = packing.varlen_attention(q, k, v, packing.varlen_plan(segments, torch.device("cpu")), scaling=0.3)
+    assert out.shape == (1, 14, 4, 8) and torch.allclose(out, ref, atol=1e-6)
+    for got, want in zip(torch.autograd.grad((out * upstream).sum(), (q, k, v)), ref_grads):
+        assert torch.allclose(got, want, atol=1e-5)
+
+
+def test_varlen_is_chosen_on_cuda_in_half_precision_only():
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    assert packing.uses_varlen(cuda, torch.bfloat16, 64, 0.0) and packing.uses_varlen(cuda, torch.float16, 128, 0.0)
+    assert not packing.uses_varlen(cuda, torch.float32, 64, 0.0)  # flash has no fp32: per segment
+    assert not packing.uses_varlen(cpu, torch.bfloat16, 64, 0.0)  # no CPU kernel
+    assert not packing.uses_varlen(cuda, torch.bfloat16, 64, 0.1)  # no dropout in the kernel
+    assert not packing.uses_varlen(cuda, torch.bfloat16, 60, 0.0) and not packing.uses_varlen(cuda, torch.bfloat16,
+                                                                                               320, 0.0)
+
+
+@pytest.mark.parametrize("share", [True, False])
+def test_a_model_through_the_varlen_path_equals_the_padded_pass(monkeypatch, llama, share):
+    """The whole packed pass of a grouped-query Llama with every attention call through the varlen
+    path (as on a CUDA device in bf16, the reference kernel standing in): log-probs, entropies and
+    gradients equal the padded pass's; the plan is built once per pass, not per layer."""
+    calls, built = [], []
+    monkeypatch.setattr(packing, "_varlen_kernel", lambda *a, **kw: calls.append(1) or reference_varlen(*a, **kw))
+    monkeypatch.setattr(packing, "uses_varlen", lambda *a: True)
+    real_plan = packing.varlen_plan
+    monkeypatch.setattr(packing, "varlen_plan", lambda *a: built.append(1) or real_plan(*a))
+    r = ragged_rollout([3, 9, 5], G=4, seed=1)
+    got = run(llama, r, packed=True, share=share)
+    assert len(calls) == llama.config.num_hidden_layers and len(built) == 1  # one packed pass
+    assert_same(got, run(llama, r, packed=False, share=share), atol=1e-5, grad_rtol=1e-5)
+
+
+def test_a_varlen_kernel_that_fails_warns_once_and_the_rows_run_per_sequence(monkeypatch, llama, caplog):
+    def no_kernel(*a, **kw):
+        raise RuntimeError("FlashAttention only supports Ampere GPUs or newer.\nmore")
+
+    monkeypatch.setattr(packing, "_varlen_kernel", no_kernel)
+    monkeypatch.setattr(packing, "uses_varlen", lambda *a: packing.VARLEN["enabled"])
+    monkeypatch.setitem(packing.VARLEN, "enabled", True)
+    r = ragged_rollout([4, 6], G=3, seed=2)
+    with caplog.at_level("WARNING", logger="grouprl.packing"):
+        got = run(llama, r, packed=True)
+    warned = [m.getMessage() for m in caplog.records if "varlen flash kernel failed" in m.getMessage()]
+    assert len(warned) == 1 and "Ampere" in warned[0] and "more" not in warned[0]
+    assert packing.VARLEN["enabled"] is False
+    assert_same(got, run(llama, r, packed=False), atol=1e-5, grad_rtol=1e-5)
+
+
 @pytest.mark.parametrize("limit", [WHOLE, CHUNKED])
 @pytest.mark.parametrize("share", [True, False])
 @pytest.mark.parametrize("which", ["tied", "llama"])

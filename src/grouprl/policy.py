@@ -223,7 +223,12 @@ def can_share_prompts(model: torch.nn.Module) -> bool:
 # The [n, T', V] logits are made whole only below this many elements (256 MB in fp32); above it
 # the log-probs come from the hidden states through the head in chunks (core/head_logprobs.py),
 # which recomputes the head's matmul in the backward: slower on short batches, bounded on long ones.
+# On CUDA the limit is 4x lower: there the head's extra matmul is a few milliseconds of a step, and
+# whole logits with their softmax temporaries and gradient (~1 GB at 2^26) set a small model's
+# peak (issue 34: grouprl's 135M step peaked 0.37 GiB above TRL's on an H200; this change is not
+# yet measured on a GPU).
 WHOLE_LOGITS_MAX_ELEMENTS = 1 << 26
+CUDA_WHOLE_LOGITS_MAX_ELEMENTS = 1 << 24
 # Models whose logits are exactly lm_head(last hidden state): no soft-capping or scaling after it.
 PLAIN_HEAD_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 
@@ -269,7 +274,10 @@ def completion_forward(model: torch.nn.Module, mb: MicroBatch, *, temperature: f
           if autocast_dtype is not None else contextlib.nullcontext())
     cids, cmask = mb.completion_ids.to(device), mb.completion_mask.to(device)  # [n, T']
     head = _plain_head(model)
-    limit = WHOLE_LOGITS_MAX_ELEMENTS if max_logits_elements is None else max_logits_elements
+    if max_logits_elements is not None:
+        limit = max_logits_elements
+    else:
+        limit = CUDA_WHOLE_LOGITS_MAX_ELEMENTS if device.type == "cuda" else WHOLE_LOGITS_MAX_ELEMENTS
     use_head = head is not None and int(cmask.sum()) * head.out_features > limit
     capture = use_head or value_head is not None  # the last hidden states are read
     if packed:

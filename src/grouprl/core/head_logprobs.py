@@ -35,8 +35,10 @@ import torch.nn.functional as F
 from torch import Tensor
 
 # Logits elements per chunk, by device type. The head matmul reads all of W once per chunk, so
-# chunks are larger than logprobs.py's cache-sized ones (measured: benchmarks/README.md).
-HEAD_CHUNK_ELEMENTS = {"cpu": 1 << 22}
+# chunks are larger than logprobs.py's cache-sized ones (measured: benchmarks/README.md). On CUDA a
+# chunk of 2^24 (64 MB of fp32 logits, ~340 positions at a 49k vocabulary: a matmul a GPU still
+# fills) keeps the head's working set small beside the model's (not yet measured on a GPU).
+HEAD_CHUNK_ELEMENTS = {"cpu": 1 << 22, "cuda": 1 << 24}
 DEFAULT_HEAD_CHUNK_ELEMENTS = 1 << 25
 
 

@@ -249,12 +249,14 @@ def completion_logprobs(model: torch.nn.Module, mb: MicroBatch, *, temperature: 
 def completion_forward(model: torch.nn.Module, mb: MicroBatch, *, temperature: float,
                        autocast_dtype: torch.dtype | None = None, with_entropy: bool = False,
                        entropy_grad: bool = False, max_logits_elements: int | None = None,
-                       packed: bool = False, value_head: torch.nn.Module | None = None
-                       ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+                       packed: bool = False, value_head: torch.nn.Module | None = None,
+                       logprobs: bool = True) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """Per-token log-probs [n, T'] of the completion tokens, their entropy when asked (with
     `entropy_grad` carrying a gradient too, for an entropy bonus), and with `value_head` (PPO,
     value.py) the value of the state before each completion token [n, T']: the head on the last
-    hidden state at the position that predicts the token. All from the same pass.
+    hidden state at the position that predicts the token. All from the same pass. With
+    `logprobs=False` (PPO's V_old pass) only the values are computed: the LM head runs at one
+    position, not at every completion token, and the log-probs and entropy are None.
 
     `packed` (the model `packing.enable`d): the micro-batch's real tokens run as one row, each
     distinct prompt once, attention confined to each sequence (packing.py): no padding is computed.
@@ -278,22 +280,29 @@ def completion_forward(model: torch.nn.Module, mb: MicroBatch, *, temperature: f
         limit = max_logits_elements
     else:
         limit = CUDA_WHOLE_LOGITS_MAX_ELEMENTS if device.type == "cuda" else WHOLE_LOGITS_MAX_ELEMENTS
+    if not logprobs and value_head is None:
+        raise ValueError("completion_forward(logprobs=False) computes only values: pass value_head")
     use_head = head is not None and int(cmask.sum()) * head.out_features > limit
-    capture = use_head or value_head is not None  # the last hidden states are read
+    skip_logits = use_head or not logprobs  # the logits of one position only: the hidden states are read
+    capture = skip_logits or value_head is not None  # the last hidden states are read
     if packed:
         layout = packing.pack(mb.prompt_ids, mb.prompt_mask, mb.prompt_index, mb.completion_ids,
                               mb.completion_mask, device)
         with ac, _last_hidden_state(model) if capture else contextlib.nullcontext() as captured:
-            logits = packing.forward_packed(model, layout, 1 if use_head else layout.pred_index)  # [1, M, V]
+            logits = packing.forward_packed(model, layout, 1 if skip_logits else layout.pred_index)  # [1, M, V]
         hidden = captured["hidden"][0, layout.pred_index] if capture else None  # [M, H]
+        if not logprobs:
+            return None, None, _values(value_head, hidden, cmask)
         targets = layout.targets  # [M]
     else:
         shared = len(mb.prompt_ids) < len(mb.completion_ids) and int(mb.prompt_mask.sum(-1).min()) > 1
         forward = _shared_prompt_logits if shared else _joint_logits
         with ac, _last_hidden_state(model) if capture else contextlib.nullcontext() as captured:
-            logits = forward(model, mb, device, keep_logits=not use_head)  # [n, T', V]
+            logits = forward(model, mb, device, keep_logits=not skip_logits)  # [n, T', V]
         T = cids.shape[1]
         hidden = (captured["hidden"][:, -T - 1:-1] if not shared else captured["hidden"])[cmask] if capture else None
+        if not logprobs:
+            return None, None, _values(value_head, hidden, cmask)
         if not use_head:
             if with_entropy:  # one pass over the [n, T', V] logits for both
                 logp, entropy = token_logprobs_and_entropy(logits, cids, temperature=temperature,

@@ -101,7 +101,8 @@ class PolicyUpdate:
                 continue
             mb = self.planner.micro_batch(rollout, rows)
             _, _, v = completion_forward(self.model, mb, temperature=cfg.temperature, autocast_dtype=self.autocast,
-                                         packed=self.planner.packed, value_head=self.value_head)  # [n, T']
+                                         packed=self.planner.packed, value_head=self.value_head,
+                                         logprobs=False)  # [n, T']
             out[rows, : v.shape[1]] = v.float().cpu()
         return out
 

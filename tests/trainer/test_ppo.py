@@ -62,6 +62,31 @@ def test_values_are_the_head_on_the_hidden_state_that_predicts_each_token(policy
     assert (values[~m] == 0).all()
 
 
+@pytest.mark.parametrize("packed, share", [(False, False), (False, True), (True, True)])
+def test_the_values_only_pass_gives_the_same_values_and_runs_the_lm_head_at_one_position(policy, packed, share):
+    """PPO's V_old pass (`logprobs=False`): the values of the full pass, no log-probs, and the LM head's
+    output is one position per row, not every completion token."""
+    rollout = ragged_rollout([3, 9, 5], G=2)
+    head = random_head(policy, seed=1)
+    mb = MicroBatch.from_rollout(rollout, torch.arange(len(rollout)), 0 if share else None)
+    head_rows = []
+    hook = policy.get_output_embeddings().register_forward_hook(lambda m, i, o: head_rows.append(o.shape[:-1]))
+    try:
+        with torch.no_grad():
+            full = completion_forward(policy, mb, temperature=1.0, packed=packed, value_head=head)[2]
+            full_rows, head_rows[:] = sum(shape.numel() for shape in head_rows), []
+            logp, entropy, values = completion_forward(policy, mb, temperature=1.0, packed=packed, value_head=head,
+                                                       logprobs=False)
+    finally:
+        hook.remove()
+    assert logp is None and entropy is None
+    torch.testing.assert_close(values, full, rtol=0, atol=0)
+    assert full_rows >= int(mb.completion_mask.sum())  # the full pass: every completion token
+    assert head_rows and all(shape[-1] == 1 for shape in head_rows)  # the values pass: one position per row
+    with pytest.raises(ValueError, match="pass value_head"):
+        completion_forward(policy, mb, temperature=1.0, logprobs=False)
+
+
 def test_value_head_and_trunk_get_the_formula_gradient(policy):
     """For L = Σ_t c_t·v_t with v_t = w·h_t + b: ∂L/∂w = Σ_t c_t·h_t, ∂L/∂b = Σ_t c_t; the trunk gets a
     gradient through w (none when w = 0, the head's start). Then the clipped value loss reaches the head."""

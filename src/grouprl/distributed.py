@@ -27,9 +27,10 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import math
 import os
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -131,6 +132,21 @@ def all_reduce_tensor(ctx: DistContext, x: torch.Tensor) -> torch.Tensor:
     return t.cpu()
 
 
+def average_gradients(ctx: DistContext, params: Iterable[torch.nn.Parameter]) -> None:
+    """Average the gradients of parameters outside DDP/FSDP2 (PPO's value head) over ranks, in one
+    all-reduce, as DDP averages the model's: each rank scaled its loss by the world size, so the
+    average is the whole batch's gradient. A rank whose passes left a gradient unset sends zeros."""
+    params = [p for p in params if p.requires_grad]
+    if not ctx.enabled or not params:
+        return
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    flat = torch.cat([g.reshape(-1) for g in grads]).to(_comm_device(ctx))
+    dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+    flat = flat.to(params[0].device) / ctx.world_size
+    for p, piece in zip(params, flat.split([p.numel() for p in params])):
+        p.grad = piece.view_as(p).to(p.dtype)
+
+
 def _comm_device(ctx: DistContext) -> torch.device:
     return ctx.device if dist.get_backend() == "nccl" else torch.device("cpu")
 
@@ -215,6 +231,19 @@ def grad_sync(train_model: torch.nn.Module, enabled: bool) -> Iterator[None]:
 def local_value(x: torch.Tensor) -> float:
     """A scalar that may be a DTensor (e.g. FSDP2's gradient norm) as a float."""
     return float(x.full_tensor() if hasattr(x, "full_tensor") else x)
+
+
+def clip_grad_norm(groups: list[list[torch.nn.Parameter]], max_norm: float | None) -> float:
+    """`clip_grad_norm_` over parameter groups that one call cannot take together (FSDP2's DTensor
+    gradients beside PPO's plain value head): the norm of all the gradients, and every group scaled
+    by the same factor, min(1, max_norm / (norm + 1e-6)), as torch scales them."""
+    grads = [[p.grad for p in g if p.grad is not None] for g in groups]
+    total = math.sqrt(sum(local_value(torch.nn.utils.get_total_norm(g)) ** 2 for g in grads if g))
+    if max_norm is not None and max_norm / (total + 1e-6) < 1.0:
+        for g in grads:
+            for x in g:
+                x.mul_(max_norm / (total + 1e-6))
+    return total
 
 
 # ---------------------------------------------------------------------- state

@@ -225,7 +225,7 @@ class Trainer:
                 if self._eval_pending:  # the run stopped before the eval due at its last step: made up here
                     self._eval_pending, saved = False, None  # the checkpoint on disk still says pending
                     self._log_eval(self.step, progress)
-                self.guard.snapshot(self.step, self.model, self.optimizer)  # rollback target before any step
+                self.guard.snapshot(self.step, self.updater.trainable, self.optimizer)  # rollback target at the start
                 while self.step < cfg.max_steps and not (signum := stop.requested(self.dist)):
                     metrics = self.train_step()
                     reason = self.respond_to_alarms(metrics, progress)  # report; roll back; or the reason to stop
@@ -243,7 +243,7 @@ class Trainer:
                     if cfg.save_steps and self.step % cfg.save_steps == 0 and self.step < cfg.max_steps:
                         self.save()
                         saved = self.step
-                    self.guard.snapshot(self.step, self.model, self.optimizer)
+                    self.guard.snapshot(self.step, self.updater.trainable, self.optimizer)
                 if signum or reason:
                     self._stop(signum, progress, saved, reason)
             if self.eval_ds is not None:
@@ -436,7 +436,7 @@ class Trainer:
         """on_collapse: rollback: the policy and optimizer go back to a snapshot from before the collapse, the
         learning rate is scaled (guard.py); the engine samples the restored policy, and (async) the batches
         generated ahead by the collapsed one are dropped."""
-        out = self.guard.restore(self.step, self.model, self.optimizer, self.scheduler)
+        out = self.guard.restore(self.step, self.updater.trainable, self.optimizer, self.scheduler)
         if self.rollouts.depth:  # async: batches the collapsed policy sampled are not trained on
             out["rollback/discarded_batches"] = self.rollouts.discard()
         self.weights_version += 1

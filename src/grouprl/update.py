@@ -74,6 +74,8 @@ class PolicyUpdate:
                  value_head: torch.nn.Module | None = None):
         self.model, self.train_model, self.dist, self.autocast = model, train_model, dist, autocast
         self.planner, self.checkpoint_over_budget, self.value_head = planner, checkpoint_over_budget, value_head
+        # what the optimizer steps, as one module: what a rollback snapshot keeps and puts back (guard.py)
+        self.trainable = model if value_head is None else torch.nn.ModuleList([model, value_head])
 
     @torch.no_grad()
     def logprobs(self, model: torch.nn.Module, rollout: Rollout, cfg: TrainConfig) -> torch.Tensor:
@@ -96,15 +98,16 @@ class PolicyUpdate:
         if self.value_head is None:
             return None
         out = torch.zeros(rollout.completion_ids.shape, dtype=torch.float32)  # [N, T]
-        for rows, weight in self.planner.plan(rollout, cfg):
-            if weight == 0:
-                continue
-            mb = self.planner.micro_batch(rollout, rows)
-            _, _, v = completion_forward(self.model, mb, temperature=cfg.temperature, autocast_dtype=self.autocast,
-                                         packed=self.planner.packed, value_head=self.value_head,
-                                         logprobs=False)  # [n, T']
-            out[rows, : v.shape[1]] = v.float().cpu()
-        return out
+        with D.full_weights(self.model):  # FSDP2: gathered once, so ranks with fewer passes wait on no forward
+            for rows, weight in self.planner.plan(rollout, cfg):
+                if weight == 0:
+                    continue
+                mb = self.planner.micro_batch(rollout, rows)
+                _, _, v = completion_forward(self.model, mb, temperature=cfg.temperature, autocast_dtype=self.autocast,
+                                             packed=self.planner.packed, value_head=self.value_head,
+                                             logprobs=False)  # [n, T']
+                out[rows, : v.shape[1]] = v.float().cpu()
+        return D.all_reduce_tensor(self.dist, out)  # each rank filled its own rows: the sum is the whole batch
 
     def optimizer_step(self, batch: UpdateBatch, optimizer: torch.optim.Optimizer, scheduler: LRScheduler,
                        cfg: TrainConfig, loss_params: LossParams, *, with_entropy: bool) -> dict[str, float]:
@@ -139,10 +142,14 @@ class PolicyUpdate:
             acts = None if entropy is None else part.take(rollout.action_mask)  # [n, T']
             sums.add(weight, loss.item(), {**stats, **mask_stats},
                      None if entropy is None else float(entropy.detach()[acts].sum()))
-        params = [p for m in (self.model, self.value_head) if m is not None for p in m.parameters() if p.requires_grad]
+        if self.value_head is not None:  # outside DDP/FSDP2: averaged here, as they average the model's
+            D.average_gradients(self.dist, self.value_head.parameters())
+        modules = [m for m in (self.model, self.value_head) if m is not None]
+        groups = [[p for p in m.parameters() if p.requires_grad] for m in modules]
         # both are global, so every rank decides alike: the norm is taken over gradients DDP already
         # summed (FSDP2: reduced over the shards), the loss is summed over ranks
-        grad_norm = D.local_value(torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm or math.inf))
+        grad_norm = (D.local_value(torch.nn.utils.clip_grad_norm_(groups[0], cfg.max_grad_norm or math.inf))
+                     if len(groups) == 1 else D.clip_grad_norm(groups, cfg.max_grad_norm))
         reduced = D.all_reduce_sums(self.dist, sums.sums)
         nonfinite = [name for name, v in (("loss", reduced["loss"]), ("grad norm", grad_norm)) if not math.isfinite(v)]
         if nonfinite:  # the NaN/inf gradients go (below); weights and Adam moments stay

@@ -25,9 +25,11 @@ Deliberate choices:
   moves.
 - the head's parameters sit in the policy's optimizer (their own group, same learning rate and
   schedule), and are clipped with the policy's gradient norm.
-- one process only: the head is not wrapped by DDP/FSDP2, so its gradients would not be averaged
-  over ranks; PPO under torchrun raises a ConfigError.
-- an `on_collapse: rollback` restores the policy and the optimizer state, not the head's weights.
+- under torchrun the head is not wrapped by DDP/FSDP2 (H + 1 parameters, replicated): its
+  gradients are averaged over ranks by one all-reduce before the gradient norm is taken
+  (`distributed.average_gradients`), and V_old, which each rank computes for its own rows, is
+  summed over ranks, so the advantages see the whole batch's values (tests/distributed).
+- an `on_collapse: rollback` restores the head's weights with the policy's and the optimizer state.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from dataclasses import dataclass
 import torch
 
 from grouprl import distributed as D
-from grouprl.config import ConfigError, TrainConfig
+from grouprl.config import TrainConfig
 from grouprl.core import value_loss
 from grouprl.lora import base_model
 
@@ -59,10 +61,6 @@ def make_value_head(cfg: TrainConfig, model: torch.nn.Module, dist: D.DistContex
     """The value head of a config with value_head set (None otherwise), on the trainer's device."""
     if not cfg.value_head:
         return None
-    if dist.world_size > 1:
-        raise ConfigError(f"value_head (PPO) on {dist.world_size} processes: the value head's gradients are not "
-                          "averaged over ranks yet; run PPO on one process (no torchrun), or use a critic-free "
-                          "algorithm such as grpo")
     hidden = base_model(getattr(model, "module", model)).config.get_text_config().hidden_size
     return ValueHead(hidden).to(dist.device)
 

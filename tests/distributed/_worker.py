@@ -5,7 +5,8 @@
 
 Rank 0 writes OUT_DIR/grads-STRATEGY.pt: {(loss_agg, scale_rewards): (grads, stats)} for one update
 on `fixed_batch()`, and the same for ("is", mode): the batch with the sampler's log-probs, corrected.
-With STRATEGY=fsdp2 it then trains one step on sampled rollouts, saves a checkpoint, resumes it
+"ppo" holds PPO's V_old, gradients (value head included) and stats for one update on the same
+batch. With STRATEGY=fsdp2 it then trains one step on sampled rollouts, saves a checkpoint, resumes it
 into a fresh trainer and records whether every weight came back.
 """
 
@@ -99,6 +100,31 @@ def update_grads(cfg: TrainConfig) -> dict[tuple[str, str], tuple[dict[str, torc
     return results
 
 
+def ppo_update(cfg: TrainConfig) -> dict[str, object]:
+    """PPO on `fixed_batch()`: V_old (each rank computes its own rows), GAE advantages from it, one
+    update; the values, the gradients of the model and of the value head as the optimizer gets them,
+    and the stats. The head starts from the same random weights on every process (at zero its
+    gradient would not reach the trunk)."""
+    trainer = Trainer(replace(cfg, algorithm="ppo"))
+    head = trainer.updater.value_head
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(5)
+        head.linear.weight.copy_(0.1 * torch.randn(head.linear.weight.shape, generator=g))
+        head.linear.bias.fill_(0.2)
+    params = [p for m in (trainer.model, head) for p in m.parameters() if p.requires_grad]
+    trainer.optimizer = torch.optim.SGD(params, lr=0.0)
+    trainer.scheduler = torch.optim.lr_scheduler.LambdaLR(trainer.optimizer, lambda _: 1.0)
+    grads = []
+    step = trainer.optimizer.step
+    trainer.optimizer.step = lambda: grads.append(
+        {**full_grads(trainer.model), **{f"value_head.{n}": p.grad.detach().cpu().clone()
+                                         for n, p in head.named_parameters()}}) or step()
+    batch = fixed_batch()
+    values = trainer.updater.values(batch.rollout, trainer.cfg)  # [N, T]
+    stats = trainer.update(batch, trainer.advantages(batch, values), values=values)
+    return {"values": values, "grads": grads.pop(), "stats": stats}
+
+
 def fsdp2_train_save_resume(cfg: TrainConfig) -> dict[str, object]:
     """One sampled FSDP2 step (generation with gathered weights, AdamW), a checkpoint, and a resume."""
     cfg = replace(cfg, distributed_strategy="fsdp2", ref_update_steps=1, num_logged_samples=0)
@@ -121,7 +147,7 @@ def fsdp2_train_save_resume(cfg: TrainConfig) -> dict[str, object]:
 def main(model_dir: str, data: str, out_dir: str, strategy: str) -> None:
     ctx = D.init_distributed()
     cfg = config(model_dir, data, f"{out_dir}/run-{strategy}", distributed_strategy=strategy)
-    result: dict[str, object] = {"world_size": ctx.world_size, "grads": update_grads(cfg)}
+    result: dict[str, object] = {"world_size": ctx.world_size, "grads": update_grads(cfg), "ppo": ppo_update(cfg)}
     if strategy == "fsdp2":
         result["train"] = fsdp2_train_save_resume(cfg)
     if ctx.is_main:

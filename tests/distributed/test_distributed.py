@@ -4,6 +4,8 @@
 - the update on 2 ranks equals the update on 1 rank for every loss_agg and scale_rewards, with DDP
   and with FSDP2 (gradients to 1e-6 relative, given the same rollouts), and with the sampler/trainer
   importance-sampling correction, whose mismatch metrics cover the whole batch on every rank;
+- PPO on 2 ranks equals PPO on 1: V_old of the whole batch on every rank, the value head's gradient
+  averaged like the model's;
 - FSDP2 also generates, checkpoints (whole weights, optimizer state) and resumes;
 - the pieces that need no second process: the micro-batch plan and the prompts_per_step check.
 """
@@ -19,7 +21,7 @@ from grouprl import distributed as D
 from grouprl.config import ConfigError
 from grouprl.micro_batches import rank_share
 from grouprl.trainer import Trainer
-from tests.distributed._worker import config, update_grads
+from tests.distributed._worker import config, fixed_batch, ppo_update, update_grads
 from tests.distributed.launch import torchrun
 
 def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -45,8 +47,25 @@ def one_rank_grads(tiny_model_dir, digits_data, tmp_path_factory):
     return get
 
 
+@pytest.fixture(scope="module")
+def one_rank_ppo(tiny_model_dir, digits_data, tmp_path_factory):
+    """`ppo_update` in this process, on the CPU (as `one_rank_grads`)."""
+    done = {}
+
+    def get(share_prompts: bool):
+        if share_prompts not in done:
+            out = tmp_path_factory.mktemp("one_rank_ppo")
+            with pytest.MonkeyPatch.context() as mp:
+                mp.setattr(D, "init_distributed", lambda *a, **k: D.DistContext(device=torch.device("cpu")))
+                done[share_prompts] = ppo_update(config(str(tiny_model_dir), str(digits_data), str(out),
+                                                        share_prompt_forward=share_prompts))
+        return done[share_prompts]
+    return get
+
+
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
-def test_update_two_ranks_equals_one_rank(strategy, one_rank_grads, tiny_model_dir, digits_data, tmp_path):
+def test_update_two_ranks_equals_one_rank(strategy, one_rank_grads, one_rank_ppo, tiny_model_dir, digits_data,
+                                          tmp_path):
     torchrun("-m", "tests.distributed._worker", str(tiny_model_dir), str(digits_data), str(tmp_path), strategy)
     result = torch.load(tmp_path / f"grads-{strategy}.pt", weights_only=False)
     assert result["world_size"] == 2
@@ -63,6 +82,17 @@ def test_update_two_ranks_equals_one_rank(strategy, one_rank_grads, tiny_model_d
         mismatch = {k: v for k, v in stats1.items() if k.startswith("is/")}
         assert bool(mismatch) == (case[0] == "is")  # the whole batch's metrics, on every rank
         assert {k: stats2[k] for k in mismatch} == pytest.approx(mismatch, rel=1e-6), case
+    # PPO: V_old of the whole batch on every rank, and the value head's gradient averaged like the model's
+    ppo, ppo1 = result["ppo"], one_rank_ppo(strategy == "ddp")
+    m = ppo1["values"] != 0
+    assert m.sum() == fixed_batch().rollout.completion_mask.sum()  # every real token has its value
+    assert torch.allclose(ppo["values"], ppo1["values"], rtol=1e-6, atol=1e-7)
+    assert ppo["grads"].keys() == ppo1["grads"].keys() and "value_head.linear.weight" in ppo1["grads"]
+    for name, g in ppo1["grads"].items():
+        err = relative_error(ppo["grads"][name], g)
+        assert g.norm() > 0 and err < 1e-6, (name, err)
+    assert ppo["stats"]["loss"] == pytest.approx(ppo1["stats"]["loss"], rel=1e-6)
+    assert ppo["stats"]["value_loss"] == pytest.approx(ppo1["stats"]["value_loss"], rel=1e-6)
     frac = one_rank[("is", "sequence_mask")][1]["is/frac_corrected"]
     assert 0 < frac < 1, frac  # the mask drops some completions and keeps others
     if strategy == "fsdp2":  # one sampled step with the sharded model, its checkpoint, its resume
@@ -76,6 +106,24 @@ def test_update_two_ranks_equals_one_rank(strategy, one_rank_grads, tiny_model_d
         for name, w in trained.items():
             assert torch.equal(params[name], w), name
         assert (ckpt / "ref.safetensors").is_file()  # ref_update_steps: the sharded reference is saved whole
+
+
+@pytest.mark.parametrize("max_norm", [None, 0.5, 100.0])
+def test_clip_grad_norm_over_groups_equals_torch_over_all(max_norm):
+    """D.clip_grad_norm (FSDP2's DTensor gradients beside PPO's plain head cannot share one torch call)
+    on plain tensors: the same norm and the same clipped gradients as torch's one call over all."""
+    g = torch.Generator().manual_seed(3)
+    params = [torch.nn.Parameter(torch.zeros(s)) for s in [(4, 3), (5,), (2, 2), (1,)]]
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=g)
+    copies = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    for c, p in zip(copies, params):
+        c.grad = p.grad.clone()
+    want = float(torch.nn.utils.clip_grad_norm_(copies, max_norm or float("inf")))
+    got = D.clip_grad_norm([params[:3], params[3:]], max_norm)
+    assert got == pytest.approx(want, rel=1e-6) and got > 0.5
+    for p, c in zip(params, copies):
+        assert torch.allclose(p.grad, c.grad, rtol=1e-6, atol=0)
 
 
 @pytest.mark.parametrize("num_micro_batches", [1, 2, 3, 5, 6])

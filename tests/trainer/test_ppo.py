@@ -181,3 +181,17 @@ def test_ppo_learns_the_embedded_task_and_its_value_head_tracks_the_return(tmp_p
     assert first["value_mean"] == 0.0
     gap = [abs(r["return_mean"] - r["value_mean"]) for r in (first, last)]
     assert gap[1] < 0.75 * gap[0], gap
+
+
+def test_a_rollback_puts_the_value_head_back_with_the_policy(make_cfg):
+    """on_collapse: rollback restores the value head's weights with the policy's and the optimizer
+    state (its Adam moments are in the same optimizer): the snapshot before step 1 is the target."""
+    trainer = Trainer(make_cfg(algorithm="ppo", on_collapse="rollback", max_steps=3, learning_rate=1e-2))
+    start = {n: p.detach().clone() for n, p in trainer.updater.trainable.named_parameters()}
+    trainer.train()
+    head = trainer.updater.value_head.linear
+    assert float(head.weight.abs().sum()) > 0  # the head learned (it starts at zero)
+    assert trainer.rollback()["rollback/to_step"] == 0
+    assert float(head.weight.abs().sum()) == 0 and float(head.bias.abs().sum()) == 0
+    for name, p in trainer.updater.trainable.named_parameters():
+        assert torch.equal(p.detach(), start[name]), name

@@ -42,6 +42,8 @@ hands the model a placeholder 4-D mask, which transformers' mask builder returns
 
 from __future__ import annotations
 
+import functools
+import inspect
 import logging
 from dataclasses import dataclass, field
 
@@ -104,6 +106,13 @@ def varlen_plan(segments: list[tuple[int, int, int, int]], device: torch.device)
     return VarlenPlan(torch.cat(gather).to(device), torch.cat(keep).to(device), cu, max_len)
 
 
+@functools.lru_cache(maxsize=4)
+def _kernel_arguments(kernel) -> frozenset[str]:
+    """The keyword arguments the installed varlen kernel takes: torch 2.9-2.10 have `is_causal` and
+    no `window_size`; `enable_gqa` and `scale` came later."""
+    return frozenset(inspect.signature(kernel).parameters)
+
+
 def uses_varlen(device: torch.device, dtype: torch.dtype, head_dim: int, dropout: float) -> bool:
     """Whether a packed call runs as one varlen flash call: CUDA, half precision (flash has no fp32),
     a head size flash takes, no dropout (the kernel has none)."""
@@ -118,9 +127,20 @@ def varlen_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [S, H|Hkv, D]
     if plan.gather is not None:
         q, k, v = (x.index_select(0, plan.gather) for x in (q, k, v))  # [T, H|Hkv, D]
+    takes = _kernel_arguments(_varlen_kernel)
+    kwargs = {"window_size": (-1, 0)} if "window_size" in takes else {"is_causal": True}  # torch 2.11+ / 2.9-2.10
+    if q.shape[1] != k.shape[1]:  # grouped-query attention
+        if "enable_gqa" in takes:
+            kwargs["enable_gqa"] = True
+        else:
+            k, v = (x.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for x in (k, v))
+    if scaling is not None:
+        if "scale" in takes:
+            kwargs["scale"] = scaling
+        else:  # the kernel's own scale is D^-1/2
+            q = q * (scaling * q.shape[-1] ** 0.5)
     q, k, v = (x.contiguous() for x in (q, k, v))
-    out = _varlen_kernel(q, k, v, plan.cu_seqlens, plan.cu_seqlens, plan.max_len, plan.max_len, scale=scaling,
-                         window_size=(-1, 0), enable_gqa=q.shape[1] != k.shape[1])  # [T, H, D]
+    out = _varlen_kernel(q, k, v, plan.cu_seqlens, plan.cu_seqlens, plan.max_len, plan.max_len, **kwargs)  # [T, H, D]
     if plan.keep is not None:
         out = out.index_select(0, plan.keep)
     return out[None]  # [1, S, H, D]
@@ -221,7 +241,7 @@ def _wrapped_attention(inner_name: str):
                 return varlen_attention(query, key, value, packed.varlen_plan(), scaling), None
             except torch.cuda.OutOfMemoryError:
                 raise
-            except (RuntimeError, NotImplementedError) as e:  # a GPU or build without flash's varlen kernel
+            except (RuntimeError, NotImplementedError, TypeError) as e:  # a GPU, build or torch the kernel fails on
                 VARLEN["enabled"] = False
                 log.warning("packed attention: the varlen flash kernel failed (%s); every packed row runs "
                             "per sequence from now on", str(e).splitlines()[0][:200])

@@ -5,6 +5,7 @@ the chunked head and whole logits, tied and untied heads, Llama with grouped-que
 tolerance; a training step whose micro-batches are cut by tokens equals the padded one-pass step."""
 
 import copy
+import functools
 
 import pytest
 import torch
@@ -151,6 +152,27 @@ def test_varlen_attention_equals_masked_attention_over_the_row(monkeypatch, segm
         assert torch.allclose(got, want, atol=1e-5)
 
 
+def older_varlen(q, k, v, cu_q, cu_k, max_q, max_k, *, is_causal=False, return_aux=None):
+    """torch 2.9-2.10's signature: `is_causal`, no window, no grouped-query heads, the default scale."""
+    assert is_causal and q.shape[1] == k.shape[1]
+    return reference_varlen(q, k, v, cu_q, cu_k, max_q, max_k, window_size=(-1, 0))
+
+
+@pytest.mark.parametrize("scaling", [None, 0.3])
+def test_varlen_attention_with_an_older_kernel_signature(monkeypatch, scaling):
+    """An older kernel (no window_size, enable_gqa or scale): grouped-query heads are repeated and a
+    custom scale goes into the queries; the result is the same as with the newer kernel."""
+    segments = [(0, 3, 0, 0), (3, 2, 0, 3), (5, 4, 0, 3), (9, 5, 0, 0)]
+    g = torch.Generator().manual_seed(2)
+    q = torch.randn(1, 4, 14, 8, generator=g)
+    k, v = (torch.randn(1, 2, 14, 8, generator=g) for _ in range(2))
+    plan = packing.varlen_plan(segments, torch.device("cpu"))
+    monkeypatch.setattr(packing, "_varlen_kernel", reference_varlen)
+    want = packing.varlen_attention(q, k, v, plan, scaling)
+    monkeypatch.setattr(packing, "_varlen_kernel", older_varlen)
+    assert torch.allclose(packing.varlen_attention(q, k, v, plan, scaling), want, atol=1e-6)
+
+
 def test_varlen_is_chosen_on_cuda_in_half_precision_only():
     cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
     assert packing.uses_varlen(cuda, torch.bfloat16, 64, 0.0) and packing.uses_varlen(cuda, torch.float16, 128, 0.0)
@@ -167,7 +189,13 @@ def test_a_model_through_the_varlen_path_equals_the_padded_pass(monkeypatch, lla
     path (as on a CUDA device in bf16, the reference kernel standing in): log-probs, entropies and
     gradients equal the padded pass's; the plan is built once per pass, not per layer."""
     calls, built = [], []
-    monkeypatch.setattr(packing, "_varlen_kernel", lambda *a, **kw: calls.append(1) or reference_varlen(*a, **kw))
+
+    @functools.wraps(reference_varlen)  # the path reads the kernel's signature
+    def counted(*a, **kw):
+        calls.append(1)
+        return reference_varlen(*a, **kw)
+
+    monkeypatch.setattr(packing, "_varlen_kernel", counted)
     monkeypatch.setattr(packing, "uses_varlen", lambda *a: True)
     real_plan = packing.varlen_plan
     monkeypatch.setattr(packing, "varlen_plan", lambda *a: built.append(1) or real_plan(*a))

@@ -129,8 +129,9 @@ def test_compiled_sampling_draws_the_eager_tokens_as_rows_finish_and_leave(model
 
 def test_compiled_greedy_equals_eager_across_cache_growth_and_reuses_its_graph(model_and_tok, compiles,
                                                                               monkeypatch):
-    """ignore_eos with a 2-column first cache: the cache widens five times during the call; then a
-    call with other prompts, other row counts and lengths runs without compiling another graph."""
+    """ignore_eos with a 2-column first cache: the cache widens five times during the call; then
+    calls with other prompts, other row counts (one row included) and lengths run without compiling
+    another graph."""
     model, tok = model_and_tok
     monkeypatch.setattr(llama_decoder, "CACHE_BLOCK", 2)
     params = SamplingParams(T, greedy=True, ignore_eos=True)
@@ -142,6 +143,10 @@ def test_compiled_greedy_equals_eager_across_cache_growth_and_reuses_its_graph(m
     eager, compiled = _both(model, tok, params, short_prompts(tok)[:3], G=3)
     _assert_same(eager, compiled)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == frames  # nothing recompiled
+    eager, compiled = _both(model, tok, params, short_prompts(tok)[:1], G=1)  # one row, beside an empty slot
+    _assert_same(eager, compiled)
+    assert compiled.completion_ids.shape[0] == 1
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == frames  # a size of 1 would be a new graph
 
 
 def _llama_gqa(seed=0):

@@ -9,8 +9,10 @@ matmuls on CPU, Triton kernels on CUDA).
 
 Shapes: one graph serves every call of a model and sampling setting. The slot count S (rows in the
 batch), the attended width W, the completion length and the batch of the call are symbolic sizes
-(`torch._dynamo.mark_dynamic`); a size of 1 is specialised by torch, so a call that decodes its last
-row alone may compile one more graph, once per process.
+(`torch._dynamo.mark_dynamic`). Torch specialises a size of 1, so the slots never number fewer
+than two (MIN_SLOTS): a call of one row, or the last row of a call, runs beside an empty slot
+rather than compiling a second graph (measured: a 1-row call then a 16-row call compiled twice,
+16 s each for the 50m model, before this).
 - The rows: rows that finish keep their slot (they draw, but write padding to a dump row and are
   never counted) until the live rows fit in half the slots; then the live ones move into a batch of
   exactly their number (`_compact`), as the eager loop's cache does.
@@ -60,6 +62,7 @@ from grouprl.rollout.types import SamplingParams
 log = logging.getLogger(__name__)
 
 WIDTH_STEP = 32  # the step attends the cache's first W columns, W the next multiple of this past the column
+MIN_SLOTS = 2  # torch specialises a size of 1: a batch never shrinks below 2 slots, so no second graph
 
 
 @dataclass(frozen=True)
@@ -121,7 +124,7 @@ def decode_step(dec, spec: StepSpec, tok: torch.Tensor, pos: torch.Tensor, curso
 
 def _dynamic(x: torch.Tensor, *dims: int) -> None:
     """Compile `x`'s `dims` as symbolic sizes: one graph serves every slot count, attended width,
-    completion length and batch (a size of 1 is still specialised: at most one more graph)."""
+    completion length and batch (a size of 1 would still be specialised: see MIN_SLOTS)."""
     for d in dims:
         if x.shape[d] > 1:
             torch._dynamo.mark_dynamic(x, d)
@@ -243,6 +246,10 @@ class CompiledDecodeLoop:
         finished = slots(torch.isin(tok, eos) & stop, True)  # an empty slot counts as finished
         tok, pos = slots(tok, pad_token_id), slots(dec.next_pos, 0)
         dec.valid[N:, 0] = True  # an empty slot attends one (zero) column: no row of only -inf scores
+        if S < MIN_SLOTS:  # one row: an empty slot beside it (see MIN_SLOTS)
+            S = MIN_SLOTS
+            tok, pos, rowmap, finished = self._compact(dec, torch.arange(N, device=device), S, tok, pos, rowmap,
+                                                       finished, N)
         cursor = torch.tensor([1, dec.P], dtype=torch.long, device=device)  # [step, cache column], advanced by the step
         uniforms = torch.cat([uniforms, uniforms.new_zeros(1, uniforms.shape[1])])  # the dump row's
         for x in (completion, uniforms):
@@ -256,8 +263,8 @@ class CompiledDecodeLoop:
                 live = (~finished).nonzero().squeeze(-1)  # the host looks: a sync every check_every steps
                 if live.numel() == 0:
                     break
-                if 2 * live.numel() <= S:
-                    S = live.numel()
+                if 2 * live.numel() <= S and max(live.numel(), MIN_SLOTS) < S:
+                    S = max(live.numel(), MIN_SLOTS)
                     tok, pos, rowmap, finished = self._compact(dec, live, S, tok, pos, rowmap, finished, N)
                     views = None
             C = dec.k[0].shape[2]

@@ -48,12 +48,12 @@ def build(name: str, smollm2: str, device: str):
 
     tok = AutoTokenizer.from_pretrained(smollm2)
     if name == "smollm2":
-        model = AutoModelForCausalLM.from_pretrained(smollm2, torch_dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(smollm2, dtype=torch.float32)
     else:
         from vs_trl import SHAPES
 
         torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(LlamaConfig(**SHAPES[name]), torch_dtype=torch.float32)
+        model = AutoModelForCausalLM.from_config(LlamaConfig(**SHAPES[name]), dtype=torch.float32)
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     return model.to(device).eval(), pad, tok.eos_token_id, model.config.vocab_size
 

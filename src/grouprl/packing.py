@@ -31,7 +31,8 @@ an H200 (benchmarks/README.md, "On a GPU"). A sequence after a shared prompt bec
 completion, gathered by one index per tensor and layer (as the per-segment path concatenates them),
 and only the completion's outputs are kept. The kernel is CUDA-only: on CPU the wiring is tested
 against a reference kernel (tests/trainer/test_packing.py); a GPU that cannot run it (before
-Ampere, a head size it refuses) falls back to the per-segment path with one warning.
+Ampere, a head size it refuses, a backward it lacks: probed once, forward and backward, before the
+first real pass) falls back to the per-segment path with one warning.
 
 The model runs with an attention implementation registered under `grouprl+<its own>` (`enable`):
 it behaves exactly as the wrapped one (same function, same masks) unless the forward call carries
@@ -119,6 +120,36 @@ def uses_varlen(device: torch.device, dtype: torch.dtype, head_dim: int, dropout
     return (VARLEN["enabled"] and _varlen_kernel is not None and device.type == "cuda"
             and dtype in (torch.float16, torch.bfloat16) and head_dim % 8 == 0 and head_dim <= 256
             and dropout == 0.0)
+
+
+_PROBED: dict[tuple, bool] = {}
+
+
+def varlen_works(device: torch.device, dtype: torch.dtype, head_dim: int, gqa: bool) -> bool:
+    """Whether the kernel runs forward *and backward* here: probed once per device, dtype, head size
+    and head grouping on two toy sequences, so that a kernel failing only in the backward (inside
+    the update's `backward()`, where no fallback could catch it) is found before any real pass."""
+    key = (device.type, device.index, dtype, head_dim, gqa)
+    if key not in _PROBED:
+        try:
+            g = torch.Generator(device=device).manual_seed(0)
+            q = torch.randn(1, 2, 4, head_dim, device=device, dtype=dtype, generator=g, requires_grad=True)
+            k, v = (torch.randn(1, 1 if gqa else 2, 4, head_dim, device=device, dtype=dtype, generator=g,
+                                requires_grad=True) for _ in range(2))
+            varlen_attention(q, k, v, varlen_plan([(0, 1, 0, 0), (1, 3, 0, 0)], device), None).float().sum().backward()
+            _PROBED[key] = True
+        except torch.cuda.OutOfMemoryError:
+            raise
+        except (RuntimeError, NotImplementedError, TypeError) as e:
+            _PROBED[key] = False
+            _give_up_varlen(e)
+    return _PROBED[key] and VARLEN["enabled"]
+
+
+def _give_up_varlen(error: Exception) -> None:
+    VARLEN["enabled"] = False
+    log.warning("packed attention: the varlen flash kernel failed (%s); every packed row runs per sequence "
+                "from now on", str(error).splitlines()[0][:200])
 
 
 def varlen_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, plan: VarlenPlan,
@@ -236,15 +267,14 @@ def _wrapped_attention(inner_name: str):
     def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, packed=None, **kwargs):
         if packed is None:
             return inner(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
-        if uses_varlen(query.device, query.dtype, query.shape[-1], dropout):
+        if (uses_varlen(query.device, query.dtype, query.shape[-1], dropout)
+                and varlen_works(query.device, query.dtype, query.shape[-1], key.shape[1] != query.shape[1])):
             try:
                 return varlen_attention(query, key, value, packed.varlen_plan(), scaling), None
             except torch.cuda.OutOfMemoryError:
                 raise
             except (RuntimeError, NotImplementedError, TypeError) as e:  # a GPU, build or torch the kernel fails on
-                VARLEN["enabled"] = False
-                log.warning("packed attention: the varlen flash kernel failed (%s); every packed row runs "
-                            "per sequence from now on", str(e).splitlines()[0][:200])
+                _give_up_varlen(e)
         return packed_attention(query, key, value, packed.segments, scaling, dropout), None
 
     return attention

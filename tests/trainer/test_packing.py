@@ -112,6 +112,48 @@ def reference_varlen(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_si
     return torch.cat(out)
 
 
+class _NoBackward(torch.autograd.Function):
+    """A kernel whose forward works and whose backward does not (as on a GPU it lacks)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu_q, cu_k, max_q, max_k, window_size, enable_gqa, scale):
+        return reference_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale=scale, window_size=window_size,
+                                enable_gqa=enable_gqa)
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError("FlashAttention backward for head dim 8 is not supported")
+
+
+def forward_only_varlen(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1), enable_gqa=False):
+    return _NoBackward.apply(q, k, v, cu_q, cu_k, max_q, max_k, window_size, enable_gqa, scale)
+
+
+def test_a_varlen_kernel_without_a_backward_is_found_by_the_probe_before_any_real_pass(monkeypatch, llama, caplog):
+    """The probe runs the kernel forward and backward once: a kernel failing only in the backward,
+    which no fallback inside the update's backward() could catch, is found first; the training pass
+    then runs per sequence and its gradients are the padded pass's. The probe runs once."""
+    monkeypatch.setattr(packing, "_varlen_kernel", forward_only_varlen)
+    monkeypatch.setattr(packing, "uses_varlen", lambda *a: packing.VARLEN["enabled"])
+    monkeypatch.setitem(packing.VARLEN, "enabled", True)
+    monkeypatch.setattr(packing, "_PROBED", {})
+    r = ragged_rollout([4, 6], G=3, seed=2)
+    with caplog.at_level("WARNING", logger="grouprl.packing"):
+        got = run(llama, r, packed=True)
+    warned = [m.getMessage() for m in caplog.records if "varlen flash kernel failed" in m.getMessage()]
+    assert len(warned) == 1 and "backward for head dim 8" in warned[0]
+    assert list(packing._PROBED.values()) == [False] and packing.VARLEN["enabled"] is False
+    assert_same(got, run(llama, r, packed=False), atol=1e-5, grad_rtol=1e-5)
+
+
+def test_the_probe_passes_a_working_kernel_once(monkeypatch):
+    monkeypatch.setattr(packing, "_varlen_kernel", reference_varlen)
+    monkeypatch.setattr(packing, "_PROBED", {})
+    cpu = torch.device("cpu")
+    assert packing.varlen_works(cpu, torch.float32, 8, True) and packing.varlen_works(cpu, torch.float32, 8, True)
+    assert packing._PROBED == {("cpu", None, torch.float32, 8, True): True}
+
+
 def test_varlen_plan_worked_by_hand():
     """The hand layout's segments: the shared prompt [0, 2), two completions after it, a lone
     sequence. The call runs prompt | prompt + completion | prompt + completion | lone sequence, and
@@ -197,6 +239,7 @@ def test_a_model_through_the_varlen_path_equals_the_padded_pass(monkeypatch, lla
 
     monkeypatch.setattr(packing, "_varlen_kernel", counted)
     monkeypatch.setattr(packing, "uses_varlen", lambda *a: True)
+    monkeypatch.setattr(packing, "varlen_works", lambda *a: True)  # the probe's own call is tested apart
     real_plan = packing.varlen_plan
     monkeypatch.setattr(packing, "varlen_plan", lambda *a: built.append(1) or real_plan(*a))
     r = ragged_rollout([3, 9, 5], G=4, seed=1)
@@ -212,6 +255,7 @@ def test_a_varlen_kernel_that_fails_warns_once_and_the_rows_run_per_sequence(mon
     monkeypatch.setattr(packing, "_varlen_kernel", no_kernel)
     monkeypatch.setattr(packing, "uses_varlen", lambda *a: packing.VARLEN["enabled"])
     monkeypatch.setitem(packing.VARLEN, "enabled", True)
+    monkeypatch.setattr(packing, "_PROBED", {})
     r = ragged_rollout([4, 6], G=3, seed=2)
     with caplog.at_level("WARNING", logger="grouprl.packing"):
         got = run(llama, r, packed=True)

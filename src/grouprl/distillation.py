@@ -62,7 +62,7 @@ def load_teacher(cfg: TrainConfig, tokenizer: PreTrainedTokenizerBase, dist: D.D
     except ConfigError as e:
         raise ConfigError(f"teacher_model: {e}") from None
     check_same_tokenizer(load_tokenizer(path, gguf_file), tokenizer, cfg.teacher_model, cfg.tokenizer or cfg.model)
-    model = load_policy(path, gguf_file=gguf_file).eval()
+    model = load_policy(path, gguf_file=gguf_file, dtype=autocast or torch.float32).eval()  # never whole in fp32
     model.requires_grad_(False)
     rows = getattr(model.get_output_embeddings(), "out_features", None)  # the ids the teacher scores
     if rows is not None and rows < len(tokenizer):

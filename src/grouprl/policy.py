@@ -125,10 +125,13 @@ def load_tokenizer(name: str, gguf_file: str | None = None):
 
 def load_policy(name: str, *, gguf_file: str | None = None, lora_r: int = 0, lora_alpha: float = 16.0,
                 lora_dropout: float = 0.0, lora_target_modules: str | list[str] = "all-linear",
-                gradient_checkpointing: bool | str = False, disable_dropout: bool = True) -> torch.nn.Module:
+                gradient_checkpointing: bool | str = False, disable_dropout: bool = True,
+                dtype: torch.dtype = torch.float32) -> torch.nn.Module:
     """Load a causal LM in fp32 (bf16 runs under autocast) and wrap it with LoRA when asked. With
-    `gguf_file`, the model is that GGUF file in the folder (or hub repo) `name`, dequantized."""
-    model = AutoModelForCausalLM.from_pretrained(resolve_model_path(name), dtype=torch.float32,
+    `gguf_file`, the model is that GGUF file in the folder (or hub repo) `name`, dequantized.
+    `dtype`: another storage dtype for a model that is never trained (a distillation teacher in
+    bf16), so that it is never whole in fp32."""
+    model = AutoModelForCausalLM.from_pretrained(resolve_model_path(name), dtype=dtype,
                                                  **_gguf_kwargs(gguf_file))
     model.config.use_cache = False
     packing.enable(model)  # padding-free passes (packing.py); other uses are unchanged

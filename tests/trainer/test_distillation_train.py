@@ -133,9 +133,16 @@ def test_the_teacher_is_frozen_and_stays_out_of_optimizer_and_checkpoint(make_cf
     assert all(torch.equal(before[k], v) for k, v in resumed.teacher.model.state_dict().items())
 
 
-def test_the_teacher_is_held_in_the_compute_dtype(make_cfg, teacher_dir):
+def test_the_teacher_is_held_in_the_compute_dtype(make_cfg, teacher_dir, monkeypatch):
+    """Loaded in it, too: a bf16 run's teacher is never whole in fp32 (a 7B teacher would be 28 GB)."""
+    from transformers import AutoModelForCausalLM
+
+    real, asked = AutoModelForCausalLM.from_pretrained, []
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained",
+                        lambda *a, **kw: asked.append(kw.get("dtype")) or real(*a, **kw))
     cfg = make_cfg(algorithm="on_policy_distill", teacher_model=str(teacher_dir), beta=None).validate()
     teacher = load_teacher(cfg, build_char_tokenizer(), DistContext(), torch.bfloat16)
+    assert asked == [torch.bfloat16]
     assert {p.dtype for p in teacher.model.parameters()} == {torch.bfloat16}
     assert not any(p.requires_grad for p in teacher.model.parameters())
 

@@ -247,38 +247,46 @@ def clip_grad_norm(groups: list[list[torch.nn.Parameter]], max_norm: float | Non
 
 
 # ---------------------------------------------------------------------- state
-def checkpoint_states(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                      ref_model: torch.nn.Module | None) -> tuple[dict | None, dict, dict | None]:
+def checkpoint_states(model: torch.nn.Module, optimizer: torch.optim.Optimizer, ref_model: torch.nn.Module | None,
+                      optimized: torch.nn.Module | None = None) -> tuple[dict | None, dict, dict | None]:
     """(model state, optimizer state, reference state) to write. Unsharded: the model's own tensors
     are written (None, None) and the optimizer's usual state dict. FSDP2: whole state dicts keyed
-    by parameter name, gathered to rank 0 (a collective: every rank calls it)."""
+    by parameter name, gathered to rank 0 (a collective: every rank calls it). `optimized`: the
+    module holding every parameter the optimizer steps, when that is more than `model` (PPO's
+    value head beside it: update.PolicyUpdate.trainable)."""
     if not is_sharded(model):
         return None, optimizer.state_dict(), None
-    model_state, optimizer_state = full_state(model, optimizer)
+    model_state, optimizer_state = full_state(model, optimizer, optimized)
     return model_state, optimizer_state, full_state(ref_model)[0] if ref_model is not None else None
 
 
-def full_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None
-               ) -> tuple[dict[str, torch.Tensor], dict[str, Any] | None]:
-    """FSDP2: the whole model (and optimizer) state on rank 0's CPU, keyed by parameter name.
-    A collective: every rank calls it; other ranks get empty dicts."""
+def full_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
+               optimized: torch.nn.Module | None = None) -> tuple[dict[str, torch.Tensor], dict[str, Any] | None]:
+    """FSDP2: the whole model (and optimizer) state on rank 0's CPU, keyed by parameter name (the
+    optimizer's by their names in `optimized`, default `model`). A collective: every rank calls it;
+    other ranks get empty dicts."""
     from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                         get_state_dict)
+                                                         get_optimizer_state_dict, get_state_dict)
 
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     if optimizer is None:
         return get_model_state_dict(model, options=options), None
-    return get_state_dict(model, optimizer, options=options)
+    if optimized is None or optimized is model:
+        return get_state_dict(model, optimizer, options=options)
+    # the optimizer also steps parameters outside `model`: torch maps each one to a name in one module
+    return get_model_state_dict(model, options=options), get_optimizer_state_dict(optimized, optimizer,
+                                                                                  options=options)
 
 
 def load_full_state(model: torch.nn.Module, model_state: dict[str, torch.Tensor],
                     optimizer: torch.optim.Optimizer | None = None,
-                    optimizer_state: dict[str, Any] | None = None) -> None:
-    """FSDP2: load whole (unsharded) state dicts, each rank keeping its shard."""
+                    optimizer_state: dict[str, Any] | None = None, optimized: torch.nn.Module | None = None) -> None:
+    """FSDP2: load whole (unsharded) state dicts, each rank keeping its shard (`optimized`: as in
+    full_state)."""
     from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
                                                          set_optimizer_state_dict)
 
     options = StateDictOptions(full_state_dict=True, strict=False)
     set_model_state_dict(model, model_state, options=options)
     if optimizer is not None and optimizer_state is not None:
-        set_optimizer_state_dict(model, optimizer, optimizer_state, options=options)
+        set_optimizer_state_dict(optimized or model, optimizer, optimizer_state, options=options)

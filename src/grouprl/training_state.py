@@ -50,6 +50,11 @@ class TrainingParts:
     prompt_filter: Stateful | None     # prompt_filter.PromptFilter, when on
     value_head: torch.nn.Module | None = None  # PPO's value head (value.py), when on
 
+    @property
+    def optimized(self) -> torch.nn.Module:
+        """Every module the optimizer steps, as one (its state is keyed by names in it under FSDP2)."""
+        return self.model if self.value_head is None else torch.nn.ModuleList([self.model, self.value_head])
+
 
 @dataclass
 class LoopState:
@@ -68,7 +73,8 @@ def save_training_state(cfg: TrainConfig, dist: D.DistContext, parts: TrainingPa
     checkpoint is kept whatever save_total_limit says."""
     rng = D.gather_objects(dist, rng_states(parts.generator))  # every rank's
     ref_model = parts.ref_model if cfg.ref_update_steps else None  # the reference changes only then
-    model_state, optimizer_state, ref_state = D.checkpoint_states(parts.model, parts.optimizer, ref_model)
+    model_state, optimizer_state, ref_state = D.checkpoint_states(parts.model, parts.optimizer, ref_model,
+                                                                  parts.optimized)
     state = {
         "step": loop.step, "sampler": parts.sampler.state_dict(), "evals": loop.evals,
         "optimizer": optimizer_state, "scheduler": parts.scheduler.state_dict(), "rng": rng[0],
@@ -96,16 +102,14 @@ def restore_training_state(cfg: TrainConfig, dist: D.DistContext, parts: Trainin
     sharded = D.is_sharded(parts.model)
     if sharded:  # every rank reads the whole weights and keeps its shard
         weights, ref_weights, state = read_checkpoint(ckpt)
+        _check_value_head(ckpt, parts, state)
         D.load_full_state(parts.model, weights, parts.optimizer,
-                          state["optimizer"] if state.get("sharded_optimizer") else None)
+                          state["optimizer"] if state.get("sharded_optimizer") else None, parts.optimized)
         if parts.ref_model is not None and ref_weights is not None:
             D.load_full_state(parts.ref_model, ref_weights)
     else:
         state = load_checkpoint(ckpt, parts.model, parts.ref_model)
-    if (parts.value_head is not None) != (state.get("value_head") is not None):  # before the optimizer's groups
-        raise ConfigError(f"checkpoint {ckpt} was written " + ("without" if parts.value_head else "with")
-                          + " a value head (value_head): resume with the run's own algorithm, or start a new run "
-                          "from its model folder (model: .../checkpoints/step-N/model)")
+        _check_value_head(ckpt, parts, state)
     if parts.value_head is not None:
         parts.value_head.load_state_dict(state["value_head"])
     if state.get("sharded_optimizer", False) != sharded:
@@ -129,6 +133,14 @@ def restore_training_state(cfg: TrainConfig, dist: D.DistContext, parts: Trainin
         logger.warning("resuming with settings changed since the run began (they apply from step %d): %s",
                        step + 1, ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in changed.items()))
     return LoopState(step, state["evals"], state.get("eval_pending", False), state.get("best"))
+
+
+def _check_value_head(ckpt: Path, parts: TrainingParts, state: dict[str, Any]) -> None:
+    """Before any optimizer state loads: a checkpoint with a value head resumes only a run with one."""
+    if (parts.value_head is not None) != (state.get("value_head") is not None):
+        raise ConfigError(f"checkpoint {ckpt} was written " + ("without" if parts.value_head else "with")
+                          + " a value head (value_head): resume with the run's own algorithm, or start a new run "
+                          "from its model folder (model: .../checkpoints/step-N/model)")
 
 
 def load_trainable_weights(checkpoint: str | Path, model: torch.nn.Module) -> None:

@@ -6,7 +6,7 @@
 Rank 0 writes OUT_DIR/grads-STRATEGY.pt: {(loss_agg, scale_rewards): (grads, stats)} for one update
 on `fixed_batch()`, and the same for ("is", mode): the batch with the sampler's log-probs, corrected.
 "ppo" holds PPO's V_old, gradients (value head included) and stats for one update on the same
-batch. With STRATEGY=fsdp2 it then trains one step on sampled rollouts, saves a checkpoint, resumes it
+batch. With STRATEGY=fsdp2 it then trains one step (GRPO, then PPO) on sampled rollouts, saves a checkpoint, resumes it
 into a fresh trainer and records whether every weight came back.
 """
 
@@ -125,23 +125,32 @@ def ppo_update(cfg: TrainConfig) -> dict[str, object]:
     return {"values": values, "grads": grads.pop(), "stats": stats}
 
 
-def fsdp2_train_save_resume(cfg: TrainConfig) -> dict[str, object]:
-    """One sampled FSDP2 step (generation with gathered weights, AdamW), a checkpoint, and a resume."""
-    cfg = replace(cfg, distributed_strategy="fsdp2", ref_update_steps=1, num_logged_samples=0)
+def fsdp2_train_save_resume(cfg: TrainConfig, algorithm: str = "grpo") -> dict[str, object]:
+    """One sampled FSDP2 step (generation with gathered weights, AdamW), a checkpoint, and a resume.
+    With PPO the optimizer also holds the value head, outside the sharded model."""
+    cfg = replace(cfg, distributed_strategy="fsdp2", ref_update_steps=1, num_logged_samples=0, algorithm=algorithm)
+    if algorithm != "grpo":
+        cfg = replace(cfg, output_dir=f"{cfg.output_dir}-{algorithm}", beta=0.04)
     trainer = Trainer(cfg)
     metrics = trainer.train_step()
     path = trainer.save()
     resumed = Trainer(cfg)
     resumed._resume()
-    a, b = D.full_state(trainer.model, trainer.optimizer), D.full_state(resumed.model, resumed.optimizer)
+    a = D.full_state(trainer.model, trainer.optimizer, trainer.updater.trainable)
+    b = D.full_state(resumed.model, resumed.optimizer, resumed.updater.trainable)
     ra, rb = D.full_state(trainer.ref.model)[0], D.full_state(resumed.ref.model)[0]
     opt_a, opt_b = a[1].get("state", {}), b[1].get("state", {})
     same = (all(torch.equal(a[0][k], b[0][k]) for k in a[0]) and all(torch.equal(ra[k], rb[k]) for k in ra)
             and opt_a.keys() == opt_b.keys()
             and all(torch.equal(torch.as_tensor(opt_a[k][s]), torch.as_tensor(opt_b[k][s]))
                     for k in opt_a for s in opt_a[k]))
+    heads = [t.updater.value_head for t in (trainer, resumed)]
+    if heads[0] is not None:
+        same = same and all(torch.equal(x, y) for x, y in zip(heads[0].state_dict().values(),
+                                                              heads[1].state_dict().values()))
     return {"loss": metrics["loss"], "step": resumed.step, "same_after_resume": same, "checkpoint": str(path),
-            "num_state": len(a[1].get("state", {}))}
+            "num_state": len(a[1].get("state", {})),
+            "value_head_moved": None if heads[0] is None else float(heads[0].linear.weight.abs().sum())}
 
 
 def main(model_dir: str, data: str, out_dir: str, strategy: str) -> None:
@@ -150,6 +159,7 @@ def main(model_dir: str, data: str, out_dir: str, strategy: str) -> None:
     result: dict[str, object] = {"world_size": ctx.world_size, "grads": update_grads(cfg), "ppo": ppo_update(cfg)}
     if strategy == "fsdp2":
         result["train"] = fsdp2_train_save_resume(cfg)
+        result["train_ppo"] = fsdp2_train_save_resume(cfg, "ppo")
     if ctx.is_main:
         torch.save(result, Path(out_dir) / f"grads-{strategy}.pt")
     D.destroy_distributed()

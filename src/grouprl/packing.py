@@ -131,12 +131,9 @@ def varlen_works(device: torch.device, dtype: torch.dtype, head_dim: int, gqa: b
     the update's `backward()`, where no fallback could catch it) is found before any real pass."""
     key = (device.type, device.index, dtype, head_dim, gqa)
     if key not in _PROBED:
-        try:
-            g = torch.Generator(device=device).manual_seed(0)
-            q = torch.randn(1, 2, 4, head_dim, device=device, dtype=dtype, generator=g, requires_grad=True)
-            k, v = (torch.randn(1, 1 if gqa else 2, 4, head_dim, device=device, dtype=dtype, generator=g,
-                                requires_grad=True) for _ in range(2))
-            varlen_attention(q, k, v, varlen_plan([(0, 1, 0, 0), (1, 3, 0, 0)], device), None).float().sum().backward()
+        try:  # the first packed pass is often a no-grad one (the reference's): the probe needs autograd
+            with torch.inference_mode(False), torch.enable_grad():
+                _probe(device, dtype, head_dim, gqa)
             _PROBED[key] = True
         except torch.cuda.OutOfMemoryError:
             raise
@@ -144,6 +141,15 @@ def varlen_works(device: torch.device, dtype: torch.dtype, head_dim: int, gqa: b
             _PROBED[key] = False
             _give_up_varlen(e)
     return _PROBED[key] and VARLEN["enabled"]
+
+
+def _probe(device: torch.device, dtype: torch.dtype, head_dim: int, gqa: bool) -> None:
+    """Two toy sequences through the kernel, forward and backward."""
+    g = torch.Generator(device=device).manual_seed(0)
+    q = torch.randn(1, 2, 4, head_dim, device=device, dtype=dtype, generator=g, requires_grad=True)
+    k, v = (torch.randn(1, 1 if gqa else 2, 4, head_dim, device=device, dtype=dtype, generator=g, requires_grad=True)
+            for _ in range(2))
+    varlen_attention(q, k, v, varlen_plan([(0, 1, 0, 0), (1, 3, 0, 0)], device), None).float().sum().backward()
 
 
 def _give_up_varlen(error: Exception) -> None:

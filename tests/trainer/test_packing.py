@@ -150,8 +150,13 @@ def test_the_probe_passes_a_working_kernel_once(monkeypatch):
     monkeypatch.setattr(packing, "_varlen_kernel", reference_varlen)
     monkeypatch.setattr(packing, "_PROBED", {})
     cpu = torch.device("cpu")
-    assert packing.varlen_works(cpu, torch.float32, 8, True) and packing.varlen_works(cpu, torch.float32, 8, True)
-    assert packing._PROBED == {("cpu", None, torch.float32, 8, True): True}
+    with torch.no_grad():  # the first packed pass is often a no-grad one: the probe still has autograd
+        assert packing.varlen_works(cpu, torch.float32, 8, True)
+    with torch.inference_mode():
+        assert packing.varlen_works(cpu, torch.float32, 16, False)
+    assert packing.varlen_works(cpu, torch.float32, 8, True)
+    assert packing._PROBED == {("cpu", None, torch.float32, 8, True): True,
+                               ("cpu", None, torch.float32, 16, False): True}
 
 
 def test_varlen_plan_worked_by_hand():

@@ -26,6 +26,7 @@ from grouprl.checkpoint import (checkpoint_path, latest_checkpoint, load_checkpo
                                 restore_rng_states, rng_states, save_checkpoint)
 from grouprl.config import ConfigError, TrainConfig, changed_settings
 from grouprl.optim import scale_learning_rate
+from grouprl.value import optimized_modules
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +54,7 @@ class TrainingParts:
     @property
     def optimized(self) -> torch.nn.Module:
         """Every module the optimizer steps, as one (its state is keyed by names in it under FSDP2)."""
-        return self.model if self.value_head is None else torch.nn.ModuleList([self.model, self.value_head])
+        return optimized_modules(self.model, self.value_head)
 
 
 @dataclass

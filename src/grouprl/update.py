@@ -36,7 +36,7 @@ from grouprl.packing import supports_packing
 from grouprl.policy import activation_checkpointing, can_share_prompts, completion_forward, completion_logprobs
 from grouprl.rollout import Rollout
 from grouprl.update_stats import UpdateSums
-from grouprl.value import add_value_loss, make_value_head
+from grouprl.value import add_value_loss, make_value_head, optimized_modules
 
 logger = logging.getLogger(__name__)
 
@@ -74,8 +74,7 @@ class PolicyUpdate:
                  value_head: torch.nn.Module | None = None):
         self.model, self.train_model, self.dist, self.autocast = model, train_model, dist, autocast
         self.planner, self.checkpoint_over_budget, self.value_head = planner, checkpoint_over_budget, value_head
-        # what the optimizer steps, as one module: what a rollback snapshot keeps and puts back (guard.py)
-        self.trainable = model if value_head is None else torch.nn.ModuleList([model, value_head])
+        self.trainable = optimized_modules(model, value_head)  # what the optimizer steps, as one module
 
     @torch.no_grad()
     def logprobs(self, model: torch.nn.Module, rollout: Rollout, cfg: TrainConfig) -> torch.Tensor:

@@ -65,6 +65,13 @@ def make_value_head(cfg: TrainConfig, model: torch.nn.Module, dist: D.DistContex
     return ValueHead(hidden).to(dist.device)
 
 
+def optimized_modules(model: torch.nn.Module, value_head: torch.nn.Module | None) -> torch.nn.Module:
+    """Every module the optimizer steps, as one: the policy alone, or the policy and the value head
+    (names "0.*" and "1.*"). What a rollback snapshot keeps and puts back (guard.py), and, under FSDP2,
+    the names the optimizer's checkpointed state is keyed by (training_state.py)."""
+    return model if value_head is None else torch.nn.ModuleList([model, value_head])
+
+
 @dataclass(frozen=True)
 class ValueTargets:
     """What the value loss reads, for the whole batch, on the host."""

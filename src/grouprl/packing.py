@@ -135,6 +135,8 @@ def varlen_works(device: torch.device, dtype: torch.dtype, head_dim: int, gqa: b
             with torch.inference_mode(False), torch.enable_grad():
                 _probe(device, dtype, head_dim, gqa)
             _PROBED[key] = True
+            log.info("packed attention: one varlen flash call per layer on %s in %s (head size %d%s)", device,
+                     str(dtype).removeprefix("torch."), head_dim, ", grouped-query" if gqa else "")
         except torch.cuda.OutOfMemoryError:
             raise
         except (RuntimeError, NotImplementedError, TypeError) as e:

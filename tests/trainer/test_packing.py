@@ -146,12 +146,14 @@ def test_a_varlen_kernel_without_a_backward_is_found_by_the_probe_before_any_rea
     assert_same(got, run(llama, r, packed=False), atol=1e-5, grad_rtol=1e-5)
 
 
-def test_the_probe_passes_a_working_kernel_once(monkeypatch):
+def test_the_probe_passes_a_working_kernel_once(monkeypatch, caplog):
     monkeypatch.setattr(packing, "_varlen_kernel", reference_varlen)
     monkeypatch.setattr(packing, "_PROBED", {})
     cpu = torch.device("cpu")
-    with torch.no_grad():  # the first packed pass is often a no-grad one: the probe still has autograd
-        assert packing.varlen_works(cpu, torch.float32, 8, True)
+    with torch.no_grad(), caplog.at_level("INFO", logger="grouprl.packing"):  # the first packed pass is often
+        assert packing.varlen_works(cpu, torch.float32, 8, True)  # a no-grad one: the probe still has autograd
+    assert [m.getMessage() for m in caplog.records] == [
+        "packed attention: one varlen flash call per layer on cpu in float32 (head size 8, grouped-query)"]
     with torch.inference_mode():
         assert packing.varlen_works(cpu, torch.float32, 16, False)
     assert packing.varlen_works(cpu, torch.float32, 8, True)

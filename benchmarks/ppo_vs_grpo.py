@@ -25,7 +25,12 @@ in fp32: 4|θ| more, before its activations), not measured.
 `learning`: the embedded default task (`grouprl train` with no arguments: the shipped 0.5 M policy
 on two-number sums, G = 8 x 16 prompts, lr 1e-4, beta 0.04), `--steps` steps per run, per seed and
 arm; held-out greedy accuracy (200 prompts) before and after, from the run's summary.json. Each run
-is its own subprocess, seed by seed, arm by arm. One JSON line per run goes to `--out`.
+is its own subprocess, seed by seed, arm by arm. One JSON line per run goes to `--out`. With
+`--workload smollm2 --model DIR` each run is examples/smollm2_chat_arithmetic.yaml (SmolLM2-135M-
+Instruct, chat arithmetic, G = 8 x 2 prompts, 64 tokens, lr 2e-5, beta 0, bf16 where native) and the
+accuracy is the lenient one on its 64 held-out prompts:
+
+    python benchmarks/ppo_vs_grpo.py learning --workload smollm2 --model models/smollm2 --seeds 1 2 3 4 5 --steps 20
 """
 
 from __future__ import annotations
@@ -93,13 +98,19 @@ def worker_memory(arm: str, workload: str, model_dir: str, steps: int, threads: 
             "peak_rss": int(peak_rss_mib() * 2**20), "times": times, "lengths": lengths}
 
 
-def worker_learning(arm: str, seed: int, steps: int) -> dict:
-    """One run of the embedded default task with `algorithm: arm`; accuracy before and after."""
+SMOLLM2_EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "smollm2_chat_arithmetic.yaml"
+
+
+def worker_learning(arm: str, seed: int, steps: int, model_dir: str | None = None) -> dict:
+    """One run with `algorithm: arm`, accuracy before and after: the embedded default task, or with
+    `model_dir` (SmolLM2-135M-Instruct) examples/smollm2_chat_arithmetic.yaml (64 held-out prompts,
+    greedy, lenient accuracy)."""
     from grouprl.cli import main as cli_main
 
+    config = [str(SMOLLM2_EXAMPLE), "--model", model_dir] if model_dir else []
     with tempfile.TemporaryDirectory() as out:
         t0 = time.perf_counter()
-        code = cli_main(["train", "--algorithm", arm, "--seed", str(seed), "--max_steps", str(steps),
+        code = cli_main(["train", *config, "--algorithm", arm, "--seed", str(seed), "--max_steps", str(steps),
                          "--eval_steps", "0", "--output_dir", out, "--progress", "false", "--report_to", "[]"])
         seconds = time.perf_counter() - t0
         if code:
@@ -159,8 +170,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("measure", choices=("memory", "learning"))
     ap.add_argument("--arms", nargs="+", default=list(ARMS), choices=ARMS)
-    ap.add_argument("--workload", default="50m", choices=sorted(WORKLOADS))
-    ap.add_argument("--model", help="memory: the model folder for --workload smollm2 (a Hugging Face folder)")
+    ap.add_argument("--workload", default="50m", choices=sorted(WORKLOADS),
+                    help="memory: the model and task; learning: smollm2 runs examples/smollm2_chat_arithmetic.yaml, "
+                         "any other the embedded default task")
+    ap.add_argument("--model", help="the model folder for --workload smollm2 (a Hugging Face folder)")
     ap.add_argument("--steps", type=int, default=None, help="memory: steps after the warm-up (default 4); "
                     "learning: steps per run (default 20)")
     ap.add_argument("--repeats", type=int, default=1, help="memory: rounds of the arms, alternating")
@@ -176,7 +189,7 @@ def main() -> None:
 
     if args.worker:
         result = (worker_memory(args.worker, args.workload, args.model_dir, args.steps, args.threads, args.beta)
-                  if args.measure == "memory" else worker_learning(args.worker, args.seed, args.steps))
+                  if args.measure == "memory" else worker_learning(args.worker, args.seed, args.steps, args.model_dir))
         Path(args.worker_out).write_text(json.dumps(result))
         return
 
@@ -204,10 +217,15 @@ def main() -> None:
             text = memory_table(runs)
         else:
             steps = 20 if args.steps is None else args.steps
+            on = []  # the embedded task, or SmolLM2 on chat arithmetic
+            if args.workload == "smollm2":
+                if not args.model:
+                    sys.exit("--workload smollm2 needs --model (the SmolLM2-135M-Instruct folder)")
+                on = ["--model-dir", args.model]
             for seed in args.seeds:
                 for arm in args.arms:
                     runs.append(subprocess_json(["learning", "--worker", arm, "--seed", str(seed),
-                                                 "--steps", str(steps)]))
+                                                 "--steps", str(steps), *on]))
                     r = runs[-1]
                     print(f"seed {seed} {arm}: {100 * r['before']:.1f} % -> {100 * r['after']:.1f} % "
                           f"in {r['seconds']:.0f} s", flush=True)

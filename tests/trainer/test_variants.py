@@ -110,11 +110,13 @@ def test_gmpo_takes_log_space_bounds_of_any_size(make_cfg):
     {"algorithm": "gdpo", "loss_type": "sapo", "sapo_temperature_neg": 2.0, "num_iterations": 2,
      "reward_funcs": ["tests.trainer.conftest:digit_fraction", "tests.trainer.conftest:short_reward"]},
     {"algorithm": "gmpo", "epsilon": 0.02, "epsilon_high": 0.02, "num_iterations": 2, "entropy_coef": 0.05},
+    {"algorithm": "ppo", "num_iterations": 2, "entropy_coef": 0.05, "epsilon": 0.02, "epsilon_high": 0.02},
 ])
 def test_off_policy_variants_give_the_full_batch_gradient_in_micro_batches(make_cfg, overrides):
     """Same seed, same rollout; micro_batch_size 16 vs 4 over two updates per rollout (the second is
     off-policy: CISPO clips, SAPO gates, the sequence mask drops with δ = 0, GMPO clips in log space;
-    its run adds the entropy bonus, whose gradient every pass carries): the accumulated gradients
+    its run and PPO's add the entropy bonus, whose gradient every pass carries; PPO's gradients include
+    its value head's): the accumulated gradients
     agree. After each update the micro-batched run takes the full run's weights, so that the second
     update starts from the same policy (Adam's first step turns float noise in near-zero gradients
     into lr-sized differences). (top_entropy_quantile is the exception, tests/core/test_token_masks.py.)"""
@@ -122,7 +124,7 @@ def test_off_policy_variants_give_the_full_batch_gradient_in_micro_batches(make_
     for run, mbs in enumerate((16, 4)):
         trainer = Trainer(make_cfg(micro_batch_size=mbs, max_grad_norm=None, beta=0.05, learning_rate=3e-2,
                                    **overrides))
-        params = list(trainer.model.parameters())
+        params = list(trainer.updater.trainable.parameters())  # PPO: the value head's too
         step = trainer.optimizer.step
 
         def record_and_step(params=params, step=step, run=run):

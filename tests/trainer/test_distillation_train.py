@@ -231,3 +231,33 @@ def test_a_registered_signal_is_accepted_and_used(make_cfg, teacher_dir):
         want = trainer.advantages(batch)
     torch.testing.assert_close(got, 2 * want)
     assert want.abs().max() > 0
+
+
+def test_ppo_with_a_teacher_adds_its_signal_to_the_gae_advantages(make_cfg, teacher_dir):
+    """PPO and a teacher together: the advantages are the GAE advantages of the rewards and V_old
+    (whitened, as PPO's preset does) plus λ·(log π_T − log π_S) on every completion token; both
+    terms are nonzero, and the run trains its value head."""
+    from grouprl.objective import step_advantages
+
+    cfg = make_cfg(algorithm="ppo", teacher_model=str(teacher_dir), distill_coef=0.5, max_steps=2, temperature=1.3)
+    trainer = Trainer(cfg)
+    seen, real = [], trainer.advantages
+
+    def spy(batch, values=None, metrics=None):  # the policy as it sampled: before this step's update
+        student = sequence_logprobs(trainer.model, batch.rollout, cfg.temperature)
+        adv = real(batch, values, metrics)
+        seen.append((batch, values, adv.clone(), student))
+        return adv
+
+    trainer.advantages = spy
+    trainer.train()
+    assert len(seen) == 2
+    for batch, values, adv, student in seen:
+        assert values is not None  # V_old from the value head
+        teacher = sequence_logprobs(trainer.teacher.model, batch.rollout, cfg.temperature)  # [N, T]
+        mask = batch.rollout.action_mask
+        gae = step_advantages(trainer.cfg, batch, values)  # [N, T]
+        want = torch.where(mask, gae + 0.5 * (teacher - student), torch.zeros(()))
+        torch.testing.assert_close(adv, want, rtol=0, atol=2e-5)
+        assert gae[mask].abs().max() > 0.1 and (teacher - student)[mask].abs().max() > 0.1
+    assert float(trainer.updater.value_head.linear.weight.abs().sum()) > 0

@@ -79,34 +79,32 @@ class PolicyUpdate:
     @torch.no_grad()
     def logprobs(self, model: torch.nn.Module, rollout: Rollout, cfg: TrainConfig) -> torch.Tensor:
         """Log-probs [N, T] of this rank's rows under `model` (the rows of its micro-batches; others stay 0)."""
+        return self._no_grad_passes(model, rollout, cfg, lambda mb: completion_logprobs(
+            model, mb, temperature=cfg.temperature, autocast_dtype=self.autocast, packed=self.planner.packed)[0])
+
+    @torch.no_grad()
+    def values(self, rollout: Rollout, cfg: TrainConfig) -> torch.Tensor | None:
+        """The value head's estimates [N, T] of the rollout under the current policy (PPO's V_old), for
+        the whole batch on every rank; None without a value head."""
+        if self.value_head is None:
+            return None
+        out = self._no_grad_passes(self.model, rollout, cfg, lambda mb: completion_forward(
+            self.model, mb, temperature=cfg.temperature, autocast_dtype=self.autocast, packed=self.planner.packed,
+            value_head=self.value_head, logprobs=False)[2])  # [N, T]
+        return D.all_reduce_tensor(self.dist, out)  # each rank filled its own rows: the sum is the whole batch
+
+    def _no_grad_passes(self, model: torch.nn.Module, rollout: Rollout, cfg: TrainConfig, per_token) -> torch.Tensor:
+        """`per_token(micro_batch)  # [n, T']` over this rank's micro-batches, into [N, T] on the host
+        (other rows stay 0). FSDP2: the weights are gathered once, so that ranks with fewer passes wait
+        on no forward."""
         out = torch.zeros(rollout.completion_ids.shape, dtype=torch.float32)  # [N, T]
         with D.full_weights(model):
             for rows, weight in self.planner.plan(rollout, cfg):
                 if weight == 0:
                     continue
-                mb = self.planner.micro_batch(rollout, rows)
-                logp, _ = completion_logprobs(model, mb, temperature=cfg.temperature, autocast_dtype=self.autocast,
-                                              packed=self.planner.packed)
-                out[rows, : logp.shape[1]] = logp.float().cpu()
+                x = per_token(self.planner.micro_batch(rollout, rows))  # [n, T']
+                out[rows, : x.shape[1]] = x.float().cpu()
         return out
-
-    @torch.no_grad()
-    def values(self, rollout: Rollout, cfg: TrainConfig) -> torch.Tensor | None:
-        """The value head's estimates [N, T] of the rollout under the current policy (PPO's V_old);
-        None without a value head."""
-        if self.value_head is None:
-            return None
-        out = torch.zeros(rollout.completion_ids.shape, dtype=torch.float32)  # [N, T]
-        with D.full_weights(self.model):  # FSDP2: gathered once, so ranks with fewer passes wait on no forward
-            for rows, weight in self.planner.plan(rollout, cfg):
-                if weight == 0:
-                    continue
-                mb = self.planner.micro_batch(rollout, rows)
-                _, _, v = completion_forward(self.model, mb, temperature=cfg.temperature, autocast_dtype=self.autocast,
-                                             packed=self.planner.packed, value_head=self.value_head,
-                                             logprobs=False)  # [n, T']
-                out[rows, : v.shape[1]] = v.float().cpu()
-        return D.all_reduce_tensor(self.dist, out)  # each rank filled its own rows: the sum is the whole batch
 
     def optimizer_step(self, batch: UpdateBatch, optimizer: torch.optim.Optimizer, scheduler: LRScheduler,
                        cfg: TrainConfig, loss_params: LossParams, *, with_entropy: bool) -> dict[str, float]:

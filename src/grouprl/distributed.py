@@ -234,9 +234,12 @@ def local_value(x: torch.Tensor) -> float:
 
 
 def clip_grad_norm(groups: list[list[torch.nn.Parameter]], max_norm: float | None) -> float:
-    """`clip_grad_norm_` over parameter groups that one call cannot take together (FSDP2's DTensor
-    gradients beside PPO's plain value head): the norm of all the gradients, and every group scaled
-    by the same factor, min(1, max_norm / (norm + 1e-6)), as torch scales them."""
+    """The gradient norm of every group together, clipped to `max_norm` (None: not clipped), as a
+    float on every rank. One group is torch's `clip_grad_norm_`. Several are groups that one torch call
+    cannot take together (FSDP2's DTensor gradients beside PPO's plain value head): every group is
+    scaled by the same factor, min(1, max_norm / (norm + 1e-6)), as torch scales them."""
+    if len(groups) == 1:
+        return local_value(torch.nn.utils.clip_grad_norm_(groups[0], max_norm or math.inf))
     grads = [[p.grad for p in g if p.grad is not None] for g in groups]
     total = math.sqrt(sum(local_value(torch.nn.utils.get_total_norm(g)) ** 2 for g in grads if g))
     if max_norm is not None and max_norm / (total + 1e-6) < 1.0:

@@ -145,8 +145,7 @@ class PolicyUpdate:
         groups = [[p for p in m.parameters() if p.requires_grad] for m in modules]
         # both are global, so every rank decides alike: the norm is taken over gradients DDP already
         # summed (FSDP2: reduced over the shards), the loss is summed over ranks
-        grad_norm = (D.local_value(torch.nn.utils.clip_grad_norm_(groups[0], cfg.max_grad_norm or math.inf))
-                     if len(groups) == 1 else D.clip_grad_norm(groups, cfg.max_grad_norm))
+        grad_norm = D.clip_grad_norm(groups, cfg.max_grad_norm)
         reduced = D.all_reduce_sums(self.dist, sums.sums)
         nonfinite = [name for name, v in (("loss", reduced["loss"]), ("grad norm", grad_norm)) if not math.isfinite(v)]
         if nonfinite:  # the NaN/inf gradients go (below); weights and Adam moments stay

@@ -230,8 +230,8 @@ def can_share_prompts(model: torch.nn.Module) -> bool:
 # whole logits with their softmax temporaries and gradient (~1 GB at 2^26) set a small model's
 # peak (issue 34: grouprl's 135M step peaked 0.37 GiB above TRL's on an H200; this change is not
 # yet measured on a GPU).
-WHOLE_LOGITS_MAX_ELEMENTS = 1 << 26
-CUDA_WHOLE_LOGITS_MAX_ELEMENTS = 1 << 24
+WHOLE_LOGITS_MAX_ELEMENTS = {"cpu": 1 << 26, "cuda": 1 << 24}  # by device type, as head_logprobs' chunks
+DEFAULT_WHOLE_LOGITS_MAX_ELEMENTS = 1 << 26
 # Models whose logits are exactly lm_head(last hidden state): no soft-capping or scaling after it.
 PLAIN_HEAD_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 
@@ -270,7 +270,7 @@ def completion_forward(model: torch.nn.Module, mb: MicroBatch, *, temperature: f
     One-token prompts take the single pass.
 
     Logits of more than `max_logits_elements` (real completion tokens x V; default
-    WHOLE_LOGITS_MAX_ELEMENTS) are never made whole: the model returns its last hidden states and
+    WHOLE_LOGITS_MAX_ELEMENTS of the device type) are never made whole: the model returns its last hidden states and
     `core.head_logprobs` takes them through the LM head in chunks, forward and backward, for models
     whose head is a plain linear layer (`PLAIN_HEAD_MODEL_TYPES`, not sharded by FSDP2). Either
     way only the real completion positions are computed (0 elsewhere)."""
@@ -279,10 +279,8 @@ def completion_forward(model: torch.nn.Module, mb: MicroBatch, *, temperature: f
           if autocast_dtype is not None else contextlib.nullcontext())
     cids, cmask = mb.completion_ids.to(device), mb.completion_mask.to(device)  # [n, T']
     head = _plain_head(model)
-    if max_logits_elements is not None:
-        limit = max_logits_elements
-    else:
-        limit = CUDA_WHOLE_LOGITS_MAX_ELEMENTS if device.type == "cuda" else WHOLE_LOGITS_MAX_ELEMENTS
+    limit = max_logits_elements if max_logits_elements is not None else WHOLE_LOGITS_MAX_ELEMENTS.get(
+        device.type, DEFAULT_WHOLE_LOGITS_MAX_ELEMENTS)
     if not logprobs and value_head is None:
         raise ValueError("completion_forward(logprobs=False) computes only values: pass value_head")
     use_head = head is not None and int(cmask.sum()) * head.out_features > limit

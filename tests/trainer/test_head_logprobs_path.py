@@ -102,8 +102,9 @@ def test_a_training_step_through_the_chunked_head_equals_the_logits_path(make_cf
     from grouprl.trainer import Trainer
 
     weights = []
-    for limit in (policy.WHOLE_LOGITS_MAX_ELEMENTS, 0):
-        monkeypatch.setattr(policy, "WHOLE_LOGITS_MAX_ELEMENTS", limit)
+    for limits in (policy.WHOLE_LOGITS_MAX_ELEMENTS, {}):  # {} and a default of 0: every pass chunked
+        monkeypatch.setattr(policy, "WHOLE_LOGITS_MAX_ELEMENTS", limits)
+        monkeypatch.setattr(policy, "DEFAULT_WHOLE_LOGITS_MAX_ELEMENTS", 1 << 26 if limits else 0)
         trainer = Trainer(make_cfg(beta=0.04, num_iterations=2, learning_rate=1e-2))
         metrics = trainer.train_step()
         assert metrics["kl"] >= 0 and metrics["entropy"] > 0

@@ -29,49 +29,33 @@ def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 @pytest.fixture(scope="module")
-def one_rank_grads(tiny_model_dir, digits_data, tmp_path_factory):
-    """One process's gradients, with or without the shared-prompt forward (FSDP2 runs without).
-    On the CPU, as the 2 ranks are (launch.py hides the GPUs from them): on a CUDA machine the
-    trainer in this process would otherwise take cuda:0, and fp32 on two devices agrees to float
-    rounding, not to the 1e-6 the comparison asks."""
+def one_rank(tiny_model_dir, digits_data, tmp_path_factory):
+    """What a worker function (`update_grads`, `ppo_update`) gives in one process, with or without
+    the shared-prompt forward (FSDP2 runs without). On the CPU, as the 2 ranks are (launch.py hides
+    the GPUs from them): on a CUDA machine the trainer in this process would otherwise take cuda:0,
+    and fp32 on two devices agrees to float rounding, not to the 1e-6 the comparison asks."""
     done = {}
 
-    def get(share_prompts: bool):
-        if share_prompts not in done:
+    def get(work, share_prompts: bool):
+        key = (work.__name__, share_prompts)
+        if key not in done:
             out = tmp_path_factory.mktemp("one_rank")
             with pytest.MonkeyPatch.context() as mp:
                 mp.setattr(D, "init_distributed", lambda *a, **k: D.DistContext(device=torch.device("cpu")))
-                done[share_prompts] = update_grads(config(str(tiny_model_dir), str(digits_data), str(out),
-                                                          share_prompt_forward=share_prompts))
-        return done[share_prompts]
-    return get
-
-
-@pytest.fixture(scope="module")
-def one_rank_ppo(tiny_model_dir, digits_data, tmp_path_factory):
-    """`ppo_update` in this process, on the CPU (as `one_rank_grads`)."""
-    done = {}
-
-    def get(share_prompts: bool):
-        if share_prompts not in done:
-            out = tmp_path_factory.mktemp("one_rank_ppo")
-            with pytest.MonkeyPatch.context() as mp:
-                mp.setattr(D, "init_distributed", lambda *a, **k: D.DistContext(device=torch.device("cpu")))
-                done[share_prompts] = ppo_update(config(str(tiny_model_dir), str(digits_data), str(out),
-                                                        share_prompt_forward=share_prompts))
-        return done[share_prompts]
+                done[key] = work(config(str(tiny_model_dir), str(digits_data), str(out),
+                                        share_prompt_forward=share_prompts))
+        return done[key]
     return get
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
-def test_update_two_ranks_equals_one_rank(strategy, one_rank_grads, one_rank_ppo, tiny_model_dir, digits_data,
-                                          tmp_path):
+def test_update_two_ranks_equals_one_rank(strategy, one_rank, tiny_model_dir, digits_data, tmp_path):
     torchrun("-m", "tests.distributed._worker", str(tiny_model_dir), str(digits_data), str(tmp_path), strategy)
     result = torch.load(tmp_path / f"grads-{strategy}.pt", weights_only=False)
     assert result["world_size"] == 2
-    one_rank = one_rank_grads(strategy == "ddp")
-    assert result["grads"].keys() == one_rank.keys() and len(one_rank) == 14  # 4 aggs x 3 scales, 2 IS modes
-    for case, (expected, stats1) in one_rank.items():
+    one_rank_grads = one_rank(update_grads, strategy == "ddp")  # 4 aggs x 3 scales, 2 IS modes
+    assert result["grads"].keys() == one_rank_grads.keys() and len(one_rank_grads) == 14
+    for case, (expected, stats1) in one_rank_grads.items():
         got, stats2 = result["grads"][case]
         loss1, loss2 = stats1["loss"], stats2["loss"]
         assert got.keys() == expected.keys()
@@ -83,7 +67,7 @@ def test_update_two_ranks_equals_one_rank(strategy, one_rank_grads, one_rank_ppo
         assert bool(mismatch) == (case[0] == "is")  # the whole batch's metrics, on every rank
         assert {k: stats2[k] for k in mismatch} == pytest.approx(mismatch, rel=1e-6), case
     # PPO: V_old of the whole batch on every rank, and the value head's gradient averaged like the model's
-    ppo, ppo1 = result["ppo"], one_rank_ppo(strategy == "ddp")
+    ppo, ppo1 = result["ppo"], one_rank(ppo_update, strategy == "ddp")
     m = ppo1["values"] != 0
     assert m.sum() == fixed_batch().rollout.completion_mask.sum()  # every real token has its value
     assert torch.allclose(ppo["values"], ppo1["values"], rtol=1e-6, atol=1e-7)
@@ -93,7 +77,7 @@ def test_update_two_ranks_equals_one_rank(strategy, one_rank_grads, one_rank_ppo
         assert g.norm() > 0 and err < 1e-6, (name, err)
     assert ppo["stats"]["loss"] == pytest.approx(ppo1["stats"]["loss"], rel=1e-6)
     assert ppo["stats"]["value_loss"] == pytest.approx(ppo1["stats"]["value_loss"], rel=1e-6)
-    frac = one_rank[("is", "sequence_mask")][1]["is/frac_corrected"]
+    frac = one_rank_grads[("is", "sequence_mask")][1]["is/frac_corrected"]
     assert 0 < frac < 1, frac  # the mask drops some completions and keeps others
     if strategy == "fsdp2":  # one sampled step with the sharded model, its checkpoint, its resume
         train = result["train"]

@@ -129,23 +129,6 @@ def forward_only_varlen(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window
     return _NoBackward.apply(q, k, v, cu_q, cu_k, max_q, max_k, window_size, enable_gqa, scale)
 
 
-def test_a_varlen_kernel_without_a_backward_is_found_by_the_probe_before_any_real_pass(monkeypatch, llama, caplog):
-    """The probe runs the kernel forward and backward once: a kernel failing only in the backward,
-    which no fallback inside the update's backward() could catch, is found first; the training pass
-    then runs per sequence and its gradients are the padded pass's. The probe runs once."""
-    monkeypatch.setattr(packing, "_varlen_kernel", forward_only_varlen)
-    monkeypatch.setattr(packing, "uses_varlen", lambda *a: packing.VARLEN["enabled"])
-    monkeypatch.setitem(packing.VARLEN, "enabled", True)
-    monkeypatch.setattr(packing, "_PROBED", {})
-    r = ragged_rollout([4, 6], G=3, seed=2)
-    with caplog.at_level("WARNING", logger="grouprl.packing"):
-        got = run(llama, r, packed=True)
-    warned = [m.getMessage() for m in caplog.records if "varlen flash kernel failed" in m.getMessage()]
-    assert len(warned) == 1 and "backward for head dim 8" in warned[0]
-    assert list(packing._PROBED.values()) == [False] and packing.VARLEN["enabled"] is False
-    assert_same(got, run(llama, r, packed=False), atol=1e-5, grad_rtol=1e-5)
-
-
 def test_the_probe_passes_a_working_kernel_once(monkeypatch, caplog):
     monkeypatch.setattr(packing, "_varlen_kernel", reference_varlen)
     monkeypatch.setattr(packing, "_PROBED", {})
@@ -255,11 +238,30 @@ def test_a_model_through_the_varlen_path_equals_the_padded_pass(monkeypatch, lla
     assert_same(got, run(llama, r, packed=False, share=share), atol=1e-5, grad_rtol=1e-5)
 
 
-def test_a_varlen_kernel_that_fails_warns_once_and_the_rows_run_per_sequence(monkeypatch, llama, caplog):
-    def no_kernel(*a, **kw):
-        raise RuntimeError("FlashAttention only supports Ampere GPUs or newer.\nmore")
+def no_varlen_kernel(*a, **kw):
+    raise RuntimeError("FlashAttention only supports Ampere GPUs or newer.\nmore")
 
-    monkeypatch.setattr(packing, "_varlen_kernel", no_kernel)
+
+def varlen_failing_past_the_probe(q, k, v, cu_q, *a, **kw):
+    """Runs the probe's two toy sequences, fails at a real pass's sizes."""
+    if q.shape[0] > 4:
+        raise RuntimeError("CUDA error: invalid configuration argument\nmore")
+    return reference_varlen(q, k, v, cu_q, *a, **kw)
+
+
+@pytest.mark.parametrize("kernel, message, probe_passed", [
+    (no_varlen_kernel, "Ampere", False),  # fails outright: the probe finds it
+    (forward_only_varlen, "backward for head dim 8", False),  # only its backward fails, past any fallback
+    (functools.wraps(reference_varlen)(varlen_failing_past_the_probe), "invalid configuration", True),
+])
+def test_a_varlen_kernel_that_fails_warns_once_and_the_rows_run_per_sequence(monkeypatch, llama, caplog, kernel,
+                                                                             message, probe_passed):
+    """Forward and backward once on toy sequences, before the first real pass (the probe), find a
+    kernel that fails outright or only in its backward (inside the update's backward(), where no
+    fallback could catch it); a failure at a real pass's sizes is caught by the call itself. Each
+    warns once with the error's first line, and the pass runs per sequence: log-probs, entropies
+    and gradients equal the padded pass's."""
+    monkeypatch.setattr(packing, "_varlen_kernel", kernel)
     monkeypatch.setattr(packing, "uses_varlen", lambda *a: packing.VARLEN["enabled"])
     monkeypatch.setitem(packing.VARLEN, "enabled", True)
     monkeypatch.setattr(packing, "_PROBED", {})
@@ -267,8 +269,8 @@ def test_a_varlen_kernel_that_fails_warns_once_and_the_rows_run_per_sequence(mon
     with caplog.at_level("WARNING", logger="grouprl.packing"):
         got = run(llama, r, packed=True)
     warned = [m.getMessage() for m in caplog.records if "varlen flash kernel failed" in m.getMessage()]
-    assert len(warned) == 1 and "Ampere" in warned[0] and "more" not in warned[0]
-    assert packing.VARLEN["enabled"] is False
+    assert len(warned) == 1 and message in warned[0] and "more" not in warned[0]
+    assert list(packing._PROBED.values()) == [probe_passed] and packing.VARLEN["enabled"] is False
     assert_same(got, run(llama, r, packed=False), atol=1e-5, grad_rtol=1e-5)
 
 

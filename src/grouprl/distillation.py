@@ -68,7 +68,7 @@ def load_teacher(cfg: TrainConfig, tokenizer: PreTrainedTokenizerBase, dist: D.D
     if rows is not None and rows < len(tokenizer):
         raise ConfigError(f"teacher_model={cfg.teacher_model!r} scores {rows} token ids and the policy's tokenizer "
                           f"has {len(tokenizer)}: use a teacher whose head covers the whole vocabulary")
-    model.to(dtype=autocast or torch.float32)
+    model.to(dtype=autocast or torch.float32)  # a no-op unless the loader kept another dtype (a GGUF file may)
     if dist.device.type == "cuda":
         model.to(dist.device)
     if dist.enabled and cfg.distributed_strategy == "fsdp2":

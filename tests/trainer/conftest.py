@@ -50,3 +50,26 @@ def make_cfg(tiny_model_dir, digits_data, tmp_path):
 
 def read_metrics(output_dir) -> list[dict]:
     return [json.loads(line) for line in (Path(output_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture
+def no_model_loading(monkeypatch):
+    """A config error must come before any model loads (the policy's or a teacher's): loading one
+    fails the test."""
+    import grouprl.distillation
+    import grouprl.trainer
+
+    def fail(*a, **k):
+        raise AssertionError("a model was loaded before the config error was raised")
+
+    for module in (grouprl.trainer, grouprl.distillation):
+        monkeypatch.setattr(module, "load_policy", fail)
+    return fail
+
+
+@pytest.fixture
+def no_tokenizer_loading(monkeypatch, no_model_loading):
+    """Nor any tokenizer, for errors that need none."""
+    import grouprl.trainer
+
+    monkeypatch.setattr(grouprl.trainer, "load_tokenizer", no_model_loading)

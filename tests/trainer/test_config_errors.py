@@ -7,7 +7,6 @@ import sys
 
 import pytest
 
-import grouprl.trainer as trainer_mod
 from grouprl.cli import main
 from grouprl.cli_args import build_config
 from grouprl.config import ConfigError, TrainConfig
@@ -19,13 +18,8 @@ from grouprl.trainer import Trainer
 
 
 @pytest.fixture(autouse=True)
-def no_model_loading(monkeypatch):
-    """Every error here must come before a model is loaded."""
-    def fail(*a, **k):
-        raise AssertionError("a model was loaded before the config error was raised")
-
-    monkeypatch.setattr(trainer_mod, "load_policy", fail)
-    monkeypatch.setattr(trainer_mod, "load_tokenizer", fail)
+def _nothing_loads(no_tokenizer_loading):
+    """Every error here must come before a model or a tokenizer is loaded (tests/trainer/conftest.py)."""
 
 
 @pytest.mark.parametrize("overrides, message", [

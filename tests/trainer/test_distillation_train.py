@@ -7,8 +7,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import grouprl.distillation as distillation_mod
-import grouprl.trainer as trainer_module
 import grouprl.update as update_module
 from grouprl.checkpoint import checkpoint_path
 from grouprl.config import ConfigError
@@ -158,15 +156,6 @@ def test_a_tiny_student_learns_from_a_tiny_teacher_without_the_reward(make_cfg, 
     kl, reward = [r["distill/reverse_kl"] for r in rows], [r["reward/mean"] for r in rows]
     assert sum(reward[-3:]) / 3 > sum(reward[:3]) / 3 + 0.2, reward
     assert sum(kl[-3:]) / 3 < sum(kl[:3]) / 3 - 0.5, kl
-
-
-@pytest.fixture
-def no_model_loading(monkeypatch):
-    def fail(*a, **k):
-        raise AssertionError("a model was loaded before the config error was raised")
-
-    monkeypatch.setattr(trainer_module, "load_policy", fail)
-    monkeypatch.setattr(distillation_mod, "load_policy", fail)
 
 
 @pytest.mark.parametrize("overrides, message", [

@@ -13,7 +13,6 @@ import torch
 from gguf.quants import dequantize, quantize
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-import grouprl.trainer as trainer_mod
 from grouprl.config import ConfigError, TrainConfig
 from grouprl.policy import load_policy, load_tokenizer
 from grouprl.tasks.testing import build_char_tokenizer
@@ -199,13 +198,6 @@ def test_tokenizer_field_overrides_the_gguf_tokenizer(make_cfg, gguf_dir, tiny_m
     assert trainer.tokenizer.name_or_path == str(tiny_model_dir)
 
 
-@pytest.fixture
-def no_model_loading(monkeypatch):
-    def fail(*a, **k):
-        raise AssertionError("a model was loaded before the config error was raised")
-
-    monkeypatch.setattr(trainer_mod, "load_policy", fail)
-    monkeypatch.setattr(trainer_mod, "load_tokenizer", fail)
 
 
 @pytest.fixture
@@ -231,7 +223,7 @@ def bad_inputs(tmp_path, gguf_dir):
      "to train with gguf_file: tiny.gguf"),
     ({"tokenizer": "{file}"}, "tokenizer='{file}' is a GGUF file"),
 ])
-def test_gguf_config_errors_name_the_field_and_the_fix(make_cfg, bad_inputs, no_model_loading, overrides, message):
+def test_gguf_config_errors_name_the_field_and_the_fix(make_cfg, bad_inputs, no_tokenizer_loading, overrides, message):
     values = {k: v.format(**bad_inputs) for k, v in overrides.items()}
     with pytest.raises(ConfigError) as err:
         Trainer(make_cfg(**values))
@@ -239,14 +231,14 @@ def test_gguf_config_errors_name_the_field_and_the_fix(make_cfg, bad_inputs, no_
 
 
 @pytest.mark.parametrize("model", ["data", "builtin:default_policy"])
-def test_gguf_file_needs_a_folder(make_cfg, digits_data, no_model_loading, model):
+def test_gguf_file_needs_a_folder(make_cfg, digits_data, no_tokenizer_loading, model):
     model = str(digits_data) if model == "data" else model
     with pytest.raises(ConfigError, match=f"gguf_file='tiny.gguf' needs model to be the folder that holds it, "
                                           f"and model='{model}' is not a folder"):
         Trainer(make_cfg(model=model, gguf_file="tiny.gguf"))
 
 
-def test_missing_gguf_package_says_how_to_install_it(make_cfg, gguf_dir, no_model_loading, monkeypatch):
+def test_missing_gguf_package_says_how_to_install_it(make_cfg, gguf_dir, no_tokenizer_loading, monkeypatch):
     find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "gguf" else find_spec(name, *a))
     with pytest.raises(ConfigError, match=r"needs the gguf package: pip install 'grouprl\[gguf\]'"):

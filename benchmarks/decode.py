@@ -5,6 +5,7 @@
     python benchmarks/decode.py --models tiny 50m --rows 16 --prompt 16
     python benchmarks/decode.py --models smollm2 --smollm2 models/smollm2 --dtypes fp32 bf16
     python benchmarks/decode.py --device cuda --models smollm2-135m-shape smollm2-1.7b-shape --rows 16
+    python benchmarks/decode.py --device cuda --cuda-graphs off ...     # without the CUDA-graph column
 
 Models: the random-init `tiny`, `10m` and `50m` Qwen2 workloads (grouprl.tasks.testing), the real
 SmolLM2-135M-Instruct (`smollm2`, the folder scripts/fetch_smollm2.py writes), and random-init
@@ -17,7 +18,10 @@ decode time of a call is its whole time less that of the same call with one new 
 and the first draw), over tokens - 1 steps. Each cell alternates eager and compiled calls for
 `--reps` rounds after one warm-up call each (the compiled side's warm-up compiles: the first cell
 of a model reports the compile time; later cells reuse the graph) and reports medians; the
-engine's own thread policy applies (one thread for models up to 5 M parameters on CPU).
+engine's own thread policy applies (one thread for models up to 5 M parameters on CPU). On CUDA a
+third side, the compiled step replayed as captured CUDA graphs (`generation_cuda_graphs`), joins
+the rotation (`--cuda-graphs off` leaves it out); `graphs_failed` in its JSON names the reason if
+capturing failed and that side fell back to launching kernels.
 """
 
 from __future__ import annotations
@@ -65,40 +69,48 @@ def native_bf16(device: str) -> bool:
 
 
 def cell(model, pad, eos, vocab, rows: int, prompt: int, tokens: int, reps: int, dtype, device: str,
-         threads: int | None = None) -> dict:
+         threads: int | None = None, cuda_graphs: bool = True) -> dict:
     from grouprl.rollout import HFEngine, SamplingParams
     from grouprl.rollout import compiled_decode as cd
 
     G = min(8, rows)
     gen = torch.Generator().manual_seed(0)
     prompts = torch.randint(4, vocab, (rows // G, prompt), generator=gen).tolist()
-    engines = {c: HFEngine(model, (eos,), pad, autocast_dtype=dtype, compile=c, decode_threads=threads)
-               for c in (False, True)}
+    variants = {"eager": dict(compile=False), "compiled": dict(compile=True, cuda_graphs=False)}
+    if device == "cuda" and cuda_graphs:  # the compiled step replayed as captured CUDA graphs
+        variants["graphs"] = dict(compile=True, cuda_graphs=True)
+    engines = {v: HFEngine(model, (eos,), pad, autocast_dtype=dtype, decode_threads=threads, **kw)
+               for v, kw in variants.items()}
 
-    def timed(compile: bool, n: int) -> float:
+    def timed(variant: str, n: int) -> float:
         if device == "cuda":
             torch.cuda.synchronize()
         start = time.perf_counter()
-        engines[compile].generate(prompts, G, SamplingParams(n, ignore_eos=True), torch.Generator().manual_seed(1))
+        engines[variant].generate(prompts, G, SamplingParams(n, ignore_eos=True), torch.Generator().manual_seed(1))
         if device == "cuda":
             torch.cuda.synchronize()
         return time.perf_counter() - start
 
     before = cd.compile_seconds(torch.device(device).type)
-    warm = {c: timed(c, tokens) for c in (False, True)}
+    warm = {v: timed(v, tokens) for v in variants}
     after = cd.compile_seconds(torch.device(device).type)
-    per_token = {False: [], True: []}
+    per_token = {v: [] for v in variants}
     for _ in range(reps):
-        for c in (False, True):
-            full, one = timed(c, tokens), timed(c, 1)
-            per_token[c].append((full - one) / (tokens - 1) * 1e3)
-    eager, compiled = statistics.median(per_token[False]), statistics.median(per_token[True])
-    return {"rows": rows, "prompt": prompt, "eager_ms": round(eager, 3), "compiled_ms": round(compiled, 3),
-            "speedup": round(eager / compiled, 2),
-            "compile_s": round(after, 1) if before is None and after is not None else None,
-            "first_call_s": {"eager": round(warm[False], 2), "compiled": round(warm[True], 2)},
-            "eager_runs": [round(x, 3) for x in per_token[False]],
-            "compiled_runs": [round(x, 3) for x in per_token[True]]}
+        for v in variants:
+            full, one = timed(v, tokens), timed(v, 1)
+            per_token[v].append((full - one) / (tokens - 1) * 1e3)
+    ms = {v: statistics.median(runs) for v, runs in per_token.items()}
+    out = {"rows": rows, "prompt": prompt, "eager_ms": round(ms["eager"], 3), "compiled_ms": round(ms["compiled"], 3),
+           "speedup": round(ms["eager"] / ms["compiled"], 2),
+           "compile_s": round(after, 1) if before is None and after is not None else None,
+           "first_call_s": {v: round(x, 2) for v, x in warm.items()},
+           "eager_runs": [round(x, 3) for x in per_token["eager"]],
+           "compiled_runs": [round(x, 3) for x in per_token["compiled"]]}
+    if "graphs" in ms:
+        out.update(graphs_ms=round(ms["graphs"], 3), graphs_speedup=round(ms["eager"] / ms["graphs"], 2),
+                   graphs_runs=[round(x, 3) for x in per_token["graphs"]],
+                   graphs_failed=cd._GRAPHS_FAILED.get("cuda"))  # a reason: the "graphs" runs launched kernels
+    return out
 
 
 def main() -> None:
@@ -114,6 +126,8 @@ def main() -> None:
     ap.add_argument("--json", default=None, help="write the results here as well")
     ap.add_argument("--threads", type=int, default=None,
                     help="torch threads while decoding (default: the engine's policy)")
+    ap.add_argument("--cuda-graphs", choices=["on", "off"], default="on",
+                    help="on CUDA, also time the compiled step replayed as CUDA graphs (default on)")
     args = ap.parse_args()
     results = []
     for name in args.models:
@@ -130,7 +144,7 @@ def main() -> None:
             for prompt in args.prompt:
                 for rows in args.rows:
                     r = cell(model, pad, eos, vocab, rows, prompt, args.tokens, args.reps, dtype, args.device,
-                             args.threads)
+                             args.threads, args.cuda_graphs == "on")
                     r.update(model=name, dtype=dt, layers=layers, params=params, device=args.device,
                              threads=args.threads or "engine")
                     results.append(r)
@@ -138,11 +152,14 @@ def main() -> None:
         del model
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1) + "\n")
-    print("\n| model | dtype | rows | prompt | eager ms/token | compiled ms/token | speed-up | compile s |")
-    print("|---|---|---|---|---|---|---|---|")
+    graphs = any("graphs_ms" in r for r in results)
+    extra = (" compiled + CUDA graphs ms/token | speed-up |", "---|---|") if graphs else ("", "")
+    print(f"\n| model | dtype | rows | prompt | eager ms/token | compiled ms/token | speed-up |{extra[0]} compile s |")
+    print(f"|---|---|---|---|---|---|---|{extra[1]}---|")
     for r in results:
+        g = f" {r.get('graphs_ms', '')} | {r.get('graphs_speedup', '')}x |" if graphs else ""
         print(f"| {r['model']} | {r['dtype']} | {r['rows']} | {r['prompt']} | {r['eager_ms']} | {r['compiled_ms']} | "
-              f"{r['speedup']}x | {r['compile_s'] if r['compile_s'] is not None else ''} |")
+              f"{r['speedup']}x |{g} {r['compile_s'] if r['compile_s'] is not None else ''} |")
 
 
 if __name__ == "__main__":

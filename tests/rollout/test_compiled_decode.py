@@ -4,6 +4,7 @@ the counter-based uniforms behind every draw (rollout/sampling.py) are the hash 
 The compiled tests compile a handful of graphs (about 15-30 s each on a 2-core CPU); they skip with
 the reason where this platform cannot compile (no C++ compiler)."""
 
+import contextlib
 import logging
 import warnings
 
@@ -234,6 +235,132 @@ def test_multiturn_continuation_with_compile_on_equals_eager(model_and_tok, comp
         outs.append((first, second))
     for a, b in zip(*outs):
         _assert_same(a, b)
+
+
+# ---------------------------------------------------------------- captured steps (CUDA graphs' discipline)
+class RecordedGraphs:
+    """A stand-in for CudaGraphs on CPU with a graph's contract: `capture` runs nothing and returns
+    a replay that runs the captured function again over the very objects it was given, so the loop
+    must keep every step's state in those tensors. `events` is the order of direct steps, captures
+    and replays."""
+
+    events: list[str] = []
+    replaying = False
+
+    def __init__(self, device):
+        self.device = device
+
+    @contextlib.contextmanager
+    def running(self):
+        RecordedGraphs.events.append("enter")
+        yield
+        RecordedGraphs.events.append("exit")
+
+    def capture(self, one_step):
+        RecordedGraphs.events.append("capture")
+
+        def replay():
+            RecordedGraphs.events.append("replay")
+            RecordedGraphs.replaying = True
+            try:
+                one_step()
+            finally:
+                RecordedGraphs.replaying = False
+
+        return replay
+
+
+@pytest.fixture
+def recorded_graphs(monkeypatch, compiles):
+    monkeypatch.setattr(cd, "GRAPH_BACKENDS", {"cpu": RecordedGraphs})
+    monkeypatch.setattr(cd, "_GRAPHS_FAILED", {})
+    RecordedGraphs.events = []
+    step = cd.compiled_step(torch.device("cpu"))
+
+    def direct(*args):  # a step the loop calls itself (a replay calls `step` inside one_step)
+        if not RecordedGraphs.replaying:
+            RecordedGraphs.events.append("direct")
+        return step(*args)
+
+    monkeypatch.setattr(cd, "compiled_step", lambda device: direct)
+    return RecordedGraphs.events
+
+
+def _runs(events):
+    """Collapse the event list into (event, count) runs."""
+    out = []
+    for e in events:
+        if out and out[-1][0] == e:
+            out[-1][1] += 1
+        else:
+            out.append([e, 1])
+    return [tuple(r) for r in out]
+
+
+def test_captured_steps_replay_the_tokens_of_the_direct_steps(model_and_tok, recorded_graphs, monkeypatch):
+    """With a graph backend on CPU: sampled rows that finish and leave (the batch shrinks) and a
+    greedy call whose cache widens from 2 new-token columns give the eager tokens. Each shape runs one direct step
+    first (its kernels' first launch is never inside a capture), then one capture, then replays;
+    a shape is captured only when at least MIN_GRAPH_STEPS steps follow, and every decode step is
+    a direct step or a replay."""
+    model, tok = model_and_tok
+    events = recorded_graphs
+    eager, graphed = _both(model, tok, SAMPLED, short_prompts(tok), check_every=4)
+    _assert_same(eager, graphed)
+    monkeypatch.setattr(llama_decoder, "CACHE_BLOCK", 2)
+    prompts = short_prompts(tok)
+    P = max(map(len, prompts))  # steps t = 1 .. T2-1 write cache columns P .. P+T2-2
+    T2 = cd.WIDTH_STEP + 3 - P  # the second width (columns 32-63) gets 2 steps: too few to capture
+    eager2, graphed2 = _both(model, tok, SamplingParams(T2, greedy=True, ignore_eos=True), prompts)
+    _assert_same(eager2, graphed2)
+    calls = [i for i, e in enumerate(events) if e == "enter"]
+    assert len(calls) == 2 and events.count("exit") == 2
+    second = events[calls[1]:]
+    assert second.count("direct") + second.count("replay") == T2 - 1  # ignore_eos: every step runs
+    assert _runs(second)[-3:] == [("replay", cd.WIDTH_STEP - P - 1), ("direct", 2), ("exit", 1)]
+    runs = _runs(events)
+    assert ("capture", 1) in runs and all(n == 1 for e, n in runs if e == "capture")
+    for i, (e, n) in enumerate(runs):
+        if e == "capture":
+            assert runs[i - 1][0] == "direct"  # captured right after a direct step of its shape
+            assert i + 1 < len(runs) and runs[i + 1][0] == "replay"
+
+
+class FailingGraphs(RecordedGraphs):
+    def capture(self, one_step):
+        RecordedGraphs.events.append("capture")
+        raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
+
+
+def test_a_capture_that_fails_warns_once_and_the_steps_run_directly(model_and_tok, recorded_graphs, monkeypatch):
+    """The first failed capture warns, naming the error; the call and later calls give the eager
+    tokens from direct steps, and nothing is captured again."""
+    model, tok = model_and_tok
+    monkeypatch.setattr(cd, "GRAPH_BACKENDS", {"cpu": FailingGraphs})
+    eager = HFEngine(model, _stops(tok), tok.pad_token_id).generate(short_prompts(tok), 2, SAMPLED,
+                                                                     torch.Generator().manual_seed(0))
+    engine = HFEngine(model, _stops(tok), tok.pad_token_id, compile=True)
+    with pytest.warns(RuntimeWarning, match="operation not permitted when stream is capturing"):
+        first = engine.generate(short_prompts(tok), 2, SAMPLED, torch.Generator().manual_seed(0))
+    _assert_same(eager, first)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        second = engine.generate(short_prompts(tok), 2, SAMPLED, torch.Generator().manual_seed(0))
+    _assert_same(eager, second)
+    assert recorded_graphs.count("capture") == 1 and "replay" not in recorded_graphs
+    assert recorded_graphs.count("enter") == 1  # the second call found no backend to run on
+
+
+def test_generation_cuda_graphs_false_captures_nothing(model_and_tok, recorded_graphs, make_cfg):
+    """The config's generation_cuda_graphs reaches the engine, and false steps directly."""
+    from grouprl.rollout.factory import make_engine
+
+    model, tok = model_and_tok
+    for setting in (True, False):
+        assert make_engine(make_cfg(generation_cuda_graphs=setting), model, tok, None, None).cuda_graphs is setting
+    engine = HFEngine(model, _stops(tok), tok.pad_token_id, compile=True, cuda_graphs=False)
+    engine.generate(short_prompts(tok), 2, SAMPLED, torch.Generator().manual_seed(0))
+    assert set(recorded_graphs) == {"direct"}
 
 
 def test_a_platform_that_cannot_compile_decodes_eagerly_with_one_warning(model_and_tok, monkeypatch):

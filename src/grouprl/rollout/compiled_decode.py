@@ -38,9 +38,26 @@ What stays eager: the prefill (`start`, one call of large ops per generate), the
 the moves between shapes, and calls inside `keep_conversations` (the multi-turn driver keeps each
 finished row's cache as of its own EOS step, which needs the eager loop's immediate removal).
 
-On CUDA the same graph runs as Triton kernels without CUDA graphs (mode=None): a CUDA graph per
-shape would need every mutated input and weight at a fixed address across calls, which a decoder
-rebuilt per call does not give. Not measured: no GPU was at hand when this was written.
+On CUDA the graph runs as Triton kernels, and each step is then replayed as a captured CUDA graph
+(`generation_cuda_graphs`, on by default): a 30-layer step is hundreds of kernels, whose launches
+from Python cost more than their work at decode sizes (the eager 135M step took 20 ms a token on
+an H200, the 1.7B's 15.5). A CUDA graph fixes every address it touches, so a graph lives for one
+shape of one call (`CudaGraphs`):
+- the first step at a new shape (slots, attended width, cache width) runs the compiled step
+  directly, so its kernels are launched once outside any capture, as a capture needs (Triton tunes
+  a kernel at its first launch, with a device sync);
+- the next steps are recorded once and replayed, while the width stays and at least
+  MIN_GRAPH_STEPS steps remain;
+- the step's inputs are the decoder's own tensors, the same objects from capture to replay: the
+  cache, `valid` and the completion are written in place, the uniforms read at `cursor`, `pos`
+  and `cursor` advance in place, and the captured step copies its next tokens and finished flags
+  into the tensors it read them from, so a replay leaves the next one its inputs;
+- the whole loop runs on one side stream, so a capture never sees a first use of that stream
+  (cuBLAS keeps a workspace per stream);
+- a capture that fails (an op the stream cannot record) warns once, naming the reason, and the
+  run goes on with the compiled step launched kernel by kernel.
+Not measured: no GPU was at hand when this was written (benchmarks/decode.py compares eager,
+compiled and compiled with graphs on CUDA; scripts/gpu_check.sh runs it).
 
 Where compiling fails (no C++ compiler, an op Inductor does not lower), the first step's error is
 caught: one warning names it, and this and later calls decode eagerly.
@@ -48,6 +65,7 @@ caught: one warning names it, and this and later calls decode eagerly.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 import warnings
@@ -63,6 +81,7 @@ log = logging.getLogger(__name__)
 
 WIDTH_STEP = 32  # the step attends the cache's first W columns, W the next multiple of this past the column
 MIN_SLOTS = 2  # torch specialises a size of 1: a batch never shrinks below 2 slots, so no second graph
+MIN_GRAPH_STEPS = 4  # CUDA graphs: a shape is captured only when at least this many steps will replay it
 
 
 @dataclass(frozen=True)
@@ -211,13 +230,77 @@ def compile_seconds(device_type: str) -> float | None:
     return _COMPILE_SECONDS.get(device_type)
 
 
+class CudaGraphs:
+    """The CUDA graphs of one decode call: captures and replays on one side stream (`running`), all
+    graphs of the call in one memory pool (a call replays one graph at a time, so they may share
+    it; the pool is freed with the last graph)."""
+
+    _streams: dict[torch.device, torch.cuda.Stream] = {}  # one side stream per device and process: the
+    # allocator caches freed blocks per stream, so every call's cache moves reuse the same stream's blocks
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        if device not in CudaGraphs._streams:
+            CudaGraphs._streams[device] = torch.cuda.Stream(device)
+        self.stream = CudaGraphs._streams[device]
+        self.pool = torch.cuda.graph_pool_handle()
+
+    @contextlib.contextmanager
+    def running(self):
+        """Run the block's work on the side stream, ordered after the caller's stream and before
+        whatever the caller's stream does next."""
+        caller = torch.cuda.current_stream(self.device)
+        self.stream.wait_stream(caller)
+        try:
+            with torch.cuda.stream(self.stream):
+                yield
+        finally:
+            caller.wait_stream(self.stream)
+
+    def capture(self, one_step):
+        """Record `one_step`'s kernels (nothing runs) and return what replays them. Direct
+        capture_begin/capture_end rather than `torch.cuda.graph`, which synchronises the device and
+        empties the allocator's cache before every capture: here a call captures a graph per
+        shape. "thread_local": a capture fails only on this thread's unsafe calls, not on a
+        training thread's allocations (async rollouts decode beside the update)."""
+        graph = torch.cuda.CUDAGraph()
+        graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
+        try:
+            one_step()
+        except BaseException:
+            with contextlib.suppress(Exception):  # the capture is invalid: end it, report the first error
+                graph.capture_end()
+            raise
+        graph.capture_end()
+        return graph.replay
+
+
+GRAPH_BACKENDS: dict[str, type] = {"cuda": CudaGraphs}  # device type -> its step graphs (a test adds "cpu")
+_GRAPHS_FAILED: dict[str, str] = {}  # device type -> why capturing failed (warned once)
+
+
+def _graphs_failed(device: torch.device, err: BaseException) -> None:
+    reason = f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}"
+    _GRAPHS_FAILED[device.type] = reason
+    warnings.warn(f"generation_cuda_graphs: capturing the compiled decode step as a graph failed on {device.type} "
+                  f"({reason}); launching its kernels one by one for the rest of this run. Set "
+                  "generation_cuda_graphs: false to skip the try.", RuntimeWarning, stacklevel=3)
+
+
 class CompiledDecodeLoop:
     """The decode loop over the compiled step: `run` takes a FastDecoder right after
     `start(..., zeroed=True)` and the first token's logits, and fills the completion buffer."""
 
-    def __init__(self, device: torch.device, check_every: int = 8):
+    def __init__(self, device: torch.device, check_every: int = 8, graphs: bool = True):
         self.device = device
         self.check_every = check_every
+        self.graphs = graphs  # replay steps as captured graphs where the device has them (GRAPH_BACKENDS)
+
+    def _graph_backend(self):
+        kind = self.device.type
+        if not self.graphs or kind not in GRAPH_BACKENDS or kind in _GRAPHS_FAILED:
+            return None
+        return GRAPH_BACKENDS[kind](self.device)
 
     def run(self, dec, first_logits: torch.Tensor, params: SamplingParams, uniforms: torch.Tensor,
             eos: torch.Tensor, pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -257,43 +340,75 @@ class CompiledDecodeLoop:
         _dynamic(eos, 0)
         for x in (dec.cos, dec.sin):
             _dynamic(x, 0)
-        t, col, W, views = 1, dec.P, 0, None
-        while t < T:
-            if stop and (t - 1) % self.check_every == 0:
-                live = (~finished).nonzero().squeeze(-1)  # the host looks: a sync every check_every steps
-                if live.numel() == 0:
-                    break
-                if 2 * live.numel() <= S and max(live.numel(), MIN_SLOTS) < S:
-                    S = max(live.numel(), MIN_SLOTS)
-                    tok, pos, rowmap, finished = self._compact(dec, live, S, tok, pos, rowmap, finished, N)
+        graphs = self._graph_backend()
+        self.captures = self.replays = 0  # graph counts of this call (tests, benchmarks)
+        t, col, W, views, replay = 1, dec.P, 0, None, None
+        with graphs.running() if graphs is not None else contextlib.nullcontext():
+            while t < T:
+                if stop and (t - 1) % self.check_every == 0:
+                    live = (~finished).nonzero().squeeze(-1)  # the host looks: a sync every check_every steps
+                    if live.numel() == 0:
+                        break
+                    if 2 * live.numel() <= S and max(live.numel(), MIN_SLOTS) < S:
+                        S = max(live.numel(), MIN_SLOTS)
+                        tok, pos, rowmap, finished = self._compact(dec, live, S, tok, pos, rowmap, finished, N)
+                        views = None
+                C = dec.k[0].shape[2]
+                if col >= W:  # attend the next multiple of WIDTH_STEP, always fewer than the columns
+                    W = (col // WIDTH_STEP + 1) * WIDTH_STEP  # (W == C would be another graph: contiguous slices)
+                    if W >= C:  # double the new-token columns, keeping WIDTH_STEP spare ones past the last
+                        self._grow(dec, max(W, min(dec.max_cap, dec.P + 2 * (C - dec.P))) + WIDTH_STEP)
                     views = None
-            C = dec.k[0].shape[2]
-            if col >= W:  # attend the next multiple of WIDTH_STEP, always fewer than the columns
-                W = (col // WIDTH_STEP + 1) * WIDTH_STEP  # (W == C would be another graph: contiguous slices)
-                if W >= C:  # double the new-token columns, keeping WIDTH_STEP spare ones past the last
-                    self._grow(dec, max(W, min(dec.max_cap, dec.P + 2 * (C - dec.P))) + WIDTH_STEP)
-                views = None
-            if views is None:
-                views = self._views(dec, W, tok, pos, rowmap, finished)
-            started = time.perf_counter()
-            try:
-                tok, finished, _ = step(dec, spec, tok, pos, cursor, rowmap, finished, *views, uniforms, completion,
-                                        eos)
-            except Exception as err:  # noqa: BLE001 — compiling failed: the caller decodes eagerly
-                if t > 1 or device.type in _COMPILE_SECONDS:
-                    raise  # the step compiled and ran before: a real error, not the platform's
-                _compile_failed(device, err)
-                return None
-            if device.type not in _COMPILE_SECONDS:
-                _COMPILE_SECONDS[device.type] = time.perf_counter() - started
-                log.info("generation_compile: compiled the decode step on %s in %.1f s (once per process)",
-                         device.type, _COMPILE_SECONDS[device.type])
-            t, col = t + 1, col + 1
+                if views is None:
+                    views, replay = self._views(dec, W, tok, pos, rowmap, finished), None
+                if replay is not None:  # a captured step: it advances tok, finished, pos and cursor in place
+                    replay()
+                    self.replays += 1
+                    t, col = t + 1, col + 1
+                    continue
+                started = time.perf_counter()
+                try:
+                    tok, finished, _ = step(dec, spec, tok, pos, cursor, rowmap, finished, *views, uniforms,
+                                            completion, eos)
+                except Exception as err:  # noqa: BLE001 — compiling failed: the caller decodes eagerly
+                    if t > 1 or device.type in _COMPILE_SECONDS:
+                        raise  # the step compiled and ran before: a real error, not the platform's
+                    _compile_failed(device, err)
+                    return None
+                if device.type not in _COMPILE_SECONDS:
+                    _COMPILE_SECONDS[device.type] = time.perf_counter() - started
+                    log.info("generation_compile: compiled the decode step on %s in %.1f s (once per process)",
+                             device.type, _COMPILE_SECONDS[device.type])
+                t, col = t + 1, col + 1
+                if graphs is not None and min(W - col, T - t) >= MIN_GRAPH_STEPS:
+                    replay = self._capture(graphs, step, (dec, spec, tok, pos, cursor, rowmap, finished, *views,
+                                                          uniforms, completion, eos))
+                    if replay is None:
+                        graphs = None  # capturing failed: the compiled step, launched kernel by kernel
         completion = completion[:N]
         if not stop:
             return completion, torch.full((N,), T, dtype=torch.long, device=device)
         is_eos = torch.isin(completion, eos)  # [N, T]: a finished row wrote padding after its EOS
         return completion, torch.where(is_eos.any(-1), is_eos.int().argmax(-1) + 1, T)
+
+    def _capture(self, graphs, step, args: tuple):
+        """Capture one step over `args` (the current shape's tensors, bound here: a replay reads and
+        writes these objects, whatever the loop's names point to later); returns its replay, or
+        None when capturing failed (warned once per process)."""
+        tok, finished = args[2], args[6]
+
+        def one_step():
+            nxt, now_finished, _ = step(*args)
+            tok.copy_(nxt)  # the next step reads its tokens and flags where this one read them
+            finished.copy_(now_finished)
+
+        try:
+            replay = graphs.capture(one_step)
+        except Exception as err:  # noqa: BLE001 — any failure: the run goes on without graphs
+            _graphs_failed(self.device, err)
+            return None
+        self.captures += 1
+        return replay
 
     def _views(self, dec, W: int, *per_slot: torch.Tensor) -> tuple:
         """(width [W], valid, keys, values): the step's arguments about the cache, their varying

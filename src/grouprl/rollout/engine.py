@@ -45,6 +45,7 @@ class HFEngine(GenerationEngine):
     compile: bool | str = False  # FastDecoder models: the compiled decode step, True, False or "auto"
     planned_calls: int | None = None  # compile="auto": the generate calls the run will make
     check_every: int = 8  # compiled step: the host reads the finished flags every this many tokens
+    cuda_graphs: bool = True  # compiled step on CUDA: replay it as captured CUDA graphs (compiled_decode.py)
     decodes_with_policy = True  # the engine runs the training model itself (class attribute)
     _kept: dict | None = field(default=None, init=False, repr=False)  # token tuple -> (k, v), see keep_conversations
     _choice: CompileChoice = field(init=False, repr=False)
@@ -118,8 +119,8 @@ class HFEngine(GenerationEngine):
             uniforms = uniform_table(seed, N, T, device)  # [N, T] float64
             out = None
             if compiled:
-                out = CompiledDecodeLoop(device, self.check_every).run(decoder, logits, params, uniforms, eos,
-                                                                       self.pad_token_id)
+                out = CompiledDecodeLoop(device, self.check_every, self.cuda_graphs).run(
+                    decoder, logits, params, uniforms, eos, self.pad_token_id)
             if out is None:
                 if compiled:  # compiling failed: the eager loop over the same (zeroed) cache
                     decoder.n, decoder.t = N, 0

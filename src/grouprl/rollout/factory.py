@@ -29,7 +29,8 @@ def make_engine(cfg: TrainConfig, model: torch.nn.Module, tokenizer, dist: D.Dis
     if not cfg.use_vllm:
         compile_setting = "auto" if cfg.generation_compile == "auto" else bool(cfg.generation_compile)
         return HFEngine(model, eos, pad, max_batch_size=cfg.generation_batch_size, autocast_dtype=autocast,
-                        compile=compile_setting, planned_calls=cfg.max_steps)
+                        compile=compile_setting, planned_calls=cfg.max_steps,
+                        cuda_graphs=cfg.generation_cuda_graphs)
     if cfg.vllm_mode == "server":
         from grouprl.rollout.vllm_server import VLLMServerEngine
 

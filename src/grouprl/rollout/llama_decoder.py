@@ -25,10 +25,11 @@ at +3.1 GB RSS before, +0.25 GB now (benchmarks/generation_memory.py --stop-earl
 What is compiled (`generation_compile`, rollout/compiled_decode.py): the decode step, `step`'s math
 for one token per row, including the draw of the next token and the EOS check, as one graph over the
 cache passed whole (`start(..., zeroed=True)`: columns not yet written are read, masked, so they must
-hold numbers). What is not: `start` and `start_from` (the prefill: a few large ops per call, which
-a launch costs little against), `keep` and the cache's growth (moves between shapes, rare),
-`snapshot` (the multi-turn driver's kept rows, which need each row's cache at its own EOS step: a
-call inside `keep_conversations` decodes eagerly), and the generic `transformers` path.
+hold numbers), and on CUDA replayed as one captured CUDA graph per shape of a call
+(`generation_cuda_graphs`). What is not: `start` and `start_from` (the prefill: a few large ops per
+call, which a launch costs little against), `keep` and the cache's growth (moves between shapes,
+rare), `snapshot` (the multi-turn driver's kept rows, which need each row's cache at its own EOS
+step: a call inside `keep_conversations` decodes eagerly), and the generic `transformers` path.
 
 `FastDecoder.supports(model)` says whether a model fits (Llama/Qwen2 weights, SiLU MLP, no sliding
 window); the engine falls back to the generic `transformers` path otherwise. A PEFT model with LoRA

@@ -204,6 +204,40 @@ def memory_figures(device: str) -> dict:
     return out
 
 
+class LastStepSnapshot:
+    """`--memory-snapshot DIR` on CUDA: the allocator's trace of a side's last step, with the Python
+    stack of every allocation, dumped to DIR/<side>-<workload>.pickle (benchmarks/memory_peak.py
+    reads it), and the bytes allocated when the recording began beside it (.json): the weights,
+    optimizer state and whatever else lives across steps. Only the last step is recorded, so the
+    trace stays a size a ring buffer holds whole."""
+
+    def __init__(self, side: str, w: Workload, device: str):
+        folder = os.environ.get("VS_TRL_MEMORY_SNAPSHOT")
+        self.path = Path(folder) / f"{side}-{w.name}.pickle" if folder and device == "cuda" else None
+        self.recording = False
+
+    def start(self) -> None:
+        if self.path is None or self.recording:
+            return
+        import torch
+
+        self.before = torch.cuda.memory_allocated()
+        torch.cuda.memory._record_memory_history(context="alloc", stacks="python", max_entries=2_000_000)
+        self.recording = True
+
+    def stop(self) -> None:
+        if not self.recording:
+            return
+        import torch
+
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        torch.cuda.memory._dump_snapshot(str(self.path))
+        torch.cuda.memory._record_memory_history(enabled=None)
+        self.path.with_suffix(".json").write_text(json.dumps({
+            "allocated_before_bytes": self.before, "max_allocated_bytes": torch.cuda.max_memory_allocated()}))
+        self.recording = False
+
+
 def worker_grouprl(w: Workload, model_dir: str, steps: int, threads: int, device: str = "cpu") -> dict:
     import torch
     from datasets import Dataset
@@ -231,13 +265,17 @@ def worker_grouprl(w: Workload, model_dir: str, steps: int, threads: int, device
             num_threads=threads, seed=0, reward_timeout_s=None, **extra)
         trainer = Trainer(cfg, train_dataset=Dataset.from_list(make_rows(w.task)), reward_funcs=reward_funcs(w.task))
         times, stages, lengths = [], [], []
-        for _ in range(steps):
+        snapshot = LastStepSnapshot("grouprl", w, device)
+        for i in range(steps):
+            if i == steps - 1:
+                snapshot.start()
             t0 = time.perf_counter()
             m = trainer.train_step()
             times.append(time.perf_counter() - t0)
             stages.append({k.removeprefix("time/"): v for k, v in m.items()  # generate_engine is part of generate
                            if k.startswith("time/") and k not in ("time/step", "time/generate_engine")})
             lengths.append(m["completion/length_mean"])
+        snapshot.stop()
     return {"times": times, "stages": stages, "lengths": lengths, **memory_figures(device)}
 
 
@@ -265,9 +303,12 @@ def worker_trl(w: Workload, model_dir: str, steps: int, threads: int, device: st
     model.generate = timed(model.generate, "generate")
     funcs = [timed(f, "reward") for f in reward_funcs(w.task)]
     times, stages, lengths = [], [], []
+    snapshot = LastStepSnapshot("trl", w, device)
 
     class Clock(TrainerCallback):
         def on_step_begin(self, args, state, control, **kw):
+            if state.global_step == steps - 1:
+                snapshot.start()
             self.t0 = time.perf_counter()
             clock.update(generate=0.0, reward=0.0)
 
@@ -296,6 +337,7 @@ def worker_trl(w: Workload, model_dir: str, steps: int, threads: int, device: st
                               train_dataset=Dataset.from_list(make_rows(w.task)), processing_class=tok,
                               callbacks=[Clock()])
         trainer.train()
+        snapshot.stop()
     return {"times": times, "stages": stages, "lengths": lengths, **memory_figures(device)}
 
 
@@ -398,6 +440,9 @@ def main() -> None:
     ap.add_argument("--generation-compile", choices=["auto", "true", "false"],
                     help="grouprl's generation_compile (default: the config's, auto); with true the first "
                          "step compiles, which the median over steps 3.. leaves out")
+    ap.add_argument("--memory-snapshot", metavar="DIR",
+                    help="on CUDA: record each side's last step with the allocator's history and dump it to "
+                         "DIR/<side>-<workload>.pickle (read it with benchmarks/memory_peak.py)")
     ap.add_argument("--packed-attention", choices=["auto", "per-sequence"], default="auto",
                     help="grouprl's packed passes: auto takes the varlen flash kernel on CUDA in bf16 "
                          "(one call per layer); per-sequence is one SDPA call per sequence, as on CPU")
@@ -417,6 +462,8 @@ def main() -> None:
     if args.generation_compile:
         os.environ["VS_TRL_GENERATION_COMPILE"] = args.generation_compile  # the workers inherit it
     os.environ["VS_TRL_PACKED_ATTENTION"] = args.packed_attention
+    if args.memory_snapshot:
+        os.environ["VS_TRL_MEMORY_SNAPSHOT"] = str(Path(args.memory_snapshot).resolve())
     if args.micro_batch is not None:
         WORKLOADS.update({k: replace(w, micro_batch=args.micro_batch) for k, w in WORKLOADS.items()})
     if args.fp32:

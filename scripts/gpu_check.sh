@@ -4,11 +4,14 @@
 # Needs, beside the checkout: the wheels the machine lacks in .whl/ (the pip download line in
 # benchmarks/README.md) and SmolLM2's tokenizer in models/smollm2 (scripts/fetch_smollm2.py; only
 # the tokenizer files are read: tokenizer.json, tokenizer_config.json, chat_template.jinja).
-# Runs benchmarks/vs_trl.py's GPU workloads first (each side in its own process), then the suite,
-# then the decode benchmark, then grouprl per-sequence for the packed-attention A/B; each has its own
-# time limit (BENCH_S, TESTS_S, DECODE_S, AB_S seconds), so one that hangs cannot starve the rest.
-# At the defaults the whole takes up to ~14 minutes after setup: on a shorter device budget, lower
-# STEPS or skip the last two (AB_S=0, DECODE_S=0).
+# Runs, in this order (the most wanted first), each under its own time limit in seconds so that one
+# that hangs cannot starve the rest: benchmarks/vs_trl.py's GPU workloads, each side in its own
+# process (BENCH_S); the suite (TESTS_S); the decode benchmark (DECODE_S); both sides' memory at the
+# 135M shape, recorded and broken down by code site (MEM_S); grouprl in one pass of 32 rows at 135M
+# (MB_S); grouprl with per-sequence attention for the packed-attention A/B (AB_S).
+# The limits add up to ~20 minutes after setup, more than one device call's 10 minutes and a lent
+# machine's 15: split it into two calls (the first with MEM_S=0 MB_S=0 AB_S=0, the second with
+# BENCH_S=0 TESTS_S=0 DECODE_S=0), or lower STEPS.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-${OUT:-gpu-out}}
@@ -21,19 +24,40 @@ fi
 python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . || exit 1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -c "import torch, transformers, trl; print('torch', torch.__version__, 'transformers', transformers.__version__, 'trl', trl.__version__)" | tee -a "$OUT/gpu.txt"
-timeout "${BENCH_S:-300}" python3 benchmarks/vs_trl.py --device cuda --smollm2 "$TOKENIZER" --steps "${STEPS:-5}" \
-  --rounds 1 ${WORKLOADS:-} --json "$OUT/vs_trl.json" 2>&1 | grep -v "Warning\|warn(" | tee "$OUT/vs_trl.log"
-echo "vs_trl exit: $?" | tee -a "$OUT/vs_trl.log"
-timeout "${TESTS_S:-260}" python3 -m pytest -q -n "${WORKERS:-14}" --dist loadfile --timeout 150 -p no:cacheprovider \
-  -v -rfEs tests > "$OUT/pytest.log" 2>&1; code=$?
-grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest.log" | tail -40
-echo "pytest exit: $code"
+if [ "${BENCH_S:-300}" -gt 0 ]; then
+  timeout "${BENCH_S:-300}" python3 benchmarks/vs_trl.py --device cuda --smollm2 "$TOKENIZER" --steps "${STEPS:-5}" \
+    --rounds 1 ${WORKLOADS:-} --json "$OUT/vs_trl.json" 2>&1 | grep -v "Warning\|warn(" | tee "$OUT/vs_trl.log"
+  echo "vs_trl exit: ${PIPESTATUS[0]}" | tee -a "$OUT/vs_trl.log"
+fi
+code=0
+if [ "${TESTS_S:-260}" -gt 0 ]; then
+  timeout "${TESTS_S:-260}" python3 -m pytest -q -n "${WORKERS:-14}" --dist loadfile --timeout 150 -p no:cacheprovider \
+    -v -rfEs tests > "$OUT/pytest.log" 2>&1; code=$?
+  grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest.log" | tail -40
+  echo "pytest exit: $code"
+fi
 # the compiled decode step on CUDA (issue 36): ms per token, eager against compiled and against compiled
 # replayed as CUDA graphs, at 16 rows of the 135M and 1.7B SmolLM2 shapes in bf16. DECODE_S=0 skips it.
 if [ "${DECODE_S:-150}" -gt 0 ]; then
   timeout "${DECODE_S:-150}" python3 benchmarks/decode.py --device cuda --models smollm2-135m-shape smollm2-1.7b-shape \
     --rows 16 --prompt 16 --dtypes bf16 --reps 2 --smollm2 "$TOKENIZER" --json "$OUT/decode.json" \
     2>&1 | grep -v "Warning\|warn(" | tee "$OUT/decode.log"
+fi
+# where each side's peak memory goes (issue 34: 135M peaked 1.14x TRL's): the allocator's history of
+# each side's last step at the 135M shape, and the blocks alive at its peak by code site. MEM_S=0 skips it.
+if [ "${MEM_S:-150}" -gt 0 ]; then
+  timeout "${MEM_S:-150}" python3 benchmarks/vs_trl.py --device cuda --smollm2 "$TOKENIZER" --steps 3 --rounds 1 \
+    --workload gpu-135m-256 --memory-snapshot "$OUT/memory" 2>&1 | grep -v "Warning\|warn(" | tail -5
+  for f in "$OUT"/memory/*.pickle; do
+    [ -e "$f" ] && python3 benchmarks/memory_peak.py "$f" --top 15 --json "${f%.pickle}.report.json" | tee -a "$OUT/memory.log"
+  done
+fi
+# one pass instead of micro_batch_size's 16-row passes at 135M (32 completions): half the update's
+# launches (benchmarks/README.md, "Launches per update"), at one pass's activations. MB_S=0 skips it.
+if [ "${MB_S:-90}" -gt 0 ]; then
+  timeout "${MB_S:-90}" python3 benchmarks/vs_trl.py --device cuda --smollm2 "$TOKENIZER" --steps "${STEPS:-5}" \
+    --rounds 1 --only grouprl --workload gpu-135m-256 --micro-batch 32 --json "$OUT/vs_trl_one_pass.json" \
+    2>&1 | grep -v "Warning\|warn(" | tee "$OUT/vs_trl_one_pass.log"
 fi
 # grouprl alone with the packed passes' attention per sequence (CPU's path) against the run above
 # (the varlen flash kernel, one call per layer): the update's share is what changes. AB_S=0 skips it.

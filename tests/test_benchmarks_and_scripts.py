@@ -41,7 +41,7 @@ RUN = {"benchmarks/shared_prompt.py", "benchmarks/process_vs_outcome.py", "bench
        "benchmarks/head_logprobs.py", "benchmarks/generation_memory.py", "benchmarks/long_completions.py",
        "benchmarks/run_health.py", "benchmarks/learning_vs_trl.py", "benchmarks/vs_trl.py", "benchmarks/ppo_vs_grpo.py",
        "benchmarks/step_profile.py", "benchmarks/distillation.py", "benchmarks/decode.py",
-       "scripts/build_default_policy.py",
+       "benchmarks/memory_peak.py", "scripts/build_default_policy.py",
        "scripts/build_tool_policy.py", "scripts/sandbox_report.py"}
 HELP_ONLY = {"benchmarks/async_rollouts.py", "benchmarks/agentic_async.py", "benchmarks/vllm_vs_builtin.py",
              "benchmarks/weight_transfer.py",
@@ -287,3 +287,38 @@ def test_decode_benchmark_reports_eager_and_compiled_ms_per_token(tmp_path):
     assert cell["model"] == "tiny" and cell["rows"] == 8 and cell["prompt"] == 16
     assert cell["eager_ms"] > 0 and cell["compiled_ms"] > 0 and cell["compile_s"] > 0
     assert "| tiny | fp32 | 8 | 16 |" in out
+
+
+def test_memory_peak_finds_the_blocks_alive_at_the_highest_point_by_site(tmp_path):
+    """A hand-made allocator trace (torch's snapshot format): the peak is the highest running sum of
+    allocations less requested frees (a later free_completed of the same block subtracts nothing),
+    its contents are the blocks alive there, charged to their innermost grouprl frame (else the
+    innermost Python frame), and the bytes allocated before the recording are added from the .json
+    beside the pickle."""
+    import pickle
+
+    torch_f = {"filename": "/x/site-packages/torch/nn/functional.py", "line": 7, "name": "softmax"}
+    update = {"filename": "/x/src/grouprl/update.py", "line": 9, "name": "update"}
+    generate = {"filename": "/x/src/grouprl/trainer.py", "line": 3, "name": "generate"}
+    trace = [
+        {"action": "alloc", "addr": 1, "size": 300, "frames": [torch_f, update]},       # 300
+        {"action": "alloc", "addr": 2, "size": 500, "frames": [generate]},              # 800
+        {"action": "free_requested", "addr": 2, "size": 500, "frames": []},             # 300
+        {"action": "free_completed", "addr": 2, "size": 500, "frames": []},             # 300, not -200
+        {"action": "alloc", "addr": 3, "size": 600, "frames": [update]},                # 900
+        {"action": "alloc", "addr": 4, "size": 250, "frames": [torch_f]},               # 1150: the peak
+        {"action": "free_requested", "addr": 1, "size": 300, "frames": []},             # 850
+        {"action": "alloc", "addr": 5, "size": 100, "frames": [update]},                # 950
+    ]
+    path = tmp_path / "s.pickle"
+    path.write_bytes(pickle.dumps({"segments": [], "device_traces": [[], trace]}))
+    (tmp_path / "s.json").write_text(json.dumps({"allocated_before_bytes": 2**30}))
+    out = run("benchmarks/memory_peak.py", str(path), "--json", str(tmp_path / "r.json"))
+    r = json.loads((tmp_path / "r.json").read_text())
+    assert r["device"] == 1 and r["peak_event"] == 5 and r["events"] == len(trace)
+    assert round(r["peak_gib"] * 2**30) == 2**30 + 1150 and r["before_gib"] == 1.0
+    sites = {x["site"]: (x["blocks"], round(x["gib"] * 2**30), x["stages"]) for x in r["sites"]}
+    assert sites == {"grouprl/update.py:9 update": (2, 900, ["update"]),
+                     "torch/nn/functional.py:7 softmax": (1, 250, ["-"])}
+    assert r["peak_site"] == "torch/nn/functional.py:7 softmax"
+    assert "| 1.000 | | (allocated before the recorded step" in out

@@ -1,4 +1,5 @@
-"""Per-device memory defaults: `gradient_checkpointing: auto` and `max_tokens_per_micro_batch: auto`.
+"""Per-device memory defaults: `gradient_checkpointing: auto`, `max_tokens_per_micro_batch: auto` and
+`micro_batch_size: auto`.
 
 The update's activations grow with the tokens of one pass (the budget); checkpointing keeps only
 each layer's input and recomputes the rest in the backward. Which trade pays depends on the device:
@@ -26,6 +27,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 CPU_BUDGET = 4096  # tokens per pass on CPU (`auto`)
+CPU_MICRO_BATCH = 16  # completions per pass on CPU at most (`micro_batch_size: auto`)
 CUDA_BUDGET_RANGE = (4096, 65536)  # `auto` on CUDA stays within these (a power of two)
 CUDA_BUDGET_SHARE = 0.25  # of the device memory free once the weights, gradients and AdamW state are in
 
@@ -35,6 +37,19 @@ def checkpoint_mode(setting: bool | str, device: torch.device) -> str:
     if setting == "auto":
         return "always" if device.type == "cuda" else "over_budget"
     return "always" if setting else "never"
+
+
+def micro_batch_rows(setting: int | str, device: torch.device, step_rows: int, world_size: int = 1) -> int:
+    """`micro_batch_size` made definite for `device`: on CPU the largest divisor of the step's
+    `step_rows` completions up to CPU_MICRO_BATCH (the value measured on CPU when it was the fixed
+    default); on CUDA one rank's share of the step, so that the token budget alone cuts the passes
+    (an update on a GPU waits on launching each pass's kernels: benchmarks/update_launches.py counted
+    18,558 ops for two 16-row passes of the 135M shape against 9,746 for one 32-row pass)."""
+    if setting != "auto":
+        return int(setting)
+    if device.type == "cuda":
+        return max(1, -(-step_rows // world_size))
+    return max(d for d in range(1, min(CPU_MICRO_BATCH, step_rows) + 1) if step_rows % d == 0)
 
 
 def activation_bytes_per_token(config, checkpointing: bool) -> int:

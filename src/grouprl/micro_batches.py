@@ -24,7 +24,7 @@ import torch
 
 from grouprl.config import TrainConfig
 from grouprl.distributed import DistContext
-from grouprl.memory import CPU_BUDGET
+from grouprl.memory import CPU_BUDGET, micro_batch_rows
 from grouprl.rollout import Rollout, same_prompt_ids
 from grouprl.value import ValueTargets
 
@@ -195,7 +195,8 @@ class MicroBatchPlanner:
             group = rollout.prompt_groups()[order]
             order = order[torch.argsort(group, stable=True)]
         budget = self.budget(cfg)
-        batches, over = plan_micro_batches(rollout, order, cfg.micro_batch_size, budget, packed=self.packed)
+        rows = micro_batch_rows(cfg.micro_batch_size, self.dist.device, len(order), self.dist.world_size)
+        batches, over = plan_micro_batches(rollout, order, rows, budget, packed=self.packed)
         if over and self.dist.is_main and not self._warned_over_budget:
             self._warned_over_budget = True  # once per run
             logger.warning("%d sequence(s) longer than max_tokens_per_micro_batch=%d ran alone in their pass: "

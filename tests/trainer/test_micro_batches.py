@@ -5,6 +5,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from grouprl.config import ConfigError
 from grouprl.micro_batches import plan_micro_batches
 from grouprl.rollout import Rollout
 from grouprl.trainer import Trainer
@@ -134,3 +135,31 @@ def test_on_cuda_auto_checkpoints_every_pass(make_cfg, monkeypatch):
 def test_bad_checkpointing_mode_is_a_config_error(make_cfg):
     with pytest.raises(ValueError, match="gradient_checkpointing='sometimes' is not one of: auto, true, false"):
         Trainer(make_cfg(gradient_checkpointing="sometimes"))
+
+
+@pytest.mark.parametrize("device, rows, world, want", [
+    ("cpu", 128, 1, 16), ("cpu", 32, 1, 16), ("cpu", 24, 1, 12),  # the largest divisor up to 16
+    ("cpu", 8, 1, 8), ("cpu", 17, 1, 1), ("cpu", 24, 2, 12),      # (a prime step: one row a pass)
+    ("cuda", 32, 1, 32), ("cuda", 32, 4, 8), ("cuda", 30, 4, 8),  # one rank's share of the step
+    ("cuda", 3, 8, 1)])
+def test_micro_batch_size_auto_per_device(device, rows, world, want):
+    from grouprl.memory import micro_batch_rows
+
+    assert micro_batch_rows("auto", torch.device(device), rows, world) == want
+    assert micro_batch_rows(6, torch.device(device), rows, world) == 6  # a number is taken as given
+
+
+def test_auto_rows_reach_the_planner_and_a_bad_value_is_a_config_error(make_cfg, monkeypatch):
+    """The planner cuts a 32-completion step into 16-row passes on CPU and, told its device is CUDA,
+    into one pass (the budget permitting); any other string is a ConfigError naming the choices."""
+    from grouprl import micro_batches
+
+    trainer = Trainer(make_cfg(micro_batch_size="auto", max_tokens_per_micro_batch=None))
+    rollout = rollout_of([4] * 32, [3] * 32)
+    assert [len(rows) for rows, _ in trainer.updater.planner.plan(rollout, trainer.cfg)] == [16, 16]
+    real = micro_batches.micro_batch_rows
+    monkeypatch.setattr(micro_batches, "micro_batch_rows",
+                        lambda setting, device, n, world=1: real(setting, torch.device("cuda"), n, world))
+    assert [len(rows) for rows, _ in trainer.updater.planner.plan(rollout, trainer.cfg)] == [32]
+    with pytest.raises(ConfigError, match="micro_batch_size='most' is not a number of completions per pass or auto"):
+        make_cfg(micro_batch_size="most").validate()

@@ -278,10 +278,14 @@ class TrainFields:
     num_iterations: int = 1
     """Policy updates per rollout (PPO's mu). With 1 the ratio is exactly 1 and no old log-probs
     are computed."""
-    micro_batch_size: int = 16
-    """Completions per forward/backward pass; gradients accumulate to the full-batch gradient. With
-    `max_tokens_per_micro_batch` set, the most completions a pass takes. Above the completions of a
-    step it means the whole step."""
+    micro_batch_size: int | str = "auto"
+    """The most completions a forward/backward pass takes (with `max_tokens_per_micro_batch` set,
+    the token budget may cut a pass shorter); gradients accumulate to the full-batch gradient. A
+    number above the completions of a step means the whole step. `auto`, per device
+    (grouprl/memory.py): 16 on CPU (the largest divisor of the step's completions up to 16); on
+    CUDA no row limit beyond one rank's share of the step, so the token budget alone sizes the
+    passes: a GPU update waits on launching each pass's kernels, and two 16-row passes launch twice
+    the ops of one 32-row pass (benchmarks/README.md, "Launches per update")."""
     max_tokens_per_micro_batch: int | str | None = "auto"
     """Token budget of one forward/backward pass of the update and the log-prob passes: consecutive
     completions (group by group) go into a pass while its tokens stay within the budget (and at

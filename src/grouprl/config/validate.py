@@ -70,7 +70,7 @@ def validate_config(cfg: C) -> C:
     if c.num_generations < 2:
         raise ConfigError(f"num_generations={c.num_generations}: GRPO needs at least 2 "
                           "completions per prompt to form a group baseline; use 2 or more")
-    for name in ("prompts_per_step", "max_completion_length", "micro_batch_size", "max_steps",
+    for name in ("prompts_per_step", "max_completion_length", "max_steps",
                  "num_iterations", "logging_steps", "max_sampling_rounds"):
         if getattr(c, name) < 1:
             raise ConfigError(f"{name}={getattr(c, name)} must be at least 1")
@@ -89,9 +89,15 @@ def validate_config(cfg: C) -> C:
         raise ConfigError(f"generation_compile={c.generation_compile!r} is not one of: auto, true, false")
     if c.generation_batch_size is not None and c.generation_batch_size < 1:
         raise ConfigError("generation_batch_size must be at least 1 (or null for all at once)")
-    if c.micro_batch_size > n:  # a pass never holds more than the step: the whole step (the embedded
+    if isinstance(c.micro_batch_size, str):
+        if c.micro_batch_size != "auto":
+            raise ConfigError(f"micro_batch_size={c.micro_batch_size!r} is not a number of completions per pass "
+                              "or auto (sized per device)")
+    elif c.micro_batch_size < 1:
+        raise ConfigError(f"micro_batch_size={c.micro_batch_size} must be at least 1, or auto")
+    elif c.micro_batch_size > n:  # a pass never holds more than the step: the whole step (the embedded
         c.micro_batch_size = n  # task's 128 with --num_generations 3 --prompts_per_step 5 is 15)
-    if n % c.micro_batch_size:
+    if isinstance(c.micro_batch_size, int) and n % c.micro_batch_size:
         raise ConfigError(f"micro_batch_size={c.micro_batch_size} does not divide the {n} "
                           "completions of a step (prompts_per_step * num_generations = "
                           f"{c.prompts_per_step} * {c.num_generations}); pick a divisor of {n}")

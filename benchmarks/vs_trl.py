@@ -252,6 +252,7 @@ def worker_grouprl(w: Workload, model_dir: str, steps: int, threads: int, device
         setting = os.environ.get("VS_TRL_GENERATION_COMPILE")  # --generation-compile
         if setting:
             extra["generation_compile"] = {"true": True, "false": False}.get(setting, setting)
+        extra.update(json.loads(os.environ.get("VS_TRL_GROUPRL_SET", "{}")))  # a caller's settings (update_launches.py)
         if os.environ.get("VS_TRL_PACKED_ATTENTION") == "per-sequence":  # --packed-attention
             from grouprl import packing
 

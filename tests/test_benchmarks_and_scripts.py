@@ -41,7 +41,7 @@ RUN = {"benchmarks/shared_prompt.py", "benchmarks/process_vs_outcome.py", "bench
        "benchmarks/head_logprobs.py", "benchmarks/generation_memory.py", "benchmarks/long_completions.py",
        "benchmarks/run_health.py", "benchmarks/learning_vs_trl.py", "benchmarks/vs_trl.py", "benchmarks/ppo_vs_grpo.py",
        "benchmarks/step_profile.py", "benchmarks/distillation.py", "benchmarks/decode.py",
-       "benchmarks/memory_peak.py", "scripts/build_default_policy.py",
+       "benchmarks/memory_peak.py", "benchmarks/update_launches.py", "scripts/build_default_policy.py",
        "scripts/build_tool_policy.py", "scripts/sandbox_report.py"}
 HELP_ONLY = {"benchmarks/async_rollouts.py", "benchmarks/agentic_async.py", "benchmarks/vllm_vs_builtin.py",
              "benchmarks/weight_transfer.py",
@@ -262,6 +262,26 @@ def test_vs_trl_gpu_workload_path_on_a_tiny_config(tmp_path):
     res = json.loads((tmp_path / "r.json").read_text())["workloads"]["gpu-135m-256"]["grouprl"]
     assert res["length_mean"] == 256.0 and len(res["runs"]) == 1 and 0 < res["mfu"] < 1
     assert "== gpu-135m-256" in out and "device=cpu" in out
+
+
+def test_update_launches_counts_one_varlen_op_per_layer_and_pass_direction(tmp_path):
+    """grouprl's side on a one-layer model: 32 completions in one pass (micro_batch_size 32) run the
+    varlen stand-in three times (forward, checkpointed recompute, backward), in two 16-row passes six
+    times, and the two passes dispatch more ops in all."""
+    tok = save_tiny_model(tmp_path / "tok", "tiny")
+    config = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                  intermediate_size=64, vocab_size=104, tie_word_embeddings=True, max_position_embeddings=512)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    counts = {}
+    for rows in (32, 16):
+        out = run("benchmarks/update_launches.py", "--sides", "grouprl", "--smollm2", str(tok), "--tokens", "4",
+                  "--model-config", str(tmp_path / "config.json"), "--fp32", "--micro-batch", str(rows),
+                  "--json", str(tmp_path / f"{rows}.json"), timeout=600)
+        counts[rows] = json.loads((tmp_path / f"{rows}.json").read_text())["grouprl"]
+        assert "| grouprl |" in out
+    one = "varlen attention (one kernel on a GPU)"
+    assert counts[32]["by_op"][one] == 3 and counts[16]["by_op"][one] == 6
+    assert counts[16]["ops"] > counts[32]["ops"] > counts[32]["views"] > 0
 
 
 def test_step_profile_times_every_stage_and_tabulates_runs(tmp_path):

@@ -7,7 +7,7 @@
 # Runs, in this order (the most wanted first), each under its own time limit in seconds so that one
 # that hangs cannot starve the rest: benchmarks/vs_trl.py's GPU workloads, each side in its own
 # process (BENCH_S); the suite (TESTS_S); the decode benchmark (DECODE_S); both sides' memory at the
-# 135M shape, recorded and broken down by code site (MEM_S); grouprl in one pass of 32 rows at 135M
+# 135M shape, recorded and broken down by code site (MEM_S); grouprl in 16-row passes at 135M
 # (MB_S); grouprl with per-sequence attention for the packed-attention A/B (AB_S).
 # The limits add up to ~20 minutes after setup, more than one device call's 10 minutes and a lent
 # machine's 15: split it into two calls (the first with MEM_S=0 MB_S=0 AB_S=0, the second with
@@ -52,12 +52,13 @@ if [ "${MEM_S:-150}" -gt 0 ]; then
     [ -e "$f" ] && python3 benchmarks/memory_peak.py "$f" --top 15 --json "${f%.pickle}.report.json" | tee -a "$OUT/memory.log"
   done
 fi
-# one pass instead of micro_batch_size's 16-row passes at 135M (32 completions): half the update's
-# launches (benchmarks/README.md, "Launches per update"), at one pass's activations. MB_S=0 skips it.
+# grouprl at 135M in the 16-row passes of the old fixed micro_batch_size, against the run above (auto:
+# one 32-row pass on one GPU, half the update's launches, benchmarks/README.md "Launches per update"):
+# the update's time and the peak memory that one pass costs. MB_S=0 skips it.
 if [ "${MB_S:-90}" -gt 0 ]; then
   timeout "${MB_S:-90}" python3 benchmarks/vs_trl.py --device cuda --smollm2 "$TOKENIZER" --steps "${STEPS:-5}" \
-    --rounds 1 --only grouprl --workload gpu-135m-256 --micro-batch 32 --json "$OUT/vs_trl_one_pass.json" \
-    2>&1 | grep -v "Warning\|warn(" | tee "$OUT/vs_trl_one_pass.log"
+    --rounds 1 --only grouprl --workload gpu-135m-256 --micro-batch 16 --json "$OUT/vs_trl_16_rows.json" \
+    2>&1 | grep -v "Warning\|warn(" | tee "$OUT/vs_trl_16_rows.log"
 fi
 # grouprl alone with the packed passes' attention per sequence (CPU's path) against the run above
 # (the varlen flash kernel, one call per layer): the update's share is what changes. AB_S=0 skips it.

@@ -23,6 +23,9 @@ EXPECT = os.environ.get("GROUPRL_TEST_SANDBOX_EXPECT") or ("namespace" if os.get
 REFUSED = EXPECT == "refuse"
 FAST = dict(timeout_s=1.5, memory_mb=128)  # for programs that must hit a limit: a timeout costs 1.5 s
 OK = dict(timeout_s=15.0, memory_mb=128)  # for programs that must finish: a loaded CI machine must not time them out
+# for programs that must hit the memory or output limit: they end there, so a long timeout costs time only if the
+# limit failed, while FAST's 1.5 s timed a memory bomb out before it reached 128 MiB on a loaded machine
+LIMIT = dict(timeout_s=15.0, memory_mb=128)
 DOUBLE = "print(2 * int(input()))"
 DOUBLE_TESTS = [{"input": "3", "output": "6"}, {"input": "21\n", "output": "42\n"}]
 PR_SET_CHILD_SUBREAPER = 36

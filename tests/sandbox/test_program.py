@@ -8,7 +8,7 @@ situation.py (test_unprivileged.py runs it again as another uid, with and withou
 import os
 
 import pytest
-from situation import EXPECT, FAST, OK, REFUSED
+from situation import EXPECT, FAST, LIMIT, OK, REFUSED
 
 from grouprl.sandbox import ProgramResult, SandboxUnavailableError, run_program
 from grouprl.sandbox import runner
@@ -60,10 +60,10 @@ def test_limits_timeout_memory_output():
     res = ran("print('started', flush=True)\nwhile True:\n    pass\n", **FAST)
     if not REFUSED:
         assert (res.status, res.stdout, res.detail) == ("timeout", "started\n", "timeout (1.5 s wall)")
-    res = ran("a = []\nwhile True:\n    a.append(bytearray(10**7))\n", **FAST)
+    res = ran("a = []\nwhile True:\n    a.append(bytearray(10**7))\n", **LIMIT)
     if not REFUSED:
         assert (res.status, res.detail) == ("memory_limit", "MemoryError (address space limit 128 MiB)")
-    res = ran("import sys\nwhile True:\n    sys.stdout.write('x' * 1000)\n", max_output_bytes=4096, **FAST)
+    res = ran("import sys\nwhile True:\n    sys.stdout.write('x' * 1000)\n", max_output_bytes=4096, **LIMIT)
     if not REFUSED:
         assert (res.status, res.stdout) == ("output_limit", "x" * 4096)
 

@@ -15,7 +15,7 @@ import threading
 import time
 
 import pytest
-from situation import DOUBLE, DOUBLE_TESTS, EXPECT, FAST, OK, REFUSED, assert_normal_program_scores, sandboxed
+from situation import DOUBLE, DOUBLE_TESTS, EXPECT, FAST, LIMIT, OK, REFUSED, assert_normal_program_scores, sandboxed
 
 from grouprl.sandbox import CodeResult, run_code_batch, sandbox_mechanism
 from grouprl.sandbox import process
@@ -275,7 +275,7 @@ def test_a_fork_bomb_does_not_starve_a_concurrent_run():
 
 
 def test_memory_bomb():
-    res = sandboxed("a = []\nwhile True:\n    a.append(bytearray(10**7))\n", [{"input": "", "output": ""}], **FAST)
+    res = sandboxed("a = []\nwhile True:\n    a.append(bytearray(10**7))\n", [{"input": "", "output": ""}], **LIMIT)
     if not REFUSED:
         assert res.status == "memory_limit"
     assert_normal_program_scores()
@@ -291,7 +291,7 @@ def test_infinite_loop_times_out_and_skips_the_remaining_tests():
 
 def test_gigabytes_of_output_are_cut_off():
     prog = "import sys\nwhile True:\n    sys.stdout.write('x' * 65536)\n"
-    res = sandboxed(prog, [{"input": "", "output": "x"}], max_output_bytes=1 << 16, **FAST)
+    res = sandboxed(prog, [{"input": "", "output": "x"}], max_output_bytes=1 << 16, **LIMIT)
     if not REFUSED:
         assert res.status == "output_limit"
     assert_normal_program_scores()

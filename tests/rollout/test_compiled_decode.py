@@ -409,6 +409,13 @@ def test_auto_compiles_when_the_projected_saving_exceeds_the_compile_cost(caplog
                 choice.record(seconds, steps, layers)
         assert not choice.probing() and choice.use() is want, (planned, seconds)
     assert "auto compiles" in caplog.text and "stays eager" in caplog.text
+    # on CUDA a step is launches: 5x the saving per layer and step, capped at 80 % of the eager time
+    cuda_enough = int(cost / (cd.CUDA_SAVED_PER_LAYER_STEP_S * layers * steps)) + cd.PROBE_CALLS + 2
+    for device_type, want in [("cuda", True), ("cpu", False)]:
+        choice = cd.CompileChoice("auto", cuda_enough)
+        for _ in range(cd.PROBE_CALLS):
+            choice.record(1.0, steps, layers, device_type)
+        assert choice.use() is want, device_type
     assert cd.CompileChoice(True).use() and not cd.CompileChoice(False).use()
     assert not cd.CompileChoice(False).probing()
 

@@ -127,7 +127,8 @@ class HFEngine(GenerationEngine):
                 started = time.perf_counter()
                 completion, lengths = self._decode_eager(decoder, logits, params, uniforms, eos, prompt_ids, G, keeps)
                 if fast and self._choice.probing():
-                    self._choice.record(time.perf_counter() - started, int(lengths.max()) - 1, len(decoder.layers))
+                    self._choice.record(time.perf_counter() - started, int(lengths.max()) - 1, len(decoder.layers),
+                                        device.type)
             else:
                 completion, lengths = out
             del decoder

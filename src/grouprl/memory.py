@@ -40,16 +40,16 @@ def checkpoint_mode(setting: bool | str, device: torch.device) -> str:
 
 
 def micro_batch_rows(setting: int | str, device: torch.device, step_rows: int, world_size: int = 1) -> int:
-    """`micro_batch_size` made definite for `device`: on CPU the largest divisor of the step's
-    `step_rows` completions up to CPU_MICRO_BATCH (the value measured on CPU when it was the fixed
-    default); on CUDA one rank's share of the step, so that the token budget alone cuts the passes
-    (an update on a GPU waits on launching each pass's kernels: benchmarks/update_launches.py counted
-    18,558 ops for two 16-row passes of the 135M shape against 9,746 for one 32-row pass)."""
+    """`micro_batch_size` made definite for `device` and a batch of `step_rows` completions: on CPU
+    CPU_MICRO_BATCH rows at most (the fixed default it was measured as); on CUDA one rank's share of
+    the batch, so that the token budget alone cuts the passes (an update on a GPU waits on launching
+    each pass's kernels: benchmarks/update_launches.py counted 18,558 ops for two 16-row passes of
+    the 135M shape against 9,746 for one 32-row pass)."""
     if setting != "auto":
         return int(setting)
     if device.type == "cuda":
         return max(1, -(-step_rows // world_size))
-    return max(d for d in range(1, min(CPU_MICRO_BATCH, step_rows) + 1) if step_rows % d == 0)
+    return max(1, min(CPU_MICRO_BATCH, step_rows))
 
 
 def activation_bytes_per_token(config, checkpointing: bool) -> int:

@@ -138,8 +138,8 @@ def test_bad_checkpointing_mode_is_a_config_error(make_cfg):
 
 
 @pytest.mark.parametrize("device, rows, world, want", [
-    ("cpu", 128, 1, 16), ("cpu", 32, 1, 16), ("cpu", 24, 1, 12),  # the largest divisor up to 16
-    ("cpu", 8, 1, 8), ("cpu", 17, 1, 1), ("cpu", 24, 2, 12),      # (a prime step: one row a pass)
+    ("cpu", 128, 1, 16), ("cpu", 24, 1, 16), ("cpu", 8, 1, 8),   # 16 at most, as the fixed default was
+    ("cpu", 17, 2, 16),
     ("cuda", 32, 1, 32), ("cuda", 32, 4, 8), ("cuda", 30, 4, 8),  # one rank's share of the step
     ("cuda", 3, 8, 1)])
 def test_micro_batch_size_auto_per_device(device, rows, world, want):

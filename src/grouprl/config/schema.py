@@ -281,9 +281,9 @@ class TrainFields:
     micro_batch_size: int | str = "auto"
     """The most completions a forward/backward pass takes (with `max_tokens_per_micro_batch` set,
     the token budget may cut a pass shorter); gradients accumulate to the full-batch gradient. A
-    number above the completions of a step means the whole step. `auto`, per device
-    (grouprl/memory.py): 16 on CPU (the largest divisor of the step's completions up to 16); on
-    CUDA no row limit beyond one rank's share of the step, so the token budget alone sizes the
+    number above the completions of a step means the whole step, and a number must divide them.
+    `auto`, per device (grouprl/memory.py): 16 on CPU (the last pass takes what is left); on CUDA
+    no row limit beyond one rank's share of the step, so the token budget alone sizes the
     passes: a GPU update waits on launching each pass's kernels, and two 16-row passes launch twice
     the ops of one 32-row pass (benchmarks/README.md, "Launches per update")."""
     max_tokens_per_micro_batch: int | str | None = "auto"

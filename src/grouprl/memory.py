@@ -39,15 +39,17 @@ def checkpoint_mode(setting: bool | str, device: torch.device) -> str:
     return "always" if setting else "never"
 
 
-def micro_batch_rows(setting: int | str, device: torch.device, step_rows: int, world_size: int = 1) -> int:
+def micro_batch_rows(setting: int | str, device: torch.device, step_rows: int, world_size: int = 1,
+                     budget: int | None = 1) -> int:
     """`micro_batch_size` made definite for `device` and a batch of `step_rows` completions: on CPU
-    CPU_MICRO_BATCH rows at most (the fixed default it was measured as); on CUDA one rank's share of
-    the batch, so that the token budget alone cuts the passes (an update on a GPU waits on launching
-    each pass's kernels: benchmarks/update_launches.py counted 18,558 ops for two 16-row passes of
-    the 135M shape against 9,746 for one 32-row pass)."""
+    CPU_MICRO_BATCH rows at most (the fixed default it was measured as); on CUDA with a token
+    `budget`, one rank's share of the batch, so that the budget alone cuts the passes (an update on
+    a GPU waits on launching each pass's kernels: benchmarks/update_launches.py counted 18,558 ops
+    for two 16-row passes of the 135M shape against 9,746 for one 32-row pass). Without a budget
+    (`max_tokens_per_micro_batch: null`) nothing else bounds a pass, so CUDA takes CPU's rows too."""
     if setting != "auto":
         return int(setting)
-    if device.type == "cuda":
+    if device.type == "cuda" and budget is not None:
         return max(1, -(-step_rows // world_size))
     return max(1, min(CPU_MICRO_BATCH, step_rows))
 

@@ -195,7 +195,7 @@ class MicroBatchPlanner:
             group = rollout.prompt_groups()[order]
             order = order[torch.argsort(group, stable=True)]
         budget = self.budget(cfg)
-        rows = micro_batch_rows(cfg.micro_batch_size, self.dist.device, len(order), self.dist.world_size)
+        rows = micro_batch_rows(cfg.micro_batch_size, self.dist.device, len(order), self.dist.world_size, budget)
         batches, over = plan_micro_batches(rollout, order, rows, budget, packed=self.packed)
         if over and self.dist.is_main and not self._warned_over_budget:
             self._warned_over_budget = True  # once per run

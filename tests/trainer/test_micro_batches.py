@@ -145,21 +145,27 @@ def test_bad_checkpointing_mode_is_a_config_error(make_cfg):
 def test_micro_batch_size_auto_per_device(device, rows, world, want):
     from grouprl.memory import micro_batch_rows
 
-    assert micro_batch_rows("auto", torch.device(device), rows, world) == want
-    assert micro_batch_rows(6, torch.device(device), rows, world) == 6  # a number is taken as given
+    assert micro_batch_rows("auto", torch.device(device), rows, world, budget=4096) == want
+    assert micro_batch_rows(6, torch.device(device), rows, world, budget=4096) == 6  # a number is taken as given
+    no_budget = micro_batch_rows("auto", torch.device(device), rows, world, budget=None)  # nothing else bounds a pass
+    assert no_budget == min(16, rows)
 
 
 def test_auto_rows_reach_the_planner_and_a_bad_value_is_a_config_error(make_cfg, monkeypatch):
     """The planner cuts a 32-completion step into 16-row passes on CPU and, told its device is CUDA,
-    into one pass (the budget permitting); any other string is a ConfigError naming the choices."""
+    into one pass within the token budget (16 rows again without one); any other string is a
+    ConfigError naming the choices."""
     from grouprl import micro_batches
 
-    trainer = Trainer(make_cfg(micro_batch_size="auto", max_tokens_per_micro_batch=None))
-    rollout = rollout_of([4] * 32, [3] * 32)
-    assert [len(rows) for rows, _ in trainer.updater.planner.plan(rollout, trainer.cfg)] == [16, 16]
+    trainer = Trainer(make_cfg(micro_batch_size="auto", max_tokens_per_micro_batch=1000))
+    rollout = rollout_of([4] * 32, [3] * 32)  # 32 x 7 = 224 tokens padded, 32 x 3 + 4 packed
+    plan = trainer.updater.planner.plan
+    assert [len(rows) for rows, _ in plan(rollout, trainer.cfg)] == [16, 16]
     real = micro_batches.micro_batch_rows
     monkeypatch.setattr(micro_batches, "micro_batch_rows",
-                        lambda setting, device, n, world=1: real(setting, torch.device("cuda"), n, world))
-    assert [len(rows) for rows, _ in trainer.updater.planner.plan(rollout, trainer.cfg)] == [32]
+                        lambda setting, device, *a: real(setting, torch.device("cuda"), *a))
+    assert [len(rows) for rows, _ in plan(rollout, trainer.cfg)] == [32]
+    trainer.cfg.max_tokens_per_micro_batch = None
+    assert [len(rows) for rows, _ in plan(rollout, trainer.cfg)] == [16, 16]
     with pytest.raises(ConfigError, match="micro_batch_size='most' is not a number of completions per pass or auto"):
         make_cfg(micro_batch_size="most").validate()

@@ -283,9 +283,10 @@ class TrainFields:
     the token budget may cut a pass shorter); gradients accumulate to the full-batch gradient. A
     number above the completions of a step means the whole step, and a number must divide them.
     `auto`, per device (grouprl/memory.py): 16 on CPU (the last pass takes what is left); on CUDA
-    no row limit beyond one rank's share of the step, so the token budget alone sizes the
-    passes: a GPU update waits on launching each pass's kernels, and two 16-row passes launch twice
-    the ops of one 32-row pass (benchmarks/README.md, "Launches per update")."""
+    no row limit beyond one rank's share of the step, so the token budget alone sizes the passes
+    (16 rows when `max_tokens_per_micro_batch` is null: then nothing else bounds a pass). A GPU
+    update waits on launching each pass's kernels, and two 16-row passes launch twice the ops of
+    one 32-row pass (benchmarks/README.md, "Launches per update")."""
     max_tokens_per_micro_batch: int | str | None = "auto"
     """Token budget of one forward/backward pass of the update and the log-prob passes: consecutive
     completions (group by group) go into a pass while its tokens stay within the budget (and at

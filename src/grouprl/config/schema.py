@@ -236,7 +236,7 @@ class TrainFields:
     an op Inductor cannot lower) the run warns once, naming the reason, and decodes eagerly."""
     generation_cuda_graphs: bool = True
     """On CUDA, with the compiled decode step: replay each step as a captured CUDA graph, one launch
-    instead of one per kernel (~300 for a 30-layer model), captured once per shape of a generate
+    instead of one per kernel (hundreds for a 30-layer model), captured once per shape of a generate
     call. Where a capture fails the run warns once and launches the kernels one by one; `false`
     always does. No effect on CPU or with vLLM (which captures its own)."""
 

@@ -10,8 +10,9 @@
 # 135M shape, recorded and broken down by code site (MEM_S); grouprl in 16-row passes at 135M
 # (MB_S); grouprl with per-sequence attention for the packed-attention A/B (AB_S).
 # The limits add up to ~20 minutes after setup, more than one device call's 10 minutes and a lent
-# machine's 15: split it into two calls (the first with MEM_S=0 MB_S=0 AB_S=0, the second with
-# BENCH_S=0 TESTS_S=0 DECODE_S=0), or lower STEPS.
+# machine's 15: run it in calls of what matters most, e.g. (1) DECODE_S=0 MEM_S=0 MB_S=0 AB_S=0
+# (the benchmark and the suite, ~9 min), (2) BENCH_S=0 TESTS_S=0 MB_S=0 AB_S=0 (decode and memory,
+# ~6.5 min), (3) the A/Bs if time is left; or lower STEPS.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-${OUT:-gpu-out}}
@@ -38,8 +39,8 @@ if [ "${TESTS_S:-260}" -gt 0 ]; then
 fi
 # the compiled decode step on CUDA (issue 36): ms per token, eager against compiled and against compiled
 # replayed as CUDA graphs, at 16 rows of the 135M and 1.7B SmolLM2 shapes in bf16. DECODE_S=0 skips it.
-if [ "${DECODE_S:-150}" -gt 0 ]; then
-  timeout "${DECODE_S:-150}" python3 benchmarks/decode.py --device cuda --models smollm2-135m-shape smollm2-1.7b-shape \
+if [ "${DECODE_S:-240}" -gt 0 ]; then
+  timeout "${DECODE_S:-240}" python3 benchmarks/decode.py --device cuda --models smollm2-135m-shape smollm2-1.7b-shape \
     --rows 16 --prompt 16 --dtypes bf16 --reps 2 --smollm2 "$TOKENIZER" --json "$OUT/decode.json" \
     2>&1 | grep -v "Warning\|warn(" | tee "$OUT/decode.log"
 fi

@@ -332,6 +332,25 @@ class FailingGraphs(RecordedGraphs):
         raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
 
 
+class UnbuildableGraphs(RecordedGraphs):
+    def __init__(self, device):
+        raise AttributeError("module 'torch.cuda' has no attribute 'graph_pool_handle'")
+
+
+def test_a_backend_that_cannot_be_built_warns_once_and_the_steps_run_directly(model_and_tok, recorded_graphs,
+                                                                             monkeypatch):
+    model, tok = model_and_tok
+    monkeypatch.setattr(cd, "GRAPH_BACKENDS", {"cpu": UnbuildableGraphs})
+    engine = HFEngine(model, _stops(tok), tok.pad_token_id, compile=True)
+    with pytest.warns(RuntimeWarning, match="has no attribute 'graph_pool_handle'"):
+        first = engine.generate(short_prompts(tok), 2, SAMPLED, torch.Generator().manual_seed(0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        second = engine.generate(short_prompts(tok), 2, SAMPLED, torch.Generator().manual_seed(0))
+    _assert_same(first, second)
+    assert set(recorded_graphs) == {"direct"}
+
+
 def test_a_capture_that_fails_warns_once_and_the_steps_run_directly(model_and_tok, recorded_graphs, monkeypatch):
     """The first failed capture warns, naming the error; the call and later calls give the eager
     tokens from direct steps, and nothing is captured again."""

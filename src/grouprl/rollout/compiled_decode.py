@@ -309,7 +309,11 @@ class CompiledDecodeLoop:
         kind = self.device.type
         if not self.graphs or kind not in GRAPH_BACKENDS or kind in _GRAPHS_FAILED:
             return None
-        return GRAPH_BACKENDS[kind](self.device)
+        try:
+            return GRAPH_BACKENDS[kind](self.device)
+        except Exception as err:  # noqa: BLE001 — a torch without graph pools or streams here: no graphs
+            _graphs_failed(self.device, err)
+            return None
 
     def run(self, dec, first_logits: torch.Tensor, params: SamplingParams, uniforms: torch.Tensor,
             eos: torch.Tensor, pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor] | None:

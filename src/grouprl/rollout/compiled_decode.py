@@ -284,6 +284,16 @@ class CudaGraphs:
         return graph.replay
 
 
+def _in_use(t: torch.Tensor) -> None:
+    """Before the loop drops a CUDA tensor mid-call: the allocator may hand its block to another
+    stream only once this stream's queued work is done (under CudaGraphs the loop runs on a side
+    stream, and the cache it replaces was allocated on the caller's, whose other users, such as a
+    training thread beside async rollouts, could otherwise be given the block while queued steps
+    still read it). A no-op on CPU and on the tensor's own stream."""
+    if t.is_cuda:
+        t.record_stream(torch.cuda.current_stream(t.device))
+
+
 GRAPH_BACKENDS: dict[str, type] = {"cuda": CudaGraphs}  # device type -> its step graphs (a test adds "cpu")
 _GRAPHS_FAILED: dict[str, str] = {}  # device type -> why capturing failed (warned once)
 
@@ -451,7 +461,9 @@ class CompiledDecodeLoop:
         for cache in (dec.k, dec.v):
             for l, old in enumerate(cache):
                 cache[l] = moved(old, 0)
+                _in_use(old)
                 del old
+        _in_use(dec.valid)
         dec.valid = moved(dec.valid, False)
         dec.valid[n:, 0] = True
         return moved(tok, 0), moved(pos, 0), moved(rowmap, N), moved(finished, True)
@@ -464,7 +476,9 @@ class CompiledDecodeLoop:
                 new = old.new_zeros(old.shape[0], old.shape[1], C, old.shape[3])
                 new[:, :, : old.shape[2]] = old
                 cache[l] = new
+                _in_use(old)
                 del old
         valid = dec.valid.new_zeros(dec.valid.shape[0], C)
         valid[:, : dec.valid.shape[1]] = dec.valid
+        _in_use(dec.valid)
         dec.valid = valid

@@ -413,13 +413,13 @@ def test_a_platform_that_cannot_compile_decodes_eagerly_with_one_warning(model_a
 def test_auto_compiles_when_the_projected_saving_exceeds_the_compile_cost(caplog):
     """After PROBE_CALLS timed calls: compile iff the remaining calls x the saving per call
     (SAVED_PER_LAYER_STEP_S x layers x decode steps, at most MAX_SAVED_FRACTION of the call's
-    eager time) > COMPILE_BASE_S + COMPILE_PER_LAYER_S x layers."""
+    eager time, both of the device type) > COMPILE_BASE_S + COMPILE_PER_LAYER_S x layers."""
     layers, steps = 4, 100  # per call
     cost = cd.COMPILE_BASE_S + cd.COMPILE_PER_LAYER_S * layers
-    per_call = cd.SAVED_PER_LAYER_STEP_S * layers * steps  # 0.04 s: below the cap for a 1 s call
+    per_call = cd.SAVED_PER_LAYER_STEP_S["cpu"] * layers * steps  # 0.04 s: below the cap for a 1 s call
     enough = int(cost / per_call) + cd.PROBE_CALLS + 2  # saving just above the cost
     cases = [(enough, 1.0, True), (enough - 4, 1.0, False), (None, 1.0, False),
-             (enough, per_call / cd.MAX_SAVED_FRACTION / 2, False)]  # the cap: half the saving
+             (enough, per_call / cd.MAX_SAVED_FRACTION["cpu"] / 2, False)]  # the cap: half the saving
     for planned, seconds, want in cases:
         choice = cd.CompileChoice("auto", planned)
         with caplog.at_level(logging.INFO, logger=cd.__name__):
@@ -429,7 +429,7 @@ def test_auto_compiles_when_the_projected_saving_exceeds_the_compile_cost(caplog
         assert not choice.probing() and choice.use() is want, (planned, seconds)
     assert "auto compiles" in caplog.text and "stays eager" in caplog.text
     # on CUDA a step is launches: 5x the saving per layer and step, capped at 80 % of the eager time
-    cuda_enough = int(cost / (cd.CUDA_SAVED_PER_LAYER_STEP_S * layers * steps)) + cd.PROBE_CALLS + 2
+    cuda_enough = int(cost / (cd.SAVED_PER_LAYER_STEP_S["cuda"] * layers * steps)) + cd.PROBE_CALLS + 2
     for device_type, want in [("cuda", True), ("cpu", False)]:
         choice = cd.CompileChoice("auto", cuda_enough)
         for _ in range(cd.PROBE_CALLS):

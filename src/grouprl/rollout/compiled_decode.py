@@ -164,9 +164,14 @@ def compiled_step(device: torch.device):
     return _COMPILED[kind]
 
 
+def _reason(err: BaseException) -> str:
+    """An error as a warning names it: its type and its message's first line."""
+    text = str(err).strip()
+    return f"{type(err).__name__}: {text.splitlines()[0] if text else ''}"
+
+
 def _compile_failed(device: torch.device, err: BaseException) -> None:
-    reason = f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}"
-    _FAILED[device.type] = reason
+    reason = _FAILED[device.type] = _reason(err)
     warnings.warn(f"generation_compile: compiling the decode step failed on {device.type} ({reason}); "
                   "decoding eagerly for the rest of this run. Set generation_compile: false to skip the try.",
                   RuntimeWarning, stacklevel=3)
@@ -178,18 +183,15 @@ def _compile_failed(device: torch.device, err: BaseException) -> None:
 # tiny model (dispatch it no longer pays) and nothing measurable on 50m, whose step is bound by
 # reading its weights. So auto prices a compile at COMPILE_BASE_S + COMPILE_PER_LAYER_S x layers
 # and a step's saving at SAVED_PER_LAYER_STEP_S x layers, at most MAX_SAVED_FRACTION of the eager
-# step's time.
+# step's time, both by device type. On CUDA a step is launches more than work: issue 36's H200 run
+# decoded the 135M shape eagerly at 20 ms a token (0.67 ms per layer and step) and the 1.7B at
+# 15.5 ms, whose weights stream in ~0.7 ms; a replayed graph keeps about the kernels' own time, so
+# 0.5 ms per layer and step, at most 80 %: estimates, not measured (no GPU since). The compile is
+# priced as on CPU everywhere, which a GPU host's many cores likely beat.
 COMPILE_BASE_S = 15.0
 COMPILE_PER_LAYER_S = 4.0
-SAVED_PER_LAYER_STEP_S = 1e-4
-MAX_SAVED_FRACTION = 0.3
-# On CUDA a step is launches more than work: issue 36's H200 run decoded the 135M shape eagerly at
-# 20 ms a token (0.67 ms per layer and step) and the 1.7B at 15.5 ms, whose weights stream in
-# ~0.7 ms; a replayed graph keeps about the kernels' own time. So the saving is priced at 0.5 ms
-# per layer and step, at most 80 % of the eager time. Estimates, not measured (no GPU since); the
-# compile is priced as on CPU, which a GPU host's many cores likely beat.
-CUDA_SAVED_PER_LAYER_STEP_S = 5e-4
-CUDA_MAX_SAVED_FRACTION = 0.8
+SAVED_PER_LAYER_STEP_S = {"cpu": 1e-4, "cuda": 5e-4}
+MAX_SAVED_FRACTION = {"cpu": 0.3, "cuda": 0.8}
 PROBE_CALLS = 2  # auto decodes this many calls eagerly, timing them, before it decides
 
 
@@ -223,8 +225,8 @@ class CompileChoice:
         if self.calls < PROBE_CALLS:
             return
         remaining = max(0, (self.planned_calls or 0) - self.calls)
-        saved, cap = ((CUDA_SAVED_PER_LAYER_STEP_S, CUDA_MAX_SAVED_FRACTION) if device_type == "cuda"
-                      else (SAVED_PER_LAYER_STEP_S, MAX_SAVED_FRACTION))
+        saved = SAVED_PER_LAYER_STEP_S.get(device_type, SAVED_PER_LAYER_STEP_S["cpu"])
+        cap = MAX_SAVED_FRACTION.get(device_type, MAX_SAVED_FRACTION["cpu"])
         per_call = min(saved * n_layers * self.steps, cap * self.seconds) / self.calls
         saved = remaining * per_call
         cost = COMPILE_BASE_S + COMPILE_PER_LAYER_S * n_layers
@@ -299,8 +301,7 @@ _GRAPHS_FAILED: dict[str, str] = {}  # device type -> why capturing failed (warn
 
 
 def _graphs_failed(device: torch.device, err: BaseException) -> None:
-    reason = f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}"
-    _GRAPHS_FAILED[device.type] = reason
+    reason = _GRAPHS_FAILED[device.type] = _reason(err)
     warnings.warn(f"generation_cuda_graphs: capturing the compiled decode step as a graph failed on {device.type} "
                   f"({reason}); launching its kernels one by one for the rest of this run. Set "
                   "generation_cuda_graphs: false to skip the try.", RuntimeWarning, stacklevel=3)
@@ -364,7 +365,6 @@ class CompiledDecodeLoop:
         for x in (dec.cos, dec.sin):
             _dynamic(x, 0)
         graphs = self._graph_backend()
-        self.captures = self.replays = 0  # graph counts of this call (tests, benchmarks)
         t, col, W, views, replay = 1, dec.P, 0, None, None
         with graphs.running() if graphs is not None else contextlib.nullcontext():
             while t < T:
@@ -386,7 +386,6 @@ class CompiledDecodeLoop:
                     views, replay = self._views(dec, W, tok, pos, rowmap, finished), None
                 if replay is not None:  # a captured step: it advances tok, finished, pos and cursor in place
                     replay()
-                    self.replays += 1
                     t, col = t + 1, col + 1
                     continue
                 started = time.perf_counter()
@@ -430,7 +429,6 @@ class CompiledDecodeLoop:
         except Exception as err:  # noqa: BLE001 — any failure: the run goes on without graphs
             _graphs_failed(self.device, err)
             return None
-        self.captures += 1
 
         def replay(held=args) -> None:  # `held`: the graph's tensors live as long as its replay
             replay_graph()

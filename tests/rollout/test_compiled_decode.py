@@ -337,35 +337,33 @@ class UnbuildableGraphs(RecordedGraphs):
         raise AttributeError("module 'torch.cuda' has no attribute 'graph_pool_handle'")
 
 
-def test_a_backend_that_cannot_be_built_warns_once_and_the_steps_run_directly(model_and_tok, recorded_graphs,
-                                                                             monkeypatch):
-    model, tok = model_and_tok
-    monkeypatch.setattr(cd, "GRAPH_BACKENDS", {"cpu": UnbuildableGraphs})
+def _warns_once(model, tok, match: str):
+    """Two compiled calls: the first warns, matching `match`, the second warns nothing (the failure
+    is remembered); both must give the eager loop's tokens."""
+    eager = HFEngine(model, _stops(tok), tok.pad_token_id).generate(short_prompts(tok), 2, SAMPLED,
+                                                                     torch.Generator().manual_seed(0))
     engine = HFEngine(model, _stops(tok), tok.pad_token_id, compile=True)
-    with pytest.warns(RuntimeWarning, match="has no attribute 'graph_pool_handle'"):
+    with pytest.warns(RuntimeWarning, match=match):
         first = engine.generate(short_prompts(tok), 2, SAMPLED, torch.Generator().manual_seed(0))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         second = engine.generate(short_prompts(tok), 2, SAMPLED, torch.Generator().manual_seed(0))
-    _assert_same(first, second)
+    _assert_same(eager, first)
+    _assert_same(eager, second)
+
+
+def test_a_backend_that_cannot_be_built_warns_once_and_the_steps_run_directly(model_and_tok, recorded_graphs,
+                                                                             monkeypatch):
+    monkeypatch.setattr(cd, "GRAPH_BACKENDS", {"cpu": UnbuildableGraphs})
+    _warns_once(*model_and_tok, "has no attribute 'graph_pool_handle'")
     assert set(recorded_graphs) == {"direct"}
 
 
 def test_a_capture_that_fails_warns_once_and_the_steps_run_directly(model_and_tok, recorded_graphs, monkeypatch):
     """The first failed capture warns, naming the error; the call and later calls give the eager
     tokens from direct steps, and nothing is captured again."""
-    model, tok = model_and_tok
     monkeypatch.setattr(cd, "GRAPH_BACKENDS", {"cpu": FailingGraphs})
-    eager = HFEngine(model, _stops(tok), tok.pad_token_id).generate(short_prompts(tok), 2, SAMPLED,
-                                                                     torch.Generator().manual_seed(0))
-    engine = HFEngine(model, _stops(tok), tok.pad_token_id, compile=True)
-    with pytest.warns(RuntimeWarning, match="operation not permitted when stream is capturing"):
-        first = engine.generate(short_prompts(tok), 2, SAMPLED, torch.Generator().manual_seed(0))
-    _assert_same(eager, first)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        second = engine.generate(short_prompts(tok), 2, SAMPLED, torch.Generator().manual_seed(0))
-    _assert_same(eager, second)
+    _warns_once(*model_and_tok, "operation not permitted when stream is capturing")
     assert recorded_graphs.count("capture") == 1 and "replay" not in recorded_graphs
     assert recorded_graphs.count("enter") == 1  # the second call found no backend to run on
 
@@ -396,16 +394,7 @@ def test_a_platform_that_cannot_compile_decodes_eagerly_with_one_warning(model_a
         raise RuntimeError("InvalidCxxCompiler: No working C++ compiler found")
 
     monkeypatch.setattr(cd.torch, "compile", lambda fn, **kw: broken)
-    eager = HFEngine(model, _stops(tok), tok.pad_token_id).generate(short_prompts(tok), 2, SAMPLED,
-                                                                     torch.Generator().manual_seed(0))
-    engine = HFEngine(model, _stops(tok), tok.pad_token_id, compile=True)
-    with pytest.warns(RuntimeWarning, match="InvalidCxxCompiler: No working C\\+\\+ compiler found"):
-        first = engine.generate(short_prompts(tok), 2, SAMPLED, torch.Generator().manual_seed(0))
-    _assert_same(eager, first)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        second = engine.generate(short_prompts(tok), 2, SAMPLED, torch.Generator().manual_seed(0))
-    _assert_same(eager, second)
+    _warns_once(model, tok, "InvalidCxxCompiler: No working C\\+\\+ compiler found")
     assert len(calls) == 1
 
 

@@ -196,7 +196,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = vs_trl.build_shape_model(Path(tmp) / "model", shape, args.smollm2, "cpu")
         for side in args.sides:
-            rows = args.micro_batch or micro_batch_rows("auto", torch.device("cuda"), 8 * w.prompts)
+            rows = args.micro_batch or micro_batch_rows("auto", torch.device("cuda"), 8 * w.prompts, 1, args.budget)
             got = (run_grouprl(w, model_dir, args.budget, rows) if side == "grouprl"
                    else run_trl(w, model_dir))
             views = sum(n for op, n in got.items() if op in VIEWS)

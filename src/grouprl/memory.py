@@ -39,8 +39,8 @@ def checkpoint_mode(setting: bool | str, device: torch.device) -> str:
     return "always" if setting else "never"
 
 
-def micro_batch_rows(setting: int | str, device: torch.device, step_rows: int, world_size: int = 1,
-                     budget: int | None = 1) -> int:
+def micro_batch_rows(setting: int | str, device: torch.device, step_rows: int, world_size: int,
+                     budget: int | None) -> int:
     """`micro_batch_size` made definite for `device` and a batch of `step_rows` completions: on CPU
     CPU_MICRO_BATCH rows at most (the fixed default it was measured as); on CUDA with a token
     `budget`, one rank's share of the batch, so that the budget alone cuts the passes (an update on

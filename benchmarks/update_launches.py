@@ -36,6 +36,8 @@ from dataclasses import replace
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ["CUDA_VISIBLE_DEVICES"] = ""  # a count on the CPU: a visible GPU would take the trainer, and its backward
+# would run on autograd's device thread, outside the profiled scope
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402

@@ -691,12 +691,20 @@ def test_killing_the_server_mid_run_stops_the_run_with_the_server_named(server, 
 def test_vllm_serve_takes_every_model_name_train_takes(monkeypatch, capsys):
     """`builtin:default_policy` (a HFValidationError once) becomes its folder; an unknown built-in
     is named; a float32 checkpoint without --dtype gets the note about the sampling precision; on
-    CPU the KV cache is VLLM_CPU_KVCACHE_SPACE GiB, not 92 % of the host's RAM."""
+    CPU the KV cache is VLLM_CPU_KVCACHE_SPACE GiB, not 92 % of the host's RAM, and the weights
+    arrive through gloo; with an accelerator, vLLM sizes its own cache and the weights take nccl.
+    (The host's accelerator is stated, not read: the test runs on CPU and CUDA machines alike.)"""
     from grouprl import cli
+    from grouprl.rollout import vllm_server
     from grouprl.tasks import DEFAULT_POLICY_DIR
 
     ran = []
     monkeypatch.setattr(cli.os, "execve", lambda path, argv, env: ran.append(argv))
+    monkeypatch.setattr(vllm_server, "_has_accelerator", lambda: True)
+    cli.main(["vllm-serve", "builtin:default_policy", "--dtype", "float32"])
+    assert "--kv-cache-memory-bytes" not in ran[-1]
+    assert json.loads(ran[-1][ran[-1].index("--weight-transfer-config") + 1]) == {"backend": "nccl"}
+    monkeypatch.setattr(vllm_server, "_has_accelerator", lambda: False)
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "3")
     cli.main(["vllm-serve", "builtin:default_policy", "--port", "8123"])
     argv = ran[-1]
@@ -707,7 +715,7 @@ def test_vllm_serve_takes_every_model_name_train_takes(monkeypatch, capsys):
     cli.main(["vllm-serve", "builtin:default_policy", "--dtype", "float32", "--gpu-memory-utilization", "0.5"])
     assert "--kv-cache-memory-bytes" not in ran[-1] and "pass --dtype" not in capsys.readouterr().err
 
-    flag = argv.index("--weight-transfer-config")  # auto on this CPU: grouprl's gloo engine
+    flag = argv.index("--weight-transfer-config")  # auto on a CPU: grouprl's gloo engine
     assert json.loads(argv[flag + 1]) == {"backend": "gloo"}
     cli.main(["vllm-serve", "builtin:default_policy", "--weight-transfer", "file"])
     assert "--weight-transfer-config" not in ran[-1]  # no engine: weights arrive as files only

@@ -55,14 +55,17 @@ def other_tokenizer_dir(tmp_path_factory):
 
 def sequence_logprobs(model, rollout, temperature):
     """log-probs [N, T] of each completion token by a plain padded forward pass of prompt + completion,
-    one row at a time, without the trainer's packing, micro-batches or head chunking."""
+    one row at a time, without the trainer's packing, micro-batches or head chunking. On the host, as
+    the trainer's advantages are (the model runs on its device: cuda:0 where there is one)."""
+    device = next(model.parameters()).device
     out = torch.zeros(rollout.completion_ids.shape)
     for i in range(len(rollout.completion_ids)):
         prompt = rollout.prompt_ids[i][rollout.prompt_mask[i].bool()]
         n = int(rollout.completion_mask[i].sum())
         ids = torch.cat([prompt, rollout.completion_ids[i, :n]])[None]
         with torch.no_grad():
-            logits = model(input_ids=ids).logits[0, len(prompt) - 1: -1].float() / temperature  # [n, V]
+            logits = model(input_ids=ids.to(device)).logits[0, len(prompt) - 1: -1].float().cpu()  # [n, V]
+        logits = logits / temperature
         out[i, :n] = torch.log_softmax(logits, -1).gather(-1, ids[0, len(prompt):, None])[:, 0]
     return out
 

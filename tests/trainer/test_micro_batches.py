@@ -152,19 +152,22 @@ def test_micro_batch_size_auto_per_device(device, rows, world, want):
 
 
 def test_auto_rows_reach_the_planner_and_a_bad_value_is_a_config_error(make_cfg, monkeypatch):
-    """The planner cuts a 32-completion step into 16-row passes on CPU and, told its device is CUDA,
-    into one pass within the token budget (16 rows again without one); any other string is a
-    ConfigError naming the choices."""
+    """The planner cuts a 32-completion step into 16-row passes when told its device is the CPU and,
+    told it is CUDA, into one pass within the token budget (16 rows again without one); any other
+    string is a ConfigError naming the choices. The trainer's own device (cuda:0 on a CUDA machine)
+    gets its own cut."""
     from grouprl import micro_batches
 
     trainer = Trainer(make_cfg(micro_batch_size="auto", max_tokens_per_micro_batch=1000))
     rollout = rollout_of([4] * 32, [3] * 32)  # 32 x 7 = 224 tokens padded, 32 x 3 + 4 packed
     plan = trainer.updater.planner.plan
-    assert [len(rows) for rows, _ in plan(rollout, trainer.cfg)] == [16, 16]
+    own = [32] if trainer.dist.device.type == "cuda" else [16, 16]  # the trainer's own device reaches the rule
+    assert [len(rows) for rows, _ in plan(rollout, trainer.cfg)] == own
     real = micro_batches.micro_batch_rows
-    monkeypatch.setattr(micro_batches, "micro_batch_rows",
-                        lambda setting, device, *a: real(setting, torch.device("cuda"), *a))
-    assert [len(rows) for rows, _ in plan(rollout, trainer.cfg)] == [32]
+    for device, want in [("cpu", [16, 16]), ("cuda", [32])]:
+        monkeypatch.setattr(micro_batches, "micro_batch_rows",
+                            lambda setting, _, *a, device=device: real(setting, torch.device(device), *a))
+        assert [len(rows) for rows, _ in plan(rollout, trainer.cfg)] == want, device
     trainer.cfg.max_tokens_per_micro_batch = None
     assert [len(rows) for rows, _ in plan(rollout, trainer.cfg)] == [16, 16]
     with pytest.raises(ConfigError, match="micro_batch_size='most' is not a number of completions per pass or auto"):

@@ -32,7 +32,12 @@ if [ "${BENCH_S:-300}" -gt 0 ]; then
 fi
 code=0
 if [ "${TESTS_S:-260}" -gt 0 ]; then
-  timeout "${TESTS_S:-260}" python3 -m pytest -q -n "${WORKERS:-14}" --dist loadfile --timeout 150 -p no:cacheprovider \
+  # pytest-xdist and pytest-timeout were on the last lent machine; without them the run goes on serially
+  # and without a per-test limit rather than stopping at an unknown option
+  opts=()
+  python3 -c "import xdist" 2>/dev/null && opts+=(-n "${WORKERS:-14}" --dist loadfile)
+  python3 -c "import pytest_timeout" 2>/dev/null && opts+=(--timeout 150)
+  timeout "${TESTS_S:-260}" python3 -m pytest -q "${opts[@]}" -p no:cacheprovider \
     -v -rfEs tests > "$OUT/pytest.log" 2>&1; code=$?
   grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest.log" | tail -40
   echo "pytest exit: $code"

@@ -41,7 +41,8 @@ RUN = {"benchmarks/shared_prompt.py", "benchmarks/process_vs_outcome.py", "bench
        "benchmarks/head_logprobs.py", "benchmarks/generation_memory.py", "benchmarks/long_completions.py",
        "benchmarks/run_health.py", "benchmarks/learning_vs_trl.py", "benchmarks/vs_trl.py", "benchmarks/ppo_vs_grpo.py",
        "benchmarks/step_profile.py", "benchmarks/distillation.py", "benchmarks/decode.py",
-       "benchmarks/memory_peak.py", "benchmarks/update_launches.py", "scripts/build_default_policy.py",
+       "benchmarks/memory_peak.py", "benchmarks/update_launches.py", "benchmarks/packed_attention.py",
+       "scripts/build_default_policy.py",
        "scripts/build_tool_policy.py", "scripts/sandbox_report.py"}
 HELP_ONLY = {"benchmarks/async_rollouts.py", "benchmarks/agentic_async.py", "benchmarks/vllm_vs_builtin.py",
              "benchmarks/weight_transfer.py",
@@ -262,6 +263,16 @@ def test_vs_trl_gpu_workload_path_on_a_tiny_config(tmp_path):
     res = json.loads((tmp_path / "r.json").read_text())["workloads"]["gpu-135m-256"]["grouprl"]
     assert res["length_mean"] == 256.0 and len(res["runs"]) == 1 and 0 < res["mfu"] < 1
     assert "== gpu-135m-256" in out and "device=cpu" in out
+
+
+def test_packed_attention_times_both_paths_and_names_the_pick(tmp_path):
+    """Two shapes, one on each side of MASKED_CALL_WORK: both paths timed, the pick as the rule says."""
+    run("benchmarks/packed_attention.py", "--shape", "4,4,32,2,8,7,3", "--shape", "9,3,64,2,8,20,64", "--reps", "2",
+        "--rounds", "1", "--threads", "1", "--json", str(tmp_path / "rows.json"))
+    rows = json.loads((tmp_path / "rows.json").read_text())
+    assert [r["picked"] for r in rows] == ["masked", "per_segment"]
+    assert [(r["tokens"], r["segments"]) for r in rows] == [(62, 18), (1064, 18)]
+    assert all(r["per_segment_ms"] > 0 and r["masked_ms"] > 0 for r in rows)
 
 
 def test_update_launches_counts_one_varlen_op_per_layer_and_pass_direction(tmp_path):

@@ -19,9 +19,14 @@ Attention runs per segment through `torch.nn.functional.scaled_dot_product_atten
 outputs are kept: the causal kernel, no mask), on pieces of one `split` of the row (a slice per
 segment would cost a row-sized gradient per segment in the backward). It is exact: the same
 positions attend to the same keys as in the padded pass, and the sums differ only by rounding.
-Per-segment calls are the choice on CPU (measured in benchmarks/README.md, "Long completions"):
-they compute sum(L_i^2) scores, where one SDPA call with a block-diagonal mask over the packed
-row would compute S^2 and hold an [S, S] mask.
+Per-segment calls are the choice on CPU for long rows (measured in benchmarks/README.md, "Long
+completions"): they compute sum(L_i^2) scores, where one SDPA call with a block-diagonal mask over
+the packed row would compute S^2 and hold an [S, S] mask. A short row of many segments is the
+opposite case: each segment's call then costs its dispatch (forward and backward, ~0.1 ms on a
+2-core CPU) more than its arithmetic, and the row runs as one SDPA call with its block mask
+(`block_mask`, built once per layout) while S^2·H·D <= MASKED_CALL_WORK x segments
+(`one_masked_call`; measured in benchmarks/README.md, "Short packed rows": the embedded task's
+update, 18 segments of ~3 tokens after 7-token prompts, took 1.5x as long per segment).
 
 On CUDA in bf16/fp16 the whole row goes through one call per layer instead: torch's varlen flash
 kernel (`torch.nn.attention.varlen.varlen_attn`, torch >= 2.9), causal within each sequence given
@@ -71,6 +76,7 @@ class PackedLayout:
     pred_index: torch.Tensor    # [M] packed position whose output predicts each real completion token
     targets: torch.Tensor       # [M] the real completion tokens, in row-major order of completion_mask
     _varlen: VarlenPlan | None = field(default=None, repr=False, compare=False)
+    _mask: torch.Tensor | None = field(default=None, repr=False, compare=False)
 
     @property
     def num_tokens(self) -> int:
@@ -81,6 +87,12 @@ class PackedLayout:
         if self._varlen is None:
             self._varlen = varlen_plan(self.segments, self.input_ids.device)
         return self._varlen
+
+    def block_mask(self) -> torch.Tensor:
+        """[S, S] bool, built once per layout (every layer uses it): see `block_mask`."""
+        if self._mask is None:
+            self._mask = block_mask(self.segments, self.num_tokens, self.input_ids.device)
+        return self._mask
 
 
 @dataclass
@@ -185,6 +197,40 @@ def varlen_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     return out[None]  # [1, S, H, D]
 
 
+# One SDPA call with the block mask instead of a call per segment while S^2·H·D <= this x segments,
+# S the row's tokens, H the query heads, D the head size: the masked call's work grows as S^2·H·D,
+# the per-segment calls' as their count. Measured on a 2-core CPU, forward and backward (benchmarks/
+# README.md, "Short packed rows"): they break even near 2^21 per segment (H·D 128 and 576, 9-36
+# segments); half that keeps the masked call where it clearly wins (10x at the embedded task's
+# rows). Long rows keep the per-segment calls, whose scores grow only as sum(L_i^2).
+MASKED_CALL_WORK = 1 << 20
+
+
+def one_masked_call(num_tokens: int, num_segments: int, heads: int, head_dim: int) -> bool:
+    """Whether a packed row runs as one SDPA call over the row with its block mask."""
+    return num_segments > 1 and num_tokens * num_tokens * heads * head_dim <= MASKED_CALL_WORK * num_segments
+
+
+def block_mask(segments: list[tuple[int, int, int, int]], num_tokens: int, device: torch.device) -> torch.Tensor:
+    """[S, S] bool: query i may attend key j when j is in i's segment at or before i, or in that
+    segment's prefix (a shared prompt laid down before it); the same keys as the per-segment calls."""
+    lengths = torch.tensor([L for _, L, _, _ in segments])
+    own_start, p_start, p_len = (torch.tensor([seg[i] for seg in segments]).repeat_interleave(lengths)[:, None]
+                                 for i in (0, 2, 3))  # [S, 1] each, per query position
+    q, k = torch.arange(num_tokens)[:, None], torch.arange(num_tokens)[None, :]
+    mask = ((k >= own_start) & (k <= q)) | ((k >= p_start) & (k < p_start + p_len))
+    return mask.to(device)
+
+
+def masked_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
+                     scaling: float | None, dropout: float = 0.0) -> torch.Tensor:
+    """Attention of a packed row in one call: `query  # [1, H, S, D]`, `key/value  # [1, Hkv, S, D]`,
+    `mask  # [S, S]` (`block_mask`); returns [1, S, H, D]."""
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling,
+                                         enable_gqa=query.shape[1] != key.shape[1])
+    return out.transpose(1, 2).contiguous()
+
+
 def pack(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, prompt_index: torch.Tensor,
          completion_ids: torch.Tensor, completion_mask: torch.Tensor, device: torch.device) -> PackedLayout:
     """The packed row of a micro-batch: `prompt_ids/prompt_mask  # [u, P']` left-padded,
@@ -283,6 +329,8 @@ def _wrapped_attention(inner_name: str):
                 raise
             except (RuntimeError, NotImplementedError, TypeError) as e:  # a GPU, build or torch the kernel fails on
                 _give_up_varlen(e)
+        if one_masked_call(packed.num_tokens, len(packed.segments), query.shape[1], query.shape[-1]):
+            return masked_attention(query, key, value, packed.block_mask(), scaling, dropout), None
         return packed_attention(query, key, value, packed.segments, scaling, dropout), None
 
     return attention

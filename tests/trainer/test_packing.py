@@ -96,6 +96,48 @@ def test_packed_attention_equals_masked_attention_over_the_row(segments):
         assert torch.allclose(got, want, atol=1e-5)
 
 
+def test_block_mask_worked_by_hand():
+    """A shared prompt of 2 (its own segment), a completion of 2 after it, and a lone sequence of 2:
+    each query sees its prefix and its own earlier positions, nothing of another sequence."""
+    mask = packing.block_mask([(0, 2, 0, 0), (2, 2, 0, 2), (4, 2, 0, 0)], 6, torch.device("cpu"))
+    assert mask.int().tolist() == [[1, 0, 0, 0, 0, 0],
+                                   [1, 1, 0, 0, 0, 0],
+                                   [1, 1, 1, 0, 0, 0],
+                                   [1, 1, 1, 1, 0, 0],
+                                   [0, 0, 0, 0, 1, 0],
+                                   [0, 0, 0, 0, 1, 1]]
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2])
+@pytest.mark.parametrize("segments", [
+    [(0, 3, 0, 0), (3, 2, 0, 3), (5, 4, 0, 3), (9, 5, 0, 0)],
+    [(0, 5, 0, 0), (5, 2, 0, 3), (7, 7, 0, 0)],
+])
+def test_one_masked_call_equals_the_per_segment_calls(segments, kv_heads):
+    """The masked call over the row (a short row's path) gives the per-segment calls' outputs and
+    gradients, grouped-query attention and a scale included."""
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(1, 4, 14, 8, generator=g).requires_grad_()
+    k, v = (torch.randn(1, kv_heads, 14, 8, generator=g).requires_grad_() for _ in range(2))
+    upstream = torch.randn(1, 14, 4, 8, generator=g)
+    want = packing.packed_attention(q, k, v, segments, scaling=0.3)
+    want_grads = torch.autograd.grad((want * upstream).sum(), (q, k, v))
+    got = packing.masked_attention(q, k, v, packing.block_mask(segments, 14, torch.device("cpu")), scaling=0.3)
+    assert got.shape == want.shape and torch.allclose(got, want, atol=1e-6)
+    for a, b in zip(torch.autograd.grad((got * upstream).sum(), (q, k, v)), want_grads):
+        assert torch.allclose(a, b, atol=1e-5)
+
+
+def test_the_masked_call_is_chosen_for_short_rows_of_many_segments():
+    """S^2·H·D against MASKED_CALL_WORK per segment: the embedded task's rows (18 segments, ~62 tokens,
+    4 heads of 32) take the masked call; tiny-32's (468 tokens), a SmolLM2-shaped row of 64-token
+    completions (9 heads of 64, 1,064 tokens) and a row of one sequence keep the per-segment calls."""
+    assert packing.one_masked_call(62, 18, 4, 32)
+    assert not packing.one_masked_call(468, 18, 4, 32)
+    assert not packing.one_masked_call(1064, 18, 9, 64)
+    assert not packing.one_masked_call(8, 1, 4, 32)
+
+
 def reference_varlen(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1), enable_gqa=False):
     """What torch's varlen flash kernel computes (CUDA only), written out for CPU: each sequence of
     the cumulative lengths attends causally to itself, with an explicit [L, L] mask."""
@@ -274,10 +316,25 @@ def test_a_varlen_kernel_that_fails_warns_once_and_the_rows_run_per_sequence(mon
     assert_same(got, run(llama, r, packed=False), atol=1e-5, grad_rtol=1e-5)
 
 
+@pytest.fixture(params=["masked", "per-segment"])
+def attention(request, monkeypatch):
+    """Both attention paths of a packed row on CPU: the tests' rows are short, so the per-segment calls
+    are forced for its half (one masked call is what `one_masked_call` picks for them)."""
+    if request.param == "per-segment":
+        monkeypatch.setattr(packing, "MASKED_CALL_WORK", 0)
+    called = []
+    monkeypatch.setattr(packing, "masked_attention", lambda *a, **k: called.append(1) or real_masked(*a, **k))
+    yield request.param
+    assert bool(called) == (request.param == "masked")  # the path named is the one that ran
+
+
+real_masked = packing.masked_attention
+
+
 @pytest.mark.parametrize("limit", [WHOLE, CHUNKED])
 @pytest.mark.parametrize("share", [True, False])
 @pytest.mark.parametrize("which", ["tied", "llama"])
-def test_packed_equals_padded(request, which, share, limit):
+def test_packed_equals_padded(request, which, share, limit, attention):
     model = request.getfixturevalue(which)
     r = ragged_rollout([3, 9, 5], G=4, seed=1)
     assert_same(run(model, r, packed=True, share=share, limit=limit), run(model, r, packed=False, share=share),
@@ -296,7 +353,7 @@ def test_lora_policy_and_its_adapter_disabled_reference(tied):
     assert torch.allclose(ref, base, atol=1e-5, rtol=0)
 
 
-def test_gradient_checkpointing_runs_packed_with_shared_prompts(llama):
+def test_gradient_checkpointing_runs_packed_with_shared_prompts(llama, attention):
     r = ragged_rollout([5, 2], G=3, seed=5)
     padded = run(llama, r, packed=False, share=False)
     ckpt = copy.deepcopy(llama)

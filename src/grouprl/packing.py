@@ -25,8 +25,9 @@ the packed row would compute S^2 and hold an [S, S] mask. A short row of many se
 opposite case: each segment's call then costs its dispatch (forward and backward, ~0.1 ms on a
 2-core CPU) more than its arithmetic, and the row runs as one SDPA call with its block mask
 (`block_mask`, built once per layout) while S^2·H·D <= MASKED_CALL_WORK x segments
-(`one_masked_call`; measured in benchmarks/README.md, "Short packed rows": the embedded task's
-update, 18 segments of ~3 tokens after 7-token prompts, took 1.5x as long per segment).
+(`one_masked_call`; measured in benchmarks/README.md, "Short packed rows": with a call per segment
+the embedded task's update, rows of 18 segments of ~3 tokens after 7-token prompts, took 1.5x the
+padded update's time).
 
 On CUDA in bf16/fp16 the whole row goes through one call per layer instead: torch's varlen flash
 kernel (`torch.nn.attention.varlen.varlen_attn`, torch >= 2.9), causal within each sequence given

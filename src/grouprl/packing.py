@@ -242,7 +242,7 @@ def pack(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, prompt_index: torc
     The layout is worked out on Python ints (where each packed token comes from in the prompts and
     completions laid end to end, its position, which position predicts each completion token), and
     the tensors are made at the end by one gather each: a tensor op per sequence would cost a dispatch
-    per op (~400 for 32 completions)."""
+    per op (~300 in an update of 32 completions: benchmarks/update_launches.py)."""
     p_len = prompt_mask.sum(-1).tolist()  # [u]
     c_len = completion_mask.sum(-1).tolist()  # [n]
     index = prompt_index.tolist()
@@ -285,7 +285,8 @@ def pack(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, prompt_index: torc
     joined = torch.cat([prompt_ids.reshape(-1), completion_ids.reshape(-1)])
     ids = joined[torch.tensor(source, dtype=torch.long)]
     pred = [p for row in pred_of_row for p in row]  # row-major order of completion_mask
-    return PackedLayout(input_ids=ids[None].to(device), position_ids=torch.tensor(pos)[None].to(device),
+    return PackedLayout(input_ids=ids[None].to(device),
+                        position_ids=torch.tensor(pos, dtype=torch.long)[None].to(device),
                         segments=segments, pred_index=torch.tensor(pred, dtype=torch.long).to(device),
                         targets=completion_ids[completion_mask].to(device))
 

@@ -203,7 +203,9 @@ def varlen_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
 # the per-segment calls' as their count. Measured on a 2-core CPU, forward and backward (benchmarks/
 # README.md, "Short packed rows"): they break even near 2^21 per segment (H·D 128 and 576, 9-36
 # segments); half that keeps the masked call where it clearly wins (10x at the embedded task's
-# rows). Long rows keep the per-segment calls, whose scores grow only as sum(L_i^2).
+# rows). Long rows keep the per-segment calls, whose scores grow only as sum(L_i^2). On CUDA, for
+# rows the varlen kernel does not take (fp32, or a GPU it fails on), the same rule applies unmeasured:
+# a call there costs a launch more than its arithmetic, so if anything it picks the masked call too rarely.
 MASKED_CALL_WORK = 1 << 20
 
 

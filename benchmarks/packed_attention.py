@@ -23,7 +23,8 @@ import torch
 from grouprl import packing
 
 SHAPES = [  # H, Hkv, D, prompts, G, P, L
-    (4, 4, 32, 2, 8, 7, 3),      # the embedded task: 2 prompts' groups of ~3-token answers per 16-row pass
+    (4, 4, 32, 16, 8, 7, 3),     # the embedded task: its step of 16 prompts x 8 ~3-token answers in one pass
+    (4, 4, 32, 2, 8, 7, 3),      # the same answers, 16 rows (micro_batch_size 16)
     (4, 4, 32, 4, 8, 10, 12),
     (4, 4, 32, 2, 16, 10, 16),
     (4, 4, 32, 2, 8, 10, 28),    # tiny-32

@@ -26,7 +26,7 @@ opposite case: each segment's call then costs its dispatch (forward and backward
 2-core CPU) more than its arithmetic, and the row runs as one SDPA call with its block mask
 (`block_mask`, built once per layout) while S^2·H·D <= MASKED_CALL_WORK x segments
 (`one_masked_call`; measured in benchmarks/README.md, "Short packed rows": with a call per segment
-the embedded task's update, rows of 18 segments of ~3 tokens after 7-token prompts, took 1.5x the
+the embedded task's update, one row of 144 segments of ~3 tokens after 7-token prompts, took 1.5x the
 padded update's time).
 
 On CUDA in bf16/fp16 the whole row goes through one call per layer instead: torch's varlen flash
@@ -202,8 +202,8 @@ def varlen_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
 # S the row's tokens, H the query heads, D the head size: the masked call's work grows as S^2·H·D,
 # the per-segment calls' as their count. Measured on a 2-core CPU, forward and backward (benchmarks/
 # README.md, "Short packed rows"): they break even near 2^21 per segment (H·D 128 and 576, 9-36
-# segments); half that keeps the masked call where it clearly wins (10x at the embedded task's
-# rows). Long rows keep the per-segment calls, whose scores grow only as sum(L_i^2). On CUDA, for
+# segments); half that keeps the masked call where it clearly wins (5x at the embedded task's
+# row). Long rows keep the per-segment calls, whose scores grow only as sum(L_i^2). On CUDA, for
 # rows the varlen kernel does not take (fp32, or a GPU it fails on), the same rule applies unmeasured:
 # a call there costs a launch more than its arithmetic, so if anything it picks the masked call too rarely.
 MASKED_CALL_WORK = 1 << 20

@@ -129,10 +129,11 @@ def test_one_masked_call_equals_the_per_segment_calls(segments, kv_heads):
 
 
 def test_the_masked_call_is_chosen_for_short_rows_of_many_segments():
-    """S^2·H·D against MASKED_CALL_WORK per segment: the embedded task's rows (18 segments, ~62 tokens,
-    4 heads of 32) take the masked call; tiny-32's (468 tokens), a SmolLM2-shaped row of 64-token
-    completions (9 heads of 64, 1,064 tokens) and a row of one sequence keep the per-segment calls."""
-    assert packing.one_masked_call(62, 18, 4, 32)
+    """S^2·H·D against MASKED_CALL_WORK per segment: the embedded task's row (144 segments, ~500 tokens,
+    4 heads of 32) and a 16-row pass of it (18 segments, 62 tokens) take the masked call; tiny-32's
+    (468 tokens), a SmolLM2-shaped row of 64-token completions (9 heads of 64, 1,064 tokens) and a row
+    of one sequence keep the per-segment calls."""
+    assert packing.one_masked_call(496, 144, 4, 32) and packing.one_masked_call(62, 18, 4, 32)
     assert not packing.one_masked_call(468, 18, 4, 32)
     assert not packing.one_masked_call(1064, 18, 9, 64)
     assert not packing.one_masked_call(8, 1, 4, 32)

@@ -35,26 +35,22 @@ SHAPES = [  # H, Hkv, D, prompts, G, P, L
 ]
 
 
-def segments_of(prompts: int, G: int, P: int, L: int) -> tuple[list[tuple[int, int, int, int]], int]:
-    """Each prompt laid once, its G completions after it (packing.pack's layout)."""
-    segments, start = [], 0
-    for _ in range(prompts):
-        segments.append((start, P, 0, 0))
-        prompt_start, start = start, start + P
-        for _ in range(G):
-            segments.append((start, L, prompt_start, P))
-            start += L
-    return segments, start
+def layout_of(prompts: int, G: int, P: int, L: int) -> packing.PackedLayout:
+    """`packing.pack`'s row for `prompts` prompts of P tokens, each with G completions of L tokens."""
+    n = prompts * G
+    return packing.pack(torch.ones(prompts, P, dtype=torch.long), torch.ones(prompts, P, dtype=torch.long),
+                        torch.arange(prompts).repeat_interleave(G), torch.ones(n, L, dtype=torch.long),
+                        torch.ones(n, L, dtype=torch.bool), torch.device("cpu"))
 
 
 def measure(shape: tuple[int, ...], reps: int, rounds: int) -> dict:
     H, Hkv, D, prompts, G, P, L = shape
-    segments, S = segments_of(prompts, G, P, L)
+    layout = layout_of(prompts, G, P, L)
+    segments, S, mask = layout.segments, layout.num_tokens, layout.block_mask()
     g = torch.Generator().manual_seed(0)
     q = torch.randn(1, H, S, D, generator=g, requires_grad=True)
     k, v = (torch.randn(1, Hkv, S, D, generator=g, requires_grad=True) for _ in range(2))
     upstream = torch.randn(1, S, H, D, generator=g)
-    mask = packing.block_mask(segments, S, torch.device("cpu"))
     sides = {"per_segment": lambda: packing.packed_attention(q, k, v, segments, None),
              "masked": lambda: packing.masked_attention(q, k, v, mask, None)}
     best: dict[str, float] = {}

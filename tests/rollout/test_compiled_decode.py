@@ -16,6 +16,7 @@ import grouprl.rollout.compiled_decode as cd
 import grouprl.rollout.llama_decoder as llama_decoder
 from grouprl.rollout import HFEngine, SamplingParams
 from grouprl.rollout.llama_decoder import FastDecoder
+from grouprl.rollout import sampling
 from grouprl.rollout.sampling import counter_uniforms, uniform_table
 from grouprl.rollout.types import left_pad_prompts
 from grouprl.tasks.testing import build_char_tokenizer, build_tiny_model
@@ -71,6 +72,46 @@ def test_counter_uniforms_look_uniform_and_independent():
         assert abs(float(corr)) < 0.01
     assert not torch.equal(u[:5, :5], uniform_table(124, 5, 5, torch.device("cpu")))
 
+
+
+# ---------------------------------------------------------------- the running sum of a draw
+@pytest.mark.parametrize("V, block", [(49_152, 4096), (4097, 4096), (1000, 64), (4096, 4096), (10, 64)])
+def test_a_running_sum_in_blocks_is_the_one_piece_cumsum(V, block):
+    """The two-scan running sum that CUDA's draws use (sampling.running_sum: no scan longer than
+    `block`, vocabularies that are not a multiple of it padded) equals one cumsum to float64
+    rounding, and comes back contiguous for searchsorted."""
+    x = torch.rand(6, V, generator=torch.Generator().manual_seed(V), dtype=torch.float64)
+    got = sampling.running_sum(x, block)
+    assert got.shape == (6, V) and got.is_contiguous()
+    assert torch.allclose(got, x.cumsum(-1), rtol=1e-13, atol=0)
+
+
+def test_draws_over_a_running_sum_in_blocks_are_the_one_piece_draws(monkeypatch):
+    """1,000 draws over SmolLM2's 49,152-token vocabulary (a peaked and a flat softmax, and a
+    top-k filter that leaves most tokens at 0): the same tokens from the blocked running sum as
+    from one cumsum."""
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(1000, 49_152, generator=gen) * torch.tensor([4.0, 0.5]).repeat(500)[:, None]
+    u = torch.rand(1000, dtype=torch.float64, generator=gen)
+    for params in (SamplingParams(1), SamplingParams(1, top_k=40)):
+        probs = sampling.filtered_probs(logits, params)
+        want = sampling.inverse_cdf(probs, u)
+        monkeypatch.setitem(sampling.SCAN_BLOCK, "cpu", 4096)
+        got = sampling.inverse_cdf(probs, u)
+        monkeypatch.delitem(sampling.SCAN_BLOCK, "cpu")
+        assert torch.equal(got, want) and len(set(want.tolist())) > 300
+
+
+def test_the_blocked_draw_compiles_as_one_graph(compiles, monkeypatch):
+    """The blocked running sum traces into one graph (fullgraph, rows a symbolic size) and the
+    compiled draw picks the eager tokens: on CUDA it sits inside the compiled decode step."""
+    monkeypatch.setitem(sampling.SCAN_BLOCK, "cpu", 256)
+    gen = torch.Generator().manual_seed(1)
+    draw = torch.compile(lambda p, u: sampling.inverse_cdf(p, u), fullgraph=True, dynamic=True)
+    for rows in (5, 9):
+        probs = torch.softmax(torch.randn(rows, 1500, generator=gen) * 3, -1)
+        u = torch.rand(rows, dtype=torch.float64, generator=gen)
+        assert torch.equal(draw(probs, u), sampling.inverse_cdf(probs, u))
 
 def _stops(tok):
     return (tok.eos_token_id, *tok.convert_tokens_to_ids(list("|}y<6")))

@@ -56,8 +56,11 @@ shape of one call (`CudaGraphs`):
   (cuBLAS keeps a workspace per stream);
 - a capture that fails (an op the stream cannot record) warns once, naming the reason, and the
   run goes on with the compiled step launched kernel by kernel.
-Not measured: no GPU was at hand when this was written (benchmarks/decode.py compares eager,
-compiled and compiled with graphs on CUDA; scripts/gpu_check.sh runs it).
+On the first GPU run (an H100, torch 2.11) the compile failed at code generation: the draw's float64
+running sum over the vocabulary was a "split scan" that Inductor could not generate. The run then
+decoded eagerly, as below. The draw now sums in blocks on CUDA (sampling.running_sum). That fix and
+the graphs have not run on a GPU since (benchmarks/decode.py compares eager, compiled and compiled
+with graphs on CUDA; scripts/gpu_check.sh runs it).
 
 Where compiling fails (no C++ compiler, an op Inductor does not lower), the first step's error is
 caught: one warning names it, and this and later calls decode eagerly.
@@ -185,9 +188,11 @@ def _compile_failed(device: torch.device, err: BaseException) -> None:
 # and a step's saving at SAVED_PER_LAYER_STEP_S x layers, at most MAX_SAVED_FRACTION of the eager
 # step's time, both by device type. On CUDA a step is launches more than work: issue 36's H200 run
 # decoded the 135M shape eagerly at 20 ms a token (0.67 ms per layer and step) and the 1.7B at
-# 15.5 ms, whose weights stream in ~0.7 ms; a replayed graph keeps about the kernels' own time, so
-# 0.5 ms per layer and step, at most 80 %: estimates, not measured (no GPU since). The compile is
-# priced as on CPU everywhere, which a GPU host's many cores likely beat.
+# 15.5 ms, whose weights stream in ~0.7 ms (an H100: 21.5 and 17.4 ms); a replayed graph keeps
+# about the kernels' own time, so 0.5 ms per layer and step, at most 80 %: estimates, not measured.
+# The compile is priced as on CPU everywhere: on the H100's 16-core host, lowering the 135M (30
+# layers) and 1.7B (24) steps took 96 and 71 s before code generation failed, against 135 and 111 s
+# priced here.
 COMPILE_BASE_S = 15.0
 COMPILE_PER_LAYER_S = 4.0
 SAVED_PER_LAYER_STEP_S = {"cpu": 1e-4, "cuda": 5e-4}

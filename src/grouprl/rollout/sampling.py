@@ -14,6 +14,7 @@ split in two 16-bit halves), so CPU and CUDA, eager and compiled give the same b
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from grouprl.rollout.types import SamplingParams
 
@@ -89,12 +90,36 @@ def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
     return logits.softmax(-1)
 
 
+# The longest running sum taken in one piece on CUDA. Inductor (torch.compile on CUDA) turns a scan
+# longer than 8,192 over few rows into a "split scan", and torch 2.11 could not generate one in
+# float64: an H100 run of the compiled decode step stopped with "Error in codegen for ... SplitScan
+# ... torch.float64, size=[s0, 49152]" and decoded eagerly. Two scans of at most this length each
+# stay single kernels (benchmarks/README.md, "Decode step").
+SCAN_BLOCK = {"cuda": 4096}
+
+
+def running_sum(x: torch.Tensor, block: int | None = None) -> torch.Tensor:
+    """cumsum over the last dimension of x [n, V]; on CUDA (or with `block`) as two scans of at
+    most `block` entries: a running sum within each block, then the blocks' totals carried in. The
+    same sums up to float rounding (the order of additions differs)."""
+    block = block or SCAN_BLOCK.get(x.device.type)
+    n, V = x.shape
+    if block is None or V <= block:
+        return x.cumsum(-1)
+    pad = -V % block
+    within = F.pad(x, (0, pad)).view(n, (V + pad) // block, block).cumsum(-1)  # [n, blocks, block]
+    totals = within[:, :, -1]  # [n, blocks]
+    before = totals.cumsum(-1) - totals  # [n, blocks]: the sum of the blocks before each one
+    out = (within + before[:, :, None]).view(n, V + pad)
+    return out[:, :V].contiguous() if pad else out  # contiguous: searchsorted copies (and warns) otherwise
+
+
 def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """One draw per row of probs [n, V]: the first token whose cumulative probability exceeds
     u * total, u [n] uniform in [0, 1). Exactly the categorical distribution (a token of probability
     0 is never drawn), with one random number per row: `torch.multinomial` draws V exponentials per
     row, which on SmolLM2's 49k vocabulary was a quarter of the decode time on CPU. The running sum
     is fp64, so even a token of probability 1e-12 keeps its share."""
-    cdf = probs.double().cumsum(-1)  # [n, V]
+    cdf = running_sum(probs.double())  # [n, V]
     target = u.to(cdf.device)[:, None] * cdf[:, -1:]  # [n, 1]
     return torch.searchsorted(cdf, target, right=True).clamp_(max=probs.shape[-1] - 1).squeeze(-1)  # [n]

@@ -103,6 +103,8 @@ def cell(model, pad, eos, vocab, rows: int, prompt: int, tokens: int, reps: int,
     out = {"rows": rows, "prompt": prompt, "eager_ms": round(ms["eager"], 3), "compiled_ms": round(ms["compiled"], 3),
            "speedup": round(ms["eager"] / ms["compiled"], 2),
            "compile_s": round(after, 1) if before is None and after is not None else None,
+           # a reason when compiling failed: the "compiled" (and "graphs") runs then decoded eagerly
+           "compile_failed": cd._FAILED.get(torch.device(device).type),
            "first_call_s": {v: round(x, 2) for v, x in warm.items()},
            "eager_runs": [round(x, 3) for x in per_token["eager"]],
            "compiled_runs": [round(x, 3) for x in per_token["compiled"]]}
@@ -140,7 +142,8 @@ def main() -> None:
             dtype = torch.bfloat16 if dt == "bf16" else None
             from grouprl.rollout import compiled_decode as cd
 
-            cd._COMPILE_SECONDS.clear()  # report this model's first compile
+            cd._COMPILE_SECONDS.clear()  # report this model's first compile, or why it failed
+            cd._FAILED.clear()
             for prompt in args.prompt:
                 for rows in args.rows:
                     r = cell(model, pad, eos, vocab, rows, prompt, args.tokens, args.reps, dtype, args.device,
@@ -158,8 +161,9 @@ def main() -> None:
     print(f"|---|---|---|---|---|---|---|{extra[1]}---|")
     for r in results:
         g = f" {r.get('graphs_ms', '')} | {r.get('graphs_speedup', '')}x |" if graphs else ""
+        compile_s = f"failed ({r['compile_failed']})" if r.get("compile_failed") else r["compile_s"] or ""
         print(f"| {r['model']} | {r['dtype']} | {r['rows']} | {r['prompt']} | {r['eager_ms']} | {r['compiled_ms']} | "
-              f"{r['speedup']}x |{g} {r['compile_s'] if r['compile_s'] is not None else ''} |")
+              f"{r['speedup']}x |{g} {compile_s} |")
 
 
 if __name__ == "__main__":

@@ -9,10 +9,13 @@
 # process (BENCH_S); the suite (TESTS_S); the decode benchmark (DECODE_S); both sides' memory at the
 # 135M shape, recorded and broken down by code site (MEM_S); grouprl in 16-row passes at 135M
 # (MB_S); grouprl with per-sequence attention for the packed-attention A/B (AB_S).
-# The limits add up to ~20 minutes after setup, more than one device call's 10 minutes and a lent
-# machine's 15: run it in calls of what matters most, e.g. (1) DECODE_S=0 MEM_S=0 MB_S=0 AB_S=0
-# (the benchmark and the suite, ~9 min), (2) BENCH_S=0 TESTS_S=0 MB_S=0 AB_S=0 (decode and memory,
-# ~6.5 min), (3) the A/Bs if time is left; or lower STEPS.
+# What each part took on one H100 (2026-11-26, sixth session): setup 15 s; the 1.7B workload's two
+# sides ~215 s; the suite with 14 workers ~94 % done at 220 s; the decode benchmark ~100 s a model
+# when compiling failed (a compile that succeeds takes longer). A lent machine has 15 minutes in
+# all (its start, ~30 s, included) and 10 a call, so split it, the most wanted first, e.g. (1)
+# WORKLOADS=gpu-135m-256 DECODE_S=0 MEM_S=0 MB_S=0 AB_S=0 (the suite and 135M against TRL, ~8 min),
+# then at once, while the machine is warm (30 s), (2) BENCH_S=0 TESTS_S=0 MB_S=0 AB_S=0 MEM_S=0
+# (decode, ~4 min), with MEM_S's 150 s added if the minutes left allow.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-${OUT:-gpu-out}}
@@ -25,10 +28,14 @@ fi
 python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . || exit 1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -c "import torch, transformers, trl; print('torch', torch.__version__, 'transformers', transformers.__version__, 'trl', trl.__version__)" | tee -a "$OUT/gpu.txt"
-if [ "${BENCH_S:-300}" -gt 0 ]; then
-  timeout "${BENCH_S:-300}" python3 benchmarks/vs_trl.py --device cuda --smollm2 "$TOKENIZER" --steps "${STEPS:-5}" \
-    --rounds 1 ${WORKLOADS:-} --json "$OUT/vs_trl.json" 2>&1 | grep -v "Warning\|warn(" | tee "$OUT/vs_trl.log"
-  echo "vs_trl exit: ${PIPESTATUS[0]}" | tee -a "$OUT/vs_trl.log"
+if [ "${BENCH_S:-250}" -gt 0 ]; then
+  # one workload at a time, each under its own limit: on an H100 the 1.7B workload's two sides took
+  # ~215 s (models written, 4 steps each), and one shared limit once cut the 135M workload off unrun
+  for w in ${WORKLOADS:-gpu-1.7b-256 gpu-135m-256}; do
+    timeout "${BENCH_S:-250}" python3 benchmarks/vs_trl.py --device cuda --smollm2 "$TOKENIZER" --steps "${STEPS:-4}" \
+      --rounds 1 --workload "$w" --json "$OUT/vs_trl-$w.json" 2>&1 | grep -v "Warning\|warn(" | tee -a "$OUT/vs_trl.log"
+    echo "vs_trl $w exit: ${PIPESTATUS[0]}" | tee -a "$OUT/vs_trl.log"
+  done
 fi
 code=0
 if [ "${TESTS_S:-260}" -gt 0 ]; then
@@ -37,9 +44,11 @@ if [ "${TESTS_S:-260}" -gt 0 ]; then
   opts=()
   python3 -c "import xdist" 2>/dev/null && opts+=(-n "${WORKERS:-14}" --dist loadfile)
   python3 -c "import pytest_timeout" 2>/dev/null && opts+=(--timeout 150)
-  timeout "${TESTS_S:-260}" python3 -m pytest -q "${opts[@]}" -p no:cacheprovider \
+  # -v alone (with -q they cancel out): a line per test with its name as it finishes, so a run cut
+  # off by its limit still names each error; the summary (-rfEs) comes only if it ends in time
+  timeout "${TESTS_S:-300}" python3 -m pytest "${opts[@]}" -p no:cacheprovider \
     -v -rfEs tests > "$OUT/pytest.log" 2>&1; code=$?
-  grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest.log" | tail -40
+  grep -E "^(FAILED|ERROR)| (FAILED|ERROR) |passed|failed" "$OUT/pytest.log" | tail -40
   echo "pytest exit: $code"
 fi
 # the compiled decode step on CUDA (issue 36): ms per token, eager against compiled and against compiled
@@ -52,7 +61,7 @@ fi
 # where each side's peak memory goes (issue 34: 135M peaked 1.14x TRL's): the allocator's history of
 # each side's last step at the 135M shape, and the blocks alive at its peak by code site. MEM_S=0 skips it.
 if [ "${MEM_S:-150}" -gt 0 ]; then
-  timeout "${MEM_S:-150}" python3 benchmarks/vs_trl.py --device cuda --smollm2 "$TOKENIZER" --steps 3 --rounds 1 \
+  timeout "${MEM_S:-150}" python3 benchmarks/vs_trl.py --device cuda --smollm2 "$TOKENIZER" --steps 4 --rounds 1 \
     --workload gpu-135m-256 --memory-snapshot "$OUT/memory" 2>&1 | grep -v "Warning\|warn(" | tail -5
   for f in "$OUT"/memory/*.pickle; do
     [ -e "$f" ] && python3 benchmarks/memory_peak.py "$f" --top 15 --json "${f%.pickle}.report.json" | tee -a "$OUT/memory.log"
@@ -70,7 +79,7 @@ fi
 # (the varlen flash kernel, one call per layer): the update's share is what changes. AB_S=0 skips it.
 if [ "${AB_S:-150}" -gt 0 ]; then
   timeout "${AB_S:-150}" python3 benchmarks/vs_trl.py --device cuda --smollm2 "$TOKENIZER" --steps "${STEPS:-5}" \
-    --rounds 1 --only grouprl --packed-attention per-sequence ${WORKLOADS:-} --json "$OUT/vs_trl_per_sequence.json" \
+    --rounds 1 --only grouprl --packed-attention per-sequence --workload gpu-135m-256 --json "$OUT/vs_trl_per_sequence.json" \
     2>&1 | grep -v "Warning\|warn(" | tee "$OUT/vs_trl_per_sequence.log"
 fi
 exit "$code"

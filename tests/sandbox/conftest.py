@@ -17,4 +17,13 @@ def no_process_outlives_a_test():
     deadline = time.monotonic() + 2.0  # SIGKILL is delivered asynchronously: a process may still be exiting
     while set(live_children()) - before and time.monotonic() < deadline:
         time.sleep(0.02)
-    assert set(live_children()) - before == set()
+    left = set(live_children()) - before
+    assert not left, f"processes outlived the test: {[_cmdline(pid) for pid in sorted(left)]}"
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f"{pid}: " + f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        return f"{pid}: (gone)"

@@ -326,7 +326,8 @@ def attention(request, monkeypatch):
     called = []
     monkeypatch.setattr(packing, "masked_attention", lambda *a, **k: called.append(1) or real_masked(*a, **k))
     yield request.param
-    assert bool(called) == (request.param == "masked")  # the path named is the one that ran
+    assert bool(called) == (request.param == "masked"), (  # the path named is the one that ran
+        f"the {request.param} path was asked for, and the masked call ran {len(called)} times")
 
 
 real_masked = packing.masked_attention

@@ -140,8 +140,9 @@ def compiles():
 
 def _both(model, tok, params, prompts, G=2, stops=None, **kw):
     out = []
-    for compile in (False, True):
-        engine = HFEngine(model, stops or _stops(tok), tok.pad_token_id, compile=compile, **kw)
+    for compile in (False, True):  # the eager side is the plain eager loop (no graphs of the eager step)
+        engine = HFEngine(model, stops or _stops(tok), tok.pad_token_id, compile=compile,
+                          **(kw if compile else {**kw, "cuda_graphs": False}))
         out.append(engine.generate(prompts, G, params, torch.Generator().manual_seed(0)))
     assert not cd._FAILED, cd._FAILED  # the compiled side compiled (no eager fallback)
     return out
@@ -381,8 +382,8 @@ class UnbuildableGraphs(RecordedGraphs):
 def _warns_once(model, tok, match: str):
     """Two compiled calls: the first warns, matching `match`, the second warns nothing (the failure
     is remembered); both must give the eager loop's tokens."""
-    eager = HFEngine(model, _stops(tok), tok.pad_token_id).generate(short_prompts(tok), 2, SAMPLED,
-                                                                     torch.Generator().manual_seed(0))
+    eager = HFEngine(model, _stops(tok), tok.pad_token_id, cuda_graphs=False).generate(
+        short_prompts(tok), 2, SAMPLED, torch.Generator().manual_seed(0))
     engine = HFEngine(model, _stops(tok), tok.pad_token_id, compile=True)
     with pytest.warns(RuntimeWarning, match=match):
         first = engine.generate(short_prompts(tok), 2, SAMPLED, torch.Generator().manual_seed(0))
@@ -438,6 +439,72 @@ def test_a_platform_that_cannot_compile_decodes_eagerly_with_one_warning(model_a
     _warns_once(model, tok, "InvalidCxxCompiler: No working C\\+\\+ compiler found")
     assert len(calls) == 1
 
+
+
+@pytest.fixture
+def eager_graphs(monkeypatch):
+    """RecordedGraphs on CPU, with the eager step's direct calls recorded (no compiling needed)."""
+    monkeypatch.setattr(cd, "GRAPH_BACKENDS", {"cpu": RecordedGraphs})
+    monkeypatch.setattr(cd, "_GRAPHS_FAILED", {})
+    RecordedGraphs.events = []
+    step = cd.decode_step
+
+    def direct(*args):
+        if not RecordedGraphs.replaying:
+            RecordedGraphs.events.append("direct")
+        return step(*args)
+
+    monkeypatch.setattr(cd, "decode_step", direct)
+    return RecordedGraphs.events
+
+
+def _assert_graph_discipline(events):
+    runs = _runs(events)
+    assert ("capture", 1) in runs and all(n == 1 for e, n in runs if e == "capture")
+    for i, (e, _) in enumerate(runs):
+        if e == "capture":  # right after a direct step of its shape, and replayed
+            assert runs[i - 1][0] == "direct" and runs[i + 1][0] == "replay"
+
+
+def test_without_compiling_the_eager_step_is_replayed_as_graphs(model_and_tok, eager_graphs, monkeypatch):
+    """On a device with graphs (CUDA; here the stand-in), a run that does not compile still replays
+    its steps: the eager decode_step in the slot loop, captured once per shape. The tokens of the
+    plain eager loop, for sampled rows that finish and leave and for a greedy call whose cache
+    widens; nothing is compiled; generation_cuda_graphs: false keeps the plain eager loop."""
+    model, tok = model_and_tok
+    monkeypatch.setattr(cd, "compiled_step", lambda device: pytest.fail("compiled with compile=False"))
+    for params, block in ((SAMPLED, None), (SamplingParams(cd.WIDTH_STEP + 6, greedy=True, ignore_eos=True), 2)):
+        if block:
+            monkeypatch.setattr(llama_decoder, "CACHE_BLOCK", block)
+        want = HFEngine(model, _stops(tok), tok.pad_token_id, cuda_graphs=False).generate(
+            short_prompts(tok), 2, params, torch.Generator().manual_seed(0))
+        assert eager_graphs == []  # the plain loop: no slot loop, no graphs
+        got = HFEngine(model, _stops(tok), tok.pad_token_id, check_every=4).generate(
+            short_prompts(tok), 2, params, torch.Generator().manual_seed(0))
+        _assert_same(want, got)
+        _assert_graph_discipline(eager_graphs)
+        assert eager_graphs.count("replay") > eager_graphs.count("direct")
+        eager_graphs.clear()
+
+
+def test_a_failed_compile_goes_on_with_the_eager_step_replayed_as_graphs(model_and_tok, eager_graphs, monkeypatch):
+    """A compile that fails at its first step (as Inductor's code generation did on an H100) warns
+    once and the same call goes on with the eager step, replayed as graphs; a later call does not
+    try again. Both give the eager loop's tokens."""
+    model, tok = model_and_tok
+    monkeypatch.setattr(cd, "_COMPILED", {})
+    monkeypatch.setattr(cd, "_FAILED", {})
+    monkeypatch.setattr(cd, "_COMPILE_SECONDS", {})
+    calls = []
+
+    def broken(*args):
+        calls.append(1)
+        raise RuntimeError("Error in codegen for ComputedBuffer(name='buf629', data=SplitScan(...))")
+
+    monkeypatch.setattr(cd.torch, "compile", lambda fn, **kw: broken)
+    _warns_once(model, tok, "Error in codegen.*decoding with the eager step, replayed as graphs")
+    assert len(calls) == 1 and eager_graphs.count("enter") == 2  # both calls ran in the slot loop
+    _assert_graph_discipline(eager_graphs)
 
 # ---------------------------------------------------------------- generation_compile: auto
 def test_auto_compiles_when_the_projected_saving_exceeds_the_compile_cost(caplog):

@@ -233,12 +233,15 @@ class TrainFields:
     the first two generate calls decode eagerly and are timed; the run then compiles if the decode
     time its remaining steps would save exceeds what a compile costs (README "Generation" gives
     the measured figures); `true`: always; `false`: never. Where compiling fails (no C++ compiler,
-    an op Inductor cannot lower) the run warns once, naming the reason, and decodes eagerly."""
+    an op Inductor cannot lower) the run warns once, naming the reason, and decodes eagerly (on
+    CUDA, the eager step replayed as graphs: `generation_cuda_graphs`)."""
     generation_cuda_graphs: bool = True
-    """On CUDA, with the compiled decode step: replay each step as a captured CUDA graph, one launch
-    instead of one per kernel (hundreds for a 30-layer model), captured once per shape of a generate
-    call. Where a capture fails the run warns once and launches the kernels one by one; `false`
-    always does. No effect on CPU or with vLLM (which captures its own)."""
+    """On CUDA: replay each decode step as a captured CUDA graph, one launch instead of one per
+    kernel (hundreds for a 30-layer model), captured once per shape of a generate call. The step
+    is the compiled one when `generation_compile` compiles, else the eager one (unfused kernels,
+    still none launched from Python). Where a capture fails the run warns once and launches the
+    kernels one by one; `false` always does, and decodes without compiling in the plain eager loop.
+    Not yet measured on a GPU. No effect on CPU or with vLLM (which captures its own)."""
 
     # ---------------------------------------------- sampler/trainer mismatch
     vllm_importance_sampling_correction: bool | None = None

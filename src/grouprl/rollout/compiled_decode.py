@@ -56,14 +56,21 @@ shape of one call (`CudaGraphs`):
   (cuBLAS keeps a workspace per stream);
 - a capture that fails (an op the stream cannot record) warns once, naming the reason, and the
   run goes on with the compiled step launched kernel by kernel.
+A graph removes the launches whether or not Inductor fused the kernels, so on a device with graphs
+the loop also runs the eager `decode_step`, replayed the same way: when the run does not compile
+(`generation_compile: false`, or `auto` before it decides) and when the compile fails. The kernels
+are then torch's own, unfused, but none is launched from Python after a shape's capture.
+`generation_cuda_graphs: false` keeps the plain eager loop of engine.py there.
+
 On the first GPU run (an H100, torch 2.11) the compile failed at code generation: the draw's float64
 running sum over the vocabulary was a "split scan" that Inductor could not generate. The run then
-decoded eagerly, as below. The draw now sums in blocks on CUDA (sampling.running_sum). That fix and
-the graphs have not run on a GPU since (benchmarks/decode.py compares eager, compiled and compiled
-with graphs on CUDA; scripts/gpu_check.sh runs it).
+decoded eagerly. The draw now sums in blocks on CUDA (sampling.running_sum). That fix, the graphs
+of either step and the eager step in the slot loop have not run on a GPU since (benchmarks/decode.py
+compares eager, compiled, and both replayed as graphs on CUDA; scripts/gpu_check.sh runs it).
 
 Where compiling fails (no C++ compiler, an op Inductor does not lower), the first step's error is
-caught: one warning names it, and this and later calls decode eagerly.
+caught: one warning names it, and this and later calls decode with the eager step, replayed as
+graphs where the device has them, else in the eager loop.
 """
 
 from __future__ import annotations
@@ -175,8 +182,9 @@ def _reason(err: BaseException) -> str:
 
 def _compile_failed(device: torch.device, err: BaseException) -> None:
     reason = _FAILED[device.type] = _reason(err)
+    eager = "the eager step, replayed as graphs," if graphs_available(device) else "eagerly"
     warnings.warn(f"generation_compile: compiling the decode step failed on {device.type} ({reason}); "
-                  "decoding eagerly for the rest of this run. Set generation_compile: false to skip the try.",
+                  f"decoding with {eager} for the rest of this run. Set generation_compile: false to skip the try.",
                   RuntimeWarning, stacklevel=3)
 
 
@@ -190,13 +198,16 @@ def _compile_failed(device: torch.device, err: BaseException) -> None:
 # decoded the 135M shape eagerly at 20 ms a token (0.67 ms per layer and step) and the 1.7B at
 # 15.5 ms, whose weights stream in ~0.7 ms (an H100: 21.5 and 17.4 ms); a replayed graph keeps
 # about the kernels' own time, so 0.5 ms per layer and step, at most 80 %: estimates, not measured.
-# The compile is priced as on CPU everywhere: on the H100's 16-core host, lowering the 135M (30
-# layers) and 1.7B (24) steps took 96 and 71 s before code generation failed, against 135 and 111 s
-# priced here.
+# Where the probe's calls were themselves replayed as graphs of the eager step ("cuda+graphs", the
+# default on CUDA), compiling saves only what fusing the kernels saves: an eager layer is ~40
+# kernels, a compiled one ~12, at ~2.5 us each inside a graph, so 75 us per layer and step, at
+# most 60 %: estimates, not measured. The compile is priced as on CPU everywhere: on the H100's
+# 16-core host, lowering the 135M (30 layers) and 1.7B (24) steps took 96 and 71 s before code
+# generation failed, against 135 and 111 s priced here.
 COMPILE_BASE_S = 15.0
 COMPILE_PER_LAYER_S = 4.0
-SAVED_PER_LAYER_STEP_S = {"cpu": 1e-4, "cuda": 5e-4}
-MAX_SAVED_FRACTION = {"cpu": 0.3, "cuda": 0.8}
+SAVED_PER_LAYER_STEP_S = {"cpu": 1e-4, "cuda": 5e-4, "cuda+graphs": 7.5e-5}
+MAX_SAVED_FRACTION = {"cpu": 0.3, "cuda": 0.8, "cuda+graphs": 0.6}
 PROBE_CALLS = 2  # auto decodes this many calls eagerly, timing them, before it decides
 
 
@@ -223,7 +234,8 @@ class CompileChoice:
         return self.setting == "auto" and self.decided is None
 
     def record(self, seconds: float, steps: int, n_layers: int, device_type: str = "cpu") -> None:
-        """One eager call's decode time and decode steps while probing; decides after PROBE_CALLS."""
+        """One eager call's decode time and decode steps while probing; decides after PROBE_CALLS.
+        `device_type` keys the pricing: "cuda+graphs" where the call replayed the eager step as graphs."""
         self.calls += 1
         self.seconds += seconds
         self.steps += steps
@@ -307,19 +319,29 @@ _GRAPHS_FAILED: dict[str, str] = {}  # device type -> why capturing failed (warn
 
 def _graphs_failed(device: torch.device, err: BaseException) -> None:
     reason = _GRAPHS_FAILED[device.type] = _reason(err)
-    warnings.warn(f"generation_cuda_graphs: capturing the compiled decode step as a graph failed on {device.type} "
+    warnings.warn(f"generation_cuda_graphs: capturing the decode step as a graph failed on {device.type} "
                   f"({reason}); launching its kernels one by one for the rest of this run. Set "
                   "generation_cuda_graphs: false to skip the try.", RuntimeWarning, stacklevel=3)
 
 
-class CompiledDecodeLoop:
-    """The decode loop over the compiled step: `run` takes a FastDecoder right after
-    `start(..., zeroed=True)` and the first token's logits, and fills the completion buffer."""
+def graphs_available(device: torch.device) -> bool:
+    """Whether decode steps on `device` can be replayed as captured graphs: its type has a graph
+    backend (CUDA) and no capture has failed there in this process."""
+    return device.type in GRAPH_BACKENDS and device.type not in _GRAPHS_FAILED
 
-    def __init__(self, device: torch.device, check_every: int = 8, graphs: bool = True):
+
+class CompiledDecodeLoop:
+    """The decode loop over one step function in fixed slots: `run` takes a FastDecoder right after
+    `start(..., zeroed=True)` and the first token's logits, and fills the completion buffer. The
+    step is the compiled `decode_step` (`compile`), or, where steps are replayed as graphs, the
+    eager one: on CUDA a graph removes the launches whether or not Inductor fused the kernels, so a
+    run that does not compile, or whose compile failed, still replays its steps."""
+
+    def __init__(self, device: torch.device, check_every: int = 8, graphs: bool = True, compile: bool = True):
         self.device = device
         self.check_every = check_every
         self.graphs = graphs  # replay steps as captured graphs where the device has them (GRAPH_BACKENDS)
+        self.compile = compile  # the compiled step; False: the eager step (only worth it replayed as graphs)
 
     def _graph_backend(self):
         kind = self.device.type
@@ -337,9 +359,12 @@ class CompiledDecodeLoop:
         first token is drawn eagerly with uniforms[:, 0]. Returns (completion [N, T], lengths [N]), or
         None when the step could not be compiled (the decoder's cache is then as `start` left it)."""
         device = self.device
-        step = compiled_step(device)
+        graphed = self.graphs and graphs_available(device)
+        step = compiled_step(device) if self.compile else None
         if step is None:
-            return None
+            if not graphed:
+                return None  # no compiled step and no graphs: the caller's eager loop is the faster one
+            step = decode_step
         N, T = first_logits.shape[0], params.max_new_tokens
         S = dec.k[0].shape[0]  # slots: N
         dec.use_slots()  # oneDNN-packed weights enter the graph as table slots (llama_decoder.py)
@@ -369,7 +394,9 @@ class CompiledDecodeLoop:
         _dynamic(eos, 0)
         for x in (dec.cos, dec.sin):
             _dynamic(x, 0)
-        graphs = self._graph_backend()
+        graphs = self._graph_backend() if graphed else None
+        if graphs is None and step is decode_step:
+            return None  # the graph backend could not be built (warned): the caller's eager loop
         t, col, W, views, replay = 1, dec.P, 0, None, None
         with graphs.running() if graphs is not None else contextlib.nullcontext():
             while t < T:
@@ -397,12 +424,15 @@ class CompiledDecodeLoop:
                 try:
                     tok, finished, _ = step(dec, spec, tok, pos, cursor, rowmap, finished, *views, uniforms,
                                             completion, eos)
-                except Exception as err:  # noqa: BLE001 — compiling failed: the caller decodes eagerly
-                    if t > 1 or device.type in _COMPILE_SECONDS:
-                        raise  # the step compiled and ran before: a real error, not the platform's
+                except Exception as err:  # noqa: BLE001 — compiling failed: the eager step, or the caller's loop
+                    if step is decode_step or t > 1 or device.type in _COMPILE_SECONDS:
+                        raise  # the eager step failed, or the step compiled and ran before: a real error
                     _compile_failed(device, err)
-                    return None
-                if device.type not in _COMPILE_SECONDS:
+                    if graphs is None:
+                        return None
+                    step = decode_step  # nothing ran: the same step again, eagerly, and replayed from here on
+                    continue
+                if step is not decode_step and device.type not in _COMPILE_SECONDS:
                     _COMPILE_SECONDS[device.type] = time.perf_counter() - started
                     log.info("generation_compile: compiled the decode step on %s in %.1f s (once per process)",
                              device.type, _COMPILE_SECONDS[device.type])

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
-from grouprl.rollout.compiled_decode import CompileChoice, CompiledDecodeLoop
+from grouprl.rollout.compiled_decode import CompileChoice, CompiledDecodeLoop, graphs_available
 from grouprl.rollout.llama_decoder import FastDecoder
 from grouprl.rollout.sampling import draw_seed, sample_next, uniform_table
 from grouprl.rollout.types import GenerationEngine, Rollout, SamplingParams, left_pad_prompts
@@ -45,7 +45,7 @@ class HFEngine(GenerationEngine):
     compile: bool | str = False  # FastDecoder models: the compiled decode step, True, False or "auto"
     planned_calls: int | None = None  # compile="auto": the generate calls the run will make
     check_every: int = 8  # compiled step: the host reads the finished flags every this many tokens
-    cuda_graphs: bool = True  # compiled step on CUDA: replay it as captured CUDA graphs (compiled_decode.py)
+    cuda_graphs: bool = True  # on CUDA: replay each decode step, compiled or eager, as a graph (compiled_decode.py)
     decodes_with_policy = True  # the engine runs the training model itself (class attribute)
     _kept: dict | None = field(default=None, init=False, repr=False)  # token tuple -> (k, v), see keep_conversations
     _choice: CompileChoice = field(init=False, repr=False)
@@ -110,7 +110,9 @@ class HFEngine(GenerationEngine):
             keeps = kept is not None and isinstance(decoder, FastDecoder) and not params.ignore_eos
             prefix = _prefixes(kept, prompt_ids) if keeps and G == 1 else None
             fast = isinstance(decoder, FastDecoder)
-            compiled = fast and not keeps and self._choice.use()
+            compiles = self._choice.use()
+            # the slot loop: the compiled step, or on a device with graphs the eager step replayed as graphs
+            compiled = fast and not keeps and (compiles or (self.cuda_graphs and graphs_available(device)))
             if prefix is not None and any(x is not None for x in prefix):
                 logits = decoder.start_from(ids, mask, T, prefix)  # [N, V]
             else:
@@ -118,19 +120,21 @@ class HFEngine(GenerationEngine):
             N = logits.shape[0]
             uniforms = uniform_table(seed, N, T, device)  # [N, T] float64
             out = None
+            started = time.perf_counter()
             if compiled:
-                out = CompiledDecodeLoop(device, self.check_every, self.cuda_graphs).run(
+                out = CompiledDecodeLoop(device, self.check_every, self.cuda_graphs, compile=compiles).run(
                     decoder, logits, params, uniforms, eos, self.pad_token_id)
             if out is None:
-                if compiled:  # compiling failed: the eager loop over the same (zeroed) cache
+                if compiled:  # no compiled step and no graphs: the eager loop over the same (zeroed) cache
                     decoder.n, decoder.t = N, 0
-                started = time.perf_counter()
+                    started = time.perf_counter()
                 completion, lengths = self._decode_eager(decoder, logits, params, uniforms, eos, prompt_ids, G, keeps)
-                if fast and self._choice.probing():
-                    self._choice.record(time.perf_counter() - started, int(lengths.max()) - 1, len(decoder.layers),
-                                        device.type)
             else:
                 completion, lengths = out
+            if fast and self._choice.probing():  # auto times the calls it decodes without compiling
+                graphed = out is not None and device.type == "cuda"  # the eager step replayed as graphs
+                self._choice.record(time.perf_counter() - started, int(lengths.max()) - 1, len(decoder.layers),
+                                    device.type + ("+graphs" if graphed else ""))
             del decoder
         real = torch.arange(T, device=device)[None, :] < lengths[:, None]  # [N, T]
         truncated = ~(torch.isin(completion, eos) & real).any(-1)  # no EOS: a completion ending with one at

@@ -5,7 +5,7 @@
     python benchmarks/decode.py --models tiny 50m --rows 16 --prompt 16
     python benchmarks/decode.py --models smollm2 --smollm2 models/smollm2 --dtypes fp32 bf16
     python benchmarks/decode.py --device cuda --models smollm2-135m-shape smollm2-1.7b-shape --rows 16
-    python benchmarks/decode.py --device cuda --cuda-graphs off ...     # without the CUDA-graph column
+    python benchmarks/decode.py --device cuda --cuda-graphs off ...     # without the CUDA-graph columns
 
 Models: the random-init `tiny`, `10m` and `50m` Qwen2 workloads (grouprl.tasks.testing), the real
 SmolLM2-135M-Instruct (`smollm2`, the folder scripts/fetch_smollm2.py writes), and random-init
@@ -18,10 +18,11 @@ decode time of a call is its whole time less that of the same call with one new 
 and the first draw), over tokens - 1 steps. Each cell alternates eager and compiled calls for
 `--reps` rounds after one warm-up call each (the compiled side's warm-up compiles: the first cell
 of a model reports the compile time; later cells reuse the graph) and reports medians; the
-engine's own thread policy applies (one thread for models up to 5 M parameters on CPU). On CUDA a
-third side, the compiled step replayed as captured CUDA graphs (`generation_cuda_graphs`), joins
-the rotation (`--cuda-graphs off` leaves it out); `graphs_failed` in its JSON names the reason if
-capturing failed and that side fell back to launching kernels.
+engine's own thread policy applies (one thread for models up to 5 M parameters on CPU). On CUDA two
+more sides join the rotation (`--cuda-graphs off` leaves them out): the eager and the compiled step
+replayed as captured CUDA graphs (`generation_cuda_graphs`). In the JSON, `graphs_failed` names the
+reason if capturing failed and those sides fell back to launching kernels, and `compile_failed` the
+reason if the compiled sides ran the eager step.
 """
 
 from __future__ import annotations
@@ -76,8 +77,9 @@ def cell(model, pad, eos, vocab, rows: int, prompt: int, tokens: int, reps: int,
     G = min(8, rows)
     gen = torch.Generator().manual_seed(0)
     prompts = torch.randint(4, vocab, (rows // G, prompt), generator=gen).tolist()
-    variants = {"eager": dict(compile=False), "compiled": dict(compile=True, cuda_graphs=False)}
-    if device == "cuda" and cuda_graphs:  # the compiled step replayed as captured CUDA graphs
+    variants = {"eager": dict(compile=False, cuda_graphs=False), "compiled": dict(compile=True, cuda_graphs=False)}
+    if device == "cuda" and cuda_graphs:  # the eager and the compiled step replayed as captured CUDA graphs
+        variants["eager_graphs"] = dict(compile=False, cuda_graphs=True)
         variants["graphs"] = dict(compile=True, cuda_graphs=True)
     engines = {v: HFEngine(model, (eos,), pad, autocast_dtype=dtype, decode_threads=threads, **kw)
                for v, kw in variants.items()}
@@ -111,7 +113,10 @@ def cell(model, pad, eos, vocab, rows: int, prompt: int, tokens: int, reps: int,
     if "graphs" in ms:
         out.update(graphs_ms=round(ms["graphs"], 3), graphs_speedup=round(ms["eager"] / ms["graphs"], 2),
                    graphs_runs=[round(x, 3) for x in per_token["graphs"]],
-                   graphs_failed=cd._GRAPHS_FAILED.get("cuda"))  # a reason: the "graphs" runs launched kernels
+                   eager_graphs_ms=round(ms["eager_graphs"], 3),
+                   eager_graphs_speedup=round(ms["eager"] / ms["eager_graphs"], 2),
+                   eager_graphs_runs=[round(x, 3) for x in per_token["eager_graphs"]],
+                   graphs_failed=cd._GRAPHS_FAILED.get("cuda"))  # a reason: the graphed runs launched kernels
     return out
 
 
@@ -156,11 +161,13 @@ def main() -> None:
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1) + "\n")
     graphs = any("graphs_ms" in r for r in results)
-    extra = (" compiled + CUDA graphs ms/token | speed-up |", "---|---|") if graphs else ("", "")
+    extra = (" eager + CUDA graphs | speed-up | compiled + CUDA graphs | speed-up |", "---|---|---|---|") if graphs \
+        else ("", "")
     print(f"\n| model | dtype | rows | prompt | eager ms/token | compiled ms/token | speed-up |{extra[0]} compile s |")
     print(f"|---|---|---|---|---|---|---|{extra[1]}---|")
     for r in results:
-        g = f" {r.get('graphs_ms', '')} | {r.get('graphs_speedup', '')}x |" if graphs else ""
+        g = (f" {r.get('eager_graphs_ms', '')} | {r.get('eager_graphs_speedup', '')}x |"
+             f" {r.get('graphs_ms', '')} | {r.get('graphs_speedup', '')}x |") if graphs else ""
         compile_s = f"failed ({r['compile_failed']})" if r.get("compile_failed") else r["compile_s"] or ""
         print(f"| {r['model']} | {r['dtype']} | {r['rows']} | {r['prompt']} | {r['eager_ms']} | {r['compiled_ms']} | "
               f"{r['speedup']}x |{g} {compile_s} |")

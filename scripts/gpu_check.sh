@@ -15,7 +15,8 @@
 # all (its start, ~30 s, included) and 10 a call, so split it, the most wanted first, e.g. (1)
 # WORKLOADS=gpu-135m-256 DECODE_S=0 MEM_S=0 MB_S=0 AB_S=0 (the suite and 135M against TRL, ~8 min),
 # then at once, while the machine is warm (30 s), (2) BENCH_S=0 TESTS_S=0 MB_S=0 AB_S=0 MEM_S=0
-# (decode, ~4 min), with MEM_S's 150 s added if the minutes left allow.
+# (decode, ~5 min), with MEM_S's 150 s added if the minutes left allow. At most 8 files come back
+# from a lent machine's output folder: split the calls so that each writes fewer.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-${OUT:-gpu-out}}

@@ -506,6 +506,54 @@ def test_a_failed_compile_goes_on_with_the_eager_step_replayed_as_graphs(model_a
     assert len(calls) == 1 and eager_graphs.count("enter") == 2  # both calls ran in the slot loop
     _assert_graph_discipline(eager_graphs)
 
+
+class OpsOfReplays(RecordedGraphs):
+    """RecordedGraphs whose replays record every aten op they dispatch, with its arguments."""
+
+    ops: list = []
+
+    def capture(self, one_step):
+        replay = super().capture(one_step)
+
+        def recorded():
+            from torch.utils._python_dispatch import TorchDispatchMode
+
+            class Record(TorchDispatchMode):
+                def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                    OpsOfReplays.ops.append((func, args))
+                    return func(*args, **(kwargs or {}))
+
+            with Record():
+                replay()
+
+        return recorded
+
+
+# ops whose result a CUDA stream cannot produce without the host reading a device value (a sync,
+# which a capture refuses), by their overload packets
+_SYNCING = {"_local_scalar_dense", "item", "is_nonzero", "equal", "nonzero", "masked_select", "_unique2",
+            "unique_dim", "unique_consecutive", "repeat_interleave"}
+
+
+def test_the_eager_step_makes_no_host_sync_that_a_cuda_capture_refuses(model_and_tok, eager_graphs, monkeypatch):
+    """What a CUDA graph can record: every op of the eager decode step, as a replay dispatches it
+    (sampling with temperature, top-k and top-p, six stop tokens), is a device op whose sizes do not
+    depend on a device value -- no .item(), nonzero, unique, boolean-mask index or other read-back.
+    (On CPU, where no sync exists, this is the check that stands in for torch's capture. `isin`
+    against a few stop tokens is an elementwise comparison on CUDA; against more than ~10 it sorts
+    and may sync, and the capture then fails with one warning.)"""
+    model, tok = model_and_tok
+    monkeypatch.setattr(cd, "GRAPH_BACKENDS", {"cpu": OpsOfReplays})
+    OpsOfReplays.ops = []
+    HFEngine(model, _stops(tok), tok.pad_token_id).generate(short_prompts(tok), 2, SAMPLED,
+                                                            torch.Generator().manual_seed(0))
+    names = {func.overloadpacket.__name__ for func, _ in OpsOfReplays.ops}
+    assert {"mm", "index_copy_", "topk", "sort", "searchsorted", "isin", "index_put_"} <= names  # the whole step
+    assert not names & _SYNCING, names & _SYNCING
+    bool_index = [func for func, args in OpsOfReplays.ops if func.overloadpacket.__name__ in ("index", "index_put_")
+                  and any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in (args[1] or ()))]
+    assert not bool_index  # a boolean index is a nonzero inside
+
 # ---------------------------------------------------------------- generation_compile: auto
 def test_auto_compiles_when_the_projected_saving_exceeds_the_compile_cost(caplog):
     """After PROBE_CALLS timed calls: compile iff the remaining calls x the saving per call

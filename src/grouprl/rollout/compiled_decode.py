@@ -365,6 +365,9 @@ class CompiledDecodeLoop:
             if not graphed:
                 return None  # no compiled step and no graphs: the caller's eager loop is the faster one
             step = decode_step
+        graphs = self._graph_backend() if graphed else None
+        if graphs is None and step is decode_step:
+            return None  # the graph backend could not be built (warned): the caller's eager loop
         N, T = first_logits.shape[0], params.max_new_tokens
         S = dec.k[0].shape[0]  # slots: N
         dec.use_slots()  # oneDNN-packed weights enter the graph as table slots (llama_decoder.py)
@@ -394,9 +397,6 @@ class CompiledDecodeLoop:
         _dynamic(eos, 0)
         for x in (dec.cos, dec.sin):
             _dynamic(x, 0)
-        graphs = self._graph_backend() if graphed else None
-        if graphs is None and step is decode_step:
-            return None  # the graph backend could not be built (warned): the caller's eager loop
         t, col, W, views, replay = 1, dec.P, 0, None, None
         with graphs.running() if graphs is not None else contextlib.nullcontext():
             while t < T:

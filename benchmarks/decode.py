@@ -70,17 +70,20 @@ def native_bf16(device: str) -> bool:
 
 
 def cell(model, pad, eos, vocab, rows: int, prompt: int, tokens: int, reps: int, dtype, device: str,
-         threads: int | None = None, cuda_graphs: bool = True) -> dict:
+         threads: int | None = None, cuda_graphs: bool = True, compile: bool = True) -> dict:
     from grouprl.rollout import HFEngine, SamplingParams
     from grouprl.rollout import compiled_decode as cd
 
     G = min(8, rows)
     gen = torch.Generator().manual_seed(0)
     prompts = torch.randint(4, vocab, (rows // G, prompt), generator=gen).tolist()
-    variants = {"eager": dict(compile=False, cuda_graphs=False), "compiled": dict(compile=True, cuda_graphs=False)}
-    if device == "cuda" and cuda_graphs:  # the eager and the compiled step replayed as captured CUDA graphs
+    variants = {"eager": dict(compile=False, cuda_graphs=False)}
+    if device == "cuda" and cuda_graphs:  # the eager step replayed as captured CUDA graphs
         variants["eager_graphs"] = dict(compile=False, cuda_graphs=True)
-        variants["graphs"] = dict(compile=True, cuda_graphs=True)
+    if compile:
+        variants["compiled"] = dict(compile=True, cuda_graphs=False)
+        if device == "cuda" and cuda_graphs:  # the compiled step replayed as captured CUDA graphs
+            variants["graphs"] = dict(compile=True, cuda_graphs=True)
     engines = {v: HFEngine(model, (eos,), pad, autocast_dtype=dtype, decode_threads=threads, **kw)
                for v, kw in variants.items()}
 
@@ -102,21 +105,18 @@ def cell(model, pad, eos, vocab, rows: int, prompt: int, tokens: int, reps: int,
             full, one = timed(v, tokens), timed(v, 1)
             per_token[v].append((full - one) / (tokens - 1) * 1e3)
     ms = {v: statistics.median(runs) for v, runs in per_token.items()}
-    out = {"rows": rows, "prompt": prompt, "eager_ms": round(ms["eager"], 3), "compiled_ms": round(ms["compiled"], 3),
-           "speedup": round(ms["eager"] / ms["compiled"], 2),
-           "compile_s": round(after, 1) if before is None and after is not None else None,
-           # a reason when compiling failed: the "compiled" (and "graphs") runs then decoded eagerly
-           "compile_failed": cd._FAILED.get(torch.device(device).type),
-           "first_call_s": {v: round(x, 2) for v, x in warm.items()},
-           "eager_runs": [round(x, 3) for x in per_token["eager"]],
-           "compiled_runs": [round(x, 3) for x in per_token["compiled"]]}
-    if "graphs" in ms:
-        out.update(graphs_ms=round(ms["graphs"], 3), graphs_speedup=round(ms["eager"] / ms["graphs"], 2),
-                   graphs_runs=[round(x, 3) for x in per_token["graphs"]],
-                   eager_graphs_ms=round(ms["eager_graphs"], 3),
-                   eager_graphs_speedup=round(ms["eager"] / ms["eager_graphs"], 2),
-                   eager_graphs_runs=[round(x, 3) for x in per_token["eager_graphs"]],
-                   graphs_failed=cd._GRAPHS_FAILED.get("cuda"))  # a reason: the graphed runs launched kernels
+    out = {"rows": rows, "prompt": prompt, "first_call_s": {v: round(x, 2) for v, x in warm.items()}}
+    for v in variants:  # <side>_ms, <side>_runs, and each other side's speed-up over eager
+        out[f"{v}_ms"] = round(ms[v], 3)
+        out[f"{v}_runs"] = [round(x, 3) for x in per_token[v]]
+        if v != "eager":
+            out["speedup" if v == "compiled" else f"{v}_speedup"] = round(ms["eager"] / ms[v], 2)
+    if compile:
+        out["compile_s"] = round(after, 1) if before is None and after is not None else None
+        # a reason when compiling failed: the "compiled" (and "graphs") runs then decoded without compiling
+        out["compile_failed"] = cd._FAILED.get(torch.device(device).type)
+    if "eager_graphs" in variants:  # a reason: the graphed runs launched kernels one by one
+        out["graphs_failed"] = cd._GRAPHS_FAILED.get("cuda")
     return out
 
 
@@ -133,6 +133,8 @@ def main() -> None:
     ap.add_argument("--json", default=None, help="write the results here as well")
     ap.add_argument("--threads", type=int, default=None,
                     help="torch threads while decoding (default: the engine's policy)")
+    ap.add_argument("--no-compile", action="store_true",
+                    help="leave out the compiled sides: eager, and on CUDA eager replayed as graphs (no compile wait)")
     ap.add_argument("--cuda-graphs", choices=["on", "off"], default="on",
                     help="on CUDA, also time the compiled step replayed as CUDA graphs (default on)")
     args = ap.parse_args()
@@ -152,7 +154,7 @@ def main() -> None:
             for prompt in args.prompt:
                 for rows in args.rows:
                     r = cell(model, pad, eos, vocab, rows, prompt, args.tokens, args.reps, dtype, args.device,
-                             args.threads, args.cuda_graphs == "on")
+                             args.threads, args.cuda_graphs == "on", not args.no_compile)
                     r.update(model=name, dtype=dt, layers=layers, params=params, device=args.device,
                              threads=args.threads or "engine")
                     results.append(r)
@@ -160,18 +162,21 @@ def main() -> None:
         del model
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1) + "\n")
-    graphs = any("graphs_ms" in r for r in results)
+    graphs = any("eager_graphs_ms" in r for r in results)
     extra = (" eager + CUDA graphs | speed-up | compiled + CUDA graphs | speed-up |", "---|---|---|---|") if graphs \
         else ("", "")
     print(f"\n| model | dtype | rows | prompt | eager ms/token | compiled ms/token | speed-up |{extra[0]} compile s |")
     print(f"|---|---|---|---|---|---|---|{extra[1]}---|")
-    for r in results:
-        g = (f" {r.get('eager_graphs_ms', '')} | {r.get('eager_graphs_speedup', '')}x |"
-             f" {r.get('graphs_ms', '')} | {r.get('graphs_speedup', '')}x |") if graphs else ""
-        compile_s = f"failed ({r['compile_failed']})" if r.get("compile_failed") else r["compile_s"] or ""
-        print(f"| {r['model']} | {r['dtype']} | {r['rows']} | {r['prompt']} | {r['eager_ms']} | {r['compiled_ms']} | "
-              f"{r['speedup']}x |{g} {compile_s} |")
 
+    def x(v) -> str:  # a speed-up, or blank for a side not run
+        return f"{v}x" if v is not None else ""
+
+    for r in results:
+        g = (f" {r.get('eager_graphs_ms', '')} | {x(r.get('eager_graphs_speedup'))} |"
+             f" {r.get('graphs_ms', '')} | {x(r.get('graphs_speedup'))} |") if graphs else ""
+        compile_s = f"failed ({r['compile_failed']})" if r.get("compile_failed") else r.get("compile_s") or ""
+        print(f"| {r['model']} | {r['dtype']} | {r['rows']} | {r['prompt']} | {r['eager_ms']} | "
+              f"{r.get('compiled_ms', '')} | {x(r.get('speedup'))} |{g} {compile_s} |")
 
 if __name__ == "__main__":
     main()

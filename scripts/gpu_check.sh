@@ -57,6 +57,11 @@ fi
 # compile takes 1-2 minutes). Unfiltered: grouprl's own warnings (a compile or capture that failed)
 # are RuntimeWarnings, which the other commands' filter would drop. DECODE_S=0 skips it.
 if [ "${DECODE_S:-150}" -gt 0 ]; then
+  # first eager and eager replayed as graphs alone (~20 s a model: no compile to wait for), so that a
+  # compile that runs long cannot cost the graphs' figure
+  timeout 120 python3 benchmarks/decode.py --device cuda --models smollm2-135m-shape smollm2-1.7b-shape --rows 16 \
+    --prompt 16 --dtypes bf16 --reps 2 --no-compile --smollm2 "$TOKENIZER" --json "$OUT/decode-eager.json" 2>&1 \
+    | tee -a "$OUT/decode.log"
   for m in smollm2-135m-shape smollm2-1.7b-shape; do
     timeout "${DECODE_S:-150}" python3 benchmarks/decode.py --device cuda --models "$m" --rows 16 --prompt 16 \
       --dtypes bf16 --reps 2 --smollm2 "$TOKENIZER" --json "$OUT/decode-$m.json" 2>&1 | tee -a "$OUT/decode.log"

@@ -318,6 +318,10 @@ def test_decode_benchmark_reports_eager_and_compiled_ms_per_token(tmp_path):
     assert cell["model"] == "tiny" and cell["rows"] == 8 and cell["prompt"] == 16
     assert cell["eager_ms"] > 0 and cell["compiled_ms"] > 0 and cell["compile_s"] > 0 and cell["compile_failed"] is None
     assert "| tiny | fp32 | 8 | 16 |" in out
+    run("benchmarks/decode.py", "--models", "tiny", "--rows", "8", "--prompt", "16", "--tokens", "6", "--reps", "1",
+        "--no-compile", "--json", str(tmp_path / "e.json"), timeout=300)
+    (eager_only,) = json.loads((tmp_path / "e.json").read_text())  # --no-compile: no compiled side, no compile
+    assert eager_only["eager_ms"] > 0 and "compiled_ms" not in eager_only and "compile_s" not in eager_only
 
 
 def test_memory_peak_finds_the_blocks_alive_at_the_highest_point_by_site(tmp_path):

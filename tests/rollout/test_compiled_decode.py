@@ -580,6 +580,13 @@ def test_auto_compiles_when_the_projected_saving_exceeds_the_compile_cost(caplog
         for _ in range(cd.PROBE_CALLS):
             choice.record(1.0, steps, layers, device_type)
         assert choice.use() is want, device_type
+    # probe calls that replayed the eager step as graphs: compiling adds only the fusion, priced apart
+    graphed_enough = int(cost / (cd.SAVED_PER_LAYER_STEP_S["cuda+graphs"] * layers * steps)) + cd.PROBE_CALLS + 2
+    for planned, want in [(graphed_enough, True), (cuda_enough, False)]:
+        choice = cd.CompileChoice("auto", planned)
+        for _ in range(cd.PROBE_CALLS):
+            choice.record(1.0, steps, layers, "cuda+graphs")
+        assert choice.use() is want, planned
     assert cd.CompileChoice(True).use() and not cd.CompileChoice(False).use()
     assert not cd.CompileChoice(False).probing()
 

@@ -3,7 +3,9 @@
 #   bash scripts/gpu_check.sh [OUT_DIR]
 # Needs, beside the checkout: the wheels the machine lacks in .whl/ (the pip download line in
 # benchmarks/README.md) and SmolLM2's tokenizer in models/smollm2 (scripts/fetch_smollm2.py; only
-# the tokenizer files are read: tokenizer.json, tokenizer_config.json, chat_template.jinja).
+# the tokenizer files are read: tokenizer.json, tokenizer_config.json, chat_template.jinja). The
+# folder also holds the 517 MB weights, too large to travel: copy those three files and config.json
+# into a small folder that goes with the checkout, and set TOKENIZER to it.
 # Runs, in this order (the most wanted first), each under its own time limit in seconds so that one
 # that hangs cannot starve the rest: benchmarks/vs_trl.py's GPU workloads, each side in its own
 # process (BENCH_S); the suite (TESTS_S); the decode benchmark (DECODE_S); both sides' memory at the

@@ -571,8 +571,8 @@ def main() -> None:
             res["peak"] = dict(peak)
             results["workloads"][name] = res
             print(report(name, res, sides), flush=True)
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=1))
+            if args.json:  # after every workload: a run cut off by a time limit keeps the ones it finished
+                Path(args.json).write_text(json.dumps(results, indent=1))
     if len(sides) == 2 and len(names) == 1:
         g, t = results["workloads"][names[0]]["grouprl"], results["workloads"][names[0]]["trl"]
         mem = "peak_cuda_mib" if "peak_cuda_mib" in g else "peak_rss_mib"

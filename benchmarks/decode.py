@@ -159,9 +159,9 @@ def main() -> None:
                              threads=args.threads or "engine")
                     results.append(r)
                     print(json.dumps(r), flush=True)
+                    if args.json:  # after every cell: a run cut off by a time limit keeps the cells it finished
+                        Path(args.json).write_text(json.dumps(results, indent=1) + "\n")
         del model
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=1) + "\n")
     graphs = any("eager_graphs_ms" in r for r in results)
     extra = (" eager + CUDA graphs | speed-up | compiled + CUDA graphs | speed-up |", "---|---|---|---|") if graphs \
         else ("", "")

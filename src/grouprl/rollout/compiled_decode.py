@@ -144,7 +144,7 @@ def decode_step(dec, spec: StepSpec, tok: torch.Tensor, pos: torch.Tensor, curso
         nxt = inverse_cdf(filtered_probs(logits, params), uniforms[rowmap, t])  # [S]
     if spec.stop_on_eos:
         nxt = torch.where(finished, spec.pad_token_id, nxt)
-        finished = finished | torch.isin(nxt, eos)
+        finished = finished | (nxt[:, None] == eos).any(-1)  # not isin: for many stop tokens it sorts, and may sync
     completion.index_put_((rowmap, t), nxt)
     pos.add_(1)
     cursor.add_(1)

@@ -44,7 +44,7 @@ class HFEngine(GenerationEngine):
     decode_threads: int | None = None  # torch threads while decoding; None: 1 for small models on CPU
     compile: bool | str = False  # FastDecoder models: the compiled decode step, True, False or "auto"
     planned_calls: int | None = None  # compile="auto": the generate calls the run will make
-    check_every: int = 8  # compiled step: the host reads the finished flags every this many tokens
+    check_every: int = 8  # slot loop: the host reads the finished flags every this many tokens
     cuda_graphs: bool = True  # on CUDA: replay each decode step, compiled or eager, as a graph (compiled_decode.py)
     decodes_with_policy = True  # the engine runs the training model itself (class attribute)
     _kept: dict | None = field(default=None, init=False, repr=False)  # token tuple -> (k, v), see keep_conversations
@@ -112,27 +112,26 @@ class HFEngine(GenerationEngine):
             fast = isinstance(decoder, FastDecoder)
             compiles = self._choice.use()
             # the slot loop: the compiled step, or on a device with graphs the eager step replayed as graphs
-            compiled = fast and not keeps and (compiles or (self.cuda_graphs and graphs_available(device)))
+            slot_loop = fast and not keeps and (compiles or (self.cuda_graphs and graphs_available(device)))
             if prefix is not None and any(x is not None for x in prefix):
                 logits = decoder.start_from(ids, mask, T, prefix)  # [N, V]
             else:
-                logits = decoder.start(ids, mask, G, T, zeroed=True) if compiled else decoder.start(ids, mask, G, T)
+                logits = decoder.start(ids, mask, G, T, zeroed=True) if slot_loop else decoder.start(ids, mask, G, T)
             N = logits.shape[0]
             uniforms = uniform_table(seed, N, T, device)  # [N, T] float64
             out = None
             started = time.perf_counter()
-            if compiled:
+            if slot_loop:
                 out = CompiledDecodeLoop(device, self.check_every, self.cuda_graphs, compile=compiles).run(
                     decoder, logits, params, uniforms, eos, self.pad_token_id)
             if out is None:
-                if compiled:  # no compiled step and no graphs: the eager loop over the same (zeroed) cache
+                if slot_loop:  # no compiled step and no graphs: the eager loop over the same (zeroed) cache
                     decoder.n, decoder.t = N, 0
-                    started = time.perf_counter()
                 completion, lengths = self._decode_eager(decoder, logits, params, uniforms, eos, prompt_ids, G, keeps)
             else:
                 completion, lengths = out
             if fast and self._choice.probing():  # auto times the calls it decodes without compiling
-                graphed = out is not None and device.type == "cuda"  # the eager step replayed as graphs
+                graphed = out is not None  # uncompiled, the slot loop runs only to replay the eager step as graphs
                 self._choice.record(time.perf_counter() - started, int(lengths.max()) - 1, len(decoder.layers),
                                     device.type + ("+graphs" if graphed else ""))
             del decoder

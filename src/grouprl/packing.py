@@ -159,11 +159,13 @@ def varlen_works(device: torch.device, dtype: torch.dtype, head_dim: int, gqa: b
 
 
 def _probe(device: torch.device, dtype: torch.dtype, head_dim: int, gqa: bool) -> None:
-    """Two toy sequences through the kernel, forward and backward."""
-    g = torch.Generator(device=device).manual_seed(0)
-    q = torch.randn(1, 2, 4, head_dim, device=device, dtype=dtype, generator=g, requires_grad=True)
-    k, v = (torch.randn(1, 1 if gqa else 2, 4, head_dim, device=device, dtype=dtype, generator=g, requires_grad=True)
-            for _ in range(2))
+    """Two toy sequences through the kernel, forward and backward (fixed values: no random stream is
+    drawn from, and no device generator is needed)."""
+    def toy(heads: int) -> torch.Tensor:
+        n = heads * 4 * head_dim
+        return torch.linspace(-1, 1, n, device=device).view(1, heads, 4, head_dim).to(dtype).requires_grad_()
+
+    q, k, v = toy(2), toy(1 if gqa else 2), toy(1 if gqa else 2)
     varlen_attention(q, k, v, varlen_plan([(0, 1, 0, 0), (1, 3, 0, 0)], device), None).float().sum().backward()
 
 

@@ -248,6 +248,25 @@ def test_varlen_attention_with_an_older_kernel_signature(monkeypatch, scaling):
     assert torch.allclose(packing.varlen_attention(q, k, v, plan, scaling), want, atol=1e-6)
 
 
+@pytest.mark.skipif(packing._varlen_kernel is None, reason="this torch has no varlen attention kernel (torch < 2.9)")
+@pytest.mark.parametrize("scaling", [None, 0.125])
+def test_the_installed_varlen_kernel_takes_the_call_as_packing_makes_it(scaling):
+    """The tests above stand a reference kernel in for torch's. This one calls torch's own kernel,
+    with the keywords this torch takes, on the meta device in bf16: SmolLM2's heads (9 query heads
+    over 3 key heads of 64) and a shared-prompt plan, forward and backward, and the probe. Its
+    Python entry point checks the arguments and its meta kernel gives the output shapes; the
+    arithmetic needs a GPU."""
+    meta = torch.device("meta")
+    plan = packing.varlen_plan([(0, 3, 0, 0), (3, 2, 0, 3), (5, 4, 0, 3), (9, 5, 0, 0)], meta)
+    q = torch.empty(1, 9, 14, 64, device=meta, dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.empty(1, 3, 14, 64, device=meta, dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+    out = packing.varlen_attention(q, k, v, plan, scaling)
+    assert out.shape == (1, 14, 9, 64) and out.dtype == torch.bfloat16 and out.device == meta
+    out.float().sum().backward()
+    assert q.grad.shape == q.shape and k.grad.shape == v.grad.shape == k.shape
+    packing._probe(meta, torch.bfloat16, 64, True)  # the probe's own call: raises if the kernel refuses it
+
+
 def test_varlen_is_chosen_on_cuda_in_half_precision_only():
     cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
     assert packing.uses_varlen(cuda, torch.bfloat16, 64, 0.0) and packing.uses_varlen(cuda, torch.float16, 128, 0.0)

@@ -1,0 +1,201 @@
+"""The decode loop as a CUDA graph runs it, checked on the meta device, where no GPU is at hand.
+
+A meta tensor has a shape, a dtype and a device but no data. Every host read of a device value
+raises on it: `.item()`, `.tolist()`, `bool()`, nonzero, a boolean-mask index, `.cpu()`. Inside a
+CUDA capture each of these is a sync, which the capture refuses. On CPU some of them dispatch no op
+at all (`.tolist()` reads memory directly), so test_compiled_decode's op recorder cannot see them.
+Every op of a captured step is also checked to take only device tensors: a host tensor there is an
+upload from pageable memory, which a capture refuses too (0-dim host tensors are passed by value).
+
+The shapes are SmolLM2-135M's, with two layers: a 49,152-token vocabulary, and 9 query heads over 3
+key heads of size 64. The vocabulary's running sum is taken in CUDA's blocks (`sampling.SCAN_BLOCK`),
+and the cache is in the matmuls' dtype, as on CUDA. The prefill runs on CPU (autocast has no meta
+device), and the decoder then moves to meta. The graph backend is a stand-in: it runs a captured
+step once at capture and again at every replay, under the checks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+from torch.utils._pytree import tree_leaves
+from torch.utils._python_dispatch import TorchDispatchMode
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from grouprl.rollout import SamplingParams
+from grouprl.rollout import compiled_decode as cd
+from grouprl.rollout import sampling
+from grouprl.rollout.llama_decoder import CACHE_BLOCK, FastDecoder
+
+META = torch.device("meta")
+T = 80  # new tokens: past two widths (WIDTH_STEP) and one growth of the cache (CACHE_BLOCK)
+STOPS = (0, 2, 17, 4_000, 31_337, 49_151)
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=49_152, hidden_size=576, intermediate_size=1_536, num_hidden_layers=2,
+                      num_attention_heads=9, num_key_value_heads=3, tie_word_embeddings=True,
+                      max_position_embeddings=2_048)
+    return LlamaForCausalLM(cfg).eval()
+
+
+class OnDevice(TorchDispatchMode):
+    """Records every op that takes a host tensor of one or more dimensions, and every cumsum's input shape."""
+
+    def __init__(self, host_inputs: list, scans: list):
+        super().__init__()
+        self.host_inputs, self.scans = host_inputs, scans
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        leaves = tree_leaves((args, kwargs))
+        if any(isinstance(x, torch.Tensor) and x.device != META and x.dim() > 0 for x in leaves):
+            self.host_inputs.append(func.overloadpacket.__name__)
+        if func.overloadpacket.__name__ == "cumsum":
+            self.scans.append(tuple(args[0].shape))
+        return func(*args, **(kwargs or {}))
+
+
+class MetaGraphs:
+    """The graph backend for "meta": `capture` runs the step once (where CUDA records it) and each
+    replay runs it again, both under OnDevice."""
+
+    host_inputs: list[str] = []
+    scans: list[tuple] = []
+    captures = replays = 0
+
+    def __init__(self, device):
+        self.device = device
+
+    @contextlib.contextmanager
+    def running(self):
+        yield
+
+    def capture(self, one_step):
+        MetaGraphs.captures += 1
+        with OnDevice(MetaGraphs.host_inputs, MetaGraphs.scans):
+            one_step()
+
+        def replay():
+            MetaGraphs.replays += 1
+            with OnDevice(MetaGraphs.host_inputs, MetaGraphs.scans):
+                one_step()
+
+        return replay
+
+
+@pytest.fixture
+def meta_graphs(monkeypatch):
+    monkeypatch.setitem(cd.GRAPH_BACKENDS, "meta", MetaGraphs)
+    monkeypatch.setattr(cd, "_GRAPHS_FAILED", {})
+    monkeypatch.setitem(sampling.SCAN_BLOCK, "meta", sampling.SCAN_BLOCK["cuda"])
+    MetaGraphs.host_inputs, MetaGraphs.scans, MetaGraphs.captures, MetaGraphs.replays = [], [], 0, 0
+    calls = []  # every call of the step: direct, captured and replayed
+    eager = cd.decode_step
+
+    def counted(*args):
+        calls.append(1)
+        return eager(*args)
+
+    monkeypatch.setattr(cd, "decode_step", counted)
+    return calls
+
+
+def _to_meta(x):
+    if isinstance(x, torch.Tensor):
+        return x.to(META)
+    if isinstance(x, (list, tuple)):
+        return type(x)(_to_meta(y) for y in x)
+    return x
+
+
+def started(model, dtype: torch.dtype, G: int = 8) -> tuple[FastDecoder, torch.Tensor]:
+    """A decoder prefilled on CPU with two prompts of 12 tokens x G rows, moved to meta, and the
+    first token's logits [2G, V] there. Unpacked weights, and the cache in `dtype`, as on CUDA."""
+    dec = FastDecoder(model, dtype=dtype, pack=False)
+    dec.adtype = dtype  # on CPU a bf16 decoder keeps an fp32 cache; on CUDA it is bf16
+    ids = torch.randint(3, 49_000, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        first = dec.start(ids, torch.ones_like(ids), G, T, zeroed=True)
+    for name, value in vars(dec).items():
+        setattr(dec, name, _to_meta(value))
+    return dec, first.to(META)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("params", [SamplingParams(T, temperature=0.7, top_k=50, top_p=0.9, ignore_eos=True),
+                                    SamplingParams(T, greedy=True, ignore_eos=True)], ids=["sampled", "greedy"])
+def test_the_slot_loop_decodes_with_no_host_read_and_no_host_tensor_in_a_captured_step(model, meta_graphs, dtype,
+                                                                                        params):
+    """The eager step in the slot loop, replayed as graphs, decodes 80 tokens for 16 rows on meta:
+    no host read anywhere in the loop (ignore_eos: the loop itself looks only to stop), every step a
+    direct step or a replay, three shapes captured as the attended width and the cache grow, and no
+    host tensor in any captured step. A sampled step sums the vocabulary in CUDA's blocks."""
+    direct = meta_graphs
+    dec, first = started(model, dtype)
+    N = first.shape[0]
+    uniforms = torch.zeros(N, T, dtype=torch.float64, device=META)
+    loop = cd.CompiledDecodeLoop(META, compile=False)
+    with torch.no_grad():
+        completion, lengths = loop.run(dec, first, params, uniforms, torch.tensor(STOPS, device=META), 1)
+    assert completion.device == lengths.device == META and completion.shape == (N, T)
+    replays = MetaGraphs.replays
+    steps = len(direct) - MetaGraphs.captures - replays  # the loop's direct steps (a capture's run decodes nothing)
+    assert steps + replays == T - 1
+    assert MetaGraphs.captures >= 3 and replays > 4 * steps, (MetaGraphs.captures, replays, steps)
+    assert dec.k[0].shape[2] > 12 + CACHE_BLOCK and dec.k[0].dtype == dtype  # it grew, and stayed in dtype
+    assert MetaGraphs.host_inputs == []
+    blocks = [s for s in MetaGraphs.scans if len(s) == 3]
+    if params.greedy:
+        assert MetaGraphs.scans == []
+    else:
+        assert blocks and all(s[1:] == (12, 4_096) for s in blocks), MetaGraphs.scans
+
+
+def _stop_step(dec):
+    S = dec.k[0].shape[0]
+    return (dec, cd.StepSpec(False, 0.7, 50, 0.9, 1, True),
+            torch.zeros(S, dtype=torch.long, device=META), dec.next_pos.clone(),
+            torch.tensor([1, dec.P], dtype=torch.long, device=META), torch.arange(S, device=META),
+            torch.zeros(S, dtype=torch.bool, device=META), torch.empty(cd.WIDTH_STEP, dtype=torch.bool, device=META),
+            dec.valid, dec.k, dec.v, torch.zeros(S + 1, T, dtype=torch.float64, device=META),
+            torch.zeros(S + 1, T, dtype=torch.long, device=META), torch.tensor(STOPS, device=META))
+
+
+def test_a_step_that_checks_six_stop_tokens_takes_no_host_read_and_no_host_tensor(model, meta_graphs):
+    """The step as the loop calls it with stop tokens (top-k, top-p, six stops): on meta, every op
+    on device tensors, and the finished flags come back as a device tensor."""
+    dec, _ = started(model, torch.bfloat16, G=4)
+    host, scans = [], []
+    with torch.no_grad(), OnDevice(host, scans):
+        nxt, finished, _ = cd.decode_step(*_stop_step(dec))
+    assert nxt.device == finished.device == META and finished.dtype == torch.bool and nxt.shape == (8,)
+    assert host == []
+
+
+@pytest.mark.parametrize("planted", ["tolist", "host index"])
+def test_the_checks_catch_a_planted_host_read_and_a_planted_host_tensor(model, meta_graphs, monkeypatch, planted):
+    """Each check can fail: a draw that reads its tokens back with .tolist() (which dispatches no op
+    on CPU) raises on meta, and one that indexes with a host tensor is recorded."""
+    dec, _ = started(model, torch.float32, G=4)
+    real = cd.inverse_cdf
+
+    def tolist(probs, u):
+        out = real(probs, u)
+        return out.new_tensor(out.tolist())
+
+    def host_index(probs, u):
+        return real(probs, u)[torch.arange(probs.shape[0])]
+
+    monkeypatch.setattr(cd, "inverse_cdf", tolist if planted == "tolist" else host_index)
+    host, scans = [], []
+    with torch.no_grad(), OnDevice(host, scans):
+        if planted == "tolist":
+            with pytest.raises(NotImplementedError, match="meta"):
+                cd.decode_step(*_stop_step(dec))
+        else:
+            cd.decode_step(*_stop_step(dec))
+            assert host == ["index"]

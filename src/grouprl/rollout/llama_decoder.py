@@ -8,9 +8,12 @@ The same math as the `transformers` forward pass of these models, per layer l:
 
 computed without the per-step costs of the generic path: the KV cache is one tensor per layer
 (no `torch.cat` per step), the RoPE table is built once per call, W_q/W_k/W_v and W_gate/W_up are
-fused into one matmul each (small models), larger models on CPU use weights packed once per call for
-oneDNN's small-batch matmul, no attention mask object is rebuilt per step, and rows that have
-finished are compacted out of the cache so they cost nothing afterwards.
+fused into one matmul each (small models, and any model whose weights are copied anyway: cast to
+bf16 or packed), RoPE turns queries and keys in one go, larger models on CPU use weights packed once
+per call for oneDNN's small-batch matmul, no attention mask object is rebuilt per step, and rows
+that have finished are compacted out of the cache so they cost nothing afterwards. On a GPU a
+small model's step waits on its kernels one by one, so their count is what these choices cut:
+benchmarks/decode_launches.py counts them.
 
 The cache's memory follows the live rows and the tokens fed, not rows x max_new_tokens: it starts
 with the prompt plus CACHE_BLOCK columns and doubles its new-token columns when a step fills it (at
@@ -40,6 +43,7 @@ generic path took 3.5x as long.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from dataclasses import dataclass
 
@@ -185,7 +189,8 @@ class FastDecoder:
         self.norm = (base.norm.weight.detach(), base.norm.variance_epsilon)
         self.lm_head = merged_weight(model.lm_head).detach()
         self.layers = []
-        cast = (lambda t: t.detach().to(self.dtype)) if self.dtype != self.embed.dtype else (lambda t: t.detach())
+        casts = self.dtype != self.embed.dtype  # the weights are copied into the matmuls' dtype
+        cast = (lambda t: t.detach().to(self.dtype)) if casts else (lambda t: t.detach())
 
         def cast_bias(layer: torch.nn.Module) -> torch.Tensor | None:
             bias = getattr(layer, "base_layer", layer).bias
@@ -194,10 +199,11 @@ class FastDecoder:
         n_params = sum(p.numel() for p in model.parameters())
         pack = pack if pack is not None else _can_pack(model, self.dtype, n_params)
         self.linear = _packed_linear if pack else F.linear
-        # fusing W_q/W_k/W_v and W_gate/W_up saves two matmul calls per layer and step, which is what a
-        # small model's decode step costs; for a large model the fused copies would only add memory,
-        # unless its weights are packed, which copies them anyway
-        fuse = fuse if fuse is not None else (pack or n_params <= FUSE_MAX_PARAMS)
+        # fusing W_q/W_k/W_v and W_gate/W_up saves three matmul calls per layer and step (and RoPE then
+        # runs on queries and keys in one go), which is what a small model's decode step costs; for a
+        # large model the fused copies would only add memory, unless its weights are copied anyway:
+        # packed, or cast to the matmuls' dtype (bf16 over fp32 master weights, the default on a GPU)
+        fuse = fuse if fuse is not None else (pack or n_params <= FUSE_MAX_PARAMS or casts)
         mat = (lambda t: _pack(cast(t))) if pack else cast  # weight matrices (biases stay plain)
         for layer in base.layers:
             a, m = layer.self_attn, layer.mlp
@@ -242,14 +248,17 @@ class FastDecoder:
     # ------------------------------------------------------------------ pieces
     @staticmethod
     def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-        xf = x.float()
+        if x.dtype == w.dtype == torch.float32:  # the same math in one call (one fused kernel where torch has it)
+            return F.rms_norm(x, (x.shape[-1],), w, eps)
+        xf = x.float()  # a half-precision stream: normalised in fp32, rounded, then scaled, as transformers does
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
         return w * xf.to(x.dtype)
 
-    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        half = x.shape[-1] // 2
-        rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-        return x * cos + rot * sin
+    @staticmethod
+    def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """RoPE with `sin` sign-folded (`_positions`): x·cos + rotate_half(x)·sin, where
+        rotate_half(x) = [-x2, x1] = roll(x, D/2)·[-1, +1]: the same products, one op instead of three."""
+        return x * cos + x.roll(x.shape[-1] // 2, -1) * sin
 
     def _layers(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, write, attend) -> torch.Tensor:
         """x [n, S, d]; cos/sin [n, 1, S, D]. `write(l, k, v)` stores the new keys/values,
@@ -259,12 +268,13 @@ class FastDecoder:
         for l, (w_in, eps1, qkv_w, w_o, b_o, w_post, eps2, gu_w, w_down) in enumerate(self.layers):
             dt = self.dtype  # like autocast: matmul inputs in dt, the residual stream in wdtype
             h = self._rms(x, w_in, eps1).to(dt)
-            if len(qkv_w) == 1:
-                q, k, v = self.linear(h, *qkv_w[0]).split([H * D, Hkv * D, Hkv * D], dim=-1)
+            if len(qkv_w) == 1:  # queries and keys side by side: RoPE on both at once
+                qk, v = self.linear(h, *qkv_w[0]).split([(H + Hkv) * D, Hkv * D], dim=-1)
             else:
                 q, k, v = (self.linear(h, w, b) for w, b in qkv_w)  # [n, S, H*D], [n, S, Hkv*D] x 2
-            q = self._rope(q.view(n, S, H, D).transpose(1, 2), cos, sin).to(self.adtype)  # [n, H, S, D]
-            k = self._rope(k.view(n, S, Hkv, D).transpose(1, 2), cos, sin).to(self.adtype)  # [n, Hkv, S, D]
+                qk = torch.cat([q, k], -1)
+            qk = self._rope(qk.view(n, S, H + Hkv, D).transpose(1, 2), cos, sin).to(self.adtype)  # [n, H+Hkv, S, D]
+            q, k = qk.split([H, Hkv], dim=1)  # [n, H, S, D], [n, Hkv, S, D]
             write(l, k, v.view(n, S, Hkv, D).transpose(1, 2).to(self.adtype))
             o = attend(l, q).transpose(1, 2).reshape(n, S, H * D).to(dt)
             x = x + self.linear(o, w_o, b_o)
@@ -287,9 +297,12 @@ class FastDecoder:
         P = mask.shape[1]
         self.P, self.max_cap = P, P + max_new_tokens
         self.cap = P + min(max_new_tokens, self.cache_block)  # columns allocated
-        with torch.autocast(mask.device.type, enabled=False):
+        kind = mask.device.type  # a device without autocast (meta, where tests/rollout/test_decode_on_meta.py runs)
+        with torch.autocast(kind, enabled=False) if torch.amp.is_autocast_available(kind) else contextlib.nullcontext():
             cos, sin = self.rotary(self.embed[:1], torch.arange(self.max_cap, device=mask.device)[None])  # [1, P+T, D]
-        self.cos, self.sin = cos[0].to(self.wdtype), sin[0].to(self.wdtype)  # [P+T, D]
+        half = cos.shape[-1] // 2
+        self.cos = cos[0].to(self.wdtype)  # [P+T, D]
+        self.sin = torch.cat([-sin[0, :, :half], sin[0, :, half:]], -1).to(self.wdtype)  # sign-folded for `_rope`
         return (mask.cumsum(-1) - 1).clamp(min=0)  # [B, P]
 
     def _reallocate(self, rows: torch.Tensor | slice, cap: int) -> None:

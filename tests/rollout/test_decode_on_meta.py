@@ -8,10 +8,10 @@ Every op of a captured step is also checked to take only device tensors: a host 
 upload from pageable memory, which a capture refuses too (0-dim host tensors are passed by value).
 
 The shapes are SmolLM2-135M's, with two layers: a 49,152-token vocabulary, and 9 query heads over 3
-key heads of size 64. The vocabulary's running sum is taken in CUDA's blocks (`sampling.SCAN_BLOCK`),
-and the cache is in the matmuls' dtype, as on CUDA. The prefill runs on CPU (autocast has no meta
-device), and the decoder then moves to meta. The graph backend is a stand-in: it runs a captured
-step once at capture and again at every replay, under the checks.
+key heads of size 64. The vocabulary's running sum is taken in CUDA's blocks (`sampling.SCAN_BLOCK`).
+The model is built on meta, and the decoder takes the choices it takes off the CPU, as on CUDA: no
+packed weights, and the cache in the matmuls' dtype. The graph backend is a stand-in: it runs a
+captured step once at capture and again at every replay, under the checks.
 """
 
 from __future__ import annotations
@@ -36,11 +36,11 @@ STOPS = (0, 2, 17, 4_000, 31_337, 49_151)
 
 @pytest.fixture(scope="module")
 def model():
-    torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=49_152, hidden_size=576, intermediate_size=1_536, num_hidden_layers=2,
                       num_attention_heads=9, num_key_value_heads=3, tie_word_embeddings=True,
                       max_position_embeddings=2_048)
-    return LlamaForCausalLM(cfg).eval()
+    with META:
+        return LlamaForCausalLM(cfg).eval()
 
 
 class OnDevice(TorchDispatchMode):
@@ -104,25 +104,13 @@ def meta_graphs(monkeypatch):
     return calls
 
 
-def _to_meta(x):
-    if isinstance(x, torch.Tensor):
-        return x.to(META)
-    if isinstance(x, (list, tuple)):
-        return type(x)(_to_meta(y) for y in x)
-    return x
-
-
 def started(model, dtype: torch.dtype, G: int = 8) -> tuple[FastDecoder, torch.Tensor]:
-    """A decoder prefilled on CPU with two prompts of 12 tokens x G rows, moved to meta, and the
-    first token's logits [2G, V] there. Unpacked weights, and the cache in `dtype`, as on CUDA."""
-    dec = FastDecoder(model, dtype=dtype, pack=False)
-    dec.adtype = dtype  # on CPU a bf16 decoder keeps an fp32 cache; on CUDA it is bf16
-    ids = torch.randint(3, 49_000, (2, 12), generator=torch.Generator().manual_seed(1))
+    """A decoder prefilled with two prompts of 12 tokens x G rows, and the first token's logits [2G, V]."""
+    dec = FastDecoder(model, dtype=dtype)
+    assert dec.linear is torch.nn.functional.linear and dec.adtype == dtype  # CUDA's choices, not CPU's
+    ids = torch.zeros(2, 12, dtype=torch.long, device=META)
     with torch.no_grad():
-        first = dec.start(ids, torch.ones_like(ids), G, T, zeroed=True)
-    for name, value in vars(dec).items():
-        setattr(dec, name, _to_meta(value))
-    return dec, first.to(META)
+        return dec, dec.start(ids, torch.ones_like(ids), G, T, zeroed=True)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

@@ -42,6 +42,7 @@ RUN = {"benchmarks/shared_prompt.py", "benchmarks/process_vs_outcome.py", "bench
        "benchmarks/run_health.py", "benchmarks/learning_vs_trl.py", "benchmarks/vs_trl.py", "benchmarks/ppo_vs_grpo.py",
        "benchmarks/step_profile.py", "benchmarks/distillation.py", "benchmarks/decode.py",
        "benchmarks/memory_peak.py", "benchmarks/update_launches.py", "benchmarks/packed_attention.py",
+       "benchmarks/decode_launches.py",
        "scripts/build_default_policy.py",
        "scripts/build_tool_policy.py", "scripts/sandbox_report.py"}
 HELP_ONLY = {"benchmarks/async_rollouts.py", "benchmarks/agentic_async.py", "benchmarks/vllm_vs_builtin.py",
@@ -293,6 +294,23 @@ def test_update_launches_counts_one_varlen_op_per_layer_and_pass_direction(tmp_p
     one = "varlen attention (one kernel on a GPU)"
     assert counts[32]["by_op"][one] == 3 and counts[16]["by_op"][one] == 6
     assert counts[16]["ops"] > counts[32]["ops"] > counts[32]["views"] > 0
+
+
+def test_decode_launches_counts_the_layers_once_each_and_rms_norm_as_one(tmp_path):
+    """The 135M shape on meta: a step is its ops outside the layers plus 30 layers' worth; each layer
+    has its two RMSNorms as one kernel each (none of their six CPU ops is counted), its four
+    matmuls and its two cache writes; a greedy step draws with none of the sampling ops."""
+    out = run("benchmarks/decode_launches.py", "--shapes", "smollm2-135m-shape", "--json", str(tmp_path / "d.json"))
+    sampled, greedy = json.loads((tmp_path / "d.json").read_text())
+    assert "| smollm2-135m-shape | sampled |" in out and not sampled["greedy"] and greedy["greedy"]
+    for row in (sampled, greedy):
+        assert row["per_step"] == row["outside"] + 30 * row["per_layer"] == row["outside"] + 30 * sum(
+            row["layer_ops"].values())
+        layer = row["layer_ops"]
+        assert layer["rms_norm"] == 2 and layer["mm"] == 4 and layer["index_copy_"] == 2
+        assert not {"pow", "rsqrt", "mean", "view", "transpose"} & set(layer)
+    assert {"topk", "sort", "searchsorted", "cumsum"} <= set(sampled["outside_ops"])
+    assert not {"topk", "sort", "searchsorted"} & set(greedy["outside_ops"]) and greedy["outside"] < sampled["outside"]
 
 
 def test_step_profile_times_every_stage_and_tabulates_runs(tmp_path):

@@ -203,15 +203,15 @@ def _compile_failed(device: torch.device, err: BaseException) -> None:
 # 15.5 ms, whose weights stream in ~0.7 ms (an H100: 21.5 and 17.4 ms); a replayed graph keeps
 # about the kernels' own time, so 0.5 ms per layer and step, at most 80 %: estimates, not measured.
 # Where the probe's calls were themselves replayed as graphs of the eager step ("cuda+graphs", the
-# default on CUDA), compiling saves only what fusing the kernels saves: an eager layer is ~40
-# kernels, a compiled one ~12, at ~2.5 us each inside a graph, so 75 us per layer and step, at
-# most 60 %: estimates, not measured. The compile is priced as on CPU everywhere: on the H100's
+# default on CUDA), compiling saves only what fusing the kernels saves: an eager layer is 25
+# kernels (benchmarks/decode_launches.py counts them), a compiled one ~12, at ~2.5 us each inside
+# a graph, so 35 us per layer and step, at most 50 %: estimates, not measured. The compile is priced as on CPU everywhere: on the H100's
 # 16-core host, lowering the 135M (30 layers) and 1.7B (24) steps took 96 and 71 s before code
 # generation failed, against 135 and 111 s priced here.
 COMPILE_BASE_S = 15.0
 COMPILE_PER_LAYER_S = 4.0
-SAVED_PER_LAYER_STEP_S = {"cpu": 1e-4, "cuda": 5e-4, "cuda+graphs": 7.5e-5}
-MAX_SAVED_FRACTION = {"cpu": 0.3, "cuda": 0.8, "cuda+graphs": 0.6}
+SAVED_PER_LAYER_STEP_S = {"cpu": 1e-4, "cuda": 5e-4, "cuda+graphs": 3.5e-5}
+MAX_SAVED_FRACTION = {"cpu": 0.3, "cuda": 0.8, "cuda+graphs": 0.5}
 PROBE_CALLS = 2  # auto decodes this many calls eagerly, timing them, before it decides
 
 

@@ -205,9 +205,9 @@ def _compile_failed(device: torch.device, err: BaseException) -> None:
 # Where the probe's calls were themselves replayed as graphs of the eager step ("cuda+graphs", the
 # default on CUDA), compiling saves only what fusing the kernels saves: an eager layer is 25
 # kernels (benchmarks/decode_launches.py counts them), a compiled one ~12, at ~2.5 us each inside
-# a graph, so 35 us per layer and step, at most 50 %: estimates, not measured. The compile is priced as on CPU everywhere: on the H100's
-# 16-core host, lowering the 135M (30 layers) and 1.7B (24) steps took 96 and 71 s before code
-# generation failed, against 135 and 111 s priced here.
+# a graph, so 35 us per layer and step, at most 50 %: estimates, not measured. The compile is
+# priced as on CPU everywhere: on the H100's 16-core host, lowering the 135M (30 layers) and 1.7B
+# (24) steps took 96 and 71 s before code generation failed, against 135 and 111 s priced here.
 COMPILE_BASE_S = 15.0
 COMPILE_PER_LAYER_S = 4.0
 SAVED_PER_LAYER_STEP_S = {"cpu": 1e-4, "cuda": 5e-4, "cuda+graphs": 3.5e-5}

@@ -364,14 +364,15 @@ def test_captured_steps_replay_the_tokens_of_the_direct_steps(model_and_tok, rec
     monkeypatch.setattr(llama_decoder, "CACHE_BLOCK", 2)
     prompts = short_prompts(tok)
     P = max(map(len, prompts))  # steps t = 1 .. T2-1 write cache columns P .. P+T2-2
-    T2 = cd.WIDTH_STEP + 3 - P  # the second width (columns 32-63) gets 2 steps: too few to capture
+    T2 = cd.GRAPH_WIDTH_STEP + 3 - P  # the second width (columns 128-130, the call's last) gets 2 steps: too
+    # few to capture
     eager2, graphed2 = _both(model, tok, SamplingParams(T2, greedy=True, ignore_eos=True), prompts)
     _assert_same(eager2, graphed2)
     calls = [i for i, e in enumerate(events) if e == "enter"]
     assert len(calls) == 2 and events.count("exit") == 2
     second = events[calls[1]:]
     assert second.count("direct") + second.count("replay") == T2 - 1  # ignore_eos: every step runs
-    assert _runs(second)[-3:] == [("replay", cd.WIDTH_STEP - P - 1), ("direct", 2), ("exit", 1)]
+    assert _runs(second)[-3:] == [("replay", cd.GRAPH_WIDTH_STEP - P - 1), ("direct", 2), ("exit", 1)]
     _assert_graph_discipline(events)
 
 

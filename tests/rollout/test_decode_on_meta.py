@@ -92,6 +92,7 @@ def meta_graphs(monkeypatch):
     monkeypatch.setitem(cd.GRAPH_BACKENDS, "meta", MetaGraphs)
     monkeypatch.setattr(cd, "_GRAPHS_FAILED", {})
     monkeypatch.setitem(sampling.SCAN_BLOCK, "meta", sampling.SCAN_BLOCK["cuda"])
+    monkeypatch.setattr(cd, "GRAPH_WIDTH_STEP", cd.WIDTH_STEP)  # more shapes in 80 tokens: each one captured
     MetaGraphs.host_inputs, MetaGraphs.scans, MetaGraphs.captures, MetaGraphs.replays = [], [], 0, 0
     calls = []  # every call of the step: direct, captured and replayed
     eager = cd.decode_step

@@ -19,9 +19,11 @@ rather than compiling a second graph (measured: a 1-row call then a 16-row call 
 - The KV cache: [S, Hkv, C, D] per layer, zero-filled, passed whole (its strides never change, so
   no graph is specialised on a slice), written by `index_copy_` at the step's column, a tensor
   (`cursor`), so a new column is not a new graph. The step attends the first W columns, W the next
-  multiple of WIDTH_STEP past its column, always fewer than C: a step reads about as much of the
-  cache as the eager step (which reads exactly the columns fed) -- on this CPU the reads of the
-  cache are what a small model's step waits on, so attending all C would cost more than it saves.
+  multiple of WIDTH_STEP past its column (at most prompt + new tokens), always fewer than C: a step
+  reads about as much of the cache as the eager step (which reads exactly the columns fed) -- on
+  this CPU the reads of the cache are what a small model's step waits on, so attending all C would
+  cost more than it saves. Replayed as graphs, where each width is a captured shape, the step is
+  GRAPH_WIDTH_STEP.
   Columns not yet written are masked by `valid`. When W would reach C, the cache widens by
   doubling its new-token columns (`_grow`), keeping WIDTH_STEP spare ones.
 - The weights are inputs of the graph, not constants: a new policy is not a new graph.
@@ -90,6 +92,13 @@ from grouprl.rollout.types import SamplingParams
 log = logging.getLogger(__name__)
 
 WIDTH_STEP = 32  # the step attends the cache's first W columns, W the next multiple of this past the column
+# With graphs each width is a new shape, and a new shape costs a direct step and a capture, each
+# launching the step's kernels from Python (~10 ms a shape at the 135M shape's 800 kernels, from
+# the H100's eager 15 us a kernel), where a replay takes ~2 ms: at 32 a 256-token call would pay
+# 8 shapes. At 128 it pays 2-3, and each step reads on average 64 more masked columns of the
+# cache (16 rows of the 1.7B shape: ~0.2 GB, ~0.07 ms at an H100's bandwidth). Estimates, not
+# measured: `benchmarks/decode.py --graph-width-step` times other values.
+GRAPH_WIDTH_STEP = 128
 MIN_SLOTS = 2  # torch specialises a size of 1: a batch never shrinks below 2 slots, so no second graph
 MIN_GRAPH_STEPS = 4  # CUDA graphs: a shape is captured only when at least this many steps will replay it
 
@@ -413,8 +422,10 @@ class CompiledDecodeLoop:
                         tok, pos, rowmap, finished = self._compact(dec, live, S, tok, pos, rowmap, finished, N)
                         views = None
                 C = dec.k[0].shape[2]
-                if col >= W:  # attend the next multiple of WIDTH_STEP, always fewer than the columns
-                    W = (col // WIDTH_STEP + 1) * WIDTH_STEP  # (W == C would be another graph: contiguous slices)
+                if col >= W:  # attend up to the next multiple of the width step, no more than the call can
+                    # fill, and always fewer columns than the cache has (W == C: contiguous slices, another graph)
+                    width_step = GRAPH_WIDTH_STEP if graphs is not None else WIDTH_STEP
+                    W = min((col // width_step + 1) * width_step, dec.max_cap)
                     if W >= C:  # double the new-token columns, keeping WIDTH_STEP spare ones past the last
                         self._grow(dec, max(W, min(dec.max_cap, dec.P + 2 * (C - dec.P))) + WIDTH_STEP)
                     views = None

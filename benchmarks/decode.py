@@ -21,8 +21,10 @@ of a model reports the compile time; later cells reuse the graph) and reports me
 engine's own thread policy applies (one thread for models up to 5 M parameters on CPU). On CUDA two
 more sides join the rotation (`--cuda-graphs off` leaves them out): the eager and the compiled step
 replayed as captured CUDA graphs (`generation_cuda_graphs`). In the JSON, `graphs_failed` names the
-reason if capturing failed and those sides fell back to launching kernels, and `compile_failed` the
-reason if the compiled sides ran the eager step.
+reason if capturing failed and those sides fell back to launching kernels, `compile_failed` the
+reason if the compiled sides ran the eager step, and `captures_per_call` how many shapes a graphed
+side's full-length call captured (each costs a direct step and a capture: `--graph-width-step`
+sets how often the attended width makes a new one).
 """
 
 from __future__ import annotations
@@ -87,13 +89,18 @@ def cell(model, pad, eos, vocab, rows: int, prompt: int, tokens: int, reps: int,
     engines = {v: HFEngine(model, (eos,), pad, autocast_dtype=dtype, decode_threads=threads, **kw)
                for v, kw in variants.items()}
 
+    captures = {v: 0 for v in variants}  # graphs captured by a side's last full-length call
+
     def timed(variant: str, n: int) -> float:
         if device == "cuda":
             torch.cuda.synchronize()
+        before = CAPTURES[0]
         start = time.perf_counter()
         engines[variant].generate(prompts, G, SamplingParams(n, ignore_eos=True), torch.Generator().manual_seed(1))
         if device == "cuda":
             torch.cuda.synchronize()
+        if n == tokens:
+            captures[variant] = CAPTURES[0] - before
         return time.perf_counter() - start
 
     before = cd.compile_seconds(torch.device(device).type)
@@ -117,7 +124,24 @@ def cell(model, pad, eos, vocab, rows: int, prompt: int, tokens: int, reps: int,
         out["compile_failed"] = cd._FAILED.get(torch.device(device).type)
     if "eager_graphs" in variants:  # a reason: the graphed runs launched kernels one by one
         out["graphs_failed"] = cd._GRAPHS_FAILED.get("cuda")
+        out["captures_per_call"] = {v: captures[v] for v in variants if variants[v]["cuda_graphs"]}
+        out["graph_width_step"] = cd.GRAPH_WIDTH_STEP
     return out
+
+
+CAPTURES = [0]  # graphs captured in this process (counted around CompiledDecodeLoop._capture)
+
+
+def count_captures() -> None:
+    from grouprl.rollout import compiled_decode as cd
+
+    capture = cd.CompiledDecodeLoop._capture
+
+    def counted(self, *args):
+        CAPTURES[0] += 1
+        return capture(self, *args)
+
+    cd.CompiledDecodeLoop._capture = counted
 
 
 def main() -> None:
@@ -137,7 +161,15 @@ def main() -> None:
                     help="leave out the compiled sides: eager, and on CUDA eager replayed as graphs (no compile wait)")
     ap.add_argument("--cuda-graphs", choices=["on", "off"], default="on",
                     help="on CUDA, also time the compiled step replayed as CUDA graphs (default on)")
+    ap.add_argument("--graph-width-step", type=int, default=None,
+                    help="attended cache columns are bucketed by this when replaying graphs (default: "
+                         "compiled_decode.GRAPH_WIDTH_STEP); each bucket is a captured shape")
     args = ap.parse_args()
+    count_captures()
+    if args.graph_width_step:
+        from grouprl.rollout import compiled_decode as cd
+
+        cd.GRAPH_WIDTH_STEP = args.graph_width_step
     results = []
     for name in args.models:
         model, pad, eos, vocab = build(name, args.smollm2, args.device)

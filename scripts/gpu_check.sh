@@ -17,8 +17,9 @@
 # all (its start, ~30 s, included) and 10 a call, so split it, the most wanted first, e.g. (1)
 # WORKLOADS=gpu-135m-256 DECODE_S=0 MEM_S=0 MB_S=0 AB_S=0 (the suite and 135M against TRL, ~8 min),
 # then at once, while the machine is warm (30 s), (2) BENCH_S=0 TESTS_S=0 MB_S=0 AB_S=0 MEM_S=0
-# (decode, ~5 min), with MEM_S's 150 s added if the minutes left allow. At most 8 files come back
-# from a lent machine's output folder: split the calls so that each writes fewer.
+# (decode: eager and graphs ~40 s, the graph-width A/B ~80 s, then each model compiled, up to
+# DECODE_S each: ~6 min), with MEM_S's 150 s added if the minutes left allow. At most 8 files come
+# back from a lent machine's output folder: split the calls so that each writes fewer (call 2: 7).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-${OUT:-gpu-out}}
@@ -64,6 +65,13 @@ if [ "${DECODE_S:-150}" -gt 0 ]; then
   timeout 120 python3 benchmarks/decode.py --device cuda --models smollm2-135m-shape smollm2-1.7b-shape --rows 16 \
     --prompt 16 --dtypes bf16 --reps 2 --no-compile --smollm2 "$TOKENIZER" --json "$OUT/decode-eager.json" 2>&1 \
     | tee -a "$OUT/decode.log"
+  # how often a new attended width should make a new captured shape: 256-token calls, buckets of 32
+  # against the default 128 (compiled_decode.GRAPH_WIDTH_STEP, an estimate), ~40 s each
+  for w in 32 128; do
+    timeout 90 python3 benchmarks/decode.py --device cuda --models smollm2-135m-shape --rows 16 --prompt 16 \
+      --tokens 256 --dtypes bf16 --reps 2 --no-compile --graph-width-step "$w" --smollm2 "$TOKENIZER" \
+      --json "$OUT/decode-width-$w.json" 2>&1 | tee -a "$OUT/decode.log"
+  done
   for m in smollm2-135m-shape smollm2-1.7b-shape; do
     timeout "${DECODE_S:-150}" python3 benchmarks/decode.py --device cuda --models "$m" --rows 16 --prompt 16 \
       --dtypes bf16 --reps 2 --smollm2 "$TOKENIZER" --json "$OUT/decode-$m.json" 2>&1 | tee -a "$OUT/decode.log"

@@ -9,7 +9,8 @@ not each kernel's own few microseconds. So the count of kernels sets the graphed
 floor, and it can be counted without a GPU. The step is the slot loop's eager `decode_step`
 (rollout/compiled_decode.py) on a decoder built from a random-init Llama of the shape on meta (no
 weights are allocated), with bf16 matmuls over fp32 weights, 16 rows and 64 attended columns, as on
-CUDA. The count is the top-level aten ops it dispatches, views left out (a view launches nothing).
+CUDA. The count is the top-level aten ops it dispatches, views left out (a view launches nothing):
+each is a kernel on CUDA, a few two (baddbmm copies its broadcast bias into the output first).
 `F.rms_norm` counts as one: on CUDA torch runs it as one fused kernel, where CPU and meta split it into six.
 Layers: the count with two layers less the count with one, and the step's ops outside them.
 """

@@ -357,11 +357,9 @@ class CompiledDecodeLoop:
         self.compile = compile  # the compiled step; False: the eager step (only worth it replayed as graphs)
 
     def _graph_backend(self):
-        kind = self.device.type
-        if not self.graphs or kind not in GRAPH_BACKENDS or kind in _GRAPHS_FAILED:
-            return None
+        """The device's graph backend for one call (the caller checked `graphs_available`), or None."""
         try:
-            return GRAPH_BACKENDS[kind](self.device)
+            return GRAPH_BACKENDS[self.device.type](self.device)
         except Exception as err:  # noqa: BLE001 — a torch without graph pools or streams here: no graphs
             _graphs_failed(self.device, err)
             return None

@@ -10,6 +10,7 @@ import warnings
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import grouprl.rollout.compiled_decode as cd
@@ -496,6 +497,18 @@ def test_a_failed_compile_goes_on_with_the_eager_step_replayed_as_graphs(model_a
     _assert_graph_discipline(eager_graphs)
 
 
+class RecordOps(TorchDispatchMode):
+    """Appends (op, args, kwargs) of every aten op dispatched inside it to `ops`."""
+
+    def __init__(self, ops: list):
+        super().__init__()
+        self.ops = ops
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append((func, args, kwargs or {}))
+        return func(*args, **(kwargs or {}))
+
+
 class OpsOfReplays(RecordedGraphs):
     """RecordedGraphs whose replays record every aten op they dispatch, with its arguments."""
 
@@ -505,14 +518,7 @@ class OpsOfReplays(RecordedGraphs):
         replay = super().capture(one_step)
 
         def recorded():
-            from torch.utils._python_dispatch import TorchDispatchMode
-
-            class Record(TorchDispatchMode):
-                def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                    OpsOfReplays.ops.append((func, args))
-                    return func(*args, **(kwargs or {}))
-
-            with Record():
+            with RecordOps(OpsOfReplays.ops):
                 replay()
 
         return recorded
@@ -534,10 +540,10 @@ def test_the_eager_step_makes_no_host_sync_that_a_cuda_capture_refuses(model_and
     OpsOfReplays.ops = []
     HFEngine(model, _stops(tok), tok.pad_token_id).generate(short_prompts(tok), 2, SAMPLED,
                                                             torch.Generator().manual_seed(0))
-    names = {func.overloadpacket.__name__ for func, _ in OpsOfReplays.ops}
+    names = {func.overloadpacket.__name__ for func, _, _ in OpsOfReplays.ops}
     assert {"mm", "index_copy_", "topk", "sort", "searchsorted", "eq", "index_put_"} <= names  # the whole step
     assert not names & _SYNCING, names & _SYNCING
-    bool_index = [func for func, args in OpsOfReplays.ops if func.overloadpacket.__name__ in ("index", "index_put_")
+    bool_index = [func for func, args, _ in OpsOfReplays.ops if func.overloadpacket.__name__ in ("index", "index_put_")
                   and any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in (args[1] or ()))]
     assert not bool_index  # a boolean index is a nonzero inside
 

@@ -10,24 +10,24 @@ upload from pageable memory, which a capture refuses too (0-dim host tensors are
 The shapes are SmolLM2-135M's, with two layers: a 49,152-token vocabulary, and 9 query heads over 3
 key heads of size 64. The vocabulary's running sum is taken in CUDA's blocks (`sampling.SCAN_BLOCK`).
 The model is built on meta, and the decoder takes the choices it takes off the CPU, as on CUDA: no
-packed weights, and the cache in the matmuls' dtype. The graph backend is a stand-in: it runs a
-captured step once at capture and again at every replay, under the checks.
+packed weights, and the cache in the matmuls' dtype. The graph backend is test_compiled_decode's
+stand-in with a graph's contract (nothing runs at capture; a replay runs the captured step), and
+each replay's ops are recorded for the checks.
 """
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
 from torch.utils._pytree import tree_leaves
-from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from grouprl.rollout import SamplingParams
 from grouprl.rollout import compiled_decode as cd
 from grouprl.rollout import sampling
 from grouprl.rollout.llama_decoder import CACHE_BLOCK, FastDecoder
+from tests.rollout.test_compiled_decode import (OpsOfReplays, RecordedGraphs, RecordOps, _assert_graph_discipline,
+                                                _direct)
 
 META = torch.device("meta")
 T = 80  # new tokens: past two widths (WIDTH_STEP) and one growth of the cache (CACHE_BLOCK)
@@ -43,66 +43,24 @@ def model():
         return LlamaForCausalLM(cfg).eval()
 
 
-class OnDevice(TorchDispatchMode):
-    """Records every op that takes a host tensor of one or more dimensions, and every cumsum's input shape."""
-
-    def __init__(self, host_inputs: list, scans: list):
-        super().__init__()
-        self.host_inputs, self.scans = host_inputs, scans
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        leaves = tree_leaves((args, kwargs))
-        if any(isinstance(x, torch.Tensor) and x.device != META and x.dim() > 0 for x in leaves):
-            self.host_inputs.append(func.overloadpacket.__name__)
-        if func.overloadpacket.__name__ == "cumsum":
-            self.scans.append(tuple(args[0].shape))
-        return func(*args, **(kwargs or {}))
-
-
-class MetaGraphs:
-    """The graph backend for "meta": `capture` runs the step once (where CUDA records it) and each
-    replay runs it again, both under OnDevice."""
-
-    host_inputs: list[str] = []
-    scans: list[tuple] = []
-    captures = replays = 0
-
-    def __init__(self, device):
-        self.device = device
-
-    @contextlib.contextmanager
-    def running(self):
-        yield
-
-    def capture(self, one_step):
-        MetaGraphs.captures += 1
-        with OnDevice(MetaGraphs.host_inputs, MetaGraphs.scans):
-            one_step()
-
-        def replay():
-            MetaGraphs.replays += 1
-            with OnDevice(MetaGraphs.host_inputs, MetaGraphs.scans):
-                one_step()
-
-        return replay
+def host_inputs(ops: list) -> list[str]:
+    """The recorded ops (RecordOps) that took a host tensor of one or more dimensions."""
+    return [func.overloadpacket.__name__ for func, args, kwargs in ops
+            if any(isinstance(x, torch.Tensor) and x.device != META and x.dim() > 0
+                   for x in tree_leaves((args, kwargs)))]
 
 
 @pytest.fixture
 def meta_graphs(monkeypatch):
-    monkeypatch.setitem(cd.GRAPH_BACKENDS, "meta", MetaGraphs)
+    """test_compiled_decode's stand-in graphs for "meta", recording each replay's ops (OpsOfReplays)
+    and the loop's direct steps (its events)."""
+    monkeypatch.setitem(cd.GRAPH_BACKENDS, "meta", OpsOfReplays)
     monkeypatch.setattr(cd, "_GRAPHS_FAILED", {})
     monkeypatch.setitem(sampling.SCAN_BLOCK, "meta", sampling.SCAN_BLOCK["cuda"])
     monkeypatch.setattr(cd, "GRAPH_WIDTH_STEP", cd.WIDTH_STEP)  # more shapes in 80 tokens: each one captured
-    MetaGraphs.host_inputs, MetaGraphs.scans, MetaGraphs.captures, MetaGraphs.replays = [], [], 0, 0
-    calls = []  # every call of the step: direct, captured and replayed
-    eager = cd.decode_step
-
-    def counted(*args):
-        calls.append(1)
-        return eager(*args)
-
-    monkeypatch.setattr(cd, "decode_step", counted)
-    return calls
+    monkeypatch.setattr(cd, "decode_step", _direct(cd.decode_step))
+    RecordedGraphs.events, OpsOfReplays.ops = [], []
+    return RecordedGraphs.events
 
 
 def started(model, dtype: torch.dtype, G: int = 8) -> tuple[FastDecoder, torch.Tensor]:
@@ -123,7 +81,7 @@ def test_the_slot_loop_decodes_with_no_host_read_and_no_host_tensor_in_a_capture
     no host read anywhere in the loop (ignore_eos: the loop itself looks only to stop), every step a
     direct step or a replay, three shapes captured as the attended width and the cache grow, and no
     host tensor in any captured step. A sampled step sums the vocabulary in CUDA's blocks."""
-    direct = meta_graphs
+    events = meta_graphs
     dec, first = started(model, dtype)
     N = first.shape[0]
     uniforms = torch.zeros(N, T, dtype=torch.float64, device=META)
@@ -131,17 +89,18 @@ def test_the_slot_loop_decodes_with_no_host_read_and_no_host_tensor_in_a_capture
     with torch.no_grad():
         completion, lengths = loop.run(dec, first, params, uniforms, torch.tensor(STOPS, device=META), 1)
     assert completion.device == lengths.device == META and completion.shape == (N, T)
-    replays = MetaGraphs.replays
-    steps = len(direct) - MetaGraphs.captures - replays  # the loop's direct steps (a capture's run decodes nothing)
+    steps, replays, captures = (events.count(e) for e in ("direct", "replay", "capture"))
     assert steps + replays == T - 1
-    assert MetaGraphs.captures >= 3 and replays > 4 * steps, (MetaGraphs.captures, replays, steps)
+    assert captures >= 3 and replays > 4 * steps, (captures, replays, steps)
+    _assert_graph_discipline(events)
     assert dec.k[0].shape[2] > 12 + CACHE_BLOCK and dec.k[0].dtype == dtype  # it grew, and stayed in dtype
-    assert MetaGraphs.host_inputs == []
-    blocks = [s for s in MetaGraphs.scans if len(s) == 3]
+    assert host_inputs(OpsOfReplays.ops) == []
+    scans = [tuple(args[0].shape) for func, args, _ in OpsOfReplays.ops if func.overloadpacket.__name__ == "cumsum"]
     if params.greedy:
-        assert MetaGraphs.scans == []
-    else:
-        assert blocks and all(s[1:] == (12, 4_096) for s in blocks), MetaGraphs.scans
+        assert scans == []
+    else:  # the draw's running sum within blocks [S, 12, 4096] (top-p's own sum over sorted probs is 2-D)
+        blocks = [x for x in scans if len(x) == 3]
+        assert blocks and all(x[1:] == (12, 4_096) for x in blocks), scans
 
 
 def _stop_step(dec):
@@ -158,11 +117,11 @@ def test_a_step_that_checks_six_stop_tokens_takes_no_host_read_and_no_host_tenso
     """The step as the loop calls it with stop tokens (top-k, top-p, six stops): on meta, every op
     on device tensors, and the finished flags come back as a device tensor."""
     dec, _ = started(model, torch.bfloat16, G=4)
-    host, scans = [], []
-    with torch.no_grad(), OnDevice(host, scans):
+    ops = []
+    with torch.no_grad(), RecordOps(ops):
         nxt, finished, _ = cd.decode_step(*_stop_step(dec))
     assert nxt.device == finished.device == META and finished.dtype == torch.bool and nxt.shape == (8,)
-    assert host == []
+    assert ops and host_inputs(ops) == []
 
 
 @pytest.mark.parametrize("planted", ["tolist", "host index"])
@@ -180,11 +139,11 @@ def test_the_checks_catch_a_planted_host_read_and_a_planted_host_tensor(model, m
         return real(probs, u)[torch.arange(probs.shape[0])]
 
     monkeypatch.setattr(cd, "inverse_cdf", tolist if planted == "tolist" else host_index)
-    host, scans = [], []
-    with torch.no_grad(), OnDevice(host, scans):
+    ops = []
+    with torch.no_grad(), RecordOps(ops):
         if planted == "tolist":
             with pytest.raises(NotImplementedError, match="meta"):
                 cd.decode_step(*_stop_step(dec))
         else:
             cd.decode_step(*_stop_step(dec))
-            assert host == ["index"]
+            assert host_inputs(ops) == ["index"]

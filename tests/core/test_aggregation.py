@@ -45,6 +45,20 @@ def test_batch_normalizer_makes_micro_batches_sum_to_the_full_batch(mode):
     assert torch.allclose(parts, full, rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("mode", AGGS)
+def test_a_batch_with_no_real_token_has_a_zero_loss_and_gradient(mode):
+    """Every completion masked (all truncated under mask_truncated_completions): the whole-batch
+    normaliser is positive (token-mean counts 1, as its one-pass form does), and the loss of each
+    micro-batch is exactly 0 with a zero gradient."""
+    loss = torch.randn(3, 4, requires_grad=True)
+    mask = torch.zeros(3, 4, dtype=torch.bool)
+    D = batch_normalizer(mode, mask)
+    assert D == (1 if mode == "token-mean" else 3)
+    out = aggregate_loss(loss[:2], mask[:2], mode, max_tokens=4, normalizer=D)
+    out.backward()
+    assert float(out) == 0.0 and torch.equal(loss.grad, torch.zeros(3, 4))
+
+
 def test_a_registered_aggregation_declares_what_it_divides_by():
     @register_loss_agg("test-token-sum-over-tokens", divides_by="tokens")
     def _per_token(loss, mask, *, max_tokens=None, normalizer=None):

@@ -237,9 +237,12 @@ def test_grouprl_eval_prints_accuracy_of_a_model(tiny_model_dir, digits_data, ca
     assert greedy == [["greedy", f"{result['accuracy']:.4f}"]]
 
 
-def test_mask_truncated_completions_removes_them_from_the_loss(make_cfg):
-    """Every completion is marked truncated and masked: the gradient is exactly zero."""
-    trainer = Trainer(make_cfg(mask_truncated_completions=True, beta=0.0))
+@pytest.mark.parametrize("loss_agg", ["seq-mean-token-mean", "token-mean", "seq-mean-token-sum",
+                                      "seq-mean-token-sum-norm"])
+def test_mask_truncated_completions_removes_them_from_the_loss(make_cfg, loss_agg):
+    """Every completion is marked truncated and masked: the gradient is exactly zero, under every
+    aggregation (token-mean's whole-batch count is then 0 tokens: the step is a zero step, not an error)."""
+    trainer = Trainer(make_cfg(mask_truncated_completions=True, beta=0.0, loss_agg=loss_agg))
     generate = trainer.engine.generate
 
     def all_truncated(*args, **kwargs):

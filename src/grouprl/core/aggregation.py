@@ -51,9 +51,11 @@ def register_loss_agg(name: str, *, divides_by: str = "completions") -> Callable
 
 def batch_normalizer(mode: str, mask: Tensor) -> int:
     """D of aggregation ``mode`` over a whole optimizer batch (``mask  # [N, T]``, the real tokens of
-    every micro-batch and rank): its real tokens, or its N completions."""
+    every micro-batch and rank): its real tokens, or its N completions. A batch with no real token
+    (every completion masked, e.g. all truncated under mask_truncated_completions) counts 1, as the
+    one-pass ``token-mean`` does: its loss and gradient are then 0, not an error."""
     LOSS_AGGREGATIONS.get(mode, "agg")
-    return int(mask.sum()) if mode in _DIVIDES_BY_TOKENS else mask.shape[0]
+    return max(int(mask.sum()), 1) if mode in _DIVIDES_BY_TOKENS else mask.shape[0]
 
 
 @register_loss_agg("token-mean", divides_by="tokens")

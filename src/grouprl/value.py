@@ -23,8 +23,9 @@ Deliberate choices:
 - the head starts at zero (w = 0, b = 0): V_old = 0 at the first step, so the first advantages are
   the discounted rewards, whitened; no random value noise, and no gradient into the trunk until w
   moves.
-- the head's parameters sit in the policy's optimizer (their own group, same learning rate and
-  schedule), and are clipped with the policy's gradient norm.
+- the head's parameters sit in the policy's optimizer, in their own group: their own learning rate
+  (value_learning_rate, default 10 x learning_rate, optim.py) on the policy's schedule, clipped with
+  the policy's gradient norm.
 - under torchrun the head is not wrapped by DDP/FSDP2 (H + 1 parameters, replicated): its
   gradients are averaged over ranks by one all-reduce before the gradient norm is taken
   (`distributed.average_gradients`), and V_old, which each rank computes for its own rows, is

@@ -170,6 +170,9 @@ def test_a_tiny_student_learns_from_a_tiny_teacher_without_the_reward(make_cfg, 
     ({"distill_reward_coef": 0.5}, "distill_reward_coef=0.5 weighs the reward advantages against a teacher's "
                                    "signal, and there is none"),
     ({"algorithm": "on_policy_distill", "teacher_model": "x", "distill_coef": -1.0}, "distill_coef=-1.0 must be 0"),
+    ({"algorithm": "on_policy_distill", "teacher_model": "x", "dynamic_sampling": True},
+     "dynamic_sampling with distill_coef=1.0: .* with a teacher those groups still carry its per-token signal; "
+     "set dynamic_sampling: false"),
     ({"algorithm": "on_policy_distill", "teacher_model": "x", "distill_signal": "forward_kl"},
      "distill_signal='forward_kl' is not one of: reverse_kl"),
     ({"algorithm": "on_policy_distill", "teacher_model": "./no/teacher"},

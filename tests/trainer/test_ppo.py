@@ -130,6 +130,9 @@ def test_config_errors_name_the_fix(make_cfg):
         make_cfg(algorithm="ppo", lam=1.5).validate()
     with pytest.raises(ConfigError, match="vf_coef=0"):
         make_cfg(algorithm="ppo", vf_coef=0.0).validate()
+    with pytest.raises(ConfigError, match="GAE's baseline is the value function, so those groups still teach; "
+                                          "set dynamic_sampling: false"):
+        make_cfg(algorithm="ppo", dynamic_sampling=True).validate()
 
 
 def test_the_cli_reaches_ppo():

@@ -176,7 +176,9 @@ class TrainFields:
     advantage_eps: float = 1e-4
     """Added to the std before dividing."""
     dynamic_sampling: bool | None = None
-    """DAPO: drop groups whose rewards are all equal and sample more prompts to refill the batch."""
+    """DAPO: drop groups whose rewards are all equal (a group baseline gives them zero advantage) and
+    sample more prompts to refill the batch. Refused with PPO's value head or a teacher (distill_coef),
+    under which those groups still carry a signal."""
     max_sampling_rounds: int = 4
     """Dynamic sampling: at most this many generation rounds per step."""
     overlong_shaping: bool | None = None

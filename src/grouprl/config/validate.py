@@ -274,6 +274,10 @@ def _check_distillation(c: TrainFields) -> None:
                           "teacher would load and never count; set distill_coef (e.g. 1.0 to add its per-token "
                           "signal to the reward advantages), or algorithm: on_policy_distill to learn from the "
                           "teacher alone, or drop teacher_model")
+    if c.distill_coef > 0 and c.dynamic_sampling:
+        raise ConfigError(f"dynamic_sampling with distill_coef={c.distill_coef}: dynamic sampling drops the groups "
+                          "whose rewards are all equal, and with a teacher those groups still carry its per-token "
+                          "signal; set dynamic_sampling: false")
     if c.distill_coef == 0 and c.distill_reward_coef != 1:
         raise ConfigError(f"distill_reward_coef={c.distill_reward_coef} weighs the reward advantages against a "
                           "teacher's signal, and there is none (distill_coef=0): drop distill_reward_coef, or set "
@@ -371,3 +375,8 @@ def _check_value_function(c: TrainFields) -> None:
                           "10 x learning_rate")
     if c.cliprange_value is not None and not c.cliprange_value > 0:
         raise ConfigError(f"cliprange_value={c.cliprange_value} must be positive, or null for no value clipping")
+    if c.value_head and c.dynamic_sampling:
+        raise ConfigError("dynamic_sampling with advantage_estimator=gae (PPO): dynamic sampling drops the groups "
+                          "whose rewards are all equal because a group baseline gives them zero advantage, but "
+                          "GAE's baseline is the value function, so those groups still teach; set "
+                          "dynamic_sampling: false")

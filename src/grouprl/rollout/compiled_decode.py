@@ -13,9 +13,10 @@ batch), the attended width W, the completion length and the batch of the call ar
 than two (MIN_SLOTS): a call of one row, or the last row of a call, runs beside an empty slot
 rather than compiling a second graph (measured: a 1-row call then a 16-row call compiled twice,
 16 s each for the 50m model, before this).
-- The rows: rows that finish keep their slot (they draw, but write padding to a dump row and are
-  never counted) until the live rows fit in half the slots; then the live ones move into a batch of
-  exactly their number (`_compact`), as the eager loop's cache does.
+- The rows: rows that finish keep their slot (they draw, but write padding into their own row past
+  its end, and are never counted; an empty slot writes to a dump row) until the live rows fit in
+  half the slots; then the live ones move into a batch of exactly their number (`_compact`), as the
+  eager loop's cache does.
 - The KV cache: [S, Hkv, C, D] per layer, zero-filled, passed whole (its strides never change, so
   no graph is specialised on a slice), written by `index_copy_` at the step's column, a tensor
   (`cursor`), so a new column is not a new graph. The step attends the first W columns, W the next

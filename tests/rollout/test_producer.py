@@ -123,6 +123,34 @@ def test_partial_rollouts_send_without_waiting_and_count_the_overlap():
     assert "rollout/partial_frac" not in tally.metrics({}, False)
 
 
+def test_partial_rollouts_count_a_batch_queued_during_a_sync_from_the_version_it_starts_on():
+    """partial, max_staleness 2: batch 2 waits in the queue behind batch 1 while a sync goes out, so
+    it is sampled wholly from the new weights: no overlap, and its staleness counts from the new
+    version (batch 1, held mid-generation across the sync, overlaps it)."""
+    engine, versions = FakeEngine(), {}
+    generating, go_on = threading.Event(), threading.Event()
+
+    def generate(prompt):
+        start = engine.version
+        if prompt == 1:
+            generating.set()
+            assert go_on.wait(timeout=120), "the test never let batch 1 go on"
+        versions[prompt] = (start, engine.version)
+        return engine.generate(prompt)
+
+    counter = iter(range(10))
+    producer = RolloutProducer(engine, lambda: next(counter), generate, max_staleness=2, partial=True)
+    producer.next()  # batch 0; batch 1 starts in the background, batch 2 waits behind it
+    assert generating.wait(timeout=60)
+    producer.sync_weights(None, 1)  # partial: at once, while batch 1 is held and batch 2 queued
+    go_on.set()
+    first, second = producer.next(), producer.next()
+    producer.close()
+    assert versions[1] == (0, 1) and versions[2] == (1, 1)
+    assert (first.overlapped, first.staleness) == (1, 1)
+    assert (second.overlapped, second.staleness, second.synced) == (0, 0, 1)
+
+
 @pytest.mark.parametrize("partial", [False, True])
 def test_discard_drops_the_batches_ahead_and_the_next_one_samples_the_new_weights(partial):
     """A rollback: the batches generated ahead (and the one in flight) were sampled by the policy that

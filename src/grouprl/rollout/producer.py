@@ -45,8 +45,8 @@ from grouprl.rollout.types import GenerationEngine
 @dataclass
 class Produced:
     """One generated batch: its prompts (the trainer's PromptBatch), what `generate` returned (the
-    trainer's: multiturn.Trajectories), how many weight syncs had happened when it was generated, and
-    the engine's generation time."""
+    trainer's: multiturn.Trajectories), how many weight syncs had happened when its generation began,
+    and the engine's generation time."""
 
     prompts: Any
     result: Any
@@ -106,10 +106,13 @@ class RolloutProducer:
             self._thread.shutdown(wait=True, cancel_futures=True)
 
     def _submit(self) -> None:
-        prompts, synced = self.draw(), self.synced
+        prompts = self.draw()
 
         def run() -> Produced:
-            t0 = time.perf_counter()
+            # the syncs so far when generation starts, not when the batch was queued: with partial
+            # rollouts and max_staleness >= 2 a batch waits behind another while a sync goes out, and
+            # is then sampled wholly from the new weights
+            t0, synced = time.perf_counter(), self.synced
             result = self.generate(prompts)
             return Produced(prompts, result, synced, time.perf_counter() - t0, overlapped=self.begun - synced)
 

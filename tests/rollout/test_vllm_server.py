@@ -274,6 +274,51 @@ def test_the_server_samples_with_its_logprobs_and_follows_the_weights_sent(serve
     engine.close()
 
 
+def test_a_request_after_a_sync_never_reuses_prefix_keys_of_the_old_weights(server, tiny_model_dir, tmp_path):
+    """vLLM refuses /reset_prefix_cache (HTTP 200, `success: false`) while any request holds cache
+    blocks, which partial rollouts and other ranks' batches make the rule at a sync. Dropping the
+    reset stands for that refusal here: a prompt whose first 240 tokens the old weights cached is
+    still sampled wholly by the new ones (the cache is salted by the weights' version); reusing the
+    old keys put its log-probs up to 0.09 from the new policy's (measured without the salt)."""
+    tok, model = load_tokenizer(str(tiny_model_dir)), load_policy(str(tiny_model_dir))
+    engine = VLLMServerEngine("127.0.0.1", server.port, eos_token_ids=(tok.eos_token_id,),
+                              pad_token_id=tok.pad_token_id, weight_dir=str(tmp_path / "w"), timeout_s=60)
+    engine.sync_weights(model, 0)
+    shared = tok("Say numbers 1: 12345 67890 abc xyz What is 7+8? " * 5)["input_ids"]  # [240]: whole cache blocks
+    greedy = SamplingParams(max_new_tokens=6, greedy=True)
+    engine.generate([shared + tok("ab")["input_ids"]], 1, greedy)  # the old weights' keys of `shared`, cached
+    post = engine._post
+    engine._post = lambda path, body, what, probe=False: (None if path == "/reset_prefix_cache"
+                                                          else post(path, body, what, probe))
+    optimizer_step(model, lr=3e-2)
+    engine.sync_weights(model, 1)
+    ro = engine.generate([shared + tok("xy")["input_ids"]], 1, greedy)
+    logp = trainer_logp(model, ro)  # [1, T']
+    assert (ro.sampling_logp[:, :logp.shape[1]] - logp).abs()[ro.completion_mask[:, :logp.shape[1]]].max() < LOGP_ATOL
+    engine.close()
+
+
+def test_under_torchrun_rank_0_sends_only_once_every_rank_reached_the_sync(monkeypatch, tmp_path):
+    """Async rollouts under DDP: each rank's producer waits only for its own batches before the sync,
+    and reading DDP's weights is no collective, so rank 0 waits at the barrier for every rank before
+    it sends; otherwise it swapped the weights under a batch another rank was still generating. The
+    other ranks meet it there, then wait at the second barrier until the server holds the weights."""
+    events = []
+    monkeypatch.setattr(VLLMServerEngine, "_wait_until_up", lambda self: None)
+    monkeypatch.setattr(VLLMServerEngine, "_get", lambda self, path: {"data": [{"id": "m"}]})
+    monkeypatch.setattr(VLLMServerEngine, "_post", lambda self, path, body, what, probe=False: {
+        "results": [{"weight_transfer": "gloo", "lora_rank": 0}]})  # the start-up probe's answer
+    monkeypatch.setattr(VLLMServerEngine, "_send_file", lambda self, model, version, weights: events.append(
+        ("send", self.rank)))
+    for rank in (0, 1):
+        engine = VLLMServerEngine("127.0.0.1", 1, eos_token_ids=(2,), pad_token_id=0, weight_dir=str(tmp_path),
+                                  rank=rank, world_size=2, barrier=lambda rank=rank: events.append(("barrier", rank)),
+                                  weight_transfer="file")
+        engine.sync_weights(torch.nn.Linear(2, 2), 1)
+        engine.sync_weights(torch.nn.Linear(2, 2), 1)  # the version it holds: nothing, no barrier
+    assert events == [("barrier", 0), ("send", 0), ("barrier", 0), ("barrier", 1), ("send", 1), ("barrier", 1)]
+
+
 def served_adapters(port: int) -> list[str]:
     """The LoRA adapters the server has registered (its /v1/models lists them after the base model)."""
     import requests

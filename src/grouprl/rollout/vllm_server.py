@@ -237,9 +237,14 @@ class VLLMServerEngine(GenerationEngine):
     def sync_weights(self, model: torch.nn.Module, version: int) -> None:
         """Send the policy's weights unless the server holds this version already. Every rank
         calls it (FSDP2 gathers each parameter with a collective); rank 0 writes and sends; the
-        other ranks wait for it at a barrier (the process group's timeout)."""
+        other ranks wait for it at a barrier (the process group's timeout). Under torchrun rank 0
+        first waits at a barrier for every rank to reach the sync: with async rollouts each rank's
+        producer has drained only its own batches, and DDP's weights are read without a collective,
+        so rank 0 would otherwise swap the weights under another rank's batch."""
         if version == self.version:
             return
+        if self.world_size > 1 and self._barrier is not None:
+            self._barrier()  # every rank's batches are done (or, partial rollouts, meant to run on)
         adapter_only = bool(self.lora_rank) and is_peft_model(model)
         if not adapter_only or not self._base_sent:  # with an adapter, the base weights once
             weights = base_named_weights if adapter_only else checkpoint_weights
@@ -333,7 +338,7 @@ class VLLMServerEngine(GenerationEngine):
             raise VLLMServerError(f"the weight transfer to the vLLM server {self.host}:{self.port} failed "
                                   f"({self.weight_transfer}: {type(e).__name__}: {e}): {self._hint()}") from e
         if self.rank == 0:
-            self._post("/reset_prefix_cache", {}, what="reset its prefix cache")  # old weights' keys
+            self._post("/reset_prefix_cache", {}, what="reset its prefix cache")  # frees old weights' keys (when idle)
 
     def _send_file(self, model: torch.nn.Module, version: int, weights=checkpoint_weights) -> None:
         """Rank 0 writes one safetensors file the server reads (a shared file system across nodes)."""
@@ -352,7 +357,7 @@ class VLLMServerEngine(GenerationEngine):
             try:
                 self._post("/collective_rpc", {"method": "grouprl_load_weights", "args": [str(path.resolve())],
                                                "timeout": self.timeout_s}, what="load the new weights")
-                self._post("/reset_prefix_cache", {}, what="reset its prefix cache")  # old weights' keys
+                self._post("/reset_prefix_cache", {}, what="reset its prefix cache")  # frees old keys (when idle)
             finally:
                 path.unlink(missing_ok=True)
 
@@ -367,7 +372,12 @@ class VLLMServerEngine(GenerationEngine):
         seeded = generator is not None and not params.greedy
         seeds = torch.randint(0, 2**31 - G, (B,), generator=generator).tolist() if seeded else [None] * B
         model = self._adapter_name or self.model_id
+        # the prefix cache salted by the weights' version: a request never reuses keys and values
+        # computed with older weights. The reset after each sync is not enough: vLLM refuses it
+        # (`success: false`) while any request runs, which partial rollouts and other ranks make
+        # the rule, not the exception.
         common = dict(model=model, n=G, max_tokens=T, logprobs=0, return_token_ids=True,
+                      cache_salt=f"grouprl-{self._run_tag}-v{self.version}",
                       temperature=0.0 if params.greedy else params.temperature, top_p=params.top_p,
                       top_k=params.top_k, ignore_eos=params.ignore_eos,
                       stop_token_ids=[] if params.ignore_eos else list(self.eos_token_ids))

@@ -700,6 +700,22 @@ def test_a_server_without_the_extension_or_that_hangs_is_named(tmp_path, hang_s,
     httpd.shutdown()
 
 
+def test_a_server_that_returns_raw_logprobs_is_refused_with_the_fix(monkeypatch, tmp_path):
+    """`grouprl vllm-serve MODEL --logprobs-mode raw_logprobs` (a user's flag comes after ours) would
+    return the log-probs of the full-vocabulary distribution, not of the one sampled from: the
+    importance correction would be silently biased. The probe reports the mode; the trainer refuses."""
+    monkeypatch.setattr(VLLMServerEngine, "_wait_until_up", lambda self: None)
+    monkeypatch.setattr(VLLMServerEngine, "_get", lambda self, path: {"data": [{"id": "m"}]})
+    answer = {"weight_transfer": "gloo", "lora_rank": 0, "logprobs_mode": "raw_logprobs"}
+    monkeypatch.setattr(VLLMServerEngine, "_post", lambda self, path, body, what, probe=False: {"results": [answer]})
+    with pytest.raises(VLLMServerError, match="vLLM server 127.0.0.1:1 returns raw_logprobs, .* restart it without "
+                                              "--logprobs-mode"):
+        VLLMServerEngine("127.0.0.1", 1, eos_token_ids=(2,), pad_token_id=0, weight_dir=str(tmp_path))
+    answer["logprobs_mode"] = "processed_logprobs"
+    assert VLLMServerEngine("127.0.0.1", 1, eos_token_ids=(2,), pad_token_id=0,
+                            weight_dir=str(tmp_path)).weight_transfer == "gloo"
+
+
 def test_an_unreachable_server_is_named_with_what_to_check(tmp_path):
     port = free_port()  # nothing listens there
     with pytest.raises(VLLMServerError, match=f"127.0.0.1:{port} was not up after vllm_server_timeout_s=2 s .*"

@@ -130,6 +130,12 @@ class VLLMServerEngine(GenerationEngine):
         if rank == 0:  # the extension is there (a plain `vllm serve` lacks it); each worker answers
             served = self._post("/collective_rpc", {"method": "grouprl_weights_probe", "timeout": timeout_s},
                                 what="probe the grouprl worker extension", probe=True)["results"]
+            mode = served[0].get("logprobs_mode", "processed_logprobs")
+            if mode != "processed_logprobs":  # e.g. `grouprl vllm-serve MODEL --logprobs-mode raw_logprobs`
+                raise VLLMServerError(f"vLLM server {host}:{port} returns {mode}, and the trainer needs the "
+                                      "log-probs of the distribution each token was drawn from (temperature, "
+                                      "top-k/top-p applied) to correct for the sampler: restart it without "
+                                      "--logprobs-mode (grouprl vllm-serve sets processed_logprobs)")
             choice = (self._transfer_choice(weight_transfer, served[0]["weight_transfer"]), len(served),
                       self._lora_choice(lora_rank, lora_sync, served[0]["lora_rank"]), uuid.uuid4().hex[:8])
         if world_size > 1 and broadcast is not None:

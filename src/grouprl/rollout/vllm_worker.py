@@ -20,10 +20,12 @@ class WeightReceiver:
 
     def grouprl_weights_probe(self) -> dict:
         """Answers the client's start-up check that the extension is installed, with the weight
-        transfer the server was started with (`file` when none) and its LoRA rank (0: no LoRA)."""
+        transfer the server was started with (`file` when none), its LoRA rank (0: no LoRA) and the
+        log-probs it returns (`processed_logprobs`: of the distribution it sampled from)."""
         config, lora = self.vllm_config.weight_transfer_config, self.vllm_config.lora_config
         return {"weight_transfer": config.backend if config is not None else "file",
-                "lora_rank": lora.max_lora_rank if lora is not None else 0}
+                "lora_rank": lora.max_lora_rank if lora is not None else 0,
+                "logprobs_mode": self.vllm_config.model_config.logprobs_mode}
 
     def grouprl_release_weight_transfer(self) -> None:
         """A new trainer takes the server over: end whatever a previous one left (a trainer that

@@ -114,6 +114,29 @@ def test_hung_function_times_out_with_a_clear_error_or_fallback():
     assert res.total.tolist() == [1.0] * 4 and res.metrics["rewards/hangs/num_fallback"] == 4
 
 
+@pytest.mark.parametrize("timeout_s, exit_with", [(None, SystemExit(3)), (5.0, SystemExit(3)),
+                                                  (5.0, KeyboardInterrupt())])
+def test_a_function_that_exits_is_named_like_any_error(timeout_s, exit_with):
+    """`sys.exit(3)` inside a reward function would end the run with the run health's own exit code,
+    and say nothing: it is the function's error, named with its row. (A KeyboardInterrupt in the main
+    thread, without a timeout, is the user's Ctrl-C, and passes.)"""
+    def exits_on_c(prompts, completions, **kwargs):
+        if "c" in completions:
+            raise exit_with
+        return [1.0] * len(completions)
+
+    with pytest.raises(RewardFunctionError, match=f"'exits_on_c' on row 2: raised {type(exit_with).__name__}\\("):
+        score_completions([exits_on_c], None, PROMPTS, COMPLETIONS, {}, timeout_s=timeout_s)
+
+
+def test_a_column_array_is_named_by_its_shape():
+    import numpy as np
+
+    for out in (torch.ones(4, 1), np.ones((4, 1))):
+        with pytest.raises(RewardFunctionError, match=r"returned an array of shape \(4, 1\); .* flatten it"):
+            score_completions([lambda out=out, **k: out], None, PROMPTS, COMPLETIONS, {})
+
+
 def test_tensor_and_numpy_outputs_are_accepted():
     import numpy as np
 

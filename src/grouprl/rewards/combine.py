@@ -47,16 +47,30 @@ class _Timeout(Exception):
     pass
 
 
+class _Exited(Exception):
+    """A reward function raised SystemExit (or, in its own thread, KeyboardInterrupt) itself: its
+    fault, named like any other error, not the end of the run (`sys.exit(3)` would end it with the
+    run health's own exit code). In the main thread a KeyboardInterrupt is the user's Ctrl-C: it passes."""
+
+    def __str__(self) -> str:
+        return self.args[0]
+
+
 def _call(func: Callable, kwargs: dict, timeout_s: float | None) -> Any:
     if timeout_s is None:
-        return func(**kwargs)
+        try:
+            return func(**kwargs)
+        except SystemExit as e:
+            raise _Exited(f"SystemExit({e})") from None
     box: dict[str, Any] = {}
 
     def target() -> None:
         try:
             box["value"] = func(**kwargs)
-        except BaseException as e:  # handed to the caller's thread
+        except Exception as e:  # handed to the caller's thread
             box["error"] = e
+        except BaseException as e:  # noqa: BLE001 -- raised by the function: no signal reaches this thread
+            box["error"] = _Exited(f"{type(e).__name__}({e})")
 
     # A daemon thread: a function that never returns is abandoned, and cannot block interpreter exit.
     worker = threading.Thread(target=target, daemon=True, name=f"reward-{getattr(func, '__name__', 'func')}")
@@ -73,6 +87,10 @@ def _validate(name: str, out: Any, completions: list, delimiter: str, row_offset
               ) -> list[float | StepList | None]:
     """Check one function's output; return floats / step lists / None. Raises RewardFunctionError."""
     n = len(completions)
+    shape = getattr(out, "shape", None)
+    if shape is not None and len(shape) > 1:  # e.g. [N, 1]: its rows would read as step lists
+        raise RewardFunctionError(name, f"returned an array of shape {tuple(shape)}; a reward function returns "
+                                  "one float (or None) per completion: flatten it (e.g. `.reshape(-1)`)")
     if isinstance(out, Tensor) or hasattr(out, "tolist"):
         out = out.tolist()
     if not isinstance(out, Sequence) or isinstance(out, (str, bytes)):
@@ -164,6 +182,8 @@ def _score_rows_alone(func, name, prompts, completions, columns, timeout_s, fall
                 err = e
             elif isinstance(e, _Timeout):
                 err = RewardFunctionError(name, f"did not return within timeout_s={timeout_s} s", i)
+            elif isinstance(e, _Exited):
+                err = RewardFunctionError(name, f"raised {e}", i)
             else:
                 err = RewardFunctionError(name, f"raised {type(e).__name__}: {e}", i)
             if fallback is None:

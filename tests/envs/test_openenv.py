@@ -276,6 +276,24 @@ def test_an_undeclared_action_type_asks_for_action():
     assert env.step({"role": "assistant", "content": "1"}) == ([], True, 1.0)
 
 
+class QuietGuessEnv(GuessEnv):
+    """GuessEnv whose wrong guesses get an observation with no text, as a shell command that printed nothing."""
+
+    def step(self, action: GuessAction, timeout_s=None, **kwargs):
+        observation = super().step(action)
+        return observation if observation.done else HintObservation(reward=0.0)
+
+
+def test_an_empty_observation_is_shown_as_no_output_and_the_episode_goes_on(tok):
+    """Target 2, guesses 0, 1, 2: the two wrong guesses are answered "[no output]", the third is done."""
+    adapter = OpenEnvAdapter(QuietGuessEnv, instructions="Play.")
+    guess_in_order = lambda text: str(text.count("<|im_start|>assistant\n") - 1)  # noqa: E731
+    traj = run(tok, adapter, adapter.rows([{"target": 2}]), guess_in_order, G=1)
+    assert traj.stop_reasons == ["env_done"] and traj.env_rewards == pytest.approx([0.8])
+    assert [(m["role"], m["content"]) for m in traj.messages[0]] == [
+        ("assistant", "0"), ("user", "[no output]"), ("assistant", "1"), ("user", "[no output]"), ("assistant", "2")]
+
+
 class ServedGuessEnv(GuessEnv):
     SUPPORTS_CONCURRENT_SESSIONS = True  # the server opens one session per trajectory
 

@@ -19,7 +19,8 @@ factory, or deep-copied from an instance, so trajectories never share state):
                                the messages shown before the first observation
     reset's observation     -> a user message, appended to the prompt
     the policy's reply      -> env.step(action(reply text))
-    step's observation      -> the next user (or tool) message; observation.done ends the trajectory
+    step's observation      -> the next user (or tool) message (NO_OUTPUT, "[no output]", where it renders
+                               to no text); observation.done ends the trajectory
     observation.reward      -> summed per trajectory by the driver into the `env_reward` column, which
                                the reward function `openenv_reward` returns as is
     rubric components       -> each step's last_score, noted on the assistant message the step answered
@@ -75,6 +76,7 @@ except ImportError as e:
 logger = logging.getLogger(__name__)
 
 NOTE = "openenv"  # the assistant-message key where a step records what the environment said about the reply
+NO_OUTPUT = "[no output]"  # what the policy reads for a step whose observation renders to no text
 _OBSERVATION_BASE = set(Observation.model_fields)  # done, reward, metadata: read by the adapter, not shown
 _ACTION_BASE = set(Action.model_fields)  # metadata
 
@@ -295,7 +297,9 @@ class _Episode:
         if done:
             self.close()
             return [], True, reward
-        return a._messages(observation, a.observation_role), False, reward
+        # the episode goes on, so the policy needs a message to answer, even after a step that printed nothing
+        messages = a._messages(observation, a.observation_role)
+        return messages or [{"role": a.observation_role, "content": NO_OUTPUT}], False, reward
 
 
 # ---------------------------------------------------------------------- reward functions

@@ -146,6 +146,98 @@ def test_system_exit_and_a_tools_own_timeout_error_are_errors():
     ]
 
 
+async def leave_async(code: int) -> str:
+    """Exit the interpreter, from a coroutine.
+
+    Args:
+        code: The exit status.
+    """
+    raise SystemExit(code)
+
+
+async def interrupt() -> str:
+    """Interrupt, from a coroutine.
+    """
+    raise KeyboardInterrupt
+
+
+def stop() -> str:
+    """Raise StopIteration, which an asyncio future refuses to carry.
+    """
+    raise StopIteration("done")
+
+
+def test_system_exit_keyboard_interrupt_and_stop_iteration_are_errors_at_once():
+    """An asyncio task re-raises SystemExit and KeyboardInterrupt out of the loop, and a future refuses
+    StopIteration: each must still come back as the tool's error, without waiting for the timeout."""
+    start = time.monotonic()
+    batch = execute_calls([[ToolCall("leave_async", {"code": 3})], [ToolCall("interrupt", {})],
+                           [ToolCall("stop", {})]], resolve_tools([leave_async, interrupt, stop]), timeout_s=5)
+    assert [(r.content, r.status) for row in batch.results for r in row] == [
+        ("error: leave_async raised RuntimeError: SystemExit(3)", "error"),
+        ("error: interrupt raised RuntimeError: KeyboardInterrupt()", "error"),
+        ("error: stop raised RuntimeError: StopIteration('done')", "error"),
+    ]
+    assert time.monotonic() - start < 2.0
+
+
+class Unprintable:
+    def __str__(self):
+        raise RuntimeError("no str")
+
+
+def nested(depth: int) -> list:
+    """A list nested `depth` deep.
+
+    Args:
+        depth: How deep.
+    """
+    value: list = []
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+def unprintable() -> str:
+    """Return an object that cannot be made text.
+    """
+    return Unprintable()
+
+
+def test_a_return_value_that_cannot_be_shown_as_text_is_an_error():
+    batch = execute_calls([[ToolCall("nested", {"depth": 100_000})], [ToolCall("unprintable", {})]],
+                          resolve_tools([nested, unprintable]))
+    (deep,), (bad,) = batch.results
+    assert deep.status == "error" and deep.content.startswith(
+        "error: nested returned a value that cannot be shown as text (RecursionError: ")
+    assert (bad.content, bad.status) == (
+        "error: unprintable returned a value that cannot be shown as text (RuntimeError: no str)", "error")
+
+
+async def stubborn(seconds: float) -> str:
+    """Ignore cancellation until released or `seconds` have passed.
+
+    Args:
+        seconds: How long to hold out.
+    """
+    end = time.monotonic() + seconds
+    while time.monotonic() < end and not RELEASE.is_set():
+        try:
+            await asyncio.sleep(0.02)
+        except asyncio.CancelledError:
+            pass
+    return "finally"
+
+
+def test_an_async_tool_that_ignores_cancellation_does_not_hold_up_the_batch():
+    start = time.monotonic()
+    batch = execute_calls([[ToolCall("stubborn", {"seconds": 4})]], resolve_tools([stubborn]), timeout_s=0.5)
+    took = time.monotonic() - start
+    assert [(r.content, r.status) for r in batch.results[0]] == [
+        ("error: stubborn did not finish within 0.5 s", "timeout")]
+    assert took < 1.5, took  # returned at the timeout; the tool runs on, abandoned
+
+
 def test_results_as_tool_messages():
     assert ToolResult("add", "5", "ok").message == {"role": "tool", "content": "5", "name": "add"}
     assert ToolResult(None, "error: x", "parse_error").message == {"role": "tool", "content": "error: x"}

@@ -4,9 +4,13 @@ Rows run concurrently, each row's calls one after another in the order the model
 later call may rely on an earlier one's effect). A plain function runs in a daemon thread of its
 own, an `async def` tool is awaited on one event loop; at most `max_concurrency` calls run at once.
 Every call is bounded by `timeout_s`. Nothing a tool does raises here: an exception, a timeout, an
-unknown tool or bad arguments become a result whose content tells the model what went wrong, and
-whose status counts it. Python cannot kill a thread: a timed-out plain function runs on, abandoned,
-and cannot block interpreter exit; an `async def` tool is cancelled.
+unknown tool, bad arguments or a return value that cannot be shown as text become a result whose
+content tells the model what went wrong, and whose status counts it. Python cannot kill a thread: a
+timed-out plain function runs on, abandoned, and cannot block interpreter exit. A timed-out `async def`
+tool is cancelled; one that ignores the cancellation runs on, abandoned, on the loop's daemon thread.
+Limit: an `async def` tool that blocks (calls `time.sleep` or other blocking code without awaiting)
+holds the event loop, so every call of the batch waits for it and no timeout fires until it yields;
+make blocking work a plain function, or await it through `asyncio.to_thread`.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ import json
 import threading
 import time
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -77,9 +81,18 @@ def execute_calls(calls: Sequence[Sequence[ToolCall | ParseError]], tools: dict[
     if max_concurrency < 1:
         raise ValueError(f"max_concurrency={max_concurrency}: at least one call must be able to run")
     start = time.monotonic()
-    with ThreadPoolExecutor(1, thread_name_prefix="grouprl-tools") as loop_thread:
-        results = loop_thread.submit(asyncio.run, _run_rows(calls, tools, timeout_s, max_concurrency)).result()
-    return ToolBatch(results, time.monotonic() - start)
+    answer: Future = Future()
+
+    async def run() -> None:
+        # answer as soon as the rows are done: asyncio.run's teardown then awaits the cancelled tools,
+        # and one that ignores its cancellation would hold the caller up until it finished
+        try:
+            answer.set_result(await _run_rows(calls, tools, timeout_s, max_concurrency))
+        except BaseException as e:  # a bug of ours, not a tool's failure: the caller sees it
+            answer.set_exception(e)
+
+    threading.Thread(target=asyncio.run, args=(run(),), daemon=True, name="grouprl-tools").start()
+    return ToolBatch(answer.result(), time.monotonic() - start)
 
 
 async def _run_rows(rows, tools, timeout_s, max_concurrency) -> list[list[ToolResult]]:
@@ -115,11 +128,19 @@ async def _run_call(call: ToolCall, tools: dict[str, Tool], timeout_s: float) ->
         value = task.result()
     except BaseException as e:  # even SystemExit, or a CancelledError of the tool's own
         return ToolResult(call.name, f"error: {call.name} raised {type(e).__name__}: {e}", "error", took)
-    return ToolResult(call.name, _as_text(value), "ok", took)
+    try:
+        text = _as_text(value)
+    except Exception as e:  # e.g. nesting too deep for json, or an object whose __str__ raises
+        return ToolResult(call.name, f"error: {call.name} returned a value that cannot be shown as text "
+                          f"({type(e).__name__}: {e})", "error", took)
+    return ToolResult(call.name, text, "ok", took)
 
 
 async def _awaited(func: Callable[..., Any], kwargs: dict) -> Any:
-    return await func(**kwargs)  # called inside the task, so even a call that fails to start is the task's error
+    try:  # called inside the task, so even a call that fails to start is the task's error
+        return await func(**kwargs)
+    except (SystemExit, KeyboardInterrupt) as e:  # a task re-raises these out of the event loop, ending the batch
+        raise RuntimeError(repr(e)) from None
 
 
 def _in_daemon_thread(func: Callable[..., Any], kwargs: dict) -> asyncio.Future:
@@ -139,7 +160,9 @@ def _in_daemon_thread(func: Callable[..., Any], kwargs: dict) -> asyncio.Future:
         try:
             value, error = func(**kwargs), None
         except BaseException as e:  # even SystemExit: a tool never takes the trainer down
-            value, error = None, e if isinstance(e, Exception) else RuntimeError(repr(e))
+            # a Future refuses StopIteration (it would end a generator), so it travels wrapped like SystemExit
+            wrap = not isinstance(e, Exception) or isinstance(e, StopIteration)
+            value, error = None, RuntimeError(repr(e)) if wrap else e
         try:
             loop.call_soon_threadsafe(settle, value, error)
         except RuntimeError:  # the loop has closed: this call timed out and was abandoned

@@ -185,6 +185,49 @@ def test_malformed_and_failing_calls_are_fed_back(tok):
     assert traj.counts["parse_failures"] == 1 and traj.counts["tool_errors"] == 1
 
 
+# transformers' response parsing for a thinking model: reasoning, then calls, then content
+THINKING_RESPONSE_TEMPLATE = {
+    "defaults": {"role": "assistant"},
+    "start_anchor": "<|im_start|>assistant\n",
+    "fields": {
+        "reasoning_content": {"open": "<think>", "close": "</think>", "content": "text", "optional": True},
+        "tool_calls": {"open_pattern": r"\s*<tool_call>", "close": "</tool_call>", "repeats": True,
+                       "content": "json", "transform": {"type": "function", "function": "{content}"}},
+        "content": {"close_pattern": r"\s*<\|im_end\|>", "content": "text"},
+    },
+}
+
+
+def test_template_parser_reads_the_turn_after_the_reasoning_the_prompt_opened():
+    """The generation prompt pre-writes "<think>\n" (as Qwen3-Thinking-2507's and DeepSeek-R1's templates do),
+    so the policy's text starts inside its reasoning. Parsed with the prompt as prefix, a call drafted while
+    reasoning is not run and the reasoning stays out of the content: one call, add(2, 3) = 5."""
+    tok = build_qwen_tokenizer()
+    assert tok.chat_template.count("'<|im_start|>assistant\\n'") == 1  # the generation prompt
+    tok.chat_template = tok.chat_template.replace("'<|im_start|>assistant\\n'", "'<|im_start|>assistant\\n<think>\\n'")
+    tok.response_template = THINKING_RESPONSE_TEMPLATE
+
+    def script(text):
+        results = re.findall(r"<tool_response>\n(.*?)\n</tool_response>", text)
+        if not results:
+            return ('Maybe <tool_call>{"name": "add", "arguments": {"a": 9, "b": 9}}</tool_call>? No.\n</think>\n\n'
+                    "Let me add.\n" + CALL.format(a=2, b=3))
+        return f"Got it.\n</think>\n\nThe answer is {results[-1]}."
+
+    tools = resolve_tools([add])
+    multiturn = MultiTurnDriver(tok, TurnLimits(600), tools=tools, parser=get_tool_parser(tok, tools),
+                                eos_token_ids=(tok.eos_token_id,))
+    assert multiturn.parser.format == "template"
+    traj = multiturn.generate(ScriptedEngine(tok, script), prompt_ids(tok, tools, ["Q1"]), 1,
+                              SamplingParams(max_new_tokens=1))
+    assert traj.stop_reasons == ["answer"] and traj.counts["tool_calls"] == 1
+    assert traj.messages[0] == [
+        {"role": "assistant", "content": "Let me add.", "tool_calls": [
+            {"type": "function", "function": {"name": "add", "arguments": {"a": 2, "b": 3}}}]},
+        {"role": "tool", "name": "add", "content": "5"},
+        {"role": "assistant", "content": "The answer is 5."}]
+
+
 class GuessEnv:
     """Guess the hidden number (the row's `target`): each wrong guess gets "higher"/"lower"."""
 

@@ -170,7 +170,13 @@ class MultiTurnDriver:
             row.stop = "max_length"
             return None
         text = self.tokenizer.decode(new[:-1], skip_special_tokens=False)
-        turn = self.parser.parse(text) if self.parser is not None else ParsedTurn(text)
+        if self.parser is None:
+            turn = ParsedTurn(text)
+        elif self.parser.format == "template":  # transformers' parsing must see what the prompt pre-wrote (<think>)
+            before = self.tokenizer.decode(row.prompt + row.ids[: -len(new)], skip_special_tokens=False)
+            turn = self.parser.parse(text, prefix=before)
+        else:
+            turn = self.parser.parse(text)
         row.messages.append(turn.as_message())
         return turn
 

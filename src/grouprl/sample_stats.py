@@ -112,7 +112,7 @@ def completion_rows(batch: StepBatch, advantages: torch.Tensor, n: int) -> list[
     lengths = batch.rollout.action_lengths
     rows = []
     for i in range(min(n, len(batch.completions))):
-        adv = advantages[i] if advantages.dim() == 1 else advantages[i, :int(lengths[i])].mean()
+        adv = advantages[i] if advantages.dim() == 1 else advantages[i][batch.rollout.action_mask[i]].mean()
         row = {"prompt": batch.prompts[i], "completion": batch.completions[i], "reward": float(batch.rewards[i]),
                **{f"rewards/{k}": float(v[i]) for k, v in batch.per_func.items()},
                **{f"audit/{k}": float(v[i]) for k, v in batch.audit.items()},

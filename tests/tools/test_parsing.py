@@ -45,6 +45,16 @@ def test_hermes_calls_and_content():
         {"type": "function", "function": {"name": "web_lookup", "arguments": {"query": "GRPO"}}}]}
 
 
+@pytest.mark.parametrize("opened", ["<think>\n", ""])  # by the turn, or by the generation prompt (Qwen3)
+def test_hermes_a_call_drafted_in_the_reasoning_is_not_made(opened):
+    draft = '<tool_call>{"name": "add", "arguments": {"a": 9, "b": 9}}</tool_call>'
+    text = (f'{opened}Maybe {draft}? No.\n</think>\n\nAdding.\n'
+            '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>')
+    turn = hermes(text)
+    assert turn.calls == [ToolCall("add", {"a": 2, "b": 3})] and turn.num_parse_errors == 0
+    assert turn.content == f"{opened}Maybe {draft}? No.\n</think>\n\nAdding.".strip()
+
+
 def test_hermes_no_call():
     turn = hermes("The answer is 5.")
     assert (turn.content, turn.calls, turn.as_message()) == (

@@ -2,7 +2,9 @@
 
 Formats (`FORMATS`; docs/tools.md has examples):
 - "hermes": Qwen2.5, Qwen3 and Hermes write `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`,
-  any number of them, anywhere in the turn; the rest of the text is the content.
+  any number of them, anywhere in the turn after its reasoning (up to the last `</think>`, whether the
+  turn or the generation prompt opened it: a call only drafted there is not made); the rest of the
+  text is the content.
 - "llama3": Llama 3.1-3.3 write the whole turn as `{"name": ..., "parameters": {...}}` (several
   separated by ";"), optionally after `<|python_tag|>`; a turn that starts otherwise holds no call.
 - "template": transformers' own response parsing, `tokenizer.parse_response`, driven by the
@@ -33,6 +35,7 @@ _HINTS = {
 _HERMES = re.compile(r"<tool_call>(.*?)(</tool_call>|$)", re.DOTALL)
 _LLAMA3_START = re.compile(r"\{\s*\"name\"")
 _PYTHON_TAG = "<|python_tag|>"
+_THINK_END = "</think>"  # Qwen3's end of reasoning
 _LLAMA3_TURN_ENDS = ("<|eot_id|>", "<|eom_id|>")
 
 
@@ -131,6 +134,8 @@ def _decode(body: str) -> tuple[Any, str | None]:
 
 
 def _hermes(text: str) -> tuple[str, list]:
+    end = text.rfind(_THINK_END)
+    reasoning, text = (text[:end + len(_THINK_END)], text[end + len(_THINK_END):]) if end >= 0 else ("", text)
     raw: list = []
     for m in _HERMES.finditer(text):
         if not m.group(2):
@@ -138,7 +143,7 @@ def _hermes(text: str) -> tuple[str, list]:
             continue
         obj, why = _decode(m.group(1).strip())
         raw.append((obj, m.group(0)) if why is None else ParseError(why, m.group(0), _HINTS["hermes"]))
-    return _HERMES.sub("", text).strip(), raw
+    return (reasoning + _HERMES.sub("", text)).strip(), raw
 
 
 def _llama3(text: str) -> tuple[str, list]:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import math
 import warnings
+from dataclasses import replace
 
 import torch
 from torch.optim.lr_scheduler import LRScheduler
@@ -129,6 +130,11 @@ class PolicyUpdate:
                     with_entropy=with_entropy or bonus, entropy_grad=bonus, packed=packed,
                     value_head=self.value_head)  # [n, T'] each
                 part = batch.part(rows, logp.shape[1], logp.device)  # the batch's [n, T'] slices
+                if weight == 0:  # a padding pass: its rows are another rank's, whose old/ref log-probs
+                    # this rank never computed (0 here); its own log-probs stand in, so that an overflow
+                    # (k3's exp(ref - logp)) cannot turn its zero-weight loss into NaN gradients
+                    part = replace(part, old_logp=None if part.old_logp is None else logp.detach(),
+                                   ref_logp=None if part.ref_logp is None else logp.detach())
                 weights, mask_stats = loss_token_weights(cfg, logp, entropy, part)
                 loss, stats = policy_loss(logp, logp.detach() if part.old_logp is None else part.old_logp,
                                           part.advantages, part.loss_mask, params=loss_params, ref_logp=part.ref_logp,

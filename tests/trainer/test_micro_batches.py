@@ -172,3 +172,31 @@ def test_auto_rows_reach_the_planner_and_a_bad_value_is_a_config_error(make_cfg,
     assert [len(rows) for rows, _ in plan(rollout, trainer.cfg)] == [16, 16]
     with pytest.raises(ConfigError, match="micro_batch_size='most' is not a number of completions per pass or auto"):
         make_cfg(micro_batch_size="most").validate()
+
+
+def test_a_padding_pass_adds_nothing_whatever_the_other_ranks_rows_hold(make_cfg):
+    """Under torchrun a rank with fewer micro-batches pads with a weight-0 pass over micro-batch 0,
+    another rank's rows, whose reference log-probs this rank never computed. Seen from such a rank
+    (the plan cut by hand, those rows' reference values absurd, as any value there could be): the
+    step is not skipped, and its gradient is exactly the one without the padding pass."""
+    grads = []
+    for padded in (False, True):
+        trainer = Trainer(make_cfg(beta=0.04, micro_batch_size=4))
+        batch, _ = trainer.sample_batch()
+        own, other = torch.arange(4, 16), torch.arange(4)
+        trainer.updater.planner.plan = lambda *a: [(own, 1.0)] + [(other, 0.0)] * padded
+        logprobs = trainer.logprobs
+
+        def reference_unseen(rollout, *, reference=False, logprobs=logprobs):
+            out = logprobs(rollout, reference=reference)
+            if reference:
+                out[other] = 1e4  # exp(ref - logp) overflows: a NaN gradient if the pass used it
+            return out
+
+        trainer.logprobs = reference_unseen
+        step = trainer.optimizer.step
+        trainer.optimizer.step = lambda step=step, trainer=trainer: grads.append(
+            [p.grad.clone() for p in trainer.model.parameters()]) or step()
+        metrics = trainer.update(batch, trainer.advantages(batch))
+        assert metrics["skipped_nonfinite"] == 0
+    assert len(grads) == 2 and all(torch.equal(a, b) for a, b in zip(*grads))

@@ -2,6 +2,7 @@
 
 import json
 import logging
+import re
 import subprocess
 import sys
 
@@ -277,3 +278,56 @@ def test_the_cli_reaches_gmpo_and_the_entropy_bonus():
     params = policy_loss_params(cfg)
     assert (params.loss_type, params.entropy_coef, params.agg) == ("gmpo", 1e-3, "seq-mean-token-mean")
     assert build_config(None, []).entropy_coef == 0.0
+
+
+NAN, INF = float("nan"), float("inf")
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"save_total_limit": -1}, "save_total_limit=-1 must be at least 1; null keeps every checkpoint"),
+    ({"save_total_limit": 0}, "save_total_limit=0 must be at least 1; null keeps every checkpoint"),
+    ({"max_prompt_length": -5}, "max_prompt_length=-5 must be at least 1; null keeps prompts whole"),
+    ({"max_prompt_length": 0}, "max_prompt_length=0 must be at least 1; null keeps prompts whole"),
+    ({"max_eval_samples": -1}, "max_eval_samples=-1 must be at least 1; null evaluates on every eval prompt"),
+    ({"num_threads": -1}, "num_threads=-1 must be at least 1; null leaves the thread count to torch"),
+    ({"seed": -1}, "seed=-1 must be in 0..4294967295 (numpy's seed range)"),
+    ({"seed": 2**32}, "seed=4294967296 must be in 0..4294967295"),
+    ({"advantage_eps": -1.0}, "advantage_eps=-1.0 must be 0 or more"),
+    ({"reward_timeout_s": 0}, "reward_timeout_s=0 must be a positive number of seconds, or null for no timeout"),
+    ({"max_completion_length": "64"}, "max_completion_length='64' has the wrong type: expected int"),
+    ({"algorithm": ["grpo"]}, "algorithm=['grpo'] has the wrong type: expected str"),
+    ({"reward_weights": [NAN]}, "reward_weights=[nan] must hold finite numbers: NaN and infinity are not settings; "
+                                "null gives its default"),
+    ({"advantage_eps": NAN}, "advantage_eps=nan must be a finite number: NaN and infinity are not settings"),
+    ({"beta": NAN}, "beta=nan must be a finite number"),
+    ({"reward_timeout_s": NAN}, "reward_timeout_s=nan must be a finite number"),
+    ({"max_grad_norm": INF}, "max_grad_norm=inf must be a finite number"),
+    ({"health_thresholds": {"kl_spike_min": NAN}}, "health_thresholds={'kl_spike_min': nan} must hold finite numbers"),
+])
+def test_values_that_would_fail_mid_run_or_silently_are_refused_by_validation(overrides, message):
+    """Each passed validation and then failed late (a negative seed in torch, num_threads -1), did the
+    wrong thing (save_total_limit -1 deleted every checkpoint, max_prompt_length -5 dropped the first 5
+    tokens, a NaN advantage_eps skipped every step) or raised a TypeError instead of a ConfigError."""
+    cfg = TrainConfig(model="m", train_data="t.jsonl", reward_funcs=["r"], **overrides)
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        cfg.validate()
+
+
+def test_wrong_types_in_a_yaml_file_are_config_errors_before_the_preset_is_read(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text('model: m\ntrain_data: t.jsonl\nreward_funcs: [r]\nmax_completion_length: "64"\n')
+    with pytest.raises(ConfigError, match="max_completion_length='64' has the wrong type: expected int"):
+        TrainConfig.load(path).validate()
+    with pytest.raises(ConfigError, match=r"algorithm=\['grpo'\] has the wrong type: expected str"):
+        TrainConfig(algorithm=["grpo"]).resolved()
+    path.write_text("model: m\ntrain_data: t.jsonl\nreward_funcs: [r]\nreward_weights: [.nan]\n")
+    with pytest.raises(ConfigError, match=r"reward_weights=\[nan\] must hold finite numbers"):
+        TrainConfig.load(path).validate()
+
+
+def test_the_smallest_and_null_values_of_the_bounded_fields_pass():
+    for values in ({"save_total_limit": 1, "max_prompt_length": 1, "max_eval_samples": 1, "num_threads": 1,
+                    "seed": 2**32 - 1, "advantage_eps": 0.0},
+                   {"save_total_limit": None, "max_prompt_length": None, "max_eval_samples": None,
+                    "num_threads": None, "reward_timeout_s": None}):
+        TrainConfig(model="m", train_data="t.jsonl", reward_funcs=["r"], **values).validate()

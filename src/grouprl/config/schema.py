@@ -69,7 +69,7 @@ class TrainFields:
     eval_fraction: float = 0.0
     """Hold out this fraction of train_data (seeded) as the eval set when eval_data is not given."""
     max_eval_samples: int | None = None
-    """Evaluate on at most this many eval prompts."""
+    """Evaluate on at most this many eval prompts (at least 1); null: all of them."""
     prompt_column: str = "prompt"
     """Name of the column holding the prompt."""
 
@@ -81,7 +81,7 @@ class TrainFields:
     reward_weights: list[float] | None = None
     """Weight of each reward function in the summed reward; default all 1."""
     reward_timeout_s: float | None = 60.0
-    """A reward function call that takes longer fails (or gets reward_fallback)."""
+    """A reward function call that takes longer fails (or gets reward_fallback); null: no timeout."""
     reward_fallback: float | None = None
     """When set, a reward that raises, hangs or returns NaN gets this value (counted in the metrics)
     instead of stopping the run."""
@@ -174,7 +174,7 @@ class TrainFields:
     delta: float | None = None
     """Two-sided cap: the unclipped term uses min(ratio, delta) (INTELLECT-2)."""
     advantage_eps: float = 1e-4
-    """Added to the std before dividing."""
+    """Added to the std before dividing (0 or more)."""
     dynamic_sampling: bool | None = None
     """DAPO: drop groups whose rewards are all equal (a group baseline gives them zero advantage) and
     sample more prompts to refill the batch. Refused with PPO's value head or a teacher (distill_coef),
@@ -213,7 +213,8 @@ class TrainFields:
     prompts_per_step: int = 4
     """Prompts per step (B); a step trains on B * num_generations completions."""
     max_prompt_length: int | None = None
-    """Prompts longer than this many tokens are cut from the left; None keeps them whole."""
+    """Prompts longer than this many tokens (at least 1) are cut from the left, with a warning the first
+    time; None keeps them whole."""
     max_completion_length: int = 256
     """Tokens generated per completion at most."""
     temperature: float = 1.0
@@ -330,7 +331,7 @@ class TrainFields:
     save_steps: int = 0
     """Checkpoint every this many steps (0: only at the end)."""
     save_total_limit: int | None = 2
-    """Keep at most this many checkpoints (the newest)."""
+    """Keep at most this many checkpoints (the newest), at least 1; null keeps every one."""
     num_logged_samples: int = 4
     """Completions written to samples.jsonl each logging step."""
 
@@ -339,9 +340,9 @@ class TrainFields:
     """Where the run writes config.yaml, metrics.jsonl, TensorBoard events, samples, checkpoints,
     summary.json and curves.png."""
     seed: int = 0
-    """Seeds data order, sampling and initialisation."""
+    """Seeds data order, sampling and initialisation; 0 to 2**32 - 1 (numpy's range)."""
     num_threads: int | None = None
-    """torch intra-op threads; default: torch's choice."""
+    """torch intra-op threads (at least 1); default (null): torch's choice."""
     progress: bool = True
     """Show a live progress bar."""
     report_to: list[str] = field(default_factory=lambda: ["tensorboard"])

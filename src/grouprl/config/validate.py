@@ -1,6 +1,7 @@
-"""A TrainConfig's values, checked before any model loads: the preset filled in (`resolve_preset`),
-then every field and the combinations that make no sense (`validate_config`), each failure a
-ConfigError that names the field and the fix. TrainConfig.resolved() and .validate() call these.
+"""A TrainConfig's values, checked before any model loads: each field's type (`check_fields`, before
+any value is read), the preset filled in (`resolve_preset`), then every field and the combinations
+that make no sense (`validate_config`), each failure a ConfigError that names the field and the fix.
+TrainConfig.resolved() and .validate() call these.
 
 Paths are not probed here: the loaders do it (policy.check_model_source, data.check_data_source).
 The names a field may take come from where they are defined: core's registries (so a registered
@@ -22,7 +23,7 @@ from grouprl.core.loss_params import check_loss_settings
 from grouprl.tools import FORMATS
 
 from .errors import ConfigError
-from .fieldtypes import check_type, field_types
+from .fieldtypes import check_type, field_types, value_matches
 from .schema import TrainFields
 
 C = TypeVar("C", bound=TrainFields)
@@ -37,8 +38,25 @@ PRESET_FIELDS = {"estimator": "advantage_estimator", "scale": "scale_rewards", "
 """The field each key of a preset (grouprl.core.PRESETS, core's parameter names) fills."""
 
 
+def check_fields(cfg: TrainFields) -> None:
+    """Each field's type, and every float in it finite (NaN passes every `x < 0` check and infinity
+    every `x > 0` one, to fail mid-run or silently): before any value is read."""
+    types = field_types()
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        check_type(f.name, value, types[f.name])
+        many = isinstance(value, (list, dict))
+        numbers = value if isinstance(value, list) else list(value.values()) if isinstance(value, dict) else [value]
+        if any(isinstance(v, float) and not math.isfinite(v) for v in numbers):
+            null = "; null gives its default" if value_matches(None, types[f.name]) else ""
+            raise ConfigError(f"{f.name}={value!r} must {'hold finite numbers' if many else 'be a finite number'}: "
+                              f"NaN and infinity are not settings{null}")
+
+
 def resolve_preset(cfg: C) -> C:
-    """A copy with the preset's values filled into every algorithm field left at None."""
+    """A copy with the preset's values filled into every algorithm field left at None; the fields'
+    types are checked first (`check_fields`)."""
+    check_fields(cfg)
     if cfg.algorithm not in PRESETS:
         raise ConfigError(
             f"algorithm={cfg.algorithm!r} is unknown: choose one of {', '.join(sorted(PRESETS))}"
@@ -54,9 +72,6 @@ def resolve_preset(cfg: C) -> C:
 def validate_config(cfg: C) -> C:
     """Check every field; raise ConfigError naming the field and the fix. Returns the resolved copy."""
     c = resolve_preset(cfg)
-    types = field_types()
-    for f in dataclasses.fields(c):
-        check_type(f.name, getattr(c, f.name), types[f.name])
     if isinstance(c.bf16, str) and c.bf16 != "auto":
         raise ConfigError(f"bf16={c.bf16!r} is not one of: auto, true, false")
     if isinstance(c.gradient_checkpointing, str) and c.gradient_checkpointing != "auto":
@@ -78,6 +93,19 @@ def validate_config(cfg: C) -> C:
                  "share_prompt_min_tokens", "top_k", "num_logged_samples"):
         if getattr(c, name) < 0:
             raise ConfigError(f"{name}={getattr(c, name)} must be 0 or more")
+    for name, null in (("save_total_limit", "keeps every checkpoint"), ("max_prompt_length", "keeps prompts whole"),
+                       ("max_eval_samples", "evaluates on every eval prompt"),
+                       ("num_threads", "leaves the thread count to torch")):
+        if getattr(c, name) is not None and getattr(c, name) < 1:
+            raise ConfigError(f"{name}={getattr(c, name)} must be at least 1; null {null}")
+    if not 0 <= c.seed < 2**32:
+        raise ConfigError(f"seed={c.seed} must be in 0..{2**32 - 1} (numpy's seed range)")
+    if not c.advantage_eps >= 0:
+        raise ConfigError(f"advantage_eps={c.advantage_eps} must be 0 or more: it is added to the std before "
+                          "dividing, and a negative one can make the divisor 0 (1e-4 is usual)")
+    if c.reward_timeout_s is not None and not c.reward_timeout_s > 0:
+        raise ConfigError(f"reward_timeout_s={c.reward_timeout_s} must be a positive number of seconds, or null "
+                          "for no timeout")
     if isinstance(c.max_tokens_per_micro_batch, str) and c.max_tokens_per_micro_batch != "auto":
         raise ConfigError(f"max_tokens_per_micro_batch={c.max_tokens_per_micro_batch!r} is not a number of "
                           "tokens, auto (sized per device) or null (micro_batch_size rows per pass)")
@@ -157,7 +185,7 @@ def validate_config(cfg: C) -> C:
         raise ConfigError(f"top_p={c.top_p} must be in (0, 1]")
     if not (0 <= c.eval_fraction < 1):
         raise ConfigError(f"eval_fraction={c.eval_fraction} must be in [0, 1)")
-    if c.learning_rate <= 0 or not math.isfinite(c.learning_rate):
+    if c.learning_rate <= 0:
         raise ConfigError(f"learning_rate={c.learning_rate} must be a positive number")
     if c.max_grad_norm is not None and not c.max_grad_norm >= 0:  # torch would flip every gradient
         raise ConfigError(f"max_grad_norm={c.max_grad_norm} must be positive, or null (or 0) for no "

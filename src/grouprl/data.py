@@ -8,6 +8,7 @@ reward functions as a keyword argument, one value per completion (TRL's conventi
 from __future__ import annotations
 
 import json
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +25,12 @@ _READERS = {
     ".csv": Dataset.from_csv,
     ".parquet": Dataset.from_parquet,
 }
+
+
+logger = logging.getLogger(__name__)
+
+ROLES = ("system", "user", "assistant", "tool")
+"""The roles a chat message may have: the ones every chat template renders."""
 
 
 class DataError(ValueError):
@@ -54,6 +61,8 @@ def load_prompts(source: str | Dataset | list[dict], *, prompt_column: str = "pr
                             f"use one of {', '.join(_READERS)}")
         if not path.is_file():
             raise DataError(f"{name}={source!r} is a folder: name the data file in it")
+        if not _has_rows(path):  # the readers' own error is StopIteration or "no data"
+            raise DataError(f"{name}={source!r} has no rows: it needs at least one prompt")
         problem = _jsonl_problem(path) if path.suffix.lower() == ".jsonl" else None
         if problem:  # datasets' own error names no line
             raise DataError(f"{name}={source!r}: {problem}")
@@ -64,6 +73,14 @@ def load_prompts(source: str | Dataset | list[dict], *, prompt_column: str = "pr
                             f"{type(e).__name__}: {e}") from None
     validate_prompts(ds, prompt_column=prompt_column, name=name)
     return ds
+
+
+def _has_rows(path: Path) -> bool:
+    """A JSON Lines file has a line that is not blank; another file is not empty."""
+    if path.suffix.lower() != ".jsonl":
+        return path.stat().st_size > 0
+    with open(path, encoding="utf-8", errors="replace") as f:
+        return any(line.strip() for line in f)
 
 
 def _jsonl_problem(path: Path) -> str | None:
@@ -121,6 +138,8 @@ def _prompt_problem(prompt: Any) -> str | None:
             if not (isinstance(m, dict) and isinstance(m.get("role"), str)
                     and isinstance(m.get("content"), str)):
                 return f"has a malformed message {m!r}"
+            if m["role"] not in ROLES:
+                return f"has a message with role {m['role']!r}, which is not one of {', '.join(ROLES)}"
         return None
     return f"is {type(prompt).__name__} {prompt!r}"
 
@@ -190,6 +209,7 @@ class PromptFormatter:
         self.tokenizer = tokenizer
         self.max_prompt_length = max_prompt_length
         self.tools = tools or None  # tool schemas the chat template shows the model
+        self._warned_cut = False  # the first prompt cut to max_prompt_length is logged, the others not
 
     def text(self, prompt: Any) -> str:
         if isinstance(prompt, str):
@@ -201,7 +221,13 @@ class PromptFormatter:
 
     def encode(self, prompt: Any) -> list[int]:
         ids = self.tokenizer(self.text(prompt), add_special_tokens=False)["input_ids"]
-        if self.max_prompt_length is not None:
+        if self.max_prompt_length is not None and len(ids) > self.max_prompt_length:
+            if not self._warned_cut:
+                logger.warning("a prompt of %d tokens is longer than max_prompt_length=%d: its first %d tokens "
+                               "(the left) are dropped, and so for every longer prompt (logged once); raise "
+                               "max_prompt_length or set it to null to keep prompts whole",
+                               len(ids), self.max_prompt_length, len(ids) - self.max_prompt_length)
+                self._warned_cut = True
             ids = ids[-self.max_prompt_length:]  # keep the end: it holds the question
         if not ids:
             raise DataError(f"prompt {prompt!r} encodes to no tokens")

@@ -94,3 +94,37 @@ def test_prompt_batch_reads_the_drawn_rows_as_python_objects_whatever_the_format
     assert batch.prompts == [rows[4]["prompt"], rows[1]["prompt"], rows[4]["prompt"]]
     assert batch.columns == {"answer": ["4", "1", "4"], "ids": [[4, 5], [1, 2], [4, 5]]}
     assert batch.indices == [4, 1, 4] and batch.prompt_ids == [[2], [2], [2]]
+
+
+def test_a_chat_message_with_an_unknown_role_is_refused_at_load_naming_the_row_and_the_roles():
+    """A role no template knows passed the load and failed mid-run ("encodes to no tokens"), or, with
+    a permissive template, rendered as nothing."""
+    rows = [{"prompt": [{"role": "user", "content": "q0"}]},
+            {"prompt": [{"role": "system", "content": "s"}, {"role": "bot", "content": "q1"}]}]
+    with pytest.raises(DataError, match="train_data row 1: 'prompt' has a message with role 'bot', which is not one "
+                                        "of system, user, assistant, tool"):
+        load_prompts(rows)
+    roles = ["system", "user", "assistant", "tool"]
+    assert len(load_prompts([{"prompt": [{"role": r, "content": "x"} for r in roles]}])) == 1
+
+
+@pytest.mark.parametrize("name, text", [("rows.jsonl", ""), ("rows.jsonl", "\n  \n"), ("rows.json", ""),
+                                        ("rows.csv", "")])
+def test_an_empty_file_has_no_rows(tmp_path, name, text):
+    """Was "could not be read as .jsonl: StopIteration" (or the csv reader's DatasetGenerationError)."""
+    path = tmp_path / name
+    path.write_text(text)
+    with pytest.raises(DataError, match=f"eval_data='{path}' has no rows: it needs at least one prompt"):
+        load_prompts(str(path), name="eval_data")
+
+
+def test_a_prompt_cut_to_max_prompt_length_is_logged_once(caplog):
+    from grouprl.data import PromptFormatter
+    from grouprl.tasks.testing import build_char_tokenizer
+
+    formatter = PromptFormatter(build_char_tokenizer(), max_prompt_length=3)
+    with caplog.at_level("WARNING", logger="grouprl.data"):
+        assert formatter.encode("abc") == formatter.encode("xxabc") == formatter.encode("yyyyyabc")
+    assert [r.getMessage() for r in caplog.records] == [
+        "a prompt of 5 tokens is longer than max_prompt_length=3: its first 2 tokens (the left) are dropped, and so "
+        "for every longer prompt (logged once); raise max_prompt_length or set it to null to keep prompts whole"]

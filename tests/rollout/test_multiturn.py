@@ -7,6 +7,7 @@ chooses, so each test knows exactly what the policy "said"; the driver itself is
 
 import os
 import re
+import threading
 
 import pytest
 import torch
@@ -276,6 +277,36 @@ def test_environment_end_to_end(tok):
     prompt = tok.decode(traj.rollout.prompt_ids[0][traj.rollout.prompt_mask[0].bool()], skip_special_tokens=False)
     assert prompt.endswith("<|im_start|>user\nPlay.<|im_end|>\n<|im_start|>user\nGuess a number from 0 to 9."
                            "<|im_end|>\n<|im_start|>assistant\n")
+
+
+class HangingEnv(GuessEnv):
+    """Hangs in `step` on target 7 (until the test lets it go: the thread is abandoned, not killed)."""
+
+    release = threading.Event()
+
+    def step(self, message):
+        if self.target == 7:
+            HangingEnv.release.wait(60)
+        return super().step(message)
+
+
+def test_an_environment_call_that_hangs_stops_the_run_naming_the_call(tok):
+    """A hung step is a bug in the environment, like one that raises: it stops the rollout after
+    env_timeout_s with an error naming the call, instead of hanging the run; the other rows' calls
+    had returned."""
+    encode = lambda msgs: tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True,  # noqa: E731
+                                                  return_dict=False)
+    drv = Driver(ScriptedEngine(tok, bisect), MultiTurnDriver(
+        tok, TurnLimits(400, max_turns=5), environment=HangingEnv, encode=encode, eos_token_ids=(tok.eos_token_id,),
+        env_timeout_s=0.5))
+    prompts = [[{"role": "user", "content": "Play."}]] * 2
+    try:
+        with pytest.raises(TimeoutError, match=r"HangingEnv.step did not return within env_timeout_s=0.5 s \(2 of "
+                                               r"4 calls\): .* raise env_timeout_s"):
+            drv.generate([encode(p) for p in prompts], 2, SamplingParams(max_new_tokens=1), prompts=prompts,
+                         columns={"target": ["2", "7"]})
+    finally:
+        HangingEnv.release.set()
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="the sandbox needs a POSIX host")

@@ -499,3 +499,7 @@ class TrainFields:
     (observation, done[, reward]). `openenv:package.module:Class` names an OpenEnv environment
     (class or factory; `pip install 'grouprl[openenv]'`), run through `grouprl.envs.openenv`. Not
     together with tools."""
+    env_timeout_s: float | None = 300.0
+    """An environment's reset or step that runs longer stops the run with an error naming the
+    environment and the call, as one that raises does (its thread is abandoned: Python cannot stop
+    it); null: no limit."""

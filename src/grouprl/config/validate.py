@@ -369,6 +369,9 @@ def _check_tools(c: TrainFields) -> None:
             raise ConfigError(f"{name}={getattr(c, name)} must be at least 1")
     if not c.tool_timeout_s > 0:
         raise ConfigError(f"tool_timeout_s={c.tool_timeout_s} must be a positive number of seconds")
+    if c.env_timeout_s is not None and not c.env_timeout_s > 0:
+        raise ConfigError(f"env_timeout_s={c.env_timeout_s} must be a positive number of seconds, or null for "
+                          "no limit")
     if c.tools and c.environment:
         raise ConfigError("tools and environment are both set: an environment answers every assistant turn "
                           "itself, so let it run the tools it offers; set one of them")

@@ -42,8 +42,9 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Protocol
 
@@ -103,7 +104,8 @@ class MultiTurnDriver:
     def __init__(self, tokenizer: Any, limits: TurnLimits, *,
                  tools: dict[str, Tool] | None = None, parser: ToolCallParser | None = None,
                  environment: Callable[[], Environment] | None = None, encode: Callable[[Any], list[int]] | None = None,
-                 eos_token_ids: tuple[int, ...] = (), tool_timeout_s: float = 30.0, max_concurrency: int = 16):
+                 eos_token_ids: tuple[int, ...] = (), tool_timeout_s: float = 30.0, max_concurrency: int = 16,
+                 env_timeout_s: float | None = None):
         if bool(tools) == (environment is not None):
             raise ValueError("a multi-turn rollout needs tools or an environment (one of them: an environment "
                              "answers every assistant turn itself, so it runs any tools it offers)")
@@ -115,6 +117,7 @@ class MultiTurnDriver:
         self.tools, self.parser, self.environment, self.encode = tools or {}, parser, environment, encode
         self.eos = set(eos_token_ids) or {tokenizer.eos_token_id}
         self.tool_timeout_s, self.max_concurrency = tool_timeout_s, max_concurrency
+        self.env_timeout_s = env_timeout_s  # each reset/step call at most this long; None: no limit
 
     def generate(self, engine: GenerationEngine, prompt_ids: list[list[int]], num_generations: int,
                  params: SamplingParams, generator: torch.Generator | None = None, *,
@@ -213,7 +216,7 @@ class MultiTurnDriver:
         if not ended:
             return []
         t0 = time.perf_counter()
-        outs = _concurrently([(row.env.step, (row.messages[-1],)) for row, _ in ended])
+        outs = _concurrently([(row.env.step, (row.messages[-1],)) for row, _ in ended], self.env_timeout_s)
         counts["env_seconds"] += time.perf_counter() - t0
         answers = []
         for (row, _), out in zip(ended, outs):
@@ -245,7 +248,7 @@ class MultiTurnDriver:
                 for _ in range(G)]
         for row in rows:
             row.env = self.environment()
-        outs = _concurrently([(row.env.reset, (), d) for row, d in zip(rows, data)])
+        outs = _concurrently([(row.env.reset, (), d) for row, d in zip(rows, data)], self.env_timeout_s)
         for row, obs, d in zip(rows, outs, data):
             if obs is None:
                 continue
@@ -292,12 +295,50 @@ def _call(fn: Callable, args: tuple, kwargs: dict) -> Any:
     return asyncio.run(out) if inspect.isawaitable(out) else out
 
 
-def _concurrently(jobs: list[tuple]) -> list[Any]:
-    """Run (fn, args[, kwargs]) jobs in threads, results in order; an exception propagates (a bug in
-    an environment is the user's to see, unlike a tool's failure, which the model is shown)."""
-    with ThreadPoolExecutor(max(1, min(16, len(jobs))), thread_name_prefix="grouprl-env") as pool:
-        futures = [pool.submit(_call, job[0], job[1], job[2] if len(job) > 2 else {}) for job in jobs]
-        return [f.result() for f in futures]
+class EnvironmentTimeout(TimeoutError):
+    """An environment's reset or step did not return within env_timeout_s."""
+
+
+def _concurrently(jobs: list[tuple], timeout_s: float | None = None, concurrency: int = 16) -> list[Any]:
+    """Run (fn, args[, kwargs]) jobs in threads, `concurrency` at a time, results in order; an exception
+    propagates (a bug in an environment is the user's to see, unlike a tool's failure, which the model
+    is shown), and so does a call running longer than `timeout_s` from its start, as EnvironmentTimeout.
+    Daemon threads: Python cannot stop a hung call, so it is abandoned, and cannot block the exit."""
+    gate, futures = threading.Semaphore(concurrency), [Future() for _ in jobs]
+    started: list[float | None] = [None] * len(jobs)
+
+    def run(i: int, fn: Callable, args: tuple, kwargs: dict) -> None:
+        with gate:
+            started[i] = time.monotonic()
+            try:
+                futures[i].set_result(_call(fn, args, kwargs))
+            except BaseException as e:  # noqa: BLE001 -- handed to the caller's thread
+                futures[i].set_exception(e)
+
+    for i, job in enumerate(jobs):
+        threading.Thread(target=run, args=(i, job[0], job[1], job[2] if len(job) > 2 else {}), daemon=True,
+                         name="grouprl-env").start()
+    pending = set(futures)
+    while pending:
+        now = time.monotonic()
+        late = [i for i, f in enumerate(futures)
+                if f in pending and timeout_s is not None and started[i] is not None and now - started[i] > timeout_s]
+        if late:
+            fn = jobs[late[0]][0]
+            raise EnvironmentTimeout(
+                f"{getattr(fn, '__qualname__', fn)} did not return within env_timeout_s={timeout_s:g} s "
+                f"({len(late)} of {len(jobs)} calls): a hung environment stops the run like one that raises (its "
+                "thread is abandoned); fix the environment, or raise env_timeout_s (null: no limit)")
+        # wake at the first completion or at the earliest deadline (a call that starts later ends later
+        # than now + timeout_s)
+        deadlines = [started[i] + timeout_s for i, f in enumerate(futures)
+                     if f in pending and started[i] is not None] if timeout_s is not None else []
+        wake = None if timeout_s is None else max(0.0, min(deadlines + [now + timeout_s]) - now) + 1e-3
+        done, pending = wait(pending, timeout=wake, return_when=FIRST_COMPLETED)
+        for f in done:
+            if f.exception() is not None:
+                raise f.exception()
+    return [f.result() for f in futures]
 
 
 def resolve_environment(spec: str | type | None) -> type | None:

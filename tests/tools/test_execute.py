@@ -250,11 +250,35 @@ def test_works_inside_a_running_event_loop():
     assert asyncio.run(caller()).results[0][0].content == '{"echo": "x"}'
 
 
+def shout(n: int) -> str:
+    """Write n characters.
+
+    Args:
+        n: how many
+    """
+    return "".join(chr(ord("a") + i % 26) for i in range(n))
+
+
+def test_long_results_are_cut_to_their_head_and_tail():
+    """max_output_chars 10: 30 characters become their first and last 5 around a line counting the 20
+    cut; a result that fits, and an error message, are cut the same way or kept whole."""
+    tools = resolve_tools([shout, divide])
+    batch = execute_calls([[ToolCall("shout", {"n": 30}), ToolCall("shout", {"n": 10})],
+                           [ToolCall("divide", {"a": 1, "b": 0})]], tools, max_output_chars=10)
+    (long, short), (error,) = batch.results
+    assert long.content == "abcde\n[... 20 characters cut ...]\nzabcd" and long.status == "ok"
+    assert short.content == "abcdefghij"
+    assert error.status == "error" and len(error.content) > 10 and "characters cut" in error.content
+    assert execute_calls([[ToolCall("shout", {"n": 30})]], tools).results[0][0].content == shout(30)  # None: whole
+
+
 def test_bad_limits():
     with pytest.raises(ValueError, match="timeout_s=0: a tool call needs a positive time limit in seconds"):
         execute_calls([], TOOLS, timeout_s=0)
     with pytest.raises(ValueError, match="max_concurrency=0: at least one call must be able to run"):
         execute_calls([], TOOLS, max_concurrency=0)
+    with pytest.raises(ValueError, match="max_output_chars=0: the model must see at least one character"):
+        execute_calls([], TOOLS, max_output_chars=0)
     with pytest.raises(ValueError, match="status 'timed_out': a tool result's status is one of ok, error, timeout, "
                                          "parse_error"):
         execute_calls([], TOOLS).count("timed_out")

@@ -10,7 +10,7 @@ import socket
 import pytest
 
 from grouprl.tools import ToolCall, execute_calls, python_tool, resolve_tools
-from grouprl.tools.python import truncate
+from grouprl.tools.base import truncate
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="the sandbox needs a POSIX host")
 

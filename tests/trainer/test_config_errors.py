@@ -295,6 +295,7 @@ NAN, INF = float("nan"), float("inf")
     ({"advantage_eps": -1.0}, "advantage_eps=-1.0 must be 0 or more"),
     ({"reward_timeout_s": 0}, "reward_timeout_s=0 must be a positive number of seconds, or null for no timeout"),
     ({"env_timeout_s": 0}, "env_timeout_s=0 must be a positive number of seconds, or null for no limit"),
+    ({"max_tool_output_chars": 0}, "max_tool_output_chars=0 must be at least 1"),
     ({"max_completion_length": "64"}, "max_completion_length='64' has the wrong type: expected int"),
     ({"algorithm": ["grpo"]}, "algorithm=['grpo'] has the wrong type: expected str"),
     ({"reward_weights": [NAN]}, "reward_weights=[nan] must hold finite numbers: NaN and infinity are not settings; "

@@ -493,6 +493,9 @@ class TrainFields:
     trajectory, tool results included, also fits in max_completion_length tokens."""
     tool_timeout_s: float = 30.0
     """A tool call that runs longer is abandoned and the model is told so."""
+    max_tool_output_chars: int | None = 8000
+    """A tool result longer than this is shown to the model cut to its head and tail around a line
+    saying how much was cut: the trajectory's token budget pays for every character. null: whole."""
     environment: str | None = None
     """A multi-turn environment class, `package.module:Class` (docs/tools.md): one instance per
     trajectory, `reset(**row)` gives the first observation, `step(assistant_message)` returns

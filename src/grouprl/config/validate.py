@@ -369,6 +369,9 @@ def _check_tools(c: TrainFields) -> None:
             raise ConfigError(f"{name}={getattr(c, name)} must be at least 1")
     if not c.tool_timeout_s > 0:
         raise ConfigError(f"tool_timeout_s={c.tool_timeout_s} must be a positive number of seconds")
+    if c.max_tool_output_chars is not None and c.max_tool_output_chars < 1:
+        raise ConfigError(f"max_tool_output_chars={c.max_tool_output_chars} must be at least 1 (the model sees "
+                          "the result's head and tail), or null to show results whole")
     if c.env_timeout_s is not None and not c.env_timeout_s > 0:
         raise ConfigError(f"env_timeout_s={c.env_timeout_s} must be a positive number of seconds, or null for "
                           "no limit")

@@ -126,4 +126,5 @@ def make_rollouts(cfg: TrainConfig, model: torch.nn.Module, tokenizer, formatter
     limits = TurnLimits(cfg.max_completion_length, max_turns=cfg.max_turns, max_tool_calls=cfg.max_tool_calls)
     return MultiTurnDriver(tokenizer, limits, tools=tools, parser=parser, environment=environment,
                            encode=formatter.encode, eos_token_ids=eos_ids(model, tokenizer),
-                           tool_timeout_s=cfg.tool_timeout_s, env_timeout_s=cfg.env_timeout_s)
+                           tool_timeout_s=cfg.tool_timeout_s, env_timeout_s=cfg.env_timeout_s,
+                           max_tool_output_chars=cfg.max_tool_output_chars)

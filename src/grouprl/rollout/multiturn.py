@@ -105,7 +105,7 @@ class MultiTurnDriver:
                  tools: dict[str, Tool] | None = None, parser: ToolCallParser | None = None,
                  environment: Callable[[], Environment] | None = None, encode: Callable[[Any], list[int]] | None = None,
                  eos_token_ids: tuple[int, ...] = (), tool_timeout_s: float = 30.0, max_concurrency: int = 16,
-                 env_timeout_s: float | None = None):
+                 env_timeout_s: float | None = None, max_tool_output_chars: int | None = None):
         if bool(tools) == (environment is not None):
             raise ValueError("a multi-turn rollout needs tools or an environment (one of them: an environment "
                              "answers every assistant turn itself, so it runs any tools it offers)")
@@ -118,6 +118,7 @@ class MultiTurnDriver:
         self.eos = set(eos_token_ids) or {tokenizer.eos_token_id}
         self.tool_timeout_s, self.max_concurrency = tool_timeout_s, max_concurrency
         self.env_timeout_s = env_timeout_s  # each reset/step call at most this long; None: no limit
+        self.max_tool_output_chars = max_tool_output_chars  # each result's head and tail; None: whole
 
     def generate(self, engine: GenerationEngine, prompt_ids: list[list[int]], num_generations: int,
                  params: SamplingParams, generator: torch.Generator | None = None, *,
@@ -201,7 +202,7 @@ class MultiTurnDriver:
         if not run:
             return []
         batch = execute_calls([turn.calls for _, turn in run], self.tools, timeout_s=self.tool_timeout_s,
-                              max_concurrency=self.max_concurrency)
+                              max_concurrency=self.max_concurrency, max_output_chars=self.max_tool_output_chars)
         counts["tool_calls"] += batch.num_calls  # calls made (a ParseError is none, but counts to the limit)
         counts["tool_errors"] += batch.count("error") + batch.count("timeout")
         counts["tool_timeouts"] += batch.count("timeout")

@@ -74,3 +74,12 @@ def check_call(call: ToolCall, tools: dict[str, Tool]) -> str | None:
     signature = ", ".join(f"{p}: {spec.get('type', 'any')}" + ("" if p in required else " (optional)")
                           for p, spec in properties.items())
     return f"bad arguments for {call.name}: {'; '.join(problems)}. It takes ({signature})"
+
+
+def truncate(text: str, max_chars: int) -> str:
+    """`text` if it fits, else its head and tail around a line saying how many characters were cut."""
+    if len(text) <= max_chars:
+        return text
+    head = max_chars // 2
+    tail = max_chars - head
+    return f"{text[:head]}\n[... {len(text) - max_chars} characters cut ...]\n{text[len(text) - tail:]}"

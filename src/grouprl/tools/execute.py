@@ -21,10 +21,10 @@ import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
-from .base import Tool, ToolCall, check_call
+from .base import Tool, ToolCall, check_call, truncate
 from .parsing import ParseError
 
 STATUSES = ("ok", "error", "timeout", "parse_error")
@@ -71,11 +71,15 @@ class ToolBatch:
 
 
 def execute_calls(calls: Sequence[Sequence[ToolCall | ParseError]], tools: dict[str, Tool], *,
-                  timeout_s: float = 30.0, max_concurrency: int = 16) -> ToolBatch:
+                  timeout_s: float = 30.0, max_concurrency: int = 16, max_output_chars: int | None = None) -> ToolBatch:
     """Run each row's calls (a ParseError passes through as a "parse_error" result); see the module doc.
+    `max_output_chars`: each result's content is cut to its head and tail around a line saying how
+    much was cut (a tool's output is context the trajectory's token budget pays for); None: whole.
 
     The event loop runs in a thread of its own, so this works from any caller, a notebook included.
     """
+    if max_output_chars is not None and max_output_chars < 1:
+        raise ValueError(f"max_output_chars={max_output_chars}: the model must see at least one character")
     if not timeout_s > 0:
         raise ValueError(f"timeout_s={timeout_s}: a tool call needs a positive time limit in seconds")
     if max_concurrency < 1:
@@ -92,7 +96,10 @@ def execute_calls(calls: Sequence[Sequence[ToolCall | ParseError]], tools: dict[
             answer.set_exception(e)
 
     threading.Thread(target=asyncio.run, args=(run(),), daemon=True, name="grouprl-tools").start()
-    return ToolBatch(answer.result(), time.monotonic() - start)
+    results = answer.result()
+    if max_output_chars is not None:
+        results = [[replace(r, content=truncate(r.content, max_output_chars)) for r in row] for row in results]
+    return ToolBatch(results, time.monotonic() - start)
 
 
 async def _run_rows(rows, tools, timeout_s, max_concurrency) -> list[list[ToolResult]]:

@@ -10,16 +10,7 @@ from __future__ import annotations
 
 from grouprl.sandbox import run_program, sandbox_mechanism
 
-from .base import Tool
-
-
-def truncate(text: str, max_chars: int) -> str:
-    """`text` if it fits, else its head and tail around a line saying how many characters were cut."""
-    if len(text) <= max_chars:
-        return text
-    head = max_chars // 2
-    tail = max_chars - head
-    return f"{text[:head]}\n[... {len(text) - max_chars} characters cut ...]\n{text[len(text) - tail:]}"
+from .base import Tool, truncate
 
 
 def python_tool(timeout_s: float = 10.0, memory_mb: int = 512, max_output_chars: int = 2000,

@@ -8,14 +8,20 @@ equals 87." restates the question and then answers 87, and scoring the restated 
 math-verify's free-text parse picks) was a reward a policy learnt to hack. For the same reason a
 reply that is arithmetic on plain numbers ("83 + 26", "2 + 2 = 5", \\boxed{6 \\times 7}) is read by
 its last number, not evaluated; any other expression is (\\boxed{2^{10}} = 1024).
+Text is prose when it has a word of 3+ letters or a short word like "is", "it", "so" ("It is 42"
+is 42, not I*t*i*s*42). A number in prose is read with the bare math around it, up to the nearest
+prose word, "=" or sentence break: "the answer is \\frac{3}{4}" is 3/4 and "10^{3}" is 1000, never
+the 3 or the 4 (a reward for any digit inside the LaTeX could be learnt); such LaTeX that math-verify
+cannot parse is no answer. The minus sign U+2212 (and U+FE63, U+FF0D) reads as "-".
 The same extraction runs on the gold answer, so a GSM8K solution ("... #### 72") or a MATH
 solution with \\boxed{} can be given as gold directly.
 
-Plain numbers (integers, decimals, thousands separators, simple fractions a/b) are compared exactly
-with `fractions.Fraction` without calling math-verify: the trainer's default task scores bare numbers
-on every step. Everything else goes to math-verify (LaTeX, expressions, sets, intervals).
+Plain numbers (integers, decimals, thousands separators "," "{,}" "\\," "\\ ", simple fractions a/b) are
+compared exactly with `fractions.Fraction` without calling math-verify: the trainer's default task
+scores bare numbers on every step. Everything else goes to math-verify (LaTeX, expressions, sets, intervals).
 
-Percentages: "50%" matches gold 50 and gold 0.5 (either reading is accepted).
+Percentages: "50%" (also "50\\%", "50 percent", in a box or in prose) matches gold 50 and gold 0.5
+(either reading is accepted).
 
 math-verify guards parse/verify with signal.alarm, which only works on the main thread; off the main
 thread (a thread pool, the trainer's reward timeout) we call it with its timeouts disabled and the
@@ -33,7 +39,10 @@ from typing import Any
 from .text import column, completion_text
 
 _NUMBER = re.compile(r"^[-+]?(?:(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|\.\d+)(?:[eE][-+]?\d+)?$")
-_PROSE = re.compile(r"(?<![\\a-zA-Z])[a-zA-Z]{3,}")
+# a word of 3+ letters, or a short word only prose uses ("It is 42", "So 42"; not "xy", "AB", "cm", "no")
+_SHORT_WORDS = "is it so we as at be by if in of on or to an am do he me my us up".split()
+_WORD = r"(?<![\\a-zA-Z])(?:[a-zA-Z]{3,}|" + "|".join(w + "|" + w.capitalize() for w in _SHORT_WORDS) + r")(?![a-zA-Z])"
+_PROSE = re.compile(_WORD)
 _FRACTION = re.compile(r"^([-+]?\d+)\s*/\s*(\d+)$")
 _LAST_NUMBER = re.compile(r"[-+]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:\s*/\s*\d+)?|[-+]?\.\d+")
 _ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL | re.IGNORECASE)
@@ -42,6 +51,13 @@ _ANSWER_PHRASE = re.compile(r"\banswer\s*(?:is\b|:|=)", re.IGNORECASE)
 _MATH_SEGMENT = re.compile(r"\$\$(.+?)\$\$|\$([^$]+?)\$|\\\((.+?)\\\)|\\\[(.+?)\\\]", re.DOTALL)
 _ARITHMETIC = re.compile(r"^(?=.*\d\s*(?:[-+*/×÷·=]|\\times|\\cdot|\\div))"
                          r"(?:[\s\d.,()+\-*/×÷·=]|\\times|\\cdot|\\div)+$")
+# what ends the bare math around a number in free text: a sentence or clause break, "=", a math
+# delimiter, a prose word (but not "percent", which belongs to the number)
+_RUN_BREAK = re.compile(r"\n|[.?](?=\s|$)|[,;:](?=\s)|=|\$|\\[()\[\]]|(?!percent\b)" + _WORD)
+_TEXT_GROUP = re.compile(r"\\(?:text|mathrm|textbf|mbox)\s*\{[^{}]*\}")
+_LATEX = re.compile(r"\\[a-zA-Z]|[{}^_]")
+_MINUS = str.maketrans({"\u2212": "-", "\ufe63": "-", "\uff0d": "-"})  # minus sign, small and full-width hyphen-minus
+_THOUSANDS = re.compile(r"(?<=\d)(?:\\,|\\ )(?=\d)")  # LaTeX thin and normal spaces: 1\,000, 1\ 000
 _TIMEOUT_S = 5
 
 
@@ -96,7 +112,7 @@ def extract_answer(text: str) -> tuple[str, bool]:
 def _plain_number(s: str) -> Fraction | None:
     """Exact value of a plain number ("1,250", "-3.50", ".5", "3/4", "$12", "12."), else None."""
     s = s.strip().strip("$").strip()
-    s = s.replace("\\$", "").replace("\\!", "").replace("{,}", ",").strip()
+    s = _THOUSANDS.sub(",", s.replace("\\$", "").replace("\\!", "").replace("{,}", ",")).strip()
     if s.endswith(".") and not s.endswith(".."):
         s = s[:-1]
     m = _FRACTION.match(s)
@@ -148,7 +164,7 @@ def _looks_like_prose(s: str) -> bool:
 
 def _read(text: str) -> tuple[list[Fraction], list | None]:
     """Exact values (fast path) and, when no exact value is found, math-verify's parse of the answer."""
-    answer, anchored = extract_answer(text)
+    answer, anchored = extract_answer(text.translate(_MINUS))
     values, core = _candidates(answer)
     if values or not core:
         return values, None
@@ -157,7 +173,7 @@ def _read(text: str) -> tuple[list[Fraction], list | None]:
         parsed = _mv_parse(core, anchored=True)
         if parsed or anchored:
             return [], parsed
-    return _read_final(core)
+    return _read_final(answer)  # with its "%": "The answer is 5%"
 
 
 def _read_final(text: str) -> tuple[list[Fraction], list | None]:
@@ -171,7 +187,7 @@ def _read_final(text: str) -> tuple[list[Fraction], list | None]:
         return [], None
     item = min(items, key=lambda m: m.start()) if phrases else max(items, key=lambda m: m.end())
     if item.re is _LAST_NUMBER:
-        return _candidates(item.group())[0], None
+        return _read_bare(tail, item)
     inner = _segment(item).strip()
     values, core = _candidates(inner)
     if values:
@@ -182,6 +198,25 @@ def _read_final(text: str) -> tuple[list[Fraction], list | None]:
             return [], parsed
     numbers = _LAST_NUMBER.findall(inner)  # "$83 + 26 = 109$": what the computation comes to
     return (_candidates(numbers[-1])[0] if numbers else []), None
+
+
+def _read_bare(text: str, number: re.Match) -> tuple[list[Fraction], list | None]:
+    """A number in free text with the bare math around it, up to the nearest break (`_RUN_BREAK`):
+    "5%" is a percentage, "1\\,000" one number, and "\\frac{3}{4}", "10^{3}" or "\\sqrt{2}" are read by
+    math-verify as a whole (nothing if it cannot), never by the 3, 10 or 2 in them. Else the number itself."""
+    blank = _TEXT_GROUP.sub(lambda m: " " * len(m.group()), text)  # "\\frac{3}{4} \\text{ cups}": same offsets
+    if blank[number.start()] == " ":  # the number is inside \\text{...}: words around it, not math
+        return _candidates(number.group())[0], None
+    text = blank
+    breaks = list(_RUN_BREAK.finditer(text))
+    start = max((m.end() for m in breaks if m.end() <= number.start()), default=0)
+    end = min((m.start() for m in breaks if m.start() >= number.end()), default=len(text))
+    values, core = _candidates(text[start:end].strip())
+    if values:
+        return values, None
+    if _LATEX.search(core) and not _ARITHMETIC.match(core):
+        return [], _mv_parse(core, anchored=True)  # unparsed: no answer, rather than a digit inside it
+    return _candidates(number.group())[0], None
 
 
 def _segment(m: re.Match) -> str:

@@ -78,3 +78,11 @@ def test_every_anchored_link_lands_on_a_heading(page):
         elif target.suffix == ".md" and anchor not in anchors(target):
             broken.append(f"{file}#{anchor}: no such heading in {target.relative_to(ROOT)}")
     assert not broken, f"{page.relative_to(ROOT)}: " + "; ".join(broken)
+
+
+@pytest.mark.parametrize("page", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_no_link_leaves_the_repository(page):
+    """The README and docs stand on their own: every link targets a file of this repository."""
+    outside = [target for line in prose_lines(page) for target in LINK.findall(line)
+               if re.match(r"[a-z][a-z0-9+.-]*:", target, re.IGNORECASE)]
+    assert not outside, f"{page.relative_to(ROOT)} links outside the repository: {outside}"

@@ -98,6 +98,18 @@ def test_bare_latex_in_free_text_is_read_whole(completion, gold, expected):
 
 
 @pytest.mark.parametrize("completion, gold, expected", [
+    ("The answer is 83 + 26 = 109.", "109", 1.0), ("The answer is 83 + 26 = 109.", "83", 0.0),
+    ("The answer is 2 + 3 = 5 = 5.", "5", 1.0), ("The answer is 12 \u00d7 3 = 36 apples.", "36", 1.0),
+    ("The answer is 5. Check: 2 + 3 = 5", "5", 1.0),  # a plain number after the phrase is the answer
+    ("The answer is 7 + 1. Then = 9", "8", 0.0),  # a sentence ends the computation: no "= 9" read into it
+])
+def test_a_computation_after_answer_is_is_read_by_what_it_comes_to(completion, gold, expected):
+    """After "the answer is", "83 + 26 = 109" is 109, not its first number 83; the chain of "=" is
+    followed within the sentence only, and only from arithmetic (a plain number is the answer)."""
+    assert verify_math(completion, gold) == expected
+
+
+@pytest.mark.parametrize("completion, gold, expected", [
     ("the answer is \u22125", "-5", 1.0), ("the answer is \u22125", "5", 0.0), ("Final: \u221212", "12", 0.0),
     ("\uff0d5", "-5", 1.0), ("\ufe635", "-5", 1.0), ("\\boxed{-5}", "\u22125", 1.0),
 ])

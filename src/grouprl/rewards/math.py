@@ -214,6 +214,10 @@ def _read_bare(text: str, number: re.Match) -> tuple[list[Fraction], list | None
     values, core = _candidates(text[start:end].strip())
     if values:
         return values, None
+    if _ARITHMETIC.match(core) and text.startswith("=", end):  # "83 + 26 = 109": what the computation comes to
+        after = _LAST_NUMBER.search(text, end + 1)
+        if after is not None and not any(end < b.start() < after.start() for b in breaks):
+            return _read_bare(text, after)
     if _LATEX.search(core) and not _ARITHMETIC.match(core):
         return [], _mv_parse(core, anchored=True)  # unparsed: no answer, rather than a digit inside it
     return _candidates(number.group())[0], None

@@ -9,25 +9,35 @@ Layout of `output_dir/checkpoints/step-000010/`:
   COMPLETE            written last; a folder without it is never read
 
 A rename within one filesystem is atomic, so a run killed at any moment leaves either the new
-checkpoint complete or no trace of it beside the previous one.
+checkpoint complete or no trace of it beside the previous one. A checkpoint replaced by a new one of
+its step is first moved aside (`.old-step-N-PID`), so a complete one of that step exists at every
+instant; `recover_interrupted_saves`, at the start of a run, puts back what a kill left aside and
+deletes the temporary folders of saves that never finished.
 """
 
 from __future__ import annotations
 
 import os
+import pickle
 import random
 import re
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, load_model, save_file, save_model
 
 from grouprl.lora import is_peft_model, merged_copy
 
 _NAME = re.compile(r"^step-(\d+)$")
+_LEFTOVER = re.compile(r"^\.(tmp|old)-step-(\d+)-\d+$")  # a save's temporary folder; a checkpoint moved aside
+
+
+class DamagedCheckpoint(ValueError):
+    """A checkpoint marked COMPLETE whose files cannot be read (truncated or changed after it was written)."""
 
 
 def checkpoint_dir(output_dir: str | Path) -> Path:
@@ -85,15 +95,39 @@ def save_checkpoint(output_dir: str | Path, step: int, *, model: torch.nn.Module
     torch.save(state, tmp / "state.pt")
     _fsync_tree(tmp)
     (tmp / "COMPLETE").write_text(f"{step}\n")
-    if final.exists():  # a checkpoint of the same step from an earlier attempt: replace it
-        shutil.rmtree(final)
+    aside = None
+    if final.exists():
+        # the same step from an earlier attempt: moved aside, not deleted, until the new one is in place, so
+        # a kill in between leaves a whole checkpoint of this step (recover_interrupted_saves puts it back)
+        aside = root / f".old-step-{step:06d}-{os.getpid()}"
+        os.replace(final, aside)
     os.replace(tmp, final)
     _fsync_dir(root)
+    if aside is not None:
+        shutil.rmtree(aside)
     if keep:
         for old in list_checkpoints(output_dir)[:-keep]:
             if protect is None or old.resolve() != Path(protect).resolve():
                 shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def recover_interrupted_saves(output_dir: str | Path) -> None:
+    """Undo what a save killed midway left in checkpoints/ (rank 0, at the start of a run, before any
+    checkpoint is read): a checkpoint moved aside to be replaced goes back into place if its
+    replacement never arrived, else it is deleted; temporary folders of unfinished saves are deleted."""
+    root = checkpoint_dir(output_dir)
+    if not root.is_dir():
+        return
+    for path in sorted(root.iterdir()):
+        if not (m := _LEFTOVER.match(path.name)):
+            continue
+        final = checkpoint_path(output_dir, int(m.group(2)))
+        if m.group(1) == "old" and not final.exists():
+            os.replace(path, final)
+        else:
+            shutil.rmtree(path)
+    _fsync_dir(root)
 
 
 def save_model_folder(model: torch.nn.Module, path: Path,
@@ -131,9 +165,18 @@ def read_checkpoint(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str
     path = Path(path)
     if not (path / "COMPLETE").is_file():
         raise FileNotFoundError(f"{path} is not a complete checkpoint")
-    ref = load_file(path / "ref.safetensors") if (path / "ref.safetensors").is_file() else None
-    return (load_file(path / "trainable.safetensors"), ref,
-            torch.load(path / "state.pt", weights_only=False))
+    ref = _read(path / "ref.safetensors", load_file) if (path / "ref.safetensors").is_file() else None
+    return (_read(path / "trainable.safetensors", load_file), ref,
+            _read(path / "state.pt", lambda p: torch.load(p, weights_only=False)))
+
+
+def _read(file: Path, load: Callable[[Path], Any]) -> Any:
+    """`load(file)`; what a truncated or missing file raises becomes a DamagedCheckpoint naming it."""
+    try:
+        return load(file)
+    except (OSError, EOFError, RuntimeError, pickle.UnpicklingError, SafetensorError) as e:
+        raise DamagedCheckpoint(f"checkpoint {file.parent} is damaged: {file.name} cannot be read "
+                                f"({type(e).__name__}: {e})") from e
 
 
 def rng_states(generator: torch.Generator) -> dict[str, Any]:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
+from pathlib import Path
 from typing import Any, Callable, Protocol
 
 import torch
@@ -150,8 +151,9 @@ def run_evaluation(trainer: EvalStages, ds: Dataset, batch_size: int) -> dict[st
 
 
 class BestModel:
-    """metric_for_best_model: the best eval so far, `record` = {step, metric, value, checkpoint}
-    (None before the first eval, and always when no metric is set); checkpoints in `output_dir`."""
+    """metric_for_best_model: the best eval so far, `record` = {step, metric, value} (None before the
+    first eval, and always when no metric is set); checkpoints in `output_dir`. The record names the
+    checkpoint by its step, not its path: a run folder moved and resumed still finds it."""
 
     def __init__(self, metric: str | None, greater_is_better: bool, output_dir: str):
         self.metric, self.greater_is_better, self.output_dir = metric, greater_is_better, output_dir
@@ -169,6 +171,10 @@ class BestModel:
         if not math.isfinite(value) or (best is not None and not (
                 value > best["value"] if self.greater_is_better else value < best["value"])):
             return False
-        self.record = {"step": step, "metric": self.metric, "value": value,
-                       "checkpoint": str(checkpoint_path(self.output_dir, step))}
+        self.record = {"step": step, "metric": self.metric, "value": value}
         return True
+
+    @property
+    def checkpoint(self) -> Path | None:
+        """The best checkpoint's folder in the current output_dir (None without a record)."""
+        return None if self.record is None else checkpoint_path(self.output_dir, self.record["step"])

@@ -181,7 +181,8 @@ class Progress:
 def _truncate_after(path: Path, step: int) -> None:
     """Keep the rows of steps <= `step` (a resumed run writes the later ones again). A last line
     that is not JSON was cut off by a kill in mid-append and is dropped with its step; a damaged
-    line anywhere else is an error that names it."""
+    line anywhere else is an error that names it. The kept rows go to a new file that replaces the
+    old one whole, so a failed write (a full disk) loses no row already logged."""
     if not path.is_file():
         return
     lines = path.read_text().splitlines()
@@ -198,7 +199,9 @@ def _truncate_after(path: Path, step: int) -> None:
                              "delete that line to resume") from None
         if row.get("step", 0) <= step:
             keep.append(line)
-    path.write_text("".join(line + "\n" for line in keep))
+    tmp = path.with_name(f".{path.name}.tmp")  # the same folder: the rename stays on one filesystem
+    tmp.write_text("".join(line + "\n" for line in keep))
+    tmp.replace(path)
 
 
 def _cell(v: Any) -> Any:

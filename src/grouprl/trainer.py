@@ -49,7 +49,7 @@ from datasets import Dataset
 
 from grouprl import distributed as D
 from grouprl.batch import StepBatch
-from grouprl.checkpoint import checkpoint_path, latest_checkpoint
+from grouprl.checkpoint import checkpoint_path, latest_checkpoint, recover_interrupted_saves
 from grouprl.config import ConfigError, TrainConfig
 from grouprl.core import zero_std_groups
 from grouprl.data import PromptBatch, PromptFormatter, PromptSampler, load_datasets
@@ -204,9 +204,11 @@ class Trainer:
         or SIGINT ends the run after the current step, with a checkpoint, and raises `TrainingStopped`; a second
         stops at once (signals.py)."""
         cfg, out = self.cfg, Path(self.cfg.output_dir)
-        if resume:
-            self._resume()
-        elif latest_checkpoint(out) is not None:
+        if self.dist.is_main:  # what a save killed midway left (checkpoint.py), before any checkpoint is read
+            recover_interrupted_saves(out)
+        D.barrier(self.dist)
+        finished = resume and self._resume()  # nothing left to train or evaluate: only the summary
+        if not resume and latest_checkpoint(out) is not None:
             raise ConfigError(f"output_dir={str(out)!r} already holds a run with checkpoints: pass "
                               "--resume to continue it, or choose a new output_dir")
         main = self.dist.is_main  # only rank 0 writes
@@ -240,23 +242,25 @@ class Trainer:
                             saved = self.step
                         if reason := self.respond_to_alarms({}, progress, log=True):  # eval_divergence
                             break
-                    if cfg.save_steps and self.step % cfg.save_steps == 0 and self.step < cfg.max_steps:
+                    due = cfg.save_steps and self.step % cfg.save_steps == 0 and self.step < cfg.max_steps
+                    if due and saved != self.step:  # not written twice: the best-model save may have come first
                         self.save()
                         saved = self.step
                     self.guard.snapshot(self.step, self.updater.trainable, self.optimizer)
                 if signum or reason:
                     self._stop(signum, progress, saved, reason)
-            if self.eval_ds is not None:
+            if self.eval_ds is not None and not finished:
                 self.evals["eval_after"] = self._log_eval(self.step, progress)
                 self.best.update(self.evals["eval_after"], self.step)  # its checkpoint is written below
                 self.respond_to_alarms({}, progress, final=True, log=True)  # the run is over: reported only
         progress.close()
-        self.save()
+        if not finished:
+            self.save()
         summary = self.logger.summary(self.step, self.evals)
         if self.best.record is not None:
-            summary["best_checkpoint"] = self.best.record
+            summary["best_checkpoint"] = {**self.best.record, "checkpoint": str(self.best.checkpoint)}
             if self.cfg.load_best_model_at_end:
-                load_trainable_weights(self.best.record["checkpoint"], self.model)  # training_state.py
+                load_trainable_weights(self.best.checkpoint, self.model)  # training_state.py
                 self.weights_version += 1
                 self.sync_weights()
         self.logger.finish(summary)
@@ -473,13 +477,20 @@ class Trainer:
         loop = LoopState(self.step, self.evals, self._eval_pending, self.best.record)
         return save_training_state(self.cfg, self.dist, self._checkpointed(), loop, self.tokenizer)
 
-    def _resume(self) -> None:
-        """The newest checkpoint in output_dir back into this run (training_state.py)."""
+    def _resume(self) -> bool:
+        """The newest checkpoint in output_dir back into this run (training_state.py); whether that run is
+        finished (then a warning says so: a resume is no way to train past max_steps without raising it)."""
         loop = restore_training_state(self.cfg, self.dist, self._checkpointed())
         self.step, self.evals, self._eval_pending = loop.step, loop.evals, loop.eval_pending
         self.best.record = loop.best
         self.weights_version += 1  # the checkpoint's weights replaced the initial ones
         self.sync_weights()
+        finished = loop.finished(self.cfg.max_steps, evaluates=self.eval_ds is not None)
+        if finished and self.dist.is_main:
+            logger.warning("--resume: the run in %s is finished (step %d, max_steps=%d): nothing is trained, its "
+                           "summary is written again; to train further, raise max_steps", self.cfg.output_dir,
+                           self.step, self.cfg.max_steps)
+        return finished
 
     def _checkpointed(self) -> TrainingParts:
         """The parts of this run a checkpoint holds."""

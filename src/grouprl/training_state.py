@@ -22,8 +22,8 @@ import torch
 from torch.optim.lr_scheduler import LRScheduler
 
 from grouprl import distributed as D
-from grouprl.checkpoint import (checkpoint_path, latest_checkpoint, load_checkpoint, read_checkpoint,
-                                restore_rng_states, rng_states, save_checkpoint)
+from grouprl.checkpoint import (DamagedCheckpoint, checkpoint_path, latest_checkpoint, list_checkpoints,
+                                load_checkpoint, read_checkpoint, restore_rng_states, rng_states, save_checkpoint)
 from grouprl.config import ConfigError, TrainConfig, changed_settings
 from grouprl.optim import scale_learning_rate
 from grouprl.value import optimized_modules
@@ -64,14 +64,19 @@ class LoopState:
     step: int
     evals: dict[str, Any]         # eval_before, eval_after: the results so far
     eval_pending: bool            # a signal stopped the run before the eval due at `step`
-    best: dict[str, Any] | None   # metric_for_best_model: {step, metric, value, checkpoint}
+    best: dict[str, Any] | None   # metric_for_best_model: {step, metric, value} (evaluation.BestModel)
+
+    def finished(self, max_steps: int, evaluates: bool) -> bool:
+        """The run is over: trained to max_steps and, with an eval set, evaluated after (eval_after is
+        kept only by the last save, `restore_training_state`)."""
+        return self.step >= max_steps and ("eval_after" in self.evals or not evaluates)
 
 
 def save_training_state(cfg: TrainConfig, dist: D.DistContext, parts: TrainingParts, loop: LoopState,
                         tokenizer: Any) -> Path:
     """Rank 0 writes the checkpoint of `loop.step` (FSDP2: whole state dicts gathered from every
     rank); every rank's RNG states go in; nobody continues before it is complete. The best
-    checkpoint is kept whatever save_total_limit says."""
+    checkpoint is kept whatever save_total_limit says (found by its step: the run folder may have moved)."""
     rng = D.gather_objects(dist, rng_states(parts.generator))  # every rank's
     ref_model = parts.ref_model if cfg.ref_update_steps else None  # the reference changes only then
     model_state, optimizer_state, ref_state = D.checkpoint_states(parts.model, parts.optimizer, ref_model,
@@ -88,7 +93,8 @@ def save_training_state(cfg: TrainConfig, dist: D.DistContext, parts: TrainingPa
     if dist.is_main:
         path = save_checkpoint(cfg.output_dir, loop.step, model=parts.model, tokenizer=tokenizer, state=state,
                                ref_model=ref_model, keep=cfg.save_total_limit, model_state=model_state,
-                               ref_state=ref_state, protect=Path(loop.best["checkpoint"]) if loop.best else None)
+                               ref_state=ref_state,
+                               protect=checkpoint_path(cfg.output_dir, loop.best["step"]) if loop.best else None)
     D.barrier(dist)
     return path
 
@@ -101,16 +107,22 @@ def restore_training_state(cfg: TrainConfig, dist: D.DistContext, parts: Trainin
         raise ConfigError(f"--resume: output_dir={cfg.output_dir!r} holds no complete "
                           "checkpoint; start without --resume")
     sharded = D.is_sharded(parts.model)
-    if sharded:  # every rank reads the whole weights and keeps its shard
-        weights, ref_weights, state = read_checkpoint(ckpt)
-        _check_value_head(ckpt, parts, state)
-        D.load_full_state(parts.model, weights, parts.optimizer,
-                          state["optimizer"] if state.get("sharded_optimizer") else None, parts.optimized)
-        if parts.ref_model is not None and ref_weights is not None:
-            D.load_full_state(parts.ref_model, ref_weights)
-    else:
-        state = load_checkpoint(ckpt, parts.model, parts.ref_model)
-        _check_value_head(ckpt, parts, state)
+    try:
+        if sharded:  # every rank reads the whole weights and keeps its shard
+            weights, ref_weights, state = read_checkpoint(ckpt)
+            _check_value_head(ckpt, parts, state)
+            D.load_full_state(parts.model, weights, parts.optimizer,
+                              state["optimizer"] if state.get("sharded_optimizer") else None, parts.optimized)
+            if parts.ref_model is not None and ref_weights is not None:
+                D.load_full_state(parts.ref_model, ref_weights)
+        else:
+            state = load_checkpoint(ckpt, parts.model, parts.ref_model)
+            _check_value_head(ckpt, parts, state)
+    except DamagedCheckpoint as e:  # never a silent fall back to an older one: the user decides
+        earlier = list_checkpoints(cfg.output_dir)[:-1]
+        raise ConfigError(f"--resume: {e}; " + (
+            f"delete that folder to resume from the previous complete checkpoint, {earlier[-1]}" if earlier
+            else "it is the run's only checkpoint: delete it and start the run again without --resume")) from e
     if parts.value_head is not None:
         parts.value_head.load_state_dict(state["value_head"])
     if state.get("sharded_optimizer", False) != sharded:
@@ -133,7 +145,12 @@ def restore_training_state(cfg: TrainConfig, dist: D.DistContext, parts: Trainin
     if changed and dist.is_main:
         logger.warning("resuming with settings changed since the run began (they apply from step %d): %s",
                        step + 1, ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in changed.items()))
-    return LoopState(step, state["evals"], state.get("eval_pending", False), state.get("best"))
+    best = state.get("best")  # older versions also kept the checkpoint's full path: stale once the folder moves
+    best = None if best is None else {k: v for k, v in best.items() if k != "checkpoint"}
+    evals = state["evals"]
+    if step < cfg.max_steps:  # trained further than a finished run: its eval_after is no longer the run's last
+        evals.pop("eval_after", None)
+    return LoopState(step, evals, state.get("eval_pending", False), best)
 
 
 def _check_value_head(ckpt: Path, parts: TrainingParts, state: dict[str, Any]) -> None:

@@ -1,5 +1,7 @@
 """Checkpoints: resume reproduces the uninterrupted run exactly; a kill while writing a checkpoint
-leaves the previous one usable; the saved model loads with transformers and trains again."""
+leaves the previous one usable and its leftovers are cleared on resume; a step is written once; a
+damaged checkpoint is named; a finished run resumed stays finished; the saved model loads with
+transformers and trains again."""
 
 import math
 import os
@@ -84,7 +86,8 @@ def test_resume_without_checkpoint_is_a_clear_error(make_cfg):
 
 
 def test_sigkill_while_writing_a_checkpoint_keeps_the_previous_one(make_cfg, tmp_path):
-    """A real SIGKILL in the middle of the second checkpoint's files; then resume finishes the run."""
+    """A real SIGKILL in the middle of the second checkpoint's files; then resume deletes the killed process's
+    temporary folder and finishes the run."""
     cfg = make_cfg(max_steps=4, save_steps=2, output_dir=str(tmp_path / "run"))
     cfg.save_yaml(tmp_path / "cfg.yaml")
     script = textwrap.dedent(f"""
@@ -114,6 +117,7 @@ def test_sigkill_while_writing_a_checkpoint_keeps_the_previous_one(make_cfg, tmp
     Trainer(cfg).train(resume=True)
     assert [p.name for p in list_checkpoints(cfg.output_dir)] == ["step-000002", "step-000004"]
     assert [r["step"] for r in read_metrics(cfg.output_dir) if "reward/mean" in r] == [1, 2, 3, 4]
+    assert sorted(p.name for p in (tmp_path / "run/checkpoints").iterdir()) == ["step-000002", "step-000004"]
 
 
 def test_saved_model_is_a_model_for_a_new_run(make_cfg, tmp_path):
@@ -132,3 +136,91 @@ def test_save_total_limit_keeps_the_newest(make_cfg):
     cfg = make_cfg(max_steps=4, save_steps=1, save_total_limit=2)
     Trainer(cfg).train()
     assert [p.name for p in list_checkpoints(cfg.output_dir)] == ["step-000003", "step-000004"]
+
+
+def test_a_step_is_saved_once_when_the_best_model_and_save_steps_fall_on_it(make_cfg, monkeypatch):
+    """Eval and save_steps every 2 steps of 4: step 2's eval is the first, so the best so far, and its
+    checkpoint is the one save_steps asks for; step 4 is the final save. Steps written: 2, 4 (not 2, 2, 4)."""
+    import grouprl.training_state
+
+    saved = []
+    real = grouprl.training_state.save_checkpoint
+
+    def spy(output_dir, step, **kwargs):
+        saved.append(step)
+        return real(output_dir, step, **kwargs)
+
+    monkeypatch.setattr(grouprl.training_state, "save_checkpoint", spy)
+    Trainer(make_cfg(max_steps=4, save_steps=2, eval_steps=2, eval_fraction=0.1, max_eval_samples=4,
+                     metric_for_best_model="reward_mean")).train()
+    assert saved == [2, 4]
+
+
+def test_a_kill_while_replacing_a_checkpoint_of_the_same_step_keeps_a_whole_one(make_cfg, monkeypatch):
+    """save_total_limit 1 keeps only step 2's checkpoint; step 2 is saved again (as a run resumed at its last step
+    does) and the process dies just before the new folder is renamed into place. The old checkpoint had not been
+    deleted, only moved aside: a resume finds it, whole, and no leftover folder stays in checkpoints/."""
+    cfg = make_cfg(max_steps=2, save_steps=1, save_total_limit=1)
+    trainer = Trainer(cfg)
+    trainer.train()
+    (only,) = list_checkpoints(cfg.output_dir)
+    before = (only / "trainable.safetensors").read_bytes()
+    real_replace = os.replace
+
+    def killed_at_the_rename(src, dst):
+        if os.path.basename(src).startswith(".tmp-step-"):
+            raise Crash  # SIGKILL, OOM, node loss: nothing after this line runs
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", killed_at_the_rename)
+    with pytest.raises(Crash):
+        trainer.save()
+    monkeypatch.setattr(os, "replace", real_replace)
+
+    Trainer(cfg).train(resume=True)
+    assert list_checkpoints(cfg.output_dir) == [only]
+    assert (only / "trainable.safetensors").read_bytes() == before
+    assert sorted(p.name for p in only.parent.iterdir()) == ["step-000002"]
+
+
+def test_resuming_a_finished_run_says_so_and_trains_evaluates_and_saves_nothing(make_cfg, caplog):
+    """A 2-step run with an eval set, resumed as it is: the same summary, metrics.jsonl unchanged (no second
+    eval_after row) and its last checkpoint not written again."""
+    cfg = make_cfg(max_steps=2, eval_fraction=0.1, max_eval_samples=4)
+    summary = Trainer(cfg).train()
+    rows = read_metrics(cfg.output_dir)
+    state = latest_checkpoint(cfg.output_dir) / "state.pt"
+    written = state.stat().st_mtime_ns
+    with caplog.at_level("WARNING", logger="grouprl.trainer"):
+        assert Trainer(cfg).train(resume=True) == summary
+    assert "is finished (step 2, max_steps=2)" in caplog.text and "raise max_steps" in caplog.text
+    assert read_metrics(cfg.output_dir) == rows
+    assert state.stat().st_mtime_ns == written
+
+
+def test_a_finished_run_trained_further_is_finished_only_once_evaluated_at_its_new_end(make_cfg):
+    """Finished at step 2 (eval_after there), resumed towards 4 and crashed before step 4: the step-3 checkpoint
+    must not pass for a finished run with step 2's eval_after, so resumed with max_steps 3 it is evaluated at 3."""
+    kw = dict(eval_fraction=0.1, max_eval_samples=4, save_steps=1)
+    Trainer(make_cfg(max_steps=2, **kw)).train()
+    trainer = Trainer(make_cfg(max_steps=4, **kw))
+    trainer.train_step = lambda original=trainer.train_step: original() if trainer.step < 3 else 1 / 0
+    with pytest.raises(ZeroDivisionError):
+        trainer.train(resume=True)
+    Trainer(make_cfg(max_steps=3, **kw)).train(resume=True)
+    assert [r["step"] for r in read_metrics(make_cfg().output_dir) if "eval/accuracy" in r] == [0, 2, 3]
+
+
+@pytest.mark.parametrize("damaged, save_total_limit, fix", [
+    ("state.pt", None, r"delete that folder to resume from the previous complete checkpoint, .*step-000001$"),
+    ("trainable.safetensors", 1, "it is the run's only checkpoint: delete it and start the run again without"),
+])
+def test_a_damaged_latest_checkpoint_is_an_error_naming_it_and_the_fix(make_cfg, damaged, save_total_limit, fix):
+    """A file of the newest checkpoint cut in half after it was written (a copy that stopped, a full disk under a
+    sync): resume names the folder, the file, and what to do; it never falls back to an older one by itself."""
+    cfg = make_cfg(max_steps=2, save_steps=1, save_total_limit=save_total_limit)
+    Trainer(cfg).train()
+    path = latest_checkpoint(cfg.output_dir) / damaged
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    with pytest.raises(ConfigError, match=rf"step-000002 is damaged: {damaged} cannot be read .*; {fix}"):
+        Trainer(make_cfg(max_steps=3, save_steps=1, save_total_limit=save_total_limit)).train(resume=True)

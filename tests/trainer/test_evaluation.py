@@ -1,7 +1,7 @@
 """Evaluation that samples (evaluation.py): pass@k's unbiased estimator against brute force, maj@k's
 vote by hand, then `Trainer.evaluate` on the tiny policy against the same numbers recomputed from
-the scores it gave; the best checkpoint survives save_total_limit and loads at the end; `grouprl eval`
-prints a table and writes eval.json."""
+the scores it gave; the best checkpoint survives save_total_limit (in a run folder moved too) and loads at
+the end; `grouprl eval` prints a table and writes eval.json."""
 
 import itertools
 import json
@@ -108,6 +108,41 @@ def test_the_best_checkpoint_is_kept_and_loaded_at_the_end(make_cfg, digits_data
     weights = load_file(f"{best['checkpoint']}/trainable.safetensors")  # CPU tensors
     params = {k: p.detach().cpu() for k, p in trainer.model.named_parameters()}  # cuda:0 where there is one
     assert all(torch.equal(params[k], v) for k, v in weights.items())
+
+
+def test_the_best_checkpoint_is_found_after_the_run_folder_moved(make_cfg, digits_data, tmp_path, monkeypatch):
+    """Evals scripted so step 2 is the best (reward_mean 1, every other eval 0); save_total_limit 1. The run
+    stops after step 2, its folder is moved, and it resumes to step 4: step 2's checkpoint survives steps 3 and
+    4, summary.json names it in the new folder, and its weights load at the end. The step-2 state is written as
+    before the fix (the record held the old folder's full path): such a record still reads."""
+    def scripted_eval(self, dataset=None, batch_size=64):
+        return {"accuracy": 0.5, "reward_mean": float(self.step == 2), "num_samples": 4}
+
+    monkeypatch.setattr(Trainer, "evaluate", scripted_eval)
+    kw = dict(eval_data=str(digits_data), eval_steps=2, max_steps=4, save_steps=1, save_total_limit=1,
+              metric_for_best_model="reward_mean", load_best_model_at_end=True)
+    first = Trainer(make_cfg(output_dir=str(tmp_path / "a"), **kw))
+    first.train_step = lambda original=first.train_step: original() if first.step < 2 else 1 / 0
+    with pytest.raises(ZeroDivisionError):
+        first.train()  # stopped by a crash before step 3
+    state_file = tmp_path / "a/checkpoints/step-000002/state.pt"
+    state = torch.load(state_file, weights_only=False)
+    assert state["best"]["step"] == 2
+    state["best"]["checkpoint"] = str(tmp_path / "a/checkpoints/step-000002")  # the record an older version wrote
+    torch.save(state, state_file)
+    (tmp_path / "a").rename(tmp_path / "b")
+
+    trainer = Trainer(make_cfg(output_dir=str(tmp_path / "b"), **kw))
+    summary = trainer.train(resume=True)
+    best = tmp_path / "b/checkpoints/step-000002"
+    assert sorted(p.name for p in best.parent.iterdir()) == ["step-000002", "step-000004"]
+    assert summary["best_checkpoint"] == {"step": 2, "metric": "reward_mean", "value": 1.0, "checkpoint": str(best)}
+    assert json.loads((tmp_path / "b/summary.json").read_text())["best_checkpoint"] == summary["best_checkpoint"]
+    weights = load_file(best / "trainable.safetensors")  # CPU tensors
+    params = {k: p.detach().cpu() for k, p in trainer.model.named_parameters()}  # cuda:0 where there is one
+    assert all(torch.equal(params[k], v) for k, v in weights.items())
+    final = torch.load(tmp_path / "b/checkpoints/step-000004/state.pt", weights_only=False)
+    assert final["best"] == {"step": 2, "metric": "reward_mean", "value": 1.0}  # no path to go stale
 
 
 def test_an_unknown_best_metric_is_named(make_cfg, digits_data):

@@ -1,7 +1,10 @@
 """The run log on resume: rows after the checkpoint's step go, a last line torn by a kill in
-mid-append goes, and a damaged line elsewhere is an error that names the file and the line."""
+mid-append goes, a damaged line elsewhere is an error that names the file and the line, and a
+rewrite that fails loses no row."""
 
+import errno
 import json
+from pathlib import Path
 
 import pytest
 
@@ -24,3 +27,21 @@ def test_a_damaged_line_before_the_last_is_an_error_naming_it(tmp_path):
     write(tmp_path / "samples.jsonl", [json.dumps({"step": 1}), "{oops", json.dumps({"step": 2})])
     with pytest.raises(ValueError, match=r"samples.jsonl: line 2 is not JSON .*delete that line to resume"):
         RunLogger(tmp_path, resume_step=2, report_to=())
+
+
+def test_a_failed_rewrite_on_resume_keeps_every_logged_row(tmp_path, monkeypatch):
+    """The disk fills halfway through rewriting metrics.jsonl for a resume from step 1: the error comes
+    through, and the file still holds the three rows logged before (rewritten in place, it held half a row)."""
+    rows = [json.dumps({"step": s, "loss": 0.1 * s}) for s in (1, 2, 3)]
+    write(tmp_path / "metrics.jsonl", rows)
+    real = Path.write_text
+
+    def disk_full(self, data, *args, **kwargs):
+        real(self, data[: len(data) // 2], *args, **kwargs)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(Path, "write_text", disk_full)
+    with pytest.raises(OSError, match="No space left"):
+        RunLogger(tmp_path, resume_step=1, report_to=())
+    monkeypatch.undo()
+    assert (tmp_path / "metrics.jsonl").read_text().splitlines() == rows

@@ -13,10 +13,10 @@ import json
 from typing import Any, Callable
 
 from grouprl.batch import StepBatch
-from grouprl.config import TrainConfig
+from grouprl.config import ConfigError, TrainConfig
 from grouprl.core import overlong_penalty
 from grouprl.data import PromptBatch, completion_objects
-from grouprl.rewards import RewardScores, process_rewards, score_completions
+from grouprl.rewards import RewardScores, process_rewards, resolve_reward_spec, score_completions
 from grouprl.rollout.types import Trajectories
 
 
@@ -49,3 +49,11 @@ def score_trajectories(cfg: TrainConfig, tokenizer: Any, reward_funcs: list[Call
          for m in msgs for c in m.get("tool_calls", [])] for msgs in trajectories.messages]
     return StepBatch(rollout, per_prompt, texts, rewards, scores.per_func, scores.metrics, steps, audit, index,
                      trajectories.stop_reasons, calls)
+
+
+def reward_from_config(spec: Any) -> Callable:
+    """A reward (or audit) function from its config entry; what cannot be resolved is a ConfigError."""
+    try:
+        return resolve_reward_spec(spec)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None

@@ -49,7 +49,7 @@ from datasets import Dataset
 
 from grouprl import distributed as D
 from grouprl.batch import StepBatch
-from grouprl.checkpoint import checkpoint_path, latest_checkpoint, recover_interrupted_saves
+from grouprl.checkpoint import checkpoint_path
 from grouprl.config import ConfigError, TrainConfig
 from grouprl.core import zero_std_groups
 from grouprl.data import PromptBatch, PromptFormatter, PromptSampler, load_datasets
@@ -65,19 +65,19 @@ from grouprl.policy import Reference, check_model_source, load_policy, load_toke
 from grouprl.precision import describe_precision, resolve_bf16
 from grouprl.preflight import run as run_preflight
 from grouprl.prompt_filter import PromptFilter
-from grouprl.rewards import resolve_reward_spec, sandbox_mechanism
+from grouprl.rewards import sandbox_mechanism
 from grouprl.rollout import Rollout, SamplingParams
 from grouprl.rollout.factory import make_engine, make_rollouts, resolve_multiturn
 from grouprl.rollout.types import Trajectories
 from grouprl.rollout_source import PromptDraw, make_producer
 from grouprl.runlog import Progress, RunLogger, run_metadata
 from grouprl.sample_stats import SampleTally, batch_metrics, completion_rows
-from grouprl.scoring import score_trajectories
+from grouprl.scoring import reward_from_config, score_trajectories
 from grouprl.signals import StopSignals, TrainingStopped
 from grouprl.timings import Timings
 from grouprl.trackers import missing_tracker_packages
-from grouprl.training_state import (LoopState, TrainingParts, load_trainable_weights, restore_training_state,
-                                    save_training_state)
+from grouprl.training_state import (LoopState, TrainingParts, load_trainable_weights, prepare_output_dir,
+                                    restore_training_state, save_training_state)
 from grouprl.update import make_policy_update
 
 logger = logging.getLogger(__name__)
@@ -113,13 +113,13 @@ class Trainer:
 
         # data and reward functions first: their errors come before any model loads
         self.train_ds, self.eval_ds = load_datasets(cfg, train_dataset, eval_dataset)  # data.py
-        self.reward_funcs = reward_funcs or [_reward_from_config(spec) for spec in cfg.reward_funcs]
+        self.reward_funcs = reward_funcs or [reward_from_config(spec) for spec in cfg.reward_funcs]
         self.reward_names = [getattr(f, "__name__", f"reward_{i}") for i, f in enumerate(self.reward_funcs)]
         missing = missing_tracker_packages(cfg.report_to)
         if missing:
             raise ConfigError(f"report_to: {', '.join(missing)} is not installed: pip install "
                               + " ".join(f"'grouprl[{m}]'" for m in missing) + " (or drop it from report_to)")
-        self.audit_funcs = [_reward_from_config(spec) for spec in cfg.audit_funcs]  # scored, never rewarded
+        self.audit_funcs = [reward_from_config(spec) for spec in cfg.audit_funcs]  # scored, never rewarded
         self.audit_names = [getattr(f, "__name__", f"audit_{i}") for i, f in enumerate(self.audit_funcs)]
         self.guard = RunGuard(cfg, self.reward_names, self.audit_names, is_main=self.dist.is_main)  # guard.py
         if cfg.metric_for_best_model and self.eval_ds is None:
@@ -204,13 +204,8 @@ class Trainer:
         or SIGINT ends the run after the current step, with a checkpoint, and raises `TrainingStopped`; a second
         stops at once (signals.py)."""
         cfg, out = self.cfg, Path(self.cfg.output_dir)
-        if self.dist.is_main:  # what a save killed midway left (checkpoint.py), before any checkpoint is read
-            recover_interrupted_saves(out)
-        D.barrier(self.dist)
+        prepare_output_dir(cfg, self.dist, resume)  # what a killed save left; a new run in an old run's folder
         finished = resume and self._resume()  # nothing left to train or evaluate: only the summary
-        if not resume and latest_checkpoint(out) is not None:
-            raise ConfigError(f"output_dir={str(out)!r} already holds a run with checkpoints: pass "
-                              "--resume to continue it, or choose a new output_dir")
         main = self.dist.is_main  # only rank 0 writes
         if main:
             out.mkdir(parents=True, exist_ok=True)
@@ -501,10 +496,3 @@ class Trainer:
         """Release the generation engine (a colocated vLLM engine's memory); call once done."""
         self.rollouts.close()
         self.engine.close()
-
-
-def _reward_from_config(spec: Any) -> Callable:
-    try:
-        return resolve_reward_spec(spec)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None

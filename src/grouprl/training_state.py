@@ -23,7 +23,8 @@ from torch.optim.lr_scheduler import LRScheduler
 
 from grouprl import distributed as D
 from grouprl.checkpoint import (DamagedCheckpoint, checkpoint_path, latest_checkpoint, list_checkpoints,
-                                load_checkpoint, read_checkpoint, restore_rng_states, rng_states, save_checkpoint)
+                                load_checkpoint, read_checkpoint, recover_interrupted_saves, restore_rng_states,
+                                rng_states, save_checkpoint)
 from grouprl.config import ConfigError, TrainConfig, changed_settings
 from grouprl.optim import scale_learning_rate
 from grouprl.value import optimized_modules
@@ -70,6 +71,17 @@ class LoopState:
         """The run is over: trained to max_steps and, with an eval set, evaluated after (eval_after is
         kept only by the last save, `restore_training_state`)."""
         return self.step >= max_steps and ("eval_after" in self.evals or not evaluates)
+
+
+def prepare_output_dir(cfg: TrainConfig, dist: D.DistContext, resume: bool) -> None:
+    """Before a run reads or writes a checkpoint: rank 0 recovers what a save killed midway left
+    (checkpoint.recover_interrupted_saves), every rank waiting; a new run refuses a folder that holds one."""
+    if dist.is_main:
+        recover_interrupted_saves(cfg.output_dir)
+    D.barrier(dist)
+    if not resume and latest_checkpoint(cfg.output_dir) is not None:
+        raise ConfigError(f"output_dir={str(cfg.output_dir)!r} already holds a run with checkpoints: pass "
+                          "--resume to continue it, or choose a new output_dir")
 
 
 def save_training_state(cfg: TrainConfig, dist: D.DistContext, parts: TrainingParts, loop: LoopState,

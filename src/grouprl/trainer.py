@@ -221,9 +221,9 @@ class Trainer:
                     self.evals["eval_before"] = self._log_eval(0, progress)
                 if self._eval_pending:  # the run stopped before the eval due at its last step: made up here
                     self._eval_pending, saved = False, None  # the checkpoint on disk still says pending
-                    self._log_eval(self.step, progress)
+                    saved, reason = self._periodic_eval(progress, saved)
                 self.guard.snapshot(self.step, self.updater.trainable, self.optimizer)  # rollback target at the start
-                while self.step < cfg.max_steps and not (signum := stop.requested(self.dist)):
+                while not reason and self.step < cfg.max_steps and not (signum := stop.requested(self.dist)):
                     metrics = self.train_step()
                     reason = self.respond_to_alarms(metrics, progress)  # report; roll back; or the reason to stop
                     self.logger.log(self.step, metrics, trackers=self.step % cfg.logging_steps == 0)
@@ -232,10 +232,8 @@ class Trainer:
                         self._eval_pending = self._eval_due()
                         break
                     if self._eval_due():
-                        if self.best.update(self._log_eval(self.step, progress), self.step):
-                            self.save()  # the best so far: kept whatever save_total_limit says
-                            saved = self.step
-                        if reason := self.respond_to_alarms({}, progress, log=True):  # eval_divergence
+                        saved, reason = self._periodic_eval(progress, saved)
+                        if reason:
                             break
                     due = cfg.save_steps and self.step % cfg.save_steps == 0 and self.step < cfg.max_steps
                     if due and saved != self.step:  # not written twice: the best-model save may have come first
@@ -260,6 +258,14 @@ class Trainer:
                 self.sync_weights()
         self.logger.finish(summary)
         return summary
+
+    def _periodic_eval(self, progress: Progress, saved: int | None) -> tuple[int | None, str | None]:
+        """An eval between steps (or made up on resume): a checkpoint when it is the best so far (kept whatever
+        save_total_limit says); returns the step saved last and the reason to stop its alarms give (eval_divergence)."""
+        if self.best.update(self._log_eval(self.step, progress), self.step):
+            self.save()
+            saved = self.step
+        return saved, self.respond_to_alarms({}, progress, log=True)
 
     def _eval_due(self) -> bool:
         """The periodic eval runs after this step (not after the last: eval_after does)."""
@@ -473,19 +479,13 @@ class Trainer:
         return save_training_state(self.cfg, self.dist, self._checkpointed(), loop, self.tokenizer)
 
     def _resume(self) -> bool:
-        """The newest checkpoint in output_dir back into this run (training_state.py); whether that run is
-        finished (then a warning says so: a resume is no way to train past max_steps without raising it)."""
-        loop = restore_training_state(self.cfg, self.dist, self._checkpointed())
+        """The newest checkpoint in output_dir back into this run (training_state.py); whether that run is over."""
+        loop = restore_training_state(self.cfg, self.dist, self._checkpointed(), evaluates=self.eval_ds is not None)
         self.step, self.evals, self._eval_pending = loop.step, loop.evals, loop.eval_pending
         self.best.record = loop.best
         self.weights_version += 1  # the checkpoint's weights replaced the initial ones
         self.sync_weights()
-        finished = loop.finished(self.cfg.max_steps, evaluates=self.eval_ds is not None)
-        if finished and self.dist.is_main:
-            logger.warning("--resume: the run in %s is finished (step %d, max_steps=%d): nothing is trained, its "
-                           "summary is written again; to train further, raise max_steps", self.cfg.output_dir,
-                           self.step, self.cfg.max_steps)
-        return finished
+        return loop.finished
 
     def _checkpointed(self) -> TrainingParts:
         """The parts of this run a checkpoint holds."""

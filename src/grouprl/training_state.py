@@ -67,10 +67,7 @@ class LoopState:
     eval_pending: bool            # a signal stopped the run before the eval due at `step`
     best: dict[str, Any] | None   # metric_for_best_model: {step, metric, value} (evaluation.BestModel)
 
-    def finished(self, max_steps: int, evaluates: bool) -> bool:
-        """The run is over: trained to max_steps and, with an eval set, evaluated after (eval_after is
-        kept only by the last save, `restore_training_state`)."""
-        return self.step >= max_steps and ("eval_after" in self.evals or not evaluates)
+    finished: bool = False        # restored: the run is over (restore_training_state)
 
 
 def prepare_output_dir(cfg: TrainConfig, dist: D.DistContext, resume: bool) -> None:
@@ -111,9 +108,11 @@ def save_training_state(cfg: TrainConfig, dist: D.DistContext, parts: TrainingPa
     return path
 
 
-def restore_training_state(cfg: TrainConfig, dist: D.DistContext, parts: TrainingParts) -> LoopState:
-    """The newest complete checkpoint in output_dir back into `parts`; where the loop stood. Settings
-    changed since the run began are logged; a new learning_rate scales the restored schedule."""
+def restore_training_state(cfg: TrainConfig, dist: D.DistContext, parts: TrainingParts,
+                           evaluates: bool = False) -> LoopState:
+    """The newest complete checkpoint in output_dir back into `parts`; where the loop stood, and whether
+    the run is over (`evaluates`: it has an eval set, so it ends evaluated; a warning then says so).
+    Settings changed since the run began are logged; a new learning_rate scales the restored schedule."""
     ckpt = latest_checkpoint(cfg.output_dir)
     if ckpt is None:
         raise ConfigError(f"--resume: output_dir={cfg.output_dir!r} holds no complete "
@@ -162,7 +161,12 @@ def restore_training_state(cfg: TrainConfig, dist: D.DistContext, parts: Trainin
     evals = state["evals"]
     if step < cfg.max_steps:  # trained further than a finished run: its eval_after is no longer the run's last
         evals.pop("eval_after", None)
-    return LoopState(step, evals, state.get("eval_pending", False), best)
+    # over: trained to max_steps and, with an eval set, evaluated after (eval_after kept only by the last save)
+    finished = step >= cfg.max_steps and ("eval_after" in evals or not evaluates)
+    if finished and dist.is_main:
+        logger.warning("--resume: the run in %s is finished (step %d, max_steps=%d): nothing is trained, its summary "
+                       "is written again; to train further, raise max_steps", cfg.output_dir, step, cfg.max_steps)
+    return LoopState(step, evals, state.get("eval_pending", False), best, finished)
 
 
 def _check_value_head(ckpt: Path, parts: TrainingParts, state: dict[str, Any]) -> None:

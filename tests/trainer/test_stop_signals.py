@@ -52,11 +52,12 @@ POINTS = [("generate", 1), ("score", 2), ("updater.optimizer_step", 2), ("_log_e
 
 def test_a_signal_anywhere_in_a_step_stops_after_it_and_resume_reproduces(make_cfg, tmp_path):
     """eval_steps=2 and save_steps=2: a stop in step 2's update skips step 2's eval (made up on
-    resume); a stop in step 2's eval comes after the periodic checkpoint, which is not written twice."""
+    resume, where it counts for the best model as it would have); a stop in step 2's eval comes after
+    the periodic checkpoint, which is not written twice."""
     kw = dict(max_steps=5, save_steps=2, eval_steps=2, eval_fraction=0.1, beta=0.04, num_iterations=2,
-              warmup_steps=2, lr_scheduler_type="cosine", learning_rate=1e-2)
+              warmup_steps=2, lr_scheduler_type="cosine", learning_rate=1e-2, metric_for_best_model="reward_mean")
     full = make_cfg(output_dir=str(tmp_path / "full"), **kw)
-    Trainer(full).train()
+    best = Trainer(full).train()["best_checkpoint"]
     expected = _strip_timing(read_metrics(full.output_dir))
     final = load_file(f"{full.output_dir}/checkpoints/step-000005/trainable.safetensors")
 
@@ -79,7 +80,10 @@ def test_a_signal_anywhere_in_a_step_stops_after_it_and_resume_reproduces(make_c
         summary = json.loads((Path(cut.output_dir) / "summary.json").read_text())
         assert summary["stopped_by"] == "SIGTERM" and summary["steps"] == step, where
 
-        assert "stopped_by" not in Trainer(cut).train(resume=True), where
+        summary = Trainer(cut).train(resume=True)
+        assert "stopped_by" not in summary, where
+        assert {k: v for k, v in summary["best_checkpoint"].items() if k != "checkpoint"} == {
+            k: v for k, v in best.items() if k != "checkpoint"}, where
         assert _strip_timing(read_metrics(cut.output_dir)) == expected, where
         resumed = load_file(f"{cut.output_dir}/checkpoints/step-000005/trainable.safetensors")
         assert all(torch.equal(final[k], resumed[k]) for k in final), where

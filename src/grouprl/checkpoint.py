@@ -36,6 +36,10 @@ _NAME = re.compile(r"^step-(\d+)$")
 _LEFTOVER = re.compile(r"^\.(tmp|old)-step-(\d+)-\d+$")  # a save's temporary folder; a checkpoint moved aside
 
 
+class CheckpointMismatch(ValueError):
+    """A checkpoint written by a run with another model or LoRA shape than the one resuming it."""
+
+
 class DamagedCheckpoint(ValueError):
     """A checkpoint marked COMPLETE whose files cannot be read (truncated or changed after it was written)."""
 
@@ -146,17 +150,32 @@ def load_checkpoint(path: str | Path, model: torch.nn.Module,
                     ref_model: torch.nn.Module | None = None) -> dict[str, Any]:
     """Restore the trainable weights (and reference) into the models; return the trainer state."""
     weights, ref_weights, state = read_checkpoint(path)
+    check_fits(path, weights, model)
     params = dict(model.named_parameters())
-    missing = [k for k in weights if k not in params]
-    if missing:
-        raise ValueError(f"checkpoint {path} has weights the model lacks ({missing[:3]}...): resume "
-                         "with the same model and LoRA settings")
     with torch.no_grad():
         for k, v in weights.items():
             params[k].copy_(v)
     if ref_model is not None and ref_weights is not None:
         load_model(ref_model, str(Path(path) / "ref.safetensors"))
     return state
+
+
+def check_fits(path: str | Path, weights: dict[str, torch.Tensor], model: torch.nn.Module) -> None:
+    """The checkpoint's trainable weights are exactly the model's trainable parameters, shape for shape
+    (a run resumed with another lora_r or lora_target_modules fails here, naming them, not in torch)."""
+    params = {k: p for k, p in model.named_parameters() if p.requires_grad}
+    extra = [k for k in weights if k not in dict(model.named_parameters())]
+    lacking = [k for k in params if k not in weights]
+    shapes = [f"{k} {tuple(weights[k].shape)} -> {tuple(params[k].shape)}" for k in weights
+              if k in params and tuple(weights[k].shape) != tuple(params[k].shape)]
+    problems = ([f"weights the model lacks ({', '.join(extra[:3])}{', ...' if len(extra) > 3 else ''})"] if extra
+                else []) + ([f"no weights for {len(lacking)} trainable parameter(s) ({', '.join(lacking[:3])}"
+                             f"{', ...' if len(lacking) > 3 else ''})"] if lacking else []) + (
+        [f"other shapes ({', '.join(shapes[:3])}{', ...' if len(shapes) > 3 else ''})"] if shapes else [])
+    if problems:
+        raise CheckpointMismatch(f"checkpoint {path} does not fit this model: it has {'; '.join(problems)}. "
+                                 "Resume with the model and LoRA settings (lora_r, lora_target_modules) of the "
+                                 "run that wrote it, as its config.yaml records them")
 
 
 def read_checkpoint(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor] | None,

@@ -22,9 +22,9 @@ import torch
 from torch.optim.lr_scheduler import LRScheduler
 
 from grouprl import distributed as D
-from grouprl.checkpoint import (DamagedCheckpoint, checkpoint_path, latest_checkpoint, list_checkpoints,
-                                load_checkpoint, read_checkpoint, recover_interrupted_saves, restore_rng_states,
-                                rng_states, save_checkpoint)
+from grouprl.checkpoint import (CheckpointMismatch, DamagedCheckpoint, check_fits, checkpoint_path, latest_checkpoint,
+                                list_checkpoints, load_checkpoint, read_checkpoint, recover_interrupted_saves,
+                                restore_rng_states, rng_states, save_checkpoint)
 from grouprl.config import ConfigError, TrainConfig, changed_settings
 from grouprl.optim import scale_learning_rate
 from grouprl.value import optimized_modules
@@ -121,6 +121,7 @@ def restore_training_state(cfg: TrainConfig, dist: D.DistContext, parts: Trainin
     try:
         if sharded:  # every rank reads the whole weights and keeps its shard
             weights, ref_weights, state = read_checkpoint(ckpt)
+            check_fits(ckpt, weights, parts.model)
             _check_value_head(ckpt, parts, state)
             D.load_full_state(parts.model, weights, parts.optimizer,
                               state["optimizer"] if state.get("sharded_optimizer") else None, parts.optimized)
@@ -129,6 +130,8 @@ def restore_training_state(cfg: TrainConfig, dist: D.DistContext, parts: Trainin
         else:
             state = load_checkpoint(ckpt, parts.model, parts.ref_model)
             _check_value_head(ckpt, parts, state)
+    except CheckpointMismatch as e:
+        raise ConfigError(f"--resume: {e}") from None
     except DamagedCheckpoint as e:  # never a silent fall back to an older one: the user decides
         earlier = list_checkpoints(cfg.output_dir)[:-1]
         raise ConfigError(f"--resume: {e}; " + (

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from dataclasses import replace
 
 import pytest
 import torch
@@ -224,3 +225,18 @@ def test_a_damaged_latest_checkpoint_is_an_error_naming_it_and_the_fix(make_cfg,
     path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
     with pytest.raises(ConfigError, match=rf"step-000002 is damaged: {damaged} cannot be read .*; {fix}"):
         Trainer(make_cfg(max_steps=3, save_steps=1, save_total_limit=save_total_limit)).train(resume=True)
+
+
+@pytest.mark.parametrize("change, says", [
+    (dict(lora_r=8), r"other shapes \(.*lora_A.* \(4, \d+\) -> \(8, \d+\)"),
+    (dict(lora_target_modules=["q_proj", "v_proj"]), r"no weights for 4 trainable parameter\(s\) \(.*v_proj"),
+    (dict(lora_r=0), r"weights the model lacks \(.*lora_A"),
+])
+def test_resuming_with_another_lora_shape_names_what_differs(make_cfg, change, says):
+    """A run written with lora_r=4 on q_proj, resumed with another rank, more target modules, or
+    none: an error naming what does not fit and the settings to resume with, not torch's."""
+    cfg = make_cfg(lora_r=4, lora_alpha=8, lora_target_modules=["q_proj"], max_steps=1)
+    Trainer(cfg).train()
+    with pytest.raises(ConfigError, match=f"--resume: checkpoint .*step-000001 does not fit this model: it has {says}"
+                                          r".*Resume with the model and LoRA settings \(lora_r, lora_target_modules\)"):
+        Trainer(replace(cfg, max_steps=2, **change)).train(resume=True)

@@ -16,7 +16,9 @@ says, as a `Response` that the trainer carries out (the guard never calls the tr
 Snapshots (`snapshot`, only with `on_collapse: rollback`): the trainable weights and the optimizer
 state in host memory, at the start and then every `window` steps, two kept. They cost three times
 the trainable parameters (weights and Adam's two moments): 1.6 GB for a 135 M model in fp32, a few
-MB for a LoRA adapter.
+MB for a LoRA adapter. Departure: they are not in the checkpoint (it would triple in size), so a
+resumed run's first rollback target is the state it resumed from, and from a rollback after a resume
+on, the run differs from an uninterrupted one.
 """
 
 from __future__ import annotations

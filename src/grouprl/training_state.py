@@ -7,8 +7,8 @@ the run guard, the prompt filter, and where the loop stands (`LoopState`: step, 
 eval still due, the best eval). Under FSDP2 rank 0 writes whole state dicts gathered from every
 rank, and on resume every rank reads the whole weights and keeps its shard.
 
-On resume the config may have changed since the run began: the changes are logged, and a new
-`learning_rate` scales the restored schedule (the schedule's shape stays, at the new rate).
+On resume the config may have changed since the run last started (its config.yaml): the changes are
+logged, and a new `learning_rate` scales the restored schedule (the schedule's shape stays, at the new rate).
 """
 
 from __future__ import annotations
@@ -112,7 +112,7 @@ def restore_training_state(cfg: TrainConfig, dist: D.DistContext, parts: Trainin
                            evaluates: bool = False) -> LoopState:
     """The newest complete checkpoint in output_dir back into `parts`; where the loop stood, and whether
     the run is over (`evaluates`: it has an eval set, so it ends evaluated; a warning then says so).
-    Settings changed since the run began are logged; a new learning_rate scales the restored schedule."""
+    Settings changed since the run last started are logged; a new learning_rate scales the restored schedule."""
     ckpt = latest_checkpoint(cfg.output_dir)
     if ckpt is None:
         raise ConfigError(f"--resume: output_dir={cfg.output_dir!r} holds no complete "
@@ -157,7 +157,7 @@ def restore_training_state(cfg: TrainConfig, dist: D.DistContext, parts: Trainin
     if isinstance(old_lr, (int, float)) and 0 < old_lr != cfg.learning_rate:  # its schedule, the new rate
         scale_learning_rate(parts.optimizer, parts.scheduler, cfg.learning_rate / old_lr)
     if changed and dist.is_main:
-        logger.warning("resuming with settings changed since the run began (they apply from step %d): %s",
+        logger.warning("resuming with settings changed since the run last started (they apply from step %d): %s",
                        step + 1, ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in changed.items()))
     best = state.get("best")  # older versions also kept the checkpoint's full path: stale once the folder moves
     best = None if best is None else {k: v for k, v in best.items() if k != "checkpoint"}

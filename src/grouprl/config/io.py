@@ -41,7 +41,11 @@ def to_dict(cfg: TrainFields) -> dict[str, Any]:
 
 
 def save_yaml(cfg: TrainFields, path: str | Path) -> None:
-    Path(path).write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    """Through a temporary file renamed into place: a kill mid-write leaves the previous file whole."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    tmp.replace(path)
 
 
 def from_dict(cls: type[C], values: dict[str, Any]) -> C:

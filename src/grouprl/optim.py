@@ -7,28 +7,57 @@ from typing import Callable
 
 import torch
 
-from grouprl.config import TrainConfig
+from grouprl.config import ConfigError, TrainConfig
 
 
 def make_optimizer(cfg: TrainConfig, model: torch.nn.Module, value_head: torch.nn.Module | None = None
                    ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
-    """AdamW over the trainable parameters (and PPO's value head's, value.py, in a group of its own at
-    value_learning_rate) and its LambdaLR schedule (one scheduler step per optimizer step:
-    max_steps * num_iterations in all; both groups follow it)."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    groups = [{"params": params}]
+    """AdamW over the trainable parameters (and PPO's value head's, value.py, at value_learning_rate)
+    and its LambdaLR schedule (one scheduler step per optimizer step: max_steps * num_iterations in
+    all; every group follows it).
+
+    Weight decay skips parameters of fewer than 2 dimensions, biases and normalisation gains (HF
+    Trainer's and TRL's rule): with weight_decay > 0 each module's parameters form two groups at its
+    rate, decayed (2-D and up) and not decayed; with weight_decay 0 one group (the layout of runs
+    checkpointed before the split, which still resume). Empty groups are left out (LoRA's adapters
+    are all matrices: one group)."""
+    groups = _decay_groups([p for p in model.parameters() if p.requires_grad], cfg.learning_rate, cfg.weight_decay)
     if value_head is not None:
         value_lr = cfg.value_learning_rate or 10 * cfg.learning_rate  # null: verl's examples' critic/actor ratio
-        groups.append({"params": list(value_head.parameters()), "lr": value_lr})
+        groups += _decay_groups(list(value_head.parameters()), value_lr, cfg.weight_decay)
     # fused AdamW: one kernel over all parameters, same update (8x faster than the per-parameter
     # loop on CPU at 50M parameters); sharded (DTensor) parameters keep the default implementation
     fused = all(type(p) is torch.nn.Parameter for g in groups for p in g["params"]) or None
     optimizer = torch.optim.AdamW(groups, lr=cfg.learning_rate, weight_decay=cfg.weight_decay,
                                   betas=(cfg.adam_beta1, cfg.adam_beta2), fused=fused)
+    optimizer.register_load_state_dict_pre_hook(_check_group_layout)
     total = cfg.max_steps * cfg.num_iterations
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_schedule(cfg.lr_scheduler_type, cfg.warmup_steps,
                                                                          total))
     return optimizer, scheduler
+
+
+def _decay_groups(params: list[torch.nn.Parameter], lr: float, weight_decay: float) -> list[dict]:
+    """One module's parameter groups at `lr`: all of them at `weight_decay` when it is 0; otherwise
+    the matrices (2-D and up) at `weight_decay` and the rest (biases, norm gains) at 0, empty ones left out."""
+    if not weight_decay:
+        return [{"params": params, "lr": lr}]
+    decay, no_decay = [p for p in params if p.ndim >= 2], [p for p in params if p.ndim < 2]
+    return [g for g in ({"params": decay, "lr": lr, "weight_decay": weight_decay},
+                        {"params": no_decay, "lr": lr, "weight_decay": 0.0}) if g["params"]]
+
+
+def _check_group_layout(optimizer: torch.optim.Optimizer, state: dict) -> None:
+    """Before a checkpoint's optimizer state loads: its groups hold as many parameters each as this
+    run's (torch would only say the lengths differ)."""
+    saved, own = [len(g["params"]) for g in state["param_groups"]], [len(g["params"]) for g in optimizer.param_groups]
+    if saved != own:
+        raise ConfigError(f"the checkpoint's optimizer state has parameter groups of {saved} parameters, this run's "
+                          f"optimizer {own}: with weight_decay > 0 grouprl now keeps biases and norm gains in "
+                          "groups of their own (not decayed), and a checkpoint written before that, or with "
+                          "another weight_decay or trainable set, cannot resume this run. Resume it with the "
+                          "grouprl version and settings that wrote it, or start a new run from its model folder "
+                          "(model: .../checkpoints/step-N/model; the optimizer state starts afresh)")
 
 
 def lr_schedule(kind: str, warmup: int, total: int) -> Callable[[int], float]:

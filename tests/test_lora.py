@@ -2,10 +2,13 @@
 vLLM sync and the checkpoint agree with each other, with PEFT's own merge, and with the formula,
 and none of them touches the adapter or the base weights."""
 
+import copy
+
 import pytest
 import torch
 
 from grouprl.lora import (
+    adapted_tied_embeddings,
     adapter_disabled,
     add_adapter,
     base_model,
@@ -24,6 +27,12 @@ R, ALPHA = 4, 8.0
 def _lora(dropout: float = 0.0, seed: int = 0) -> torch.nn.Module:
     """The tiny model with LoRA on every linear layer and a non-zero B."""
     return with_random_lora(build_tiny_model()[0], r=R, alpha=ALPHA, dropout=dropout, seed=seed)
+
+
+def _untied(config):
+    config = copy.deepcopy(config)
+    config.tie_word_embeddings = False
+    return config
 
 
 def _adapted(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
@@ -119,3 +128,40 @@ def test_adapter_disabled_computes_the_base_model():
 def test_mergeable_only_without_adapter_dropout(dropout, want):
     assert mergeable(_lora(dropout=dropout)) is want
     assert mergeable(build_tiny_model()[0])  # no LoRA layer at all
+
+
+@pytest.mark.parametrize("targets, adapted", [(["q_proj", "lm_head"], ["lm_head"]),
+                                              (["v_proj", "embed_tokens"], ["model.embed_tokens"]),
+                                              ("all-linear", [])])
+def test_adapters_on_tied_embeddings_are_found(targets, adapted):
+    """The tiny model ties lm_head to embed_tokens: an adapter on either side would be merged into
+    the shared weight (load_policy refuses it, tests/trainer/test_trainer.py); all-linear leaves
+    the head out."""
+    model, _ = build_tiny_model()
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    peft = add_adapter(model, r=R, alpha=ALPHA, dropout=0.0, target_modules=targets)
+    assert adapted_tied_embeddings(peft) == adapted
+
+
+def test_lora_on_an_untied_lm_head_is_merged_into_the_export():
+    """Untied embeddings: the adapted head is a weight of its own, merged like any other layer, and
+    the merged model computes what the adapted one does."""
+    tied, _ = build_tiny_model()
+    untied = type(tied)(_untied(tied.config))
+    assert untied.lm_head.weight is not untied.model.embed_tokens.weight
+    peft = add_adapter(untied, r=R, alpha=ALPHA, dropout=0.0, target_modules=["q_proj", "lm_head"])
+    assert adapted_tied_embeddings(peft) == []
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in peft.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.3, generator=g)
+    head = base_model(peft).lm_head
+    assert is_lora_layer(head)
+    weights = dict(merged_named_weights(peft))
+    torch.testing.assert_close(weights["lm_head.weight"], head.base_layer.weight + (ALPHA / R) * (
+        head.lora_B["default"].weight @ head.lora_A["default"].weight), atol=1e-6, rtol=1e-6)
+    ids = torch.tensor([[5, 9, 14, 30, 2, 40, 41]])  # [1, 7]
+    with torch.no_grad():
+        torch.testing.assert_close(merged_copy(peft)(input_ids=ids).logits, peft(input_ids=ids).logits,
+                                   atol=1e-5, rtol=0)

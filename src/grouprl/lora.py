@@ -34,6 +34,18 @@ def add_adapter(model: torch.nn.Module, *, r: int, alpha: float, dropout: float,
                                             target_modules=target_modules, task_type="CAUSAL_LM"))
 
 
+def adapted_tied_embeddings(model: torch.nn.Module) -> list[str]:
+    """The adapted modules among an LM head and input embedding that share one weight (tied
+    embeddings), by name; [] when they are untied or neither is adapted. An adapter there changes
+    one side of the pair only, which no merged model can hold: merging writes its delta into the
+    shared weight, so both sides change. `all-linear` leaves the LM head out (PEFT's rule)."""
+    base = base_model(model)
+    head, embedding = base.get_output_embeddings(), base.get_input_embeddings()
+    if head is None or head.weight is not embedding.weight:
+        return []
+    return [name for name, m in base.named_modules() if (m is head or m is embedding) and is_lora_layer(m)]
+
+
 def is_peft_model(model: torch.nn.Module) -> bool:
     """A PEFT-wrapped model (it carries a `peft_config`)."""
     return hasattr(model, "peft_config")

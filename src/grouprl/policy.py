@@ -21,7 +21,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 from grouprl import packing
 from grouprl.config import ConfigError
 from grouprl.core import head_logprobs, token_logprobs, token_logprobs_and_entropy
-from grouprl.lora import adapter_disabled, add_adapter, base_model, is_peft_model
+from grouprl.lora import adapted_tied_embeddings, adapter_disabled, add_adapter, base_model, is_peft_model
 from grouprl.micro_batches import MicroBatch
 
 
@@ -127,7 +127,8 @@ def load_policy(name: str, *, gguf_file: str | None = None, lora_r: int = 0, lor
                 lora_dropout: float = 0.0, lora_target_modules: str | list[str] = "all-linear",
                 gradient_checkpointing: bool | str = False, disable_dropout: bool = True,
                 dtype: torch.dtype = torch.float32) -> torch.nn.Module:
-    """Load a causal LM in fp32 (bf16 runs under autocast) and wrap it with LoRA when asked. With
+    """Load a causal LM in fp32 (bf16 runs under autocast) and wrap it with LoRA when asked (refused
+    on either side of tied embeddings: `lora.adapted_tied_embeddings`). With
     `gguf_file`, the model is that GGUF file in the folder (or hub repo) `name`, dequantized.
     `dtype`: another storage dtype for a model that is never trained (a distillation teacher in
     bf16), so that it is never whole in fp32."""
@@ -142,6 +143,13 @@ def load_policy(name: str, *, gguf_file: str | None = None, lora_r: int = 0, lor
     if lora_r:
         model = add_adapter(model, r=lora_r, alpha=lora_alpha, dropout=lora_dropout,
                             target_modules=lora_target_modules)
+        if tied := adapted_tied_embeddings(model):
+            raise ConfigError(f"lora_target_modules={lora_target_modules!r} puts LoRA on {' and '.join(tied)}, "
+                              f"and model={name!r} ties its LM head to its input embedding (tie_word_embeddings=True): "
+                              "the merged model (the checkpoint's model/ folder, the weights sent to vLLM) would not "
+                              "compute what was trained. Leave lm_head and the embedding out of lora_target_modules "
+                              "(all-linear does), or train a copy of the model saved with untied embeddings "
+                              "(tie_word_embeddings=False, lm_head.weight a copy of the embedding's)")
     return model
 
 
@@ -161,13 +169,16 @@ def _gguf_kwargs(gguf_file: str | None) -> dict:
 
 
 def switch_off_dropout(model: torch.nn.Module) -> None:
-    """Dropout 0 in every module: `nn.Dropout` layers and the attention-probability dropout that
-    transformers' attention modules keep as a float attribute. The saved config is left as it was."""
+    """Dropout 0 in every module: `nn.Dropout` layers, and the rates transformers' modules keep as
+    float attributes named `dropout` or `*_dropout` and pass to `F.dropout` themselves (attention
+    modules' `attention_dropout`; OPT's and BART's decoders' `dropout`, `activation_dropout`). The
+    saved config is left as it was."""
     for module in model.modules():
         if isinstance(module, torch.nn.Dropout):
             module.p = 0.0
-        if isinstance(getattr(module, "attention_dropout", None), float):
-            module.attention_dropout = 0.0
+        for name, value in vars(module).items():
+            if isinstance(value, float) and (name == "dropout" or name.endswith("_dropout")):
+                setattr(module, name, 0.0)
 
 
 class Reference:
@@ -202,16 +213,24 @@ class Reference:
 @contextlib.contextmanager
 def activation_checkpointing(model: torch.nn.Module, enabled: bool = True):
     """Transformers' gradient checkpointing (non-reentrant) for the passes inside the block, on
-    `model` (under DDP or PEFT wrappers); a model that checkpoints already is left as it is."""
+    `model` (under DDP or PEFT wrappers); a model that checkpoints already is left as it is.
+
+    Enabling it also hooks the input embedding to make its output require grad
+    (`enable_input_require_grads`, transformers 5), which disabling it leaves in place for a model
+    without transformers' own PEFT integration: the hook is removed on leaving the block unless the
+    model had one before, or every pass would add one more."""
     base = base_model(getattr(model, "module", model))
     if not enabled or base.is_gradient_checkpointing:
         yield
         return
+    hooked = hasattr(base, "_require_grads_hook")  # transformers sets it with the hook and deletes it with it
     base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     try:
         yield
     finally:
         base.gradient_checkpointing_disable()
+        if not hooked and hasattr(base, "_require_grads_hook"):
+            base.disable_input_require_grads()
 
 
 def can_share_prompts(model: torch.nn.Module) -> bool:

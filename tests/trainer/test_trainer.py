@@ -139,6 +139,16 @@ def test_lora_trains_only_the_adapter_and_exports_a_loadable_model(make_cfg):
     assert torch.allclose(want, got, atol=1e-5)
 
 
+def test_lora_on_a_tied_lm_head_is_refused_before_training(make_cfg):
+    """The tiny model ties its head to its embedding: the exported model could not be what was trained."""
+    from grouprl.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"lora_target_modules=\['q_proj', 'lm_head'\] puts LoRA on lm_head, "
+                                          r"and model=.* ties its LM head to its input embedding.* Leave lm_head and "
+                                          r"the embedding out of lora_target_modules"):
+        Trainer(make_cfg(max_steps=1, lora_r=4, lora_target_modules=["q_proj", "lm_head"]))
+
+
 def test_dapo_dynamic_sampling_drops_flat_groups(make_cfg, tmp_path, monkeypatch):
     mod = tmp_path / "flaky_reward.py"
     mod.write_text(
@@ -295,3 +305,45 @@ def test_switch_off_dropout_makes_train_mode_deterministic(tiny_model_dir, tmp_p
         a, b = (model(input_ids=ids).logits for _ in range(2))
         assert torch.equal(a, b) == disable
         assert model.config.attention_dropout == 0.5  # what gets saved is unchanged
+
+
+def test_switch_off_dropout_reaches_float_dropout_attributes(tmp_path):
+    """OPT's decoder, layers and attention pass float `dropout` rates to F.dropout themselves (no
+    nn.Dropout module): they go to 0 too, and two train-mode passes agree."""
+    from transformers import OPTConfig, OPTForCausalLM
+
+    from grouprl.policy import load_policy
+
+    OPTForCausalLM(OPTConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, ffn_dim=64, num_attention_heads=4,
+                             max_position_embeddings=64, word_embed_proj_dim=32, dropout=0.5,
+                             attention_dropout=0.5)).save_pretrained(tmp_path / "opt")
+    ids = torch.randint(4, 60, (2, 10), generator=torch.Generator().manual_seed(0))
+    for disable in (True, False):
+        model = load_policy(str(tmp_path / "opt"), disable_dropout=disable).train()
+        rates = {(type(m).__name__, n): v for m in model.modules() for n, v in vars(m).items()
+                 if isinstance(v, float) and (n == "dropout" or n.endswith("_dropout"))}
+        assert {("OPTDecoder", "dropout"), ("OPTDecoderLayer", "dropout"), ("OPTAttention", "dropout")} <= rates.keys()
+        assert all(v == (0.0 if disable else 0.5) for v in rates.values()), rates
+        a, b = (model(input_ids=ids).logits for _ in range(2))
+        assert torch.equal(a, b) == disable
+        assert model.config.dropout == 0.5  # what gets saved is unchanged
+
+
+@pytest.mark.parametrize("lora_r", [0, 4])
+def test_checkpointing_pass_by_pass_leaves_no_hook_behind(tiny_model_dir, lora_r):
+    """`gradient_checkpointing: auto` checkpoints pass by pass: each pass hooks the embedding
+    (transformers' enable_input_require_grads), and leaving it takes the hook away again."""
+    from grouprl.lora import base_model
+    from grouprl.policy import activation_checkpointing, load_policy
+
+    model = load_policy(str(tiny_model_dir), lora_r=lora_r)
+    embedding = model.get_input_embeddings()
+    ids = torch.tensor([[5, 9, 14, 30, 2]])  # [1, 5]
+    counts = []
+    for _ in range(3):
+        with activation_checkpointing(model):
+            assert base_model(model).is_gradient_checkpointing
+            model(input_ids=ids).logits.sum().backward()
+        counts.append(len(embedding._forward_hooks))
+    assert counts == [0, 0, 0]
+    assert any(p.grad is not None for p in model.parameters())  # the checkpointed passes had gradients

@@ -58,7 +58,8 @@ class TrainFields:
     lora_dropout: float = 0.0
     """Dropout on the LoRA branch."""
     lora_target_modules: str | list[str] = "all-linear"
-    """Modules that get LoRA adapters: `all-linear` or a list of module names."""
+    """Modules that get LoRA adapters: `all-linear` or a list of module names (not lm_head or the
+    embedding of a model that ties them: refused, since no merged model could hold the result)."""
 
     # ----------------------------------------------------------------- data
     train_data: str = ""
@@ -270,7 +271,7 @@ class TrainFields:
     learning_rate: float = 1e-6
     """AdamW peak learning rate."""
     weight_decay: float = 0.0
-    """AdamW weight decay."""
+    """AdamW weight decay, on matrices only: biases and norm gains are not decayed (HF Trainer's rule)."""
     adam_beta1: float = 0.9
     """AdamW beta1."""
     adam_beta2: float = 0.99

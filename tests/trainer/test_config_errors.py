@@ -305,6 +305,13 @@ NAN, INF = float("nan"), float("inf")
     ({"reward_timeout_s": NAN}, "reward_timeout_s=nan must be a finite number"),
     ({"max_grad_norm": INF}, "max_grad_norm=inf must be a finite number"),
     ({"health_thresholds": {"kl_spike_min": NAN}}, "health_thresholds={'kl_spike_min': nan} must hold finite numbers"),
+    ({"metric_for_best_model": "pass@4"}, "metric_for_best_model='pass@4' is not an eval result: with "
+     "eval_metrics=['greedy'] the eval reports accuracy, reward_mean, length_mean and rewards/NAME for each reward "
+     "function; add pass@4 to eval_metrics"),
+    ({"metric_for_best_model": "greedy"}, "greedy decoding's result is reported as accuracy: name accuracy"),
+    ({"metric_for_best_model": "acc", "eval_metrics": ["maj@2"], "num_generations_eval": 2},
+     "metric_for_best_model='acc' is not an eval result: with eval_metrics=['maj@2'] the eval reports accuracy, "
+     "reward_mean, length_mean, maj@2 and rewards/NAME for each reward function; name one of these"),
 ])
 def test_values_that_would_fail_mid_run_or_silently_are_refused_by_validation(overrides, message):
     """Each passed validation and then failed late (a negative seed in torch, num_threads -1), did the
@@ -325,6 +332,14 @@ def test_wrong_types_in_a_yaml_file_are_config_errors_before_the_preset_is_read(
     path.write_text("model: m\ntrain_data: t.jsonl\nreward_funcs: [r]\nreward_weights: [.nan]\n")
     with pytest.raises(ConfigError, match=r"reward_weights=\[nan\] must hold finite numbers"):
         TrainConfig.load(path).validate()
+
+
+def test_metric_for_best_model_takes_what_the_eval_reports():
+    """metric_for_best_model was checked only at the first eval, after training steps. rewards/NAME passes:
+    its names come with the reward functions (the first eval names a wrong one)."""
+    for metric in ("accuracy", "reward_mean", "length_mean", "pass@4", "mean@2", "rewards/anything"):
+        TrainConfig(model="m", train_data="t.jsonl", reward_funcs=["r"], eval_metrics=["greedy", "pass@4", "mean@2"],
+                    num_generations_eval=4, metric_for_best_model=metric).validate()
 
 
 def test_the_smallest_and_null_values_of_the_bounded_fields_pass():

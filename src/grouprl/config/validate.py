@@ -212,6 +212,8 @@ def validate_config(cfg: C) -> C:
         raise ConfigError(f"eval_temperature={c.eval_temperature} must be > 0 (greedy is the `greedy` metric)")
     if c.load_best_model_at_end and not c.metric_for_best_model:
         raise ConfigError("load_best_model_at_end needs metric_for_best_model, e.g. accuracy or pass@8")
+    if c.metric_for_best_model:
+        _check_best_metric(c.metric_for_best_model, c.eval_metrics)
     for name in c.report_to:
         _check_choice("report_to", name, ("tensorboard", "trackio", "wandb", "mlflow", "none"))
     if c.log_completions_steps < 0:
@@ -250,6 +252,23 @@ def parse_eval_metric(name: str) -> tuple[str, int]:
         raise ConfigError(f"eval_metrics: {name!r} is not one of greedy, mean@k, pass@k, maj@k (k a positive "
                           "integer, e.g. pass@8)")
     return ("greedy", 1) if m.group(1) == "greedy" else (m.group(2), int(m.group(3)))
+
+
+def _check_best_metric(metric: str, eval_metrics: list[str]) -> None:
+    """`metric` must be a result the eval reports (evaluation.run_evaluation): accuracy, reward_mean,
+    length_mean, each sampled metric of `eval_metrics` (greedy's is accuracy), rewards/NAME. NAME
+    depends on the reward functions, which load later: evaluation.BestModel checks it at the first eval."""
+    reported = ["accuracy", "reward_mean", "length_mean", *(m for m in eval_metrics if m != "greedy")]
+    if metric in reported or metric.startswith("rewards/"):
+        return
+    if metric == "greedy":
+        fix = "greedy decoding's result is reported as accuracy: name accuracy"
+    elif _EVAL_METRIC.match(metric):
+        fix = f"add {metric} to eval_metrics, or name one of these"
+    else:
+        fix = "name one of these"
+    raise ConfigError(f"metric_for_best_model={metric!r} is not an eval result: with eval_metrics={eval_metrics} "
+                      f"the eval reports {', '.join(reported)} and rewards/NAME for each reward function; {fix}")
 
 
 def _check_choice(name: str, value: str, choices: tuple[str, ...] | Registry) -> None:

@@ -170,7 +170,13 @@ def wrap_model(model: torch.nn.Module, ctx: DistContext, strategy: str) -> torch
         return model
     from torch.nn.parallel import DistributedDataParallel
 
-    return DistributedDataParallel(model, device_ids=[ctx.local_rank] if ctx.device.type == "cuda" else None)
+    # broadcast_buffers=False: DDP's default broadcasts rank 0's buffers in each synced forward, a collective
+    # per forward, but a micro-batch takes one forward or two (policy.completion_forward: the shared-prompt
+    # pass runs the prompts first), chosen by its content, so ranks on different paths wait in mismatched
+    # collectives until the timeout. A language model has no buffers to keep in step (no running statistics;
+    # rotary tables are computed alike on every rank).
+    return DistributedDataParallel(model, device_ids=[ctx.local_rank] if ctx.device.type == "cuda" else None,
+                                   broadcast_buffers=False)
 
 
 def shard_model(model: torch.nn.Module) -> torch.nn.Module:

@@ -9,10 +9,17 @@ score is above 0 (as in preflight):
 - `pass@k`: the chance that at least one of k samples is right, with the unbiased estimator of
   Chen et al. (2021) from n >= k samples of which c are right: 1 - C(n-c, k) / C(n, k);
 - `maj@k`: the vote of the first k samples: the answer most of them give (read by `answer_key`,
-  math-verify's parse by default; ties go to the answer seen first; completions with no answer do
-  not vote) is right if a completion that gave it is right.
+  by default as `math_accuracy` reads it; ties go to the answer seen first; completions with no
+  answer do not vote) is right if a completion that gave it is right.
+A sample the accuracy reward does not score (None, e.g. a gold answer it cannot parse) is left out
+as `accuracy` leaves it out: the sampled metrics read a prompt's scored samples (n of them above),
+and a prompt is counted in a metric only when it has enough of them (mean@k: one; pass@k: k; maj@k:
+one among the first k, and only scored samples vote).
 Sampled completions use `eval_temperature` (default: the training temperature) and their own
 seeded random stream, so an evaluation never changes what training samples afterwards.
+Under torchrun every rank runs as many batches as the rank with the most prompts: generating may
+be a collective (FSDP2 gathers the weights), so a rank out of prompts generates for a stand-in
+prompt whose completions are not scored.
 
 `BestModel` follows `metric_for_best_model` from eval to eval: the best result and its checkpoint.
 """
@@ -21,6 +28,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
+from fractions import Fraction
 from pathlib import Path
 from typing import Any, Callable, Protocol
 
@@ -32,6 +40,7 @@ from grouprl.batch import StepBatch
 from grouprl.checkpoint import checkpoint_path
 from grouprl.config import ConfigError, TrainConfig, parse_eval_metric
 from grouprl.data import PromptBatch
+from grouprl.rewards.math import read_answer
 from grouprl.rollout.types import Trajectories
 from grouprl.sample_stats import EvalSums
 
@@ -77,42 +86,51 @@ def majority_right(answers: list[Any], right: list[bool]) -> bool:
     return any(r for a, r in zip(answers, right) if a == winner)
 
 
-def math_answer_key(text: str) -> str | None:
-    """The answer math-verify reads from a completion, as a string (None when it reads none)."""
-    from math_verify import parse
-
-    parsed = parse(text)
+def math_answer_key(text: str) -> Fraction | str | None:
+    """The answer `math_accuracy` reads from a completion (rewards/math.py: the <answer> tag, box or
+    "####", then its reading of numbers), as a vote: a number as its exact value ("1,000" and "1000",
+    "\\frac{1}{2}" and "0.5" vote together), any other expression as math-verify's canonical string;
+    None when it reads none."""
+    values, parsed = read_answer(text)  # [exact values], math-verify's parse
+    if values:
+        return values[0]  # a percentage's value as written: "50%" votes with 50
     if not parsed:
         return None
-    return str(parsed[-1]) if isinstance(parsed[-1], str) else str(parsed[0])
+    expr = parsed[0]
+    return Fraction(int(expr.p), int(expr.q)) if getattr(expr, "is_Rational", False) else str(expr)
 
 
 class SampledSums:
-    """Per-prompt sums behind the sampled metrics (summed over batches and ranks, then `result`)."""
+    """Per-prompt sums behind the sampled metrics, each with the count of prompts it holds (summed over
+    batches and ranks, then `result`)."""
 
-    def __init__(self, metrics: list[tuple[str, int]], n: int, answer_key: Callable[[str], Any] = math_answer_key):
-        self.metrics, self.n, self.answer_key = [m for m in metrics if m[0] != "greedy"], n, answer_key
-        self.sums = {f"{kind}@{k}": 0.0 for kind, k in self.metrics}
-        self.sums["prompts"] = 0.0
+    def __init__(self, metrics: list[tuple[str, int]], answer_key: Callable[[str], Any] = math_answer_key):
+        self.metrics, self.answer_key = [m for m in metrics if m[0] != "greedy"], answer_key
+        self.sums = {f"{kind}@{k}{part}": 0.0 for kind, k in self.metrics for part in ("", "/prompts")}
 
     def add(self, scores: list[float], texts: list[str]) -> None:
-        """The n samples of one prompt: their accuracy scores (NaN: the function abstained) and texts."""
+        """The n samples of one prompt: their accuracy scores (NaN: the function abstained) and texts.
+        A metric counts the prompt when enough of its samples are scored (module docstring)."""
+        scored = [s for s in scores if s == s]  # NaN: unscored
         right = [s == s and s > 0 for s in scores]
-        answers = [self.answer_key(t) for t in texts] if any(k == "maj" for k, _ in self.metrics) else []
+        vote = any(kind == "maj" for kind, _ in self.metrics)
+        answers = [self.answer_key(t) if s == s else None for t, s in zip(texts, scores)] if vote else []
         for kind, k in self.metrics:
-            if kind == "mean":
-                scored = [s for s in scores if s == s]
-                value = sum(scored) / len(scored) if scored else 0.0
-            elif kind == "pass":
-                value = pass_at_k(self.n, sum(right), k)
-            else:
+            if kind == "mean" and scored:
+                value = sum(scored) / len(scored)
+            elif kind == "pass" and len(scored) >= k:
+                value = pass_at_k(len(scored), sum(right), k)
+            elif kind == "maj" and any(s == s for s in scores[:k]):
                 value = float(majority_right(answers[:k], right[:k]))
+            else:
+                continue
             self.sums[f"{kind}@{k}"] += value
-        self.sums["prompts"] += 1
+            self.sums[f"{kind}@{k}/prompts"] += 1
 
     def result(self, sums: dict[str, float]) -> dict[str, float]:
-        prompts = max(sums["prompts"], 1.0)
-        return {k: v / prompts for k, v in sums.items() if k != "prompts"}
+        """Each metric's mean over the prompts it counted (NaN where it counted none)."""
+        return {f"{kind}@{k}": sums[f"{kind}@{k}"] / n if (n := sums[f"{kind}@{k}/prompts"]) else math.nan
+                for kind, k in self.metrics}
 
 
 def accuracy_reward_name(accuracy_reward: str | None, reward_names: list[str]) -> str:
@@ -124,21 +142,26 @@ def accuracy_reward_name(accuracy_reward: str | None, reward_names: list[str]) -
 def run_evaluation(trainer: EvalStages, ds: Dataset, batch_size: int) -> dict[str, float]:
     """`Trainer.evaluate`: greedy and sampled completions of this rank's share of `ds` (every K-th
     prompt), scored by the trainer's reward functions, summed over ranks."""
-    cfg = trainer.cfg
+    cfg, K = trainer.cfg, trainer.dist.world_size
     metrics = [parse_eval_metric(m) for m in cfg.eval_metrics]
     greedy, n = any(kind == "greedy" for kind, _ in metrics), cfg.num_generations_eval
     accuracy = accuracy_reward_name(cfg.accuracy_reward, trainer.reward_names)
-    sampled = SampledSums(metrics, n) if len(metrics) > greedy else None
+    sampled = SampledSums(metrics) if len(metrics) > greedy else None
     rng = torch.Generator().manual_seed(cfg.seed * 1_000_003 + 7_919 + trainer.dist.rank)  # its own stream
-    mine = list(range(trainer.dist.rank, len(ds), trainer.dist.world_size))
+    mine = list(range(trainer.dist.rank, len(ds), K))
     sums = EvalSums(trainer.reward_names, accuracy)
-    for start in range(0, len(mine), batch_size):
-        prompts = trainer.prompts(ds.select(mine[start:start + batch_size]))
-        if greedy:
-            sums.add(trainer.score(prompts, trainer.generate(prompts, greedy=True)))
-        if sampled is not None:
-            part = trainer.score(prompts, trainer.generate(prompts, num_generations=n,
-                                                           temperature=cfg.eval_temperature, generator=rng))
+    for start in range(0, math.ceil(len(ds) / K), batch_size):  # rank 0's batches, on every rank
+        rows = mine[start:start + batch_size]
+        prompts = trainer.prompts(ds.select(rows or [0]))  # out of prompts: a stand-in, generated, not scored
+        greedy_out = trainer.generate(prompts, greedy=True) if greedy else None
+        sampled_out = None if sampled is None else trainer.generate(
+            prompts, num_generations=n, temperature=cfg.eval_temperature, generator=rng)
+        if not rows:
+            continue
+        if greedy_out is not None:
+            sums.add(trainer.score(prompts, greedy_out))
+        if sampled_out is not None:
+            part = trainer.score(prompts, sampled_out)
             if not greedy:
                 sums.add(part)
             scores = part.per_func[accuracy].tolist()  # [B * n], n per prompt in prompt order

@@ -35,12 +35,13 @@ def need_gpus(ranks: int = RANKS) -> None:
         pytest.skip(f"needs {ranks} GPUs (one per rank, NCCL); this machine has {have}")
 
 
-def torchrun(*args: str, gpus: bool = False) -> subprocess.CompletedProcess:
-    """2 processes on this machine (CPU and gloo unless `gpus`); --standalone picks a free rendezvous port."""
+def torchrun(*args: str, gpus: bool = False, timeout_s: float = TIMEOUT_S) -> subprocess.CompletedProcess:
+    """2 processes on this machine (CPU and gloo unless `gpus`); --standalone picks a free rendezvous port.
+    A run past `timeout_s` fails the test (subprocess.TimeoutExpired)."""
     if gpus:
         need_gpus(RANKS)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(RANKS), *args]
     proc = subprocess.run(cmd, cwd=REPO, env=torchrun_env(gpus=gpus), capture_output=True, text=True,
-                          timeout=TIMEOUT_S)
+                          timeout=timeout_s)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return proc

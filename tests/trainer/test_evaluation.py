@@ -1,11 +1,13 @@
 """Evaluation that samples (evaluation.py): pass@k's unbiased estimator against brute force, maj@k's
-vote by hand, then `Trainer.evaluate` on the tiny policy against the same numbers recomputed from
+vote by hand (answers read as math_accuracy reads them), samples the accuracy reward leaves unscored
+left out by hand, then `Trainer.evaluate` on the tiny policy against the same numbers recomputed from
 the scores it gave; the best checkpoint survives save_total_limit (in a run folder moved too) and loads at
 the end; `grouprl eval` prints a table and writes eval.json."""
 
 import itertools
 import json
 import math
+from fractions import Fraction
 
 import pytest
 import torch
@@ -13,7 +15,8 @@ from safetensors.torch import load_file
 
 from grouprl.cli import main
 from grouprl.config import ConfigError, parse_eval_metric
-from grouprl.evaluation import majority_right, math_answer_key, pass_at_k
+from grouprl.evaluation import SampledSums, majority_right, math_answer_key, pass_at_k
+from grouprl.rewards.math import verify_math
 from grouprl.trainer import Trainer
 from tests.trainer.conftest import read_metrics
 
@@ -38,7 +41,66 @@ def test_majority_vote():
     assert majority_right(["7", "7", "9", None], [False, False, True, False]) is False
     assert majority_right(["9", "7", "7", "9"], [True, False, False, True]) is True  # a tie: 9 was seen first
     assert majority_right([None, None], [True, True]) is False  # no answer, no vote
-    assert math_answer_key("so the sum is \\boxed{125}") == "125" and math_answer_key("no digits") is None
+    assert math_answer_key("so the sum is \\boxed{125}") == Fraction(125) and math_answer_key("no digits") is None
+
+
+def test_the_vote_reads_each_answer_as_math_accuracy_does():
+    """The key is the reward's reading: the <answer> tag, not numbers in the reasoning; a number's exact value."""
+    assert math_answer_key("<think>6*7 = 42</think>\n<answer>41</answer>") == Fraction(41)
+    assert math_answer_key("\\boxed{1,000}") == math_answer_key("1000") == Fraction(1000)
+    assert math_answer_key("\\boxed{\\frac{1}{2}}") == math_answer_key("\\boxed{0.5}") == Fraction(1, 2)
+    assert math_answer_key("\\boxed{x^2+1}") == "x**2 + 1"  # not a number: math-verify's expression
+
+
+@pytest.mark.parametrize("texts, gold, want", [
+    (["<think>x</think><answer>42</answer>"] * 3, "42", 1.0),  # R1 format: math-verify's whole-text parse read none
+    (["<think>x</think><answer>42</answer>"] * 3 + ["<answer> 41 </answer>"], "42", 1.0),  # 42 wins 3 to 1
+    (["<think>6*7 = 42</think>\n<answer>41</answer>"] * 2  # 41 wins 2 to 1 (the 42 in the reasoning is no vote)
+     + ["<think>We need 6 times 7. 6*7 = 42.</think>\n<answer>42</answer>"], "42", 0.0),
+    (["\\boxed{999}", "\\boxed{1,000}", "\\boxed{1000}", "\\boxed{999}", "\\boxed{1,000}"], "1000", 1.0),  # 3 of 5
+])
+def test_maj_at_k_votes_the_answers_the_reward_scored(texts, gold, want):
+    sums = SampledSums([("maj", len(texts))])
+    sums.add([verify_math(t, gold) for t in texts], texts)
+    assert sums.result(sums.sums) == {f"maj@{len(texts)}": want}
+
+
+def test_samples_the_accuracy_reward_leaves_unscored_are_left_out():
+    """n = 4 samples per prompt, NaN where the reward gave None; by hand:
+    A [1, 0, 0, 1] (answers 3 5 5 3): mean 1/2; pass@2 = 1 - C(2,2)/C(4,2) = 5/6; maj@2: 3 and 5 tie, 3 seen
+      first and right: 1.
+    B all unscored (a gold the reward cannot parse): in no metric.
+    C [-, 0, 1, -] (answers 7 7 7 7): 2 scored: mean 1/2; pass@2 from n = 2, c = 1: 1; maj@2: only the
+      second sample votes, 7, and it is wrong: 0.
+    D [-, -, -, 1]: mean 1; pass@2 needs 2 scored samples: left out; maj@2: no scored vote among the
+      first 2: left out.
+    mean@2 = (1/2 + 1/2 + 1) / 3 = 2/3, pass@2 = (5/6 + 1) / 2 = 11/12, maj@2 = (1 + 0) / 2 = 1/2."""
+    nan = math.nan
+    sums = SampledSums([("greedy", 1), ("mean", 2), ("pass", 2), ("maj", 2)])
+    sums.add([1.0, 0.0, 0.0, 1.0], ["\\boxed{3}", "\\boxed{5}", "\\boxed{5}", "\\boxed{3}"])
+    sums.add([nan] * 4, ["\\boxed{1}"] * 4)
+    sums.add([nan, 0.0, 1.0, nan], ["\\boxed{7}"] * 4)
+    sums.add([nan, nan, nan, 1.0], ["\\boxed{9}"] * 4)
+    assert sums.result(sums.sums) == pytest.approx({"mean@2": 2 / 3, "pass@2": 11 / 12, "maj@2": 1 / 2}, abs=1e-12)
+    assert math.isnan(SampledSums([("pass", 2)]).result({"pass@2": 0.0, "pass@2/prompts": 0.0})["pass@2"])  # none
+
+
+def right_unless_the_gold_is_unreadable(prompts, completions, answer, **kwargs):
+    """1.0 for every completion, None (as math_accuracy for a gold it cannot parse) where the gold is no number."""
+    return [1.0 if gold.isdigit() else None for gold in answer]
+
+
+def test_a_prompt_the_accuracy_reward_cannot_score_is_left_out_of_every_accuracy(make_cfg, tmp_path):
+    """4 prompts, the last with a gold the reward cannot read: greedy accuracy was 1 over the 3 scored, but
+    mean@4 and pass@1 counted the fourth as wrong (0.75); all three are 1."""
+    data = tmp_path / "eval.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"Say numbers {i}: ", "answer": a}) + "\n"
+                            for i, a in enumerate(["0", "1", "2", "?"])))
+    cfg = make_cfg(reward_funcs=["tests.trainer.test_evaluation:right_unless_the_gold_is_unreadable"],
+                   eval_data=str(data), eval_metrics=["greedy", "mean@4", "pass@1"], num_generations_eval=4,
+                   max_completion_length=4)
+    result = Trainer(cfg).evaluate()
+    assert (result["num_samples"], result["accuracy"], result["mean@4"], result["pass@1"]) == (4, 1.0, 1.0, 1.0)
 
 
 def test_eval_metric_names():
@@ -146,9 +208,11 @@ def test_the_best_checkpoint_is_found_after_the_run_folder_moved(make_cfg, digit
 
 
 def test_an_unknown_best_metric_is_named(make_cfg, digits_data):
+    """A rewards/NAME passes validation (the names come with the reward functions) and is named at the first eval."""
     cfg = make_cfg(eval_data=str(digits_data), max_eval_samples=4, eval_steps=1, max_steps=1,
-                   metric_for_best_model="pass@8")
-    with pytest.raises(ConfigError, match="metric_for_best_model='pass@8' is not an eval result; they are accuracy"):
+                   metric_for_best_model="rewards/no_such_reward")
+    with pytest.raises(ConfigError, match="metric_for_best_model='rewards/no_such_reward' is not an eval result; "
+                                          "they are accuracy"):
         Trainer(cfg).train()
 
 

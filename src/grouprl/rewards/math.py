@@ -162,8 +162,9 @@ def _looks_like_prose(s: str) -> bool:
     return bool(_PROSE.search(s))
 
 
-def _read(text: str) -> tuple[list[Fraction], list | None]:
-    """Exact values (fast path) and, when no exact value is found, math-verify's parse of the answer."""
+def read_answer(text: str) -> tuple[list[Fraction], list | None]:
+    """The answer of `text` as the reward reads it: exact values (fast path) and, when no exact value
+    is found, math-verify's parse of the answer (what maj@k votes with, evaluation.py)."""
     answer, anchored = extract_answer(text.translate(_MINUS))
     values, core = _candidates(answer)
     if values or not core:
@@ -236,10 +237,10 @@ def _as_parsed(values: list[Fraction], parsed: list | None) -> list:
 def verify_math(completion: str, gold: str) -> float | None:
     """1.0 if the completion's final answer equals the gold answer, 0.0 if not, None when the gold
     answer cannot be parsed (the row is skipped, never scored 0)."""
-    gold_values, gold_parsed = _read(str(gold))
+    gold_values, gold_parsed = read_answer(str(gold))
     if not gold_values and not gold_parsed:
         return None
-    pred_values, pred_parsed = _read(completion)
+    pred_values, pred_parsed = read_answer(completion)
     if not pred_values and not pred_parsed:
         return 0.0
     if gold_values and pred_values:  # fast path: exact comparison of plain numbers

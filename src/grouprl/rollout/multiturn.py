@@ -301,10 +301,11 @@ class EnvironmentTimeout(TimeoutError):
 
 
 def _concurrently(jobs: list[tuple], timeout_s: float | None = None, concurrency: int = 16) -> list[Any]:
-    """Run (fn, args[, kwargs]) jobs in threads, `concurrency` at a time, results in order; an exception
-    propagates (a bug in an environment is the user's to see, unlike a tool's failure, which the model
-    is shown), and so does a call running longer than `timeout_s` from its start, as EnvironmentTimeout.
-    Daemon threads: Python cannot stop a hung call, so it is abandoned, and cannot block the exit."""
+    """Run (fn, args[, kwargs]) jobs in threads, `concurrency` at a time, results in order. Every call is
+    waited for; then the first exception in the calls' order propagates (a bug in an environment is the
+    user's to see, unlike a tool's failure, which the model is shown), and a call running longer than
+    `timeout_s` from its start stops the wait as EnvironmentTimeout. Daemon threads: Python cannot stop
+    a hung call, so it is abandoned, and cannot block the exit."""
     gate, futures = threading.Semaphore(concurrency), [Future() for _ in jobs]
     started: list[float | None] = [None] * len(jobs)
 
@@ -322,23 +323,22 @@ def _concurrently(jobs: list[tuple], timeout_s: float | None = None, concurrency
     pending = set(futures)
     while pending:
         now = time.monotonic()
-        late = [i for i, f in enumerate(futures)
-                if f in pending and timeout_s is not None and started[i] is not None and now - started[i] > timeout_s]
-        if late:
-            fn = jobs[late[0]][0]
-            raise EnvironmentTimeout(
-                f"{getattr(fn, '__qualname__', fn)} did not return within env_timeout_s={timeout_s:g} s "
-                f"({len(late)} of {len(jobs)} calls): a hung environment stops the run like one that raises (its "
-                "thread is abandoned); fix the environment, or raise env_timeout_s (null: no limit)")
+        running = [started[i] for i, f in enumerate(futures) if f in pending and started[i] is not None]
+        if timeout_s is not None and any(now - t > timeout_s for t in running):
+            break
         # wake at the first completion or at the earliest deadline (a call that starts later ends later
-        # than now + timeout_s)
-        deadlines = [started[i] + timeout_s for i, f in enumerate(futures)
-                     if f in pending and started[i] is not None] if timeout_s is not None else []
-        wake = None if timeout_s is None else max(0.0, min(deadlines + [now + timeout_s]) - now) + 1e-3
-        done, pending = wait(pending, timeout=wake, return_when=FIRST_COMPLETED)
-        for f in done:
-            if f.exception() is not None:
-                raise f.exception()
+        # than now + timeout_s); every call is waited for, so that each failed environment is closed
+        wake = None if timeout_s is None else max(0.0, min([t + timeout_s for t in running] + [now + timeout_s]) - now)
+        pending = wait(pending, timeout=None if wake is None else wake + 1e-3, return_when=FIRST_COMPLETED)[1]
+    errors = [f.exception() for f in futures if f.done() and f.exception() is not None]
+    if errors:  # the first in the calls' order, as a bug in the environment
+        raise errors[0]
+    if pending:
+        fn = jobs[next(i for i, f in enumerate(futures) if f in pending)][0]
+        raise EnvironmentTimeout(
+            f"{getattr(fn, '__qualname__', fn)} did not return within env_timeout_s={timeout_s:g} s ({len(pending)} "
+            f"of {len(jobs)} calls had not returned): a hung environment stops the run like one that raises (its "
+            "thread is abandoned); fix the environment, or raise env_timeout_s (null: no limit)")
     return [f.result() for f in futures]
 
 

@@ -37,8 +37,11 @@ Definitions and choices:
   weight): a training pass costs ~3 forward passes (backward ~ 2x forward), 4 with
   gradient_checkpointing: true, times num_iterations, plus one pass for reference log-probs
   (beta > 0) and one for old log-probs (num_iterations > 1, or the sampler correction). With
-  dynamic sampling, generation and rewards repeat ~1/(teaching share) rounds, at most
-  max_sampling_rounds. Weight sync, evaluation and checkpoints are not counted.
+  dynamic sampling, generation and rewards repeat for the expected number of rounds of the
+  trainer's loop (`expected_sampling_rounds`: whole rounds of B prompts until B groups taught, at
+  most max_sampling_rounds), each group teaching at the measured share. 1/(teaching share)
+  underestimates it: at B = 16 and 64 % it is 1.56, not the trainer's 2.03, since the last round
+  is a whole one. Weight sync, evaluation and checkpoints are not counted.
 """
 
 from __future__ import annotations
@@ -249,8 +252,8 @@ def _timing(s: Samples, cfg: Any, teaching: float, device: torch.device) -> dict
     gen = statistics.median(t / c for t, c in zip(s.generate_s, completions)) * step_completions
     reward = statistics.median(t / c for t, c in zip(s.reward_s, completions)) * step_completions
     rounds = 1.0
-    if cfg.dynamic_sampling:  # DAPO generates again until B groups teach: about 1/teaching rounds
-        rounds = min(cfg.max_sampling_rounds, 1 / teaching) if teaching > 0 else cfg.max_sampling_rounds
+    if cfg.dynamic_sampling:  # DAPO generates again until B groups teach
+        rounds = expected_sampling_rounds(cfg.prompts_per_step, teaching, cfg.max_sampling_rounds)
     corrects = cfg.use_vllm and cfg.vllm_importance_sampling_correction is not False  # vLLM's log-probs kept
     passes = update_passes(cfg.num_iterations, cfg.beta > 0, cfg.num_iterations > 1 or corrects,
                            checkpoint_mode(cfg.gradient_checkpointing, device) == "always")  # auto: per device
@@ -263,6 +266,25 @@ def _timing(s: Samples, cfg: Any, teaching: float, device: torch.device) -> dict
             "update_estimate": f"{passes} forward passes, each the measured log-prob pass scaled to a step's "
                                f"{step_completions} completions",
             "step_s": step, "max_steps": cfg.max_steps, "run_s": step * cfg.max_steps}
+
+
+def expected_sampling_rounds(B: int, teaching: float, max_rounds: int) -> float:
+    """The expected number of rounds of dynamic sampling (trainer.sample_batch): whole rounds of B
+    prompts, each group teaching with probability `teaching` independently of the others, until B
+    groups taught or `max_rounds` ran. Round r runs when fewer than B groups taught in the r - 1
+    before it, so E[rounds] = sum over r of P(fewer than B kept after r - 1 rounds), carried as the
+    distribution of the number kept so far (below B; a round adds a Binomial(B, teaching))."""
+    new = [math.comb(B, j) * teaching ** j * (1 - teaching) ** (B - j) for j in range(B + 1)]
+    short = [1.0] + [0.0] * (B - 1)  # short[k]: P(k < B groups kept so far)
+    rounds = 0.0
+    for _ in range(max_rounds):
+        rounds += sum(short)
+        after = [0.0] * B
+        for k, p in enumerate(short):
+            for j in range(B - k):
+                after[k + j] += p * new[j]
+        short = after
+    return rounds
 
 
 def recommendations(report: dict[str, Any], temperature: float) -> list[dict[str, str]]:

@@ -119,6 +119,18 @@ def test_update_passes():
     assert P.update_passes(2, True, True, True) == 10
 
 
+def test_expected_sampling_rounds_hand_worked():
+    """Dynamic sampling as the trainer runs it: whole rounds of B prompts until B groups taught.
+    B = 2, each group teaching with probability 1/2, at most 3 rounds. Round 1 always runs and keeps
+    0, 1, 2 groups with probability 1/4, 1/2, 1/4: round 2 runs with 3/4. After it fewer than 2 are
+    kept when 0 + 0 (1/4 * 1/4), 0 + 1 (1/4 * 1/2) or 1 + 0 (1/2 * 1/4): 5/16, round 3's chance.
+    E = 1 + 3/4 + 5/16 = 33/16, where 1/teaching said 2. B = 1 is a truncated geometric: sum of
+    (1 - p)^r, r < max_rounds. No group ever teaching: every round runs; always: one."""
+    assert P.expected_sampling_rounds(2, 0.5, 3) == pytest.approx(33 / 16, rel=1e-12)
+    assert P.expected_sampling_rounds(1, 0.3, 4) == pytest.approx(1 + 0.7 + 0.7 ** 2 + 0.7 ** 3, rel=1e-12)
+    assert P.expected_sampling_rounds(8, 0.0, 4) == 4.0 and P.expected_sampling_rounds(8, 1.0, 4) == 1.0
+
+
 def _samples(per_func: dict[str, list[list[float]]], truncated: float = 0.0) -> P.Samples:
     total = sum(torch.tensor(v) for v in per_func.values())  # [B, n] weights 1
     N = total.numel()

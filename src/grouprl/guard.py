@@ -7,9 +7,11 @@ says, as a `Response` that the trainer carries out (the guard never calls the tr
 - `on_reward_hacking: warn | stop`, `on_collapse: warn | stop | rollback` (`off`: never raised);
 - `stop`: the response says why, and the trainer ends the run after this step with a checkpoint;
 - `rollback`: the trainer calls `restore`, which puts back the newest in-memory snapshot taken at
-  least 2 steps before (a collapse alarm looks back 2 steps, so the snapshot of the step before
-  may already hold the damage) and multiplies the learning rate by `rollback_lr_factor` (in the
-  scheduler's base rates, so the schedule's shape stays and a checkpoint keeps the scaled rate);
+  least 3 steps before the alarm's step s, or the oldest kept if none is that old (step s samples
+  with the weights after update s-1 and `reward_crash` judges steps s-1 and s, so the snapshots of
+  steps s-1 and s-2 are the policies that sampled the crash, and that of s-3 the newest that did
+  not), and multiplies the learning rate by `rollback_lr_factor` (in the scheduler's base rates,
+  so the schedule's shape stays and a checkpoint keeps the scaled rate);
   the run goes on. The step count, the data order and the random streams go on too: the steps
   since the snapshot are spent, not replayed. After `max_rollbacks` rollbacks the next collapse stops the run.
 
@@ -135,8 +137,9 @@ class RunGuard:
 
     def restore(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                 scheduler: torch.optim.lr_scheduler.LambdaLR) -> dict[str, float]:
-        """Put back the newest snapshot taken at least 2 steps before `step`; scale the learning rate."""
-        older = [sn for sn in self.snapshots if sn[0] <= step - 2] or self.snapshots[:1]
+        """Put back the newest snapshot taken at least 3 steps before `step` (module docstring); scale
+        the learning rate."""
+        older = [sn for sn in self.snapshots if sn[0] <= step - 3] or self.snapshots[:1]
         to_step, snap = older[-1]
         restore_snapshot(model, optimizer, snap)
         self.snapshots = [sn for sn in self.snapshots if sn[0] <= to_step]

@@ -10,14 +10,21 @@ Notation: W = `window` steps. `base(x)` is x's mean over the run's first W steps
 starting policy and its first updates), `recent(x)` its mean over the last W steps, and
 `gain(x) = recent(x) - base(x)`. `sd` is the per-completion standard deviation of the weighted
 reward over the first W steps: gains are measured in it (`z`), so one threshold serves a 0/1
-accuracy and a reward on a 0..10 scale alike. Hacking alarms need 2W steps (base and recent do
-not overlap); the collapse alarms need two.
+accuracy and a reward on a 0..10 scale alike. A base of n completions that all scored alike has
+no spread; its sd is then taken as at least the sd of n + 1 scores one of which sits at the other
+end of the range the reward has taken (the rate 1/(n+1) such a base cannot tell from 0): divided by
+0 (or 1e-6), one success in 64 after a base of none counted as a gain of 15,625 sd. Hacking alarms
+need 2W steps (base and recent do not overlap); `kl_spike` needs two steps, `reward_crash` three,
+`entropy_collapse` 2W.
 
 Reward hacking (`on_reward_hacking`), each at most once per (alarm, function):
 - `audit_divergence`: z(gain(reward)) >= min_gain_z while an audit function's gain is at most
   `audit_follow` times what the reward's rise would predict (audit_follow * z * the audit's own
-  base sd; an audit flat at 0 or 1 must not rise at all: flat or falling). Audit functions score
-  training completions and never enter the advantage: a strict, independent checker.
+  base sd; an audit flat below its ceiling must rise, however little), that prediction capped by
+  the audit's headroom (audit_follow * (ceiling - base)): its ceiling is 1 (a check) or the most it
+  has scored, if more. An audit at its ceiling cannot follow a rise: it alarms only if it falls,
+  and one at 15/16 that reaches 16/16 followed. Audit functions score training completions and
+  never enter the advantage: a strict, independent checker.
 - `eval_divergence`: the held-out accuracy fell `eval_drop` below the best earlier eval (the one
   before training included) while z(gain(reward)) >= min_gain_z and the training reward (its mean
   over the W steps before each eval) did not fall since that best eval: an unstable run whose
@@ -27,9 +34,10 @@ Reward hacking (`on_reward_hacking`), each at most once per (alarm, function):
   largest-weight function's own gain is <= 0: the gain comes from the bonus, not the objective.
 - `template_collapse`: completions of *different* prompts become alike: the share of completions
   whose text also answers another prompt of the step reaches `duplicate_share` (and rose by half
-  of it since the base), or the cross-prompt distinct 4-gram ratio (each group's 4-grams counted
+  of it since the base), or the cross-prompt distinct 4-gram ratio (each prompt's 4-grams counted
   once; distinct over total) falls below `distinct_ratio` times its base. Duplicates *within* a
-  group are logged but never alarm: a policy that solved a prompt answers it the same way G times.
+  group are logged but never alarm: a policy that solved a prompt answers it the same way G times,
+  and so do two groups of one prompt (a prompt is told apart by its content, not its group).
 - `length_hacking` (per reward function): a function pays for length itself. Over the last W steps:
   1. the within-group correlation of reward and length (averaged over the groups whose rewards and
      lengths both vary) is at least `length_corr`, and
@@ -73,8 +81,15 @@ Reward hacking (`on_reward_hacking`), each at most once per (alarm, function):
 Collapse (`on_collapse`), re-armed after a rollback:
 - `reward_crash` (from step 3): the mean reward over the last 2 steps fell
   `crash_drop_z` * sd below its level before them (the mean over up to 2W earlier steps), and by
-  at least `crash_se_z` standard errors of that difference, estimated from the spread of the
-  groups' mean rewards in the two spans. The level is a mean, not the best earlier window: the
+  by a two-sample t-test at the level `crash_se_z` standard errors have for a normal: the standard
+  error of the difference from the groups' mean rewards in the two spans, their variance pooled
+  (under no crash both spans draw alike), never below its like on the completions (a few group
+  means can coincide), judged against Student's t at the group means' degrees of freedom (n - 2:
+  3 standard errors become 235.8 at 1, 4.90 at 6, 3.27 at 30). With 1-4 prompts per step the
+  spans hold a handful of group means, whose spread is a poor estimate: an unchanging policy
+  (prompts' pass rates uniform on 0..1, G = 8, 20 steps) alarmed in 62 % of runs at B = 1, 27 % at
+  B = 2 and 7 % at B = 4 when the spreads of the two spans were added and compared with 3; 0.8 %,
+  2.5 % and 1.3 % with this test. The level is a mean, not the best earlier window: the
   best of many windows is itself a lucky draw, and the more steps a run has, the luckier it gets.
   The standard errors matter when prompts differ in difficulty: which prompts were drawn moves a
   step's mean (measured: SmolLM2 with 2 prompts per step, a sound run, fell 1.1 sd from a lucky
@@ -84,8 +99,9 @@ Collapse (`on_collapse`), re-armed after a rollback:
   step 1 is not judged: Adam's first update moves every weight by about the learning rate, and a
   sound run of the embedded task dipped 3.3 standard errors there and recovered.
 - `kl_spike`: the KL to the reference (only when beta > 0, else this alarm is off) is at least
-  `kl_spike_min` and `kl_spike_factor` times the median of the earlier steps' KL.
-- `entropy_collapse`: the mean entropy of the last W steps fell below `entropy_ratio` times its
+  `kl_spike_min` and `kl_spike_factor` times the median KL of the 2W steps before (of those whose
+  KL is finite: a skipped non-finite step logs NaN).
+- `entropy_collapse` (from step 2W): the mean entropy of the last W steps fell below `entropy_ratio` times its
   base while z(gain(reward)) < min_gain_z: the policy turned deterministic without learning
   (a policy that solved the task also loses entropy, but its reward rose).
 
@@ -95,6 +111,7 @@ alarm in the sound runs, each of the broken ones caught.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import statistics
@@ -166,20 +183,26 @@ class Alarm:
 
 
 def text_statistics(texts: list[str], token_lists: list[list[int]], rewards: torch.Tensor,
-                    lengths: torch.Tensor, G: int) -> dict[str, float]:
+                    lengths: torch.Tensor, G: int, prompts: list[Any]) -> dict[str, float]:
     """The completion statistics of one step: duplicates within groups and across prompts, the
-    cross-prompt distinct 4-gram ratio, the mean within-group correlation of reward and length."""
+    cross-prompt distinct 4-gram ratio, the mean within-group correlation of reward and length.
+    prompts: [N], each completion's prompt. "Across prompts" means different prompts, not different
+    groups: one prompt drawn into two groups (a data set smaller than a step, a repeated row) is
+    answered alike by a policy that solved it, which is not a template."""
     groups = [range(g * G, (g + 1) * G) for g in range(len(texts) // G)]
     keys = [t.strip() for t in texts]
     in_group = sum(c - 1 for g in groups for c in Counter(keys[i] for i in g).values())
-    owners: dict[str, set[int]] = {}
-    for gi, g in enumerate(groups):
+    prompt_of = [repr(prompts[g.start]) for g in groups]  # repr: a chat prompt (a list of dicts) is unhashable
+    owners: dict[str, set[str]] = {}
+    ngrams: dict[str, set[tuple[int, ...]]] = {}  # per prompt: each prompt's 4-grams counted once
+    for g, prompt in zip(groups, prompt_of):
         for i in g:
-            owners.setdefault(keys[i], set()).add(gi)
+            owners.setdefault(keys[i], set()).add(prompt)
+            ngrams.setdefault(prompt, set()).update(tuple(token_lists[i][j:j + 4])
+                                                    for j in range(len(token_lists[i]) - 3))
     cross = sum(1 for k in keys if len(owners[k]) > 1)
-    per_group = [{tuple(token_lists[i][j:j + 4]) for i in g for j in range(len(token_lists[i]) - 3)} for g in groups]
-    total = sum(len(s) for s in per_group)
-    distinct = len(set().union(*per_group)) / total if total else 1.0
+    total = sum(len(s) for s in ngrams.values())
+    distinct = len(set().union(*ngrams.values())) / total if total else 1.0
     corrs = []
     for g in groups:
         r, n = rewards[list(g)].double(), lengths[list(g)].double()  # [G]
@@ -239,13 +262,15 @@ class HealthMonitor:
                 prompts: list[Any]) -> tuple[dict[str, float], list[Alarm]]:
         """This step's `health/*` metrics and the alarms it raises. rewards, lengths: [N]; per_func,
         audit: name -> [N] (NaN where a function abstained)."""
-        row = {"step": step, "reward": float(rewards.mean()), "length": float(lengths.float().mean()),
-               "group_means": rewards.view(-1, G).mean(dim=1).tolist(),
-               **text_statistics(texts, token_lists, rewards, lengths, G)}
+        r = rewards.double()  # [N]
+        row = {"step": step, "reward": float(r.mean()), "reward_sq": float((r ** 2).mean()), "completions": len(r),
+               "length": float(lengths.float().mean()), "group_means": r.view(-1, G).mean(dim=1).tolist(),
+               **text_statistics(texts, token_lists, rewards, lengths, G, prompts), **_extent_of("reward", r)}
         for name, w in zip(self.names, self.weights):
             row[f"component/{name}"] = w * _nanmean(per_func[name])
         for name in self.audit_names:
             row[f"audit/{name}"] = _nanmean(audit[name])
+            row.update(_extent_of(f"audit/{name}", audit[name]))
         scores = {**per_func, **{f"audit/{n}": audit[n] for n in self.audit_names}}
         paying = [n for n, w in zip(self.names, self.weights) if w != 0]
         for name, sums in length_payment(scores, lengths, G, paying).items():
@@ -334,7 +359,23 @@ class HealthMonitor:
         return self._mean(key, self.history[-W:]) - self._mean(key, self.history[:W])
 
     def _gain_z(self, key: str) -> float:
-        return self._gain(key) / max(self.base_sd.get(key, 0.0), 1e-6)
+        return self._gain(key) / self._sd(key)
+
+    def _sd(self, key: str) -> float:
+        """The base's per-completion sd of `key`, at least what it would be if one of its n
+        completions had scored the other end of the range `key` has taken in the run: n equal
+        scores are what a rate of about 1/(n+1) draws, so a base without spread (a task the
+        starting policy never solves) must not make one later success a gain of thousands of sd."""
+        n = sum(len(values.get(key, [])) for _, values in self._base_values)
+        lo, hi = self._extent(key)
+        p = 1 / (n + 1)
+        return max(self.base_sd.get(key, 0.0), math.sqrt(p * (1 - p)) * (hi - lo), 1e-6)
+
+    def _extent(self, key: str) -> tuple[float, float]:
+        """The lowest and highest score `key` has taken in the steps observed (0, 0 before any)."""
+        lo = [r[f"min/{key}"] for r in self.history if math.isfinite(r.get(f"min/{key}", math.nan))]
+        hi = [r[f"max/{key}"] for r in self.history if math.isfinite(r.get(f"max/{key}", math.nan))]
+        return (min(lo), max(hi)) if lo else (0.0, 0.0)
 
     def _span(self) -> tuple[int, int]:
         return int(self.history[0]["step"]), int(self.history[-1]["step"])
@@ -346,8 +387,10 @@ class HealthMonitor:
         rising = z >= t.min_gain_z
         for name in self.audit_names:
             key = f"audit/{name}"
-            gain, allowed = self._gain(key), t.audit_follow * z * self.base_sd.get(key, 0.0)
-            if rising and gain <= allowed:
+            # the audit can rise at most to its ceiling: 1 (a check), or the most it has scored if more
+            headroom = max(1.0, self._extent(key)[1]) - self._mean(key, self.history[:W])
+            gain, allowed = self._gain(key), t.audit_follow * min(z * self._sd(key), headroom)
+            if rising and (gain <= allowed if headroom > 0 else gain < 0):  # at its ceiling: only a fall alarms
                 out.append(Alarm("audit_divergence", step, self._span(), name,
                                  f"training reward rose {z:.2f} sd ({self._mean('reward', self.history[:W]):.3f} -> "
                                  f"{self._mean('reward', self.history[-W:]):.3f}) while audit {name} moved "
@@ -397,23 +440,31 @@ class HealthMonitor:
         last, ref = h[-2:], h[-2 - 2 * t.window:-2]  # the last 2 steps; the level before them: a mean, not a best
         if ref:  # from step 3
             now, level = (statistics.fmean(r["reward"] for r in rows) for rows in (last, ref))
-            drop = (level - now) / max(self.base_sd.get("reward", 0.0), 1e-6)
-            noise = math.hypot(_standard_error(ref), _standard_error(last))  # of the difference
-            drop_se = (level - now) / max(noise, 1e-6)
-            if drop >= t.crash_drop_z and drop_se >= t.crash_se_z:
+            drop = (level - now) / self._sd("reward")
+            # of the difference: a two-sample t-test on the group means (their variance pooled: under
+            # no crash both spans draw alike), never below its like on the completions, for the few
+            # group means of a small step can coincide (B = 1: one per step) and then spread by nothing;
+            # judged against Student's t at the group means' degrees of freedom, at the level
+            # crash_se_z standard errors have for a normal
+            noise, df = _group_se(ref, last)
+            drop_se = (level - now) / max(noise, _completion_se(ref, last), 1e-6)
+            if drop >= t.crash_drop_z and drop_se >= t_critical(t.crash_se_z, df):
                 span = (int(ref[0]["step"]), int(ref[-1]["step"]))
                 out.append(Alarm("reward_crash", step, (span[0], step), None,
                                  f"mean reward of the last 2 steps {now:.3f}, {drop:.2f} sd and {drop_se:.1f} "
                                  f"standard errors below {level:.3f} over steps {span[0]}-{span[1]}", drop,
                                  t.crash_drop_z, self._examples("reward", high=False)))
-        # the last 2W + 1 KL values, read from the end: a step's cost must not grow with the run's length
-        kls = list(itertools.islice((r["kl"] for r in reversed(h) if "kl" in r), 2 * t.window + 1))[::-1]
-        if len(kls) >= 2:
-            ref = statistics.median(kls[:-1][-2 * t.window:])
-            if kls[-1] >= t.kl_spike_min and kls[-1] >= t.kl_spike_factor * ref:
+        # the 2W finite KL values before this step's, read from the end: a step's cost must not grow with
+        # the run's length, and a NaN (a skipped non-finite step) would make the median meaningless
+        kl = h[-1].get("kl", math.nan)
+        kls = list(itertools.islice((r["kl"] for r in reversed(h[:-1]) if math.isfinite(r.get("kl", math.nan))),
+                                    2 * t.window))
+        if math.isfinite(kl) and kls:
+            ref = statistics.median(kls)
+            if kl >= t.kl_spike_min and kl >= t.kl_spike_factor * ref:
                 out.append(Alarm("kl_spike", step, (int(h[-2]["step"]), step), None,
-                                 f"KL to the reference {kls[-1]:.3f} per token; the median of the steps before "
-                                 f"{ref:.4f}", kls[-1], t.kl_spike_min,
+                                 f"KL to the reference {kl:.3f} per token; the median of the steps before "
+                                 f"{ref:.4f}", kl, t.kl_spike_min,
                                  self._examples("reward", high=False)))
         if self._ready() and "entropy" in h[0]:
             e, e0 = self._mean("entropy", h[-t.window:]), self._mean("entropy", h[:t.window])
@@ -467,11 +518,59 @@ def _partial_corr(sums: list[list[float]]) -> float:
     return fl / math.sqrt(ff * ll) if ff > 0 and ll > 0 else math.nan
 
 
-def _standard_error(rows: list[dict[str, Any]]) -> float:
-    """The standard error of the mean reward of `rows` (steps), from the spread of their groups'
-    means: with few prompts per step, which prompts were drawn moves the mean most."""
-    means = [m for r in rows for m in r.get("group_means", [])]
-    return statistics.stdev(means) / math.sqrt(len(means)) if len(means) > 1 else 0.0
+def _group_se(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> tuple[float, int]:
+    """The standard error of the difference of the mean rewards of spans `a` and `b` (steps) from
+    the spread of their groups' means, pooled over both (with few prompts per step, which prompts
+    were drawn moves a step's mean most), and its degrees of freedom (0: no estimate)."""
+    x, y = ([m for r in rows for m in r.get("group_means", [])] for rows in (a, b))
+    df = len(x) + len(y) - 2
+    if df < 1 or not x or not y:
+        return 0.0, 0
+    ss = sum((v - statistics.fmean(x)) ** 2 for v in x) + sum((v - statistics.fmean(y)) ** 2 for v in y)
+    return math.sqrt(ss / df * (1 / len(x) + 1 / len(y))), df
+
+
+@functools.lru_cache(maxsize=256)
+def t_critical(z: float, df: int) -> float:
+    """The value Student's t with `df` degrees of freedom exceeds with the probability a standard
+    normal exceeds `z` (infinite below 1 degree of freedom): what `z` standard errors become when the
+    standard error is estimated from df + 2 values. With T = sqrt(df) tan(theta), theta in
+    (-pi/2, pi/2) has a density proportional to cos(theta)^(df - 1): its CDF, a smooth integral on a
+    bounded interval (Simpson's rule), is inverted by bisection. t_critical(3, 1) = 235.8, (3, 10) = 3.96."""
+    if df < 1:
+        return math.inf
+    tail = 0.5 * math.erfc(z / math.sqrt(2))  # P(normal > z)
+
+    def mass(theta: float, n: int = 512) -> float:  # the integral of cos^(df-1) over [0, theta]
+        h = theta / n
+        f = [math.cos(i * h) ** (df - 1) for i in range(n + 1)]
+        return h / 3 * (f[0] + f[-1] + 4 * sum(f[1:-1:2]) + 2 * sum(f[2:-1:2]))
+
+    whole, lo, hi = mass(math.pi / 2), 0.0, math.pi / 2
+    for _ in range(60):  # P(T > sqrt(df) tan(theta)) = (1 - mass(theta) / whole) / 2
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if (1 - mass(mid) / whole) / 2 > tail else (lo, mid)
+    return math.sqrt(df) * math.tan((lo + hi) / 2)
+
+
+def _completion_se(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> float:
+    """The standard error of the difference of the mean rewards of spans `a` and `b` (steps) from
+    their completions' rewards, their variance pooled over both as if one policy sampled them (a
+    two-sample test's). Rows without the completion sums (a checkpoint from before) are left out."""
+    n1, n2 = (sum(r.get("completions", 0) for r in rows) for rows in (a, b))
+    if not n1 or not n2:
+        return 0.0
+    rows = [r for r in a + b if "completions" in r]
+    n = n1 + n2
+    mean = sum(r["reward"] * r["completions"] for r in rows) / n
+    square = sum(r["reward_sq"] * r["completions"] for r in rows) / n
+    return math.sqrt(max(square - mean ** 2, 0.0) * n / (n - 1) * (1 / n1 + 1 / n2))
+
+
+def _extent_of(key: str, x: torch.Tensor) -> dict[str, float]:
+    """`min/KEY` and `max/KEY` of a step's scores x [N] (NaN: abstained; none scored: none)."""
+    x = x[~x.isnan()]
+    return {f"min/{key}": float(x.min()), f"max/{key}": float(x.max())} if x.numel() else {}
 
 
 def _nanmean(x: torch.Tensor) -> float:

@@ -65,7 +65,7 @@ from grouprl.policy import Reference, check_model_source, load_policy, load_toke
 from grouprl.precision import describe_precision, resolve_bf16
 from grouprl.preflight import run as run_preflight
 from grouprl.prompt_filter import PromptFilter
-from grouprl.rewards import sandbox_mechanism
+from grouprl.rewards import reward_names, sandbox_mechanism
 from grouprl.rollout import Rollout, SamplingParams
 from grouprl.rollout.factory import make_engine, make_rollouts, resolve_multiturn
 from grouprl.rollout.types import Trajectories
@@ -114,13 +114,13 @@ class Trainer:
         # data and reward functions first: their errors come before any model loads
         self.train_ds, self.eval_ds = load_datasets(cfg, train_dataset, eval_dataset)  # data.py
         self.reward_funcs = reward_funcs or [reward_from_config(spec) for spec in cfg.reward_funcs]
-        self.reward_names = [getattr(f, "__name__", f"reward_{i}") for i, f in enumerate(self.reward_funcs)]
+        self.reward_names = reward_names(self.reward_funcs)  # as the scores are keyed
         missing = missing_tracker_packages(cfg.report_to)
         if missing:
             raise ConfigError(f"report_to: {', '.join(missing)} is not installed: pip install "
                               + " ".join(f"'grouprl[{m}]'" for m in missing) + " (or drop it from report_to)")
         self.audit_funcs = [reward_from_config(spec) for spec in cfg.audit_funcs]  # scored, never rewarded
-        self.audit_names = [getattr(f, "__name__", f"audit_{i}") for i, f in enumerate(self.audit_funcs)]
+        self.audit_names = reward_names(self.audit_funcs)
         self.guard = RunGuard(cfg, self.reward_names, self.audit_names, is_main=self.dist.is_main)  # guard.py
         if cfg.metric_for_best_model and self.eval_ds is None:
             raise ConfigError(f"metric_for_best_model={cfg.metric_for_best_model!r} needs an eval set: set eval_data "

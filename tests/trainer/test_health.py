@@ -2,23 +2,27 @@
 must not; then through the trainer: a gameable reward flagged with its examples (and `stop` ending the
 run with a checkpoint), a learning rate far too high caught and rolled back, audit functions logged."""
 
+import functools
 import json
+import math
 import pickle
 
 import pytest
 import torch
 
+from grouprl import health
 from grouprl.config import ConfigError, TrainConfig
 from grouprl.guard import RunGuard
 from grouprl.health import HealthMonitor, HealthThresholds, text_statistics
 from grouprl.signals import HEALTH_EXIT_CODE, TrainingStopped
 from grouprl.trainer import Trainer
-from tests.trainer.conftest import read_metrics
+from tests.trainer.conftest import digit_fraction, read_metrics
 
 G = 4
 
 
-def _step(mon: HealthMonitor, step: int, *, p_main: float = 0.5, p_bonus: float = 0.0, audit: float | None = None,
+def _step(mon: HealthMonitor, step: int, *, p_main: float = 0.5, p_bonus: float = 0.0,
+          audit: float | list[float] | None = None,
           entropy: float | None = 1.0, kl: float | None = None, texts: list[str] | None = None,
           lengths: list[int] | None = None, rewards: list[float] | None = None):
     """One observed step of 4 groups x G: the main reward is 1 for a fraction p_main of each group's
@@ -29,7 +33,8 @@ def _step(mon: HealthMonitor, step: int, *, p_main: float = 0.5, p_bonus: float 
     r = torch.tensor(rewards) if rewards is not None else main + 0.2 * bonus
     texts = texts or [f"answer {i} {step}" for i in range(n)]
     lengths = torch.tensor(lengths or [10] * n)
-    au = {"strict": torch.full((n,), audit)} if audit is not None else {}
+    au = {} if audit is None else {"strict": torch.tensor(audit) if isinstance(audit, list) else
+                                   torch.full((n,), float(audit))}
     return mon.observe(step, rewards=r, per_func={"main": main, "bonus": bonus}, audit=au, texts=texts,
                        token_lists=[[ord(c) for c in t] for t in texts], lengths=lengths, G=G, entropy=entropy,
                        kl=kl, prompts=[f"p{i // G}" for i in range(n)])
@@ -39,19 +44,35 @@ def _monitor(audit: bool = False, **overrides) -> HealthMonitor:
     return HealthMonitor(HealthThresholds(**overrides), ["main", "bonus"], [1.0, 0.2], ["strict"] if audit else [])
 
 
+def _observe(mon: HealthMonitor, step: int, rewards: list[float], g: int, kl: float | None = None):
+    """One observed step of len(rewards) // g groups of g, scored by one reward function "main"."""
+    n, r = len(rewards), torch.tensor(rewards)
+    texts = [f"answer {i} {step}" for i in range(n)]
+    return mon.observe(step, rewards=r, per_func={"main": r, "bonus": torch.zeros(n)}, audit={}, texts=texts,
+                       token_lists=[[ord(c) for c in t] for t in texts], lengths=torch.full((n,), 10), G=g,
+                       entropy=1.0, kl=kl, prompts=[f"p{i // g}" for i in range(n)])
+
+
 def test_text_statistics_by_hand():
     """2 groups of 2. Group 0: "a b" twice (1 duplicate within the group); group 1: "a b" and "c d".
     "a b" answers both prompts: 3 of 4 completions are cross-prompt duplicates. 4-grams (tokens are
     the characters): "a b" has 0 ("a b" is 3 characters), so use 5-character texts instead below."""
     texts = ["abcde", "abcde", "abcde", "vwxyz"]
     toks = [[ord(c) for c in t] for t in texts]
-    s = text_statistics(texts, toks, torch.tensor([1.0, 0.0, 1.0, 0.0]), torch.tensor([5, 3, 5, 7]), 2)
+    s = text_statistics(texts, toks, torch.tensor([1.0, 0.0, 1.0, 0.0]), torch.tensor([5, 3, 5, 7]), 2,
+                        ["p", "p", "q", "q"])
     assert s["group_duplicates"] == pytest.approx(1 / 4)
     assert s["cross_prompt_duplicates"] == pytest.approx(3 / 4)
     # group 0's 4-grams {abcd, bcde}; group 1's {abcd, bcde, vwxy, wxyz}: 4 distinct of 6 counted
     assert s["distinct_4gram"] == pytest.approx(4 / 6)
     # group 0: rewards (1, 0), lengths (5, 3): corr +1; group 1: (1, 0) vs (5, 7): corr -1
     assert s["length_reward_corr"] == pytest.approx(0.0)
+    # one prompt drawn into both groups (a chat prompt: unhashable), answered "abcde" by all 4: duplicates
+    # within the prompt only, none across prompts; its 4-grams {abcd, bcde} counted once: 2 distinct of 2
+    chat = [{"role": "user", "content": "2+3?"}]
+    s = text_statistics(["abcde"] * 4, [toks[0]] * 4, torch.ones(4), torch.full((4,), 5), 2, [chat] * 4)
+    assert s["group_duplicates"] == pytest.approx(2 / 4)
+    assert s["cross_prompt_duplicates"] == 0.0 and s["distinct_4gram"] == 1.0
 
 
 def test_a_steady_run_raises_nothing_and_the_gain_needs_two_windows():
@@ -78,6 +99,40 @@ def test_audit_divergence_fires_when_the_reward_rises_and_the_audit_does_not():
     for step in range(1, 10):
         p = 0.25 if step <= 3 else 0.75
         assert _step(mon, step, p_main=p, audit=p)[1] == []
+
+
+def test_an_audit_at_its_ceiling_cannot_follow_and_alarms_only_if_it_falls():
+    """The reward rises 0.25 -> 0.75 (z = 0.5 / 0.433 = 1.15), as above.
+    - Audit at 1.0 throughout: no headroom, no rise possible: no alarm. Falling to 0.9: an alarm.
+    - Audit 15/16 -> 16/16: base 0.9375, sd sqrt(15/256) = 0.242; the rise it would follow,
+      0.25 * 1.15 * 0.242 = 0.070, is capped by the headroom 0.25 * (1 - 0.9375) = 0.0156; it rose
+      0.0625, all it could: no alarm (capped at 0.070 it had not followed)."""
+    for later, expected in ((1.0, []), (0.9, [("audit_divergence", "strict", 6)])):
+        mon, fired = _monitor(audit=True), []
+        for step in range(1, 10):
+            _, alarms = _step(mon, step, p_main=0.25 if step <= 3 else 0.75, audit=1.0 if step <= 3 else later)
+            fired += [(a.kind, a.function, a.step) for a in alarms]
+        assert fired == expected
+    mon = _monitor(audit=True)
+    for step in range(1, 10):
+        audit = [0.0] + [1.0] * 15 if step <= 3 else [1.0] * 16
+        assert _step(mon, step, p_main=0.25 if step <= 3 else 0.75, audit=audit)[1] == []
+
+
+def test_a_base_without_spread_floors_the_sd():
+    """8 groups of 8; the first W = 3 steps score nothing (n = 192 completions, sd 0), then one success
+    in 64 per step: gain 1/64. The sd floor is that of 193 scores with one at the other end of the range
+    taken (0..1): sqrt(1/193 * 192/193) = 0.0718, so z = 0.2176, under min_gain_z: a held-out drop of one
+    prompt in 20 (0.10 -> 0.05) is not eval_divergence (divided by 1e-6, z was 15625 and it fired). A
+    real rise (16 of 64: z = 3.48) with the same drop is."""
+    for later, z, expected in ((1, 0.015625 / 0.0717958, []), (16, 0.25 / 0.0717958, ["eval_divergence"])):
+        mon = HealthMonitor(HealthThresholds(), ["main"], [1.0], [])
+        mon.observe_eval(0, 0.10)
+        for step in range(1, 7):
+            metrics, alarms = _observe(mon, step, [0.0] * 64 if step <= 3 else [1.0] * later + [0.0] * (64 - later), 8)
+            assert alarms == []
+        assert metrics["health/reward_gain_z"] == pytest.approx(z, rel=1e-4)
+        assert [a.kind for a in mon.observe_eval(6, 0.05)] == expected
 
 
 def test_component_dominance_needs_the_main_objective_flat():
@@ -115,8 +170,9 @@ def test_reward_crash_kl_spike_and_entropy_collapse():
 
     # W = 1. Step 1: one right completion in 16 (base sd 0.242); step 2, lucky: one of the 4 prompts solved by
     # all G; then nothing. At step 4 the last 2 steps (mean 0) sit 0.65 sd below steps 1-2 (0.156), over
-    # crash_drop_z, but their group means (0.25, 0, 0, 0, 1, 0, 0, 0: se 0.124) put the drop at 1.3
-    # standard errors, under crash_se_z = 3: which prompts were drawn, not a crash. No alarm.
+    # crash_drop_z, but the group means (steps 1-2 against 3-4, pooled: se 0.124, 14 degrees of freedom)
+    # put the drop at 1.3 standard errors, under crash_se_z = 3 (3.64 at 14 degrees of freedom): which
+    # prompts were drawn, not a crash. No alarm.
     one, lucky, none = [1.0] + [0.0] * (4 * G - 1), [1.0] * G + [0.0] * 3 * G, [0.0] * 4 * G
     mon = _monitor(window=1)
     assert [a.kind for s, r in enumerate([one, lucky, none, none], 1) for a in _step(mon, s, rewards=r)[1]] == []
@@ -138,7 +194,31 @@ def test_reward_crash_kl_spike_and_entropy_collapse():
     mon, fired = _monitor(), []  # the same run, except that steps 11-12 solve nothing: a crash
     for s, k in enumerate(draws[:10] + [0, 0], 1):
         fired += [(a.kind, s, a.steps) for a in _step(mon, s, rewards=drawn(k))[1]]
-    assert fired == [("reward_crash", 12, (5, 12))]  # 1.33 sd, 6.8 standard errors below steps 5-10
+    # 1.33 sd and 3.87 standard errors below steps 5-10 (the 24 + 8 group means' pooled standard error 0.172,
+    # over the completions' 0.072), over 3.27, the 3-standard-error level of a t-test of 30 degrees of freedom
+    assert fired == [("reward_crash", 12, (5, 12))]
+
+    # One prompt per step (G = 8, W = 1): the level is step 1 (one group mean), the last 2 steps two equal
+    # group means: their spread is 0. Step 1: 6 of 8 (base sd sqrt(0.75 * 0.25) = 0.433); steps 2-3: 2 of 8
+    # each: 0.5 below, 1.15 sd. The completions, 6 of 8 against 4 of 16, pooled: mean 10/24, variance
+    # 10/24 * 14/24 * 24/23 = 0.2536, standard error sqrt(0.2536 * (1/8 + 1/16)) = 0.218: 2.3 standard
+    # errors, under 3: no alarm (the group means alone gave 0, floored at 1e-6: 500000). 7 of 8 then none
+    # (base sd 0.331): 0.875 down, 2.65 sd and 4.35 standard errors (pooled mean 7/24, standard error
+    # 0.201), but 3 group means give a t-test 1 degree of freedom, whose 3-standard-error level is 235.8:
+    # three prompts of unlike difficulty could do that. No alarm. Six steps at 7 of 8 (W = 3) and then
+    # none twice: 8 group means, 6 degrees of freedom (level 4.90); the completions pooled: mean 42/64,
+    # variance 42/64 * 22/64 * 64/63 = 0.2292, standard error sqrt(0.2292 * (1/48 + 1/16)) = 0.138: 6.3
+    # standard errors, a crash.
+    def few(first, later, window=1, steps=1):
+        mon = _monitor(window=window)
+        rows = [[1.0] * first + [0.0] * (8 - first)] * steps + [[1.0] * later + [0.0] * (8 - later)] * 2
+        return [(a.kind, a.value) for s, r in enumerate(rows, 1) for a in _observe(mon, s, r, 8)[1]]
+
+    assert few(6, 2) == [] and few(7, 0) == []
+    assert health.t_critical(3.0, 1) == pytest.approx(235.80, abs=0.01)  # tan(pi (1/2 - P(normal > 3)))
+    assert health.t_critical(3.0, 2) == pytest.approx(19.207, abs=1e-3)  # (2p - 1) / sqrt(2p (1 - p))
+    assert health.t_critical(3.0, 6) == pytest.approx(4.904, abs=1e-3) and health.t_critical(3.0, 0) == math.inf
+    assert few(7, 0, window=3, steps=6) == [("reward_crash", pytest.approx(0.875 / math.sqrt(7 / 64)))]
 
     mon = _monitor()
     kinds = [[a.kind for a in _step(mon, s, kl=k)[1]] for s, k in enumerate([0.01, 0.02, 0.01, 0.5, 2.0], 1)]
@@ -150,6 +230,14 @@ def test_reward_crash_kl_spike_and_entropy_collapse():
     kls = [5.0] * 20 + [0.1] * 6 + [1.5]
     fired = [(a.kind, s, a.value) for s, k in enumerate(kls, 1) for a in _step(mon, s, kl=k)[1] if a.kind == "kl_spike"]
     assert fired == [("kl_spike", 27, 1.5)]
+
+    # a skipped non-finite step logs a NaN KL: it is neither judged nor part of the median (0.025 of
+    # the other five), so the spike at step 7 is seen wherever the NaN falls
+    for at in range(6):
+        kls = [0.02, 0.03, 0.02, 0.03, 0.02, 0.03, 2.0]
+        kls[at] = math.nan
+        mon = _monitor()
+        assert [(a.kind, s) for s, k in enumerate(kls, 1) for a in _step(mon, s, kl=k)[1]] == [("kl_spike", 7)]
 
     mon, fired = _monitor(), []
     for step in range(1, 8):  # deterministic without learning
@@ -189,6 +277,28 @@ def test_eval_divergence_and_rollback_reset_and_state():
     assert [r["step"] for r in mon.history] == [1, 2]
     assert [a.kind for a in _step(mon, 7, p_main=0.0)[1]] == []  # 2-step mean 0.25 vs 0.5: 0.5 sd
     assert [a.kind for a in _step(mon, 8, p_main=0.0)[1]] == ["reward_crash"]
+
+
+def test_a_rollback_restores_a_policy_that_sampled_no_crashed_step():
+    """Snapshots every W = 3 steps (two kept); snapshot k holds the weights after update k, which sample
+    step k + 1. A crash at step 8 judges steps 7 and 8, sampled by snapshots 6 and 7: the target is the
+    newest at or before step 8 - 3 = 5, snapshot 3 (sampled step 4, part of the level), not 6. At step 2
+    none is that old: the oldest kept, step 0."""
+    cfg = TrainConfig(model="m", train_data="d", reward_funcs=["f"], on_collapse="rollback")
+    model = torch.nn.Linear(1, 1, bias=False)
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0)
+
+    def run_to(alarm_step):
+        guard = RunGuard(cfg, ["f"], [], is_main=True)
+        for step in range(alarm_step):  # the trainer snapshots after each step's update (step 0: the start)
+            with torch.no_grad():
+                model.weight.fill_(float(step))
+            guard.snapshot(step, model, opt)
+        return [s for s, _ in guard.snapshots], guard.restore(alarm_step, model, opt, sched)["rollback/to_step"]
+
+    assert run_to(8) == ([3, 6], 3) and model.weight.item() == 3.0
+    assert run_to(2) == ([0], 0) and model.weight.item() == 0.0
 
 
 def a_steps(alarms):
@@ -275,6 +385,24 @@ def test_a_learning_rate_far_too_high_is_rolled_back(make_cfg):
     assert {a["family"] for a in rolled[0]["alarms"]} == {"collapse"}
     assert rows[-1]["lr"] <= 3.0 * 0.001 + 1e-12  # the scaled rate stays
     assert trainer.guard.rollbacks == len(rolled) <= 2
+
+
+def test_reward_functions_are_watched_under_the_names_they_are_scored_under(make_cfg, digits_data):
+    """A functools.partial (no __name__) and one function listed twice, health on, an eval before and after:
+    each is named as the scores are keyed (its type's name; `_2` on a repeat), and the monitor reads each
+    function's own scores: component = weight x the function's mean (a trainer that named both repeats
+    `digit_fraction` failed at step 1 on the partial, read one function's scores twice, and the eval failed
+    on `digit_fraction_2`)."""
+    cfg = make_cfg(max_steps=2, reward_weights=[1.0, 0.5, 0.25], eval_data=str(digits_data), max_eval_samples=4)
+    trainer = Trainer(cfg, reward_funcs=[functools.partial(digit_fraction), digit_fraction, digit_fraction])
+    trainer.train()
+    assert trainer.reward_names == ["partial", "digit_fraction", "digit_fraction_2"]
+    rows = [r for r in read_metrics(cfg.output_dir) if "rewards/partial/mean" in r]
+    assert len(rows) == len(trainer.guard.monitor.history) == 2
+    for row, seen in zip(rows, trainer.guard.monitor.history):
+        m = row["rewards/partial/mean"]
+        assert row["rewards/digit_fraction/mean"] == row["rewards/digit_fraction_2/mean"] == m
+        assert [seen[f"component/{n}"] for n in trainer.reward_names] == pytest.approx([m, 0.5 * m, 0.25 * m])
 
 
 def test_health_off_computes_nothing_and_audits_still_log(make_cfg):

@@ -6,7 +6,7 @@ See docs/rewards.md for the list of built-ins and their parameters.
 """
 
 from .code import code_tests, extract_code
-from .combine import RewardFunctionError, RewardScores, merge_reward_metrics, score_completions
+from .combine import RewardFunctionError, RewardScores, merge_reward_metrics, reward_names, score_completions
 from .format import regex_match, think_format, think_format_soft
 from .math import extract_answer, math_accuracy, verify_math
 from .model import RewardModelScorer, reward_model
@@ -42,6 +42,7 @@ __all__ = [
     "resolve_reward_func",
     "resolve_reward_spec",
     "reward_model",
+    "reward_names",
     "run_code",
     "run_code_batch",
     "sandbox_mechanism",

@@ -120,7 +120,9 @@ def _validate(name: str, out: Any, completions: list, delimiter: str, row_offset
     return values
 
 
-def _unique_names(funcs: Sequence[Callable]) -> list[str]:
+def reward_names(funcs: Sequence[Callable]) -> list[str]:
+    """The names reward (or audit) functions are scored, logged and watched under: each function's
+    `__name__`, else its type's (a functools.partial), with `_2`, `_3`, ... on a name's repeats."""
     names, seen = [], {}
     for f in funcs:
         base = getattr(f, "__name__", None) or type(f).__name__
@@ -240,7 +242,7 @@ def score_completions(
     total = torch.zeros(n, dtype=torch.float32)  # [N]
     scored = torch.zeros(n, dtype=torch.bool)  # [N]
     steps: dict[str, list[StepList | None]] = {}
-    for func, name, w in zip(funcs, _unique_names(funcs), weights):
+    for func, name, w in zip(funcs, reward_names(funcs), weights):
         values, used = _score_one(func, name, prompts, completions, columns, timeout_s, fallback, step_delimiter)
         if any(isinstance(v, list) for v in values):
             steps[name] = [v if isinstance(v, list) else None for v in values]

@@ -45,6 +45,13 @@ it behaves exactly as the wrapped one (same function, same masks) unless the for
 `packed=PackedLayout`, which transformers passes down to every attention call. A packed call
 hands the model a placeholder 4-D mask, which transformers' mask builder returns as is: no
 [S, S] mask is ever built.
+
+A layer with a sliding window (Mistral, Gemma 2/3, Qwen2 with use_sliding_window: transformers
+passes `sliding_window` to its attention call) runs its packed row per sequence whenever a sequence
+is longer than the window, each such one with the window's mask (a query sees the keys less than
+`window` positions back), since the block mask and the varlen call know no window. Only SDPA models
+are wrapped: eager attention is each model's own function, in no registry, so such a model runs
+padded passes.
 """
 
 from __future__ import annotations
@@ -297,9 +304,12 @@ def pack(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, prompt_index: torc
 
 def packed_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                      segments: list[tuple[int, int, int, int]], scaling: float | None,
-                     dropout: float = 0.0) -> torch.Tensor:
+                     dropout: float = 0.0, window: int | None = None) -> torch.Tensor:
     """Attention of a packed row, sequence by sequence: `query  # [1, H, S, D]`,
     `key/value  # [1, Hkv, S, D]`; returns [1, S, H, D] (transformers' attention output layout).
+    `window`: a sliding window (Mistral, Gemma 2/3, Qwen2 with use_sliding_window): a query sees the
+    keys less than `window` positions back, as transformers' own masks let it; a sequence longer
+    than the window runs with that mask instead of the plain causal kernel.
 
     The row is cut into its segments by one `split` per tensor, not by a slice per segment: a
     slice's backward writes its gradient into a zero tensor of the whole row, so n segments cost
@@ -314,6 +324,14 @@ def packed_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     out = []
     for i, (start, L, p_start, p_len) in enumerate(segments):
         own = [x[i] for x in pieces]
+        if window is not None and p_len + L > window:  # the window cuts: causal within it, by an explicit mask
+            prefix = [x[:, :, p_start:p_start + p_len] for x in (query, key, value)]
+            q, k, v = (torch.cat([a, b], 2) for a, b in zip(prefix, own))  # [1, H|Hkv, p+L, D]
+            pos = torch.arange(p_len + L, device=query.device)
+            seen = (pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - window)  # [p+L, p+L]
+            out.append(F.scaled_dot_product_attention(q, k, v, attn_mask=seen, dropout_p=dropout, scale=scaling,
+                                                      enable_gqa=gqa)[:, :, p_len:])
+            continue
         if p_len == 0:
             out.append(F.scaled_dot_product_attention(*own, is_causal=L > 1, dropout_p=dropout, scale=scaling,
                                                       enable_gqa=gqa))
@@ -338,6 +356,11 @@ def _wrapped_attention(inner_name: str):
     def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, packed=None, **kwargs):
         if packed is None:
             return inner(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+        window = kwargs.get("sliding_window")  # this layer's (None: full attention)
+        if window is not None and max(L + p_len for _, L, _, p_len in packed.segments) > window:
+            # the masked call's block mask and the varlen kernel as called here know no window: per
+            # sequence, each longer than the window with its mask
+            return packed_attention(query, key, value, packed.segments, scaling, dropout, window=window), None
         if (uses_varlen(query.device, query.dtype, query.shape[-1], dropout)
                 and varlen_works(query.device, query.dtype, query.shape[-1], key.shape[1] != query.shape[1])):
             try:
@@ -353,13 +376,14 @@ def _wrapped_attention(inner_name: str):
     return attention
 
 
-# attention implementations that a packed pass can wrap: transformers' own exact kernels
-WRAPPABLE = ("sdpa", "eager")
+# attention implementations that a packed pass can wrap: those in transformers' registry whose kernel
+# is exact (eager attention is each model's own function, in no registry: such a model runs padded)
+WRAPPABLE = ("sdpa",)
 
 
 def enable(model: torch.nn.Module) -> bool:
-    """Let `model` (a transformers model using SDPA or eager attention) run packed passes; other
-    uses are unchanged. Returns whether packing is available for it."""
+    """Let `model` (a transformers model using SDPA attention) run packed passes; other uses are
+    unchanged. Returns whether packing is available for it (not with eager or flash attention)."""
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 

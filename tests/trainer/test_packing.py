@@ -436,3 +436,55 @@ def test_the_gradients_are_freed_after_the_optimizer_step(make_cfg):
     trainer.train_step()
     assert seen == [True, True]  # both optimizer steps had every gradient
     assert all(p.grad is None for p in trainer.model.parameters())
+
+
+@pytest.mark.parametrize("limit", [WHOLE, CHUNKED])
+@pytest.mark.parametrize("share", [True, False])
+def test_a_packed_pass_of_empty_completions_only(llama, share, limit):
+    """Every completion of a pass is empty (an engine may return none; with micro_batch_size 1 one such
+    completion is a pass of its own): nothing to score, zero log-probs and entropies that still carry a
+    gradient, and a backward that runs. (It was a ZeroDivisionError in the chunking of the logits.)"""
+    r = rollout_of([3, 3, 2], [0, 0, 0])
+    mb = MicroBatch.from_rollout(r, torch.arange(3), 0 if share else None)
+    llama.zero_grad(set_to_none=True)
+    logp, ent = completion_logprobs(llama, mb, temperature=0.7, with_entropy=True, entropy_grad=True,
+                                    max_logits_elements=limit, packed=True)
+    assert logp.shape == ent.shape == (3, 1) and not logp.any() and not ent.any() and logp.requires_grad
+    (logp.sum() + ent.sum()).backward()
+
+
+def windowed(kind: str) -> torch.nn.Module:
+    """A tiny model whose attention sees the 4 positions back only (its sequences here run to 17)."""
+    from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    sizes = dict(vocab_size=120, hidden_size=48, intermediate_size=96, num_hidden_layers=2, num_attention_heads=6,
+                 num_key_value_heads=2, sliding_window=4, attn_implementation="sdpa")
+    model = (MistralForCausalLM(MistralConfig(**sizes)) if kind == "mistral" else  # every layer
+             Qwen2ForCausalLM(Qwen2Config(**sizes, use_sliding_window=True, max_window_layers=1)))  # the 2nd only
+    assert packing.enable(model)
+    return model.train()
+
+
+@pytest.mark.parametrize("limit", [WHOLE, CHUNKED])
+@pytest.mark.parametrize("share", [True, False])
+@pytest.mark.parametrize("kind", ["mistral", "qwen2"])
+def test_a_sliding_window_holds_in_packed_passes(kind, share, limit):
+    """Mistral (a window on every layer) and Qwen2 with use_sliding_window (on the layers past
+    max_window_layers), the window shorter than the sequences: the packed pass equals the padded one,
+    whose masks are transformers' own (it was up to 0.13 off in log-probs, the window ignored)."""
+    model = windowed(kind)
+    r = ragged_rollout([3, 9, 5], G=4, seed=1)
+    assert_same(run(model, r, packed=True, share=share, limit=limit), run(model, r, packed=False, share=share),
+                atol=1e-5, grad_rtol=1e-5)
+
+
+def test_a_model_with_eager_attention_runs_padded():
+    """Eager attention is each model's own function, in no registry a packed pass could wrap: such a
+    model is not enabled (it was a KeyError while the policy loaded), and keeps its attention."""
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=120, hidden_size=48, intermediate_size=96, num_hidden_layers=2,
+                      num_attention_heads=6, num_key_value_heads=2, attn_implementation="eager")
+    model = LlamaForCausalLM(cfg)
+    assert not packing.enable(model) and not packing.supports_packing(model)
+    assert model.config._attn_implementation == "eager"

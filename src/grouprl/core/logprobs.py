@@ -45,7 +45,10 @@ DEFAULT_CHUNK_ELEMENTS = 1 << 24  # 64 MiB of fp32
 
 
 def _chunks(n: int, t: int, v: int, max_elements: int) -> Iterator[tuple[slice, slice]]:
-    """(rows, cols) slices tiling [n, t] so each logits[rows, cols] holds about max_elements."""
+    """(rows, cols) slices tiling [n, t] so each logits[rows, cols] holds about max_elements; none for
+    an empty grid (a packed pass whose completions are all empty has t = 0)."""
+    if n * t * v == 0:
+        return
     if t * v <= max_elements:
         step = max(1, max_elements // (t * v))
         for n0 in range(0, n, step):

@@ -18,7 +18,8 @@ its first paragraph.
 
 A first SIGTERM (preemption) or SIGINT (Ctrl-C) ends `grouprl train` after the current step with a
 checkpoint, prints the command that continues the run, and exits with 128 + the signal's number
-(143, 130); a second signal stops at once, without a checkpoint (signals.py).
+(143, 130); a second signal stops at once, without a checkpoint (one within 2 s of the first is
+taken as the same request; signals.py).
 
 Without a config file and without --model, --train_data, --eval_data or --reward_funcs, the
 defaults are those of the embedded task (`grouprl.tasks.DEFAULT_TASK`); otherwise they are
@@ -37,6 +38,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+from grouprl.checkpoint import latest_checkpoint
 from grouprl.cli_args import build_config, help_text, run_of_checkpoint
 from grouprl.config import ConfigError, TrainConfig
 from grouprl.rewards import RewardFunctionError, SandboxUnavailableError
@@ -77,6 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     if not any(isinstance(h, _StderrHandler) for h in notices.handlers):
         notices.addHandler(_StderrHandler())
         notices.setLevel(logging.INFO)
+    cfg = None
     try:
         run = run_of_checkpoint(overrides) if args.command == "eval" and args.config is None else None
         if run is not None:  # `grouprl eval --model RUN/checkpoints/step-N/model`: the run's own config
@@ -102,7 +105,9 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except KeyboardInterrupt as e:  # a second signal during training (StopNow), or Ctrl-C outside it
         signum = getattr(e, "signum", signal.SIGINT)
-        hint = f"; checkpoints written before are intact, and this continues from the latest:\n  {resume_command(argv)}"
+        hint = (f"; checkpoints written before are intact, and this continues from the latest:\n  "
+                f"{resume_command(argv)}" if cfg is not None and latest_checkpoint(cfg.output_dir) is not None
+                else "; the run wrote no checkpoint: run the same command again to start over")
         print(f"grouprl {args.command}: stopped at once by {signum.name}, without a checkpoint"
               f"{hint if args.command == 'train' else ''}", file=sys.stderr)
         return exit_code(signum)
@@ -124,10 +129,12 @@ def _train(cfg: TrainConfig, *, resume: bool, again: str) -> int:
     """`again`: the command that continues this run, printed if a signal stops it."""
     from grouprl.distributed import barrier, destroy_distributed, init_distributed
     from grouprl.trainer import Trainer
+    from grouprl.training_state import prepare_output_dir
 
     ctx = init_distributed()  # under torchrun: one process group for the run (docs/distributed.md)
     trainer, stopped = None, None
     try:
+        prepare_output_dir(cfg, ctx, resume)  # a folder that holds a run, or --resume of none: before any model loads
         trainer = Trainer(cfg)
         try:
             summary = trainer.train(resume=resume)

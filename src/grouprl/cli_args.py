@@ -74,7 +74,8 @@ def run_of_checkpoint(args: list[str]) -> Path | None:
 
 def parse_overrides(args: list[str], types: dict[str, Any]) -> dict[str, Any]:
     """`--field value` / `--field=value` pairs for the fields in `types` (name: type), each value read
-    by `parse_value`. Dashes in names are accepted for underscores. A bare flag is `true`."""
+    by `parse_value`. Dashes in names are accepted for underscores. A bare flag is `true` for a field
+    that takes true/false, and an error naming the missing value for any other."""
     known = set(types)
     out: dict[str, Any] = {}
     i = 0
@@ -91,8 +92,11 @@ def parse_overrides(args: list[str], types: dict[str, Any]) -> dict[str, Any]:
             if i + 1 < len(args) and not args[i + 1].startswith("--"):
                 value = args[i + 1]
                 i += 1
-            else:
+            elif value_matches(True, types[name]):
                 value = "true"
+            else:  # `--output_dir` then another option: most likely an unset shell variable
+                raise ConfigError(f"--{name} needs a value: --{name} VALUE (or --{name}=VALUE); "
+                                  "`grouprl train --help` says what it takes")
         out[name] = parse_value(value, types[name])
         i += 1
     return out

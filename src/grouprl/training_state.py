@@ -72,13 +72,23 @@ class LoopState:
 
 def prepare_output_dir(cfg: TrainConfig, dist: D.DistContext, resume: bool) -> None:
     """Before a run reads or writes a checkpoint: rank 0 recovers what a save killed midway left
-    (checkpoint.recover_interrupted_saves), every rank waiting; a new run refuses a folder that holds one."""
+    (checkpoint.recover_interrupted_saves), every rank waiting; a new run refuses a folder that holds a
+    run: a checkpoint, or the metrics of one that stopped before its first save; --resume needs a
+    checkpoint. `grouprl train` calls it before any model loads, and `Trainer.train` again."""
     if dist.is_main:
         recover_interrupted_saves(cfg.output_dir)
     D.barrier(dist)
     if not resume and latest_checkpoint(cfg.output_dir) is not None:
         raise ConfigError(f"output_dir={str(cfg.output_dir)!r} already holds a run with checkpoints: pass "
                           "--resume to continue it, or choose a new output_dir")
+    if resume and latest_checkpoint(cfg.output_dir) is None:
+        raise ConfigError(f"--resume: output_dir={cfg.output_dir!r} holds no complete checkpoint; start without "
+                          "--resume")
+    logged = Path(cfg.output_dir) / "metrics.jsonl"
+    if not resume and logged.is_file() and logged.stat().st_size:  # a run that stopped before its first save
+        raise ConfigError(f"output_dir={str(cfg.output_dir)!r} already holds a run's metrics.jsonl but no checkpoint "
+                          "(it stopped before its first save), which a new run would overwrite: choose a new "
+                          "output_dir, or move that run's files away (it cannot be resumed)")
 
 
 def save_training_state(cfg: TrainConfig, dist: D.DistContext, parts: TrainingParts, loop: LoopState,

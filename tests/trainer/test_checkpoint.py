@@ -9,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -240,3 +241,22 @@ def test_resuming_with_another_lora_shape_names_what_differs(make_cfg, change, s
     with pytest.raises(ConfigError, match=f"--resume: checkpoint .*step-000001 does not fit this model: it has {says}"
                                           r".*Resume with the model and LoRA settings \(lora_r, lora_target_modules\)"):
         Trainer(replace(cfg, max_steps=2, **change)).train(resume=True)
+
+
+def test_a_folder_of_a_run_that_stopped_before_its_first_save_is_not_overwritten(make_cfg, no_model_loading,
+                                                                                   tmp_path, capsys):
+    """A run killed before its first checkpoint left its metrics: a new run in that folder would overwrite
+    them (and mix two runs in one TensorBoard run), so `grouprl train` refuses it before any model loads;
+    and --resume of it says there is nothing to resume, before any model loads too."""
+    from grouprl.cli import main
+
+    cfg = make_cfg()
+    out = Path(cfg.output_dir)
+    out.mkdir(parents=True)
+    (out / "metrics.jsonl").write_text('{"step": 1, "reward/mean": 0.5}\n')
+    cfg.save_yaml(tmp_path / "run.yaml")
+    assert main(["train", str(tmp_path / "run.yaml")]) == 2
+    assert "already holds a run's metrics.jsonl but no checkpoint" in capsys.readouterr().err
+    assert main(["train", str(tmp_path / "run.yaml"), "--resume"]) == 2
+    assert "--resume: output_dir=" in capsys.readouterr().err
+    assert (out / "metrics.jsonl").read_text() == '{"step": 1, "reward/mean": 0.5}\n'

@@ -80,3 +80,27 @@ def test_help_opens_with_the_usage_and_then_the_examples(capsys):
     assert not [line for line in lines if "grouprl train | eval" in line]
     assert lines[0].startswith("usage: grouprl train") and lines[4] == ""
     assert lines[5].split()[:2] == ["grouprl", "train"]
+
+
+def test_a_ctrl_c_before_any_checkpoint_does_not_suggest_resuming(make_cfg, tmp_path, capsys, monkeypatch):
+    """Ctrl-C while the models load: the run wrote no checkpoint, so the message says to run the command
+    again, not `--resume` (which would fail with 'holds no complete checkpoint'); once a checkpoint
+    exists, a Ctrl-C of the resumed run names the resume command."""
+    import grouprl.trainer
+
+    cfg = make_cfg(max_steps=1)
+    cfg.save_yaml(tmp_path / "run.yaml")
+
+    def interrupted(self, *a, **k):
+        raise KeyboardInterrupt
+
+    real = grouprl.trainer.Trainer.__init__
+    monkeypatch.setattr(grouprl.trainer.Trainer, "__init__", interrupted)
+    assert main(["train", str(tmp_path / "run.yaml")]) == 130
+    err = capsys.readouterr().err
+    assert "the run wrote no checkpoint: run the same command again" in err and "--resume" not in err
+    monkeypatch.setattr(grouprl.trainer.Trainer, "__init__", real)
+    assert main(["train", str(tmp_path / "run.yaml")]) == 0
+    monkeypatch.setattr(grouprl.trainer.Trainer, "__init__", interrupted)
+    assert main(["train", str(tmp_path / "run.yaml"), "--resume"]) == 130
+    assert f"continues from the latest:\n  grouprl train {tmp_path / 'run.yaml'} --resume" in capsys.readouterr().err

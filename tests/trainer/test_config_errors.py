@@ -129,6 +129,11 @@ def test_cli_overrides_go_over_the_yaml_file_and_unknown_ones_suggest_a_field(tm
     code = main(["train", "--num_generation", "4"])
     assert code == 2
     assert "unknown option --num_generation (did you mean 'num_generations'?)" in capsys.readouterr().err
+    # a flag with no value (an unset shell variable: `--output_dir $OUT --max_steps 2`) is an error for a
+    # field that is not true/false; it trained into a folder named "true" before
+    for args in (["--output_dir", "--max_steps", "2"], ["--max_steps", "2", "--run_name"]):
+        assert main(["train", *args]) == 2
+        assert f"--{args[0 if args[0] == '--output_dir' else 2][2:]} needs a value" in capsys.readouterr().err
 
 
 def test_exponent_floats_without_a_dot_are_floats_in_yaml_files_and_on_the_command_line(tmp_path):
@@ -205,6 +210,20 @@ def test_validation_reads_no_file_and_the_loaders_probe_paths_before_any_model_l
     (tmp_path / "hub" / "models--org--name" / "refs" / "main").write_text("0" * 40)
     monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path / "hub"))
     assert check_model_source("org/name", None, None) == ("org/name", None)
+
+
+def test_a_model_folder_without_a_model_names_the_one_inside(tmp_path):
+    """`model: RUN/checkpoints/step-N` (without /model), the run folder itself, or an empty folder: an
+    error before anything loads, naming the model folder inside where there is one (it was a tokenizer
+    error about sentencepiece)."""
+    step = tmp_path / "run" / "checkpoints" / "step-000002"
+    (step / "model").mkdir(parents=True)
+    (step / "model" / "config.json").write_text("{}")
+    for folder, hint in ((step, f"use model: {step / 'model'}"), (tmp_path / "run", f"use model: {step / 'model'}"),
+                         (tmp_path / "run" / "checkpoints", "point model at the folder that holds")):
+        with pytest.raises(ConfigError, match=f"model='{folder}' is a folder without config.json, so it holds "
+                                              f"no model: {hint}"):
+            check_model_source(str(folder), None, None)
 
 
 def test_tool_parser_and_scale_rewards_take_the_names_their_modules_define(make_cfg):
@@ -296,6 +315,7 @@ NAN, INF = float("nan"), float("inf")
     ({"reward_timeout_s": 0}, "reward_timeout_s=0 must be a positive number of seconds, or null for no timeout"),
     ({"env_timeout_s": 0}, "env_timeout_s=0 must be a positive number of seconds, or null for no limit"),
     ({"max_tool_output_chars": 0}, "max_tool_output_chars=0 must be at least 1"),
+    ({"output_dir": ""}, "output_dir is empty: name the folder the run writes to"),
     ({"max_completion_length": "64"}, "max_completion_length='64' has the wrong type: expected int"),
     ({"algorithm": ["grpo"]}, "algorithm=['grpo'] has the wrong type: expected str"),
     ({"reward_weights": [NAN]}, "reward_weights=[nan] must hold finite numbers: NaN and infinity are not settings; "

@@ -98,6 +98,8 @@ def validate_config(cfg: C) -> C:
                        ("num_threads", "leaves the thread count to torch")):
         if getattr(c, name) is not None and getattr(c, name) < 1:
             raise ConfigError(f"{name}={getattr(c, name)} must be at least 1; null {null}")
+    if not str(c.output_dir).strip():  # an unset shell variable: the run would write into the current folder
+        raise ConfigError("output_dir is empty: name the folder the run writes to (e.g. runs/my-run)")
     if not 0 <= c.seed < 2**32:
         raise ConfigError(f"seed={c.seed} must be in 0..{2**32 - 1} (numpy's seed range)")
     if not c.advantage_eps >= 0:

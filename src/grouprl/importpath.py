@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import os
+import sys
 from typing import Any, Callable
 
 from grouprl.core.registry import Registry
@@ -24,9 +26,10 @@ def import_callable(spec: str, kind: str) -> Callable:
     """
     module_name, _, attr = spec.partition(":")
     try:
-        module = importlib.import_module(module_name)
+        module = _import(module_name)
     except ImportError as e:
-        raise ValueError(f"{kind} {spec!r}: cannot import module {module_name!r}: {e}") from e
+        raise ValueError(f"{kind} {spec!r}: cannot import module {module_name!r}: {e} (looked in the installed "
+                         f"packages, PYTHONPATH and the current folder {os.getcwd()})") from e
     target: Any = module
     for part in attr.split("."):
         if not hasattr(target, part):
@@ -35,6 +38,20 @@ def import_callable(spec: str, kind: str) -> Callable:
     if not callable(target):
         raise ValueError(f"{kind} {spec!r}: {attr!r} is a {type(target).__name__}, not a function")
     return target
+
+
+def _import(module_name: str) -> Any:
+    """The module, found as `python script.py` would find it: also in the current folder (after the
+    installed packages: a module there never shadows one), which the `grouprl` command's own path
+    lacks, so that `reward_funcs: [my_rewards:brevity]` beside the config works without PYTHONPATH."""
+    try:
+        return importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        top, cwd = module_name.partition(".")[0], os.getcwd()
+        if e.name != top or cwd in sys.path or "" in sys.path:
+            raise
+        sys.path.append(cwd)
+        return importlib.import_module(module_name)
 
 
 def split_spec(entry: Any) -> tuple[Any, dict[str, Any]]:

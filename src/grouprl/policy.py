@@ -84,6 +84,12 @@ def _check_gguf(model: str, gguf_file: str | None, tokenizer: str | None) -> tup
         if found and not (path / "config.json").is_file():
             raise ConfigError(f"model={model!r} holds no config.json but GGUF file(s) {', '.join(found)}: "
                               f"name the one to train with gguf_file: {found[0]} (or model: {path / found[0]})")
+        if path.is_dir() and not (path / "config.json").is_file():  # a checkpoint or run folder, not its model
+            inner = [p for p in (path / "model", *sorted(path.glob("checkpoints/step-*/model"))[-1:])
+                     if (p / "config.json").is_file()]
+            raise ConfigError(f"model={model!r} is a folder without config.json, so it holds no model: "
+                              + (f"use model: {inner[0]} (a checkpoint keeps its model in model/)" if inner else
+                                 "point model at the folder that holds the model's config.json and weights"))
         return model, None
     if gguf_file is not None and model.endswith(".gguf"):
         raise ConfigError(f"gguf_file={gguf_file!r} is set and model={model!r} is itself a GGUF file: set "

@@ -84,6 +84,7 @@ class StopSignals:
     def __init__(self) -> None:
         self.received: signal.Signals | None = None  # this process's first signal
         self._received_at = 0.0  # time.monotonic() of the first signal
+        self._repeat_said = False  # a repeat within REPEAT_WINDOW_S was logged
         self._previous: dict[signal.Signals, Any] = {}
 
     def __enter__(self) -> StopSignals:
@@ -103,10 +104,15 @@ class StopSignals:
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         if self.received is not None:
             if time.monotonic() - self._received_at < REPEAT_WINDOW_S:
+                if not self._repeat_said:  # say so once: a user who pressed twice waits for the step
+                    self._repeat_said = True
+                    logger.warning("%s again within %.0f s is taken as the same request (torchrun passes a "
+                                   "Ctrl-C on); press again later to stop at once", signal.Signals(signum).name,
+                                   REPEAT_WINDOW_S)
                 return
             self._restore()  # a third signal meets the process's own handling
             raise StopNow(signum)
-        self.received, self._received_at = signal.Signals(signum), time.monotonic()
+        self.received, self._received_at, self._repeat_said = signal.Signals(signum), time.monotonic(), False
         logger.warning("received %s: the run stops after the current step, with a checkpoint (%s again "
                        "stops at once, without one)", self.received.name, self.received.name)
 

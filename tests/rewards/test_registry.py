@@ -51,6 +51,21 @@ def test_import_paths():
         resolve_reward_func("grouprl.rewards.format:nope")
 
 
+def test_a_module_in_the_current_folder_is_found_as_python_script_py_finds_it(tmp_path, monkeypatch):
+    """`grouprl train --reward_funcs my_rewards_here:brevity` run from the folder holding my_rewards_here.py:
+    the `grouprl` command's own sys.path lacks the current folder, which `python train.py` would have;
+    it is looked in after everything else, and an error says where it looked."""
+    import sys
+
+    (tmp_path / "my_rewards_here.py").write_text("def brevity(prompts, completions, **kw):\n    return [1.0]\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    f = resolve_reward_func("my_rewards_here:brevity")
+    assert f([""], ["x"]) == [1.0] and sys.path[-1] == str(tmp_path)
+    with pytest.raises(ValueError, match=f"cannot import module 'not_here_either'.*the current folder {tmp_path}"):
+        resolve_reward_func("not_here_either:f")
+
+
 class Constant:
     """A reward factory whose rewards are callable objects, without a __name__ of their own."""
 

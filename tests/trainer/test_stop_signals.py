@@ -109,16 +109,20 @@ def test_a_second_signal_stops_at_once_without_a_checkpoint(make_cfg):
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
-def test_the_same_signal_delivered_twice_at_once_is_one_request(make_cfg):
-    """Ctrl-C under torchrun: the terminal signals the worker, and torchrun passes it on."""
+def test_the_same_signal_delivered_twice_at_once_is_one_request(make_cfg, caplog):
+    """Ctrl-C under torchrun: the terminal signals the worker, and torchrun passes it on. The repeat is
+    said once, so that a user who pressed twice knows why the step goes on."""
     cfg = make_cfg(max_steps=4)
     trainer = Trainer(cfg)
     _send_at(trainer, "generate", 2, signal.SIGINT)
     _send_at(trainer, "score", 2, signal.SIGINT)
-    with pytest.raises(TrainingStopped) as stopped:
+    with caplog.at_level("WARNING", logger="grouprl.signals"), pytest.raises(TrainingStopped) as stopped:
         trainer.train()
     assert stopped.value.step == 2 and stopped.value.signum == signal.SIGINT
     assert latest_checkpoint(cfg.output_dir).name == "step-000002"
+    said = [r.getMessage() for r in caplog.records if "taken as the same request" in r.getMessage()]
+    assert said == ["SIGINT again within 2 s is taken as the same request (torchrun passes a Ctrl-C on); press "
+                    "again later to stop at once"]
 
 
 def test_handlers_are_installed_only_in_the_main_thread():

@@ -42,7 +42,7 @@ RUN = {"benchmarks/shared_prompt.py", "benchmarks/process_vs_outcome.py", "bench
        "benchmarks/run_health.py", "benchmarks/learning_vs_trl.py", "benchmarks/vs_trl.py", "benchmarks/ppo_vs_grpo.py",
        "benchmarks/step_profile.py", "benchmarks/distillation.py", "benchmarks/decode.py",
        "benchmarks/memory_peak.py", "benchmarks/update_launches.py", "benchmarks/packed_attention.py",
-       "benchmarks/decode_launches.py",
+       "benchmarks/decode_launches.py", "benchmarks/crash_false_alarms.py",
        "scripts/build_default_policy.py",
        "scripts/build_tool_policy.py", "scripts/sandbox_report.py"}
 HELP_ONLY = {"benchmarks/async_rollouts.py", "benchmarks/agentic_async.py", "benchmarks/vllm_vs_builtin.py",
@@ -187,6 +187,12 @@ def test_run_health_benchmark_the_tiny_hack_one_seed(tmp_path):
     assert line["arm"] == "hack-tiny" and line["steps"] == 8 and line["first_alarm_step"] is not None
     assert {a["kind"] for a in line["alarms"]} & {"audit_divergence", "component_dominance"}
     assert "| hack-tiny | 1 | 1 of 1 |" in out
+
+
+def test_crash_false_alarms_benchmark_a_few_runs():
+    out = run("benchmarks/crash_false_alarms.py", "--prompts", "1", "2", "--runs", "3", "--steps", "6")
+    rows = [line for line in out.splitlines() if line.startswith(("| 1 |", "| 2 |"))]
+    assert len(rows) == 2 and all(line.startswith(f"| {b} | 3 | ") for b, line in zip((1, 2), rows))
 
 
 def test_run_health_table_precision_and_recall_from_a_jsonl(tmp_path):

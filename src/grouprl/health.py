@@ -87,10 +87,11 @@ Collapse (`on_collapse`), re-armed after a rollback:
   means can coincide), judged against Student's t at the group means' degrees of freedom (n - 2:
   3 standard errors become 235.8 at 1, 4.90 at 6, 3.27 at 30). With 1-4 prompts per step the
   spans hold a handful of group means, whose spread is a poor estimate: an unchanging policy
-  (prompts' pass rates uniform on 0..1, G = 8, 20 steps) alarmed in 62 % of runs at B = 1, 27 % at
-  B = 2 and 7 % at B = 4 when the spreads of the two spans were added and compared with 3; 0.8 %,
-  2.5 % and 1.3 % with this test. The level is a mean, not the best earlier window: the
-  best of many windows is itself a lucky draw, and the more steps a run has, the luckier it gets.
+  (prompts' pass rates uniform on 0..1, G = 8, 20 steps) alarmed in 61.5 % of runs at B = 1, 26.8 %
+  at B = 2 and 10.2 % at B = 4 when the spreads of the two spans were added and compared with 3;
+  0.8 %, 2.2 % and 3.0 % with this test (benchmarks/crash_false_alarms.py). The level is a mean,
+  not the best earlier window: the best of many windows is itself a lucky draw, and the more steps
+  a run has, the luckier it gets.
   The standard errors matter when prompts differ in difficulty: which prompts were drawn moves a
   step's mean (measured: SmolLM2 with 2 prompts per step, a sound run, fell 1.1 sd from a lucky
   step at 0.7 standard errors; the embedded task with a third of its prompts unsolvable drew 11

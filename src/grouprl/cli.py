@@ -194,7 +194,9 @@ def _eval(cfg: TrainConfig, *, found_config: str | None = None) -> int:
     if ctx.is_main:
         out = Path(cfg.output_dir)
         out.mkdir(parents=True, exist_ok=True)
-        (out / "eval.json").write_text(json.dumps(result, indent=2) + "\n")
+        scored = {"model": cfg.model,  # which model, on what: eval.json is rewritten by every eval in output_dir
+                  "eval_data": cfg.eval_data or f"{cfg.train_data} (eval_fraction {cfg.eval_fraction})"}
+        (out / "eval.json").write_text(json.dumps({**scored, **result}, indent=2) + "\n")
         print(_eval_table(result, cfg, accuracy))
         print(f"written to {out / 'eval.json'}")
     return 0

@@ -227,3 +227,4 @@ def test_grouprl_eval_prints_a_table_and_writes_eval_json(tiny_model_dir, digits
     assert any(line.startswith("greedy") and f"{written['accuracy']:.4f}" in line for line in out.splitlines())
     assert any(line.startswith("pass@2 (n=2)") and f"{written['pass@2']:.4f}" in line for line in out.splitlines())
     assert not math.isnan(written["reward_mean"])
+    assert (written["model"], written["eval_data"]) == (str(tiny_model_dir), str(digits_data))  # what was scored

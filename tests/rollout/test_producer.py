@@ -40,6 +40,23 @@ class FakeEngine:
         pass
 
 
+class HoldsBatch1:
+    """A producer's `generate` over `engine` that records each batch's weights version at its start and
+    end (`versions`), and holds batch 1 mid-generation (`generating` set) until the test sets `go_on`."""
+
+    def __init__(self, engine: FakeEngine):
+        self.engine, self.versions = engine, {}
+        self.generating, self.go_on = threading.Event(), threading.Event()
+
+    def __call__(self, prompt: int) -> Rollout:
+        start = self.engine.version
+        if prompt == 1:
+            self.generating.set()
+            assert self.go_on.wait(timeout=120), "the test never let batch 1 go on"
+        self.versions[prompt] = (start, self.engine.version)
+        return self.engine.generate(prompt)
+
+
 def train(depth: int, steps: int, engine: FakeEngine | None = None) -> tuple[list[int], FakeEngine]:
     engine = engine or FakeEngine()
     counter = iter(range(1000))
@@ -84,17 +101,9 @@ def test_partial_rollouts_send_without_waiting_and_count_the_overlap():
     from grouprl.sample_stats import SampleTally
 
     for partial in (True, False):
-        engine, versions = FakeEngine(), {}
-        generating, go_on = threading.Event(), threading.Event()
-
-        def generate(prompt, engine=engine, versions=versions, generating=generating, go_on=go_on):
-            start = engine.version
-            if prompt == 1:
-                generating.set()
-                assert go_on.wait(timeout=120), "the test never let batch 1 go on"
-            versions[prompt] = (start, engine.version)
-            return engine.generate(prompt)
-
+        engine = FakeEngine()
+        generate = HoldsBatch1(engine)
+        versions, generating, go_on = generate.versions, generate.generating, generate.go_on
         counter = iter(range(10))
         producer = RolloutProducer(engine, lambda: next(counter), generate, max_staleness=1, partial=partial)
         first = producer.next()  # batch 0; batch 1 starts in the background
@@ -127,17 +136,9 @@ def test_partial_rollouts_count_a_batch_queued_during_a_sync_from_the_version_it
     """partial, max_staleness 2: batch 2 waits in the queue behind batch 1 while a sync goes out, so
     it is sampled wholly from the new weights: no overlap, and its staleness counts from the new
     version (batch 1, held mid-generation across the sync, overlaps it)."""
-    engine, versions = FakeEngine(), {}
-    generating, go_on = threading.Event(), threading.Event()
-
-    def generate(prompt):
-        start = engine.version
-        if prompt == 1:
-            generating.set()
-            assert go_on.wait(timeout=120), "the test never let batch 1 go on"
-        versions[prompt] = (start, engine.version)
-        return engine.generate(prompt)
-
+    engine = FakeEngine()
+    generate = HoldsBatch1(engine)
+    versions, generating, go_on = generate.versions, generate.generating, generate.go_on
     counter = iter(range(10))
     producer = RolloutProducer(engine, lambda: next(counter), generate, max_staleness=2, partial=True)
     producer.next()  # batch 0; batch 1 starts in the background, batch 2 waits behind it

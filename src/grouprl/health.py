@@ -255,6 +255,7 @@ class HealthMonitor:
         self.fired: set[tuple[str, str | None]] = set()
         self._base_values: list[tuple[int, dict[str, list[float]]]] = []  # per completion, first W steps
         self._latest: dict[str, Any] | None = None  # the latest step's completions: the alarms' examples
+        self._extents: dict[str, tuple[float, float]] = {}  # key -> lowest, highest score in `history`
 
     # ------------------------------------------------------------------ input
     def observe(self, step: int, *, rewards: torch.Tensor, per_func: dict[str, torch.Tensor],
@@ -281,6 +282,7 @@ class HealthMonitor:
         if kl is not None:
             row["kl"] = kl
         self.history.append(row)
+        self._widen_extents(row)
         if len(self.history) <= self.t.window:  # the base's per-completion spreads
             values = {"reward": rewards.tolist()}
             values.update({f"audit/{n}": [x for x in audit[n].tolist() if x == x] for n in self.audit_names})
@@ -325,6 +327,7 @@ class HealthMonitor:
         """The policy went back to its state after `to_step`: the history after it is another
         policy's, dropped (the base is re-formed if it reached past it); the collapse alarms re-arm."""
         self.history = [r for r in self.history if r["step"] <= to_step]
+        self._rebuild_extents()
         self._base_values = [b for b in self._base_values if b[0] <= to_step]
         self._set_base_sd()
         self.fired = {f for f in self.fired if f[0] not in COLLAPSE}
@@ -338,7 +341,22 @@ class HealthMonitor:
         self._base_values = [(int(s), v) for s, v in state["base_values"]]
         self.evals = [tuple(e) for e in self.evals]
         self.fired = {(k, f) for k, f in state["fired"]}
+        self._rebuild_extents()
         self._set_base_sd()
+
+    def _widen_extents(self, row: dict[str, Any]) -> None:
+        for name, x in row.items():
+            if name.startswith(("min/", "max/")) and math.isfinite(x):
+                key = name[4:]
+                lo, hi = self._extents.get(key, (x, x))
+                self._extents[key] = (min(lo, x), max(hi, x))
+
+    def _rebuild_extents(self) -> None:
+        """The extents of a history replaced whole (a resume, a rollback): read once, then kept
+        up to date a step at a time (`_widen_extents`), so no step reads the whole history."""
+        self._extents = {}
+        for row in self.history:
+            self._widen_extents(row)
 
     def _set_base_sd(self) -> None:
         pooled: dict[str, list[float]] = {}
@@ -374,9 +392,7 @@ class HealthMonitor:
 
     def _extent(self, key: str) -> tuple[float, float]:
         """The lowest and highest score `key` has taken in the steps observed (0, 0 before any)."""
-        lo = [r[f"min/{key}"] for r in self.history if math.isfinite(r.get(f"min/{key}", math.nan))]
-        hi = [r[f"max/{key}"] for r in self.history if math.isfinite(r.get(f"max/{key}", math.nan))]
-        return (min(lo), max(hi)) if lo else (0.0, 0.0)
+        return self._extents.get(key, (0.0, 0.0))
 
     def _span(self) -> tuple[int, int]:
         return int(self.history[0]["step"]), int(self.history[-1]["step"])

@@ -412,3 +412,20 @@ def test_health_off_computes_nothing_and_audits_still_log(make_cfg):
     rows = read_metrics(cfg.output_dir)
     assert all(not any(k.startswith("health/") for k in r) for r in rows)
     assert all(r["audit/exact_answer/mean"] == 0.0 for r in rows) and len(rows) == 2
+
+
+def test_the_extent_of_each_score_follows_the_history_through_a_resume_and_a_rollback():
+    """The lowest and highest score each key has taken (which floors the base sd) are kept a step at a
+    time, not read from the whole history each step: after a resume they are the history's, and a
+    rollback that drops the steps of an extreme score drops that score from them."""
+    mon = _monitor(audit=True)
+    for step, (rewards, audit) in enumerate([([0.5] * 16, 0.5), ([2.0] + [0.5] * 15, 0.25), ([0.5] * 16, 0.5),
+                                             ([-1.0] + [0.5] * 15, [1.5] + [0.5] * 15)], start=1):
+        _step(mon, step, rewards=rewards, audit=audit)
+    assert mon._extent("reward") == (-1.0, 2.0) and mon._extent("audit/strict") == (0.25, 1.5)
+    copy = _monitor(audit=True)
+    copy.load_state_dict(pickle.loads(pickle.dumps(mon.state_dict())))
+    assert copy._extent("reward") == (-1.0, 2.0) and copy._extent("audit/strict") == (0.25, 1.5)
+    mon.reset_after_rollback(1)  # steps 2-4 were another policy's
+    assert mon._extent("reward") == (0.5, 0.5) and mon._extent("audit/strict") == (0.5, 0.5)
+    assert mon._extent("never/scored") == (0.0, 0.0)

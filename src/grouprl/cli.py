@@ -103,6 +103,14 @@ def main(argv: list[str] | None = None) -> int:
               "reward function (or set reward_fallback to score failures with a fixed value) and "
               "continue with --resume.", file=sys.stderr)
         return 1
+    except Exception as e:  # out of memory in eval or preflight (train reports its own: _train)
+        from grouprl.memory import is_out_of_memory, out_of_memory_advice
+
+        if cfg is None or not is_out_of_memory(e):
+            raise
+        print(f"grouprl {args.command}: error: {out_of_memory_advice('generate', cfg)}\n"
+              f"The error: {str(e).strip().splitlines()[0][:300]}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt as e:  # a second signal during training (StopNow), or Ctrl-C outside it
         signum = getattr(e, "signum", signal.SIGINT)
         hint = (f"; checkpoints written before are intact, and this continues from the latest:\n  "
@@ -128,6 +136,7 @@ class _StderrHandler(logging.Handler):
 def _train(cfg: TrainConfig, *, resume: bool, again: str) -> int:
     """`again`: the command that continues this run, printed if a signal stops it."""
     from grouprl.distributed import barrier, destroy_distributed, init_distributed
+    from grouprl.memory import checkpoint_mode, is_out_of_memory, out_of_memory_advice
     from grouprl.trainer import Trainer
     from grouprl.training_state import prepare_output_dir
 
@@ -143,6 +152,18 @@ def _train(cfg: TrainConfig, *, resume: bool, again: str) -> int:
         # every rank tears its process group down together: a gloo rank that left while rank 0 still
         # wrote the summary was seen to hang the other at exit (once in three full test runs)
         barrier(ctx)
+    except Exception as e:
+        if not is_out_of_memory(e):
+            raise
+        budget = trainer.updater.planner.budget(cfg) if trainer is not None else None
+        advice = out_of_memory_advice(getattr(e, "grouprl_stage", None), cfg, budget=budget,
+                                      checkpointing=checkpoint_mode(cfg.gradient_checkpointing, ctx.device))
+        rank = f" (rank {ctx.rank})" if ctx.world_size > 1 else ""
+        hint = (f"checkpoints written before are intact; continue from the latest with:\n  {again}"
+                if latest_checkpoint(cfg.output_dir) is not None else "the run wrote no checkpoint")
+        print(f"grouprl train: error{rank}: {advice}\nThe error: {str(e).strip().splitlines()[0][:300]}\n"
+              f"The run stopped; {hint}", file=sys.stderr)
+        return 1
     finally:
         if trainer is not None:
             trainer.close()  # before the process group goes: vLLM tears its groups down with it

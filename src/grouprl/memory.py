@@ -99,3 +99,49 @@ def token_budget(setting: int | str | None, model: torch.nn.Module, device: torc
                 "gradients and AdamW state, at ~%d KiB of activations a token%s)", budget, device,
                 (free - 12 * trainable) / 2**30, per_token // 1024, " with checkpointing" if checkpointing else "")
     return budget
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """A device allocation that failed: CUDA's `torch.OutOfMemoryError`, or the CPU allocator's
+    RuntimeError ("DefaultCPUAllocator: can't allocate memory"), or Python's MemoryError. (A process
+    the kernel's OOM killer ends raises nothing: it is gone.)"""
+    return (isinstance(error, (torch.OutOfMemoryError, MemoryError))
+            or isinstance(error, RuntimeError) and "can't allocate memory" in str(error))
+
+
+def out_of_memory_advice(stage: str | None, cfg, *, budget: int | None = None, checkpointing: str | None = None) -> str:
+    """What to lower when the run ran out of memory in `stage` (a `Timings` stage: "generate",
+    "logprobs", "update", ...; None: outside a step, e.g. loading), with each setting's value now:
+    generation holds the KV cache of the rows decoded together; a pass of the log-prob and update
+    passes holds the activations of its tokens (`budget`, resolved; `checkpointing`: checkpoint_mode's
+    answer)."""
+    n = cfg.prompts_per_step * cfg.num_generations
+    rows = cfg.generation_batch_size or n
+    generate = [f"generation decodes {rows} rows together (generation_batch_size: "
+                f"{cfg.generation_batch_size or f'null, all {n} of a step'}), each with a KV cache of prompt + "
+                f"max_completion_length ({cfg.max_completion_length}) tokens: set generation_batch_size to "
+                f"{max(1, rows // 2)}, or lower max_completion_length"]
+    if cfg.use_vllm and cfg.vllm_mode == "colocate":
+        generate.append(f"colocated vLLM takes vllm_gpu_memory_utilization ({cfg.vllm_gpu_memory_utilization}) "
+                        f"of the GPU for itself: lower it, or serve vLLM on its own GPU (vllm_mode: server)")
+    given = cfg.max_tokens_per_micro_batch
+    shown = ("auto: " if given == "auto" else "") + f"{budget} tokens" if budget else "null: no limit"
+    update = [f"each forward/backward pass holds the activations of max_tokens_per_micro_batch ({shown}): "
+              + (f"set it to {max(1, budget // 2)}" if budget else "set it, e.g. to 4096")
+              + (f", or micro_batch_size ({cfg.micro_batch_size} completions) to {max(1, cfg.micro_batch_size // 2)}"
+                 if isinstance(cfg.micro_batch_size, int) and cfg.micro_batch_size > 1 else "")]
+    if checkpointing != "always":
+        update.append(f"gradient_checkpointing: true keeps only each layer's input and recomputes the rest "
+                      f"(now {cfg.gradient_checkpointing!r}" + (f", checkpointing {checkpointing.replace('_', ' ')}"
+                                                                  if checkpointing else "") + ")")
+    if stage == "generate":
+        tips = generate
+    elif stage in ("logprobs", "update"):
+        tips = update
+    else:
+        tips = generate + update + (["bf16: true halves what activations take where the device supports it"]
+                                    if cfg.bf16 is False else [])
+    where = {"generate": "while generating", "logprobs": "in the log-prob passes", "update": "in the update",
+             "reward": "in a reward function", "sync_weights": "while sending weights to the engine"}
+    return (f"out of memory {where.get(stage or '', 'outside a training step (loading, or an eval)')}. "
+            f"To fit:\n" + "\n".join(f"  - {t}" for t in tips))

@@ -8,13 +8,22 @@ from collections.abc import Iterator
 
 
 class Timings(dict):
-    """`time/<stage>` -> seconds; `with timings.stage("update"):` adds the block's wall time."""
+    """`time/<stage>` -> seconds; `with timings.stage("update"):` adds the block's wall time. An error
+    leaving a stage carries the innermost stage's name as `grouprl_stage`, so that its report can say
+    where it happened (an out-of-memory error: what to lower, memory.out_of_memory_advice)."""
 
     @contextlib.contextmanager
     def stage(self, name: str) -> Iterator[None]:
         t0 = time.perf_counter()
         try:
             yield
+        except Exception as e:
+            if getattr(e, "grouprl_stage", None) is None:
+                try:
+                    e.grouprl_stage = name  # type: ignore[attr-defined]
+                except AttributeError:  # an exception type without instance attributes
+                    pass
+            raise
         finally:
             self.add(name, time.perf_counter() - t0)
 

@@ -129,14 +129,22 @@ def test_the_real_device_decides_auto_and_true():
 
 
 def test_a_cuda_device_is_asked_about_itself(monkeypatch):
-    """The CUDA branch of native_bf16, on any machine (torch.cuda's answers pretended)."""
-    cuda = torch.device("cuda", 0)
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "GPU X")
-    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
-    assert native_bf16(cuda) == (True, "GPU X supports bf16")
+    """The CUDA branch of native_bf16, on any machine (torch.cuda's answers pretended): the device asked
+    about (not the current one), natively. torch.cuda.is_bf16_supported() says True for a T4 or a V100,
+    which only emulate bf16, so it is not what decides."""
+    cuda = torch.device("cuda", 1)
+    capability = {1: (8, 0), 0: (7, 5)}
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: f"GPU {torch.device(device).index}")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability[torch.device(device).index])
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: pytest.fail("asks the current device"))
+    monkeypatch.setattr(torch.version, "hip", None)
+    assert native_bf16(cuda) == (True, "GPU 1 supports bf16")
     assert resolve_bf16("auto", cuda) is True and resolve_bf16(True, cuda) is True
-    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
-    assert native_bf16(cuda) == (False, "GPU X does not support bf16")
+    capability[1] = (7, 0)  # a V100
+    assert native_bf16(cuda) == (False, "GPU 1 (compute capability 7.0) does not support bf16 natively "
+                                        "(from 8.0, Ampere, on)")
     assert resolve_bf16("auto", cuda) is False
-    with pytest.raises(ConfigError, match="bf16=true: GPU X does not support bf16"):
+    with pytest.raises(ConfigError, match=r"bf16=true: GPU 1 \(compute capability 7.0\) does not support bf16"):
         resolve_bf16(True, cuda)
+    monkeypatch.setattr(torch.version, "hip", "6.2")  # ROCm: bf16 on every architecture torch builds for
+    assert native_bf16(cuda) == (True, "GPU 1 supports bf16")

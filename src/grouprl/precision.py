@@ -58,10 +58,16 @@ def _proc_cpuinfo_flags() -> set[str]:
 
 def native_bf16(device: torch.device) -> tuple[bool, str]:
     """(whether `device` multiplies bf16 natively, the reason in words)."""
-    if device.type == "cuda":
-        ok = torch.cuda.is_bf16_supported()
+    if device.type == "cuda":  # this device, natively: torch.cuda.is_bf16_supported() asks about the current
+        # device, and by default also says True for a GPU that only emulates bf16 (a T4, a V100: before Ampere)
         name = torch.cuda.get_device_name(device)
-        return ok, f"{name} {'supports' if ok else 'does not support'} bf16"
+        if torch.version.hip:
+            return True, f"{name} supports bf16"
+        major, minor = torch.cuda.get_device_capability(device)
+        if major >= 8:
+            return True, f"{name} supports bf16"
+        return False, (f"{name} (compute capability {major}.{minor}) does not support bf16 natively "
+                       f"(from 8.0, Ampere, on)")
     if device.type == "cpu":
         flags = cpu_bf16_flags()
         if flags:

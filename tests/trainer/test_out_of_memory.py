@@ -51,7 +51,8 @@ def test_out_of_memory_in_the_update_names_the_budget_keeps_the_checkpoint_and_r
     assert main(["train", str(path)]) == 1
     err = capsys.readouterr().err
     assert "grouprl train: error: out of memory in the update. To fit:" in err
-    assert "max_tokens_per_micro_batch (auto: 4096 tokens): set it to 2048, or micro_batch_size (8 completions) to 4" in err
+    assert ("max_tokens_per_micro_batch (auto: 4096 tokens): set it to 2048, or micro_batch_size (8 completions) "
+            "to 4") in err
     assert "gradient_checkpointing: true keeps only each layer's input" in err and "(now 'auto'" in err
     assert "generation_batch_size" not in err  # advice for the stage that failed, not every stage's
     assert "DefaultCPUAllocator: can't allocate memory" in err

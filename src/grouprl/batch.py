@@ -28,6 +28,13 @@ class StepBatch:
     prompt_index: list[int] | None = None  # [N] each completion's prompt row in its dataset
     stop_reasons: list[str] | None = None  # [N] multi-turn: why each trajectory stopped (rollout.STOP_REASONS)
     tool_calls: list[list[str]] | None = None  # [N] multi-turn: the calls each made, as name(arguments)
+    outcome: torch.Tensor | None = None  # [N] the weighted sum before overlong shaping; None: not shaped
+
+    @property
+    def unshaped(self) -> torch.Tensor:
+        """[N] the reward before overlong shaping: what decides whether a group is flat (DAPO's dynamic
+        sampling and the prompt filter judge the answers, not their lengths)."""
+        return self.rewards if self.outcome is None else self.outcome
 
     def select(self, rows: torch.Tensor) -> StepBatch:
         r = rows.tolist()
@@ -38,7 +45,8 @@ class StepBatch:
                          {k: v[rows] for k, v in self.audit.items()},
                          None if self.prompt_index is None else [self.prompt_index[i] for i in r],
                          None if self.stop_reasons is None else [self.stop_reasons[i] for i in r],
-                         None if self.tool_calls is None else [self.tool_calls[i] for i in r])
+                         None if self.tool_calls is None else [self.tool_calls[i] for i in r],
+                         None if self.outcome is None else self.outcome[rows])
 
     @staticmethod
     def gather(dist: D.DistContext, local: StepBatch, pad_token_id: int) -> StepBatch:
@@ -60,4 +68,5 @@ class StepBatch:
                          {k: torch.cat([p.audit[k] for p in parts]) for k in parts[0].audit},
                          None if parts[0].prompt_index is None else [i for p in parts for i in p.prompt_index],
                          None if parts[0].stop_reasons is None else [x for p in parts for x in p.stop_reasons],
-                         None if parts[0].tool_calls is None else [x for p in parts for x in p.tool_calls])
+                         None if parts[0].tool_calls is None else [x for p in parts for x in p.tool_calls],
+                         None if parts[0].outcome is None else torch.cat([p.outcome for p in parts]))

@@ -345,7 +345,7 @@ class Trainer:
             with timings.stage("reward"):
                 local = self.score(produced.prompts, produced.result)
                 batch = StepBatch.gather(self.dist, local, self.tokenizer.pad_token_id)  # the global batch
-            flat = zero_std_groups(batch.rewards, G)  # [B]
+            flat = zero_std_groups(batch.unshaped, G)  # [B] judged before overlong shaping, as DAPO
             self.draw.record(batch.prompt_index, flat, G)  # the prompt filter's memory
             tally.add_round(len(produced.result.rollout), produced.staleness, produced.result.counts,
                             int(flat.sum()), len(flat), produced.overlapped)

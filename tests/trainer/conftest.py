@@ -27,6 +27,11 @@ def digit_fraction(prompts, completions, **kwargs):
     return [sum(c.isdigit() for c in text) / max(len(text), 1) for text in completions]
 
 
+def always_one(prompts, completions, **kwargs):
+    """Every completion right: every group flat."""
+    return [1.0] * len(completions)
+
+
 def short_reward(prompts, completions, **kwargs):
     return [1.0 - len(text) / 16 for text in completions]
 

@@ -169,6 +169,22 @@ def test_dapo_dynamic_sampling_drops_flat_groups(make_cfg, tmp_path, monkeypatch
             assert row["advantage/std"] > 0
 
 
+def test_dapo_judges_a_group_flat_by_its_reward_before_overlong_shaping(make_cfg, monkeypatch):
+    """Every completion is right (reward 1), and the overlong penalty differs row by row (as lengths on
+    its ramp do): DAPO drops groups whose accuracy is all 0 or all 1, so every group is flat, every
+    round is drawn, and none is kept; the penalty alone is not a signal to keep a group for."""
+    import grouprl.scoring as scoring
+
+    monkeypatch.setattr(scoring, "overlong_penalty", lambda lengths, *a: -0.01 * torch.arange(len(lengths)).float())
+    cfg = make_cfg(algorithm="dapo", max_steps=1, reward_funcs=["tests.trainer.conftest:always_one"],
+                   max_sampling_rounds=3, num_generations=4, prompts_per_step=4)
+    trainer = Trainer(cfg)
+    batch, metrics = trainer.sample_batch()
+    assert not torch.equal(batch.rewards, batch.unshaped) and (batch.unshaped == 1).all()
+    assert metrics["dynamic_sampling/rounds"] == 3 and metrics["dynamic_sampling/kept_groups"] == 0
+    assert metrics["zero_std_frac"] == 1.0
+
+
 @pytest.mark.parametrize("algorithm", ["dr_grpo", "gspo", "rloo"])
 def test_each_preset_runs(make_cfg, algorithm):
     cfg = make_cfg(algorithm=algorithm, max_steps=1, beta=None)

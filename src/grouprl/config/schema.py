@@ -185,7 +185,8 @@ class TrainFields:
     overlong_shaping: bool | None = None
     """DAPO soft overlong punishment added to the reward."""
     overlong_cache_len: int | None = None
-    """Length of DAPO's soft punishment window; default a quarter of max_completion_length."""
+    """Length of DAPO's soft punishment window; default a fifth of max_completion_length (the paper's
+    4,096 of 20,480: the ramp starts at its expected maximum, 16,384)."""
     ref_update_steps: int = 0
     """DeepSeekMath iterative mode: every K steps the reference becomes the current policy (0: never)."""
     teacher_model: str | None = None

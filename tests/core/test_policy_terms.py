@@ -92,6 +92,20 @@ def test_sapo_gate_is_asymmetric_and_smooth():
     assert (pos.diff().abs() < 0.1).all() and (neg.diff().abs() < 0.1).all()
 
 
+def test_sapo_reports_no_clip_and_the_share_of_damped_tokens():
+    """The gate clips nothing, so the clip fractions are 0 whatever ε (which the gate never reads);
+    `sapo_damped_frac` counts tokens whose gradient weight 4σ(1−σ) < 1/2. τ = 1 (A > 0): that is
+    τ(ρ − 1) > ln((1 + √½)/(1 − √½)) = 1.7627, ρ > 2.7627. Ratios 1, 1.5, 3 (A = +1) and 0.2 (A = −1,
+    τ 1.05: weight 4σ(−0.84)(1 − σ(−0.84)) = 0.84): one of four is damped."""
+    logp = torch.log(torch.tensor([[1.0, 1.5, 3.0, 0.2]], dtype=F64))
+    adv = torch.tensor([[1.0, 1.0, 1.0, -1.0]], dtype=F64)
+    for eps in (0.2, 0.05):
+        _, stats = policy_loss(logp, torch.zeros_like(logp), adv, torch.ones(1, 4, dtype=torch.bool),
+                               loss_type="sapo", eps_low=eps, eps_high=eps)
+        assert stats["clip_frac"] == stats["clip_frac_low"] == stats["clip_frac_high"] == 0.0
+        assert stats["sapo_damped_frac"] == 0.25
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_sapo_matches_naive_loop_and_closed_form_gradient(seed):
     logp, old, _, adv, mask = ragged_batch(seed, 5, 6, spread=0.6)

@@ -26,7 +26,7 @@ TABLE = {
     "dapo": ("grpo", "group", "token-mean", 0.2, 0.28, 0.0, "token", True, True),
     "gspo": ("grpo", "group", "seq-mean-token-mean", 3e-4, 4e-4, 0.0, "sequence", False, False),
     "gmpo": ("grpo", "group", "seq-mean-token-mean", 0.4, 0.4, 0.0, "token", False, False, "gmpo"),
-    "rloo": ("rloo", "none", "token-mean", 0.2, 0.2, 0.0, "token", False, False),
+    "rloo": ("rloo", "none", "seq-mean-token-sum", 0.2, 0.2, 0.0, "token", False, False),
     "cispo": ("grpo", "group", "token-mean", 1.0, 4.0, 0.0, "token", False, False, "cispo"),
     "sapo": ("grpo", "group", "seq-mean-token-mean", 0.2, 0.2, 0.0, "token", False, False, "sapo"),
     "bnpo": ("grpo", "group", "token-mean", 0.2, 0.2, 0.0, "token", False, False),
@@ -110,3 +110,29 @@ def test_bnpo_is_token_mean_over_the_whole_batch():
     assert full == micro == 1.75
     local = sum(aggregate_loss(loss[i:i + 1], mask[i:i + 1], p["agg"]).item() for i in (0, 1)) / 2
     assert local == 1.5
+
+
+def test_rloo_takes_the_papers_gradient_each_completion_one_action():
+    """RLOO (Ahmadian et al. 2024; TRL's RLOOTrainer) treats a completion as one action: the loss is
+    the mean over completions of the clipped A_i·exp(Σ_t log π − Σ_t log π_old). On-policy its gradient
+    is (1/N)·A_i on every token of completion i, whatever the lengths; the preset's loss has that
+    gradient exactly (token-mean's would be scaled by N/Σ|o_i|, which changes from batch to batch)."""
+    p = get_preset("rloo")
+    gen = torch.Generator().manual_seed(0)
+    mask = torch.tensor([[1, 1, 1, 0, 0, 0], [1, 1, 1, 1, 1, 1], [1, 0, 0, 0, 0, 0], [1, 1, 1, 1, 0, 0]]).bool()
+    old = -torch.rand(4, 6, generator=gen)
+    adv = compute_advantages("rloo", torch.tensor([1.0, 0.0, 0.0, 1.0]), 4, scale=p["scale"])  # [2/3, -2/3, ...]
+
+    def rloo_reference(logp):
+        ratio = torch.exp(((logp - old) * mask).sum(-1))  # [N] the whole completion's ratio
+        return -torch.min(ratio * adv, ratio.clamp(1 - p["eps_low"], 1 + p["eps_high"]) * adv).mean()
+
+    grads = []
+    for loss_of in (rloo_reference, lambda logp: policy_loss(
+            logp, old, adv, mask, eps_low=p["eps_low"], eps_high=p["eps_high"], ratio_level=p["ratio_level"],
+            agg=p["agg"], beta=p["beta"], loss_type=p["loss_type"])[0]):
+        logp = old.clone().requires_grad_(True)
+        loss_of(logp).backward()
+        grads.append(logp.grad * mask)
+    torch.testing.assert_close(grads[0], grads[1], rtol=0, atol=1e-7)
+    torch.testing.assert_close(grads[1][mask], (-adv[:, None] / 4).expand(4, 6)[mask])

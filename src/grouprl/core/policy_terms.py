@@ -28,7 +28,11 @@ aggregates. Every loss type sees padding already zeroed (A = 0 and logp = old th
             ∂ℓ/∂logp = −4·σ(1 − σ)·ρ·A, the weight 4σ(1−σ) = 1 at ρ = 1 (the plain policy gradient
             on-policy) and decays smoothly as ρ leaves 1, faster for τ_neg > τ_pos (negative
             advantages). Paper defaults τ_pos = 1.0, τ_neg = 1.05; sequence-mean aggregation
-            (1/G Σ_i 1/|o_i| Σ_t, seq-mean-token-mean). TRL and verl compute the same gate.
+            (1/G Σ_i 1/|o_i| Σ_t, seq-mean-token-mean). TRL and verl compute the same gate. Nothing
+            is clipped, so flags: ``clip_frac_low`` / ``clip_frac_high`` / ``clip_frac`` are 0
+            (replacing the ratio-space ones, which would count against an ε the gate never reads),
+            and ``sapo_damped_frac``, the fraction of tokens whose gradient weight 4σ(1−σ) is below
+            1/2: the gate's soft counterpart of a clip fraction.
 
     "gmpo"  GMPO, Zhao et al. 2025 (arXiv 2507.20673), Geometric-Mean Policy Optimization: the
             geometric mean of the token ratios, each clipped in log space first, one-sided by the
@@ -92,8 +96,11 @@ def cispo_loss(logp: Tensor, ratio: Tensor, adv: Tensor, p: LossParams) -> tuple
 def sapo_loss(logp: Tensor, ratio: Tensor, adv: Tensor, p: LossParams) -> tuple[Tensor, dict[str, Tensor]]:
     """SAPO (module docstring): −σ(τ(ρ − 1))·4/τ·A with τ = τ_pos for A > 0, τ_neg otherwise."""
     tau = torch.where(adv > 0, ratio.new_tensor(p.sapo_tau_pos), ratio.new_tensor(p.sapo_tau_neg))  # [N, T]
-    gate = torch.sigmoid(tau * (ratio - 1)) * (4 / tau)  # [N, T]
-    return -gate * adv, {}
+    sigma = torch.sigmoid(tau * (ratio - 1))  # [N, T]
+    none = torch.zeros_like(ratio, dtype=torch.bool)  # [N, T] nothing is clipped
+    flags = {"clip_frac_low": none, "clip_frac_high": none, "clip_frac": none,
+             "sapo_damped_frac": 4 * sigma * (1 - sigma) < 0.5}
+    return -sigma * (4 / tau) * adv, flags
 
 
 @register_loss_type("gmpo", per_sequence=True)

@@ -14,7 +14,7 @@ dr_grpo                none (mean only)      clip   seq-mean-token-sum-norm  0.2
 dapo                   group std             clip   token-mean               0.2 / 0.28    0     dyn. sampling, overlong
 gspo                   group std             clip   seq-mean-token-mean      3e-4 / 4e-4   0     sequence-level ratio
 gmpo                   group std             gmpo   seq-mean-token-mean      0.4 / 0.4     0     ε in log space
-rloo                   leave-one-out         clip   token-mean               0.2 / 0.2     0     —
+rloo                   leave-one-out         clip   seq-mean-token-sum       0.2 / 0.2     0     —
 cispo                  group std             cispo  token-mean               1 / 4         0     IS weight in [0, 5]
 sapo                   group std             sapo   seq-mean-token-mean      unused        0     τ 1.0 / 1.05
 bnpo                   group std             clip   token-mean               0.2 / 0.2     0     = token-mean
@@ -29,7 +29,10 @@ ppo                    GAE, batch-whitened   clip   token-mean               0.2
 
 Sources: DeepSeekMath (grpo), arXiv 2503.20783 (dr_grpo), arXiv 2503.14476 (dapo),
 arXiv 2507.18071 (gspo), Ahmadian et al. 2024 (rloo). rloo uses scale="none": the
-leave-one-out advantage unscaled, as in the paper.
+leave-one-out advantage unscaled, as in the paper; and each completion is one action, whose
+log-probability is the sum of its tokens': seq-mean-token-sum, (1/N)·Σ_i A_i·∇Σ_t log π, the paper's
+gradient and TRL RLOOTrainer's exactly on-policy. Off-policy (num_iterations > 1, a sampler's own
+log-probs) the clip acts per token, where TRL clips the whole sequence's ratio exp(Σ_t δ_t).
 - cispo: MiniMax-M1 (arXiv 2506.13585) §3.1, no lower bound on the IS weight (ε_low = 1 gives 0),
   token-mean over the batch, no KL. The paper gives no ε_high; 1 + 4 = 5 is ScaleRL's cap (arXiv
   2510.13786, TRL's recommended ``epsilon_high=5.0`` for its cap-at-ε_high form; policy_terms.py).
@@ -90,7 +93,7 @@ PRESETS: dict[str, dict[str, Any]] = {
                     dynamic_sampling=True, overlong_shaping=True),
     "gspo": _preset("grpo", "group", "seq-mean-token-mean", 3e-4, 4e-4, 0.0,
                     ratio_level="sequence"),
-    "rloo": _preset("rloo", "none", "token-mean", 0.2, 0.2, 0.0),
+    "rloo": _preset("rloo", "none", "seq-mean-token-sum", 0.2, 0.2, 0.0),
     "cispo": _preset("grpo", "group", "token-mean", 1.0, 4.0, 0.0, loss_type="cispo"),
     "sapo": _preset("grpo", "group", "seq-mean-token-mean", 0.2, 0.2, 0.0, loss_type="sapo"),
     "bnpo": _preset("grpo", "group", "token-mean", 0.2, 0.2, 0.0),

@@ -6,6 +6,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import inspect
+import logging
 import textwrap
 from pathlib import Path
 from typing import Any
@@ -13,9 +14,10 @@ from typing import Any
 import yaml
 
 from grouprl.config import (ConfigError, TrainConfig, TrainFields, did_you_mean, field_types, list_item_type,
-                            load_yaml, value_matches)
+                            load_yaml, value_matches, with_algorithm)
 
 TASK_FIELDS = {"model", "train_data", "eval_data", "reward_funcs"}
+logger = logging.getLogger(__name__)
 
 
 def build_config(config_path: str | None, args: list[str], *, command: str = "train") -> TrainConfig:
@@ -30,7 +32,16 @@ def build_config(config_path: str | None, args: list[str], *, command: str = "tr
         base = TrainConfig.from_dict(dict(DEFAULT_TASK))
     elif config_path is None:
         _check_own_task(overrides, command)
-    return dataclasses.replace(TrainConfig.load(config_path, base=base), **overrides)
+    cfg = TrainConfig.load(config_path, base=base)
+    if config_path is not None and "algorithm" in overrides and overrides["algorithm"] != cfg.algorithm:
+        # a resolved config (a run's config.yaml) holds every field of its preset: switched, those
+        # still at the old preset's values take the new one's, or --algorithm would change only the name
+        old = cfg.algorithm
+        cfg, changed = with_algorithm(cfg, overrides["algorithm"], keep=overrides.keys())
+        if changed:
+            logger.info("--algorithm %s over %s (algorithm %s): the fields at %s's values take %s's: %s",
+                        cfg.algorithm, config_path, old, old, cfg.algorithm, ", ".join(changed))
+    return dataclasses.replace(cfg, **overrides)
 
 
 def _check_own_task(overrides: dict[str, Any], command: str) -> None:

@@ -21,7 +21,7 @@ from .errors import ConfigError, did_you_mean
 from .fieldtypes import field_types, list_item_type, value_matches
 from .io import changed_settings, load_yaml
 from .schema import TrainFields
-from .validate import PRESET_FIELDS, parse_eval_metric, resolve_preset, validate_config
+from .validate import PRESET_FIELDS, parse_eval_metric, resolve_preset, validate_config, with_algorithm
 
 
 class TrainConfig(TrainFields):
@@ -66,4 +66,5 @@ __all__ = [
     "load_yaml",
     "parse_eval_metric",
     "value_matches",
+    "with_algorithm",
 ]

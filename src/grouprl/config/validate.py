@@ -65,8 +65,70 @@ def resolve_preset(cfg: C) -> C:
     values = {k: v for k, v in preset.items() if getattr(cfg, k) is None}
     out = dataclasses.replace(cfg, **values)
     if out.overlong_cache_len is None:
-        out.overlong_cache_len = max(1, out.max_completion_length // 4)
+        out.overlong_cache_len = max(1, out.max_completion_length // 5)  # DAPO: 4,096 of 20,480
     return out
+
+
+TOKEN_RATIO = "the ratio of each token (1 - epsilon to 1 + epsilon_high)"
+EPSILON_EXAMPLES = {TOKEN_RATIO: "0.2 / 0.2 (grpo) or 0.2 / 0.28 (dapo)",
+                    "the length-normalised ratio of each completion (GSPO)": "3e-4 / 4e-4 (gspo)",
+                    "the log-ratio of each token (a band in log space)": "0.4 / 0.4 (gmpo)"}
+
+
+def epsilon_meaning(loss_type: str, ratio_level: str) -> str | None:
+    """What epsilon / epsilon_high bound under a loss type and ratio level (None: nothing). The clip's
+    band and cispo's bounds on the importance weight are the same band on the same token ratio."""
+    if loss_type == "sapo":
+        return None  # the gate reads no epsilon
+    if loss_type == "gmpo":
+        return "the log-ratio of each token (a band in log space)"
+    return TOKEN_RATIO if ratio_level == "token" else "the length-normalised ratio of each completion (GSPO)"
+
+
+def preset_epsilon(cfg: TrainFields) -> str:
+    """", from the PRESET preset" when the config left epsilon / epsilon_high for its preset to fill
+    (for an error about them: the user did not write them)."""
+    return "" if cfg.epsilon is not None and cfg.epsilon_high is not None else f", from the {cfg.algorithm} preset"
+
+
+def _check_preset_epsilon(given: TrainFields, c: TrainFields) -> None:
+    """The preset's clip range means what it means under the preset's own loss type and ratio level:
+    taken over by a config that changes either (gspo's 3e-4 on token ratios clips half the tokens;
+    gmpo's log-space 0.4 as a ratio band), it is a ConfigError that asks for a range of its own.
+    `given`: the config as written (None: left to the preset); `c`: resolved."""
+    if given.epsilon is not None and given.epsilon_high is not None:
+        return
+    preset = {PRESET_FIELDS[k]: v for k, v in PRESETS[c.algorithm].items()}
+    was = epsilon_meaning(preset["loss_type"], preset["importance_sampling_level"])
+    now = epsilon_meaning(c.loss_type, c.importance_sampling_level)
+    if now is None or now == was:
+        return
+    changed = [f"{k}={getattr(c, k)}" for k in ("loss_type", "importance_sampling_level") if getattr(c, k) != preset[k]]
+    raise ConfigError(f"epsilon={c.epsilon}, epsilon_high={c.epsilon_high} come from the {c.algorithm} preset, "
+                      f"where they bound {was or 'nothing (its gate reads no epsilon)'}; with {', '.join(changed)} "
+                      f"they would bound {now}: set epsilon and epsilon_high for that, e.g. "
+                      f"{EPSILON_EXAMPLES[now]}")
+
+
+def with_algorithm(cfg: C, algorithm: str, keep=()) -> C:
+    """`cfg` (read from a file, say a run's resolved config.yaml) switched to `algorithm`: each
+    algorithm field that holds the old preset's value, and is not in `keep` (given on the command
+    line), is cleared for the new preset to fill. Without this, a resolved config keeps every old
+    value and `algorithm` changes only its name. Returns the copy and, for the log, "field old -> new"
+    for each cleared field whose value the new preset changes."""
+    old = PRESETS.get(cfg.algorithm)
+    if old is None or algorithm == cfg.algorithm:
+        return dataclasses.replace(cfg, algorithm=algorithm), []
+    cleared = [field for key, field in PRESET_FIELDS.items()
+               if field not in keep and getattr(cfg, field) is not None and getattr(cfg, field) == old[key]]
+    if ("overlong_cache_len" not in keep and cfg.overlong_cache_len is not None
+            and cfg.overlong_cache_len in (cfg.max_completion_length // 4, cfg.max_completion_length // 5)):
+        cleared.append("overlong_cache_len")  # the derived default (a quarter before 2026-11-26)
+    out = dataclasses.replace(cfg, algorithm=algorithm, **{f: None for f in cleared})
+    if algorithm not in PRESETS:
+        return out, []  # resolve_preset names the unknown algorithm
+    new = resolve_preset(out)
+    return out, [f"{f} {getattr(cfg, f)} -> {getattr(new, f)}" for f in cleared if getattr(cfg, f) != getattr(new, f)]
 
 
 def validate_config(cfg: C) -> C:
@@ -164,7 +226,7 @@ def validate_config(cfg: C) -> C:
     # 1 - epsilon is a ratio bound, except for gmpo, whose bounds are in log space (e^-epsilon > 0)
     max_epsilon_ok = c.epsilon < 1 or (c.epsilon == 1 and c.loss_type == "cispo") or c.loss_type == "gmpo"
     if c.epsilon <= 0 or c.epsilon_high <= 0 or not max_epsilon_ok:
-        raise ConfigError(f"epsilon={c.epsilon}, epsilon_high={c.epsilon_high}: clip ranges must "
+        raise ConfigError(f"epsilon={c.epsilon}, epsilon_high={c.epsilon_high}{preset_epsilon(cfg)}: clip ranges must "
                           "be positive and epsilon below 1 (at most 1 with loss_type cispo: no lower bound; "
                           "any size with loss_type gmpo, whose bounds are in log space)")
     try:
@@ -175,6 +237,7 @@ def validate_config(cfg: C) -> C:
             entropy_coef=c.entropy_coef)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    _check_preset_epsilon(cfg, c)
     if c.delta is not None and c.delta <= 1 + c.epsilon_high:
         raise ConfigError(f"delta={c.delta} must be above 1 + epsilon_high = {1 + c.epsilon_high:g}: the cap "
                           "min(ratio, delta) would otherwise stop the gradient of positive-advantage tokens "

@@ -165,3 +165,34 @@ def test_lora_on_an_untied_lm_head_is_merged_into_the_export():
     with torch.no_grad():
         torch.testing.assert_close(merged_copy(peft)(input_ids=ids).logits, peft(input_ids=ids).logits,
                                    atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("variant", [{"use_dora": True}, {"lora_bias": True}])
+def test_dora_and_adapter_bias_are_not_merged_and_decode_through_the_adapters_forward(variant):
+    """DoRA rescales each row of W + s·BA by a learned magnitude, and an adapter bias adds a term s·BA
+    leaves out: neither is the merge the fast decoder and the vLLM sync read. They are not mergeable
+    (the engine takes the generic path, the adapter's own forward: its greedy first tokens are the
+    model's argmax), and merging one is an error that names it."""
+    from peft import LoraConfig, get_peft_model
+
+    from grouprl.rollout.engine import HFEngine
+    from grouprl.rollout.llama_decoder import FastDecoder
+    from grouprl.rollout.types import SamplingParams
+
+    model, tok = build_tiny_model()
+    peft = get_peft_model(model, LoraConfig(r=R, lora_alpha=ALPHA, target_modules="all-linear", **variant))
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in peft.named_parameters():
+            if "lora_B" in name or "lora_magnitude" in name:
+                p.add_(0.3 * torch.randn(p.shape, generator=g))
+    peft.eval()
+    assert not mergeable(peft) and not FastDecoder.supports(peft)
+    with pytest.raises(ValueError, match="DoRA adapter, or one with its own bias"):
+        merged_weight(next(iter(_adapted(peft).values())))
+    prompts = [tok("What is 1+2? ")["input_ids"], tok("Hi")["input_ids"]]
+    out = HFEngine(peft, [tok.eos_token_id], tok.pad_token_id).generate(
+        prompts, 1, SamplingParams(1, greedy=True, ignore_eos=True), torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = [int(peft(input_ids=torch.tensor([p])).logits[0, -1].argmax()) for p in prompts]
+    assert out.completion_ids[:, 0].tolist() == want

@@ -75,15 +75,27 @@ def merged_weight(layer: torch.nn.Module) -> torch.Tensor:
         return layer.weight
     if getattr(layer, "merged", False) or getattr(layer, "disable_adapters", False):
         return layer.base_layer.weight
+    if not plain_lora(layer):
+        raise ValueError("a DoRA adapter, or one with its own bias (lora_bias), is not W + s·BA: its weights "
+                         "cannot be merged here; train a plain LoRA adapter (use_dora and lora_bias off), or "
+                         "generate with the built-in engine, which then runs the adapter's own forward")
     with torch.no_grad():
         return layer.base_layer.weight + sum(layer.get_delta_weight(a) for a in layer.active_adapters)
 
 
+def plain_lora(layer: torch.nn.Module) -> bool:
+    """Each active adapter of a LoRA layer is W + s·BA: not DoRA (which rescales each row of the sum
+    by a learned magnitude) and without an adapter bias (`lora_bias`), which s·BA leaves out."""
+    return not any(getattr(layer, "use_dora", {}).get(a, False) or getattr(layer, "lora_bias", {}).get(a, False)
+                   or getattr(layer.lora_B[a], "bias", None) is not None
+                   for a in layer.active_adapters if a in getattr(layer, "lora_B", {}))
+
+
 def mergeable(model: torch.nn.Module) -> bool:
-    """Every adapted module is a LoRA linear layer without dropout (dropout would make the
-    adapter's forward random, which merged weights cannot reproduce)."""
+    """Every adapted module is a plain LoRA linear layer (`plain_lora`) without dropout (dropout would
+    make the adapter's forward random, which merged weights cannot reproduce)."""
     for m in filter(is_lora_layer, model.modules()):
-        if not isinstance(m.base_layer, torch.nn.Linear):
+        if not isinstance(m.base_layer, torch.nn.Linear) or not plain_lora(m):
             return False
         if any(isinstance(d, torch.nn.Dropout) and d.p > 0 for d in m.lora_dropout.values()):
             return False

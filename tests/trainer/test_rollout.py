@@ -287,3 +287,39 @@ def test_small_models_decode_on_one_thread_and_restore_the_setting(model_and_tok
         assert set(seen) == {2}
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("rope", [
+    {"rope_type": "dynamic", "factor": 4.0},
+    {"rope_type": "longrope", "short_factor": [1.0] * 4, "long_factor": [1.0, 2.0, 4.0, 8.0],
+     "original_max_position_embeddings": 16},
+])
+def test_rope_that_follows_the_length_decodes_as_the_whole_sequence_recomputed(rope):
+    """Dynamic-NTK and LongRoPE pick their frequencies from the sequence's length. The fast decoder
+    builds its table once, for prompt + max_new_tokens, from the first token: past the original
+    context (16) it sampled from another model than the one the trainer scores. Such a model takes
+    the generic path, whose greedy tokens are those of the whole sequence recomputed at every step
+    (transformers' own cached generate departs from that once positions pass the original context)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16, rope_scaling=rope)
+    model = LlamaForCausalLM(cfg).eval()
+    assert not FastDecoder.supports(model)
+    prompts = [[5, 6, 7, 8, 9, 10], [11, 12, 13], [14, 15, 16, 17, 18, 19]]
+    ro = HFEngine(model, (0,), 1).generate(prompts, 1, SamplingParams(max_new_tokens=30, greedy=True, ignore_eos=True))
+    for i, p in enumerate(prompts):
+        with torch.no_grad():
+            assert ro.completion_ids[i].tolist() == naive_greedy(model, p, 30, eos=-1)
+
+
+def test_zero_new_tokens_is_an_empty_completion_on_every_path(model_and_tok, monkeypatch):
+    """max_new_tokens=0: [N, 0] completions, from the eager loop and from the slot loop (compiled or
+    replayed as graphs), which read the first token's column unconditionally."""
+    model, tok = model_and_tok
+    prompts = [tok("What is 1+2? ")["input_ids"], tok("Hi")["input_ids"]]
+    for compile in (False, True):
+        ro = HFEngine(model, (tok.eos_token_id,), tok.pad_token_id, compile=compile).generate(
+            prompts, 2, SamplingParams(max_new_tokens=0), torch.Generator().manual_seed(0))
+        assert ro.completion_ids.shape == (4, 0) and ro.completion_mask.shape == (4, 0)

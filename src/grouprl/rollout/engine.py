@@ -112,7 +112,8 @@ class HFEngine(GenerationEngine):
             fast = isinstance(decoder, FastDecoder)
             compiles = self._choice.use()
             # the slot loop: the compiled step, or on a device with graphs the eager step replayed as graphs
-            slot_loop = fast and not keeps and (compiles or (self.cuda_graphs and graphs_available(device)))
+            slot_loop = (fast and not keeps and T > 0  # (no token to decode: the eager loop returns [N, 0])
+                         and (compiles or (self.cuda_graphs and graphs_available(device))))
             if prefix is not None and any(x is not None for x in prefix):
                 logits = decoder.start_from(ids, mask, T, prefix)  # [N, V]
             else:
@@ -130,7 +131,7 @@ class HFEngine(GenerationEngine):
                 completion, lengths = self._decode_eager(decoder, logits, params, uniforms, eos, prompt_ids, G, keeps)
             else:
                 completion, lengths = out
-            if fast and self._choice.probing():  # auto times the calls it decodes without compiling
+            if fast and T > 0 and self._choice.probing():  # auto times the calls it decodes without compiling
                 graphed = out is not None  # uncompiled, the slot loop runs only to replay the eager step as graphs
                 self._choice.record(time.perf_counter() - started, int(lengths.max()) - 1, len(decoder.layers),
                                     device.type + ("+graphs" if graphed else ""))

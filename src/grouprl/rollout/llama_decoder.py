@@ -1,5 +1,10 @@
 """A lean decoder for Llama-family causal LMs (Llama, Qwen2) with a preallocated KV cache.
 
+Taken by `FastDecoder.supports`: SiLU MLPs without bias, no sliding window, plain Parameters, RoPE
+of a fixed table (default, linear, llama3, yarn: not dynamic-NTK or LongRoPE, whose frequencies
+follow the sequence's length), and PEFT adapters that merge as W + s·BA (lora.mergeable). Anything
+else decodes through the generic path, the model's own forward.
+
 The same math as the `transformers` forward pass of these models, per layer l:
 
     h   = x + W_o · attn(RoPE(W_q·n1(x)), RoPE(W_k·n1(x)), W_v·n1(x))     n1, n2: RMSNorm
@@ -144,6 +149,12 @@ def _can_pack(model: torch.nn.Module, dtype: torch.dtype, n_params: int) -> bool
         return False
 
 
+def rope_type(cfg) -> str:
+    """The RoPE scaling's type ("default" without one), by either of transformers' names for it."""
+    scaling = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
+    return scaling.get("rope_type", scaling.get("type", "default")) if isinstance(scaling, dict) else "default"
+
+
 class FastDecoder:
     """Prefill and single-token decode steps for one `generate` call, over a KV cache that grows
     with the tokens fed and shrinks with the live rows."""
@@ -165,6 +176,8 @@ class FastDecoder:
             return False
         if getattr(cfg, "use_sliding_window", False):
             return False
+        if rope_type(cfg) in ("dynamic", "longrope"):
+            return False  # frequencies that follow the sequence's length: the table here is built once, for P + T
         if any(type(p) is not torch.nn.Parameter for p in model.parameters()):
             return False  # e.g. FSDP2-sharded (DTensor) parameters: the generic path handles those
         base = model.model

@@ -108,7 +108,8 @@ def main(argv: list[str] | None = None) -> int:
 
         if cfg is None or not is_out_of_memory(e):
             raise
-        print(f"grouprl {args.command}: error: {out_of_memory_advice('generate', cfg)}\n"
+        stage = "eval" if args.command == "eval" else "generate"  # preflight samples a step's groups
+        print(f"grouprl {args.command}: error: {out_of_memory_advice(stage, cfg)}\n"
               f"The error: {str(e).strip().splitlines()[0][:300]}", file=sys.stderr)
         return 1
     except KeyboardInterrupt as e:  # a second signal during training (StopNow), or Ctrl-C outside it

@@ -115,10 +115,12 @@ def out_of_memory_advice(stage: str | None, cfg, *, budget: int | None = None, c
     generation holds the KV cache of the rows decoded together; a pass of the log-prob and update
     passes holds the activations of its tokens (`budget`, resolved; `checkpointing`: checkpoint_mode's
     answer)."""
-    n = cfg.prompts_per_step * cfg.num_generations
+    evaluating = stage == "eval"
+    n = 64 * cfg.num_generations_eval if evaluating else cfg.prompts_per_step * cfg.num_generations
     rows = cfg.generation_batch_size or n
+    every = f"null, all {n} of an eval batch of 64 prompts" if evaluating else f"null, all {n} of a step"
     generate = [f"generation decodes {rows} rows together (generation_batch_size: "
-                f"{cfg.generation_batch_size or f'null, all {n} of a step'}), each with a KV cache of prompt + "
+                f"{cfg.generation_batch_size or every}), each with a KV cache of prompt + "
                 f"max_completion_length ({cfg.max_completion_length}) tokens: set generation_batch_size to "
                 f"{max(1, rows // 2)}, or lower max_completion_length"]
     if cfg.use_vllm and cfg.vllm_mode == "colocate":
@@ -134,14 +136,15 @@ def out_of_memory_advice(stage: str | None, cfg, *, budget: int | None = None, c
         update.append(f"gradient_checkpointing: true keeps only each layer's input and recomputes the rest "
                       f"(now {cfg.gradient_checkpointing!r}" + (f", checkpointing {checkpointing.replace('_', ' ')}"
                                                                   if checkpointing else "") + ")")
-    if stage == "generate":
+    if stage in ("generate", "eval"):
         tips = generate
     elif stage in ("logprobs", "update"):
         tips = update
     else:
         tips = generate + update + (["bf16: true halves what activations take where the device supports it"]
                                     if cfg.bf16 is False else [])
-    where = {"generate": "while generating", "logprobs": "in the log-prob passes", "update": "in the update",
+    where = {"generate": "while generating", "eval": "while generating for the eval",
+             "logprobs": "in the log-prob passes", "update": "in the update",
              "reward": "in a reward function", "sync_weights": "while sending weights to the engine"}
     return (f"out of memory {where.get(stage or '', 'outside a training step (loading, or an eval)')}. "
             f"To fit:\n" + "\n".join(f"  - {t}" for t in tips))

@@ -103,3 +103,16 @@ def test_advice_outside_a_step_covers_generation_and_the_passes(make_cfg):
     assert text.startswith("out of memory outside a training step")
     assert "generation decodes 8 rows together (generation_batch_size: 8)" in text and "set it to 512" in text
     assert "gradient_checkpointing: true" not in text  # already checkpointing every pass
+
+
+def test_out_of_memory_in_grouprl_eval_speaks_of_its_batches(make_cfg, digits_data, tmp_path, monkeypatch, capsys):
+    path = _config(make_cfg, tmp_path, eval_data=str(digits_data), num_generations_eval=2)
+
+    def generate(self, *args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 8.00 GiB.")
+
+    monkeypatch.setattr(HFEngine, "generate", generate)
+    assert main(["eval", str(path)]) == 1
+    err = capsys.readouterr().err
+    assert "grouprl eval: error: out of memory while generating for the eval. To fit:" in err
+    assert "generation decodes 128 rows together (generation_batch_size: null, all 128 of an eval batch" in err

@@ -14,15 +14,24 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import pandas as pd
+import pyarrow as pa
 import torch
-from datasets import Dataset
+from datasets import Dataset, DatasetDict, IterableDataset, IterableDatasetDict
 
 from grouprl.config import ConfigError
+
+
+def _read_csv(path: str) -> Dataset:
+    """Every CSV cell as its text: type inference would turn the answer "007" into 7, "3.10" into 3.1
+    and "NA" into None (pandas' missing value)."""
+    return Dataset.from_pandas(pd.read_csv(path, dtype=str, keep_default_na=False), preserve_index=False)
+
 
 _READERS = {
     ".jsonl": Dataset.from_json,
     ".json": Dataset.from_json,
-    ".csv": Dataset.from_csv,
+    ".csv": _read_csv,
     ".parquet": Dataset.from_parquet,
 }
 
@@ -32,19 +41,41 @@ logger = logging.getLogger(__name__)
 ROLES = ("system", "user", "assistant", "tool")
 """The roles a chat message may have: the ones every chat template renders."""
 
+RESERVED_COLUMNS = ("prompts", "completions", "completion_ids", "completion_lengths", "env_reward")
+"""The keyword arguments the trainer itself passes to reward functions: a dataset column of one of
+these names would be replaced by them (or replace them) without a word, so it is refused."""
+
+_EVAL_SPLITS = ("test", "validation")  # the splits of a DatasetDict given as eval data, in TRL's examples
+
 
 class DataError(ValueError):
     """A dataset is missing, unreadable or has a malformed row; the message names the row and the fix."""
 
 
-def load_prompts(source: str | Dataset | list[dict], *, prompt_column: str = "prompt",
-                 name: str = "train_data", reward_funcs: tuple[str, ...] = ()) -> Dataset:
-    """Load and validate a prompt dataset from a file, `builtin:NAME`, a `datasets.Dataset` or rows.
-    `reward_funcs`: the names of the functions that read its columns (named when the file is missing)."""
+def load_prompts(source: str | Path | Dataset | DatasetDict | IterableDataset | pd.DataFrame | list[dict], *,
+                 prompt_column: str = "prompt", name: str = "train_data", reward_funcs: tuple[str, ...] = ()
+                 ) -> Dataset:
+    """Load and validate a prompt dataset from a file, `builtin:NAME`, a `datasets.Dataset` (or a
+    DatasetDict: its train split, or for eval_data its test or validation split; or an IterableDataset,
+    read whole), a pandas DataFrame or rows. `reward_funcs`: the names of the functions that read its
+    columns (named when the file is missing)."""
+    if isinstance(source, (DatasetDict, IterableDatasetDict)):
+        source = _pick_split(source, name)
+    if isinstance(source, IterableDataset):
+        logger.info("%s is an IterableDataset: reading all its rows into memory (the prompt sampler shuffles "
+                    "by index); for part of a large stream pass `dataset.take(n)`", name)
+        source = list(source)
+    if isinstance(source, pd.DataFrame):
+        source = Dataset.from_pandas(source, preserve_index=False)
+    if isinstance(source, Path):
+        source = str(source)
     if isinstance(source, Dataset):
         ds = source
     elif isinstance(source, list):
-        ds = Dataset.from_list(source)
+        ds = rows_dataset(source, name)
+    elif not isinstance(source, str):
+        raise DataError(f"{name} is a {type(source).__name__}: give a file path, 'builtin:NAME', a datasets.Dataset "
+                        "(or DatasetDict, IterableDataset), a pandas DataFrame or a list of rows (dicts)")
     elif source.startswith("builtin:"):
         from grouprl.tasks import builtin_dataset
 
@@ -73,6 +104,44 @@ def load_prompts(source: str | Dataset | list[dict], *, prompt_column: str = "pr
                             f"{type(e).__name__}: {e}") from None
     validate_prompts(ds, prompt_column=prompt_column, name=name)
     return ds
+
+
+def _pick_split(splits: DatasetDict | IterableDatasetDict, name: str) -> Dataset | IterableDataset:
+    """The split of a DatasetDict (`load_dataset` without `split=`) that `name` means: "train" for the
+    training data, "test" or "validation" for eval_data, or the only split there is."""
+    wanted = _EVAL_SPLITS if name == "eval_data" else ("train",)
+    found = [s for s in wanted if s in splits] or (list(splits) if len(splits) == 1 else [])
+    if len(found) != 1:
+        raise DataError(f"{name} is a DatasetDict with the splits {list(splits)}: pass one split, e.g. "
+                        f"dataset[{(found or list(splits))[0]!r}] (or load_dataset(..., split=...))")
+    logger.info("%s is a DatasetDict with the splits %s: using its %r split", name, list(splits), found[0])
+    return splits[found[0]]
+
+
+def rows_dataset(rows: list[Any], name: str = "rows") -> Dataset:
+    """A Dataset of rows (dicts) with every column any row has (None where a row lacks it):
+    `Dataset.from_list` takes the columns of the first row only. A column mixing types (5 and "x")
+    is a DataError naming it, not pyarrow's error, which names neither column nor row."""
+    bad = next((i for i, r in enumerate(rows) if not isinstance(r, dict)), None)
+    if bad is not None:
+        raise DataError(f"{name} row {bad} is a {type(rows[bad]).__name__}, not a dict of columns")
+    columns = {k: [r.get(k) for r in rows] for k in dict.fromkeys(k for r in rows for k in r)}
+    try:
+        return Dataset.from_dict(columns)
+    except (pa.ArrowInvalid, pa.ArrowTypeError) as e:
+        for k, values in columns.items():
+            try:
+                pa.array(values)
+            except (pa.ArrowInvalid, pa.ArrowTypeError) as column_error:
+                first: dict[str, int] = {}  # type -> the first row with it
+                for i, v in enumerate(values):
+                    if v is not None:
+                        first.setdefault(type(v).__name__, i)
+                what = (f"mixes types ({', '.join(f'{t} in row {i}' for t, i in first.items())})" if len(first) > 1
+                        else f"cannot be one column ({column_error})")
+                raise DataError(f"{name}: column {k!r} {what}: give it one type in every row, e.g. all strings"
+                                ) from None
+        raise DataError(f"{name}: the rows cannot be made into a table: {e}") from None
 
 
 def _has_rows(path: Path) -> bool:
@@ -123,11 +192,21 @@ def validate_prompts(ds: Dataset, *, prompt_column: str = "prompt", name: str = 
     if prompt_column not in ds.column_names:
         raise DataError(f"{name} has no {prompt_column!r} column (columns: {ds.column_names}); "
                         f"rename the prompt column to {prompt_column!r} or set prompt_column")
+    check_reserved(ds.column_names, prompt_column, name)
     for i, prompt in enumerate(ds[prompt_column]):
         problem = _prompt_problem(prompt)
         if problem:
             raise DataError(f"{name} row {i}: {prompt_column!r} {problem}; a prompt is a non-empty "
                             "string or a list of {'role': ..., 'content': ...} messages")
+
+
+def check_reserved(columns: list[str], prompt_column: str, name: str) -> None:
+    """A column named like an argument the trainer passes to reward functions itself is refused."""
+    reserved = [c for c in columns if c in RESERVED_COLUMNS and c != prompt_column]
+    if reserved:
+        raise DataError(f"{name} has a column named {reserved[0]!r}, a keyword argument the trainer passes to reward "
+                        f"functions itself ({', '.join(RESERVED_COLUMNS)}): rename the column (in the file, "
+                        f"or ds.rename_column({reserved[0]!r}, 'dataset_{reserved[0]}'))")
 
 
 def _prompt_problem(prompt: Any) -> str | None:
@@ -212,12 +291,16 @@ class PromptFormatter:
         self._warned_cut = False  # the first prompt cut to max_prompt_length is logged, the others not
 
     def text(self, prompt: Any) -> str:
+        """A string as it is; messages through the chat template, opening the assistant's turn, or, when the
+        last message is the assistant's (a prefill such as "<think>"), continuing it, as TRL does."""
         if isinstance(prompt, str):
             return prompt
         if not getattr(self.tokenizer, "chat_template", None):
             raise DataError("a prompt is a list of chat messages but the tokenizer has no chat "
                             "template: give prompts as plain strings, or use a tokenizer with one")
-        return self.tokenizer.apply_chat_template(prompt, tools=self.tools, add_generation_prompt=True, tokenize=False)
+        prefill = bool(prompt) and prompt[-1].get("role") == "assistant"
+        return self.tokenizer.apply_chat_template(prompt, tools=self.tools, add_generation_prompt=not prefill,
+                                                  continue_final_message=prefill, tokenize=False)
 
     def encode(self, prompt: Any) -> list[int]:
         ids = self.tokenizer(self.text(prompt), add_special_tokens=False)["input_ids"]
@@ -244,7 +327,8 @@ class PromptFormatter:
         """Every row of a dataset, or of a list of rows with the prompt column, or of prompts
         (strings or chat messages), tokenised."""
         if not isinstance(rows, Dataset):
-            rows = Dataset.from_list([r if isinstance(r, dict) else {prompt_column: r} for r in rows])
+            rows = rows_dataset([r if isinstance(r, dict) else {prompt_column: r} for r in rows])
+        check_reserved(rows.column_names, prompt_column, "rows")
         return self.batch(rows, list(range(len(rows))), prompt_column)
 
 

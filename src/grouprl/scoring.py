@@ -48,7 +48,8 @@ def score_trajectories(cfg: TrainConfig, tokenizer: Any, reward_funcs: list[Call
         [f"{c['function']['name']}({json.dumps(c['function']['arguments'])})"
          for m in msgs for c in m.get("tool_calls", [])] for msgs in trajectories.messages]
     return StepBatch(rollout, per_prompt, texts, rewards, scores.per_func, scores.metrics, steps, audit, index,
-                     trajectories.stop_reasons, calls, None if shaping is None else scores.total.float())
+                     trajectories.stop_reasons, calls, None if shaping is None else scores.total.float(),
+                     scores.fallback)
 
 
 def reward_from_config(spec: Any) -> Callable:

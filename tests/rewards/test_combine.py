@@ -1,6 +1,9 @@
 """score_completions: weighted nansum, metrics, and every fault named (or a counted fallback)."""
 
+import asyncio
 import math
+import signal
+import threading
 import time
 
 import pytest
@@ -101,32 +104,67 @@ def test_bad_outputs_with_fallback_are_counted():
     assert res.total.tolist() == [0.25] * 4 and res.metrics["rewards/short/num_fallback"] == 4
 
 
+def in_thread(fn):
+    """fn() run in another thread (where a reward with a timeout runs in a worker thread); its result or error."""
+    box = {}
+
+    def target():
+        try:
+            box["value"] = fn()
+        except BaseException as e:  # noqa: BLE001 - handed to the test
+            box["error"] = e
+
+    t = threading.Thread(target=target)
+    t.start()
+    t.join()
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
 def hangs(prompts, completions, **kwargs):
     time.sleep(30)
     return [1.0] * len(completions)
 
 
-def test_hung_function_times_out_with_a_clear_error_or_fallback():
+@pytest.mark.parametrize("thread", [False, True])  # stopped by a signal in the main thread, abandoned elsewhere
+def test_hung_function_times_out_with_a_clear_error_or_fallback(thread):
+    def run(fn):
+        return in_thread(fn) if thread else fn()
+
     with pytest.raises(RewardFunctionError, match="'hangs': did not return within timeout_s=0.2"):
-        score_completions([hangs], None, PROMPTS, COMPLETIONS, {}, timeout_s=0.2)
-    res = score_completions([hangs, const("ok", [1.0] * 4)], None, PROMPTS, COMPLETIONS, {}, timeout_s=0.2,
-                            fallback=0.0)
+        run(lambda: score_completions([hangs], None, PROMPTS, COMPLETIONS, {}, timeout_s=0.2))
+    res = run(lambda: score_completions([hangs, const("ok", [1.0] * 4)], None, PROMPTS, COMPLETIONS, {},
+                                        timeout_s=0.2, fallback=0.0))
     assert res.total.tolist() == [1.0] * 4 and res.metrics["rewards/hangs/num_fallback"] == 4
 
 
-@pytest.mark.parametrize("timeout_s, exit_with", [(None, SystemExit(3)), (5.0, SystemExit(3)),
-                                                  (5.0, KeyboardInterrupt())])
-def test_a_function_that_exits_is_named_like_any_error(timeout_s, exit_with):
+@pytest.mark.parametrize("timeout_s, exit_with, thread", [(None, SystemExit(3), False), (5.0, SystemExit(3), False),
+                                                          (5.0, SystemExit(3), True),
+                                                          (5.0, KeyboardInterrupt(), True)])
+def test_a_function_that_exits_is_named_like_any_error(timeout_s, exit_with, thread):
     """`sys.exit(3)` inside a reward function would end the run with the run health's own exit code,
     and say nothing: it is the function's error, named with its row. (A KeyboardInterrupt in the main
-    thread, without a timeout, is the user's Ctrl-C, and passes.)"""
+    thread is the user's Ctrl-C, and passes: below.)"""
     def exits_on_c(prompts, completions, **kwargs):
         if "c" in completions:
             raise exit_with
         return [1.0] * len(completions)
 
+    def score():
+        return score_completions([exits_on_c], None, PROMPTS, COMPLETIONS, {}, timeout_s=timeout_s)
+
     with pytest.raises(RewardFunctionError, match=f"'exits_on_c' on row 2: raised {type(exit_with).__name__}\\("):
-        score_completions([exits_on_c], None, PROMPTS, COMPLETIONS, {}, timeout_s=timeout_s)
+        in_thread(score) if thread else score()
+
+
+@pytest.mark.parametrize("timeout_s", [None, 5.0])
+def test_a_keyboard_interrupt_in_the_main_thread_passes(timeout_s):
+    def interrupted(prompts, completions, **kwargs):
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        score_completions([interrupted], None, PROMPTS, COMPLETIONS, {}, timeout_s=timeout_s)
 
 
 def test_a_column_array_is_named_by_its_shape():
@@ -145,26 +183,159 @@ def test_tensor_and_numpy_outputs_are_accepted():
     assert res.total.tolist() == [1.5, 0.5, 1.5, 0.5]
 
 
-def test_math_accuracy_under_a_timeout_runs_off_the_main_thread():
+@pytest.mark.parametrize("thread", [False, True])
+def test_math_accuracy_under_a_timeout(thread):
     from grouprl.rewards import math_accuracy
 
-    res = score_completions([math_accuracy], None, ["q"] * 3, ["\\boxed{\\frac{1}{2}}", "0.5", "2"],
-                            {"answer": ["0.5", "1/2", "0.5"]}, timeout_s=30)
+    def score():
+        return score_completions([math_accuracy], None, ["q"] * 3, ["\\boxed{\\frac{1}{2}}", "0.5", "2"],
+                                 {"answer": ["0.5", "1/2", "0.5"]}, timeout_s=30)
+
+    res = in_thread(score) if thread else score()
     assert res.per_func["math_accuracy"].tolist() == [1.0, 1.0, 0.0]
 
 
-def test_merge_reward_metrics_sums_counts_and_recomputes_means():
-    import torch
+def trl_accuracy(completions, solution, **kwargs):
+    """As TRL's and open-r1's accuracy_reward call math_verify: with its default, signal.alarm-based timeouts."""
+    from math_verify import LatexExtractionConfig, parse, verify
 
-    from grouprl.rewards import merge_reward_metrics, score_completions
+    out = []
+    for completion, sol in zip(completions, solution):
+        answer = parse(completion, extraction_config=[LatexExtractionConfig()])
+        try:
+            out.append(float(verify(parse(sol), answer)))
+        except Exception:  # noqa: BLE001 - as TRL's does
+            out.append(None)
+    return out
+
+
+def test_a_reward_calling_math_verify_works_under_the_default_timeout():
+    """The trainer scores with reward_timeout_s (60 s by default); in a worker thread math_verify's
+    parse raised "doesn't support threaded environment" on every row. From the main thread the
+    reward runs there; from another thread the error names the fix."""
+    args = (None, ["q"] * 2, ["$\\boxed{42}$", "$\\boxed{41}$"], {"solution": ["$42$", "$42$"]})
+    previous = signal.getsignal(signal.SIGALRM)
+    res = score_completions([trl_accuracy], *args, timeout_s=60.0)
+    assert res.per_func["trl_accuracy"].tolist() == [1.0, 0.0]
+    assert signal.getsignal(signal.SIGALRM) is previous
+    with pytest.raises(RewardFunctionError, match="works only in the main thread.*set reward_timeout_s: null"):
+        in_thread(lambda: score_completions([trl_accuracy], *args, timeout_s=60.0))
+
+
+def test_the_main_thread_timeout_stops_what_catches_exceptions_and_what_math_verify_holds():
+    """In the main thread the deadline is a signal: a function whose `except Exception` goes on, or one
+    inside math_verify (which holds SIGALRM for its own timeout), is stopped all the same."""
+    def swallows(prompts, completions, **kwargs):
+        for _ in range(300):
+            try:
+                time.sleep(0.1)
+            except Exception:  # noqa: BLE001, S110 - what the timeout must get past
+                pass
+        return [1.0] * len(completions)
+
+    def verifies_then_hangs(prompts, completions, **kwargs):
+        trl_accuracy(["$1$"], ["$1$"])  # sets and cancels math_verify's own alarm
+        time.sleep(30)
+        return [1.0] * len(completions)
+
+    for func in (swallows, verifies_then_hangs):
+        start = time.monotonic()
+        with pytest.raises(RewardFunctionError, match=f"'{func.__name__}': did not return within timeout_s=0.3"):
+            score_completions([func], None, PROMPTS, COMPLETIONS, {}, timeout_s=0.3)
+        assert time.monotonic() - start < 10  # not the 30 s it would sleep
+
+
+@pytest.mark.parametrize("timeout_s", [None, 5.0])
+def test_async_rewards_are_awaited_and_0d_tensors_read(timeout_s):
+    async def judge(prompts, completions, **kwargs):
+        await asyncio.sleep(0)
+        return [float(c == "a") for c in completions]
+
+    def tensors(prompts, completions, **kwargs):
+        return [torch.tensor(0.5)] * len(completions)
+
+    res = score_completions([judge, tensors], None, PROMPTS, COMPLETIONS, {}, timeout_s=timeout_s)
+    assert res.per_func["judge"].tolist() == [1.0, 0.0, 0.0, 0.0] and res.total.tolist() == [1.5, 0.5, 0.5, 0.5]
+
+
+def test_an_async_reward_runs_under_a_running_event_loop():
+    """A notebook runs an event loop in the main thread, where asyncio.run cannot start one."""
+    async def judge(prompts, completions, **kwargs):
+        return [1.0] * len(completions)
+
+    async def main():
+        return score_completions([judge], None, PROMPTS, COMPLETIONS, {})
+
+    assert asyncio.run(main()).total.tolist() == [1.0] * 4
+
+
+def test_a_column_named_like_an_argument_is_refused():
+    for key in ("prompts", "completions"):
+        with pytest.raises(ValueError, match=f"a column is named '{key}', which would replace the {key} argument"):
+            score_completions([const("a", [1] * 4)], None, PROMPTS, COMPLETIONS, {key: ["x"] * 4})
+
+
+def test_reward_metrics_describe_the_rows_they_are_computed_on():
+    """A batch cut to some rows (dynamic sampling keeps some groups) counts the Nones, fallbacks and
+    all-None rows of those rows, as its means do; joined batches count the joined rows."""
+    from grouprl.rewards import reward_metrics
 
     def half(prompts, completions, **kw):
+        if completions == ["boom"]:
+            raise ValueError("boom")
+        if "boom" in completions:
+            raise ValueError("batch")
         return [None if c == "skip" else float(len(c)) for c in completions]
 
-    a = score_completions([half], None, ["p"] * 2, ["ab", "skip"])
-    b = score_completions([half], None, ["p"] * 3, ["a", "abcd", "skip"])
-    per_func = {"half": torch.cat([a.per_func["half"], b.per_func["half"]])}
-    merged = merge_reward_metrics([a.metrics, b.metrics], per_func)
-    assert merged["rewards/half/num_none"] == 2.0
-    assert merged["rewards/half/mean"] == pytest.approx((2 + 1 + 4) / 3)
-    assert merged["rewards/half/std"] == pytest.approx(torch.tensor([2.0, 1.0, 4.0]).std().item())
+    res = score_completions([half], None, ["p"] * 4, ["ab", "skip", "abcd", "boom"], fallback=0.0)
+    assert res.fallback["half"].tolist() == [False, False, False, True]
+    assert (res.metrics["rewards/half/num_none"], res.metrics["rewards/half/num_fallback"],
+            res.metrics["rewards/num_all_none"]) == (1, 1, 1)
+    kept = torch.tensor([0, 2])
+    m = reward_metrics({"half": res.per_func["half"][kept]}, {"half": res.fallback["half"][kept]})
+    assert m == {"rewards/half/mean": 3.0, "rewards/half/std": pytest.approx(math.sqrt(2)),
+                 "rewards/half/num_none": 0.0, "rewards/half/num_fallback": 0.0, "rewards/num_all_none": 0.0}
+
+
+def test_a_step_batch_cut_or_joined_reports_the_reward_metrics_of_its_rows():
+    """Dynamic sampling keeps the groups whose rewards differ: the kept batch's None counts were those of
+    every generated row while its means were those of the kept rows (here: 'judge' abstains only on the
+    dropped group, and the kept rows had no None)."""
+    from grouprl.batch import StepBatch
+    from grouprl.rollout import Rollout
+
+    def acc(prompts, completions, **kw):
+        return [1.0 if p == "flat" else float(c == "a") for p, c in zip(prompts, completions)]
+
+    def judge(prompts, completions, **kw):
+        return [None if p == "flat" else 0.5 for p in prompts]
+
+    prompts, completions = ["flat", "flat", "vary", "vary"], ["a", "b", "a", "b"]
+    res = score_completions([acc, judge], None, prompts, completions, {})
+    rollout = Rollout(torch.zeros(4, 1, dtype=torch.long), torch.ones(4, 1, dtype=torch.long),
+                      torch.ones(4, 2, dtype=torch.long), torch.ones(4, 2, dtype=torch.bool),
+                      torch.zeros(4, dtype=torch.bool))
+    batch = StepBatch(rollout, prompts, completions, res.total, res.per_func, res.metrics, fallback=res.fallback)
+    assert batch.reward_metrics["rewards/judge/num_none"] == 2
+    kept = StepBatch.cat([batch.select(torch.tensor([2, 3])), batch.select(torch.tensor([], dtype=torch.long))], 0)
+    m = kept.reward_metrics
+    assert (m["rewards/judge/num_none"], m["rewards/num_all_none"], m["rewards/acc/mean"]) == (0, 0, 0.5)
+    assert StepBatch.cat([batch, batch], 0).reward_metrics["rewards/judge/num_none"] == 4
+
+
+def test_an_alarm_the_program_had_set_still_reaches_its_handler():
+    """The reward timeout borrows SIGALRM in the main thread; an alarm set before the call is not eaten."""
+    rang = []
+
+    def slow(prompts, completions, **kwargs):
+        time.sleep(0.3)
+        return [1.0] * len(completions)
+
+    previous = signal.signal(signal.SIGALRM, lambda signum, frame: rang.append(signum))
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.05)
+        assert score_completions([slow], None, PROMPTS, COMPLETIONS, {}, timeout_s=5.0).total.tolist() == [1.0] * 4
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    assert rang == [signal.SIGALRM]

@@ -128,3 +128,75 @@ def test_a_prompt_cut_to_max_prompt_length_is_logged_once(caplog):
     assert [r.getMessage() for r in caplog.records] == [
         "a prompt of 5 tokens is longer than max_prompt_length=3: its first 2 tokens (the left) are dropped, and so "
         "for every longer prompt (logged once); raise max_prompt_length or set it to null to keep prompts whole"]
+
+
+def test_a_datasetdict_gives_its_train_split_or_for_eval_its_test_split(caplog):
+    """`load_dataset(name)` without `split=` is a DatasetDict; it reached `source.startswith` (AttributeError)."""
+    from datasets import DatasetDict
+
+    splits = DatasetDict(train=Dataset.from_list(ROWS[:6]), test=Dataset.from_list(ROWS[6:]))
+    with caplog.at_level("INFO", logger="grouprl.data"):
+        assert load_prompts(splits)["prompt"] == [r["prompt"] for r in ROWS[:6]]
+        assert load_prompts(splits, name="eval_data")["prompt"] == [r["prompt"] for r in ROWS[6:]]
+    assert "train_data is a DatasetDict with the splits ['train', 'test']: using its 'train' split" in caplog.text
+    both = DatasetDict(train=splits["train"], validation=splits["test"], test=splits["test"])
+    with pytest.raises(DataError, match=r"eval_data is a DatasetDict with the splits \['train', 'validation', "
+                                        r"'test'\]: pass one split, e.g. dataset\['test'\]"):
+        load_prompts(both, name="eval_data")
+    with pytest.raises(DataError, match=r"train_data is a DatasetDict with the splits \['a', 'b'\]: pass one split"):
+        load_prompts(DatasetDict(a=splits["train"], b=splits["test"]))
+
+
+def test_a_dataframe_an_iterable_dataset_or_a_path_load_and_anything_else_is_named(tmp_path):
+    expected = [r["prompt"] for r in ROWS]
+    assert load_prompts(Dataset.from_list(ROWS).to_pandas())["prompt"] == expected
+    assert load_prompts(Dataset.from_list(ROWS).to_iterable_dataset())["prompt"] == expected
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    assert load_prompts(path)["prompt"] == expected
+    with pytest.raises(DataError, match="train_data is a dict: give a file path, 'builtin:NAME', a datasets.Dataset"):
+        load_prompts({"prompt": ["q"]})
+
+
+def test_csv_cells_keep_their_text(tmp_path):
+    """Type inference read the answer "007" as 7, "3.10" as 3.1 and "NA" as None."""
+    path = tmp_path / "rows.csv"
+    path.write_text('prompt,answer\n"code?","007"\n"pi?","3.10"\n"sodium?","NA"\n"none?",\n')
+    assert load_prompts(str(path))["answer"] == ["007", "3.10", "NA", ""]
+
+
+def test_rows_keep_every_column_and_a_mixed_column_is_named():
+    """Dataset.from_list took the columns of the first row only, and a column of 5 and "x" raised pyarrow's
+    ArrowInvalid, which names no column."""
+    from grouprl.data import PromptFormatter
+    from grouprl.tasks.testing import build_char_tokenizer
+
+    rows = [{"prompt": "What is 2 + 3?"}, {"prompt": "What is 7 + 8?", "answer": "15"}]
+    assert load_prompts(rows)["answer"] == [None, "15"]
+    assert PromptFormatter(build_char_tokenizer()).rows(rows, "prompt").columns == {"answer": [None, "15"]}
+    with pytest.raises(DataError, match=r"train_data: column 'answer' mixes types \(int in row 0, str in row 2\)"):
+        load_prompts([{"prompt": "a", "answer": 5}, {"prompt": "b"}, {"prompt": "c", "answer": "x"}])
+
+
+@pytest.mark.parametrize("column", ["prompts", "completions", "completion_ids", "completion_lengths"])
+def test_a_column_named_like_an_argument_of_the_reward_functions_is_refused(column):
+    """It replaced the trainer's own argument (prompts, completions) or was replaced by it, without a word."""
+    with pytest.raises(DataError, match=f"train_data has a column named '{column}', a keyword argument the trainer "
+                                        "passes to reward functions itself .*: rename the column"):
+        load_prompts([{"prompt": "q", column: "x"}])
+    assert len(load_prompts([{column: "q"}], prompt_column=column)) == 1  # the prompt column itself is not passed
+
+
+def test_a_prompt_ending_with_the_assistant_continues_its_message():
+    """A prefill ("<think>") was closed and a new assistant turn opened after it; TRL continues it."""
+    from grouprl.data import PromptFormatter
+    from grouprl.tasks.testing import build_char_tokenizer
+
+    tok = build_char_tokenizer()
+    tok.chat_template = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}</>\n{% endfor %}"
+                         "{% if add_generation_prompt %}<assistant>{% endif %}")
+    formatter = PromptFormatter(tok)
+    question = [{"role": "user", "content": "6*7?"}]
+    assert formatter.text(question) == "<user>6*7?</>\n<assistant>"
+    prefilled = question + [{"role": "assistant", "content": "<think>"}]
+    assert formatter.text(prefilled) == "<user>6*7?</>\n<assistant><think>"

@@ -6,7 +6,7 @@ See docs/rewards.md for the list of built-ins and their parameters.
 """
 
 from .code import code_tests, extract_code
-from .combine import RewardFunctionError, RewardScores, merge_reward_metrics, reward_names, score_completions
+from .combine import RewardFunctionError, RewardScores, reward_metrics, reward_names, score_completions
 from .format import regex_match, think_format, think_format_soft
 from .math import extract_answer, math_accuracy, verify_math
 from .model import RewardModelScorer, reward_model
@@ -33,7 +33,6 @@ __all__ = [
     "extract_code",
     "length_target",
     "math_accuracy",
-    "merge_reward_metrics",
     "overlong_penalty",
     "process_reward_model",
     "process_rewards",
@@ -41,6 +40,7 @@ __all__ = [
     "repetition_penalty",
     "resolve_reward_func",
     "resolve_reward_spec",
+    "reward_metrics",
     "reward_model",
     "reward_names",
     "run_code",

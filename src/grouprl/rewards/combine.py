@@ -11,13 +11,23 @@ number of values, a non-number, NaN or ±inf raises `RewardFunctionError` naming
 row when known) — unless `fallback` is set, in which case the affected rows get `fallback`, a warning
 is logged and `rewards/<name>/num_fallback` counts them. When a batch call raises, each row is retried
 alone to find the failing rows (only rows that fail alone get the fallback).
+
+Where the functions run: with a timeout, called from the main thread (the trainer's case, on Unix), in
+the main thread itself, stopped at the deadline by a SIGALRM a watchdog thread sends: libraries that
+time themselves out with `signal.alarm` (math-verify's `parse` and `verify`, so TRL's and open-r1's
+accuracy rewards) raise in any other thread. Elsewhere (another thread, Windows) in a worker thread,
+abandoned at the deadline. An `async def` function is run to its end on an event loop of its own.
 """
 
 from __future__ import annotations
 
+import asyncio
+import inspect
+import itertools
 import logging
 import math
 import numbers
+import signal
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -41,6 +51,7 @@ class RewardScores:
     all_none: Tensor | None = None  # [N] bool, rows no function scored
     steps: dict[str, list[StepList | None]] = field(default_factory=dict)  # name -> [N] step rewards
     # (character end, reward), None where the function gave a float or None; functions with steps only
+    fallback: dict[str, Tensor] = field(default_factory=dict)  # name -> [N] bool, rows given `fallback`
 
 
 class _Timeout(Exception):
@@ -56,17 +67,108 @@ class _Exited(Exception):
         return self.args[0]
 
 
+class _Deadline(BaseException):
+    """Raised in the main thread at a reward's deadline; a BaseException, so that a function's own
+    `except Exception` (TRL's accuracy_reward has one) does not swallow it."""
+
+
+_THREADED_HINT = ("; it times itself out with signal.alarm, which works only in the main thread, and it ran in a "
+                  "worker thread (the reward timeout, called off the main thread): set reward_timeout_s: null, or "
+                  "turn its own timeout off (math_verify: parse(..., parsing_timeout=None), "
+                  "verify(..., timeout_seconds=None)) and let reward_timeout_s bound it")
+
+
+def _invoke(func: Callable, kwargs: dict) -> Any:
+    """Call a reward function; what an `async def` one returns is awaited, as TRL does."""
+    out = func(**kwargs)
+    return asyncio.run(out) if inspect.iscoroutine(out) else out
+
+
 def _call(func: Callable, kwargs: dict, timeout_s: float | None) -> Any:
+    if inspect.iscoroutinefunction(func) and _loop_running():  # asyncio.run cannot start in a notebook's loop
+        return _call_in_thread(func, kwargs, timeout_s)
     if timeout_s is None:
         try:
-            return func(**kwargs)
+            return _invoke(func, kwargs)
         except SystemExit as e:
             raise _Exited(f"SystemExit({e})") from None
+    if threading.current_thread() is threading.main_thread() and hasattr(signal, "pthread_kill"):
+        return _call_on_main_thread(func, kwargs, timeout_s)
+    return _call_in_thread(func, kwargs, timeout_s)
+
+
+def _loop_running() -> bool:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
+
+
+STUCK_WARNING_TRIES = 200  # 10 s of signals every 50 ms past the deadline
+
+
+def _call_on_main_thread(func: Callable, kwargs: dict, timeout_s: float) -> Any:
+    """Run the function here, in the main thread, and raise _Timeout in it at the deadline. A watchdog
+    thread sends the main thread SIGALRM then, and again every 50 ms until the function stops: a
+    library may hold SIGALRM with a handler of its own for a while (math-verify does, for its own
+    timeouts), and a function that catches the exception and goes on is still over its time."""
+    live, expired, finished, lock = [True], threading.Event(), threading.Event(), threading.Lock()
+    main = threading.get_ident()
+
+    def on_alarm(signum, frame) -> None:
+        if not expired.is_set():  # not ours: an alarm the program had set, for its own handler
+            if callable(previous):
+                previous(signum, frame)
+        elif live[0]:
+            raise _Deadline
+
+    def watchdog() -> None:
+        if finished.wait(timeout_s):
+            return
+        expired.set()
+        for tries in itertools.count(1):
+            with lock:  # never after `finished`: the handler in place then may be the default, which ends the process
+                if finished.is_set():
+                    return
+                signal.pthread_kill(main, signal.SIGALRM)
+            if finished.wait(0.05):
+                return
+            if tries == STUCK_WARNING_TRIES:  # a signal is handled only once control is back in Python
+                logger.warning("reward function %s is still running %.0f s past its timeout (reward_timeout_s=%s): "
+                               "it is inside native code that does not return to Python, where no signal can stop "
+                               "it; the run waits for it", getattr(func, "__name__", func), tries * 0.05, timeout_s)
+
+    previous = signal.getsignal(signal.SIGALRM)
+    signal.signal(signal.SIGALRM, on_alarm)
+    thread = threading.Thread(target=watchdog, daemon=True, name=f"reward-deadline-{getattr(func, '__name__', '')}")
+    thread.start()
+    try:
+        out = _invoke(func, kwargs)
+    except _Deadline:
+        if not expired.is_set():  # an enclosing call's deadline (score_completions inside a reward function)
+            raise
+        out = None
+    except SystemExit as e:
+        raise _Exited(f"SystemExit({e})") from None
+    finally:
+        live[0] = False  # first, one store: from here a late signal does nothing
+        with lock:
+            finished.set()
+        thread.join()
+        signal.signal(signal.SIGALRM, signal.SIG_IGN)  # drops a signal still pending, then the previous handler
+        signal.signal(signal.SIGALRM, signal.SIG_DFL if previous is None else previous)
+    if expired.is_set():
+        raise _Timeout
+    return out
+
+
+def _call_in_thread(func: Callable, kwargs: dict, timeout_s: float | None) -> Any:
     box: dict[str, Any] = {}
 
     def target() -> None:
         try:
-            box["value"] = func(**kwargs)
+            box["value"] = _invoke(func, kwargs)
         except Exception as e:  # handed to the caller's thread
             box["error"] = e
         except BaseException as e:  # noqa: BLE001 -- raised by the function: no signal reaches this thread
@@ -81,6 +183,14 @@ def _call(func: Callable, kwargs: dict, timeout_s: float | None) -> Any:
     if "error" in box:
         raise box["error"]
     return box["value"]
+
+
+def _raised(e: BaseException) -> str:
+    """What a function raised, for its RewardFunctionError; a signal-based library in a worker thread gets the fix."""
+    if isinstance(e, _Exited):
+        return f"raised {e}"
+    threaded = "signal only works in main thread" in str(e) or "threaded environment" in str(e)
+    return f"raised {type(e).__name__}: {e}" + (_THREADED_HINT if threaded else "")
 
 
 def _validate(name: str, out: Any, completions: list, delimiter: str, row_offset: int = 0
@@ -100,6 +210,8 @@ def _validate(name: str, out: Any, completions: list, delimiter: str, row_offset
         raise RewardFunctionError(name, f"returned {len(out)} values for {n} completions")
     values: list[float | StepList | None] = []
     for i, v in enumerate(out):
+        if getattr(v, "ndim", None) == 0 and hasattr(v, "item"):  # a 0-d tensor or array, a numpy scalar
+            v = v.item()
         if v is None:
             values.append(None)
             continue
@@ -138,8 +250,8 @@ def _row_kwargs(prompts: list, completions: list, columns: dict, i: int) -> dict
 
 def _score_one(func: Callable, name: str, prompts: list, completions: list, columns: dict,
                timeout_s: float | None, fallback: float | None, delimiter: str
-               ) -> tuple[list[float | StepList | None], int]:
-    """One function's validated scores and how many rows got the fallback."""
+               ) -> tuple[list[float | StepList | None], list[bool]]:
+    """One function's validated scores, and which rows got the fallback."""
     n = len(completions)
     try:
         out = _call(func, {"prompts": prompts, "completions": completions, **columns}, timeout_s)
@@ -148,54 +260,53 @@ def _score_one(func: Callable, name: str, prompts: list, completions: list, colu
         if fallback is None:
             raise err from None
         logger.warning("%s; using fallback %s for all %d rows", err, fallback, n)
-        return [fallback] * n, n
+        return [fallback] * n, [True] * n
     except Exception as batch_error:
         return _score_rows_alone(func, name, prompts, completions, columns, timeout_s, fallback,
                                  delimiter, batch_error)
     try:
-        return _validate(name, out, completions, delimiter), 0
+        return _validate(name, out, completions, delimiter), [False] * n
     except RewardFunctionError as err:
         if fallback is None:
             raise
         if err.row is None:  # wrong type or length: nothing in the output can be trusted
             logger.warning("%s; using fallback %s for all %d rows", err, fallback, n)
-            return [fallback] * n, n
-        values, used = [], 0
+            return [fallback] * n, [True] * n
+        values, used = [], []
         for i, v in enumerate(out.tolist() if hasattr(out, "tolist") else out):
             try:
                 values.append(_validate(name, [v], completions[i:i + 1], delimiter, i)[0])
+                used.append(False)
             except RewardFunctionError as row_err:
                 logger.warning("%s; using fallback %s", row_err, fallback)
                 values.append(fallback)
-                used += 1
+                used.append(True)
         return values, used
 
 
 def _score_rows_alone(func, name, prompts, completions, columns, timeout_s, fallback, delimiter, batch_error):
     """The batch call raised: call each row alone to name the failing row(s)."""
     values: list[float | None] = []
-    used = 0
+    used: list[bool] = []
     for i in range(len(completions)):
         try:
             out = _call(func, _row_kwargs(prompts, completions, columns, i), timeout_s)
             values += _validate(name, out, completions[i:i + 1], delimiter, i)
+            used.append(False)
         except Exception as e:  # includes _Timeout
             if isinstance(e, RewardFunctionError):
                 err = e
             elif isinstance(e, _Timeout):
                 err = RewardFunctionError(name, f"did not return within timeout_s={timeout_s} s", i)
-            elif isinstance(e, _Exited):
-                err = RewardFunctionError(name, f"raised {e}", i)
             else:
-                err = RewardFunctionError(name, f"raised {type(e).__name__}: {e}", i)
+                err = RewardFunctionError(name, _raised(e), i)
             if fallback is None:
                 raise err from e
             logger.warning("%s; using fallback %s", err, fallback)
             values.append(fallback)
-            used += 1
-    if used == 0:  # every row passed alone: the failure is about the batch as a whole
-        err = RewardFunctionError(name, f"raised {type(batch_error).__name__}: {batch_error} "
-                                  "(each row alone succeeds)")
+            used.append(True)
+    if not any(used):  # every row passed alone: the failure is about the batch as a whole
+        err = RewardFunctionError(name, f"{_raised(batch_error)} (each row alone succeeds)")
         if fallback is None:
             raise err from batch_error
         logger.warning("%s; using the per-row scores", err)
@@ -230,6 +341,8 @@ def score_completions(
     if len(prompts) != n:
         raise ValueError(f"{len(prompts)} prompts for {n} completions: repeat each prompt once per completion")
     for key, values in columns.items():
+        if key in ("prompts", "completions"):
+            raise ValueError(f"a column is named {key!r}, which would replace the {key} argument: rename it")
         if len(values) != n:
             raise ValueError(f"column {key!r} has {len(values)} values for {n} completions")
     if timeout_s is not None and timeout_s <= 0:
@@ -238,30 +351,28 @@ def score_completions(
         raise ValueError(f"fallback={fallback} must be a finite number, or None to raise on faults")
 
     per_func: dict[str, Tensor] = {}
-    metrics: dict[str, float] = {}
+    used: dict[str, Tensor] = {}
     total = torch.zeros(n, dtype=torch.float32)  # [N]
     scored = torch.zeros(n, dtype=torch.bool)  # [N]
     steps: dict[str, list[StepList | None]] = {}
     for func, name, w in zip(funcs, reward_names(funcs), weights):
-        values, used = _score_one(func, name, prompts, completions, columns, timeout_s, fallback, step_delimiter)
+        values, fell_back = _score_one(func, name, prompts, completions, columns, timeout_s, fallback,
+                                       step_delimiter)
         if any(isinstance(v, list) for v in values):
             steps[name] = [v if isinstance(v, list) else None for v in values]
             values = [_step_mean(v) if isinstance(v, list) else v for v in values]
         r = torch.tensor([math.nan if v is None else v for v in values], dtype=torch.float32)  # [N]
         present = ~torch.isnan(r)  # [N]
-        per_func[name] = r
+        per_func[name], used[name] = r, torch.tensor(fell_back, dtype=torch.bool)
         total += torch.where(present, w * r, torch.zeros_like(r))
         scored |= present
-        metrics.update(_mean_std(name, r))
-        metrics[f"rewards/{name}/num_none"] = float(n - int(present.sum()))
-        metrics[f"rewards/{name}/num_fallback"] = float(used)
     all_none = ~scored  # [N]
-    metrics["rewards/num_all_none"] = float(all_none.sum())
     if all_none.any():
         rows = all_none.nonzero().flatten().tolist()
         logger.warning("no reward function scored rows %s (every function returned None); their total is 0",
                        rows[:20])
-    return RewardScores(total=total, per_func=per_func, metrics=metrics, all_none=all_none, steps=steps)
+    return RewardScores(total=total, per_func=per_func, metrics=reward_metrics(per_func, used), all_none=all_none,
+                        steps=steps, fallback=used)
 
 
 def _step_mean(steps: StepList) -> float | None:
@@ -277,10 +388,20 @@ def _mean_std(name: str, scores: Tensor) -> dict[str, float]:
             f"rewards/{name}/std": kept.std().item() if kept.numel() > 1 else 0.0}
 
 
-def merge_reward_metrics(parts: list[dict[str, float]], per_func: dict[str, Tensor]) -> dict[str, float]:
-    """Metrics of several scored batches joined into one: the counts (`.../num_...`) are summed, the
-    means and stds recomputed on `per_func` (name -> [N]), the joined scores."""
-    out = {k: sum(p.get(k, 0.0) for p in parts) for k in parts[0] if "/num_" in k}
+def reward_metrics(per_func: dict[str, Tensor], fallback: dict[str, Tensor] | None = None) -> dict[str, float]:
+    """The reward metrics of a set of rows, from the rows themselves: per function the mean and std of its
+    scores, how many rows it left None (`num_none`) or gave the fallback (`num_fallback`), and how many rows
+    no function scored (`rewards/num_all_none`). `per_func`: name -> [N] (NaN = None); `fallback`: name ->
+    [N] bool. So a batch cut (dynamic sampling keeps some groups) or joined (ranks, rounds) describes the
+    rows it holds."""
+    metrics: dict[str, float] = {}
+    scored = None  # [N] bool
     for name, scores in per_func.items():
-        out.update(_mean_std(name, scores))
-    return out
+        present = ~torch.isnan(scores)  # [N]
+        metrics.update(_mean_std(name, scores))
+        metrics[f"rewards/{name}/num_none"] = float((~present).sum())
+        metrics[f"rewards/{name}/num_fallback"] = float(fallback[name].sum()) if fallback and name in fallback else 0.0
+        scored = present if scored is None else scored | present
+    if scored is not None:
+        metrics["rewards/num_all_none"] = float((~scored).sum())
+    return metrics

@@ -36,23 +36,22 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import random
 import signal
 import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable, NoReturn
 
-import numpy as np
 import torch
 from datasets import Dataset
+from transformers import set_seed
 
 from grouprl import distributed as D
 from grouprl.batch import StepBatch
 from grouprl.checkpoint import checkpoint_path
 from grouprl.config import ConfigError, TrainConfig
 from grouprl.core import zero_std_groups
-from grouprl.data import PromptBatch, PromptFormatter, PromptSampler, load_datasets
+from grouprl.data import PromptBatch, PromptFormatter, PromptSampler, load_datasets, load_prompts
 from grouprl.distillation import load_teacher
 from grouprl.evaluation import BestModel, run_evaluation
 from grouprl.guard import RunGuard
@@ -105,9 +104,7 @@ class Trainer:
         if cfg.prompts_per_step % self.dist.world_size:
             raise ConfigError(f"prompts_per_step={cfg.prompts_per_step} does not split over {self.dist.world_size} "
                               f"processes (each rank generates whole groups): use a multiple of {self.dist.world_size}")
-        random.seed(cfg.seed)
-        np.random.seed(cfg.seed)
-        torch.manual_seed(cfg.seed)
+        set_seed(cfg.seed)  # random, numpy and torch (every device)
         if cfg.num_threads:
             torch.set_num_threads(cfg.num_threads)
 
@@ -450,10 +447,12 @@ class Trainer:
 
     # ------------------------------------------------------------------ eval
     def evaluate(self, dataset: Dataset | None = None, batch_size: int = 64) -> dict[str, float]:
-        """The eval_metrics on `dataset` (default: the eval set), read from the accuracy reward (default: the first
-        reward function): `accuracy`, `mean@k`, `pass@k`, `maj@k`, `reward_mean`, `rewards/NAME` (evaluation.py
-        defines each). Under torchrun each rank evaluates every K-th prompt and the sums are summed."""
-        return run_evaluation(self, dataset if dataset is not None else self.eval_ds, batch_size)
+        """The eval_metrics on `dataset` (default: the eval set; what load_prompts reads) from the accuracy reward (the
+        first reward function by default): `accuracy`, `mean@k`, `pass@k`, `maj@k`, `reward_mean`, `rewards/NAME`
+        (evaluation.py defines each). Under torchrun each rank evaluates every K-th prompt, and the sums are summed."""
+        ds = self.eval_ds if dataset is None else load_prompts(dataset, prompt_column=self.cfg.prompt_column,
+                                                                name="eval_data")  # a file, a DatasetDict, rows
+        return run_evaluation(self, ds, batch_size)
 
     def preflight(self, num_prompts: int = 64, samples_per_prompt: int | None = None) -> dict[str, Any]:
         """What GRPO would learn from `num_prompts` training prompts, each sampled G times (or `samples_per_prompt`,

@@ -154,6 +154,20 @@ def test_evaluate_samples_and_matches_the_numbers_recomputed_by_hand(make_cfg, d
     assert again == result and torch.equal(trainer.generator.get_state(), Trainer(cfg).generator.get_state())
 
 
+def test_evaluate_takes_what_load_prompts_reads(make_cfg, digits_data):
+    """`trainer.evaluate(dataset)` with a DatasetDict (load_dataset without split=) scores its test
+    split, as the eval set loaded from the same rows; a list of rows scores the same."""
+    from datasets import Dataset, DatasetDict
+
+    cfg = make_cfg(eval_data=str(digits_data), max_eval_samples=4)
+    trainer = Trainer(cfg)
+    want = trainer.evaluate()
+    rows = [dict(r) for r in trainer.eval_ds]
+    splits = DatasetDict({"train": Dataset.from_list([{"prompt": "unused ", "answer": "0"}]),
+                          "test": Dataset.from_list(rows)})
+    assert trainer.evaluate(splits) == want and trainer.evaluate(rows) == want
+
+
 def test_the_best_checkpoint_is_kept_and_loaded_at_the_end(make_cfg, digits_data, tmp_path):
     """Evals every step, save_total_limit 1: the best eval's checkpoint survives later saves, is named in
     summary.json, and load_best_model_at_end puts its weights in the model."""

@@ -101,7 +101,7 @@ GRAPH = _graph()
 
 
 def test_the_graph_was_read():
-    assert {"core", "rollout", "rewards", "config"} <= GRAPH["trainer"]
+    assert {"batch", "rollout", "rewards", "config"} <= GRAPH["trainer"]
 
 
 def test_the_module_graph_was_read():

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from grouprl import distributed as D
+from grouprl.core import zero_std_groups, zero_std_step_groups
 from grouprl.rewards import ProcessRewards, reward_metrics
 from grouprl.rollout import Rollout
 
@@ -36,6 +37,14 @@ class StepBatch:
         """[N] the reward before overlong shaping: what decides whether a group is flat (DAPO's dynamic
         sampling and the prompt filter judge the answers, not their lengths)."""
         return self.rewards if self.outcome is None else self.outcome
+
+    def flat_groups(self, group_size: int) -> torch.Tensor:
+        """Bool [B]: the groups without learning signal, judged before overlong shaping. Under process
+        supervision a group is flat only when all its step rewards (the outcome included) are equal, the
+        test `process_advantages` uses: equal per-completion means of unequal steps still teach."""
+        if self.steps is not None:
+            return zero_std_step_groups(self.steps.with_outcome(shaped=False)[0], group_size)
+        return zero_std_groups(self.unshaped, group_size)
 
     def select(self, rows: torch.Tensor) -> StepBatch:
         """The given rows; their reward metrics are theirs (dynamic sampling logs those of the groups kept)."""

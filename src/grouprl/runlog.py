@@ -11,7 +11,7 @@ from typing import Any, Callable
 
 from tqdm.auto import tqdm
 
-from grouprl.trackers import OPENERS, Tracker
+from grouprl.trackers import OPENERS, Tracker, TrackerError
 
 logger = logging.getLogger(__name__)
 
@@ -24,9 +24,10 @@ class RunLogger:
     in `report_to` (trackers.py). On resume from step S, lines after S (written by the interrupted
     run after its last checkpoint) are dropped, so the file reads as if the run had never stopped.
 
-    A tracker that raises (at the start or mid-run) is warned about once and dropped: training goes
-    on, and metrics.jsonl keeps every number. In a distributed run only rank 0 writes: the other
-    ranks pass `enabled=False`, which makes every method a no-op."""
+    A tracker that fails to start is a `TrackerError` (the trackers already started are closed): a
+    run never trains untracked by surprise. One that raises mid-run is warned about once and dropped:
+    training goes on, and metrics.jsonl keeps every number. In a distributed run only rank 0 writes:
+    the other ranks pass `enabled=False`, which makes every method a no-op."""
 
     def __init__(self, output_dir: str | Path, *, resume_step: int = 0, report_to: tuple[str, ...] = ("tensorboard",),
                  enabled: bool = True, config: dict[str, Any] | None = None, run_name: str | None = None):
@@ -42,8 +43,16 @@ class RunLogger:
             _truncate_after(path, resume_step)
         for name in dict.fromkeys(report_to):
             if name != "none":
-                self._guard(name, lambda: self.trackers.append(
-                    OPENERS[name](self.dir, run_name or self.dir.name, config or {}, resume_step)), "start")
+                self._start(name, run_name or self.dir.name, config or {}, resume_step)
+
+    def _start(self, name: str, run_name: str, config: dict[str, Any], resume_step: int) -> None:
+        """Open a tracker; one that cannot start stops the run before it trains, not untracked."""
+        try:
+            self.trackers.append(OPENERS[name](self.dir, run_name, config, resume_step))
+        except Exception as e:  # noqa: BLE001 - whatever the library raises, the run stops here
+            self.close()
+            raise TrackerError(f"report_to {name} failed to start ({type(e).__name__}: {e}); fix that, or drop "
+                               f"{name} from report_to to train without it") from e
 
     def _guard(self, name: str, call: Callable[[], None], what: str) -> None:
         """Run a tracker call; if it raises, warn once and drop the tracker."""

@@ -25,8 +25,13 @@ Project names: `TRACKIO_PROJECT`, `WANDB_PROJECT`, `MLFLOW_EXPERIMENT_NAME`, def
 the run's name is `run_name` (default: the output folder's name). A resumed run continues the
 same tracker run (wandb's and mlflow's ids are kept in `output_dir`).
 
-A tracker that fails (disk full, a bad key, a dead server) is RunLogger's business: it warns once,
-drops the tracker, and training goes on; metrics.jsonl keeps every number.
+A tracker named in `report_to` that cannot start is an error, never a run that trains untracked:
+what can be checked without starting it (`tracker_problems`: the package, mlflow's sqlite store
+without SQLAlchemy, a TensorBoard folder that cannot be written) is a ConfigError before any model
+loads; any other failure to start (a bad `WANDB_MODE`, a dead server, a resumed mlflow run the store
+lacks) is a `TrackerError` from RunLogger before the first step. A tracker that fails mid-run (disk
+full, a dropped connection) is RunLogger's business: it warns once, drops the tracker, and training
+goes on; metrics.jsonl keeps every number.
 """
 
 from __future__ import annotations
@@ -43,9 +48,54 @@ TRACKERS = ("tensorboard", "trackio", "wandb", "mlflow")
 _PACKAGE = {"tensorboard": "tensorboard", "trackio": "trackio", "wandb": "wandb", "mlflow": "mlflow"}
 
 
+class TrackerError(RuntimeError):
+    """A tracker named in `report_to` failed to start; the message names it, the reason and the fix."""
+
+
 def missing_tracker_packages(names: list[str]) -> list[str]:
     """The trackers named whose package is not installed."""
     return [n for n in names if n in _PACKAGE and importlib.util.find_spec(_PACKAGE[n]) is None]
+
+
+def tracker_problems(names: list[str], output_dir: str | Path) -> list[str]:
+    """Why the trackers named would fail to start, as far as can be told without starting them (the
+    trainer raises these before any model loads); each message names the fix. Empty: no problem seen."""
+    missing = missing_tracker_packages(names)
+    if missing:
+        return [f"report_to: {', '.join(missing)} is not installed: pip install "
+                + " ".join(f"'grouprl[{m}]'" for m in missing) + " (or drop it from report_to)"]
+    problems = []
+    if "tensorboard" in names and (why := _unwritable(Path(output_dir) / "tensorboard")):
+        problems.append(f"report_to: tensorboard writes {Path(output_dir) / 'tensorboard'}, but {why}: free that "
+                        "path, pick another output_dir, or drop tensorboard from report_to")
+    if "mlflow" in names and (why := _mlflow_store_problem()):
+        problems.append(f"report_to: mlflow: {why}")
+    return problems
+
+
+def _unwritable(folder: Path) -> str | None:
+    """Why `folder` cannot be created or written (its nearest existing ancestor decides), or None."""
+    probe = folder
+    while not probe.exists():
+        probe = probe.parent  # ends at the root or ".", which exist
+    if not probe.is_dir():
+        return f"{probe} is not a folder"
+    if not os.access(probe, os.W_OK | os.X_OK):
+        return f"{probe} is not writable"
+    return None
+
+
+def _mlflow_store_problem() -> str | None:
+    """mlflow 3's default store, sqlite, needs SQLAlchemy, which mlflow-skinny lacks (mlflow's own
+    error there speaks of the "model registry", naming no fix)."""
+    import mlflow
+
+    uri = mlflow.get_tracking_uri()
+    if uri.startswith("sqlite:") and importlib.util.find_spec("sqlalchemy") is None:
+        return (f"the tracking URI {uri} (mlflow 3's default) needs the full mlflow package: pip install "
+                "'grouprl[mlflow]', or set MLFLOW_TRACKING_URI (a server, or a folder with "
+                "MLFLOW_ALLOW_FILE_STORE=true)")
+    return None
 
 
 class Tracker:
@@ -137,19 +187,23 @@ class Mlflow(Tracker):
     def __init__(self, out: Path, run_name: str, config: dict[str, Any], resume_step: int):
         import mlflow
         from mlflow.entities import Metric, Param
+        from mlflow.exceptions import MlflowException
         from mlflow.tracking import MlflowClient
 
-        uri = mlflow.get_tracking_uri()
-        if uri.startswith("sqlite:") and importlib.util.find_spec("sqlalchemy") is None:
-            # mlflow-skinny's own error here is about "model registry", naming no fix
-            raise RuntimeError(f"the tracking URI {uri} (mlflow 3's default) needs the full mlflow package: "
-                               "pip install 'grouprl[mlflow]', or set MLFLOW_TRACKING_URI (a server, or a "
-                               "folder with MLFLOW_ALLOW_FILE_STORE=true)")
+        if problem := _mlflow_store_problem():
+            raise RuntimeError(problem)
         self.client, self.metric = MlflowClient(), Metric
         id_file = out / "mlflow_run_id"
         run_id = id_file.read_text().strip() if resume_step and id_file.is_file() else None
         new = run_id is None
         if not new:  # resumed: the same run goes on (an id the store lacks is an error, not a new run)
+            try:
+                self.client.get_run(run_id)
+            except MlflowException as e:
+                raise RuntimeError(f"the resumed run's mlflow run {run_id} ({id_file}) is not in the tracking "
+                                   f"store {mlflow.get_tracking_uri()} ({e.message}): set MLFLOW_TRACKING_URI to "
+                                   f"the store it was logged to, or delete {id_file} to log the rest of the run "
+                                   "as a new mlflow run") from None
             self.client.update_run(run_id, status="RUNNING")
         else:
             name = os.environ.get("MLFLOW_EXPERIMENT_NAME", "grouprl")

@@ -50,7 +50,6 @@ from grouprl import distributed as D
 from grouprl.batch import StepBatch
 from grouprl.checkpoint import checkpoint_path
 from grouprl.config import ConfigError, TrainConfig
-from grouprl.core import zero_std_groups
 from grouprl.data import PromptBatch, PromptFormatter, PromptSampler, load_datasets, load_prompts
 from grouprl.distillation import load_teacher
 from grouprl.evaluation import BestModel, run_evaluation
@@ -74,7 +73,7 @@ from grouprl.sample_stats import SampleTally, batch_metrics, completion_rows
 from grouprl.scoring import reward_from_config, score_trajectories
 from grouprl.signals import StopSignals, TrainingStopped
 from grouprl.timings import Timings
-from grouprl.trackers import missing_tracker_packages
+from grouprl.trackers import tracker_problems
 from grouprl.training_state import (LoopState, TrainingParts, load_trainable_weights, prepare_output_dir,
                                     restore_training_state, save_training_state)
 from grouprl.update import make_policy_update
@@ -112,10 +111,8 @@ class Trainer:
         self.train_ds, self.eval_ds = load_datasets(cfg, train_dataset, eval_dataset)  # data.py
         self.reward_funcs = reward_funcs or [reward_from_config(spec) for spec in cfg.reward_funcs]
         self.reward_names = reward_names(self.reward_funcs)  # as the scores are keyed
-        missing = missing_tracker_packages(cfg.report_to)
-        if missing:
-            raise ConfigError(f"report_to: {', '.join(missing)} is not installed: pip install "
-                              + " ".join(f"'grouprl[{m}]'" for m in missing) + " (or drop it from report_to)")
+        if problems := tracker_problems(cfg.report_to, cfg.output_dir):  # packages, stores, folders: no model yet
+            raise ConfigError("; ".join(problems))
         self.audit_funcs = [reward_from_config(spec) for spec in cfg.audit_funcs]  # scored, never rewarded
         self.audit_names = reward_names(self.audit_funcs)
         self.guard = RunGuard(cfg, self.reward_names, self.audit_names, is_main=self.dist.is_main)  # guard.py
@@ -342,7 +339,7 @@ class Trainer:
             with timings.stage("reward"):
                 local = self.score(produced.prompts, produced.result)
                 batch = StepBatch.gather(self.dist, local, self.tokenizer.pad_token_id)  # the global batch
-            flat = zero_std_groups(batch.unshaped, G)  # [B] judged before overlong shaping, as DAPO
+            flat = batch.flat_groups(G)  # [B] judged before overlong shaping, as DAPO; process: on the steps
             self.draw.record(batch.prompt_index, flat, G)  # the prompt filter's memory
             tally.add_round(len(produced.result.rollout), produced.staleness, produced.result.counts,
                             int(flat.sum()), len(flat), produced.overlapped)

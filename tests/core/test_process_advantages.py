@@ -8,7 +8,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from grouprl.core import ADVANTAGE_ESTIMATORS, AdvantageInputs, group_advantages, process_advantages
+from grouprl.core import (ADVANTAGE_ESTIMATORS, AdvantageInputs, group_advantages, process_advantages,
+                          zero_std_step_groups)
 
 # rounded: differences like 1e-183 are not rewards, they only test float underflow of std
 rounded_floats = st.floats(-5, 5).map(lambda x: round(x, 3))
@@ -58,6 +59,17 @@ def test_process_all_equal_group_is_exactly_zero():
     got = process_advantages([[0.3, 0.3], [0.3]], [[0, 2], [1]], 2, 4)
     assert (got == 0).all()
 
+
+
+def test_zero_std_step_groups_are_the_groups_process_advantages_zeroes():
+    """Group 0 has equal per-completion means (0.5, 0.5) but unequal steps: not flat, and its
+    advantages are not 0. Group 1's steps are all 0.3 (one completion has none): flat. Group 2 has
+    no steps at all: flat."""
+    steps = [[1.0, 0.0], [0.0, 1.0], [0.3, 0.3], [], [], []]
+    ends = [[0, 2], [0, 2], [1, 2], [], [], []]
+    assert zero_std_step_groups(steps, 2).tolist() == [False, True, True]
+    adv = process_advantages(steps, ends, 2, 3)
+    assert adv[:2].abs().max() > 0 and (adv[2:] == 0).all()
 
 
 def test_one_step_at_the_last_token_is_outcome_supervision():

@@ -1,10 +1,12 @@
 """process_reward_model on tiny PRMs built here: each step's reward is the PRM's probability read
-at the step's separator token, for a token-classification head and for a causal LM's good/bad
-tokens, and the steps' ends are the completion's character offsets."""
+at the step's separator token, for a token-classification head, for Qwen2.5-Math-PRM's two-layer
+head and for a causal LM's good/bad tokens, and the steps' ends are the completion's character
+offsets. A checkpoint whose weights do not fit the kind is an error, never random scores."""
 
 import pytest
 import torch
-from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen2ForTokenClassification
+from safetensors.torch import save_file
+from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen2ForTokenClassification, Qwen2Model
 
 from grouprl.rewards import CharOffset, resolve_reward_func
 from grouprl.tasks.testing import build_char_tokenizer
@@ -74,5 +76,51 @@ def test_a_prm_whose_architecture_is_neither_kind_asks_for_kind(tmp_path):
     config = _config(tokenizer)
     config.architectures = ["Qwen2Model"]
     config.save_pretrained(tmp_path)
-    with pytest.raises(ValueError, match="set kind: token_classification or kind: causal_lm"):
+    with pytest.raises(ValueError, match="set kind: token_classification, mlp_head or causal_lm"):
         resolve_reward_func("process_reward_model", model=str(tmp_path))
+
+
+@pytest.fixture(scope="module")
+def qwen_prm_layout(tmp_path_factory):
+    """Qwen2.5-Math-PRM's checkpoint layout, offline: architectures ["Qwen2ForProcessRewardModel"], the
+    backbone's weights under `model.` and score = Sequential(Linear(h, h), ReLU, Linear(h, 2)) as
+    score.0 / score.2 (its modeling code is on the Hub, not in transformers)."""
+    torch.manual_seed(2)
+    tokenizer = build_char_tokenizer()
+    config = _config(tokenizer)
+    config.architectures = ["Qwen2ForProcessRewardModel"]
+    backbone = Qwen2Model(config).eval()
+    head = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.ReLU(), torch.nn.Linear(32, 2)).eval()
+    path = tmp_path_factory.mktemp("prm") / "qwen-prm"
+    path.mkdir()
+    config.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    weights = {f"model.{k}": v for k, v in backbone.state_dict().items()}
+    weights.update({f"score.{k}": v for k, v in head.state_dict().items()})
+    save_file({k: v.contiguous() for k, v in weights.items()}, str(path / "model.safetensors"),
+              metadata={"format": "pt"})
+    return path, backbone, head, tokenizer
+
+
+def test_qwen_prm_layout_is_read_with_its_two_layer_head(qwen_prm_layout):
+    path, backbone, head, tokenizer = qwen_prm_layout
+    prm = resolve_reward_func("process_reward_model", model=str(path), use_chat_template=False)
+    assert prm.kind == "mlp_head"
+    got = prm([PROMPT], [COMPLETION])[0]
+
+    text = PROMPT + COMPLETION
+    with torch.no_grad():
+        probs = head(backbone(**tokenizer(text, return_tensors="pt")).last_hidden_state)[0].softmax(-1)[:, 1]  # [L]
+    want = [probs[k].item() for k in _newline_positions(tokenizer, text)]
+    assert [e for e, _ in got] == [CharOffset(2), CharOffset(4)]
+    assert [r for _, r in got] == pytest.approx(want, abs=1e-6)
+
+
+def test_weights_that_do_not_fit_the_kind_are_an_error_not_a_random_head(qwen_prm_layout, token_classification_prm):
+    """Qwen2.5-Math-PRM as a token-classification model would get a fresh Linear(h, 2) head; a linear
+    head read as mlp_head would miss score.0 / score.2."""
+    with pytest.raises(ValueError, match=r"do not fit kind='token_classification'.*missing \['score.bias', "
+                                         r"'score.weight'\].*unexpected \['score.0.bias'.*mlp_head"):
+        resolve_reward_func("process_reward_model", model=str(qwen_prm_layout[0]), kind="token_classification")
+    with pytest.raises(ValueError, match=r"do not fit kind='mlp_head'.*randomly initialised"):
+        resolve_reward_func("process_reward_model", model=str(token_classification_prm[0]), kind="mlp_head")

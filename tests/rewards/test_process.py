@@ -124,12 +124,31 @@ def test_process_rewards_weights_merges_and_outcome_as_final_step():
     pr = process_rewards(steps, per_func, [2.0, 0.5, 3.0], ids, texts, tok, torch.tensor([0.0, -0.5]))
     assert pr.ends == [[2, 5], []]
     assert pr.rewards == [[4.0, 0.0], []]
-    assert pr.outcome == [3.0, -0.5]
+    assert pr.outcome == [3.0, 0.0] and pr.shaping == [0.0, -0.5]
     assert pr.last == [5, 1]
     assert pr.metrics() == {"process/steps_per_completion": 1.0, "process/step_reward_mean": 2.0,
                             "process/step_reward_min": 0.0}
     expected = process_advantages([[4.0, 0.0, 3.0], [-0.5]], [[2, 5, 5], [1]], 2, 7)
     assert torch.equal(process_advantages(*pr.with_outcome(), 2, 7), expected)
+
+
+def test_shaping_without_an_outcome_is_a_step_only_where_it_is_not_zero():
+    """Only step functions and overlong shaping: a penalty of 0 adds no step (a step of 0 would enter
+    the group's mean and std and change every advantage); a non-zero one is a step at the last token.
+    Before shaping (what judges a group flat) there is no final step at all."""
+    tok = build_char_tokenizer()
+    texts = ["a\nb\n", "a\nb\n"]
+    ids = [tok(t)["input_ids"] for t in texts]
+    steps = {"f": [[(2, 1.0), (4, 1.0)], [(2, 0.0), (4, 0.0)]]}  # (character end, reward)
+    per_func = {"f": torch.tensor([1.0, 0.0])}
+    unshaped = process_rewards(steps, per_func, None, ids, texts, tok)
+    zero = process_rewards(steps, per_func, None, ids, texts, tok, torch.tensor([0.0, 0.0]))
+    assert zero.with_outcome() == unshaped.with_outcome() == ([[1.0, 1.0], [0.0, 0.0]], [[1, 3], [1, 3]])
+    assert torch.equal(process_advantages(*zero.with_outcome(), 2, 4),
+                       process_advantages(*unshaped.with_outcome(), 2, 4))
+    penalised = process_rewards(steps, per_func, None, ids, texts, tok, torch.tensor([0.0, -0.5]))
+    assert penalised.with_outcome() == ([[1.0, 1.0], [0.0, 0.0, -0.5]], [[1, 3], [1, 3, 3]])
+    assert penalised.with_outcome(shaped=False) == unshaped.with_outcome()
 
 
 def test_outcome_only_process_rewards_are_grpo_advantages():

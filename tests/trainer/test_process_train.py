@@ -96,3 +96,24 @@ def test_a_process_run_logs_step_metrics_and_the_step_reward_rises(make_cfg):
     first = sum(r["process/step_reward_mean"] for r in rows[:2]) / 2
     last = sum(r["process/step_reward_mean"] for r in rows[-2:]) / 2
     assert last > first + 0.05, (first, last)
+
+
+def crossed_halves(prompts, completions, **kwargs):
+    """Two steps per completion, rewards (a, 1 − a) with a alternating by row: every completion's mean
+    step reward is 0.5, but the steps differ, so the process advantages are not 0."""
+    return [[(CharOffset(1), float(i % 2)), (CharOffset(len(c)), float(1 - i % 2))] if len(c) > 1 else None
+            for i, c in enumerate(completions)]
+
+
+def test_a_group_of_equal_step_means_but_unequal_steps_is_not_flat(make_cfg):
+    """Dynamic sampling and the prompt filter judge a process group by its steps, as process_advantages
+    does: equal per-completion means of unequal steps still carry signal, so nothing is dropped."""
+    cfg = make_cfg(advantage_estimator="process", prompts_per_step=2, max_completion_length=8, dynamic_sampling=True,
+                   max_sampling_rounds=2, prompt_filter=True, prompt_filter_history=1,
+                   reward_funcs=["tests.trainer.test_process_train:crossed_halves"])
+    trainer = Trainer(cfg)
+    batch, metrics = trainer.sample_batch()
+    assert all(len(r) == 2 for r in batch.steps.rewards) and set(batch.rewards.tolist()) == {0.5}
+    assert metrics["zero_std_frac"] == 0.0 and metrics["dynamic_sampling/rounds"] == 1
+    assert metrics["prompt_filter/settled"] == 0
+    assert trainer.advantages(batch)[batch.rollout.action_mask].abs().max() > 0

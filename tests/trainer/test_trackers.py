@@ -1,8 +1,9 @@
 """Experiment trackers (trackers.py, `report_to`), with the real libraries offline: what a run wrote is
 read back from wandb's offline run file, trackio's local database, TensorBoard's events and mlflow's
 file store (its own client; skipped without mlflow or mlflow-skinny), and compared with metrics.jsonl.
-A tracker that fails mid-run warns once and training goes on; a missing package is named with its
-extra; ranks other than 0 open nothing."""
+A tracker that fails mid-run warns once and training goes on; one that cannot start is an error
+before training (a ConfigError before any model loads where that can be told early); a missing
+package is named with its extra; ranks other than 0 open nothing."""
 
 import glob
 import json
@@ -20,6 +21,7 @@ import pytest
 
 from grouprl.config import ConfigError
 from grouprl.runlog import RunLogger
+from grouprl.trackers import TrackerError
 from grouprl.trainer import Trainer
 from tests.trainer.conftest import digit_fraction, read_metrics
 
@@ -166,6 +168,44 @@ def test_a_missing_tracker_is_named_with_its_extra(make_cfg, monkeypatch):
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "mlflow" else real(name, *a))
     with pytest.raises(ConfigError, match=r"report_to: mlflow is not installed: pip install 'grouprl\[mlflow\]'"):
+        Trainer(make_cfg(report_to=["mlflow"]))
+
+
+def test_a_tracker_that_fails_to_start_is_an_error_and_closes_the_others(tmp_path, monkeypatch):
+    """wandb cannot start (a dead server; the real library, once set up in a process, keeps its
+    settings, so the failure is injected): the run must not go on untracked. TensorBoard, started
+    first, is closed."""
+    from grouprl import trackers
+
+    def unreachable(*args):
+        raise ConnectionError("wandb.ai is unreachable")
+
+    closed = []
+    monkeypatch.setitem(trackers.OPENERS, "wandb", unreachable)
+    monkeypatch.setattr(trackers.TensorBoard, "finish", lambda self: closed.append(self.name))
+    with pytest.raises(TrackerError, match=r"report_to wandb failed to start \(ConnectionError: wandb.ai is "
+                                           r"unreachable\); fix that, or drop wandb from report_to"):
+        RunLogger(tmp_path / "r", report_to=("tensorboard", "wandb"), config={"a": 1})
+    assert closed == ["tensorboard"]
+
+
+def test_a_tracker_that_cannot_start_is_a_config_error_before_the_model_loads(make_cfg, monkeypatch,
+                                                                              no_model_loading):
+    """What can be told without starting the tracker: a file where TensorBoard's folder goes, mlflow's
+    default sqlite store without SQLAlchemy (mlflow-skinny)."""
+    import importlib.util
+
+    cfg = make_cfg(report_to=["tensorboard"])
+    Path(cfg.output_dir).mkdir(parents=True)
+    (Path(cfg.output_dir) / "tensorboard").write_text("not a folder")
+    with pytest.raises(ConfigError, match=r"tensorboard writes .*tensorboard, but .*tensorboard is not a folder"):
+        Trainer(cfg)
+
+    pytest.importorskip("mlflow", reason="the mlflow extra: pip install 'grouprl[mlflow]' (or mlflow-skinny)")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{cfg.output_dir}/mlflow.db")
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "sqlalchemy" else real(name, *a))
+    with pytest.raises(ConfigError, match=r"report_to: mlflow: .* needs the full mlflow package"):
         Trainer(make_cfg(report_to=["mlflow"]))
 
 
@@ -326,3 +366,15 @@ def test_mlflow_default_sqlite_store_without_sqlalchemy_names_the_fix(monkeypatc
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "sqlalchemy" else real(name, *a))
     with pytest.raises(RuntimeError, match=r"needs the full mlflow package: pip install 'grouprl\[mlflow\]'"):
         Mlflow(tmp_path, "x", {}, 0)
+
+
+def test_mlflow_resume_of_a_run_the_store_lacks_is_an_error(monkeypatch, tmp_path):
+    """output_dir/mlflow_run_id names a run the tracking store does not have (another store, a deleted
+    run): an error naming the id and the fix, not a warning and a resumed run that logs nowhere."""
+    mlflow_client(monkeypatch, tmp_path)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "mlflow_run_id").write_text("0123456789abcdef0123456789abcdef\n")
+    with pytest.raises(TrackerError, match=r"mlflow run 0123456789abcdef0123456789abcdef .* is not in the tracking "
+                                           r"store .*delete .*mlflow_run_id"):
+        RunLogger(out, resume_step=2, report_to=("mlflow",))

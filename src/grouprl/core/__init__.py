@@ -20,7 +20,7 @@ from .advantages import (
     rloo_advantages,
     zero_std_groups,
 )
-from .process_advantages import process_advantages
+from .process_advantages import process_advantages, zero_std_step_groups
 from .gae import gae_advantages, outcome_token_rewards, value_loss
 from .distillation import DISTILL_SIGNALS, distill_advantages, distill_stats, reverse_kl_signal
 from .multi_objective import MULTI_OBJECTIVE_AGGREGATIONS, normalize_then_sum, sum_then_normalize
@@ -85,4 +85,5 @@ __all__ = [
     "top_entropy_mask",
     "value_loss",
     "zero_std_groups",
+    "zero_std_step_groups",
 ]

@@ -17,7 +17,9 @@ outcome reward as a final step) and ``num_tokens``, and returns [N, T].
 
 Deliberate choices:
 - The paper divides by std(R) without eps; we add eps as for outcome rewards.
-- A group whose step rewards are all exactly equal (a single step included) gets exactly 0.
+- A group whose step rewards are all exactly equal (a single step included) gets exactly 0;
+  ``zero_std_step_groups`` reports those groups (dynamic sampling, the prompt filter). A group whose
+  completions have equal mean step rewards but unequal steps is not flat: its advantages are not 0.
 - Computed in float64 (a handful of numbers), returned as float32.
 """
 
@@ -29,6 +31,15 @@ import torch
 from torch import Tensor
 
 from .advantages import ADVANTAGE_ESTIMATORS, AdvantageInputs, check_group_size, check_scale
+
+
+def zero_std_step_groups(step_rewards: Sequence[Sequence[float]], group_size: int) -> Tensor:
+    """Bool [B]: True for each group whose step rewards are all exactly equal, or that has none: the
+    groups ``process_advantages`` gives exactly 0 (no learning signal)."""
+    check_group_size(len(step_rewards), group_size)
+    groups = [[float(x) for r in step_rewards[g:g + group_size] for x in r]
+              for g in range(0, len(step_rewards), group_size)]
+    return torch.tensor([all(x == g[0] for x in g) for g in groups], dtype=torch.bool)  # [B]
 
 
 def process_advantages(step_rewards: Sequence[Sequence[float]], step_ends: Sequence[Sequence[int]],
@@ -73,9 +84,7 @@ def process_advantages(step_rewards: Sequence[Sequence[float]], step_ends: Seque
     if scale == "batch":  # one std over every step reward of the batch
         std = (r - r.mean()).pow(2).sum().div(max(len(r) - (1 if unbiased else 0), 1)).sqrt().expand(b)  # [B]
     denom = std[group] + eps if scale != "none" else torch.ones_like(r)  # [K]
-    r_max = r.new_full((b,), -torch.inf).scatter_reduce_(0, group, r, "amax")
-    r_min = r.new_full((b,), torch.inf).scatter_reduce_(0, group, r, "amin")
-    flat = (r_max == r_min)[group]  # [K] step belongs to an all-equal group (incl. a single step)
+    flat = zero_std_step_groups(step_rewards, group_size)[group]  # [K] step of an all-equal group (or a single step)
     r_norm = torch.where(flat, torch.zeros_like(r), centered / denom)  # [K]
 
     at_end = r.new_zeros(n, num_tokens).index_put_((row, end), r_norm, accumulate=True)  # [N, T]

@@ -4,10 +4,19 @@ The completion is split into steps on `step_delimiter` (process.py's `split_step
 the prompt and the steps and gives each step the probability p that it is good, read at one token
 per step, the way the published PRMs are used:
 
-- `AutoModelForTokenClassification` (Qwen2.5-Math-PRM's head has 2 labels per token): p is the
-  softmax probability of label `good_label` (the sigmoid of the logit when num_labels = 1);
+- `AutoModelForTokenClassification` (one linear head of labels per token): p is the softmax
+  probability of label `good_label` (the sigmoid of the logit when num_labels = 1);
+- `mlp_head`, Qwen2.5-Math-PRM's layout (architectures `Qwen2ForProcessRewardModel`, whose modeling
+  code lives on the Hub): the backbone (`AutoModel`) under a two-layer head, score =
+  Sequential(Linear(h, h), ReLU, Linear(h, 2)), loaded from the checkpoint's score.0 / score.2
+  weights, so no remote code runs; p as for a token-classification head;
 - a causal LM (Math-Shepherd): p = softmax over the logits of `good_token` and `bad_token` of the
   next-token prediction (over the whole vocabulary when `bad_token` is None).
+
+`kind: auto` reads the checkpoint's architectures. Whatever the kind, a checkpoint whose weights do
+not fit it (a head it lacks, or a head it has that the kind does not read: a Qwen2.5-Math-PRM loaded
+as token_classification) is an error: transformers would initialise the missing head at random and
+only print a load report, and the step rewards would be noise.
 
 Where it is read: with a `step_tag`, the delimiter after each step is replaced by the tag (kept
 after it with `keep_delimiter`), so the scored text is "step₁<tag>step₂<tag>" (Qwen2.5-Math-PRM:
@@ -32,7 +41,7 @@ from typing import Any
 from .text import completion_text, prompt_messages, prompt_text
 from .process import CharOffset, split_steps
 
-KINDS = ("auto", "token_classification", "causal_lm")
+KINDS = ("auto", "token_classification", "mlp_head", "causal_lm")
 REWARDS = ("prob", "signed", "log")
 
 
@@ -53,27 +62,33 @@ class ProcessRewardModel:
             raise ValueError(f"process_reward_model: reward={reward!r} is not one of {REWARDS}")
         if not step_delimiter:
             raise ValueError("process_reward_model: step_delimiter is empty; steps need a delimiter, e.g. '\\n'")
+        config = AutoConfig.from_pretrained(model)
         if kind == "auto":
-            archs = AutoConfig.from_pretrained(model).architectures or []
+            archs = config.architectures or []
             if any(a.endswith("ForTokenClassification") for a in archs):
                 kind = "token_classification"
+            elif any(a.endswith("ForProcessRewardModel") for a in archs):
+                kind = "mlp_head"
             elif any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in archs):
                 kind = "causal_lm"
             else:
                 raise ValueError(f"process_reward_model: cannot tell what {model} is from its architectures "
-                                 f"{archs}; set kind: token_classification or kind: causal_lm")
+                                 f"{archs}; set kind: token_classification, mlp_head or causal_lm")
         self.kind = kind
         self.tokenizer = AutoTokenizer.from_pretrained(model)
         if not self.tokenizer.is_fast:
             raise ValueError(f"process_reward_model: the tokenizer of {model} is not a fast tokenizer; "
                              "the step positions need its offset mapping (tokenizer.json)")
-        loader = AutoModelForTokenClassification if kind == "token_classification" else AutoModelForCausalLM
-        self.model = loader.from_pretrained(model).to(device).eval()
+        loader = {"token_classification": AutoModelForTokenClassification, "mlp_head": _mlp_head_class(config),
+                  "causal_lm": AutoModelForCausalLM}[kind]
+        loaded, info = loader.from_pretrained(model, config=config, output_loading_info=True)
+        _check_loaded(model, kind, loaded, info)
+        self.model = loaded.to(device).eval()
         if self.tokenizer.pad_token is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token or self.tokenizer.unk_token
         if self.tokenizer.pad_token is None:
             raise ValueError(f"process_reward_model: the tokenizer of {model} has no pad, eos or unk token")
-        if kind == "token_classification":
+        if kind != "causal_lm":
             labels = self.model.config.num_labels
             if labels > 1 and not 0 <= good_label < labels:
                 raise ValueError(f"process_reward_model: good_label={good_label} but {model} has {labels} labels")
@@ -158,6 +173,50 @@ class ProcessRewardModel:
         if self.reward == "log":
             return math.log(max(p, 1e-12))
         return p
+
+
+def _check_loaded(model: str, kind: str, loaded: Any, info: dict[str, Any]) -> None:
+    """Refuse a checkpoint whose weights do not fit the kind: what it lacks transformers initialises at
+    random (with only a load report), and a head it has that the kind ignores means another layout.
+    Keys under the backbone's prefix that nothing reads (old rotary buffers) do not count."""
+    prefix = f"{loaded.base_model_prefix}."
+    missing = sorted(info.get("missing_keys", ()))
+    foreign = sorted(k for k in info.get("unexpected_keys", ()) if not k.startswith(prefix))
+    mismatched = sorted(str(k) for k in info.get("mismatched_keys", ()))
+    if missing or foreign or mismatched:
+        raise ValueError(f"process_reward_model: the weights of {model} do not fit kind={kind!r} "
+                         f"({type(loaded).__name__}): missing {missing[:4]}, unexpected {foreign[:4]}"
+                         + (f", wrong shape {mismatched[:4]}" if mismatched else "")
+                         + "; scoring would use randomly initialised weights. Set kind to the checkpoint's "
+                         "layout (Qwen2.5-Math-PRM, architectures *ForProcessRewardModel: mlp_head; a linear "
+                         "token head: token_classification; an LM's good/bad tokens: causal_lm)")
+
+
+def _mlp_head_class(config: Any) -> type:
+    """A transformers model class for Qwen2.5-Math-PRM's layout: `model` (the backbone `AutoModel` builds
+    from the config) and `score` = Sequential(Linear(h, h), ReLU, Linear(h, num_labels)), as its Hub code
+    (and vLLM's Qwen2ForProcessRewardModel) define it; `from_pretrained` then reads the checkpoint's
+    weights, sharded or not, and reports what did not fit."""
+    from torch import nn
+    from transformers import AutoModel, PreTrainedModel
+    from transformers.modeling_outputs import TokenClassifierOutput
+
+    class MlpHeadPRM(PreTrainedModel):
+        config_class = type(config)
+        base_model_prefix = "model"
+
+        def __init__(self, config: Any):
+            super().__init__(config)
+            self.model = AutoModel.from_config(config)
+            h = config.hidden_size
+            self.score = nn.Sequential(nn.Linear(h, h), nn.ReLU(), nn.Linear(h, config.num_labels))
+            self.post_init()
+
+        def forward(self, input_ids: Any = None, attention_mask: Any = None, **kwargs: Any) -> TokenClassifierOutput:
+            hidden = self.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state  # [b, L, h]
+            return TokenClassifierOutput(logits=self.score(hidden))  # [b, L, num_labels]
+
+    return MlpHeadPRM
 
 
 def _first_covering(token_ends: list[int], char: int) -> int:

@@ -20,9 +20,12 @@ The trainer turns these into token steps (`ProcessRewards`):
 - the outcome reward (the weighted sum of the functions that returned a float for the row, plus
   DAPO overlong shaping) counts as one more step at the completion's last token. A batch where no
   function returned steps is thus outcome supervision: every token of completion i gets its
-  group-normalised outcome reward, GRPO's advantage;
+  group-normalised outcome reward, GRPO's advantage. Where no function returned a float, the
+  shaping alone is that step, and only where it is non-zero: a step of 0 would still enter the
+  group's mean and std, and change every advantage of a run whose completions all fit;
 - a function's per-completion score (`RewardScores.per_func`, the reward metrics, the total used by
-  dynamic sampling and eval) is the mean of its step rewards.
+  eval) is the mean of its step rewards; whether a group is flat (dynamic sampling, the prompt
+  filter) is judged on the steps themselves (`StepBatch.flat_groups`).
 
 Character offsets of tokens are read from the tokenizer's own decoding of the completion ids
 (`token_char_ends`), not from re-tokenising the text: a sampled completion need not be the
@@ -34,7 +37,7 @@ from __future__ import annotations
 import bisect
 import math
 import numbers
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, Sequence
 
 from torch import Tensor
@@ -155,24 +158,26 @@ class ProcessRewards:
 
     ends: list[list[int]]       # [N][K_i] token index of each process step's last token, increasing
     rewards: list[list[float]]  # [N][K_i] weighted step reward (steps ending in one token summed)
-    outcome: list[float | None]  # [N] weighted outcome reward; None when no function gave a float
+    outcome: list[float | None]  # [N] weighted outcome reward, unshaped; None when no function gave a float
     last: list[int]             # [N] index of the completion's last token
+    shaping: list[float]        # [N] DAPO overlong penalty (0.0 when not shaped)
 
     def select(self, rows: Tensor) -> ProcessRewards:
         r = rows.tolist()
-        return ProcessRewards([self.ends[i] for i in r], [self.rewards[i] for i in r],
-                              [self.outcome[i] for i in r], [self.last[i] for i in r])
+        return ProcessRewards(*([getattr(self, f.name)[i] for i in r] for f in fields(ProcessRewards)))
 
     @staticmethod
     def cat(parts: list[ProcessRewards]) -> ProcessRewards:
-        return ProcessRewards(*([x for p in parts for x in getattr(p, f)]
-                                for f in ("ends", "rewards", "outcome", "last")))
+        return ProcessRewards(*([x for p in parts for x in getattr(p, f.name)] for f in fields(ProcessRewards)))
 
-    def with_outcome(self) -> tuple[list[list[float]], list[list[int]]]:
-        """The steps of each completion, the outcome reward counting as a final step at its last token:
-        (rewards [N][K_i], token ends [N][K_i]), what core's "process" advantage estimator reads."""
-        ends = [e + ([t] if o is not None else []) for e, o, t in zip(self.ends, self.outcome, self.last)]
-        rewards = [r + ([o] if o is not None else []) for r, o in zip(self.rewards, self.outcome)]
+    def with_outcome(self, *, shaped: bool = True) -> tuple[list[list[float]], list[list[int]]]:
+        """The steps of each completion, the outcome reward (plus shaping) counting as a final step at its
+        last token: (rewards [N][K_i], token ends [N][K_i]), what core's "process" advantage estimator
+        reads. Without a float outcome the shaping is a step only where it is non-zero (module docstring).
+        ``shaped=False``: the steps before shaping, which decide whether a group is flat."""
+        finals = [o if not shaped or s == 0.0 else (o or 0.0) + s for o, s in zip(self.outcome, self.shaping)]
+        ends = [e + ([t] if f is not None else []) for e, f, t in zip(self.ends, finals, self.last)]
+        rewards = [r + ([f] if f is not None else []) for r, f in zip(self.rewards, finals)]
         return rewards, ends
 
     def metrics(self) -> dict[str, float]:
@@ -190,7 +195,8 @@ def process_rewards(steps: dict[str, list[StepList | None]], per_func: dict[str,
                     ) -> ProcessRewards | None:
     """Combine the functions' step rewards (``steps``: name -> [N] step lists, None where the function
     gave a float) and outcome rewards (``per_func``: name -> [N], NaN for None) into token steps.
-    ``shaping  # [N]`` (DAPO overlong penalty) is added to the outcome. See the module docstring.
+    ``shaping  # [N]`` (DAPO overlong penalty) is kept beside the outcome, which it is added to in
+    ``with_outcome``. See the module docstring.
     Under any ``estimator`` but "process": None, and step rewards are an error (they would be lost)."""
     if estimator != "process":
         if steps:
@@ -202,7 +208,7 @@ def process_rewards(steps: dict[str, list[StepList | None]], per_func: dict[str,
         return None
     names = list(per_func)
     weights = [1.0] * len(names) if weights is None else [float(w) for w in weights]
-    out = ProcessRewards([], [], [], [])
+    out = ProcessRewards([], [], [], [], [])
     for i, (ids, text) in enumerate(zip(token_ids, texts)):
         char_ends = None
         at: dict[int, float] = {}
@@ -219,10 +225,9 @@ def process_rewards(steps: dict[str, list[StepList | None]], per_func: dict[str,
             for end, r in row:
                 t = token_index(char_ends, end, len(ids), len(text))
                 at[t] = at.get(t, 0.0) + w * r
-        if shaping is not None:
-            outcome = (outcome or 0.0) + float(shaping[i])
         out.ends.append(sorted(at))
         out.rewards.append([at[t] for t in sorted(at)])
         out.outcome.append(outcome)
         out.last.append(len(ids) - 1)
+        out.shaping.append(0.0 if shaping is None else float(shaping[i]))
     return out

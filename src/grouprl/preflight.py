@@ -143,7 +143,8 @@ class Samples:
     """What preflight measured: n completions for each of B prompts (all ranks' rows)."""
 
     per_func: dict[str, torch.Tensor]  # name -> [B, n], NaN where the function abstained
-    total: torch.Tensor                # [B, n] the weighted reward training uses
+    total: torch.Tensor                # [B, n] the weighted reward, before overlong shaping (what decides a
+                                       # group's signal: dynamic sampling and zero_std_frac judge it)
     lengths: torch.Tensor              # [B*n] tokens the policy sampled
     truncated: torch.Tensor            # [B*n] bool
     chunk_prompts: list[int]           # prompts of each step-sized chunk
@@ -205,7 +206,7 @@ def sample(trainer: PreflightStages, num_prompts: int, samples_per_prompt: int |
         gen_s.append(max(g[1] for g in gathered))
         reward_s.append(max(g[2] for g in gathered))
     return Samples({k: torch.cat([p.per_func[k] for p in parts]).view(-1, samples) for k in parts[0].per_func},
-                   torch.cat([p.rewards for p in parts]).view(-1, samples),
+                   torch.cat([p.unshaped for p in parts]).view(-1, samples),
                    torch.cat([p.rollout.action_lengths for p in parts]),
                    torch.cat([p.rollout.truncated for p in parts]), chunks, gen_s, reward_s, forward_s)
 

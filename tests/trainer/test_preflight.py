@@ -218,6 +218,18 @@ def test_preflight_report_matches_its_samples(make_cfg, tmp_path):
     assert (out / "preflight.png").stat().st_size > 0 and (ckpt / "marker").read_text() == "kept"
 
 
+def test_preflight_judges_groups_before_overlong_shaping_as_training_does(make_cfg, monkeypatch):
+    """Every completion right and the overlong penalty different row by row: dynamic sampling drops
+    every group (it judges the reward before shaping, the paper's accuracy), so preflight's share of
+    groups that teach nothing is 1, not the 0 the shaped rewards would give."""
+    import grouprl.scoring as scoring
+
+    monkeypatch.setattr(scoring, "overlong_penalty", lambda lengths, *a: -0.01 * torch.arange(len(lengths)).float())
+    cfg = make_cfg(algorithm="dapo", reward_funcs=["tests.trainer.conftest:always_one"], num_generations=4)
+    s = P.sample(Trainer(cfg), 4)
+    assert P.summarize(s, cfg)["total"]["zero_variance_share"] == 1.0
+
+
 def test_cli_preflight_writes_the_report_and_strict_fails(make_cfg, tmp_path, capsys):
     """In-process CLI: the report is written and printed; `never` scores 0 everywhere, so no group
     teaches, and --strict (0.25) exits 1 naming the share; --prompts 0 and --samples 6 (not a

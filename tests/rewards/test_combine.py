@@ -57,6 +57,8 @@ def test_weights_and_inputs_are_checked():
         score_completions([const("a", [1] * 4), const("b", [1] * 4)], [1.0], PROMPTS, COMPLETIONS, {})
     with pytest.raises(ValueError, match="column 'answer' has 2 values for 4"):
         score_completions([const("a", [1] * 4)], None, PROMPTS, COMPLETIONS, {"answer": [1, 2]})
+    with pytest.raises(ValueError, match=r"weights=\[1.0, nan\]: every weight must be a finite number"):
+        score_completions([const("a", [1] * 4), const("b", [1] * 4)], [1.0, float("nan")], PROMPTS, COMPLETIONS, {})
 
 
 def test_duplicate_names_are_disambiguated():

@@ -338,6 +338,9 @@ def score_completions(
     if len(weights) != len(funcs):
         raise ValueError(f"{len(funcs)} reward functions but {len(weights)} weights: give one weight per "
                          "function, or weights=None for all 1.0")
+    if not all(math.isfinite(w) for w in weights):
+        raise ValueError(f"weights={weights}: every weight must be a finite number (NaN or infinity would make "
+                         "every total NaN)")
     if len(prompts) != n:
         raise ValueError(f"{len(prompts)} prompts for {n} completions: repeat each prompt once per completion")
     for key, values in columns.items():

@@ -50,8 +50,13 @@ except OSError as e:
     print(e)""",
         "read a secret from the environment and /proc/*/environ": """
 import os
-text = str(dict(os.environ)) + "".join(open(p, "rb").read().decode() for p in ("/proc/self/environ", "/proc/1/environ"))
-print("leaked" if "hunter2" in text else "clean: " + " ".join(sorted(os.environ)))""",
+text, unread = str(dict(os.environ)), []
+for p in ("/proc/self/environ", "/proc/1/environ"):
+    try:
+        text += open(p, "rb").read().decode()
+    except OSError as e:
+        unread.append(f"{p}: {type(e).__name__}")
+print("leaked" if "hunter2" in text else "clean: " + " ".join(sorted(os.environ) + unread))""",
         "fork bomb": "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n",
         "count the processes it can hold": """
 import os, time

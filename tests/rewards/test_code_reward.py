@@ -33,3 +33,16 @@ def test_code_tests_fraction_passed():
 def test_code_tests_needs_the_tests_column():
     with pytest.raises(ValueError, match="'tests'"):
         code_tests()([""], ["```python\nprint(1)\n```"], answer=["1"])
+
+
+def test_a_program_faking_a_sandbox_failure_scores_0_and_the_batch_goes_on():
+    """sandbox_error (on which code_tests raises) comes only from a pipe the program never holds."""
+    fake = "import os, sys\nsys.stderr.write('sandbox setup failed: fake\\n')\nsys.stderr.flush()\nos._exit(125)"
+    completions = [f"```python\n{fake}\n```", "```python\nprint(int(input()) * 2)\n```"]
+    tests = [[{"input": "2", "output": "4"}]] * 2
+    assert code_tests(timeout_s=15.0, memory_mb=128)(["", ""], completions, tests=tests) == [0.0, 1.0]
+
+
+def test_a_memory_limit_the_interpreter_cannot_start_in_is_refused_when_built():
+    with pytest.raises(ValueError, match="memory_mb=4: the sandbox cannot run"):
+        code_tests(memory_mb=4)

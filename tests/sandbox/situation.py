@@ -14,6 +14,8 @@ so they run under any interpreter an unprivileged uid can execute.
 
 import ctypes
 import os
+import signal
+import time
 
 import pytest
 
@@ -29,6 +31,16 @@ LIMIT = dict(timeout_s=15.0, memory_mb=128)
 DOUBLE = "print(2 * int(input()))"
 DOUBLE_TESTS = [{"input": "3", "output": "6"}, {"input": "21\n", "output": "42\n"}]
 PR_SET_CHILD_SUBREAPER = 36
+# Clears its parent-death signal and leaves the launcher's process group, then waits (30 s at most,
+# should the sandbox fail): what a program does to outlive its deadline.
+ESCAPE = """
+import ctypes, os, time
+ctypes.CDLL(None).prctl(1, 0, 0, 0, 0)
+os.setsid()
+start = time.monotonic()
+while time.monotonic() - start < 30:
+    time.sleep(0.1)
+"""
 
 
 def sandboxed(program: str, tests: list[dict], **kwargs) -> CodeResult | None:
@@ -69,3 +81,15 @@ def live_children() -> list[int]:
         else:
             found.append(int(pid))
     return found
+
+
+def outlivers(before: set[int]) -> list[int]:
+    """Our live children not in `before` that are still alive after up to 2 s (SIGKILL is delivered
+    asynchronously); any found are killed, so a failing test leaves nothing behind."""
+    deadline = time.monotonic() + 2.0
+    while set(live_children()) - before and time.monotonic() < deadline:
+        time.sleep(0.02)
+    left = sorted(set(live_children()) - before)
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    return left

@@ -68,6 +68,25 @@ def test_limits_timeout_memory_output():
         assert (res.status, res.stdout) == ("output_limit", "x" * 4096)
 
 
+def test_what_was_printed_before_a_timeout_comes_back():
+    """stdout is line-buffered in the sandbox: the lines written before the kill are not lost with it."""
+    res = ran("import time\nfor i in range(3):\n    print('step', i)\ntime.sleep(60)\n", **FAST)
+    if not REFUSED:
+        assert (res.status, res.stdout) == ("timeout", "step 0\nstep 1\nstep 2\n")
+
+
+def test_a_stderr_flood_stops_the_program_like_a_stdout_flood():
+    res = ran("import sys\nwhile True:\n    sys.stderr.write('x' * 1000)\n", max_output_bytes=4096, **LIMIT)
+    if not REFUSED:
+        assert (res.status, res.stdout, res.stderr) == ("output_limit", "", "x" * 4096)
+
+
+def test_a_lone_surrogate_is_a_status_not_an_exception():
+    res = ran("print('fine')  # \ud800")
+    if not REFUSED:
+        assert (res.status, res.stdout) == ("ok", "fine\n")
+
+
 def test_a_host_file_is_not_readable(tmp_path):
     secret = tmp_path / "secret.txt"
     secret.write_text("TOPSECRET-51c2")

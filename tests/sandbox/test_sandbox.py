@@ -15,9 +15,10 @@ import threading
 import time
 
 import pytest
-from situation import DOUBLE, DOUBLE_TESTS, EXPECT, FAST, LIMIT, OK, REFUSED, assert_normal_program_scores, sandboxed
+from situation import (DOUBLE, DOUBLE_TESTS, ESCAPE, EXPECT, FAST, LIMIT, OK, REFUSED, assert_normal_program_scores,
+                       live_children, outlivers, sandboxed)
 
-from grouprl.sandbox import CodeResult, run_code_batch, sandbox_mechanism
+from grouprl.sandbox import CodeResult, SandboxUnavailableError, check_memory, run_code_batch, sandbox_mechanism
 from grouprl.sandbox import process
 from grouprl.sandbox import runner as sandbox
 
@@ -66,6 +67,41 @@ def test_wrong_answer_is_failed_with_a_readable_detail():
         assert "expected '6', got '7'" in res.detail
 
 
+def test_only_newlines_and_trailing_spaces_tabs_and_carriage_returns_are_layout():
+    cases = [("1 \t\r\n2\r\n\n", "1\n2", "passed"), ("1\x0c2", "1\n2", "failed"), ("1\x1c2", "1\n2", "failed"),
+             ("1\u20282", "1\n2", "failed"), ("42\u00a0", "42", "failed")]
+    for out, expected, status in cases:
+        res = sandboxed(f"import sys\nsys.stdout.write({out!r})", [{"input": "", "output": expected}], **OK)
+        if not REFUSED:
+            assert res.status == status, (out, res.detail)
+
+
+def test_output_up_to_the_cap_is_scored_and_one_byte_more_is_not():
+    for n, status in ((4096, "passed"), (4097, "output_limit")):
+        res = sandboxed(f"print('a' * {n}, end='')", [{"input": "", "output": "a" * n}], max_output_bytes=4096, **OK)
+        if not REFUSED:
+            assert res.status == status, (n, res.detail)
+
+
+def test_stdin_is_a_pipe_that_carries_a_large_input_read_or_not():
+    """Not a host file, which a program could reopen for writing where it runs as the file's owner."""
+    big = "7" * 300_000
+    prog = "import os, stat, sys\nprint(stat.S_ISFIFO(os.fstat(0).st_mode), len(sys.stdin.read()))"
+    res = sandboxed(prog, [{"input": big, "output": "True 300000"}, {"input": "", "output": "True 0"}], **OK)
+    if not REFUSED:
+        assert res.test_status == ["passed", "passed"], res.detail
+    res = sandboxed("print(1)", [{"input": big, "output": "1"}], **OK)  # never reads it
+    if not REFUSED:
+        assert res.status == "passed", res.detail
+
+
+def test_a_lone_surrogate_in_the_program_or_a_test_is_scored_not_raised():
+    res = sandboxed("print(len(input()))  # \ud800", [{"input": "a\ud800b", "output": "3"},
+                                                       {"input": "ab", "output": "\ud800"}], **OK)
+    if not REFUSED:
+        assert res.test_status == ["passed", "failed"], res.detail
+
+
 def test_assert_tests_run_in_the_program_namespace():
     prog = "def add(a, b):\n    return a + b\n"
     tests = [{"assert": "assert add(1, 2) == 3"}, {"assert": "assert add(2, 2) == 5"},
@@ -89,6 +125,39 @@ def test_runtime_error_and_syntax_error():
     res = sandboxed("def f(:\n", DOUBLE_TESTS, **OK)
     if not REFUSED:
         assert (res.status, res.test_status) == ("syntax_error", ["syntax_error", "not_run"])
+
+
+def test_exit_codes_and_text_a_program_controls_decide_no_status_of_ours():
+    """sandbox_error comes from a private pipe, syntax_error, memory_limit and the CPU limit from the harness's
+    verdict (sealed with a nonce): a program faking them is an error, and its remaining tests still run."""
+    fakes = ["import os, sys\nsys.stderr.write('sandbox setup failed: fake\\n')\nsys.stderr.flush()\nos._exit(125)",
+             "import os\nos._exit(3)", "import os\nos._exit(124)",
+             "import sys\nsys.stderr.write('MemoryError\\n')\nsys.exit(1)"]
+    for prog in fakes:
+        res = sandboxed(prog, DOUBLE_TESTS, **OK)
+        if not REFUSED:
+            assert (res.status, res.test_status) == ("error", ["error", "error"]), (prog, res.detail)
+
+
+def test_the_cpu_limit_is_a_timeout(monkeypatch):
+    monkeypatch.setattr(sandbox, "_cpu_s", lambda timeout_s: 1)  # 1 s of CPU within a 15 s deadline
+    res = sandboxed("while True:\n    pass\n", DOUBLE_TESTS, **OK)
+    if not REFUSED:
+        assert (res.status, res.test_status) == ("timeout", ["timeout", "not_run"])
+        assert res.detail == "test 0: CPU limit (1 s)"
+
+
+def test_too_little_memory_for_the_interpreter_is_a_sandbox_error_not_a_zero():
+    res = sandboxed(DOUBLE, DOUBLE_TESTS, timeout_s=15.0, memory_mb=4)
+    if not REFUSED:
+        assert (res.status, res.test_status) == ("sandbox_error", ["sandbox_error", "not_run"]), res.detail
+    if REFUSED:
+        with pytest.raises(SandboxUnavailableError):
+            check_memory(4)
+        return
+    with pytest.raises(ValueError, match="memory_mb=4: the sandbox cannot run print"):
+        check_memory(4)
+    check_memory(128)
 
 
 def test_no_tests_and_malformed_tests():
@@ -297,6 +366,13 @@ def test_gigabytes_of_output_are_cut_off():
     assert_normal_program_scores()
 
 
+def test_a_stderr_flood_is_stopped_at_the_cap():
+    prog = "import sys\nwhile True:\n    sys.stderr.write('x' * 65536)\n"
+    res = sandboxed(prog, [{"input": "", "output": ""}], max_output_bytes=1 << 16, **LIMIT)
+    if not REFUSED:
+        assert res.status == "output_limit"
+
+
 def test_signalling_the_parent_and_our_process():
     prog = f"""
 import os, signal
@@ -328,6 +404,16 @@ print("parent done")
         assert res.status == "failed"
     assert live_processes(used_uids) == []
     assert_normal_program_scores()
+
+
+def test_a_program_that_clears_its_death_signal_and_leaves_the_group_ends_at_the_deadline(used_uids):
+    """As userns (no per-run uid to sweep) only the sandbox's own init, PID 1, holds this wall."""
+    before = set(live_children())
+    res = sandboxed(ESCAPE, [{"input": "", "output": ""}], **FAST)
+    if not REFUSED:
+        assert res.status == "timeout"
+    assert outlivers(before) == []
+    assert live_processes(used_uids) == []
 
 
 def test_nested_user_namespace_is_refused():

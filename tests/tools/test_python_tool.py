@@ -57,6 +57,15 @@ def test_limits_are_said_plainly(fast_tools):
     ]
 
 
+def test_lines_printed_before_a_timeout_are_shown(fast_tools):
+    assert run(fast_tools, "import time\nprint('step 1')\ntime.sleep(60)") == [
+        ("ok", "step 1\n[timeout: stopped after 1.5 s]")]
+
+
+def test_a_lone_surrogate_in_the_code_is_run_not_raised(tools):
+    assert run(tools, "print('fine')  # \ud800") == [("ok", "fine")]
+
+
 def test_long_output_keeps_head_and_tail():
     assert truncate("abcdefghij", 10) == "abcdefghij"
     assert truncate("abcdefghijklmnopqrstuvwxyz", 10) == "abcde\n[... 16 characters cut ...]\nvwxyz"
@@ -111,3 +120,5 @@ def test_the_schema_the_model_sees():
 def test_bad_limits():
     with pytest.raises(ValueError, match="max_output_chars=0: the model must see at least one character"):
         python_tool(max_output_chars=0)
+    with pytest.raises(ValueError, match="memory_mb=4: the sandbox cannot run"):
+        python_tool(memory_mb=4)

@@ -14,7 +14,7 @@ import re
 from typing import Any, Callable
 
 from .text import column, completion_text
-from grouprl.sandbox import run_code_batch, sandbox_mechanism
+from grouprl.sandbox import check_memory, run_code_batch, sandbox_mechanism
 
 _ANY_FENCE = re.compile(r"```[ \t]*([\w+-]*)[ \t]*\n(.*?)```", re.DOTALL)
 
@@ -37,10 +37,12 @@ def code_tests(
     """Factory: the code reward with sandbox limits per test (`run_code`'s timeout_s and memory_mb).
 
     isolation="strict" refuses (SandboxUnavailableError) where no namespace sandbox works; "weak"
-    accepts the rlimit fallback there. The choice is checked when the reward is built, so a run
-    fails before its first step, not in the middle of one.
+    accepts the rlimit fallback there. The choice, and that memory_mb leaves the interpreter room to
+    start (ValueError), are checked when the reward is built, so a run fails before its first step,
+    not in the middle of one.
     """
     sandbox_mechanism(isolation)
+    check_memory(memory_mb, isolation)
 
     def code_tests(prompts: list[Any], completions: list[Any], **kwargs: Any) -> list[float | None]:
         all_tests = [_row_tests(t) for t in column(kwargs, ("tests",), len(completions), "code_tests")]

@@ -1,19 +1,27 @@
 """Sandbox harness: the process that runs an untrusted program, already isolated and unprivileged.
 
-argv: NONCE_FD PROGRAM_PATH TEST_PATH_OR_EMPTY BLOCK_FLAG. Standard library only, runs on any Python 3.8+.
+argv: STATUS_FD NONCE_FD PROGRAM_PATH TEST_PATH_OR_EMPTY BLOCK_FLAG. Standard library only, runs on any Python 3.8+.
 
-The nonce arrives on a pipe that is read and closed before the program runs; it is written to stdout
-only after the program and the assert test finished normally. A program that leaves early
-(os._exit(0), a killed interpreter) therefore cannot pass an assert test by exit code alone.
-sys.exit(0) / exit() inside the program is caught and the tests still run.
+Two private pipes, both closed before the program runs: the harness writes b"S" to STATUS_FD once it
+is running (the caller's proof that the sandbox started the interpreter, which nothing the program does
+can fake or hide), and reads a per-run nonce from NONCE_FD. Its verdict on how the program ended goes
+to stdout (through a copy of the descriptor, so closing fd 1 does not lose it) after everything else,
+as b"\\n" + nonce + VERDICT + b"\\n", one byte: o finished, s syntax error, c CPU limit, m MemoryError,
+e raised or exited non-zero. The program cannot know the nonce, so it can neither fake a verdict nor
+pass an assert test by leaving early (os._exit(0), a killed interpreter); sys.exit(0) / exit() inside
+the program is caught and the tests still run. stdout and stderr are line-buffered, so what a program
+printed before it was stopped reaches the caller.
 
-Exit codes: 0 ok, 1 the program or test raised, 3 syntax error in the program, 124 CPU limit.
+Exit codes (for a reader without the verdict): 0 finished, 1 raised, 3 syntax error, 124 CPU limit.
 """
 
 import os
 import signal
 import sys
 import traceback
+
+FINISHED, SYNTAX, CPU, MEMORY, ERROR = b"o", b"s", b"c", b"m", b"e"
+EXIT_CODES = {FINISHED: 0, SYNTAX: 3, CPU: 124}
 
 BLOCKED_EVENTS = {
     "socket.__new__", "socket.connect", "socket.bind", "socket.getaddrinfo", "socket.sendto",
@@ -27,25 +35,41 @@ def _block_hook(event, args):
         raise PermissionError(f"{event} is blocked in the sandbox (no network namespace available)")
 
 
-def _run():
-    nonce_fd = int(sys.argv[1])
-    nonce = os.read(nonce_fd, 64)
-    os.close(nonce_fd)
-    with open(sys.argv[2], encoding="utf-8") as f:
+def _flush():
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except BaseException:
+            pass
+
+
+def _end(seal, verdict):
+    """Write the verdict, sealed with the nonce, on our copy of stdout (`seal` = (fd, nonce)) and exit."""
+    _flush()
+    fd, nonce = seal
+    try:
+        os.write(fd, b"\n" + nonce + verdict + b"\n")
+    except OSError:
+        pass
+    os._exit(EXIT_CODES.get(verdict, 1))
+
+
+def _run(seal):
+    with open(sys.argv[3], encoding="utf-8") as f:
         program = f.read()
     test = ""
-    if sys.argv[3]:
-        with open(sys.argv[3], encoding="utf-8") as f:
+    if sys.argv[4]:
+        with open(sys.argv[4], encoding="utf-8") as f:
             test = f.read()
     try:
         program_code = compile(program, "solution.py", "exec")
         test_code = compile(test, "test.py", "exec") if test else None
     except (SyntaxError, ValueError):
         traceback.print_exc(limit=0)
-        return 3
-    # CPU soft limit reached: report it as a timeout (exit 124); the hard limit kills 1 s later regardless.
-    signal.signal(signal.SIGXCPU, lambda signum, frame: os._exit(124))
-    if sys.argv[4] == "1":
+        return SYNTAX
+    # CPU soft limit reached: a timeout; the hard limit kills 1 s later regardless.
+    signal.signal(signal.SIGXCPU, lambda signum, frame: _end(seal, CPU))
+    if sys.argv[5] == "1":
         sys.addaudithook(_block_hook)
     namespace = {"__name__": "__main__", "__builtins__": __builtins__}
     try:
@@ -58,26 +82,35 @@ def _run():
             exec(test_code, namespace)
     except SystemExit as e:
         sys.stderr.write(f"SystemExit({e.code!r})\n")
-        return 1
+        return ERROR
     except BaseException as e:  # the program's last frames, without the harness's own (`_run`)
-        traceback.print_exception(type(e), e, e.__traceback__.tb_next, limit=-3)
-        return 1
+        verdict = MEMORY if isinstance(e, MemoryError) else ERROR
+        try:
+            traceback.print_exception(type(e), e, e.__traceback__.tb_next, limit=-3)
+        except BaseException:
+            pass
+        return verdict
     try:
         sys.stdout.flush()
     except BaseException:
-        return 1
-    os.write(1, b"\n" + nonce + b"\n")
-    return 0
+        return ERROR
+    return FINISHED
 
 
 def _main():
-    code = _run()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except BaseException:
-            pass
-    os._exit(code)
+    status_fd, nonce_fd = int(sys.argv[1]), int(sys.argv[2])
+    os.write(status_fd, b"S")
+    os.close(status_fd)
+    nonce = os.read(nonce_fd, 64)
+    os.close(nonce_fd)
+    seal = (os.dup(1), nonce)  # a program that closes its stdout still gets its verdict written
+    sys.stdout.reconfigure(line_buffering=True)
+    sys.stderr.reconfigure(line_buffering=True)
+    try:
+        verdict = _run(seal)
+    except MemoryError:
+        verdict = MEMORY
+    _end(seal, verdict)
 
 
 if __name__ == "__main__":

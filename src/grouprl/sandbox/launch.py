@@ -1,27 +1,33 @@
 """Sandbox launcher: isolates itself, then execs the harness. Standard library only; never imports grouprl.
 
 Started by `grouprl.sandbox.runner` as `python -I -S -B launch.py CONFIG_JSON`, in its own session
-(process group), as the calling user. Steps in the two isolating modes:
+(process group), as the calling user, with stdin a pipe and a private status pipe (`status_fd`): a setup
+failure is reported there, never on stdout or stderr, which the program shares. Steps in the two
+isolating modes:
 
-1. unshare. "userns" (the caller is not root): a new user namespace in which uid/gid 1000 is the caller
-   (one mapping, setgroups denied); the launcher holds capabilities over the namespaces it creates and
-   none on the host. Both modes then get new mount, network, PID, IPC and UTS namespaces, and every
-   mount is made private so nothing propagates back to the host.
-2. fork: the child is PID 1 of the new PID namespace. When it exits the kernel kills every process left
-   in the namespace, so no daemon outlives the run. At the deadline the caller kills the launcher's
-   process group, the child with it; a child that left the group dies of its parent-death signal. The
-   launcher waits and exits with the child's status (128 + signal when killed by a signal).
-3. In the child, a new root on a tmpfs: read-only bind mounts of /usr, /bin, /sbin, /lib* and the
+1. unshare. "userns": a new user namespace in which uid/gid 1000 is the caller (not root: one mapping,
+   setgroups denied), or, for root, the run's claimed uid (a helper process left outside writes the
+   maps, which takes privilege; root itself stays uid 0 there for the setup); the launcher holds
+   capabilities over the namespaces it creates and none on the host. Both modes then get new mount,
+   network, PID, IPC and UTS namespaces, and every mount is made private so nothing propagates back.
+2. fork: the child is PID 1 of the new PID namespace, our own init, with SIGKILL as its parent-death
+   signal. It forks the harness (step 5) and reaps until the harness exits, then exits with its
+   status; when it exits the kernel kills every process left in the namespace. At the deadline the
+   caller kills the launcher's process group: the init dies with the launcher whatever the program did
+   (it cannot signal its PID 1 nor clear the init's death signal), and the whole namespace with it.
+   The launcher waits and exits with the init's status (128 + signal when killed by a signal).
+3. In the init, a new root on a tmpfs: read-only bind mounts of /usr, /bin, /sbin, /lib* and the
    interpreter's installation; a generated /etc (an account file naming only the sandbox user, the
    loader cache); /dev with null, zero, full, random, urandom; a fresh /proc (only the sandbox's
    processes); /tmp a tmpfs of disk_mb holding the working directory /tmp/work; /sandbox with the
    harness, program and test, read-only. Then pivot_root into it and detach the host's tree: no other
-   host path exists for the program. "userns" also sets max_user_namespaces to 0 inside its namespace,
-   so the program cannot nest one.
-4. setrlimit (CPU, address space, processes, file size, open files, no core dumps); "namespace" drops
-   to the run's dedicated uid/gid with no supplementary groups; parent-death signal SIGKILL, no_new_privs.
+   host path exists for the program.
+4. In the harness's process: setrlimit (CPU, address space, processes, file size, open files, no core
+   dumps); drop to the run's uid/gid with no supplementary groups (namespace mode, and userns as root);
+   max_user_namespaces 0 in a user namespace of its own, so the program cannot nest one; parent-death
+   signal SIGKILL, no_new_privs.
 5. exec the harness with a clean environment. The exec runs as a non-zero uid without file
-   capabilities, so it clears every capability the launcher held inside its namespaces.
+   capabilities, so it clears every capability held inside the namespaces.
 
 "rlimit" mode (weak, opt-in) only does steps 4-5 in a host directory; the harness then blocks sockets
 and process spawning with an audit hook. See docs/rewards.md.
@@ -69,16 +75,47 @@ def _mount(source, target, fstype, flags, data=None):
                       ctypes.c_ulong(flags), data.encode() if data else None), f"mount {target}")
 
 
-def _unshare(userns):
-    uid, gid = os.getuid(), os.getgid()
+def _unshare(userns, run_uid, run_gid):
     flags = CLONE_NEWNS | CLONE_NEWNET | CLONE_NEWPID | CLONE_NEWIPC | CLONE_NEWUTS
-    _check(libc.unshare(flags | (CLONE_NEWUSER if userns else 0)), "unshare")
-    if userns:
-        for name, text in (("setgroups", "deny"), ("uid_map", f"{INNER_ID} {uid} 1"),
-                           ("gid_map", f"{INNER_ID} {gid} 1")):
-            with open(f"/proc/self/{name}", "w") as f:
-                f.write(text)
+    if not userns:
+        _check(libc.unshare(flags), "unshare")
+    elif not run_uid:  # not root: the one mapping allowed without privileges, the caller's own ids
+        uid, gid = os.getuid(), os.getgid()  # inside the namespace they read as unmapped until the maps exist
+        _check(libc.unshare(flags | CLONE_NEWUSER), "unshare")
+        _write_maps("self", f"{INNER_ID} {uid} 1", f"{INNER_ID} {gid} 1", deny_setgroups=True)
+    else:
+        # Root: the sandbox user is the run's claimed uid, since RLIMIT_NPROC does not bind kernel uid 0;
+        # root keeps uid 0 for the setup. Mapping ids other than one's own takes CAP_SETUID outside the
+        # new namespace, so a helper forked before the unshare writes the maps.
+        go_r, go_w = os.pipe()
+        launcher = os.getpid()
+        helper = os.fork()
+        if helper == 0:
+            try:
+                os.close(go_w)
+                if os.read(go_r, 1) == b"x":
+                    _write_maps(launcher, f"0 0 1\n{INNER_ID} {run_uid} 1", f"0 0 1\n{INNER_ID} {run_gid} 1")
+                    os._exit(0)
+            except BaseException:
+                pass
+            os._exit(1)
+        os.close(go_r)
+        try:
+            _check(libc.unshare(flags | CLONE_NEWUSER), "unshare")
+            os.write(go_w, b"x")
+        finally:
+            os.close(go_w)
+            _, status = os.waitpid(helper, 0)
+        if status != 0:
+            raise OSError(f"could not map uid {INNER_ID} of the sandbox to the run's uid {run_uid}")
     _mount("none", "/", None, MS_REC | MS_PRIVATE)
+
+
+def _write_maps(pid, uid_map, gid_map, deny_setgroups=False):
+    for name, text in (("setgroups", "deny" if deny_setgroups else ""), ("uid_map", uid_map), ("gid_map", gid_map)):
+        if text:
+            with open(f"/proc/{pid}/{name}", "w") as f:
+                f.write(text)
 
 
 def _bind_ro(source, target):
@@ -129,7 +166,7 @@ def _build_root(cfg, files, userns):
         os.makedirs(root + path, 0o755)
         _bind_ro(path, root + path)
     os.mkdir(root + "/etc", 0o755)
-    uid, gid = (INNER_ID, INNER_ID) if userns else (cfg["uid"], cfg["gid"])
+    uid, gid = _sandbox_ids(cfg, userns)
     _write(root + "/etc/passwd", f"sandbox:x:{uid}:{gid}:sandbox:{WORK_DIR}:/bin/false\n".encode(), 0o644)
     _write(root + "/etc/group", f"sandbox:x:{gid}:\n".encode(), 0o644)
     _write(root + "/etc/hosts", b"127.0.0.1 localhost\n::1 localhost\n", 0o644)
@@ -154,7 +191,7 @@ def _build_root(cfg, files, userns):
     os.mkdir(root + "/tmp")
     _mount("tmpfs", root + "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, f"size={int(cfg['disk_mb'])}m,mode=1777")
     os.mkdir(root + WORK_DIR, 0o700)
-    if not userns:
+    if cfg["uid"]:  # we are root; the program will run as the run's uid
         os.chown(root + WORK_DIR, uid, gid)
     os.mkdir(root + SANDBOX_DIR, 0o755)
     for name, data in files.items():
@@ -169,16 +206,22 @@ def _build_root(cfg, files, userns):
     os.chdir("/")
 
 
-def _set_limits(cfg, userns):
+def _sandbox_ids(cfg, userns):
+    """The program's uid and gid as seen inside the sandbox."""
+    return (INNER_ID, INNER_ID) if userns else (cfg["uid"], cfg["gid"])
+
+
+def _set_limits(cfg, userns, running):
     cpu = int(cfg["cpu_s"])
     limits = [(resource.RLIMIT_CPU, cpu, cpu + 1)]  # SIGXCPU at the soft limit (harness exits 124), SIGKILL 1 s later
     limits += [(which, value, value) for which, value in [
         (resource.RLIMIT_AS, int(cfg["as_bytes"])), (resource.RLIMIT_FSIZE, int(cfg["fsize_bytes"])),
         (resource.RLIMIT_NOFILE, int(cfg["nofile"])), (resource.RLIMIT_CORE, 0)]]
     nproc = int(cfg["nproc"])
-    if not cfg["uid"] and not (userns and _nproc_counted_per_userns()):
-        # RLIMIT_NPROC counts every process of the caller's uid: allow those already running plus the budget.
-        nproc += _count_processes(os.getuid())
+    if not cfg["uid"]:
+        # RLIMIT_NPROC counts the caller's processes: in the run's user namespace only (Linux >= 5.14), where
+        # our launcher and init are two of them; else all of them, so the budget goes on top of those.
+        nproc += 2 if userns and _nproc_counted_per_userns() else running
     limits.append((resource.RLIMIT_NPROC, nproc, nproc))
     for which, soft, hard in limits:
         resource.setrlimit(which, (soft, hard))
@@ -205,24 +248,24 @@ def _count_processes(uid):
     return n
 
 
-def _drop_privileges(cfg, isolated):
-    uid, gid = cfg["uid"], cfg["gid"]
+def _drop_privileges(uid, gid, isolated):
+    """Become `uid` (0: stay who we are, the caller's uid in "userns" without root)."""
     if uid:
         os.setgroups([])
         os.setgid(gid)
         os.setuid(uid)
     if isolated:
         _forbid_nested_userns(uid)
-    # After the uid change (which clears it): die with the launcher.
+    # After the uid change (which clears it): die with our parent (the init, or the caller in "rlimit").
     libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     _check(libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "prctl(NO_NEW_PRIVS)")
 
 
 def _forbid_nested_userns(uid):
     """Set max_user_namespaces to 0 in a user namespace of our own, so the program cannot create one
-    (and gain capabilities over new namespaces: kernel attack surface, nothing more). In "userns" mode
-    we are already in one; in "namespace" mode the run's uid makes one first (it owns it, as any user
-    may). Best effort: where the kernel refuses user namespaces, the program cannot make one either."""
+    (and gain capabilities over new namespaces: kernel attack surface, nothing more). Without a uid change
+    ("userns", not root) we own the one we are in; after one, the run's uid makes one first (it owns it,
+    as any user may). Best effort: where the kernel refuses user namespaces, the program cannot make one either."""
     if uid:
         if libc.unshare(CLONE_NEWUSER) != 0:
             return
@@ -242,55 +285,82 @@ def _exec_harness(cfg, harness_dir, work_dir, block):
     env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": work_dir, "TMPDIR": work_dir,
            "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8"}
     os.chdir(work_dir)
-    argv = [python, "-I", "-S", "-B", os.path.join(harness_dir, "harness.py"), str(cfg["nonce_fd"]),
-            os.path.join(harness_dir, "program.py"),
+    argv = [python, "-I", "-S", "-B", os.path.join(harness_dir, "harness.py"), str(cfg["status_fd"]),
+            str(cfg["nonce_fd"]), os.path.join(harness_dir, "program.py"),
             os.path.join(harness_dir, "test.py") if cfg["has_test"] else "", "1" if block else "0"]
     os.execve(python, argv, env)
 
 
-def _wait_and_exit(pid):
-    _, status = os.waitpid(pid, 0)
-    if os.WIFSIGNALED(status):
-        os._exit(128 + os.WTERMSIG(status))
-    os._exit(os.WEXITSTATUS(status))
+def _exit_like(status):
+    """Exit as a process that ended with wait `status` did (128 + signal when a signal killed it)."""
+    os._exit(128 + os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status))
 
 
-def main():
-    cfg = json.loads(sys.argv[1])
-    run_dir, mode = cfg["run_dir"], cfg["mode"]
-    if mode in ("namespace", "userns"):
-        files = {}
-        for name in ["harness.py", "program.py"] + (["test.py"] if cfg["has_test"] else []):
-            with open(os.path.join(run_dir, name), "rb") as f:
-                files[name] = f.read()
-        userns = mode == "userns"
-        _unshare(userns)
-        alive_r, alive_w = os.pipe()  # EOF on alive_r once the launcher is gone
-        pid = os.fork()
-        if pid:
-            _wait_and_exit(pid)
-        try:
-            os.close(alive_w)
-            _build_root(cfg, files, userns)
-            _set_limits(cfg, userns)
-            _drop_privileges(cfg, isolated=True)
-            if select.select([alive_r], [], [], 0)[0]:  # the launcher died before the death signal was set
-                os._exit(125)
-            _exec_harness(cfg, SANDBOX_DIR, WORK_DIR, block=False)
-        except BaseException as e:  # report, never fall through to the launcher's code path
-            os.write(2, f"sandbox setup failed: {e!r}\n".encode())
-            os._exit(125)
-    elif mode == "rlimit":
-        _set_limits(cfg, userns=False)
-        _drop_privileges(cfg, isolated=False)
+def _init(harness):
+    """PID 1 of the sandbox: reap every orphan until the harness exits, then exit with its status (the kernel
+    then kills whatever is left in the namespace). PID 1 receives from inside its namespace only the
+    signals it handles: none, once SIGINT has its default back."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    while True:
+        pid, status = os.waitpid(-1, 0)
+        if pid == harness:
+            _exit_like(status)
+
+
+def _fail(status_fd, e):
+    """Report a setup failure on the private status pipe, never fall through to the caller's code path."""
+    try:
+        os.write(status_fd, f"sandbox setup failed: {e!r}"[:4000].encode("utf-8", "replace"))
+    finally:
+        os._exit(125)
+
+
+def main(cfg):
+    run_dir, mode, status_fd = cfg["run_dir"], cfg["mode"], cfg["status_fd"]
+    userns = mode == "userns"
+    running = 0
+    if not cfg["uid"] and not (userns and _nproc_counted_per_userns()):
+        running = _count_processes(os.getuid())  # on the host's /proc, before pivot_root
+    if mode == "rlimit":
+        _set_limits(cfg, userns=False, running=running)
+        _drop_privileges(cfg["uid"], cfg["gid"], isolated=False)
         _exec_harness(cfg, run_dir, os.path.join(run_dir, "work"), block=True)
-    else:
+    if mode not in ("namespace", "userns"):
         raise ValueError(f"unknown sandbox mode {mode!r}")
+    files = {}
+    for name in ["harness.py", "program.py"] + (["test.py"] if cfg["has_test"] else []):
+        with open(os.path.join(run_dir, name), "rb") as f:
+            files[name] = f.read()
+    _unshare(userns, cfg["uid"], cfg["gid"])
+    alive_r, alive_w = os.pipe()  # EOF on alive_r once the launcher is gone
+    init = os.fork()
+    if init:
+        os.close(status_fd)  # only the sandbox reports from here on
+        _, status = os.waitpid(init, 0)
+        _exit_like(status)
+    os.close(alive_w)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)  # our uid never changes, so this stays
+    if select.select([alive_r], [], [], 0)[0]:  # the launcher died before the death signal was set
+        os._exit(125)
+    _build_root(cfg, files, userns)
+    harness = os.fork()
+    if harness == 0:
+        try:
+            _set_limits(cfg, userns, running)
+            uid, gid = _sandbox_ids(cfg, userns) if cfg["uid"] else (0, 0)
+            _drop_privileges(uid, gid, isolated=True)
+            _exec_harness(cfg, SANDBOX_DIR, WORK_DIR, block=False)
+        except BaseException as e:
+            _fail(status_fd, e)
+    os.close(status_fd)
+    _init(harness)
 
 
 if __name__ == "__main__":
+    fd = 2  # until the config names the status pipe
     try:
-        main()
-    except BaseException as e:
-        os.write(2, f"sandbox setup failed: {e!r}\n".encode())
-        os._exit(125)
+        config = json.loads(sys.argv[1])
+        fd = config["status_fd"]
+        main(config)
+    except BaseException as err:
+        _fail(fd, err)

@@ -11,13 +11,15 @@ module owns what happens around it:
   weak isolation (rlimits and an audit hook), only when asked for: `GROUPRL_SANDBOX_MODE=rlimit`, or
   `isolation="weak"` when neither isolating mode works. Otherwise `SandboxUnavailableError` says what
   is missing and how to get it: the default is never a silent weak sandbox;
-- a dedicated uid per concurrent run when root, claimed with a file lock from a pool, so RLIMIT_NPROC
-  (counted per uid) bounds one run's processes and never another's, and every process left behind can
-  be found by uid and killed. Without root the user namespace does that job: RLIMIT_NPROC is counted
-  per user namespace (Linux >= 5.14) and the PID namespace takes every process with it;
-- a wall-clock deadline per test, stdout/stderr read with a byte cap, the process group killed when
-  the test ends, the temporary directory removed; any failure of this machinery is a
-  `CodeResult(status="sandbox_error")`, never a stray OSError.
+- a dedicated uid per concurrent run when root (in "userns" mode too: kernel uid 0 is exempt from
+  RLIMIT_NPROC), claimed with a file lock from a pool, so RLIMIT_NPROC (counted per uid) bounds one
+  run's processes and never another's, and every process left behind can be found by uid and killed.
+  Without root the user namespace does that job: RLIMIT_NPROC is counted per user namespace
+  (Linux >= 5.14) and the PID namespace, whose init is ours, takes every process with it;
+- a wall-clock deadline per test, stdin fed through a pipe, stdout/stderr read with a byte cap each,
+  the process group killed when the test ends, the temporary directory removed; any failure of this
+  machinery is a `CodeResult(status="sandbox_error")`, never a stray OSError, and decided only from
+  the launcher's private status pipe, never from what the program prints or how it exits.
 
 `GROUPRL_SANDBOX_MODE` (auto | namespace | userns | rlimit) forces a mode; `GROUPRL_SANDBOX_PYTHON`
 picks the interpreter.
@@ -41,6 +43,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from . import harness
 from .process import claim_uid, execute, kill_uid
 
 logger = logging.getLogger(__name__)
@@ -53,7 +56,6 @@ NPROC = 32  # processes + threads a run may hold
 NOFILE = 64
 MODES = ("namespace", "userns", "rlimit")
 ISOLATION = ("strict", "weak")
-_EXIT_SYNTAX, _EXIT_CPU, _EXIT_SETUP = 3, 124, 125
 _STOP_STATUSES = ("timeout", "syntax_error", "sandbox_error", "output_limit")
 _FIX = (
     "To isolate without root, allow unprivileged user namespaces: in Docker or Podman run the container "
@@ -81,8 +83,9 @@ class SandboxMechanism(NamedTuple):
         return self.mode == "rlimit"
 
     def describe(self) -> str:
-        what = {"namespace": "namespaces and a per-run uid (root)",
-                "userns": "namespaces inside an unprivileged user namespace",
+        userns = ("namespaces inside a user namespace, a per-run uid (root)" if os.geteuid() == 0
+                  else "namespaces inside an unprivileged user namespace")
+        what = {"namespace": "namespaces and a per-run uid (root)", "userns": userns,
                 "rlimit": "WEAK: rlimits and an audit hook only, no isolation from the host"}[self.mode]
         return f"{self.mode} ({what}), interpreter {self.python}"
 
@@ -170,6 +173,25 @@ def _probe(modes: list[str]) -> SandboxMechanism | SandboxUnavailableError:
     return SandboxUnavailableError(
         f"no isolating sandbox works here (running as uid {os.geteuid()}), so untrusted code is not run. "
         f"Tried: {tried}. {_FIX}")
+
+
+_memory_ok: set[tuple[SandboxMechanism, int]] = set()
+
+
+def check_memory(memory_mb: int, isolation: str = "strict") -> None:
+    """Raise ValueError, naming memory_mb, when a trivial program does not run with `memory_mb` MiB of
+    address space in the sandbox in force (too little for the interpreter itself): the `code_tests` reward
+    and the `python` tool call this when built, so a run stops before its first step instead of scoring
+    every program 0. Passing sizes are remembered per mechanism. SandboxUnavailableError as
+    `sandbox_mechanism`."""
+    mech = sandbox_mechanism(isolation)
+    if (mech, memory_mb) in _memory_ok:
+        return
+    res = _run_tests("print(6 * 7)", [{"input": "", "output": "42"}], 10.0, memory_mb, 1 << 16, 8, *mech)
+    if res.status != "passed":
+        raise ValueError(f"memory_mb={memory_mb}: the sandbox cannot run print(6 * 7) within it; {mech.python} "
+                         f"needs more ({res.status}: {res.detail})")
+    _memory_ok.add((mech, memory_mb))
 
 
 # ---------------------------------------------------------------- public API
@@ -290,9 +312,9 @@ def _run_tests(program, tests, timeout_s, memory_mb, max_output_bytes, disk_mb, 
 
 @contextmanager
 def _prepared_run(program, mode):
-    """Yield (run_dir, uid): a claimed uid (0 when none) and a fresh directory holding the program and
-    the harness. Afterwards every process of the uid is killed and the directory removed."""
-    with claim_uid(per_run=mode != "userns") as uid:
+    """Yield (run_dir, uid): a claimed uid (when root; else 0) and a fresh directory holding the program
+    and the harness. Afterwards every process of the uid is killed and the directory removed."""
+    with claim_uid() as uid:
         run_dir = tempfile.mkdtemp(prefix="grouprl-sbx-")
         try:
             _write(os.path.join(run_dir, "program.py"), program)
@@ -311,23 +333,31 @@ def _prepared_run(program, mode):
 
 
 def _write(path, text, mode=0o444):
-    """Write a fresh file (unlinked first: an earlier test's copy is read-only to us when we are not root)."""
+    """Write a fresh file (unlinked first: an earlier test's copy is read-only to us when we are not root).
+    A lone surrogate (from JSON, say) cannot be UTF-8: it becomes "?" rather than an exception."""
     if os.path.lexists(path):
         os.unlink(path)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
+    with os.fdopen(fd, "w", encoding="utf-8", errors="replace") as f:
         f.write(text)
 
 
 class _Exit(NamedTuple):
-    """How one sandboxed process ended: its stdout (without the harness's marker), stderr, exit code,
-    why we stopped it ("timeout", "output_limit" or ""), and whether the harness finished normally."""
+    """How one sandboxed process ended: its stdout (without the harness's verdict), stderr, exit code, why we
+    stopped it ("timeout", "output_limit" or ""), the harness's verdict (harness.py; b"" when none came),
+    and what the launcher said on the status pipe: b"S" once the harness ran, else its setup failure."""
 
     stdout: bytes
     stderr: str
     rc: int
     stopped: str
-    finished: bool
+    verdict: bytes
+    report: bytes
+
+    @property
+    def finished(self) -> bool:
+        """The program and its test ran to the end (the harness said so, with the run's nonce)."""
+        return self.verdict == harness.FINISHED
 
 
 def _launch(test, run_dir, uid, timeout_s, memory_mb, max_output_bytes, disk_mb, mode, python) -> _Exit:
@@ -338,30 +368,39 @@ def _launch(test, run_dir, uid, timeout_s, memory_mb, max_output_bytes, disk_mb,
         os.unlink(test_path)
     if is_assert:
         _write(test_path, str(test["assert"]))
-    stdin_path = os.path.join(run_dir, "stdin.txt")
-    _write(stdin_path, "" if is_assert else str(test["input"]), mode=0o400)
+    stdin = b"" if is_assert else str(test["input"]).encode("utf-8", "replace")
     nonce = secrets.token_hex(16).encode()
     cfg = {
         "mode": mode, "python": python, "run_dir": run_dir, "has_test": is_assert,
         "uid": uid, "gid": uid, "cpu_s": _cpu_s(timeout_s), "as_bytes": memory_mb << 20,
         "fsize_bytes": disk_mb << 20, "disk_mb": disk_mb, "nproc": NPROC, "nofile": NOFILE,
     }
-    r, w = os.pipe()
-    os.write(w, nonce)
-    os.close(w)
-    cfg["nonce_fd"] = r
+    nonce_r, nonce_w = os.pipe()
+    os.write(nonce_w, nonce)
+    os.close(nonce_w)
+    status_r, status_w = os.pipe()  # the launcher's and harness's word, which the program never holds
+    cfg.update(nonce_fd=nonce_r, status_fd=status_w)
+    verdict_len = len(nonce) + 3  # b"\n" + nonce + verdict + b"\n", not counted against the cap
     try:
-        with open(stdin_path, "rb") as stdin:
-            out, err, rc, stopped = execute(
-                [python, "-I", "-S", "-B", _LAUNCHER, json.dumps(cfg)], stdin, r, uid, timeout_s, max_output_bytes
-            )
+        out, err, rc, stopped = execute(
+            [python, "-I", "-S", "-B", _LAUNCHER, json.dumps(cfg)], stdin, (nonce_r, status_w), uid, timeout_s,
+            (max_output_bytes + verdict_len, max_output_bytes),
+        )
+        os.set_blocking(status_r, False)
+        try:
+            report = os.read(status_r, 8192)  # all writers are dead by now
+        except BlockingIOError:
+            report = b""
     finally:
-        os.close(r)
-    marker = b"\n" + nonce + b"\n"
-    finished = out.endswith(marker)
-    if finished:
-        out = out[: -len(marker)]
-    return _Exit(out, err.decode("utf-8", "replace"), rc, stopped, finished)
+        for fd in (nonce_r, status_r, status_w):
+            os.close(fd)
+    verdict = b""
+    tail = out[-verdict_len:]
+    if len(tail) == verdict_len and tail.startswith(b"\n" + nonce) and tail.endswith(b"\n"):
+        out, verdict = out[:-verdict_len], tail[-2:-1]
+    if len(out) > max_output_bytes:  # the program's own bytes in the marker's allowance
+        out, stopped = out[:max_output_bytes], stopped or "output_limit"
+    return _Exit(out, err.decode("utf-8", "replace"), rc, stopped, verdict, report)
 
 
 def _cpu_s(timeout_s: float) -> int:
@@ -369,22 +408,29 @@ def _cpu_s(timeout_s: float) -> int:
 
 
 def _end_status(end: _Exit, timeout_s, memory_mb, max_output_bytes) -> tuple[str, str]:
-    """(status, reason) for how the process ended, whatever it was asked: ("ok", "") when it exited 0."""
-    if end.stopped == "timeout":
+    """(status, reason) for how the process ended, whatever it was asked: ("ok", "") when it exited 0.
+
+    sandbox_error comes only from the status pipe, and syntax_error, memory_limit and the CPU limit only
+    from the harness's verdict or the kernel: no exit code or text a program prints can produce them."""
+    if end.report and not end.report.startswith(b"S"):
+        return "sandbox_error", end.report.decode("utf-8", "replace")
+    if end.stopped == "timeout":  # the wall time counts from the launch, start-up included (a loaded machine)
         return "timeout", f"timeout ({timeout_s:g} s wall)"
+    if not end.report:
+        why = _last_line(end.stderr) or f"exit code {end.rc}"
+        return "sandbox_error", (f"the sandbox's interpreter did not start ({why}); "
+                                 f"is memory_mb={memory_mb} enough for it?")
     if end.stopped == "output_limit":
         return "output_limit", f"output exceeded {max_output_bytes} bytes"
-    if end.rc == _EXIT_SETUP and "sandbox setup failed" in end.stderr:
-        return "sandbox_error", _last_line(end.stderr)
-    if end.rc == _EXIT_SYNTAX:
+    if end.verdict == harness.SYNTAX:
         return "syntax_error", _last_line(end.stderr)
-    if end.rc == _EXIT_CPU or end.rc == 128 + signal.SIGXCPU:
+    if end.verdict == harness.CPU or end.rc == 128 + signal.SIGXCPU:
         return "timeout", f"CPU limit ({_cpu_s(timeout_s)} s)"
-    if "MemoryError" in end.stderr:
+    if end.verdict == harness.MEMORY:
         return "memory_limit", f"MemoryError (address space limit {memory_mb} MiB)"
     if end.rc > 128:
         return "error", f"killed by {_signal_name(end.rc - 128)}"
-    if end.rc != 0:
+    if end.rc != 0 or end.verdict == harness.ERROR:
         return "error", _last_line(end.stderr) or f"exit code {end.rc}"
     return "ok", ""
 
@@ -410,7 +456,12 @@ def _run_one(test, run_dir, uid, timeout_s, memory_mb, max_output_bytes, disk_mb
 
 
 def _normalise(text: str) -> str:
-    return "\n".join(line.rstrip() for line in text.rstrip().splitlines())
+    """Lines split at LF (or CRLF) only, each without trailing spaces, tabs and CRs, and no trailing empty
+    lines: a form feed, U+2028 or a no-break space is the program's output, not layout."""
+    lines = [line.rstrip(" \t\r") for line in text.replace("\r\n", "\n").split("\n")]
+    while lines and not lines[-1]:
+        lines.pop()
+    return "\n".join(lines)
 
 
 def _last_line(text: str) -> str:

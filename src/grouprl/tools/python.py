@@ -8,7 +8,7 @@ kept), then one bracketed line when it did not end normally, e.g. "[timeout: sto
 
 from __future__ import annotations
 
-from grouprl.sandbox import run_program, sandbox_mechanism
+from grouprl.sandbox import check_memory, run_program, sandbox_mechanism
 
 from .base import Tool, truncate
 
@@ -18,11 +18,13 @@ def python_tool(timeout_s: float = 10.0, memory_mb: int = 512, max_output_chars:
     """Factory: the `python` tool with these sandbox limits (`run_program`'s timeout_s and memory_mb).
 
     isolation="strict" refuses (SandboxUnavailableError) where no namespace sandbox works; "weak"
-    accepts the rlimit fallback there. Checked here, so a run fails before its first step.
+    accepts the rlimit fallback there. Checked here, with memory_mb (ValueError when the interpreter
+    cannot start within it), so a run fails before its first step.
     """
     if max_output_chars < 1:
         raise ValueError(f"max_output_chars={max_output_chars}: the model must see at least one character")
     sandbox_mechanism(isolation)
+    check_memory(memory_mb, isolation)
     ending = {
         "timeout": f"[timeout: stopped after {timeout_s:g} s]",
         "memory_limit": f"[memory limit: the program used more than its {memory_mb} MiB]",

@@ -111,6 +111,18 @@ def test_assert_tests_run_in_the_program_namespace():
         assert (res.passed, res.total, res.test_status) == (2, 3, ["passed", "failed", "passed"])
 
 
+def test_a_test_that_is_one_expression_fails_when_false():
+    """`{"assert": "add(2, 2) == 5"}` without the keyword: its value decides (it passed before, whatever the
+    program did); a value of None is a call made for its effect (HumanEval's check(f) raises on failure)."""
+    prog = "def add(a, b):\n    return a + b\ndef check(f):\n    assert f(1, 1) == 2\n"
+    tests = [{"assert": "add(1, 2) == 3"}, {"assert": "add(2, 2) == 5"}, {"assert": "[]"}, {"assert": "check(add)"},
+             {"assert": "add(1, 2) == 3 and add(2, 2)"}]
+    res = sandboxed(prog, tests, **OK)
+    if not REFUSED:
+        assert res.test_status == ["passed", "failed", "failed", "passed", "passed"], res.detail
+        assert "the test 'add(2, 2) == 5' is False" in res.detail
+
+
 @pytest.mark.parametrize("leave", ["import os\nos._exit(0)", "import sys\nsys.exit(0)", "exit()"])
 def test_leaving_early_does_not_pass_an_assert_test(leave):
     res = sandboxed(leave, [{"assert": "assert False"}], **OK)

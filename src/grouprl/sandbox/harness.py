@@ -61,9 +61,15 @@ def _run(seal):
     if sys.argv[4]:
         with open(sys.argv[4], encoding="utf-8") as f:
             test = f.read()
+    expression = False  # a test that is one expression ("f(2) == 4"): its value must not be false
     try:
         program_code = compile(program, "solution.py", "exec")
-        test_code = compile(test, "test.py", "exec") if test else None
+        test_code = None
+        if test:
+            try:
+                test_code, expression = compile(test, "test.py", "eval"), True
+            except SyntaxError:
+                test_code = compile(test, "test.py", "exec")
     except (SyntaxError, ValueError):
         traceback.print_exc(limit=0)
         return SYNTAX
@@ -79,7 +85,9 @@ def _run(seal):
             if e.code not in (None, 0):
                 raise
         if test_code is not None:
-            exec(test_code, namespace)
+            value = eval(test_code, namespace) if expression else exec(test_code, namespace)
+            if value is not None and not value:  # None: a call for its effect (HumanEval's check(f)), not a claim
+                raise AssertionError(f"the test {test.strip()!r} is {value!r}")
     except SystemExit as e:
         sys.stderr.write(f"SystemExit({e.code!r})\n")
         return ERROR

@@ -221,11 +221,25 @@ def restore_rng_states(by_rank: list[dict[str, Any]], rank: int, world_size: int
 
 
 def _fsync_tree(root: Path) -> None:
+    """Every file of a new checkpoint on disk, readable as the process's umask allows: safetensors
+    (0.8) creates its files 0600, which a teammate or a vLLM server running as another user cannot read."""
+    mode = _file_mode()
     for p in root.rglob("*"):
         if p.is_file():
+            os.chmod(p, mode)
             with open(p, "rb") as f:
                 os.fsync(f.fileno())
     _fsync_dir(root)
+
+
+def _file_mode() -> int:
+    """0666 less the umask (read from /proc: setting the umask to read it would race other threads)."""
+    try:
+        with open("/proc/self/status") as f:
+            umask = next((int(line.split()[1], 8) for line in f if line.startswith("Umask:")), 0o022)
+    except OSError:
+        umask = 0o022
+    return 0o666 & ~umask
 
 
 def _fsync_dir(path: Path) -> None:

@@ -260,3 +260,17 @@ def test_a_folder_of_a_run_that_stopped_before_its_first_save_is_not_overwritten
     assert main(["train", str(tmp_path / "run.yaml"), "--resume"]) == 2
     assert "--resume: output_dir=" in capsys.readouterr().err
     assert (out / "metrics.jsonl").read_text() == '{"step": 1, "reward/mean": 0.5}\n'
+
+
+@pytest.mark.parametrize("umask, want", [(0o022, 0o644), (0o077, 0o600)])
+def test_checkpoint_files_are_as_readable_as_the_umask_says(make_cfg, umask, want):
+    """safetensors creates its files 0600: a teammate's, or a vLLM server's, process could not read
+    model/model.safetensors. Every file of a checkpoint takes the mode the umask gives a new file."""
+    old = os.umask(umask)
+    try:
+        path = Trainer(make_cfg()).save()
+    finally:
+        os.umask(old)
+    modes = {p.relative_to(path).as_posix(): p.stat().st_mode & 0o777 for p in path.rglob("*") if p.is_file()}
+    assert "model/model.safetensors" in modes and "trainable.safetensors" in modes
+    assert set(modes.values()) == {want}, modes

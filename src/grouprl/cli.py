@@ -35,6 +35,7 @@ import os
 import shlex
 import signal
 import sys
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -44,6 +45,7 @@ from grouprl.config import ConfigError, TrainConfig
 from grouprl.rewards import RewardFunctionError, SandboxUnavailableError
 from grouprl.rollout.vllm_server import VLLMServerError
 from grouprl.signals import TrainingStopped, exit_code
+from grouprl.trackers import TrackerError
 
 USAGE = """grouprl train [CONFIG.yaml] [--field value ...] [--resume]
        grouprl eval  [CONFIG.yaml] [--field value ...]
@@ -55,8 +57,13 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["vllm-serve"]:
         return vllm_serve(argv[1:])
+    if argv[:1] in (["--version"], ["-V"]):
+        from grouprl import __version__
+
+        print(f"grouprl {__version__}")
+        return 0
     parser = argparse.ArgumentParser(prog="grouprl", usage=USAGE, add_help=False)
-    parser.add_argument("command", nargs="?", choices=("train", "eval", "preflight"))
+    parser.add_argument("command", nargs="?", choices=("train", "eval", "preflight", "vllm-serve"))
     parser.add_argument("config", nargs="?")
     parser.add_argument("--resume", action="store_true")
     parser.add_argument("-h", "--help", action="store_true")
@@ -90,18 +97,16 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "preflight":
             return _preflight(cfg, checks.prompts, checks.samples, checks.strict)
         return _eval(cfg, found_config=None if run is None else args.config)
-    except (ConfigError, ValueError, FileNotFoundError, SandboxUnavailableError) as e:
+    except (ConfigError, ValueError, FileNotFoundError, SandboxUnavailableError, TrackerError) as e:
         print(f"grouprl {args.command}: error: {e}", file=sys.stderr)
         return 2
     except VLLMServerError as e:
-        print(f"grouprl {args.command}: error: {e}\nThe run stopped; the checkpoints it wrote are intact. Start "
-              "the server again (grouprl vllm-serve), then run again; --resume continues from the last checkpoint.",
-              file=sys.stderr)
+        print(f"grouprl {args.command}: error: {e}\nThe run stopped. Start the server again (grouprl vllm-serve), "
+              f"then {_again(cfg, argv, args.command)}", file=sys.stderr)
         return 1
     except RewardFunctionError as e:
-        print(f"grouprl {args.command}: error: {e}\nThe run stopped; its checkpoints are intact. Fix the "
-              "reward function (or set reward_fallback to score failures with a fixed value) and "
-              "continue with --resume.", file=sys.stderr)
+        print(f"grouprl {args.command}: error: {e}\nThe run stopped. Fix the reward function (or set reward_fallback "
+              f"to score failures with a fixed value), then {_again(cfg, argv, args.command)}", file=sys.stderr)
         return 1
     except Exception as e:  # out of memory in eval or preflight (train reports its own: _train)
         from grouprl.memory import is_out_of_memory, out_of_memory_advice
@@ -120,6 +125,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"grouprl {args.command}: stopped at once by {signum.name}, without a checkpoint"
               f"{hint if args.command == 'train' else ''}", file=sys.stderr)
         return exit_code(signum)
+
+
+def _again(cfg: TrainConfig | None, argv: list[str], command: str) -> str:
+    """What to run once the cause of a stop is fixed: the resume command when the run wrote a checkpoint."""
+    if command != "train":
+        return "run the same command again."
+    if cfg is not None and latest_checkpoint(cfg.output_dir) is not None:
+        return f"continue from the latest checkpoint (the checkpoints written are intact):\n  {resume_command(argv)}"
+    return "run the same command again: the run wrote no checkpoint."
 
 
 def _help_body() -> str:
@@ -206,7 +220,7 @@ def _eval(cfg: TrainConfig, *, found_config: str | None = None) -> int:
               f"{cfg.output_dir}", flush=True)
     trainer = None
     try:
-        trainer = Trainer(replace(cfg, train_data=cfg.train_data or cfg.eval_data))
+        trainer = Trainer(replace(cfg, train_data=cfg.eval_data or cfg.train_data))  # eval reads no train_data
         result = trainer.evaluate()
         accuracy = accuracy_reward_name(cfg.accuracy_reward, trainer.reward_names)
     finally:
@@ -218,9 +232,11 @@ def _eval(cfg: TrainConfig, *, found_config: str | None = None) -> int:
         out.mkdir(parents=True, exist_ok=True)
         scored = {"model": cfg.model,  # which model, on what: eval.json is rewritten by every eval in output_dir
                   "eval_data": cfg.eval_data or f"{cfg.train_data} (eval_fraction {cfg.eval_fraction})"}
-        (out / "eval.json").write_text(json.dumps({**scored, **result}, indent=2) + "\n")
+        (out / "eval.json").write_text(json.dumps({**scored, **result}, indent=2) + "\n")  # the latest
+        with open(out / "evals.jsonl", "a") as f:  # every eval into this folder, in order: none is lost
+            f.write(json.dumps({"time": time.strftime("%Y-%m-%dT%H:%M:%S"), **scored, **result}) + "\n")
         print(_eval_table(result, cfg, accuracy))
-        print(f"written to {out / 'eval.json'}")
+        print(f"written to {out / 'eval.json'} (and appended to {out / 'evals.jsonl'})")
     return 0
 
 

@@ -16,6 +16,7 @@ import os
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from grouprl import packing
@@ -50,7 +51,7 @@ def _check_exists(name: str, value: str) -> None:
     also be a hub id (`org/name`); with HF_HUB_OFFLINE=1 only one the Hugging Face cache holds."""
     if value.startswith("builtin:") or Path(value).expanduser().exists():
         return
-    hub_name = not value.startswith((".", "/", "~")) and value.count("/") <= 1
+    hub_name = not value.startswith((".", "/", "~")) and value.count("/") <= 1 and not value.endswith(".gguf")
     if hub_name and os.environ.get("HF_HUB_OFFLINE") == "1" and not _in_hub_cache(value):
         raise ConfigError(f"{name}={value!r} is not a local folder, and the hub is offline (HF_HUB_OFFLINE=1) with "
                           f"no copy of {value} in the Hugging Face cache: download it once where the hub is "
@@ -138,8 +139,12 @@ def load_policy(name: str, *, gguf_file: str | None = None, lora_r: int = 0, lor
     `gguf_file`, the model is that GGUF file in the folder (or hub repo) `name`, dequantized.
     `dtype`: another storage dtype for a model that is never trained (a distillation teacher in
     bf16), so that it is never whole in fp32."""
-    model = AutoModelForCausalLM.from_pretrained(resolve_model_path(name), dtype=dtype,
-                                                 **_gguf_kwargs(gguf_file))
+    try:
+        model = AutoModelForCausalLM.from_pretrained(resolve_model_path(name), dtype=dtype, **_gguf_kwargs(gguf_file))
+    except SafetensorError as e:
+        raise ConfigError(f"model={name!r}: its weights cannot be read ({e}): a file is damaged or incomplete (a "
+                          "copy cut short, a full disk); copy the model again, or use an earlier checkpoint's "
+                          "model/") from None
     model.config.use_cache = False
     packing.enable(model)  # padding-free passes (packing.py); other uses are unchanged
     if disable_dropout:

@@ -80,7 +80,7 @@ def prepare_output_dir(cfg: TrainConfig, dist: D.DistContext, resume: bool) -> N
     D.barrier(dist)
     if not resume and latest_checkpoint(cfg.output_dir) is not None:
         raise ConfigError(f"output_dir={str(cfg.output_dir)!r} already holds a run with checkpoints: pass "
-                          "--resume to continue it, or choose a new output_dir")
+                          "--resume (from Python: train(resume=True)) to continue it, or choose a new output_dir")
     if resume and latest_checkpoint(cfg.output_dir) is None:
         raise ConfigError(f"--resume: output_dir={cfg.output_dir!r} holds no complete checkpoint; start without "
                           "--resume")

@@ -97,6 +97,12 @@ def test_malformed_jsonl_line_names_the_file_and_line(make_cfg, tmp_path, lines,
         Trainer(make_cfg(train_data=str(path)))
 
 
+def test_an_unknown_field_in_python_suggests_the_right_one():
+    with pytest.raises(ConfigError, match=r"unknown config field\(s\): 'num_generation' \(did you mean "
+                                          r"'num_generations'\?\)"):
+        TrainConfig(num_generation=4)
+
+
 def test_unknown_yaml_field_suggests_the_right_one(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("num_generation: 4\n")
@@ -252,7 +258,8 @@ def test_cli_reports_a_failing_reward_function_and_how_to_continue(tmp_path, tin
                  "--output_dir", str(tmp_path / "run"), "--progress", "true"])
     err = capsys.readouterr().err
     assert code == 1
-    assert "broken" in err and "answer_text" in err and "--resume" in err
+    assert "broken" in err and "answer_text" in err
+    assert "run the same command again: the run wrote no checkpoint" in err and "--resume" not in err  # none yet
     # the progress bar (on stderr too) is closed first: the error starts a line of its own
     assert "grpo:" in err and any(line.startswith("grouprl train: error: reward function") for line in err.splitlines())
 

@@ -242,3 +242,19 @@ def test_grouprl_eval_prints_a_table_and_writes_eval_json(tiny_model_dir, digits
     assert any(line.startswith("pass@2 (n=2)") and f"{written['pass@2']:.4f}" in line for line in out.splitlines())
     assert not math.isnan(written["reward_mean"])
     assert (written["model"], written["eval_data"]) == (str(tiny_model_dir), str(digits_data))  # what was scored
+
+
+def test_every_grouprl_eval_into_a_folder_is_kept_and_train_data_is_not_read(tiny_model_dir, digits_data, tmp_path,
+                                                                              make_cfg):
+    """Two evals into one folder: eval.json holds the latest, evals.jsonl both, in order (comparing
+    checkpoints lost all but the last). The config's train_data does not exist: eval reads only
+    eval_data, so it is not asked for."""
+    cfg = make_cfg(eval_data=str(digits_data), train_data=str(tmp_path / "gone.jsonl"), output_dir=str(tmp_path / "ev"),
+                   max_completion_length=4)
+    path = tmp_path / "run.yaml"
+    cfg.save_yaml(path)
+    for n in (4, 2):
+        assert main(["eval", str(path), "--max_eval_samples", str(n)]) == 0
+    lines = [json.loads(line) for line in (tmp_path / "ev" / "evals.jsonl").read_text().splitlines()]
+    assert [line["num_samples"] for line in lines] == [4, 2] and all("time" in line for line in lines)
+    assert json.loads((tmp_path / "ev" / "eval.json").read_text())["num_samples"] == 2

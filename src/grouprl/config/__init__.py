@@ -13,6 +13,7 @@ This package touches no file but the YAML it reads or writes, and imports none o
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -24,9 +25,19 @@ from .schema import TrainFields
 from .validate import PRESET_FIELDS, parse_eval_metric, resolve_preset, validate_config, with_algorithm
 
 
+_FIELDS = frozenset(f.name for f in dataclasses.fields(TrainFields))
+
+
 class TrainConfig(TrainFields):
     """A run's configuration: the fields of `TrainFields` (schema.py, each documented there), with
     the methods that resolve and validate them (validate.py) and read and write them (io.py)."""
+
+    def __init__(self, *args: Any, **fields: Any) -> None:
+        unknown = [k for k in fields if k not in _FIELDS]
+        if unknown:  # the dataclass's own TypeError names no field it may mean
+            hints = [f"{k!r}" + did_you_mean(k, _FIELDS) for k in unknown]
+            raise ConfigError(f"unknown config field(s): {', '.join(hints)}; `grouprl train --help` lists every field")
+        super().__init__(*args, **fields)
 
     def resolved(self) -> TrainConfig:
         """A copy with the preset's values filled into every algorithm field left at None."""

@@ -13,7 +13,8 @@ from .model import RewardModelScorer, reward_model
 from .prm import ProcessRewardModel, process_reward_model
 from .process import CharOffset, ProcessRewards, process_rewards, split_steps, token_char_ends
 from .registry import BUILTIN_REWARDS, resolve_reward_func, resolve_reward_spec
-from grouprl.sandbox import CodeResult, SandboxUnavailableError, run_code, run_code_batch, sandbox_mechanism
+from grouprl.sandbox import (CodeResult, ProgramResult, SandboxUnavailableError, run_code, run_code_batch, run_program,
+                             sandbox_mechanism)
 from .shaping import completion_lengths, cosine_length, length_target, overlong_penalty, repetition_penalty
 
 __all__ = [
@@ -22,6 +23,7 @@ __all__ = [
     "ProcessRewardModel",
     "ProcessRewards",
     "CodeResult",
+    "ProgramResult",
     "RewardFunctionError",
     "RewardModelScorer",
     "RewardScores",
@@ -45,6 +47,7 @@ __all__ = [
     "reward_names",
     "run_code",
     "run_code_batch",
+    "run_program",
     "sandbox_mechanism",
     "score_completions",
     "split_steps",

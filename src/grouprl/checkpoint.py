@@ -186,7 +186,9 @@ def read_checkpoint(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str
         raise FileNotFoundError(f"{path} is not a complete checkpoint")
     ref = _read(path / "ref.safetensors", load_file) if (path / "ref.safetensors").is_file() else None
     return (_read(path / "trainable.safetensors", load_file), ref,
-            _read(path / "state.pt", lambda p: torch.load(p, weights_only=False)))
+            _read(path / "state.pt", lambda p: torch.load(p, weights_only=False, map_location="cpu")))
+    # (map_location: a GPU run's optimizer state is saved on its device; read on the CPU, it resumes on a
+    # machine without that GPU, and K ranks do not each load it onto cuda:0. load_state_dict moves it.)
 
 
 def _read(file: Path, load: Callable[[Path], Any]) -> Any:
@@ -199,9 +201,13 @@ def _read(file: Path, load: Callable[[Path], Any]) -> Any:
 
 
 def rng_states(generator: torch.Generator) -> dict[str, Any]:
-    """This process's random states: torch's, Python's, numpy's and the sampling generator's."""
-    return {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state(),
-            "sampling": generator.get_state()}
+    """This process's random states: torch's, Python's, numpy's and the sampling generator's; and its
+    GPU's (dropout on CUDA draws from it) once CUDA is in use (asking starts CUDA, which a CPU run must not)."""
+    states = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state(),
+              "sampling": generator.get_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        states["cuda"] = torch.cuda.get_rng_state()  # the current device: this rank's (init_distributed)
+    return states
 
 
 def restore_rng_states(by_rank: list[dict[str, Any]], rank: int, world_size: int, generator: torch.Generator,
@@ -216,6 +222,8 @@ def restore_rng_states(by_rank: list[dict[str, Any]], rank: int, world_size: int
     np.random.set_state(rng["numpy"])
     if same_world:
         generator.set_state(rng["sampling"])
+        if "cuda" in rng and torch.cuda.is_available():
+            torch.cuda.set_rng_state(rng["cuda"])
     else:
         generator.manual_seed(fresh_seed)
 
@@ -256,8 +264,9 @@ def memory_snapshot(model: torch.nn.Module, optimizer: torch.optim.Optimizer) ->
     trainable weights plus Adam's two moments: 3x the trainable parameters, in their dtype."""
     def host(x: Any) -> Any:
         if isinstance(x, torch.Tensor):
-            x = x.detach().clone()
-            return x.cpu() if type(x) is torch.Tensor else x
+            if type(x) is not torch.Tensor:  # a DTensor shard: copied where it is
+                return x.detach().clone()
+            return x.detach().to("cpu", copy=True)  # from a GPU, one copy, made in host memory
         if isinstance(x, dict):
             return {k: host(v) for k, v in x.items()}
         if isinstance(x, (list, tuple)):

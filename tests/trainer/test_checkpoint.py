@@ -274,3 +274,45 @@ def test_checkpoint_files_are_as_readable_as_the_umask_says(make_cfg, umask, wan
     modes = {p.relative_to(path).as_posix(): p.stat().st_mode & 0o777 for p in path.rglob("*") if p.is_file()}
     assert "model/model.safetensors" in modes and "trainable.safetensors" in modes
     assert set(modes.values()) == {want}, modes
+
+
+def test_a_gpu_runs_state_resumes_on_the_cpu_and_its_cuda_rng_comes_back(tmp_path, monkeypatch):
+    """state.pt written on a GPU holds the optimizer state on cuda:0: read on a machine without CUDA
+    it was a DamagedCheckpoint telling the user to delete an intact folder. It is read onto the CPU.
+    And the GPU's random state (dropout on CUDA) is saved and restored, on this rank's device only."""
+    import torch.serialization as ser
+    from safetensors.torch import save_file
+
+    from grouprl.checkpoint import read_checkpoint, restore_rng_states, rng_states
+
+    path = tmp_path / "step-000001"
+    path.mkdir()
+    state = {"optimizer": {"state": {0: {"exp_avg": torch.ones(3), "step": torch.tensor(1.0)}}}}
+    monkeypatch.setattr(ser, "location_tag", lambda storage: "cuda:0")  # what a CUDA tensor's storage says
+    torch.save(state, path / "state.pt")
+    monkeypatch.undo()
+    save_file({"w": torch.zeros(3)}, path / "trainable.safetensors")
+    (path / "COMPLETE").write_text("1\n")
+    _, _, loaded = read_checkpoint(path)
+    assert torch.equal(loaded["optimizer"]["state"][0]["exp_avg"], torch.ones(3))
+
+    cuda_rng = {"state": torch.arange(8, dtype=torch.uint8)}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device="cuda": cuda_rng["state"].clone())
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda s, device="cuda": cuda_rng.update(state=s))
+    saved = rng_states(torch.Generator())
+    cuda_rng["state"] = torch.zeros(8, dtype=torch.uint8)  # the resumed process: reseeded
+    restore_rng_states([saved], 0, 1, torch.Generator(), fresh_seed=0)
+    assert torch.equal(cuda_rng["state"], torch.arange(8, dtype=torch.uint8))
+
+
+def test_a_rollback_snapshot_is_a_copy_in_host_memory(make_cfg):
+    from grouprl.checkpoint import memory_snapshot
+
+    trainer = Trainer(make_cfg())
+    snap = memory_snapshot(trainer.model, trainer.optimizer)
+    name, param = next((n, p) for n, p in trainer.model.named_parameters() if p.requires_grad)
+    with torch.no_grad():
+        param.add_(1.0)
+    assert snap["weights"][name].device.type == "cpu" and not torch.equal(snap["weights"][name], param)

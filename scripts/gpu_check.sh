@@ -50,7 +50,7 @@ if [ "${TESTS_S:-260}" -gt 0 ]; then
   python3 -c "import pytest_timeout" 2>/dev/null && opts+=(--timeout 150)
   # -v alone (with -q they cancel out): a line per test with its name as it finishes, so a run cut
   # off by its limit still names each error; the summary (-rfEs) comes only if it ends in time
-  timeout "${TESTS_S:-300}" python3 -m pytest "${opts[@]}" -p no:cacheprovider \
+  timeout "${TESTS_S:-260}" python3 -m pytest "${opts[@]}" -p no:cacheprovider \
     -v -rfEs tests > "$OUT/pytest.log" 2>&1; code=$?
   grep -E "^(FAILED|ERROR)| (FAILED|ERROR) |passed|failed" "$OUT/pytest.log" | tail -40
   echo "pytest exit: $code"

@@ -132,6 +132,8 @@ class HFEngine(GenerationEngine):
             else:
                 completion, lengths = out
             if fast and T > 0 and self._choice.probing():  # auto times the calls it decodes without compiling
+                if device.type == "cuda":  # replayed graphs run asynchronously: the clock waits for the device
+                    torch.cuda.synchronize(device)
                 graphed = out is not None  # uncompiled, the slot loop runs only to replay the eager step as graphs
                 self._choice.record(time.perf_counter() - started, int(lengths.max()) - 1, len(decoder.layers),
                                     device.type + ("+graphs" if graphed else ""))

@@ -182,10 +182,20 @@ def _give_up_varlen(error: Exception) -> None:
                 "from now on", str(error).splitlines()[0][:200])
 
 
+def compute_dtype(query: torch.Tensor) -> torch.dtype:
+    """The dtype attention computes in: autocast's where it is on (SDPA follows it), else the query's.
+    Under bf16 autocast over fp32 weights (the trainer's default), RoPE's fp32 cos/sin turn q and k back
+    to fp32 while v stays bf16: the query's own dtype would say fp32, and the varlen kernel never ran."""
+    kind = query.device.type
+    return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else query.dtype
+
+
 def varlen_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, plan: VarlenPlan,
-                     scaling: float | None) -> torch.Tensor:
-    """`query  # [1, H, S, D]`, `key/value  # [1, Hkv, S, D]` in one varlen call; returns [1, S, H, D]."""
-    q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [S, H|Hkv, D]
+                     scaling: float | None, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """`query  # [1, H, S, D]`, `key/value  # [1, Hkv, S, D]` in one varlen call, in `dtype` (default the
+    query's: the kernel is no autocast op, so mixed inputs are cast here); returns [1, S, H, D]."""
+    dtype = dtype or query.dtype
+    q, k, v = (x[0].transpose(0, 1).to(dtype) for x in (query, key, value))  # [S, H|Hkv, D]
     if plan.gather is not None:
         q, k, v = (x.index_select(0, plan.gather) for x in (q, k, v))  # [T, H|Hkv, D]
     takes = _kernel_arguments(_varlen_kernel)
@@ -361,10 +371,11 @@ def _wrapped_attention(inner_name: str):
             # the masked call's block mask and the varlen kernel as called here know no window: per
             # sequence, each longer than the window with its mask
             return packed_attention(query, key, value, packed.segments, scaling, dropout, window=window), None
-        if (uses_varlen(query.device, query.dtype, query.shape[-1], dropout)
-                and varlen_works(query.device, query.dtype, query.shape[-1], key.shape[1] != query.shape[1])):
+        dtype = compute_dtype(query)
+        if (uses_varlen(query.device, dtype, query.shape[-1], dropout)
+                and varlen_works(query.device, dtype, query.shape[-1], key.shape[1] != query.shape[1])):
             try:
-                return varlen_attention(query, key, value, packed.varlen_plan(), scaling), None
+                return varlen_attention(query, key, value, packed.varlen_plan(), scaling, dtype), None
             except torch.cuda.OutOfMemoryError:
                 raise
             except (RuntimeError, NotImplementedError, TypeError) as e:  # a GPU, build or torch the kernel fails on

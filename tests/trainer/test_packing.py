@@ -303,6 +303,28 @@ def test_a_model_through_the_varlen_path_equals_the_padded_pass(monkeypatch, lla
     assert_same(got, run(llama, r, packed=False, share=share), atol=1e-5, grad_rtol=1e-5)
 
 
+def test_under_bf16_autocast_over_fp32_weights_the_varlen_path_runs_in_bf16(monkeypatch, llama):
+    """The trainer's default on a GPU: fp32 master weights, bf16 autocast. RoPE's fp32 cos/sin turn q and
+    k back to fp32 while v stays bf16, so the path was asked about fp32, said no, and the varlen
+    kernel never ran. It is asked about autocast's dtype, and the kernel gets bf16 q, k and v; the
+    pass stays within bf16's tolerance of the padded one."""
+    asked, seen = [], []
+
+    @functools.wraps(reference_varlen)
+    def recorded(q, k, v, *a, **kw):
+        seen.append((q.dtype, k.dtype, v.dtype))
+        return reference_varlen(q, k, v, *a, **kw)
+
+    monkeypatch.setattr(packing, "_varlen_kernel", recorded)
+    monkeypatch.setattr(packing, "uses_varlen",
+                        lambda device, dtype, *a: asked.append(dtype) or dtype == torch.bfloat16)
+    monkeypatch.setattr(packing, "varlen_works", lambda *a: True)
+    r = ragged_rollout([3, 9, 5], G=4, seed=1)
+    got = run(llama, r, packed=True, autocast=torch.bfloat16)
+    assert set(asked) == {torch.bfloat16} and seen and set(seen) == {(torch.bfloat16,) * 3}
+    assert_same(got, run(llama, r, packed=False, autocast=torch.bfloat16), atol=3e-2, grad_rtol=3e-2)
+
+
 def no_varlen_kernel(*a, **kw):
     raise RuntimeError("FlashAttention only supports Ampere GPUs or newer.\nmore")
 

@@ -30,7 +30,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, load_model, save_file, save_model
 
-from grouprl.lora import is_peft_model, merged_copy
+from grouprl.lora import base_model, is_peft_model, merged_named_weights
 
 _NAME = re.compile(r"^step-(\d+)$")
 _LEFTOVER = re.compile(r"^\.(tmp|old)-step-(\d+)-\d+$")  # a save's temporary folder; a checkpoint moved aside
@@ -136,13 +136,16 @@ def recover_interrupted_saves(output_dir: str | Path) -> None:
 
 def save_model_folder(model: torch.nn.Module, path: Path,
                       model_state: dict[str, torch.Tensor] | None = None) -> None:
-    """The model in save_pretrained form (safetensors, no quantization config). With LoRA, the
-    adapter is merged into a copy of the base weights (`lora.merged_copy`)."""
+    """The model in save_pretrained form (safetensors, no quantization config). With LoRA, the base
+    model's weights with the adapter merged in (W + s·BA), built one weight at a time in host memory:
+    a merged deep copy of the model would hold a second copy of every weight on its device."""
     if model_state is not None:  # whole weights gathered from a sharded model
         model.save_pretrained(path, state_dict=model_state, safe_serialization=True)
         return
     if is_peft_model(model):
-        model = merged_copy(model)
+        merged = {name: t.detach().to("cpu", copy=True) for name, t in merged_named_weights(model)}
+        base_model(model).save_pretrained(path, state_dict=merged, safe_serialization=True)
+        return
     model.save_pretrained(path, safe_serialization=True)
 
 

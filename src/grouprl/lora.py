@@ -7,7 +7,8 @@ internals the project relies on (`base_layer`, `get_delta_weight`, `merged`, `di
 - the fast decoder (`rollout/llama_decoder.py`) reads `merged_weight` per layer, when `mergeable`;
 - the vLLM weight sync (`rollout/vllm.py`, and the server client through it) sends
   `merged_named_weights`;
-- a checkpoint's `model/` folder is `merged_copy` saved with `save_pretrained`;
+- a checkpoint's `model/` folder is `merged_named_weights` (copied to host memory one weight at a time)
+  saved with the base model's `save_pretrained`; `merged_copy` (PEFT's own merge) is the tests' reference;
 - with LoRA the reference policy is the base model with the adapter disabled (`adapter_disabled`).
 
 Merged weights are always built out of place: merging into W and unmerging afterwards would leave

@@ -80,24 +80,31 @@ def cuda_budget(free_bytes: int, state_bytes: int, per_token: int) -> int:
 
 
 def token_budget(setting: int | str | None, model: torch.nn.Module, device: torch.device,
-                 checkpointing: bool) -> int | None:
+                 checkpointing: bool, later: tuple[float, bool] = (0.0, False)) -> int | None:
     """`max_tokens_per_micro_batch` made definite for `device` (module docstring). Call it with the
-    model on its device and before the optimizer has state: the gradients and AdamW moments to come
-    (12 bytes per trainable fp32 parameter) are counted, not yet allocated."""
+    model (and the reference copy) on the device and before the optimizer has state: the gradients and
+    AdamW moments to come (12 bytes per trainable fp32 parameter) are counted, not yet allocated, and
+    so is what `later` says comes after: (the share of the device a colocated vLLM takes, whether bf16
+    autocast caches a bf16 copy of the weights in each forward, 2 bytes a parameter)."""
     if setting != "auto":
         return setting  # type: ignore[return-value]
     if device.type != "cuda":
         return CPU_BUDGET
-    free, _ = torch.cuda.mem_get_info(device)
+    free, total = torch.cuda.mem_get_info(device)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     config = getattr(model, "config", None)
     if config is None or not hasattr(config, "hidden_size"):
         return CUDA_BUDGET_RANGE[0]
+    vllm_share, autocast = later
+    weights = sum(p.numel() for p in model.parameters())
+    state = 12 * trainable + int(vllm_share * total) + (2 * weights if autocast else 0)
     per_token = activation_bytes_per_token(config, checkpointing)
-    budget = cuda_budget(free, 12 * trainable, per_token)
+    budget = cuda_budget(free, state, per_token)
     logger.info("max_tokens_per_micro_batch=auto: %d tokens per pass on %s (a quarter of the %.1f GiB free after "
-                "gradients and AdamW state, at ~%d KiB of activations a token%s)", budget, device,
-                (free - 12 * trainable) / 2**30, per_token // 1024, " with checkpointing" if checkpointing else "")
+                "gradients, AdamW state%s, at ~%d KiB of activations a token%s)", budget, device,
+                (free - state) / 2**30, (", colocated vLLM" if vllm_share else "") + (", autocast's bf16 weights"
+                                                                                        if autocast else ""),
+                per_token // 1024, " with checkpointing" if checkpointing else "")
     return budget
 
 

@@ -144,9 +144,11 @@ class Trainer:
             self.model.to(self.dist.device)
         # memory.py: `auto` per device (CPU: checkpoint a pass only over a 4k budget; CUDA: every pass,
         # the budget sized from the free memory); sized before the optimizer state exists
-        auto_budget = (token_budget("auto", self.model, self.dist.device, checkpointing == "always")
+        self.ref = Reference(self.model) if cfg.beta > 0 else None  # (a copy: before the budget is sized)
+        colocated = cfg.vllm_gpu_memory_utilization if cfg.use_vllm and cfg.vllm_mode == "colocate" else 0.0
+        auto_budget = (token_budget("auto", self.model, self.dist.device, checkpointing == "always",
+                                    (colocated, self.autocast is not None))
                        if cfg.max_tokens_per_micro_batch == "auto" else None)
-        self.ref = Reference(self.model) if cfg.beta > 0 else None
         # `model` is the plain module (generation, saving); `train_model` runs the update (DDP
         # wrapper); FSDP2 shards both in place, the reference too
         self.train_model = D.wrap_model(self.model, self.dist, cfg.distributed_strategy)

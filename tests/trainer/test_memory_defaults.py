@@ -51,6 +51,22 @@ def test_auto_on_cuda_counts_the_trainable_parameters_state(monkeypatch):
     assert memory.token_budget("auto", model, torch.device("cuda"), checkpointing=True) == 32768  # 51,200 -> 2^15
 
 
+def test_auto_on_cuda_counts_what_comes_after_it_colocated_vllm_and_autocasts_weights(monkeypatch):
+    """40 GiB free of 80 GiB: with a colocated vLLM taking 0.3 of the device (24 GiB), and bf16 autocast
+    caching 2 bytes of each of the 1.25 M parameters, the quarter is of what those leave (the budget was
+    sized as if vLLM's share and autocast's copy were free): 13,107 tokens, 8,192, not 32,768."""
+    model = torch.nn.Sequential(torch.nn.Linear(1024, 1024, bias=False), torch.nn.Linear(512, 512, bias=False))
+    model.config = Shape
+    free, total = 40 * 2**30, 80 * 2**30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (free, total))
+    cuda = torch.device("cuda")
+    alone = memory.token_budget("auto", model, cuda, checkpointing=True)
+    later = memory.token_budget("auto", model, cuda, checkpointing=True, later=(0.3, True))
+    weights = 1024 * 1024 + 512 * 512
+    assert alone == memory.cuda_budget(free, 12 * weights, 327_680) == 32768
+    assert later == memory.cuda_budget(free, 12 * weights + int(0.3 * total) + 2 * weights, 327_680) == 8192
+
+
 def test_the_config_takes_auto_a_number_or_null_and_names_anything_else():
     base = dict(model="m", train_data="d.jsonl", output_dir="o", reward_funcs=["math_accuracy"])
     for ok in ("auto", 4096, None):

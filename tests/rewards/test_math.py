@@ -138,3 +138,17 @@ def test_percentage_in_free_text_matches_both_readings(completion, gold, expecte
     """Audit set E: "5%" in free text was read as 5 only (the "%" was cut before the text was read),
     so it missed gold 0.05. As in \\boxed{5\\%}, it matches 5 and 5/100 = 0.05, not 0.5."""
     assert verify_math(completion, gold) == expected
+
+
+def test_a_remembered_parse_is_the_same_answer_and_a_fresh_list():
+    """math-verify's parse is remembered per text (a group's completions and a prompt's gold recur):
+    the second reading equals the first, and a caller changing its list changes nothing remembered."""
+    from grouprl.rewards import math as m
+
+    m._mv_parse_cached.cache_clear()
+    first = m._mv_parse("\\frac{3}{4}", anchored=True)
+    first.append("changed by a caller")
+    again = m._mv_parse("\\frac{3}{4}", anchored=True)
+    assert m._mv_parse_cached.cache_info().hits == 1 and "changed by a caller" not in again
+    assert verify_math("The answer is $\\frac{3}{4}$.", "\\frac{3}{4}") == 1.0
+    assert verify_math("The answer is $\\frac{1}{4}$.", "\\frac{3}{4}") == 0.0

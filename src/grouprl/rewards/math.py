@@ -30,6 +30,7 @@ caller's timeout applies instead (`score_completions(timeout_s=...)`).
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
 import threading
@@ -139,6 +140,13 @@ def _candidates(s: str) -> tuple[list[Fraction], str]:
 
 
 def _mv_parse(text: str, anchored: bool) -> list:
+    """math-verify's parse of `text`, remembered: its LaTeX grammar takes ~4 ms a call on a CPU, and the
+    same answers come back (a group's completions often agree; gold answers recur every epoch)."""
+    return list(_mv_parse_cached(text, anchored))
+
+
+@functools.lru_cache(maxsize=8192)
+def _mv_parse_cached(text: str, anchored: bool) -> tuple:
     from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse
 
     timeout = _TIMEOUT_S if threading.current_thread() is threading.main_thread() else None
@@ -146,8 +154,8 @@ def _mv_parse(text: str, anchored: bool) -> list:
     if anchored:  # an extracted answer: read it as one math expression
         parsed = parse(f"${text}$", configs, parsing_timeout=timeout)
         if parsed:
-            return parsed
-    return parse(text, configs, parsing_timeout=timeout)
+            return tuple(parsed)
+    return tuple(parse(text, configs, parsing_timeout=timeout))
 
 
 def _mv_verify(gold: list, pred: list) -> bool:

@@ -42,7 +42,7 @@ RUN = {"benchmarks/shared_prompt.py", "benchmarks/process_vs_outcome.py", "bench
        "benchmarks/run_health.py", "benchmarks/learning_vs_trl.py", "benchmarks/vs_trl.py", "benchmarks/ppo_vs_grpo.py",
        "benchmarks/step_profile.py", "benchmarks/distillation.py", "benchmarks/decode.py",
        "benchmarks/memory_peak.py", "benchmarks/update_launches.py", "benchmarks/packed_attention.py",
-       "benchmarks/decode_launches.py", "benchmarks/crash_false_alarms.py",
+       "benchmarks/decode_launches.py", "benchmarks/crash_false_alarms.py", "benchmarks/math_reward.py",
        "scripts/build_default_policy.py",
        "scripts/build_tool_policy.py", "scripts/sandbox_report.py"}
 HELP_ONLY = {"benchmarks/async_rollouts.py", "benchmarks/agentic_async.py", "benchmarks/vllm_vs_builtin.py",
@@ -138,6 +138,11 @@ def test_build_tool_policy_and_its_rl_check(tmp_path):
     out = run("scripts/build_tool_policy.py", "--out", str(tmp_path / "p"), "--steps", "2", "--log-every", "1",
               "--check-rl", "--rl-steps", "1", "--rl-out", str(tmp_path / "run"))
     assert (tmp_path / "p" / "config.json").is_file() and "[rl]" in out
+
+
+def test_math_reward_benchmark():
+    out = run("benchmarks/math_reward.py", "--prompts", "2", "--group", "4", "--reps", "1")
+    assert out.startswith("8 completions: parsed afresh") and "remembered" in out
 
 
 def test_sandbox_report():

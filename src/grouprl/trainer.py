@@ -205,7 +205,7 @@ class Trainer:
         main = self.dist.is_main  # only rank 0 writes
         if main:
             out.mkdir(parents=True, exist_ok=True)
-            cfg.save_yaml(out / "config.yaml")
+            cfg.save_yaml(out / "config.yaml", absolute=True)  # local paths absolute: readable from anywhere
         self.logger = RunLogger(out, resume_step=self.step, report_to=tuple(cfg.report_to), enabled=main,
                                 config={**cfg.to_dict(), **run_metadata(self.dist)}, run_name=cfg.run_name)
         progress = Progress(cfg.max_steps, self.step, cfg.progress and main, silent=not main)

@@ -104,3 +104,31 @@ def test_a_ctrl_c_before_any_checkpoint_does_not_suggest_resuming(make_cfg, tmp_
     monkeypatch.setattr(grouprl.trainer.Trainer, "__init__", interrupted)
     assert main(["train", str(tmp_path / "run.yaml"), "--resume"]) == 130
     assert f"continues from the latest:\n  grouprl train {tmp_path / 'run.yaml'} --resume" in capsys.readouterr().err
+
+
+def test_a_runs_config_names_its_files_absolutely_so_eval_works_from_anywhere(make_cfg, digits_data, tmp_path,
+                                                                              monkeypatch, capsys):
+    """A run started in its folder with relative data paths: config.yaml writes them absolute, so
+    `grouprl eval --model RUN/checkpoints/step-N/model` from another folder finds the eval data; and
+    resuming with the same relative paths is no change of settings."""
+    import shutil
+
+    from grouprl.config import TrainConfig, changed_settings
+
+    work = tmp_path / "work"
+    (work / "data").mkdir(parents=True)
+    shutil.copy(digits_data, work / "data" / "digits.jsonl")
+    monkeypatch.chdir(work)
+    cfg = make_cfg(train_data="data/digits.jsonl", eval_data="data/digits.jsonl", max_eval_samples=4, max_steps=2,
+                   save_steps=2, output_dir="run")
+    cfg.save_yaml(work / "run.yaml")
+    assert main(["train", "run.yaml"]) == 0
+    saved = TrainConfig.load(work / "run" / "config.yaml")
+    assert saved.eval_data == saved.train_data == str(work / "data" / "digits.jsonl")
+    assert changed_settings(work / "run" / "config.yaml", cfg.resolved()) == {}
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    capsys.readouterr()
+    assert main(["eval", "--model", str(work / "run" / "checkpoints" / "step-000002" / "model")]) == 0
+    assert "4 prompts" in capsys.readouterr().out

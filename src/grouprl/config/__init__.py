@@ -51,8 +51,8 @@ class TrainConfig(TrainFields):
     def to_dict(self) -> dict[str, Any]:
         return io.to_dict(self)
 
-    def save_yaml(self, path: str | Path) -> None:
-        io.save_yaml(self, path)
+    def save_yaml(self, path: str | Path, *, absolute: bool = False) -> None:
+        io.save_yaml(self, path, absolute=absolute)
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> TrainConfig:

@@ -40,11 +40,13 @@ def to_dict(cfg: TrainFields) -> dict[str, Any]:
     return dataclasses.asdict(cfg)
 
 
-def save_yaml(cfg: TrainFields, path: str | Path) -> None:
-    """Through a temporary file renamed into place: a kill mid-write leaves the previous file whole."""
+def save_yaml(cfg: TrainFields, path: str | Path, *, absolute: bool = False) -> None:
+    """Through a temporary file renamed into place: a kill mid-write leaves the previous file whole.
+    `absolute`: local paths written absolute (`absolute_paths`; a run's own config.yaml)."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    values = to_dict(cfg)
+    tmp.write_text(yaml.safe_dump(absolute_paths(values) if absolute else values, sort_keys=False))
     tmp.replace(path)
 
 
@@ -80,14 +82,31 @@ def load(cls: type[C], path: str | Path | None = None, *, base: TrainFields | No
     return from_dict(cls, values)
 
 
+PATH_FIELDS = ("model", "tokenizer", "train_data", "eval_data", "teacher_model")
+"""Fields that may name a local file or folder (or a hub id, `builtin:NAME`)."""
+
+
+def absolute_paths(values: dict[str, Any]) -> dict[str, Any]:
+    """`values` with each of PATH_FIELDS that names an existing local path made absolute: a run's
+    config.yaml then means the same files from any folder (`grouprl eval --model RUN/checkpoints/..`
+    run elsewhere reads the run's eval_data). Hub ids and `builtin:` names are left as they are."""
+    out = dict(values)
+    for k in PATH_FIELDS:
+        v = out.get(k)
+        if isinstance(v, str) and v and not v.startswith("builtin:") and Path(v).expanduser().exists():
+            out[k] = str(Path(v).expanduser().resolve())
+    return out
+
+
 def changed_settings(path: str | Path, cfg: TrainFields) -> dict[str, tuple[Any, Any]]:
     """{field: (value in the config file at `path`, value in `cfg`)} for each field that differs: what
-    a resumed run changes against the config.yaml its first start wrote. Empty without that file."""
+    a resumed run changes against the config.yaml its first start wrote (paths compared as absolute:
+    `data/x.jsonl` and the /abs/data/x.jsonl it was written as are the same). Empty without that file."""
     p = Path(path)
     try:
         before = load_yaml(p.read_text()) if p.is_file() else {}
     except yaml.YAMLError:
         return {}
-    now = to_dict(cfg)
-    return {k: (v, now[k]) for k, v in (before if isinstance(before, dict) else {}).items()
-            if k in now and k != "progress" and v != now[k]}
+    before = absolute_paths(before) if isinstance(before, dict) else {}
+    now = absolute_paths(to_dict(cfg))
+    return {k: (v, now[k]) for k, v in before.items() if k in now and k != "progress" and v != now[k]}

@@ -145,6 +145,10 @@ def out_of_memory_advice(stage: str | None, cfg, *, budget: int | None = None, c
                                                                   if checkpointing else "") + ")")
     if stage in ("generate", "eval"):
         tips = generate
+    elif stage == "reward":
+        tips = ["a reward model (process_reward_model, a judge) holds its own weights and the activations of the "
+                "completions it scores at once: score fewer at a time in the reward function, load it in bf16, or "
+                "put it on another device"]
     elif stage in ("logprobs", "update"):
         tips = update
     else:

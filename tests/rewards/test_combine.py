@@ -341,3 +341,37 @@ def test_an_alarm_the_program_had_set_still_reaches_its_handler():
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
     assert rang == [signal.SIGALRM]
+
+
+def test_a_reward_out_of_memory_is_raised_as_it_is_not_given_the_fallback():
+    """Not the rows' fault: no per-row retry, no fallback for every row; the run's own error then says
+    what to lower (grouprl.memory)."""
+    def oom(prompts, completions, **kw):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 4.00 GiB")
+
+    with pytest.raises(torch.OutOfMemoryError):
+        score_completions([oom], None, PROMPTS, COMPLETIONS, {}, fallback=0.0)
+
+
+def test_an_infinite_timeout_is_refused():
+    with pytest.raises(ValueError, match="timeout_s=inf must be a positive finite number of seconds"):
+        score_completions([const("a", [1] * 4)], None, PROMPTS, COMPLETIONS, {}, timeout_s=float("inf"))
+
+
+def test_a_reward_stopped_at_its_deadline_finishes_its_cleanup():
+    """The stop is sent again only after the function had a while to unwind: a `finally` that takes a
+    moment (releasing a lock, a child process's wait) runs to its end, and the row still timed out."""
+    import time
+
+    cleaned = []
+
+    def slow(prompts, completions, **kw):
+        try:
+            time.sleep(30)
+        finally:
+            time.sleep(0.2)
+            cleaned.append(len(completions))
+        return [1.0] * len(completions)
+
+    res = score_completions([slow], None, PROMPTS[:1], COMPLETIONS[:1], {}, timeout_s=0.2, fallback=0.0)
+    assert cleaned == [1] and res.fallback["slow"].tolist() == [True]

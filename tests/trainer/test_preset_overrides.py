@@ -69,3 +69,18 @@ def test_the_same_algorithm_on_the_command_line_changes_nothing(tmp_path):
     resolved = TrainConfig(**{**DEFAULT_TASK, "algorithm": "dapo", "epsilon_high": 0.3}).resolved()
     resolved.save_yaml(tmp_path / "config.yaml")
     assert build_config(str(tmp_path / "config.yaml"), ["--algorithm", "dapo"]).validate() == resolved.validate()
+
+
+def test_a_file_of_ones_own_keeps_what_it_sets_and_a_split_clip_range_is_refused(tmp_path):
+    """Only a resolved config is switched: a hand-written file's epsilon_high 0.2 under --algorithm dapo is
+    the user's choice (dapo fills the rest). A resolved grpo config whose epsilon_high was changed keeps
+    it while epsilon would become gspo's: a range of two presets, refused."""
+    (tmp_path / "own.yaml").write_text("algorithm: grpo\nepsilon_high: 0.2\n")
+    cfg = build_config(str(tmp_path / "own.yaml"), ["--algorithm", "dapo"]).resolved()
+    assert (cfg.epsilon_high, cfg.loss_agg, cfg.dynamic_sampling) == (0.2, "token-mean", True)
+    TrainConfig(**{**DEFAULT_TASK, "epsilon_high": 0.28}).resolved().save_yaml(tmp_path / "config.yaml")
+    with pytest.raises(ConfigError, match=r"epsilon_high=0.28 differs from grpo's .* give both epsilon and "
+                                          r"epsilon_high on the command line"):
+        build_config(str(tmp_path / "config.yaml"), ["--algorithm", "gspo"])
+    assert build_config(str(tmp_path / "config.yaml"), ["--algorithm", "gspo", "--epsilon", "3e-4",
+                                                        "--epsilon_high", "4e-4"]).validate().epsilon_high == 4e-4

@@ -111,16 +111,25 @@ def _check_preset_epsilon(given: TrainFields, c: TrainFields) -> None:
 
 
 def with_algorithm(cfg: C, algorithm: str, keep=()) -> C:
-    """`cfg` (read from a file, say a run's resolved config.yaml) switched to `algorithm`: each
-    algorithm field that holds the old preset's value, and is not in `keep` (given on the command
-    line), is cleared for the new preset to fill. Without this, a resolved config keeps every old
-    value and `algorithm` changes only its name. Returns the copy and, for the log, "field old -> new"
+    """`cfg` (read from a file) switched to `algorithm`. When the file is a resolved config (a run's
+    config.yaml: every algorithm field set), each field that holds the old preset's value, and is not
+    in `keep` (given on the command line), is cleared for the new preset to fill; without this,
+    `algorithm` would change only its name. A file of one's own (some fields unset) keeps what it
+    sets: those are choices, and the new preset fills the rest. Returns the copy and, for the log, "field old -> new"
     for each cleared field whose value the new preset changes."""
     old = PRESETS.get(cfg.algorithm)
-    if old is None or algorithm == cfg.algorithm:
+    resolved = old is not None and all(getattr(cfg, field) is not None for key, field in PRESET_FIELDS.items()
+                                       if old[key] is not None)
+    if old is None or algorithm == cfg.algorithm or not resolved:  # a file of one's own: its values are its choices
         return dataclasses.replace(cfg, algorithm=algorithm), []
     cleared = [field for key, field in PRESET_FIELDS.items()
                if field not in keep and getattr(cfg, field) is not None and getattr(cfg, field) == old[key]]
+    pair = {"epsilon", "epsilon_high"}
+    if len(pair & set(cleared)) == 1 and not pair & set(keep):  # one bound the file's, one the new preset's
+        kept = (pair - set(cleared)).pop()
+        raise ConfigError(f"--algorithm {algorithm} over a resolved config of {cfg.algorithm}: {kept}="
+                          f"{getattr(cfg, kept)} differs from {cfg.algorithm}'s and would be kept beside {algorithm}'s "
+                          f"other bound; give both epsilon and epsilon_high on the command line")
     if ("overlong_cache_len" not in keep and cfg.overlong_cache_len is not None
             and cfg.overlong_cache_len in (cfg.max_completion_length // 4, cfg.max_completion_length // 5)):
         cleared.append("overlong_cache_len")  # the derived default (a quarter before 2026-11-26)

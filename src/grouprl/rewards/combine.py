@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-import itertools
 import logging
 import math
 import numbers
@@ -105,15 +104,16 @@ def _loop_running() -> bool:
     return True
 
 
-STUCK_WARNING_TRIES = 200  # 10 s of signals every 50 ms past the deadline
+STUCK_WARNING_S = 10.0  # past the deadline: the function is named in a warning
 
 
 def _call_on_main_thread(func: Callable, kwargs: dict, timeout_s: float) -> Any:
     """Run the function here, in the main thread, and raise _Timeout in it at the deadline. A watchdog
-    thread sends the main thread SIGALRM then, and again every 50 ms until the function stops: a
-    library may hold SIGALRM with a handler of its own for a while (math-verify does, for its own
-    timeouts), and a function that catches the exception and goes on is still over its time."""
-    live, expired, finished, lock = [True], threading.Event(), threading.Event(), threading.Lock()
+    thread sends the main thread SIGALRM then, and again every 50 ms until the stop is delivered (a
+    library may hold SIGALRM with a handler of its own for a while: math-verify does, for its own
+    timeouts); once it was, at 1, 2, 4 and then every 8 s, so that a `finally` or `__exit__` gets time
+    to clean up, while a function that catches the stop and goes on is stopped again."""
+    live, delivered, expired, finished, lock = [True], [0], threading.Event(), threading.Event(), threading.Lock()
     main = threading.get_ident()
 
     def on_alarm(signum, frame) -> None:
@@ -121,30 +121,43 @@ def _call_on_main_thread(func: Callable, kwargs: dict, timeout_s: float) -> Any:
             if callable(previous):
                 previous(signum, frame)
         elif live[0]:
+            delivered[0] += 1
             raise _Deadline
 
     def watchdog() -> None:
         if finished.wait(timeout_s):
             return
         expired.set()
-        for tries in itertools.count(1):
+        waited, warned, seen = 0.0, False, 0
+        while True:
             with lock:  # never after `finished`: the handler in place then may be the default, which ends the process
                 if finished.is_set():
                     return
                 signal.pthread_kill(main, signal.SIGALRM)
-            if finished.wait(0.05):
-                return
-            if tries == STUCK_WARNING_TRIES:  # a signal is handled only once control is back in Python
+            pause = 0.05  # until this signal is delivered; then time to unwind before the next
+            while True:
+                if finished.wait(pause):
+                    return
+                waited += pause
+                if delivered[0] == seen or pause > 0.05:
+                    break
+                seen, pause = delivered[0], min(2.0 ** (delivered[0] - 1), 8.0)
+            if waited >= STUCK_WARNING_S and not warned:  # a signal is handled only in Python code
+                warned = True
                 logger.warning("reward function %s is still running %.0f s past its timeout (reward_timeout_s=%s): "
-                               "it is inside native code that does not return to Python, where no signal can stop "
-                               "it; the run waits for it", getattr(func, "__name__", func), tries * 0.05, timeout_s)
+                               "it is in native code, where no signal stops it, or it catches the stop and goes "
+                               "on; the run waits for it", getattr(func, "__name__", func), waited, timeout_s)
 
     previous = signal.getsignal(signal.SIGALRM)
     signal.signal(signal.SIGALRM, on_alarm)
     thread = threading.Thread(target=watchdog, daemon=True, name=f"reward-deadline-{getattr(func, '__name__', '')}")
     thread.start()
     try:
-        out = _invoke(func, kwargs)
+        try:
+            out = _invoke(func, kwargs)
+        finally:
+            live[0] = False  # one store: from here a late signal does nothing (one that came before it
+            # raised _Deadline here, caught below: the function had run past its time)
     except _Deadline:
         if not expired.is_set():  # an enclosing call's deadline (score_completions inside a reward function)
             raise
@@ -152,7 +165,6 @@ def _call_on_main_thread(func: Callable, kwargs: dict, timeout_s: float) -> Any:
     except SystemExit as e:
         raise _Exited(f"SystemExit({e})") from None
     finally:
-        live[0] = False  # first, one store: from here a late signal does nothing
         with lock:
             finished.set()
         thread.join()
@@ -261,6 +273,8 @@ def _score_one(func: Callable, name: str, prompts: list, completions: list, colu
             raise err from None
         logger.warning("%s; using fallback %s for all %d rows", err, fallback, n)
         return [fallback] * n, [True] * n
+    except (torch.OutOfMemoryError, MemoryError):  # a reward model out of memory: not the rows' fault, and
+        raise  # the run's error says what to lower (grouprl.memory), rather than a fallback for every row
     except Exception as batch_error:
         return _score_rows_alone(func, name, prompts, completions, columns, timeout_s, fallback,
                                  delimiter, batch_error)
@@ -348,8 +362,8 @@ def score_completions(
             raise ValueError(f"a column is named {key!r}, which would replace the {key} argument: rename it")
         if len(values) != n:
             raise ValueError(f"column {key!r} has {len(values)} values for {n} completions")
-    if timeout_s is not None and timeout_s <= 0:
-        raise ValueError(f"timeout_s={timeout_s} must be positive, or None for no timeout")
+    if timeout_s is not None and not (0 < timeout_s < math.inf):
+        raise ValueError(f"timeout_s={timeout_s} must be a positive finite number of seconds, or None for no timeout")
     if fallback is not None and not math.isfinite(fallback):
         raise ValueError(f"fallback={fallback} must be a finite number, or None to raise on faults")
 

@@ -175,3 +175,9 @@ def test_a_damaged_model_folder_is_named_not_a_traceback(tiny_model_dir, tmp_pat
                  "[tests.trainer.conftest:digit_fraction]"]) == 2
     err = capsys.readouterr().err
     assert f"model={str(broken)!r}: its weights cannot be read" in err and "copy the model again" in err
+
+
+def test_advice_for_a_reward_out_of_memory_speaks_of_the_reward_model(make_cfg):
+    text = memory.out_of_memory_advice("reward", make_cfg())
+    assert text.startswith("out of memory in a reward function. To fit:") and "a reward model" in text
+    assert "max_tokens_per_micro_batch" not in text and "generation_batch_size" not in text

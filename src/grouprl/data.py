@@ -23,9 +23,11 @@ from grouprl.config import ConfigError
 
 
 def _read_csv(path: str) -> Dataset:
-    """Every CSV cell as its text: type inference would turn the answer "007" into 7, "3.10" into 3.1
-    and "NA" into None (pandas' missing value)."""
-    return Dataset.from_pandas(pd.read_csv(path, dtype=str, keep_default_na=False), preserve_index=False)
+    """Every CSV cell as its text, an empty cell as None: type inference would turn the answer "007"
+    into 7, "3.10" into 3.1 and "NA" into None (pandas' missing values). A reward that wants a number
+    converts it (`float(answer)`), as with JSON Lines strings."""
+    frame = pd.read_csv(path, dtype=str, keep_default_na=False, na_values=[""])
+    return Dataset.from_pandas(frame.astype(object).where(frame.notna(), None), preserve_index=False)
 
 
 _READERS = {
@@ -41,7 +43,7 @@ logger = logging.getLogger(__name__)
 ROLES = ("system", "user", "assistant", "tool")
 """The roles a chat message may have: the ones every chat template renders."""
 
-RESERVED_COLUMNS = ("prompts", "completions", "completion_ids", "completion_lengths", "env_reward")
+RESERVED_COLUMNS = ("prompts", "completions", "completion_ids", "completion_lengths")
 """The keyword arguments the trainer itself passes to reward functions: a dataset column of one of
 these names would be replaced by them (or replace them) without a word, so it is refused."""
 

@@ -15,7 +15,7 @@ from typing import Any, Callable
 from grouprl.batch import StepBatch
 from grouprl.config import ConfigError, TrainConfig
 from grouprl.core import overlong_penalty
-from grouprl.data import PromptBatch, completion_objects
+from grouprl.data import DataError, PromptBatch, completion_objects
 from grouprl.rewards import RewardScores, process_rewards, resolve_reward_spec, score_completions
 from grouprl.rollout.types import Trajectories
 
@@ -31,7 +31,12 @@ def score_trajectories(cfg: TrainConfig, tokenizer: Any, reward_funcs: list[Call
     per_prompt = [p for p in prompts.prompts for _ in range(G)]
     cols = {k: [v for v in vals for _ in range(G)] for k, vals in prompts.columns.items()}
     cols.update(completion_ids=ids, completion_lengths=[len(x) for x in ids])
-    cols.update(trajectories.reward_columns())
+    reported = trajectories.reward_columns()  # `env_reward`, with an environment
+    clash = sorted(set(reported) & set(cols))
+    if clash:
+        raise DataError(f"the dataset has a column named {clash[0]!r}, which the environment's rewards also take: "
+                        f"rename the column (ds.rename_column({clash[0]!r}, 'dataset_{clash[0]}'))")
+    cols.update(reported)
     completions = trajectories.messages or completion_objects(texts, prompts.conversational)
     scores: RewardScores = score_completions(
         reward_funcs, cfg.reward_weights, per_prompt, completions,

@@ -159,10 +159,11 @@ def test_a_dataframe_an_iterable_dataset_or_a_path_load_and_anything_else_is_nam
 
 
 def test_csv_cells_keep_their_text(tmp_path):
-    """Type inference read the answer "007" as 7, "3.10" as 3.1 and "NA" as None."""
+    """Type inference read the answer "007" as 7, "3.10" as 3.1 and "NA" as None; an empty cell stays a
+    missing value (None), as before."""
     path = tmp_path / "rows.csv"
     path.write_text('prompt,answer\n"code?","007"\n"pi?","3.10"\n"sodium?","NA"\n"none?",\n')
-    assert load_prompts(str(path))["answer"] == ["007", "3.10", "NA", ""]
+    assert load_prompts(str(path))["answer"] == ["007", "3.10", "NA", None]
 
 
 def test_rows_keep_every_column_and_a_mixed_column_is_named():

@@ -2,6 +2,7 @@
 end to end, and bad multi-turn settings failing before any model loads."""
 
 import copy
+from pathlib import Path
 import re
 
 import pytest
@@ -147,6 +148,11 @@ class CountdownEnv:
         return "Go on.", self.left == 0, len(message["content"]) / 100
 
 
+class CountdownEnvAnyRow(CountdownEnv):
+    def reset(self, prompt, answer, **row):  # the row's other columns are not its business
+        return super().reset(prompt, answer)
+
+
 def env_reward(prompts, completions, env_reward, **kwargs):
     SEEN.append((completions, env_reward))
     return list(env_reward)
@@ -170,6 +176,24 @@ def test_environment_through_the_trainer(chat_cfg):
     m = read_metrics(cfg.output_dir)[0]
     assert m["multiturn/stop_env_done_frac"] == 1.0 and m["multiturn/turns_per_trajectory"] == 2.0
     assert m["completion/length_mean"] == len("first reply") + len("second") + 2  # actions: 2 replies + <|im_end|>
+
+
+def test_a_dataset_column_named_env_reward_is_its_own_without_an_environment_and_refused_with_one(chat_cfg):
+    """The trainer passes `env_reward` only when an environment reports rewards: a dataset column of that
+    name reaches the rewards as it is without one, and with one is a clash named before any reward runs."""
+    from grouprl.data import DataError
+
+    SEEN.clear()
+    cfg, rows = chat_cfg(max_steps=1)
+    rows = [{**r, "env_reward": 0.25} for r in rows]
+    Trainer(cfg, train_dataset=rows, reward_funcs=[env_reward]).train()
+    assert SEEN[0][1] == [0.25] * len(SEEN[0][1])
+    cfg, _ = chat_cfg(environment="tests.trainer.test_multiturn_train:CountdownEnvAnyRow", max_turns=4,
+                      max_completion_length=200, output_dir=str(Path(cfg.output_dir).parent / "with-env"))
+    trainer = Trainer(cfg, train_dataset=rows, reward_funcs=[env_reward])
+    trainer.engine = ScriptedEngine(trainer.tokenizer, lambda text: "a reply")
+    with pytest.raises(DataError, match="a column named 'env_reward', which the environment's rewards also take"):
+        trainer.train_step()
 
 
 @pytest.mark.parametrize("overrides, message", [

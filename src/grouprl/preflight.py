@@ -151,6 +151,8 @@ class Samples:
     generate_s: list[float]            # per chunk, the slowest rank
     reward_s: list[float]              # per chunk, the slowest rank
     forward_s: float                   # one log-prob pass over the first chunk's completions
+    flat: torch.Tensor | None = None   # [B*n/G] the groups of G training would call flat (StepBatch.flat_groups:
+                                       # under process supervision, by their steps); None: judged on `total`
 
 
 class PreflightStages(SamplingStages, Protocol):
@@ -208,7 +210,8 @@ def sample(trainer: PreflightStages, num_prompts: int, samples_per_prompt: int |
     return Samples({k: torch.cat([p.per_func[k] for p in parts]).view(-1, samples) for k in parts[0].per_func},
                    torch.cat([p.unshaped for p in parts]).view(-1, samples),
                    torch.cat([p.rollout.action_lengths for p in parts]),
-                   torch.cat([p.rollout.truncated for p in parts]), chunks, gen_s, reward_s, forward_s)
+                   torch.cat([p.rollout.truncated for p in parts]), chunks, gen_s, reward_s, forward_s,
+                   torch.cat([p.flat_groups(cfg.num_generations) for p in parts]))
 
 
 # ---------------------------------------------------------------------- the report
@@ -223,7 +226,8 @@ def summarize(s: Samples, cfg: Any, device: torch.device = torch.device("cpu")) 
                          "zero_variance_share": float(zero_std_groups(contribution.view(-1), G).double().mean()),
                          "predicted_zero_variance_share": _shares(predicted_zero_variance(contribution, sizes))}
     predicted = predicted_zero_variance(s.total, sizes)
-    zero_var = float(zero_std_groups(s.total.view(-1), G).double().mean())
+    flat = s.flat if s.flat is not None else zero_std_groups(s.total.view(-1), G)
+    zero_var = float(flat.double().mean())
     accuracy = cfg.accuracy_reward or next(iter(s.per_func))
     names = list(s.per_func)
     correlations = [{"a": a, "b": b, "r": within_group_correlation(torch.nan_to_num(s.per_func[a], nan=0.0),

@@ -117,3 +117,15 @@ def test_a_group_of_equal_step_means_but_unequal_steps_is_not_flat(make_cfg):
     assert metrics["zero_std_frac"] == 0.0 and metrics["dynamic_sampling/rounds"] == 1
     assert metrics["prompt_filter/settled"] == 0
     assert trainer.advantages(batch)[batch.rollout.action_mask].abs().max() > 0
+
+
+def test_preflight_judges_a_process_group_by_its_steps_as_training_does(make_cfg):
+    """Equal step means, unequal steps (crossed_halves): training keeps every group, so preflight's share
+    of groups without signal is 0, not the 1 the per-completion totals alone would say."""
+    from grouprl import preflight as P
+
+    cfg = make_cfg(advantage_estimator="process", prompts_per_step=2, max_completion_length=8,
+                   reward_funcs=["tests.trainer.test_process_train:crossed_halves"])
+    s = P.sample(Trainer(cfg), 4)
+    assert set(s.total.flatten().tolist()) == {0.5}  # every completion's mean
+    assert P.summarize(s, cfg)["total"]["zero_variance_share"] == 0.0

@@ -7,9 +7,13 @@ is running (the caller's proof that the sandbox started the interpreter, which n
 can fake or hide), and reads a per-run nonce from NONCE_FD. Its verdict on how the program ended goes
 to stdout (through a copy of the descriptor, so closing fd 1 does not lose it) after everything else,
 as b"\\n" + nonce + VERDICT + b"\\n", one byte: o finished, s syntax error, c CPU limit, m MemoryError,
-e raised or exited non-zero. The program cannot know the nonce, so it can neither fake a verdict nor
-pass an assert test by leaving early (os._exit(0), a killed interpreter); sys.exit(0) / exit() inside
-the program is caught and the tests still run. stdout and stderr are line-buffered, so what a program
+e raised or exited non-zero. The nonce keeps the ordinary ways of ending early (os._exit(0), a killed
+interpreter) from passing as finished, and sys.exit(0) / exit() inside the program is caught so the
+tests still run. It does not stop a program that goes looking for it: the program runs in this
+interpreter, so `sys._getframe(1).f_locals["seal"]` hands it the nonce and the descriptor, and an
+assert test can also be met by an object equal to anything. Assert tests are for programs that are
+not trying to game them; input/output tests are not gameable this way (the expected output never
+reaches the program, and the caller compares it). stdout and stderr are line-buffered, so what a program
 printed before it was stopped reaches the caller.
 
 Exit codes (for a reader without the verdict): 0 finished, 1 raised, 3 syntax error, 124 CPU limit.

@@ -46,3 +46,16 @@ def test_a_program_faking_a_sandbox_failure_scores_0_and_the_batch_goes_on():
 def test_a_memory_limit_the_interpreter_cannot_start_in_is_refused_when_built():
     with pytest.raises(ValueError, match="memory_mb=4: the sandbox cannot run"):
         code_tests(memory_mb=4)
+
+
+def test_assert_tests_are_named_as_gameable_once(caplog):
+    """A policy can learn to pass an in-process assert test without solving the task (the program runs
+    in the harness's interpreter): said once per reward, not for input/output tests."""
+    f = code_tests(timeout_s=2.0, memory_mb=128)
+    program = ["```python\ndef sq(n):\n    return n * n\n```"]
+    with caplog.at_level("WARNING", logger="grouprl.rewards.code"):
+        f([""], program, tests=[[{"input": "", "output": ""}]])
+        assert not caplog.records
+        for _ in range(2):
+            assert f([""], program, tests=[[{"assert": "assert sq(3) == 9"}]]) == [1.0]
+    assert len(caplog.records) == 1 and "a policy can learn to pass them" in caplog.records[0].getMessage()

@@ -10,12 +10,14 @@ concurrently, one worker per core.
 from __future__ import annotations
 
 import json
+import logging
 import re
 from typing import Any, Callable
 
 from .text import column, completion_text
 from grouprl.sandbox import check_memory, run_code_batch, sandbox_mechanism
 
+logger = logging.getLogger(__name__)
 _ANY_FENCE = re.compile(r"```[ \t]*([\w+-]*)[ \t]*\n(.*?)```", re.DOTALL)
 
 
@@ -43,9 +45,15 @@ def code_tests(
     """
     sandbox_mechanism(isolation)
     check_memory(memory_mb, isolation)
+    warned = []
 
     def code_tests(prompts: list[Any], completions: list[Any], **kwargs: Any) -> list[float | None]:
         all_tests = [_row_tests(t) for t in column(kwargs, ("tests",), len(completions), "code_tests")]
+        if not warned and any("assert" in test for tests in all_tests if tests for test in tests):
+            warned.append(True)  # once per reward
+            logger.warning("code_tests: the dataset has assert tests, which run in the program's own interpreter: a "
+                           "policy can learn to pass them without solving the task (docs/rewards.md); "
+                           "input/output tests cannot be gamed that way")
         programs = [extract_code(completion_text(c)) for c in completions]
         todo = [i for i, (p, t) in enumerate(zip(programs, all_tests)) if p is not None and t]
         results = run_code_batch(

@@ -190,6 +190,12 @@ def test_dora_and_adapter_bias_are_not_merged_and_decode_through_the_adapters_fo
     assert not mergeable(peft) and not FastDecoder.supports(peft)
     with pytest.raises(ValueError, match="DoRA adapter, or one with its own bias"):
         merged_weight(next(iter(_adapted(peft).values())))
+    from grouprl.config import TrainConfig
+    from grouprl.distributed import DistContext
+    from grouprl.rollout.factory import make_engine
+
+    with pytest.raises(ValueError, match="use_vllm with a DoRA adapter, or one with its own bias"):  # before vLLM
+        make_engine(TrainConfig(use_vllm=True), peft, tok, DistContext(), None)
     prompts = [tok("What is 1+2? ")["input_ids"], tok("Hi")["input_ids"]]
     out = HFEngine(peft, [tok.eos_token_id], tok.pad_token_id).generate(
         prompts, 1, SamplingParams(1, greedy=True, ignore_eos=True), torch.Generator().manual_seed(0))

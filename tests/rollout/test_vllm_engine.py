@@ -119,3 +119,15 @@ def test_top_k_2_the_two_candidates_probabilities_sum_to_one(setup):
     first = dict(zip(ro.completion_ids[:, 0].tolist(), ro.sampling_logp[:, 0].tolist()))  # token -> logp
     assert len(first) == 2  # both candidates were drawn
     assert abs(sum(torch.tensor(list(first.values())).exp().tolist()) - 1.0) < 1e-5
+
+
+def test_a_prompt_and_completion_past_max_model_len_is_an_error_naming_both_fixes(setup):
+    """vLLM would cut such a completion short (returned as complete, even under ignore_eos) or refuse it
+    mid-batch: the call says which setting to change instead."""
+    engine, _, tok, prompts = setup
+    T = engine.max_model_len - max(map(len, prompts)) + 1
+    with pytest.raises(ValueError, match=rf"a prompt of {max(map(len, prompts))} tokens \+ max_completion_length "
+                                         rf"{T} is longer than vLLM's max_model_len {engine.max_model_len}: set "
+                                         rf"vllm_max_model_length to at least {engine.max_model_len + 1}"):
+        engine.generate(prompts, 1, SamplingParams(max_new_tokens=T, greedy=True))
+

@@ -94,13 +94,26 @@ class VLLMEngine(GenerationEngine):
             kwargs.update(enable_lora=True, max_lora_rank=vllm_lora_rank(lora_rank), max_loras=1)
             self._lora_dir = tempfile.mkdtemp(prefix="grouprl-lora-")
         if self.cpu:  # the utilisation would be a share of the host's RAM
+            from transformers import AutoConfig
+
+            if is_moe(AutoConfig.from_pretrained(model_path)):
+                raise ValueError(f"use_vllm with {model_path} on CPU: {MOE_ON_CPU}")
             gib = int(os.environ.get("VLLM_CPU_KVCACHE_SPACE") or CPU_KV_CACHE_GIB)
             kwargs["kv_cache_memory_bytes"] = gib << 30
         previous = VLLMEngine._live() if VLLMEngine._live is not None else None
         if previous is not None:
             previous.close()
-        with _process_state_kept():
-            self.llm = vllm.LLM(**kwargs)
+        try:
+            with _process_state_kept():
+                self.llm = vllm.LLM(**kwargs)
+        except ValueError as e:  # vLLM's advice names gpu_memory_utilization, which grouprl does not use on CPU
+            if not (self.cpu and "KV cache" in str(e)):
+                raise
+            raise ValueError(f"{str(e).split(' Try increasing')[0]} On CPU the KV cache is VLLM_CPU_KVCACHE_SPACE "
+                             f"GiB ({kwargs['kv_cache_memory_bytes'] >> 30} here), not vllm_gpu_memory_utilization: "
+                             "set VLLM_CPU_KVCACHE_SPACE to more GiB, or vllm_max_model_length to at most the "
+                             "estimate above") from None
+        self.max_model_len = self.llm.llm_engine.model_config.max_model_len
         VLLMEngine._live = weakref.ref(self)
         self.version = 0  # the weights vLLM holds: those of model_path
         if self.sleep_mode:
@@ -165,6 +178,11 @@ class VLLMEngine(GenerationEngine):
 
         G, T = num_generations, params.max_new_tokens
         N = len(prompt_ids) * G
+        longest = max((len(p) for p in prompt_ids), default=0)
+        if longest + T > self.max_model_len:  # vLLM would cut the completion short (ignore_eos too) or refuse
+            raise ValueError(f"a prompt of {longest} tokens + max_completion_length {T} is longer than vLLM's "
+                             f"max_model_len {self.max_model_len}: set vllm_max_model_length to at least "
+                             f"{longest + T}, or max_prompt_length to at most {self.max_model_len - T}")
         seeded = generator is not None and not params.greedy
         seeds = torch.randint(0, 2**31 - 1, (N,), generator=generator).tolist() if seeded else [None] * N
         requests = [VSamplingParams(
@@ -231,8 +249,22 @@ def _repack_tied_lm_head(worker) -> None:
     repack_tied_head(worker.get_model())
 
 
+MOE_ON_CPU = ("vLLM's CPU kernel for mixture-of-experts layers computes with the expert weights it prepared "
+              "when the model loaded, and a weight sync does not reach them (measured: the experts' log-probs "
+              "stayed 1.1 off the policy's after a sync): train this model with the built-in engine (use_vllm: "
+              "false) on CPU, or with vLLM on a GPU")
+
+
+def is_moe(config) -> bool:
+    """A mixture-of-experts model, by the expert counts transformers' configs name."""
+    return any((getattr(config, k, 0) or 0) > 1 for k in ("num_experts", "num_local_experts", "n_routed_experts"))
+
+
 def repack_tied_head(model: torch.nn.Module) -> None:
-    """`_repack_tied_lm_head` on a vLLM model (CPU build only)."""
+    """`_repack_tied_lm_head` on a vLLM model (CPU build only); a mixture-of-experts model is refused
+    (MOE_ON_CPU): its experts would keep their load-time weights."""
+    if is_moe(model.config):
+        raise RuntimeError(MOE_ON_CPU)
     head = getattr(model, "lm_head", None)
     if head is not None and getattr(model.config, "tie_word_embeddings", False):
         head.quant_method.process_weights_after_loading(head)

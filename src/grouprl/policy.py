@@ -10,6 +10,7 @@ share its KV cache, see `completion_logprobs`), and turns logits into per-token 
 from __future__ import annotations
 
 import contextlib
+import logging
 import copy
 import importlib.util
 import os
@@ -24,6 +25,8 @@ from grouprl.config import ConfigError
 from grouprl.core import head_logprobs, token_logprobs, token_logprobs_and_entropy
 from grouprl.lora import adapted_tied_embeddings, adapter_disabled, add_adapter, base_model, is_peft_model
 from grouprl.micro_batches import MicroBatch
+
+logger = logging.getLogger(__name__)
 
 
 def resolve_model_path(name: str) -> str:
@@ -147,8 +150,6 @@ def load_policy(name: str, *, gguf_file: str | None = None, lora_r: int = 0, lor
                           "model/") from None
     model.config.use_cache = False
     packing.enable(model)  # padding-free passes (packing.py); other uses are unchanged
-    if disable_dropout:
-        switch_off_dropout(model)
     if gradient_checkpointing is True:  # "auto" checkpoints pass by pass (activation_checkpointing)
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if lora_r:
@@ -161,6 +162,11 @@ def load_policy(name: str, *, gguf_file: str | None = None, lora_r: int = 0, lor
                               "compute what was trained. Leave lm_head and the embedding out of lora_target_modules "
                               "(all-linear does), or train a copy of the model saved with untied embeddings "
                               "(tie_word_embeddings=False, lm_head.weight a copy of the embedding's)")
+    if disable_dropout:  # after the adapter: its dropout too (as TRL's disable_dropout), or the update's
+        if lora_r and lora_dropout > 0:  # forward would be noisy against the engine's, which has none
+            logger.warning("lora_dropout=%s is switched off with the model's other dropout (disable_dropout: true); "
+                           "set disable_dropout: false to keep it", lora_dropout)
+        switch_off_dropout(model)
     return model
 
 

@@ -323,6 +323,29 @@ def test_switch_off_dropout_makes_train_mode_deterministic(tiny_model_dir, tmp_p
         assert model.config.attention_dropout == 0.5  # what gets saved is unchanged
 
 
+def test_disable_dropout_reaches_the_lora_adapters_dropout_and_says_so(tiny_model_dir, caplog):
+    """As TRL's disable_dropout: the adapter's dropout too, or the update's forward is noisy against the
+    engine's (vLLM's merged weights have none: log-probs 0.37 apart) and the fast decoder cannot merge it."""
+    from grouprl.lora import mergeable
+    from grouprl.policy import load_policy
+
+    ids = torch.randint(4, 90, (2, 12), generator=torch.Generator().manual_seed(0))
+    for disable in (True, False):
+        with caplog.at_level("WARNING", logger="grouprl.policy"):
+            model = load_policy(str(tiny_model_dir), lora_r=4, lora_dropout=0.3, disable_dropout=disable).train()
+        rates = {m.p for m in model.modules() if isinstance(m, torch.nn.Dropout)}
+        assert rates == ({0.0} if disable else {0.3}) and mergeable(model) == disable
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.fill_(0.1)  # PEFT starts B at 0, where dropout on the adapter's input changes nothing
+        a, b = (model(input_ids=ids).logits for _ in range(2))
+        assert torch.equal(a, b) == disable
+    assert [r.getMessage() for r in caplog.records] == [
+        "lora_dropout=0.3 is switched off with the model's other dropout (disable_dropout: true); set "
+        "disable_dropout: false to keep it"]
+
+
 def test_switch_off_dropout_reaches_float_dropout_attributes(tmp_path):
     """OPT's decoder, layers and attention pass float `dropout` rates to F.dropout themselves (no
     nn.Dropout module): they go to 0 too, and two train-mode passes agree."""

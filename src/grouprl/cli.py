@@ -212,7 +212,7 @@ def _eval(cfg: TrainConfig, *, found_config: str | None = None) -> int:
 
     if not cfg.eval_data and not cfg.eval_fraction:
         raise ConfigError("grouprl eval needs an eval set: set eval_data (or eval_fraction)")
-    from grouprl.distributed import destroy_distributed, init_distributed
+    from grouprl.distributed import barrier, destroy_distributed, init_distributed
 
     ctx = init_distributed()
     if found_config is not None and ctx.is_main:
@@ -223,6 +223,7 @@ def _eval(cfg: TrainConfig, *, found_config: str | None = None) -> int:
         trainer = Trainer(replace(cfg, train_data=cfg.eval_data or cfg.train_data))  # eval reads no train_data
         result = trainer.evaluate()
         accuracy = accuracy_reward_name(cfg.accuracy_reward, trainer.reward_names)
+        barrier(ctx)  # every rank tears the process group down together, as _train does
     finally:
         if trainer is not None:
             trainer.close()
@@ -264,7 +265,7 @@ def _preflight_options(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 
 
 def _preflight(cfg: TrainConfig, num_prompts: int, samples: int | None, strict: float | None) -> int:
-    from grouprl.distributed import destroy_distributed, init_distributed
+    from grouprl.distributed import barrier, destroy_distributed, init_distributed
     from grouprl.preflight import check_counts, table
     from grouprl.trainer import Trainer
 
@@ -277,6 +278,7 @@ def _preflight(cfg: TrainConfig, num_prompts: int, samples: int | None, strict: 
     try:
         trainer = Trainer(cfg)
         report = trainer.preflight(num_prompts, samples)
+        barrier(ctx)  # every rank tears the process group down together, as _train does
     finally:
         if trainer is not None:
             trainer.close()

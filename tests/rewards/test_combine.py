@@ -375,3 +375,28 @@ def test_a_reward_stopped_at_its_deadline_finishes_its_cleanup():
 
     res = score_completions([slow], None, PROMPTS[:1], COMPLETIONS[:1], {}, timeout_s=0.2, fallback=0.0)
     assert cleaned == [1] and res.fallback["slow"].tolist() == [True]
+
+
+def test_a_reward_that_catches_the_stop_row_by_row_is_stopped_at_each_row():
+    """A judge that scores each row inside a bare `except:` swallows one stop per row: it is stopped
+    again at each row (200 ms apart after a grace of 1 s), not left to its natural end while other ranks
+    wait for it: (nearly) every row of 1 s is cut short, where stops backed off to seconds let most run
+    to their end; the call ends as a timeout."""
+    import time
+
+    rows_done = []
+
+    def judge(prompts, completions, **kw):
+        out = []
+        for _ in range(20):
+            try:
+                time.sleep(1.0)
+                out.append(1.0)
+            except BaseException:  # noqa: BLE001 -- what such judges do
+                out.append(0.0)
+            rows_done.append(out[-1])
+        return out[:len(completions)]
+
+    res = score_completions([judge], None, PROMPTS[:1], COMPLETIONS[:1], {}, timeout_s=0.1, fallback=0.0)
+    assert res.fallback["judge"].tolist() == [True] and len(rows_done) == 20
+    assert rows_done.count(0.0) >= 15  # cut short

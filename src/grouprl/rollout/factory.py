@@ -15,7 +15,6 @@ import torch
 from grouprl import distributed as D
 from grouprl.checkpoint import save_model_folder
 from grouprl.config import ConfigError, TrainConfig
-from grouprl.lora import is_lora_layer, is_peft_model, plain_lora
 from grouprl.policy import resolve_model_path
 from grouprl.rollout import GenerationEngine, HFEngine
 from grouprl.rollout.multiturn import MultiTurnDriver, TurnLimits, resolve_environment
@@ -32,10 +31,9 @@ def make_engine(cfg: TrainConfig, model: torch.nn.Module, tokenizer, dist: D.Dis
         return HFEngine(model, eos, pad, max_batch_size=cfg.generation_batch_size, autocast_dtype=autocast,
                         compile=compile_setting, planned_calls=cfg.max_steps,
                         cuda_graphs=cfg.generation_cuda_graphs)
-    if is_peft_model(model) and not all(map(plain_lora, filter(is_lora_layer, model.modules()))):
-        # before vLLM starts: found at the first sync, the error left vLLM's layers half reloaded
-        raise ValueError("use_vllm with a DoRA adapter, or one with its own bias (lora_bias): vLLM is sent "
-                         "W + s·BA, which is neither; train a plain LoRA adapter, or use the built-in engine")
+    from grouprl.rollout.vllm import check_adapter
+
+    check_adapter(model)  # before vLLM starts: found at the first sync, the error left it half reloaded
     if cfg.vllm_mode == "server":
         from grouprl.rollout.vllm_server import VLLMServerEngine
 

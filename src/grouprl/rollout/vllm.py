@@ -37,7 +37,7 @@ from typing import Iterator
 import numpy as np
 import torch
 
-from grouprl.lora import is_peft_model, merged_named_weights
+from grouprl.lora import is_lora_layer, is_peft_model, merged_named_weights, plain_lora
 from grouprl.rollout.types import GenerationEngine, Rollout, SamplingParams, sampled_rollout
 
 INSTALL_HINT = ("pip install 'grouprl[vllm]' on a CUDA machine; on a CPU-only machine "
@@ -253,6 +253,14 @@ MOE_ON_CPU = ("vLLM's CPU kernel for mixture-of-experts layers computes with the
               "when the model loaded, and a weight sync does not reach them (measured: the experts' log-probs "
               "stayed 1.1 off the policy's after a sync): train this model with the built-in engine (use_vllm: "
               "false) on CPU, or with vLLM on a GPU")
+
+
+def check_adapter(model: torch.nn.Module) -> None:
+    """ValueError for a PEFT adapter vLLM cannot be sent: DoRA, or one with its own bias (lora_bias), is
+    not W + s·BA, what the merged sync sends."""
+    if is_peft_model(model) and not all(map(plain_lora, filter(is_lora_layer, model.modules()))):
+        raise ValueError("use_vllm with a DoRA adapter, or one with its own bias (lora_bias): vLLM is sent "
+                         "W + s·BA, which is neither; train a plain LoRA adapter, or use the built-in engine")
 
 
 def is_moe(config) -> bool:

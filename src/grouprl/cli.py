@@ -42,6 +42,7 @@ from pathlib import Path
 from grouprl.checkpoint import latest_checkpoint
 from grouprl.cli_args import build_config, help_text, run_of_checkpoint
 from grouprl.config import ConfigError, TrainConfig
+from grouprl.config.io import absolute_paths
 from grouprl.rewards import RewardFunctionError, SandboxUnavailableError
 from grouprl.rollout.vllm_server import VLLMServerError
 from grouprl.signals import TrainingStopped, exit_code
@@ -231,8 +232,9 @@ def _eval(cfg: TrainConfig, *, found_config: str | None = None) -> int:
     if ctx.is_main:
         out = Path(cfg.output_dir)
         out.mkdir(parents=True, exist_ok=True)
-        scored = {"model": cfg.model,  # which model, on what: eval.json is rewritten by every eval in output_dir
-                  "eval_data": cfg.eval_data or f"{cfg.train_data} (eval_fraction {cfg.eval_fraction})"}
+        where = absolute_paths({"model": cfg.model, "eval_data": cfg.eval_data, "train_data": cfg.train_data})
+        scored = {"model": where["model"],  # which model, on what (absolute: evals run from any folder compare)
+                  "eval_data": where["eval_data"] or f"{where['train_data']} (eval_fraction {cfg.eval_fraction})"}
         (out / "eval.json").write_text(json.dumps({**scored, **result}, indent=2) + "\n")  # the latest
         with open(out / "evals.jsonl", "a") as f:  # every eval into this folder, in order: none is lost
             f.write(json.dumps({"time": time.strftime("%Y-%m-%dT%H:%M:%S"), **scored, **result}) + "\n")

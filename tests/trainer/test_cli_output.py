@@ -130,5 +130,8 @@ def test_a_runs_config_names_its_files_absolutely_so_eval_works_from_anywhere(ma
     elsewhere.mkdir()
     monkeypatch.chdir(elsewhere)
     capsys.readouterr()
-    assert main(["eval", "--model", str(work / "run" / "checkpoints" / "step-000002" / "model")]) == 0
+    assert main(["eval", "--model", "../work/run/checkpoints/step-000002/model"]) == 0
     assert "4 prompts" in capsys.readouterr().out
+    (scored,) = [json.loads(line) for line in (work / "run" / "evals.jsonl").read_text().splitlines()]
+    assert scored["model"] == str(work / "run" / "checkpoints" / "step-000002" / "model")  # not as typed, relative
+    assert scored["eval_data"] == str(work / "data" / "digits.jsonl")

@@ -29,6 +29,20 @@ OK = dict(timeout_s=15.0, memory_mb=128)  # for programs that must finish: a loa
 # limit failed, while FAST's 1.5 s timed a memory bomb out before it reached 128 MiB on a loaded machine
 LIMIT = dict(timeout_s=15.0, memory_mb=128)
 DOUBLE = "print(2 * int(input()))"
+COUNT_CHILDREN = """
+import os, time
+n = 0
+for _ in range(100):  # more than any process budget, and bounded where a budget failed to hold
+    try:
+        pid = os.fork()
+    except OSError:
+        break
+    if pid == 0:
+        time.sleep(30)
+        os._exit(0)
+    n += 1
+print(n)
+"""  # prints how many children it could start
 DOUBLE_TESTS = [{"input": "3", "output": "6"}, {"input": "21\n", "output": "42\n"}]
 PR_SET_CHILD_SUBREAPER = 36
 # Clears its parent-death signal and leaves the launcher's process group, then waits (30 s at most,

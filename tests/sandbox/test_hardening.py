@@ -9,26 +9,12 @@ import fcntl
 import os
 
 import pytest
-from situation import ESCAPE, OK, live_children, outlivers
+from situation import COUNT_CHILDREN, ESCAPE, OK, live_children, outlivers
 
 from grouprl.sandbox import process, run_code, sandbox_mechanism
 from grouprl.sandbox import runner
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() != 0, reason="root only")
-COUNT_CHILDREN = """
-import os, time
-n = 0
-for _ in range(100):
-    try:
-        pid = os.fork()
-    except OSError:
-        break
-    if pid == 0:
-        time.sleep(30)
-        os._exit(0)
-    n += 1
-print(n)
-"""
 
 
 @pytest.fixture

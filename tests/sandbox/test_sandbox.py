@@ -15,8 +15,8 @@ import threading
 import time
 
 import pytest
-from situation import (DOUBLE, DOUBLE_TESTS, ESCAPE, EXPECT, FAST, LIMIT, OK, REFUSED, assert_normal_program_scores,
-                       live_children, outlivers, sandboxed)
+from situation import (COUNT_CHILDREN, DOUBLE, DOUBLE_TESTS, ESCAPE, EXPECT, FAST, LIMIT, OK, REFUSED,
+                       assert_normal_program_scores, live_children, outlivers, sandboxed)
 
 from grouprl.sandbox import CodeResult, SandboxUnavailableError, check_memory, run_code_batch, sandbox_mechanism
 from grouprl.sandbox import process
@@ -318,21 +318,7 @@ def test_fork_bomb_is_bounded_and_leaves_no_process(used_uids):
 
 
 def test_a_run_holds_at_most_its_process_budget():
-    prog = """
-import os, time
-n = 0
-while True:
-    try:
-        pid = os.fork()
-    except OSError:
-        break
-    if pid == 0:
-        time.sleep(30)
-        os._exit(0)
-    n += 1
-print(n)
-"""
-    res = sandboxed(prog, [{"input": "", "output": "-1"}], **OK)
+    res = sandboxed(COUNT_CHILDREN, [{"input": "", "output": "-1"}], **OK)
     if not REFUSED:
         children = int(res.detail.split("got '")[1].rstrip("'"))
         assert 0 < children < sandbox.NPROC, res.detail

@@ -103,11 +103,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except VLLMServerError as e:
         print(f"grouprl {args.command}: error: {e}\nThe run stopped. Start the server again (grouprl vllm-serve), "
-              f"then {_again(cfg, argv, args.command)}", file=sys.stderr)
+              f"then {_again(cfg, resume_command(argv), args.command)}", file=sys.stderr)
         return 1
     except RewardFunctionError as e:
         print(f"grouprl {args.command}: error: {e}\nThe run stopped. Fix the reward function (or set reward_fallback "
-              f"to score failures with a fixed value), then {_again(cfg, argv, args.command)}", file=sys.stderr)
+              f"to score failures with a fixed value), then {_again(cfg, resume_command(argv), args.command)}",
+              file=sys.stderr)
         return 1
     except Exception as e:  # out of memory in eval or preflight (train reports its own: _train)
         from grouprl.memory import is_out_of_memory, out_of_memory_advice
@@ -115,8 +116,8 @@ def main(argv: list[str] | None = None) -> int:
         if cfg is None or not is_out_of_memory(e):
             raise
         stage = "eval" if args.command == "eval" else "generate"  # preflight samples a step's groups
-        print(f"grouprl {args.command}: error: {out_of_memory_advice(stage, cfg)}\n"
-              f"The error: {str(e).strip().splitlines()[0][:300]}", file=sys.stderr)
+        print(f"grouprl {args.command}: error: {out_of_memory_advice(stage, cfg)}\nThe error: {_first_line(e)}\n"
+              f"The run stopped; {_again(cfg, resume_command(argv), args.command)}", file=sys.stderr)
         return 1
     except KeyboardInterrupt as e:  # a second signal during training (StopNow), or Ctrl-C outside it
         signum = getattr(e, "signum", signal.SIGINT)
@@ -128,13 +129,18 @@ def main(argv: list[str] | None = None) -> int:
         return exit_code(signum)
 
 
-def _again(cfg: TrainConfig | None, argv: list[str], command: str) -> str:
-    """What to run once the cause of a stop is fixed: the resume command when the run wrote a checkpoint."""
+def _again(cfg: TrainConfig | None, resume: str, command: str) -> str:
+    """What to run once the cause of a stop is fixed: `resume`, the command that continues the run,
+    when it wrote a checkpoint."""
     if command != "train":
         return "run the same command again."
     if cfg is not None and latest_checkpoint(cfg.output_dir) is not None:
-        return f"continue from the latest checkpoint (the checkpoints written are intact):\n  {resume_command(argv)}"
+        return f"continue from the latest checkpoint (the checkpoints written are intact):\n  {resume}"
     return "run the same command again: the run wrote no checkpoint."
+
+
+def _first_line(error: BaseException) -> str:
+    return str(error).strip().splitlines()[0][:300] if str(error).strip() else type(error).__name__
 
 
 def _help_body() -> str:
@@ -175,10 +181,8 @@ def _train(cfg: TrainConfig, *, resume: bool, again: str) -> int:
         advice = out_of_memory_advice(getattr(e, "grouprl_stage", None), cfg, budget=budget,
                                       checkpointing=checkpoint_mode(cfg.gradient_checkpointing, ctx.device))
         rank = f" (rank {ctx.rank})" if ctx.world_size > 1 else ""
-        hint = (f"checkpoints written before are intact; continue from the latest with:\n  {again}"
-                if latest_checkpoint(cfg.output_dir) is not None else "the run wrote no checkpoint")
-        print(f"grouprl train: error{rank}: {advice}\nThe error: {str(e).strip().splitlines()[0][:300]}\n"
-              f"The run stopped; {hint}", file=sys.stderr)
+        print(f"grouprl train: error{rank}: {advice}\nThe error: {_first_line(e)}\nThe run stopped; "
+              f"{_again(cfg, again, 'train')}", file=sys.stderr)
         return 1
     finally:
         if trainer is not None:

@@ -92,11 +92,18 @@ def plain_lora(layer: torch.nn.Module) -> bool:
                    for a in layer.active_adapters if a in getattr(layer, "lora_B", {}))
 
 
+def plain_adapters(model: torch.nn.Module) -> bool:
+    """Every LoRA layer of `model` is `plain_lora` (True without any): what the merged weights hold."""
+    return all(map(plain_lora, filter(is_lora_layer, model.modules())))
+
+
 def mergeable(model: torch.nn.Module) -> bool:
-    """Every adapted module is a plain LoRA linear layer (`plain_lora`) without dropout (dropout would
-    make the adapter's forward random, which merged weights cannot reproduce)."""
+    """Every adapted module is a plain LoRA linear layer (`plain_adapters`) without dropout (dropout
+    would make the adapter's forward random, which merged weights cannot reproduce)."""
+    if not plain_adapters(model):
+        return False
     for m in filter(is_lora_layer, model.modules()):
-        if not isinstance(m.base_layer, torch.nn.Linear) or not plain_lora(m):
+        if not isinstance(m.base_layer, torch.nn.Linear):
             return False
         if any(isinstance(d, torch.nn.Dropout) and d.p > 0 for d in m.lora_dropout.values()):
             return False

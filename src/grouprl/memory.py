@@ -80,12 +80,12 @@ def cuda_budget(free_bytes: int, state_bytes: int, per_token: int) -> int:
 
 
 def token_budget(setting: int | str | None, model: torch.nn.Module, device: torch.device,
-                 checkpointing: bool, later: tuple[float, bool] = (0.0, False)) -> int | None:
+                 checkpointing: bool, *, vllm_share: float = 0.0, autocast: bool = False) -> int | None:
     """`max_tokens_per_micro_batch` made definite for `device` (module docstring). Call it with the
     model (and the reference copy) on the device and before the optimizer has state: the gradients and
     AdamW moments to come (12 bytes per trainable fp32 parameter) are counted, not yet allocated, and
-    so is what `later` says comes after: (the share of the device a colocated vLLM takes, whether bf16
-    autocast caches a bf16 copy of the weights in each forward, 2 bytes a parameter)."""
+    so is what comes after: the share of the device a colocated vLLM takes (`vllm_share`), and with bf16
+    `autocast` the bf16 copy of the weights it caches in each forward (2 bytes a parameter)."""
     if setting != "auto":
         return setting  # type: ignore[return-value]
     if device.type != "cuda":
@@ -95,7 +95,6 @@ def token_budget(setting: int | str | None, model: torch.nn.Module, device: torc
     config = getattr(model, "config", None)
     if config is None or not hasattr(config, "hidden_size"):
         return CUDA_BUDGET_RANGE[0]
-    vllm_share, autocast = later
     weights = sum(p.numel() for p in model.parameters())
     state = 12 * trainable + int(vllm_share * total) + (2 * weights if autocast else 0)
     per_token = activation_bytes_per_token(config, checkpointing)

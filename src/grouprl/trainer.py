@@ -147,7 +147,7 @@ class Trainer:
         self.ref = Reference(self.model) if cfg.beta > 0 else None  # (a copy: before the budget is sized)
         colocated = cfg.vllm_gpu_memory_utilization if cfg.use_vllm and cfg.vllm_mode == "colocate" else 0.0
         auto_budget = (token_budget("auto", self.model, self.dist.device, checkpointing == "always",
-                                    (colocated, self.autocast is not None))
+                                    vllm_share=colocated, autocast=self.autocast is not None)
                        if cfg.max_tokens_per_micro_batch == "auto" else None)
         # `model` is the plain module (generation, saving); `train_model` runs the update (DDP
         # wrapper); FSDP2 shards both in place, the reference too

@@ -59,7 +59,7 @@ def test_out_of_memory_in_the_update_names_the_budget_keeps_the_checkpoint_and_r
     assert "DefaultCPUAllocator: can't allocate memory" in err
     run = Path(make_cfg().output_dir)
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-000002"]
-    again = err.split("continue from the latest with:\n  ")[1].splitlines()[0]
+    again = err.split("(the checkpoints written are intact):\n  ")[1].splitlines()[0]
     assert again == f"grouprl train {path} --resume"
 
     monkeypatch.setattr(PolicyUpdate, "optimizer_step", real)

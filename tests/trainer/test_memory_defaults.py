@@ -61,7 +61,7 @@ def test_auto_on_cuda_counts_what_comes_after_it_colocated_vllm_and_autocasts_we
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (free, total))
     cuda = torch.device("cuda")
     alone = memory.token_budget("auto", model, cuda, checkpointing=True)
-    later = memory.token_budget("auto", model, cuda, checkpointing=True, later=(0.3, True))
+    later = memory.token_budget("auto", model, cuda, checkpointing=True, vllm_share=0.3, autocast=True)
     weights = 1024 * 1024 + 512 * 512
     assert alone == memory.cuda_budget(free, 12 * weights, 327_680) == 16384
     assert later == memory.cuda_budget(free, 12 * weights + int(0.3 * total) + 2 * weights, 327_680) == 8192

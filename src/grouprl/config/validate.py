@@ -53,6 +53,11 @@ def check_fields(cfg: TrainFields) -> None:
                               f"NaN and infinity are not settings{null}")
 
 
+def preset_values(algorithm: str) -> dict:
+    """{config field: value} of a known preset."""
+    return {PRESET_FIELDS[k]: v for k, v in PRESETS[algorithm].items()}
+
+
 def resolve_preset(cfg: C) -> C:
     """A copy with the preset's values filled into every algorithm field left at None; the fields'
     types are checked first (`check_fields`)."""
@@ -61,7 +66,7 @@ def resolve_preset(cfg: C) -> C:
         raise ConfigError(
             f"algorithm={cfg.algorithm!r} is unknown: choose one of {', '.join(sorted(PRESETS))}"
         )
-    preset = {PRESET_FIELDS[k]: v for k, v in PRESETS[cfg.algorithm].items()}
+    preset = preset_values(cfg.algorithm)
     values = {k: v for k, v in preset.items() if getattr(cfg, k) is None}
     out = dataclasses.replace(cfg, **values)
     if out.overlong_cache_len is None:
@@ -98,7 +103,7 @@ def _check_preset_epsilon(given: TrainFields, c: TrainFields) -> None:
     `given`: the config as written (None: left to the preset); `c`: resolved."""
     if given.epsilon is not None and given.epsilon_high is not None:
         return
-    preset = {PRESET_FIELDS[k]: v for k, v in PRESETS[c.algorithm].items()}
+    preset = preset_values(c.algorithm)
     was = epsilon_meaning(preset["loss_type"], preset["importance_sampling_level"])
     now = epsilon_meaning(c.loss_type, c.importance_sampling_level)
     if now is None or now == was:
@@ -115,8 +120,8 @@ def with_algorithm(cfg: C, algorithm: str, keep=()) -> C:
     config.yaml: every algorithm field set), each field that holds the old preset's value, and is not
     in `keep` (given on the command line), is cleared for the new preset to fill; without this,
     `algorithm` would change only its name. A file of one's own (some fields unset) keeps what it
-    sets: those are choices, and the new preset fills the rest. Returns the copy and, for the log, "field old -> new"
-    for each cleared field whose value the new preset changes."""
+    sets: those are choices, and the new preset fills the rest. Returns the copy and, for the log,
+    "field old -> new" for each cleared field whose value the new preset changes."""
     old = PRESETS.get(cfg.algorithm)
     resolved = old is not None and all(getattr(cfg, field) is not None for key, field in PRESET_FIELDS.items()
                                        if old[key] is not None)

@@ -116,7 +116,8 @@ def _call_on_main_thread(func: Callable, kwargs: dict, timeout_s: float) -> Any:
     stop comes every 200 ms: a function that catches it (a bare `except:` around each row) is stopped
     again at each row, not left to run on while other ranks wait. A signal is handled only between
     Python bytecodes: native code that holds the interpreter (a regex that backtracks) runs to its end."""
-    live, delivered, expired, finished, lock = [True], [0], threading.Event(), threading.Event(), threading.Lock()
+    live, lock = [True], threading.Lock()
+    expired, delivered, finished = threading.Event(), threading.Event(), threading.Event()
     main = threading.get_ident()
 
     def on_alarm(signum, frame) -> None:
@@ -124,7 +125,7 @@ def _call_on_main_thread(func: Callable, kwargs: dict, timeout_s: float) -> Any:
             if callable(previous):
                 previous(signum, frame)
         elif live[0]:
-            delivered[0] += 1
+            delivered.set()
             raise _Deadline
 
     def watchdog() -> None:
@@ -139,7 +140,7 @@ def _call_on_main_thread(func: Callable, kwargs: dict, timeout_s: float) -> Any:
                 signal.pthread_kill(main, signal.SIGALRM)
             if finished.wait(0.2 if graced else 0.05):  # 50 ms until the first stop is delivered, then 200 ms
                 return
-            if delivered[0] and not graced:  # delivered: 1 s to unwind before the next
+            if delivered.is_set() and not graced:  # delivered: 1 s to unwind before the next
                 graced = True
                 if finished.wait(1.0):
                     return

@@ -37,7 +37,7 @@ from typing import Iterator
 import numpy as np
 import torch
 
-from grouprl.lora import is_lora_layer, is_peft_model, merged_named_weights, plain_lora
+from grouprl.lora import is_peft_model, merged_named_weights, plain_adapters
 from grouprl.rollout.types import GenerationEngine, Rollout, SamplingParams, sampled_rollout
 
 INSTALL_HINT = ("pip install 'grouprl[vllm]' on a CUDA machine; on a CPU-only machine "
@@ -258,7 +258,7 @@ MOE_ON_CPU = ("vLLM's CPU kernel for mixture-of-experts layers computes with the
 def check_adapter(model: torch.nn.Module) -> None:
     """ValueError for a PEFT adapter vLLM cannot be sent: DoRA, or one with its own bias (lora_bias), is
     not W + s·BA, what the merged sync sends."""
-    if is_peft_model(model) and not all(map(plain_lora, filter(is_lora_layer, model.modules()))):
+    if not plain_adapters(model):
         raise ValueError("use_vllm with a DoRA adapter, or one with its own bias (lora_bias): vLLM is sent "
                          "W + s·BA, which is neither; train a plain LoRA adapter, or use the built-in engine")
 

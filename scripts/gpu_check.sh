@@ -32,7 +32,7 @@ fi
 python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . || exit 1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -c "import torch, transformers, trl; print('torch', torch.__version__, 'transformers', transformers.__version__, 'trl', trl.__version__)" | tee -a "$OUT/gpu.txt"
-if [ "${BENCH_S:-250}" -gt 0 ]; then
+bench() {
   # one workload at a time, each under its own limit: on an H100 the 1.7B workload's two sides took
   # ~215 s (models written, 4 steps each), and one shared limit once cut the 135M workload off unrun
   for w in ${WORKLOADS:-gpu-1.7b-256 gpu-135m-256}; do
@@ -40,31 +40,34 @@ if [ "${BENCH_S:-250}" -gt 0 ]; then
       --rounds 1 --workload "$w" --json "$OUT/vs_trl-$w.json" 2>&1 | grep -v "Warning\|warn(" | tee -a "$OUT/vs_trl.log"
     echo "vs_trl $w exit: ${PIPESTATUS[0]}" | tee -a "$OUT/vs_trl.log"
   done
-fi
+}
 code=0
-if [ "${TESTS_S:-260}" -gt 0 ]; then
+tests() {
   # pytest-xdist and pytest-timeout were on the last lent machine; without them the run goes on serially
   # and without a per-test limit rather than stopping at an unknown option
-  opts=()
-  python3 -c "import xdist" 2>/dev/null && opts+=(-n "${WORKERS:-14}" --dist loadfile)
+  local opts=()
+  python3 -c "import xdist" 2>/dev/null && opts+=(-n "${WORKERS:-15}" --dist loadfile)
   python3 -c "import pytest_timeout" 2>/dev/null && opts+=(--timeout 150)
   # -v alone (with -q they cancel out): a line per test with its name as it finishes, so a run cut
-  # off by its limit still names each error; the summary (-rfEs) comes only if it ends in time
-  timeout "${TESTS_S:-260}" python3 -m pytest "${opts[@]}" -p no:cacheprovider \
-    -v -rfEs tests > "$OUT/pytest.log" 2>&1; code=$?
+  # off by its limit still names each error; the summary (-rfEs) comes only if it ends in time. One
+  # torch thread a worker: with torch's default (a thread per core) 14 workers ran ~14x oversubscribed
+  OMP_NUM_THREADS=${TEST_THREADS:-1} MKL_NUM_THREADS=${TEST_THREADS:-1} timeout "${TESTS_S:-260}" \
+    python3 -m pytest "${opts[@]}" -p no:cacheprovider -v -rfEs --durations 25 tests > "$OUT/pytest.log" 2>&1; code=$?
   grep -E "^(FAILED|ERROR)| (FAILED|ERROR) |passed|failed" "$OUT/pytest.log" | tail -40
   echo "pytest exit: $code"
-fi
+}
 # the decode step on CUDA (issue 36): ms per token, eager against compiled, and both replayed as CUDA
 # graphs, at 16 rows of the 135M and 1.7B SmolLM2 shapes in bf16, one process and limit per model (a
 # compile takes 1-2 minutes). Unfiltered: grouprl's own warnings (a compile or capture that failed)
-# are RuntimeWarnings, which the other commands' filter would drop. DECODE_S=0 skips it.
-if [ "${DECODE_S:-150}" -gt 0 ]; then
-  # first eager and eager replayed as graphs alone (~20 s a model: no compile to wait for), so that a
+# are RuntimeWarnings, which the other commands' filter would drop.
+eager() {
+  # eager and eager replayed as graphs alone (~20 s a model: no compile to wait for), so that a
   # compile that runs long cannot cost the graphs' figure
-  timeout 120 python3 benchmarks/decode.py --device cuda --models smollm2-135m-shape smollm2-1.7b-shape --rows 16 \
+  timeout "${EAGER_S:-120}" python3 benchmarks/decode.py --device cuda --models smollm2-135m-shape smollm2-1.7b-shape --rows 16 \
     --prompt 16 --dtypes bf16 --reps 2 --no-compile --smollm2 "$TOKENIZER" --json "$OUT/decode-eager.json" 2>&1 \
     | tee -a "$OUT/decode.log"
+}
+widths() {
   # how often a new attended width should make a new captured shape: 256-token calls, buckets of 32
   # against the default 128 (compiled_decode.GRAPH_WIDTH_STEP, an estimate), ~40 s each
   for w in 32 128; do
@@ -72,34 +75,42 @@ if [ "${DECODE_S:-150}" -gt 0 ]; then
       --tokens 256 --dtypes bf16 --reps 2 --no-compile --graph-width-step "$w" --smollm2 "$TOKENIZER" \
       --json "$OUT/decode-width-$w.json" 2>&1 | tee -a "$OUT/decode.log"
   done
-  for m in smollm2-135m-shape smollm2-1.7b-shape; do
+}
+compiled() {
+  for m in ${DECODE_MODELS:-smollm2-135m-shape smollm2-1.7b-shape}; do
     timeout "${DECODE_S:-150}" python3 benchmarks/decode.py --device cuda --models "$m" --rows 16 --prompt 16 \
       --dtypes bf16 --reps 2 --smollm2 "$TOKENIZER" --json "$OUT/decode-$m.json" 2>&1 | tee -a "$OUT/decode.log"
     echo "decode $m exit: ${PIPESTATUS[0]}" | tee -a "$OUT/decode.log"
   done
-fi
+}
 # where each side's peak memory goes (issue 34: 135M peaked 1.14x TRL's): the allocator's history of
-# each side's last step at the 135M shape, and the blocks alive at its peak by code site. MEM_S=0 skips it.
-if [ "${MEM_S:-150}" -gt 0 ]; then
+# each side's last step at the 135M shape, and the blocks alive at its peak by code site
+memory() {
   timeout "${MEM_S:-150}" python3 benchmarks/vs_trl.py --device cuda --smollm2 "$TOKENIZER" --steps 4 --rounds 1 \
     --workload gpu-135m-256 --memory-snapshot "$OUT/memory" 2>&1 | grep -v "Warning\|warn(" | tail -5
   for f in "$OUT"/memory/*.pickle; do
     [ -e "$f" ] && python3 benchmarks/memory_peak.py "$f" --top 15 --json "${f%.pickle}.report.json" | tee -a "$OUT/memory.log"
   done
-fi
+}
 # grouprl at 135M in the 16-row passes of the old fixed micro_batch_size, against the run above (auto:
 # one 32-row pass on one GPU, half the update's launches, benchmarks/README.md "Launches per update"):
-# the update's time and the peak memory that one pass costs. MB_S=0 skips it.
-if [ "${MB_S:-90}" -gt 0 ]; then
+# the update's time and the peak memory that one pass costs
+mb() {
   timeout "${MB_S:-90}" python3 benchmarks/vs_trl.py --device cuda --smollm2 "$TOKENIZER" --steps "${STEPS:-5}" \
     --rounds 1 --only grouprl --workload gpu-135m-256 --micro-batch 16 --json "$OUT/vs_trl_16_rows.json" \
     2>&1 | grep -v "Warning\|warn(" | tee "$OUT/vs_trl_16_rows.log"
-fi
+}
 # grouprl alone with the packed passes' attention per sequence (CPU's path) against the run above
-# (the varlen flash kernel, one call per layer): the update's share is what changes. AB_S=0 skips it.
-if [ "${AB_S:-150}" -gt 0 ]; then
+# (the varlen flash kernel, one call per layer): the update's share is what changes
+ab() {
   timeout "${AB_S:-150}" python3 benchmarks/vs_trl.py --device cuda --smollm2 "$TOKENIZER" --steps "${STEPS:-5}" \
     --rounds 1 --only grouprl --packed-attention per-sequence --workload gpu-135m-256 --json "$OUT/vs_trl_per_sequence.json" \
     2>&1 | grep -v "Warning\|warn(" | tee "$OUT/vs_trl_per_sequence.log"
-fi
+}
+for part in ${PARTS:-bench tests eager widths compiled memory mb ab}; do
+  case "$part" in
+    bench|tests|eager|widths|compiled|memory|mb|ab) echo "== $part ($(date +%T))"; "$part" ;;
+    *) echo "unknown part '$part': bench tests eager widths compiled memory mb ab" >&2; exit 2 ;;
+  esac
+done
 exit "$code"

@@ -151,8 +151,14 @@ def varlen_works(device: torch.device, dtype: torch.dtype, head_dim: int, gqa: b
     the update's `backward()`, where no fallback could catch it) is found before any real pass."""
     key = (device.type, device.index, dtype, head_dim, gqa)
     if key not in _PROBED:
-        try:  # the first packed pass is often a no-grad one (the reference's): the probe needs autograd
-            with torch.inference_mode(False), torch.enable_grad():
+        # The first packed pass is often a no-grad one (the reference's): the probe needs autograd. Or it
+        # is the update's, under gradient checkpointing: the probe then runs inside a layer's checkpointed
+        # forward, whose saved-tensor hooks would count the probe's tensors with the layer's, and the
+        # recomputation (probe done) would save fewer: torch's CheckpointError, seen on an H100. The
+        # innermost pair of hooks is the one applied, so plain ones keep the probe's tensors its own.
+        try:
+            with (torch.inference_mode(False), torch.enable_grad(),
+                  torch.autograd.graph.saved_tensors_hooks(_keep, _keep)):
                 _probe(device, dtype, head_dim, gqa)
             _PROBED[key] = True
             log.info("packed attention: one varlen flash call per layer on %s in %s (head size %d%s)", device,
@@ -163,6 +169,10 @@ def varlen_works(device: torch.device, dtype: torch.dtype, head_dim: int, gqa: b
             _PROBED[key] = False
             _give_up_varlen(e)
     return _PROBED[key] and VARLEN["enabled"]
+
+
+def _keep(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
 
 
 def _probe(device: torch.device, dtype: torch.dtype, head_dim: int, gqa: bool) -> None:

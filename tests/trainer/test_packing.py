@@ -303,6 +303,26 @@ def test_a_model_through_the_varlen_path_equals_the_padded_pass(monkeypatch, lla
     assert_same(got, run(llama, r, packed=False, share=share), atol=1e-5, grad_rtol=1e-5)
 
 
+def test_the_probe_inside_a_checkpointed_layer_leaves_the_recomputation_alone(monkeypatch, llama):
+    """The update's packed pass under gradient checkpointing is often the first packed pass of a run,
+    so the kernel is probed inside the first layer's checkpointed forward. The probe's tensors were
+    counted as that layer's, its recomputation (probe done) saved fewer, and backward raised torch's
+    CheckpointError ("A different number of tensors was saved ...", 53 against 45 on an H100 at the
+    135M shape). The pass equals the padded one, and the kernel is probed once."""
+    probes = []
+    real_probe = packing._probe
+    monkeypatch.setattr(packing, "_varlen_kernel", reference_varlen)
+    monkeypatch.setattr(packing, "uses_varlen", lambda *a: True)
+    monkeypatch.setattr(packing, "_PROBED", {})
+    monkeypatch.setattr(packing, "_probe", lambda *a: probes.append(1) or real_probe(*a))
+    r = ragged_rollout([3, 9, 5], G=4, seed=1)
+    padded = run(llama, r, packed=False)
+    ckpt = copy.deepcopy(llama)
+    ckpt.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    assert_same(run(ckpt, r, packed=True), padded, atol=1e-5, grad_rtol=1e-5)
+    assert probes == [1] and list(packing._PROBED.values()) == [True]
+
+
 def test_under_bf16_autocast_over_fp32_weights_the_varlen_path_runs_in_bf16(monkeypatch, llama):
     """The trainer's default on a GPU: fp32 master weights, bf16 autocast. RoPE's fp32 cos/sin turn q and
     k back to fp32 while v stays bf16, so the path was asked about fp32, said no, and the varlen

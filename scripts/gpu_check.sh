@@ -51,7 +51,10 @@ tests() {
   # -v alone (with -q they cancel out): a line per test with its name as it finishes, so a run cut
   # off by its limit still names each error; the summary (-rfEs) comes only if it ends in time. One
   # torch thread a worker: with torch's default (a thread per core) 14 workers ran ~14x oversubscribed
-  OMP_NUM_THREADS=${TEST_THREADS:-1} MKL_NUM_THREADS=${TEST_THREADS:-1} timeout "${TESTS_S:-260}" \
+  # each failure's traceback goes to failures.log as it happens (tests/conftest.py): a run cut off by
+  # its limit prints none (twice on an H100, 2026-11-26)
+  GROUPRL_FAILURE_LOG="$OUT/failures.log" OMP_NUM_THREADS=${TEST_THREADS:-1} MKL_NUM_THREADS=${TEST_THREADS:-1} \
+    timeout "${TESTS_S:-260}" \
     python3 -m pytest "${opts[@]}" -p no:cacheprovider -v -rfEs --durations 25 tests > "$OUT/pytest.log" 2>&1; code=$?
   grep -E "^(FAILED|ERROR)| (FAILED|ERROR) |passed|failed" "$OUT/pytest.log" | tail -40
   echo "pytest exit: $code"

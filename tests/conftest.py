@@ -17,3 +17,18 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def pytest_runtest_logreport(report):
+    """With GROUPRL_FAILURE_LOG set, each failure and error is appended to that file with its
+    traceback as it happens: a run stopped by a time limit (scripts/gpu_check.sh on a lent GPU) ends
+    before pytest's summary, which is where tracebacks are printed otherwise."""
+    path = os.environ.get("GROUPRL_FAILURE_LOG")
+    if not path or not report.failed or hasattr(report, "node"):  # (node: xdist's controller, which the worker
+        return                                                        # that ran the test has written for)
+    text = f"==== {report.nodeid} ({report.when})\n{report.longreprtext}\n"
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, text.encode(errors="replace"))  # one write per report: workers append whole reports
+    finally:
+        os.close(fd)

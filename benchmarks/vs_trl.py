@@ -277,7 +277,15 @@ def worker_grouprl(w: Workload, model_dir: str, steps: int, threads: int, device
                            if k.startswith("time/") and k not in ("time/step", "time/generate_engine")})
             lengths.append(m["completion/length_mean"])
         snapshot.stop()
-    return {"times": times, "stages": stages, "lengths": lengths, **memory_figures(device)}
+    return {"times": times, "stages": stages, "lengths": lengths, **memory_figures(device), **decode_fallbacks()}
+
+
+def decode_fallbacks() -> dict:
+    """Why the decode step fell back, if it did: a compile or a graph capture that failed (grouprl
+    warns once; the callers' log filters drop warnings, and an H100 run lost the reason so)."""
+    from grouprl.rollout import compiled_decode as cd
+
+    return {k: v for k, v in (("compile_failed", dict(cd._FAILED)), ("graphs_failed", dict(cd._GRAPHS_FAILED))) if v}
 
 
 def worker_trl(w: Workload, model_dir: str, steps: int, threads: int, device: str = "cpu") -> dict:
@@ -419,7 +427,8 @@ def summarize(runs: list[dict]) -> dict:
               for k in stage_keys}
     lengths = [x for r in runs for x in r["lengths"][2:]]
     cuda = [r["peak_cuda_mib"] for r in runs if "peak_cuda_mib" in r]
-    return {"s_per_step": statistics.median(meds), "runs": meds, "stages": stages,
+    fallbacks = {k: r[k] for r in runs for k in ("compile_failed", "graphs_failed") if r.get(k)}
+    return {"s_per_step": statistics.median(meds), "runs": meds, "stages": stages, **fallbacks,
             "peak_rss_mib": max(r["peak_rss_mib"] for r in runs),
             **({"peak_cuda_mib": max(cuda)} if cuda else {}),
             "length_mean": statistics.mean(lengths) if lengths else float("nan")}
@@ -604,6 +613,9 @@ def report(name: str, res: dict, sides: list[str]) -> str:
         lines.append(f"  {s:8s} {v['s_per_step']:.3f} s/step (runs {', '.join(f'{x:.3f}' for x in v['runs'])}), "
                      f"{cuda}peak RSS {v['peak_rss_mib']:.0f} MiB, MFU {100 * v['mfu']:.1f}%, "
                      f"mean length {v['length_mean']:.1f}; {share}")
+        for k in ("compile_failed", "graphs_failed"):
+            if k in v:
+                lines.append(f"    decode {k.replace('_', ' ')}: {v[k]}")
     if len(sides) == 2:
         g, t = res["grouprl"], res["trl"]
         mem, label = (("peak_cuda_mib", "peak CUDA memory") if "peak_cuda_mib" in g else ("peak_rss_mib", "peak RSS"))

@@ -390,3 +390,26 @@ def test_memory_peak_finds_the_blocks_alive_at_the_highest_point_by_site(tmp_pat
                      "torch/nn/functional.py:7 softmax": (1, 250, ["-"])}
     assert r["peak_site"] == "torch/nn/functional.py:7 softmax"
     assert "| 1.000 | | (allocated before the recorded step" in out
+
+
+def test_vs_trl_reports_why_the_decode_step_fell_back(monkeypatch):
+    """A compile or a graph capture that failed is in the grouprl side's result and its report line
+    (grouprl's one warning is dropped by the log filters callers use; an H100 run lost it so)."""
+    import importlib.util
+
+    from grouprl.rollout import compiled_decode as cd
+
+    spec = importlib.util.spec_from_file_location("vs_trl", ROOT / "benchmarks" / "vs_trl.py")
+    vs_trl = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "vs_trl", vs_trl)  # its dataclasses look their module up
+    spec.loader.exec_module(vs_trl)
+    monkeypatch.setattr(cd, "_FAILED", {})
+    why = "RuntimeError: operation not permitted when stream is capturing"
+    monkeypatch.setattr(cd, "_GRAPHS_FAILED", {"cuda": why})
+    run_ = {"times": [3.0, 2.0, 1.0], "stages": [{"generate": 1.0}] * 3, "lengths": [8] * 3, "peak_rss_mib": 1.0,
+            **vs_trl.decode_fallbacks()}
+    side = {**vs_trl.summarize([run_]), "mfu": 0.01}
+    assert side["graphs_failed"] == {"cuda": why}
+    assert "compile_failed" not in side
+    text = vs_trl.report("w", {"max_load": 0.1, "grouprl": side}, ["grouprl"])
+    assert f"decode graphs failed: {{'cuda': '{why}'}}" in text

@@ -6,20 +6,22 @@
 # the tokenizer files are read: tokenizer.json, tokenizer_config.json, chat_template.jinja). The
 # folder also holds the 517 MB weights, too large to travel: copy those three files and config.json
 # into a small folder that goes with the checkout, and set TOKENIZER to it.
-# Runs, in this order (the most wanted first), each under its own time limit in seconds so that one
-# that hangs cannot starve the rest: benchmarks/vs_trl.py's GPU workloads, each side in its own
-# process (BENCH_S); the suite (TESTS_S); the decode benchmark (DECODE_S); both sides' memory at the
-# 135M shape, recorded and broken down by code site (MEM_S); grouprl in 16-row passes at 135M
-# (MB_S); grouprl with per-sequence attention for the packed-attention A/B (AB_S).
-# What each part took on one H100 (2026-11-26, sixth session): setup 15 s; the 1.7B workload's two
-# sides ~215 s; the suite with 14 workers ~94 % done at 220 s; the decode benchmark ~100 s a model
-# when compiling failed (a compile that succeeds takes longer). A lent machine has 15 minutes in
-# all (its start, ~30 s, included) and 10 a call, so split it, the most wanted first, e.g. (1)
-# WORKLOADS=gpu-135m-256 DECODE_S=0 MEM_S=0 MB_S=0 AB_S=0 (the suite and 135M against TRL, ~8 min),
-# then at once, while the machine is warm (30 s), (2) BENCH_S=0 TESTS_S=0 MB_S=0 AB_S=0 MEM_S=0
-# (decode: eager and graphs ~40 s, the graph-width A/B ~80 s, then each model compiled, up to
-# DECODE_S each: ~6 min), with MEM_S's 150 s added if the minutes left allow. At most 8 files come
-# back from a lent machine's output folder: split the calls so that each writes fewer (call 2: 7).
+# Parts, run in the order PARTS names (default: bench tests eager widths compiled memory mb ab), each
+# under its own time limit in seconds so that one that hangs cannot starve the rest:
+#   bench    benchmarks/vs_trl.py's GPU workloads (WORKLOADS), each side in its own process (BENCH_S)
+#   tests    the suite, a line per test and each failure's traceback in failures.log (TESTS_S)
+#   eager    the decode step eager and replayed as graphs, no compile, 64 tokens (EAGER_S)
+#   widths   256-token graphed calls (several captures a call) at width buckets of 32 and 128
+#   compiled each model's compiled step (DECODE_MODELS, DECODE_S each)
+#   memory   both sides' memory at 135M, recorded and broken down by code site (MEM_S)
+#   mb       grouprl in 16-row passes at 135M (MB_S);  ab  per-sequence attention at 135M (AB_S)
+# What each took on one H100 (2026-11-26, tenth session): setup ~20 s; eager, both models, 56 s;
+# bench at 135M, both sides, 150 s (the 1.7B's, sixth session: ~215 s); the suite with 15 workers
+# and one torch thread each, 99 % at 300 s. A lent machine has 15 minutes in all (each start ~40 s
+# included) and 10 a call: put the most wanted first. The next lease, (1) PARTS="widths bench tests"
+# WORKLOADS=gpu-135m-256 TESTS_S=330 (why a capture failed inside a 256-token training call; the
+# suite to its end), then at once, while the machine is warm (30 s), (2) PARTS=compiled
+# DECODE_MODELS=smollm2-135m-shape. At most 8 files come back from a lent machine's output folder.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-${OUT:-gpu-out}}

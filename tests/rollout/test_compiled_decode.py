@@ -547,6 +547,85 @@ def test_the_eager_step_makes_no_host_sync_that_a_cuda_capture_refuses(model_and
                   and any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in (args[1] or ()))]
     assert not bool_index  # a boolean index is a nonzero inside
 
+
+class PoolCountingGraph:
+    """torch.cuda.CUDAGraph on CPU with the caching allocator's bookkeeping of private pools
+    (create_or_incref_pool and releasePool in CUDACachingAllocator.cpp): a capture into a pool id
+    counts one more user, a graph's destruction one fewer, and a pool whose users all went stays
+    known at 0, where a new capture into it fails the allocator's assert."""
+
+    pools: dict = {}  # pool id -> use_count
+    captures = 0
+
+    def capture_begin(self, pool=None, capture_error_mode="global"):
+        count = PoolCountingGraph.pools.get(pool)
+        if count == 0:
+            raise RuntimeError("it->second->use_count > 0 INTERNAL ASSERT FAILED at "
+                               "\"c10/cuda/CUDACachingAllocator.cpp\":2630, please report a bug to PyTorch.")
+        PoolCountingGraph.pools[pool] = (count or 0) + 1
+        PoolCountingGraph.captures += 1
+        self.pool = pool
+
+    def capture_end(self):
+        pass
+
+    def replay(self):
+        pass
+
+    def __del__(self):
+        if hasattr(self, "pool"):
+            PoolCountingGraph.pools[self.pool] -= 1
+
+
+class _Stream:
+    def wait_stream(self, other):
+        pass
+
+
+class CudaGraphsOnCpu(cd.CudaGraphs):
+    """The real CudaGraphs over PoolCountingGraph; its captured function runs at each replay, not
+    at capture (a CUDA capture records kernels and runs none)."""
+
+    def capture(self, one_step):
+        recorded = []
+        replay = super().capture(lambda: recorded.append(one_step))
+
+        def run():
+            replay()
+            recorded[0]()
+
+        return run
+
+
+def test_a_call_that_passes_several_widths_captures_each_one(model_and_tok, monkeypatch):
+    """An ignore_eos call of 150 tokens crosses GRAPH_WIDTH_STEP (128) columns: one capture per width,
+    all in the call's one pool. The loop drops a width's replay at the next width; a pool whose graphs
+    were all freed cannot take another capture (the likely cause of a capture that failed in a 256-token
+    training call on an H100, which then decoded eagerly), so the call keeps its graphs. The eager
+    loop's tokens."""
+    model, tok = model_and_tok
+    for name, value in (("CUDAGraph", PoolCountingGraph),
+                        ("graph_pool_handle", lambda: (0, len(PoolCountingGraph.pools))),
+                        ("Stream", lambda device: _Stream()), ("current_stream", lambda device=None: _Stream()),
+                        ("stream", lambda s: contextlib.nullcontext())):
+        monkeypatch.setattr(torch.cuda, name, value)
+    monkeypatch.setattr(cd.CudaGraphs, "_streams", {})
+    monkeypatch.setattr(cd, "GRAPH_BACKENDS", {"cpu": CudaGraphsOnCpu})
+    monkeypatch.setattr(cd, "_GRAPHS_FAILED", {})
+    monkeypatch.setattr(PoolCountingGraph, "pools", {})
+    monkeypatch.setattr(PoolCountingGraph, "captures", 0)
+    params = SamplingParams(150, temperature=1.0, ignore_eos=True)
+    want = HFEngine(model, _stops(tok), tok.pad_token_id, cuda_graphs=False).generate(
+        short_prompts(tok), 2, params, torch.Generator().manual_seed(0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = HFEngine(model, _stops(tok), tok.pad_token_id).generate(
+            short_prompts(tok), 2, params, torch.Generator().manual_seed(0))
+    _assert_same(want, got)
+    assert PoolCountingGraph.captures == 2  # widths 128 and 150 + P
+    assert set(PoolCountingGraph.pools.values()) == {0}  # every graph freed once the call ended
+
+
 # ---------------------------------------------------------------- generation_compile: auto
 def test_auto_compiles_when_the_projected_saving_exceeds_the_compile_cost(caplog):
     """After PROBE_CALLS timed calls: compile iff the remaining calls x the saving per call

@@ -286,6 +286,16 @@ class CudaGraphs:
             CudaGraphs._streams[device] = torch.cuda.Stream(device)
         self.stream = CudaGraphs._streams[device]
         self.pool = torch.cuda.graph_pool_handle()
+        # Every graph captured in this call, kept until the call ends. A pool handle is only an id:
+        # the allocator's pool lives while some graph captured into it does, and a capture into an id
+        # whose graphs are all gone fails ("use_count > 0 INTERNAL ASSERT FAILED",
+        # CUDACachingAllocator.cpp). The loop drops a shape's replay at the next width, so without
+        # these a call's second capture (a 256-token call passes widths 128, 256, ...) failed: the
+        # likely cause of the capture that failed in a training step on an H100, whose reason a log
+        # filter dropped. A kept graph is never replayed again, so the next capture may reuse its
+        # pool blocks (graphs sharing a pool must replay in capture order), and the memory of a
+        # call's graphs is that of its largest, not their sum.
+        self.graphs: list = []
 
     @contextlib.contextmanager
     def running(self):
@@ -307,6 +317,7 @@ class CudaGraphs:
         training thread's allocations (async rollouts decode beside the update)."""
         graph = torch.cuda.CUDAGraph()
         graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
+        self.graphs.append(graph)  # from here on the pool counts it (see __init__)
         try:
             one_step()
         except BaseException:

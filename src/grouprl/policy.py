@@ -332,7 +332,11 @@ def completion_forward(model: torch.nn.Module, mb: MicroBatch, *, temperature: f
             return None, None, _values(value_head, hidden, cmask)
         targets = layout.targets  # [M]
     else:
-        shared = len(mb.prompt_ids) < len(mb.completion_ids) and int(mb.prompt_mask.sum(-1).min()) > 1
+        # a micro-batch planned shared runs joint when the model checkpoints now (a pass over the
+        # budget under `auto` turns it on after the plan): the prompt pass's cache would be off, and
+        # the completions would attend to no prompt
+        shared = (len(mb.prompt_ids) < len(mb.completion_ids) and int(mb.prompt_mask.sum(-1).min()) > 1
+                  and can_share_prompts(model))
         forward = _shared_prompt_logits if shared else _joint_logits
         with ac, _last_hidden_state(model) if capture else contextlib.nullcontext() as captured:
             logits = forward(model, mb, device, keep_logits=not skip_logits)  # [n, T', V]

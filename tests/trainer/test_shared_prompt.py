@@ -142,6 +142,23 @@ def test_gradient_checkpointing_turns_sharing_off(tiny_model_dir):
     assert not can_share_prompts(load_policy(str(tiny_model_dir), gradient_checkpointing=True))
 
 
+def test_a_shared_micro_batch_under_checkpointing_runs_joint(model):
+    """The plan shares a group's prompt when the model does not checkpoint at the start; under
+    `gradient_checkpointing: auto` a pass over the token budget then turns checkpointing on
+    (update.py), which turns the prompt pass's KV cache off. Its completions attended to no prompt:
+    log-probs off by up to 0.33 nats. The pass runs joint instead: the same values and gradients."""
+    from grouprl.policy import activation_checkpointing
+
+    r = ragged_rollout([3, 9, 5], G=4, seed=1)
+    _, want, want_grads = logprobs_and_grads(model, r, share=False)
+    with activation_checkpointing(model):
+        mb, got, grads = logprobs_and_grads(model, r, share=True)
+    assert len(mb.prompt_ids) == 3 < len(mb.completion_ids)  # planned shared
+    assert torch.allclose(got, want, atol=1e-5, rtol=0)
+    for name, g in want_grads.items():
+        assert rel(grads[name], g) < 1e-5, name
+
+
 def test_trainer_micro_batches_keep_groups_together(make_cfg):
     from grouprl.trainer import Trainer
 

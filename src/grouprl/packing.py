@@ -390,6 +390,7 @@ def _wrapped_attention(inner_name: str):
                 raise
             except (RuntimeError, NotImplementedError, TypeError) as e:  # a GPU, build or torch the kernel fails on
                 _give_up_varlen(e)
+                raise _VarlenGaveUp from e  # the whole pass again, per sequence (forward_packed)
         if one_masked_call(packed.num_tokens, len(packed.segments), query.shape[1], query.shape[-1]):
             return masked_attention(query, key, value, packed.block_mask(), scaling, dropout), None
         return packed_attention(query, key, value, packed.segments, scaling, dropout), None
@@ -428,8 +429,22 @@ def supports_packing(model: torch.nn.Module) -> bool:
     return str(getattr(config, "_attn_implementation", "")).startswith(PREFIX)
 
 
+class _VarlenGaveUp(Exception):
+    """The varlen kernel failed inside a pass (it had passed the probe). The pass starts again with
+    every layer per sequence: under gradient checkpointing a layer's recomputation must take the path
+    its forward took, and the layers before the failure had taken the kernel (torch's CheckpointError
+    otherwise, as with the probe: see varlen_works)."""
+
+
 def forward_packed(model: torch.nn.Module, layout: PackedLayout, logits_to_keep) -> torch.Tensor:
     """The model on a packed row; returns its logits at `logits_to_keep` (an int or an index tensor)."""
     placeholder = torch.zeros(1, 1, 0, 0, dtype=torch.bool, device=layout.input_ids.device)  # see module doc
-    return model(input_ids=layout.input_ids, position_ids=layout.position_ids, attention_mask=placeholder,
-                 use_cache=False, logits_to_keep=logits_to_keep, packed=layout).logits
+
+    def forward() -> torch.Tensor:
+        return model(input_ids=layout.input_ids, position_ids=layout.position_ids, attention_mask=placeholder,
+                     use_cache=False, logits_to_keep=logits_to_keep, packed=layout).logits
+
+    try:
+        return forward()
+    except _VarlenGaveUp:  # once per process: the kernel is off from now on
+        return forward()

@@ -361,13 +361,19 @@ def varlen_failing_past_the_probe(q, k, v, cu_q, *a, **kw):
     (forward_only_varlen, "backward for head dim 8", False),  # only its backward fails, past any fallback
     (functools.wraps(reference_varlen)(varlen_failing_past_the_probe), "invalid configuration", True),
 ])
+@pytest.mark.parametrize("checkpointing", [False, True])
 def test_a_varlen_kernel_that_fails_warns_once_and_the_rows_run_per_sequence(monkeypatch, llama, caplog, kernel,
-                                                                             message, probe_passed):
+                                                                             message, probe_passed, checkpointing):
     """Forward and backward once on toy sequences, before the first real pass (the probe), find a
     kernel that fails outright or only in its backward (inside the update's backward(), where no
-    fallback could catch it); a failure at a real pass's sizes is caught by the call itself. Each
-    warns once with the error's first line, and the pass runs per sequence: log-probs, entropies
-    and gradients equal the padded pass's."""
+    fallback could catch it); a failure at a real pass's sizes starts the pass again per sequence.
+    Each warns once with the error's first line, and the pass runs per sequence: log-probs,
+    entropies and gradients equal the padded pass's. Under gradient checkpointing too (CUDA's
+    default), where a layer whose path changed between its forward and its recomputation raised
+    torch's CheckpointError."""
+    if checkpointing:
+        llama = copy.deepcopy(llama)
+        llama.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     monkeypatch.setattr(packing, "_varlen_kernel", kernel)
     monkeypatch.setattr(packing, "uses_varlen", lambda *a: packing.VARLEN["enabled"])
     monkeypatch.setitem(packing.VARLEN, "enabled", True)

@@ -9,7 +9,8 @@
 # Parts, run in the order PARTS names (default: bench tests eager widths compiled memory mb ab), each
 # under its own time limit in seconds so that one that hangs cannot starve the rest:
 #   bench    benchmarks/vs_trl.py's GPU workloads (WORKLOADS), each side in its own process (BENCH_S)
-#   tests    the suite, a line per test and each failure's traceback in failures.log (TESTS_S)
+#   tests    the suite, a line per test, each failure's traceback in failures.log, and the
+#            benchmark smoke runs (tests/test_benchmarks_and_scripts.py) beside it on 4 workers (TESTS_S)
 #   eager    the decode step eager and replayed as graphs, no compile, 64 tokens (EAGER_S)
 #   widths   256-token graphed calls (several captures a call) at width buckets of 32 and 128
 #   compiled each model's compiled step (DECODE_MODELS, DECODE_S each)
@@ -47,19 +48,31 @@ code=0
 tests() {
   # pytest-xdist and pytest-timeout were on the last lent machine; without them the run goes on serially
   # and without a per-test limit rather than stopping at an unknown option
-  local opts=()
-  python3 -c "import xdist" 2>/dev/null && opts+=(-n "${WORKERS:-15}" --dist loadfile)
-  python3 -c "import pytest_timeout" 2>/dev/null && opts+=(--timeout 150)
+  local opts=() scripts_opts=() workers=${WORKERS:-15} scripts_code
+  if python3 -c "import xdist" 2>/dev/null; then
+    # tests/test_benchmarks_and_scripts.py runs a benchmark in a subprocess per test: under loadfile
+    # one worker took the whole file, the last still running at the H100's 300 s limit (tenth
+    # session). It runs beside the rest, its tests spread over 4 workers of their own.
+    opts+=(-n "$((workers > 6 ? workers - 4 : workers))" --dist loadfile)
+    scripts_opts+=(-n 4 --dist load)
+  fi
+  python3 -c "import pytest_timeout" 2>/dev/null && opts+=(--timeout 150) && scripts_opts+=(--timeout 150)
   # -v alone (with -q they cancel out): a line per test with its name as it finishes, so a run cut
-  # off by its limit still names each error; the summary (-rfEs) comes only if it ends in time. One
-  # torch thread a worker: with torch's default (a thread per core) 14 workers ran ~14x oversubscribed
-  # each failure's traceback goes to failures.log as it happens (tests/conftest.py): a run cut off by
-  # its limit prints none (twice on an H100, 2026-11-26)
-  GROUPRL_FAILURE_LOG="$OUT/failures.log" OMP_NUM_THREADS=${TEST_THREADS:-1} MKL_NUM_THREADS=${TEST_THREADS:-1} \
-    timeout "${TESTS_S:-260}" \
-    python3 -m pytest "${opts[@]}" -p no:cacheprovider -v -rfEs --durations 25 tests > "$OUT/pytest.log" 2>&1; code=$?
-  grep -E "^(FAILED|ERROR)| (FAILED|ERROR) |passed|failed" "$OUT/pytest.log" | tail -40
-  echo "pytest exit: $code"
+  # off by its limit still names each error; the summary (-rfEs) comes only if it ends in time, and
+  # each failure's traceback goes to failures.log as it happens (tests/conftest.py; twice on an H100
+  # a run cut off by its limit printed none). One torch thread a worker: with torch's default (a
+  # thread per core) 14 workers ran ~14x oversubscribed.
+  export GROUPRL_FAILURE_LOG="$OUT/failures.log" OMP_NUM_THREADS=${TEST_THREADS:-1} MKL_NUM_THREADS=${TEST_THREADS:-1}
+  timeout "${TESTS_S:-260}" python3 -m pytest "${scripts_opts[@]}" -p no:cacheprovider -v -rfEs \
+    tests/test_benchmarks_and_scripts.py > "$OUT/pytest-scripts.log" 2>&1 &
+  local scripts_pid=$!
+  timeout "${TESTS_S:-260}" python3 -m pytest "${opts[@]}" -p no:cacheprovider -v -rfEs --durations 25 \
+    --ignore tests/test_benchmarks_and_scripts.py tests > "$OUT/pytest.log" 2>&1; code=$?
+  wait "$scripts_pid"; scripts_code=$?
+  unset GROUPRL_FAILURE_LOG OMP_NUM_THREADS MKL_NUM_THREADS
+  grep -hE "^(FAILED|ERROR)| (FAILED|ERROR) |passed|failed" "$OUT/pytest.log" "$OUT/pytest-scripts.log" | tail -40
+  echo "pytest exit: $code (tests/test_benchmarks_and_scripts.py: $scripts_code)"
+  [ "$code" -ne 0 ] || code=$scripts_code
 }
 # the decode step on CUDA (issue 36): ms per token, eager against compiled, and both replayed as CUDA
 # graphs, at 16 rows of the 135M and 1.7B SmolLM2 shapes in bf16, one process and limit per model (a

@@ -292,9 +292,9 @@ class CudaGraphs:
         # CUDACachingAllocator.cpp). The loop drops a shape's replay at the next width, so without
         # these a call's second capture (a 256-token call passes widths 128, 256, ...) failed: the
         # likely cause of the capture that failed in a training step on an H100, whose reason a log
-        # filter dropped. A kept graph is never replayed again, so the next capture may reuse its
-        # pool blocks (graphs sharing a pool must replay in capture order), and the memory of a
-        # call's graphs is that of its largest, not their sum.
+        # filter dropped. A kept graph is never replayed again, so the next capture may reuse the
+        # blocks its capture freed (graphs sharing a pool must replay in capture order): a call's
+        # graphs hold about the memory of its largest, not the sum.
         self.graphs: list = []
 
     @contextlib.contextmanager

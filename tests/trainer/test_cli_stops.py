@@ -139,6 +139,7 @@ def test_a_stop_for_a_fixable_cause_prints_the_command_that_goes_on(make_cfg, tm
         raise ConnectionError("the tracker's server is unreachable")
 
     monkeypatch.setitem(trackers.OPENERS, "wandb", unreachable)
+    monkeypatch.setattr(trackers, "missing_tracker_packages", lambda names: [])  # wandb installed or not
     path = _config(make_cfg, tmp_path, report_to=["wandb"])
     assert main(["train", str(path)]) == 2
     err = capsys.readouterr().err

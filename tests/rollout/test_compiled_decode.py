@@ -675,6 +675,7 @@ def test_compiled_decoding_with_onednn_packed_weights_equals_eager(model_and_tok
     _assert_same(eager, compiled)
 
 
+@pytest.mark.cpu_rules  # counts the plain eager loop's calls
 def test_generation_compile_reaches_the_engine_and_auto_decides_after_probing(model_and_tok, make_cfg, monkeypatch):
     """The config's generation_compile is the engine's setting (auto with the run's max_steps as
     its planned calls); a wrong value is a ConfigError naming the choices. An auto engine whose

@@ -14,6 +14,7 @@ from tests.rollout.conftest import short_prompts
 T = 40  # new tokens: with a block of 2 the cache grows at t = 2, 4, 8, 16, 32 (then up to P + T)
 
 
+@pytest.mark.cpu_rules  # instruments the plain eager loop
 @pytest.mark.parametrize("params", [SamplingParams(T, temperature=3.0), SamplingParams(T, greedy=True)],
                          ids=["sampled", "greedy"])
 def test_a_growing_cache_decodes_the_tokens_of_a_whole_one_and_of_the_generic_path(model_and_tok, monkeypatch,

@@ -78,6 +78,7 @@ def test_bad_budget_is_a_config_error(make_cfg):
         Trainer(make_cfg(max_tokens_per_micro_batch=0))
 
 
+@pytest.mark.cpu_rules
 def test_auto_checkpointing_applies_to_the_passes_over_the_budget_only(make_cfg):
     """gradient_checkpointing: auto on CPU (grouprl/memory.py). Every decoder-layer call of the
     update records whether the model checkpoints: with a budget no sequence fits, every backward
@@ -106,7 +107,8 @@ def test_auto_checkpointing_applies_to_the_passes_over_the_budget_only(make_cfg)
     assert (grads[1] - grads[2]).norm() <= 1e-5 * grads[2].norm() and grads[2].norm() > 0
 
 
-@pytest.mark.parametrize("device, mode, want", [("cpu", "auto", "over_budget"), ("cuda", "auto", "always"),
+@pytest.mark.parametrize("device, mode, want", [pytest.param("cpu", "auto", "over_budget", marks=pytest.mark.cpu_rules),
+                                                ("cuda", "auto", "always"),
                                                 ("cpu", True, "always"), ("cuda", True, "always"),
                                                 ("cpu", False, "never"), ("cuda", False, "never")])
 def test_checkpointing_auto_is_chosen_per_device(device, mode, want):

@@ -248,6 +248,7 @@ def test_varlen_attention_with_an_older_kernel_signature(monkeypatch, scaling):
     assert torch.allclose(packing.varlen_attention(q, k, v, plan, scaling), want, atol=1e-6)
 
 
+@pytest.mark.cpu_rules  # calls the installed kernel, which tests/as_cuda.py replaces
 @pytest.mark.skipif(packing._varlen_kernel is None, reason="this torch has no varlen attention kernel (torch < 2.9)")
 @pytest.mark.parametrize("scaling", [None, 0.125])
 def test_the_installed_varlen_kernel_takes_the_call_as_packing_makes_it(scaling):
@@ -270,6 +271,7 @@ def test_the_installed_varlen_kernel_takes_the_call_as_packing_makes_it(scaling)
     packing._probe(meta, torch.bfloat16, 64, True)  # the probe's own call: raises if the kernel refuses it
 
 
+@pytest.mark.cpu_rules  # asks the real uses_varlen
 def test_varlen_is_chosen_on_cuda_in_half_precision_only():
     cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
     assert packing.uses_varlen(cuda, torch.bfloat16, 64, 0.0) and packing.uses_varlen(cuda, torch.float16, 128, 0.0)
@@ -387,7 +389,7 @@ def test_a_varlen_kernel_that_fails_warns_once_and_the_rows_run_per_sequence(mon
     assert_same(got, run(llama, r, packed=False), atol=1e-5, grad_rtol=1e-5)
 
 
-@pytest.fixture(params=["masked", "per-segment"])
+@pytest.fixture(params=[pytest.param("masked", marks=pytest.mark.cpu_rules), "per-segment"])
 def attention(request, monkeypatch):
     """Both attention paths of a packed row on CPU: the tests' rows are short, so the per-segment calls
     are forced for its half (one masked call is what `one_masked_call` picks for them)."""

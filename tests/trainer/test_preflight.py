@@ -139,6 +139,7 @@ def _samples(per_func: dict[str, list[list[float]]], truncated: float = 0.0) -> 
                      torch.tensor([True] * cut + [False] * (N - cut)), [total.shape[0]], [1.0], [0.5], 0.25)
 
 
+@pytest.mark.cpu_rules  # its update estimate is CPU's (checkpointing only over the budget)
 def test_summary_and_recommendations_from_fixed_samples(make_cfg):
     """G = 4, four prompts, n = 4. acc passes 4, 0, 0, 1 times; `brevity` is 1 - acc (opposed).
     Total = acc + brevity = 1 everywhere: no group teaches. Per function: zero-variance share
@@ -268,6 +269,7 @@ def test_preflight_under_torchrun_rank_0_writes_the_whole_report(make_cfg, tmp_p
     assert sorted(p.name for p in Path(cfg.output_dir).iterdir()) == ["preflight.json", "preflight.png"]
 
 
+@pytest.mark.cpu_rules
 def test_the_update_estimate_counts_checkpointing_as_the_device_runs_it(make_cfg):
     """`gradient_checkpointing: auto` checkpoints every pass on CUDA and only a pass over the budget
     on CPU (grouprl/memory.py): with num_iterations 1, beta 0, the update is 3 forward passes on

@@ -269,6 +269,7 @@ def test_packed_weights_only_for_larger_fp32_models_on_cpu(model_and_tok, monkey
     assert (FastDecoder(model, dtype=torch.bfloat16).linear is fast._packed_linear) == bf16_packs
 
 
+@pytest.mark.cpu_rules  # instruments the plain eager loop
 def test_small_models_decode_on_one_thread_and_restore_the_setting(model_and_tok, monkeypatch):
     model, tok = model_and_tok
     seen = []

@@ -35,7 +35,7 @@ test: $(VLLM_STAMP)
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -n 2 --dist loadfile -m "not timing"
 
 # the trainer and rollout tests with the choices grouprl makes on CUDA, on CPU (tests/as_cuda.py);
-# not in CI (about 7 minutes more): run it after changing checkpointing, packing or the decode loop
+# not in CI (about 10 minutes more): run it after changing checkpointing, packing or the decode loop
 test-as-cuda: $(VLLM_STAMP)
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -n 2 --dist loadfile -m "not timing" -p tests.as_cuda tests/trainer tests/rollout
 

@@ -38,9 +38,16 @@ def _as_cuda(monkeypatch):
     from tests.rollout.test_compiled_decode import CudaGraphsOnCpu, PoolCountingGraph, _Stream
     from tests.trainer.test_packing import reference_varlen
 
+    import grouprl.preflight
+    import grouprl.trainer
+
     real_mode = memory.checkpoint_mode
-    monkeypatch.setattr(memory, "checkpoint_mode", lambda setting, device: real_mode(
-        setting, torch.device("cuda") if device.type == "cpu" else device))
+
+    def cuda_mode(setting, device):
+        return real_mode(setting, torch.device("cuda") if device.type == "cpu" else device)
+
+    for module in (memory, grouprl.trainer, grouprl.preflight):  # each holds its own name for it
+        monkeypatch.setattr(module, "checkpoint_mode", cuda_mode)
     for name, value in (("CUDAGraph", PoolCountingGraph),
                         ("graph_pool_handle", lambda: (0, len(PoolCountingGraph.pools))),
                         ("Stream", lambda device: _Stream()), ("current_stream", lambda device=None: _Stream()),

@@ -17,7 +17,6 @@ Tests marked `cpu_rules` assert a choice that is CPU's by design (checkpointing 
 the eager loop's own instrumentation, the masked attention path) and are left out.
 """
 
-import contextlib
 import warnings
 
 import pytest
@@ -34,8 +33,7 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(autouse=True)
 def _as_cuda(monkeypatch):
     from grouprl import memory, packing
-    from grouprl.rollout import compiled_decode as cd
-    from tests.rollout.test_compiled_decode import CudaGraphsOnCpu, PoolCountingGraph, _Stream
+    from tests.rollout.test_compiled_decode import pool_counting_graphs
     from tests.trainer.test_packing import reference_varlen
 
     import grouprl.preflight
@@ -48,15 +46,7 @@ def _as_cuda(monkeypatch):
 
     for module in (memory, grouprl.trainer, grouprl.preflight):  # each holds its own name for it
         monkeypatch.setattr(module, "checkpoint_mode", cuda_mode)
-    for name, value in (("CUDAGraph", PoolCountingGraph),
-                        ("graph_pool_handle", lambda: (0, len(PoolCountingGraph.pools))),
-                        ("Stream", lambda device: _Stream()), ("current_stream", lambda device=None: _Stream()),
-                        ("stream", lambda s: contextlib.nullcontext())):
-        monkeypatch.setattr(torch.cuda, name, value)
-    monkeypatch.setattr(cd.CudaGraphs, "_streams", {})
-    monkeypatch.setattr(PoolCountingGraph, "pools", {})
-    monkeypatch.setattr(cd, "GRAPH_BACKENDS", {**cd.GRAPH_BACKENDS, "cpu": CudaGraphsOnCpu})
-    monkeypatch.setattr(cd, "_GRAPHS_FAILED", {})
+    pool_counting_graphs(monkeypatch)
 
     monkeypatch.setattr(packing, "_varlen_kernel", reference_varlen)
     monkeypatch.setattr(packing, "uses_varlen", lambda device, dtype, head_dim, dropout: (

@@ -597,6 +597,21 @@ class CudaGraphsOnCpu(cd.CudaGraphs):
         return run
 
 
+def pool_counting_graphs(monkeypatch, device_type: str = "cpu") -> None:
+    """CudaGraphsOnCpu as `device_type`'s graph backend, over PoolCountingGraph and stand-ins for
+    torch.cuda's streams (also tests/as_cuda.py's)."""
+    for name, value in (("CUDAGraph", PoolCountingGraph),
+                        ("graph_pool_handle", lambda: (0, len(PoolCountingGraph.pools))),
+                        ("Stream", lambda device: _Stream()), ("current_stream", lambda device=None: _Stream()),
+                        ("stream", lambda s: contextlib.nullcontext())):
+        monkeypatch.setattr(torch.cuda, name, value)
+    monkeypatch.setattr(cd.CudaGraphs, "_streams", {})
+    monkeypatch.setattr(cd, "GRAPH_BACKENDS", {**cd.GRAPH_BACKENDS, device_type: CudaGraphsOnCpu})
+    monkeypatch.setattr(cd, "_GRAPHS_FAILED", {})
+    monkeypatch.setattr(PoolCountingGraph, "pools", {})
+    monkeypatch.setattr(PoolCountingGraph, "captures", 0)
+
+
 def test_a_call_that_passes_several_widths_captures_each_one(model_and_tok, monkeypatch):
     """An ignore_eos call of 150 tokens crosses GRAPH_WIDTH_STEP (128) columns: one capture per width,
     all in the call's one pool. The loop drops a width's replay at the next width; a pool whose graphs
@@ -604,16 +619,7 @@ def test_a_call_that_passes_several_widths_captures_each_one(model_and_tok, monk
     training call on an H100, which then decoded eagerly), so the call keeps its graphs. The eager
     loop's tokens."""
     model, tok = model_and_tok
-    for name, value in (("CUDAGraph", PoolCountingGraph),
-                        ("graph_pool_handle", lambda: (0, len(PoolCountingGraph.pools))),
-                        ("Stream", lambda device: _Stream()), ("current_stream", lambda device=None: _Stream()),
-                        ("stream", lambda s: contextlib.nullcontext())):
-        monkeypatch.setattr(torch.cuda, name, value)
-    monkeypatch.setattr(cd.CudaGraphs, "_streams", {})
-    monkeypatch.setattr(cd, "GRAPH_BACKENDS", {"cpu": CudaGraphsOnCpu})
-    monkeypatch.setattr(cd, "_GRAPHS_FAILED", {})
-    monkeypatch.setattr(PoolCountingGraph, "pools", {})
-    monkeypatch.setattr(PoolCountingGraph, "captures", 0)
+    pool_counting_graphs(monkeypatch)
     params = SamplingParams(150, temperature=1.0, ignore_eos=True)
     want = HFEngine(model, _stops(tok), tok.pad_token_id, cuda_graphs=False).generate(
         short_prompts(tok), 2, params, torch.Generator().manual_seed(0))

@@ -10,9 +10,9 @@ share its KV cache, see `completion_logprobs`), and turns logits into per-token 
 from __future__ import annotations
 
 import contextlib
-import logging
 import copy
 import importlib.util
+import logging
 import os
 from pathlib import Path
 

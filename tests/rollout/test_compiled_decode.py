@@ -87,32 +87,43 @@ def test_a_running_sum_in_blocks_is_the_one_piece_cumsum(V, block):
     assert torch.allclose(got, x.cumsum(-1), rtol=1e-13, atol=0)
 
 
+def cuda_draws(monkeypatch, block: int) -> None:
+    """CPU's draws take CUDA's path: the running sum in blocks, and the index counted, not searched."""
+    monkeypatch.setitem(sampling.SCAN_BLOCK, "cpu", block)
+    monkeypatch.setattr(sampling, "COUNTED_DRAWS", {"cpu"})
+
+
 def test_draws_over_a_running_sum_in_blocks_are_the_one_piece_draws(monkeypatch):
     """1,000 draws over SmolLM2's 49,152-token vocabulary (a peaked and a flat softmax, and a
-    top-k filter that leaves most tokens at 0): the same tokens from the blocked running sum as
-    from one cumsum."""
+    top-k filter that leaves most tokens at 0): the same tokens from CUDA's draw (the blocked running
+    sum, its entries below the target counted) as from one cumsum searched, and never a token of
+    probability 0."""
     gen = torch.Generator().manual_seed(0)
     logits = torch.randn(1000, 49_152, generator=gen) * torch.tensor([4.0, 0.5]).repeat(500)[:, None]
     u = torch.rand(1000, dtype=torch.float64, generator=gen)
+    u[:2] = torch.tensor([0.0, 1 - 2 ** -53], dtype=torch.float64)  # the ends of [0, 1)
     for params in (SamplingParams(1), SamplingParams(1, top_k=40)):
         probs = sampling.filtered_probs(logits, params)
         want = sampling.inverse_cdf(probs, u)
-        monkeypatch.setitem(sampling.SCAN_BLOCK, "cpu", 4096)
-        got = sampling.inverse_cdf(probs, u)
-        monkeypatch.delitem(sampling.SCAN_BLOCK, "cpu")
+        with monkeypatch.context() as m:
+            cuda_draws(m, 4096)
+            got = sampling.inverse_cdf(probs, u)
         assert torch.equal(got, want) and len(set(want.tolist())) > 300
+        assert bool((probs.gather(1, got[:, None]) > 0).all())
 
 
 def test_the_blocked_draw_compiles_as_one_graph(compiles, monkeypatch):
-    """The blocked running sum traces into one graph (fullgraph, rows a symbolic size) and the
-    compiled draw picks the eager tokens: on CUDA it sits inside the compiled decode step."""
-    monkeypatch.setitem(sampling.SCAN_BLOCK, "cpu", 256)
+    """CUDA's draw (the blocked running sum, its entries counted) traces into one graph (fullgraph,
+    rows a symbolic size) and picks the tokens that one cumsum searched eagerly picks: on CUDA it
+    sits inside the compiled decode step."""
     gen = torch.Generator().manual_seed(1)
+    cases = [(torch.softmax(torch.randn(rows, 1500, generator=gen) * 3, -1),
+              torch.rand(rows, dtype=torch.float64, generator=gen)) for rows in (5, 9)]
+    wants = [sampling.inverse_cdf(probs, u) for probs, u in cases]
+    cuda_draws(monkeypatch, 256)
     draw = torch.compile(lambda p, u: sampling.inverse_cdf(p, u), fullgraph=True, dynamic=True)
-    for rows in (5, 9):
-        probs = torch.softmax(torch.randn(rows, 1500, generator=gen) * 3, -1)
-        u = torch.rand(rows, dtype=torch.float64, generator=gen)
-        assert torch.equal(draw(probs, u), sampling.inverse_cdf(probs, u))
+    for (probs, u), want in zip(cases, wants):
+        assert torch.equal(draw(probs, u), want)
 
 def _stops(tok):
     return (tok.eos_token_id, *tok.convert_tokens_to_ids(list("|}y<6")))

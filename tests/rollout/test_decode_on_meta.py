@@ -8,9 +8,10 @@ Every op of a captured step is also checked to take only device tensors: a host 
 upload from pageable memory, which a capture refuses too (0-dim host tensors are passed by value).
 
 The shapes are SmolLM2-135M's, with two layers: a 49,152-token vocabulary, and 9 query heads over 3
-key heads of size 64. The vocabulary's running sum is taken in CUDA's blocks (`sampling.SCAN_BLOCK`).
-The model is built on meta, and the decoder takes the choices it takes off the CPU, as on CUDA: no
-packed weights, and the cache in the matmuls' dtype. The graph backend is test_compiled_decode's
+key heads of size 64. The vocabulary's running sum is taken in CUDA's blocks (`sampling.SCAN_BLOCK`)
+and the draw counts its entries (`sampling.COUNTED_DRAWS`), as on CUDA. The model is built on meta,
+and the decoder takes the choices it takes off the CPU, as on CUDA: no packed weights, and the
+cache in the matmuls' dtype. The graph backend is test_compiled_decode's
 stand-in with a graph's contract (nothing runs at capture; a replay runs the captured step), and
 each replay's ops are recorded for the checks.
 """
@@ -57,6 +58,7 @@ def meta_graphs(monkeypatch):
     monkeypatch.setitem(cd.GRAPH_BACKENDS, "meta", OpsOfReplays)
     monkeypatch.setattr(cd, "_GRAPHS_FAILED", {})
     monkeypatch.setitem(sampling.SCAN_BLOCK, "meta", sampling.SCAN_BLOCK["cuda"])
+    monkeypatch.setattr(sampling, "COUNTED_DRAWS", sampling.COUNTED_DRAWS | {"meta"})
     monkeypatch.setattr(cd, "GRAPH_WIDTH_STEP", cd.WIDTH_STEP)  # more shapes in 80 tokens: each one captured
     monkeypatch.setattr(cd, "decode_step", _direct(cd.decode_step))
     RecordedGraphs.events, OpsOfReplays.ops = [], []

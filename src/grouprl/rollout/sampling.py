@@ -97,6 +97,14 @@ def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
 # stay single kernels (benchmarks/README.md, "Decode step").
 SCAN_BLOCK = {"cuda": 4096}
 
+# Where a draw counts the running sum's entries at or below its target instead of searching them:
+# the same index, as a running sum of probabilities does not decrease (up to rounding). On CUDA,
+# torch's Inductor before 2.13 could not compile searchsorted over the blocked sum, a view of two
+# scans: an H100 run of the compiled decode step stopped with "InductorError: NotImplementedError:
+# View" (eleventh session) and decoded eagerly. There the count is one more pass over a row just
+# written, microseconds; on CPU it took 0.86 ms at 16 x 49,152 against 2 us for the search.
+COUNTED_DRAWS = {"cuda"}
+
 
 def running_sum(x: torch.Tensor, block: int | None = None) -> torch.Tensor:
     """cumsum over the last dimension of x [n, V]; on CUDA (or with `block`) as two scans of at
@@ -122,4 +130,8 @@ def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     is fp64, so even a token of probability 1e-12 keeps its share."""
     cdf = running_sum(probs.double())  # [n, V]
     target = u.to(cdf.device)[:, None] * cdf[:, -1:]  # [n, 1]
-    return torch.searchsorted(cdf, target, right=True).clamp_(max=probs.shape[-1] - 1).squeeze(-1)  # [n]
+    if cdf.device.type in COUNTED_DRAWS:
+        index = (cdf <= target).sum(-1)  # [n]: the entries at or below the target, so the first above it
+    else:
+        index = torch.searchsorted(cdf, target, right=True).squeeze(-1)  # [n]
+    return index.clamp_(max=probs.shape[-1] - 1)

@@ -267,9 +267,11 @@ def memory_snapshot(model: torch.nn.Module, optimizer: torch.optim.Optimizer) ->
     trainable weights plus Adam's two moments: 3x the trainable parameters, in their dtype."""
     def host(x: Any) -> Any:
         if isinstance(x, torch.Tensor):
-            if type(x) is not torch.Tensor:  # a DTensor shard: copied where it is
+            if hasattr(x, "full_tensor"):  # a DTensor shard: copied where it is
                 return x.detach().clone()
-            return x.detach().to("cpu", copy=True)  # from a GPU, one copy, made in host memory
+            # from a GPU, one copy, made in host memory (the test for a shard was `type(x) is not
+            # torch.Tensor`, which every Parameter passes: a CUDA run kept its snapshot on the GPU)
+            return x.detach().to("cpu", copy=True)
         if isinstance(x, dict):
             return {k: host(v) for k, v in x.items()}
         if isinstance(x, (list, tuple)):

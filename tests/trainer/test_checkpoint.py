@@ -316,3 +316,24 @@ def test_a_rollback_snapshot_is_a_copy_in_host_memory(make_cfg):
     with torch.no_grad():
         param.add_(1.0)
     assert snap["weights"][name].device.type == "cpu" and not torch.equal(snap["weights"][name], param.cpu())
+
+
+def test_a_rollback_snapshot_of_cuda_weights_is_made_in_host_memory():
+    """Weights and optimizer state on CUDA (fake tensors: shapes and devices, no data, no GPU) are
+    copied to host memory, not cloned beside the originals (on an H100 the snapshot had stayed on the
+    GPU: 3x the trainable parameters of GPU memory)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from grouprl.checkpoint import memory_snapshot
+
+    with FakeTensorMode():
+        model = torch.nn.Module()
+        model.w = torch.nn.Parameter(torch.empty(4, 3, device="cuda"))
+        model.frozen = torch.nn.Parameter(torch.empty(3, device="cuda"), requires_grad=False)
+        optimizer = torch.optim.AdamW([model.w])
+        optimizer.state[model.w] = {"exp_avg": torch.empty(4, 3, device="cuda"),
+                                    "exp_avg_sq": torch.empty(4, 3, device="cuda"), "step": torch.tensor(3.0)}
+        snap = memory_snapshot(model, optimizer)
+    assert list(snap["weights"]) == ["w"] and snap["weights"]["w"].device.type == "cpu"
+    state = snap["optimizer"]["state"][0]
+    assert {k: v.device.type for k, v in state.items()} == {"exp_avg": "cpu", "exp_avg_sq": "cpu", "step": "cpu"}

@@ -59,6 +59,7 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+import traceback
 from dataclasses import dataclass, field
 
 import torch
@@ -446,5 +447,19 @@ def forward_packed(model: torch.nn.Module, layout: PackedLayout, logits_to_keep)
 
     try:
         return forward()
-    except _VarlenGaveUp:  # once per process: the kernel is off from now on
-        return forward()
+    except _VarlenGaveUp as gave_up:  # once per process: the kernel is off from now on
+        _release_frames(gave_up)
+    return forward()
+
+
+def _release_frames(error: BaseException) -> None:
+    """Clear the frames that `error` (and the errors it chains) unwound, so that what they held goes
+    now, not when the error is collected. Torch's checkpoint before 2.13 leaves the failed layer's
+    generator suspended inside that layer's saved-tensor hooks until it is collected: the retried
+    pass's tensors were saved into the failed layer's frame, and the backward, recomputing that layer
+    on the per-sequence path, raised torch's CheckpointError (an H100's suite, torch 2.11)."""
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        traceback.clear_frames(error.__traceback__)  # the frame running this except block is skipped
+        error = error.__cause__ or error.__context__

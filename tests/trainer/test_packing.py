@@ -4,6 +4,7 @@ the chunked head and whole logits, tied and untied heads, Llama with grouped-que
 (policy and adapter-disabled reference), gradient checkpointing, and bf16 autocast within its own
 tolerance; a training step whose micro-batches are cut by tokens equals the padded one-pass step."""
 
+import contextlib
 import copy
 import functools
 
@@ -351,6 +352,21 @@ def no_varlen_kernel(*a, **kw):
     raise RuntimeError("FlashAttention only supports Ampere GPUs or newer.\nmore")
 
 
+def checkpoint_before_torch_2_13(function, *args, **kwargs):
+    """torch's non-reentrant checkpoint as torch 2.4-2.12 ran it: when the checkpointed forward
+    raises, the checkpoint's generator is left suspended inside its saved-tensor hooks, which stay
+    on until the generator is collected (torch 2.13 throws the error into it, which takes them off).
+    Whatever is saved meanwhile goes to the failed layer's frame, and the backward then recomputes
+    that layer to match it: torch's CheckpointError."""
+    gen = torch.utils.checkpoint._checkpoint_without_reentrant_generator(
+        function, True, torch.utils.checkpoint.noop_context_fn, "default", False, True, *args, **kwargs)
+    next(gen)
+    out = function(*args, **kwargs)
+    with contextlib.suppress(StopIteration):
+        next(gen)
+    return out
+
+
 def varlen_failing_past_the_probe(q, k, v, cu_q, *a, **kw):
     """Runs the probe's two toy sequences, fails at a real pass's sizes."""
     if q.shape[0] > 4:
@@ -363,7 +379,7 @@ def varlen_failing_past_the_probe(q, k, v, cu_q, *a, **kw):
     (forward_only_varlen, "backward for head dim 8", False),  # only its backward fails, past any fallback
     (functools.wraps(reference_varlen)(varlen_failing_past_the_probe), "invalid configuration", True),
 ])
-@pytest.mark.parametrize("checkpointing", [False, True])
+@pytest.mark.parametrize("checkpointing", [None, "torch's", "torch<2.13"])
 def test_a_varlen_kernel_that_fails_warns_once_and_the_rows_run_per_sequence(monkeypatch, llama, caplog, kernel,
                                                                              message, probe_passed, checkpointing):
     """Forward and backward once on toy sequences, before the first real pass (the probe), find a
@@ -372,10 +388,15 @@ def test_a_varlen_kernel_that_fails_warns_once_and_the_rows_run_per_sequence(mon
     Each warns once with the error's first line, and the pass runs per sequence: log-probs,
     entropies and gradients equal the padded pass's. Under gradient checkpointing too (CUDA's
     default), where a layer whose path changed between its forward and its recomputation raised
-    torch's CheckpointError."""
+    torch's CheckpointError; and under torch's checkpoint as it was before 2.13, whose failed
+    layer left its hooks on (an H100's suite, torch 2.11)."""
     if checkpointing:
         llama = copy.deepcopy(llama)
         llama.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if checkpointing == "torch<2.13":
+        for module in llama.modules():
+            if hasattr(module, "_gradient_checkpointing_func"):
+                module._gradient_checkpointing_func = checkpoint_before_torch_2_13
     monkeypatch.setattr(packing, "_varlen_kernel", kernel)
     monkeypatch.setattr(packing, "uses_varlen", lambda *a: packing.VARLEN["enabled"])
     monkeypatch.setitem(packing.VARLEN, "enabled", True)

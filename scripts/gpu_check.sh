@@ -16,15 +16,16 @@
 #   compiled each model's compiled step (DECODE_MODELS, DECODE_S each)
 #   memory   both sides' memory at 135M, recorded and broken down by code site (MEM_S)
 #   mb       grouprl in 16-row passes at 135M (MB_S);  ab  per-sequence attention at 135M (AB_S)
-# What each took on one H100 (2026-11-26, tenth session): setup ~20 s; eager, both models, 56 s;
-# bench at 135M, both sides, 150 s (the 1.7B's, sixth session: ~215 s); the suite with 15 workers
-# and one torch thread each, 99 % at 300 s. A lent machine has 15 minutes in all (each start ~40 s
-# included) and 10 a call: put the most wanted first. The next lease, (1) PARTS="widths bench tests"
-# WORKLOADS=gpu-135m-256 TESTS_S=300 (~9.5 min: whether a 256-token call now captures each width; the
-# suite to its end), then at once, while the machine is warm (30 s), (2) PARTS=compiled
-# DECODE_MODELS=smollm2-135m-shape. At most 8 files come back from a lent machine's output folder; (1)
-# writes 8 at most: two decode JSONs and their log, vs_trl's JSON and log, two pytest logs, and
-# failures.log when a test fails.
+# What each took on one H100: setup ~20 s; eager, both models, 56 s; widths ~110 s; bench at 135M,
+# both sides, 150 s (the 1.7B's, sixth session: ~215 s); compiled at 135M 112 s (the compile's try
+# 69 s); the suite, 11 workers beside 4 for tests/test_benchmarks_and_scripts.py, one torch thread
+# each, to its end in 258 s (eleventh session). A lent machine has 15 minutes in all (each start
+# ~40 s included) and 10 a call: put the most wanted first. The next lease: (1) PARTS=compiled
+# DECODE_S=200 (both models: whether the counted draw, d079d55, lets the step compile, and its ms
+# a token against the graphed eager step), then at once, while the machine is warm (30 s), (2)
+# PARTS="bench tests" WORKLOADS=gpu-1.7b-256 BENCH_S=260 TESTS_S=280 (the 1.7B step with graphed
+# decoding, never measured, and the suite with this session's fixes). At most 8 files come back
+# from a lent machine's output folder; each of these writes 6 at most.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-${OUT:-gpu-out}}

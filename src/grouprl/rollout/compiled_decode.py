@@ -100,8 +100,9 @@ WIDTH_STEP = 32  # the step attends the cache's first W columns, W the next mult
 # launching the step's kernels from Python (~10 ms a shape at the 135M shape's 800 kernels, from
 # the H100's eager 15 us a kernel), where a replay takes ~2 ms: at 32 a 256-token call would pay
 # 8 shapes. At 128 it pays 2-3, and each step reads on average 64 more masked columns of the
-# cache (16 rows of the 1.7B shape: ~0.2 GB, ~0.07 ms at an H100's bandwidth). Estimates, not
-# measured: `benchmarks/decode.py --graph-width-step` times other values.
+# cache (16 rows of the 1.7B shape: ~0.2 GB, ~0.07 ms at an H100's bandwidth). Measured on an
+# H100 (135M shape, 16 rows, 256 tokens): 3 captures a call at 128 and 9 at 32, 2.62 and 2.55 ms a
+# token, within the runs' spread (`benchmarks/decode.py --graph-width-step`).
 GRAPH_WIDTH_STEP = 128
 MIN_SLOTS = 2  # torch specialises a size of 1: a batch never shrinks below 2 slots, so no second graph
 MIN_GRAPH_STEPS = 4  # CUDA graphs: a shape is captured only when at least this many steps will replay it

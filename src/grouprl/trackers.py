@@ -28,8 +28,8 @@ same tracker run (wandb's and mlflow's ids are kept in `output_dir`).
 A tracker named in `report_to` that cannot start is an error, never a run that trains untracked:
 what can be checked without starting it (`tracker_problems`: the package, mlflow's sqlite store
 without SQLAlchemy, a TensorBoard folder that cannot be written) is a ConfigError before any model
-loads; any other failure to start (a bad `WANDB_MODE`, a dead server, a resumed mlflow run the store
-lacks) is a `TrackerError` from RunLogger before the first step. A tracker that fails mid-run (disk
+loads, and so is a `WANDB_MODE` that wandb's settings refuse; any other failure to start (a dead
+server, a resumed mlflow run the store lacks) is a `TrackerError` from RunLogger before the first step. A tracker that fails mid-run (disk
 full, a dropped connection) is RunLogger's business: it warns once, drops the tracker, and training
 goes on; metrics.jsonl keeps every number.
 """
@@ -70,7 +70,27 @@ def tracker_problems(names: list[str], output_dir: str | Path) -> list[str]:
                         "path, pick another output_dir, or drop tensorboard from report_to")
     if "mlflow" in names and (why := _mlflow_store_problem()):
         problems.append(f"report_to: mlflow: {why}")
+    if "wandb" in names and (why := _wandb_mode_problem()):
+        problems.append(f"report_to: wandb: {why}")
     return problems
+
+
+def _wandb_mode_problem() -> str | None:
+    """A `WANDB_MODE` that wandb refuses, as wandb's own settings model judges it (which modes it
+    takes changes between versions); wandb itself would refuse it only at `wandb.init`."""
+    mode = os.environ.get("WANDB_MODE")
+    if mode is None:
+        return None
+    import wandb
+
+    try:
+        wandb.Settings(mode=mode)
+    except ValueError as e:  # pydantic's ValidationError
+        known = re.search(r"Input should be ([^\[]+?) \[", str(e))
+        return (f"WANDB_MODE={mode!r} is not a mode wandb takes" + (f" ({known.group(1)})" if known else "")
+                + ": set it to offline (written to output_dir/wandb, `wandb sync` uploads it), online or "
+                "disabled, or unset it")
+    return None
 
 
 def _unwritable(folder: Path) -> str | None:

@@ -191,8 +191,8 @@ def test_a_tracker_that_fails_to_start_is_an_error_and_closes_the_others(tmp_pat
 
 def test_a_tracker_that_cannot_start_is_a_config_error_before_the_model_loads(make_cfg, monkeypatch,
                                                                               no_model_loading):
-    """What can be told without starting the tracker: a file where TensorBoard's folder goes, mlflow's
-    default sqlite store without SQLAlchemy (mlflow-skinny)."""
+    """What can be told without starting the tracker: a file where TensorBoard's folder goes, a
+    `WANDB_MODE` wandb refuses, mlflow's default sqlite store without SQLAlchemy (mlflow-skinny)."""
     import importlib.util
 
     cfg = make_cfg(report_to=["tensorboard"])
@@ -200,6 +200,14 @@ def test_a_tracker_that_cannot_start_is_a_config_error_before_the_model_loads(ma
     (Path(cfg.output_dir) / "tensorboard").write_text("not a folder")
     with pytest.raises(ConfigError, match=r"tensorboard writes .*tensorboard, but .*tensorboard is not a folder"):
         Trainer(cfg)
+
+    monkeypatch.setenv("WANDB_MODE", "ofline")
+    with pytest.raises(ConfigError, match=r"report_to: wandb: WANDB_MODE='ofline' is not a mode wandb takes "
+                                          r"\('online', 'offline', .*\): set it to offline .*, or unset it"):
+        Trainer(make_cfg(report_to=["wandb"]))
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    from grouprl.trackers import tracker_problems
+    assert tracker_problems(["wandb"], cfg.output_dir) == []
 
     pytest.importorskip("mlflow", reason="the mlflow extra: pip install 'grouprl[mlflow]' (or mlflow-skinny)")
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{cfg.output_dir}/mlflow.db")

@@ -27,11 +27,11 @@ same tracker run (wandb's and mlflow's ids are kept in `output_dir`).
 
 A tracker named in `report_to` that cannot start is an error, never a run that trains untracked:
 what can be checked without starting it (`tracker_problems`: the package, mlflow's sqlite store
-without SQLAlchemy, a TensorBoard folder that cannot be written) is a ConfigError before any model
-loads, and so is a `WANDB_MODE` that wandb's settings refuse; any other failure to start (a dead
-server, a resumed mlflow run the store lacks) is a `TrackerError` from RunLogger before the first step. A tracker that fails mid-run (disk
-full, a dropped connection) is RunLogger's business: it warns once, drops the tracker, and training
-goes on; metrics.jsonl keeps every number.
+without SQLAlchemy, a TensorBoard folder that cannot be written, a `WANDB_MODE` that wandb's
+settings refuse) is a ConfigError before any model loads; any other failure to start (a dead
+server, a resumed mlflow run the store lacks) is a `TrackerError` from RunLogger before the first
+step. A tracker that fails mid-run (disk full, a dropped connection) is RunLogger's business: it
+warns once, drops the tracker, and training goes on; metrics.jsonl keeps every number.
 """
 
 from __future__ import annotations

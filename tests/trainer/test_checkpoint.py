@@ -318,6 +318,34 @@ def test_a_rollback_snapshot_is_a_copy_in_host_memory(make_cfg):
     assert snap["weights"][name].device.type == "cpu" and not torch.equal(snap["weights"][name], param.cpu())
 
 
+@pytest.mark.parametrize("fused", [False, True])
+def test_a_second_rollback_to_the_same_snapshot_puts_back_the_same_state(fused):
+    """The guard keeps a snapshot after rolling back to it, so a later collapse can roll back to it
+    again. load_state_dict had adopted the snapshot's own tensors (Adam's step, and on CPU the
+    moments), so the steps after the first rollback changed the snapshot in place."""
+    from grouprl.checkpoint import memory_snapshot, restore_snapshot
+
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1, fused=fused)
+
+    def step() -> None:
+        optimizer.zero_grad()
+        model(torch.randn(4, 3, generator=gen)).square().sum().backward()
+        optimizer.step()
+
+    def state() -> list[torch.Tensor]:
+        return [t.clone() for t in [*model.parameters(), *(v for s in optimizer.state.values() for v in s.values())]]
+
+    gen = torch.Generator().manual_seed(0)
+    step()
+    snap, taken = memory_snapshot(model, optimizer), state()
+    for _ in range(2):
+        step()
+        step()
+        restore_snapshot(model, optimizer, snap)
+        assert all(torch.equal(a, b) for a, b in zip(state(), taken, strict=True))
+
+
 def test_a_rollback_snapshot_of_cuda_weights_is_made_in_host_memory():
     """Weights and optimizer state on CUDA (fake tensors: shapes and devices, no data, no GPU) are
     copied to host memory, not cloned beside the originals (on an H100 the snapshot had stayed on the

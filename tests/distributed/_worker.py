@@ -7,7 +7,9 @@ Rank 0 writes OUT_DIR/grads-STRATEGY.pt: {(loss_agg, scale_rewards): (grads, sta
 on `fixed_batch()`, and the same for ("is", mode): the batch with the sampler's log-probs, corrected.
 "ppo" holds PPO's V_old, gradients (value head included) and stats for one update on the same
 batch. With STRATEGY=fsdp2 it then trains one step (GRPO, then PPO) on sampled rollouts, saves a checkpoint, resumes it
-into a fresh trainer and records whether every weight came back.
+into a fresh trainer and records whether every weight came back; with GRPO, also whether a rollback
+snapshot of the sharded model, taken then and put back after one more step, brings every weight
+and the optimizer state back.
 """
 
 from __future__ import annotations
@@ -150,7 +152,35 @@ def fsdp2_train_save_resume(cfg: TrainConfig, algorithm: str = "grpo") -> dict[s
                                                               heads[1].state_dict().values()))
     return {"loss": metrics["loss"], "step": resumed.step, "same_after_resume": same, "checkpoint": str(path),
             "num_state": len(a[1].get("state", {})),
-            "value_head_moved": None if heads[0] is None else float(heads[0].linear.weight.abs().sum())}
+            "value_head_moved": None if heads[0] is None else float(heads[0].linear.weight.abs().sum()),
+            "rollback": rollback(trainer) if algorithm == "grpo" else None}
+
+
+def rollback(trainer: Trainer) -> dict[str, bool]:
+    """`on_collapse: rollback`'s snapshot of the sharded model (each rank keeps its own shards, where
+    they are), one more step, and the snapshot put back: every weight and the optimizer state as
+    when the snapshot was taken; and again after one more step, to the same snapshot."""
+    from torch.utils._pytree import tree_map
+
+    from grouprl.checkpoint import memory_snapshot, restore_snapshot
+
+    def state() -> tuple[dict, dict]:  # copies: full_state may hand out the optimizer's own step tensors
+        model, optim = D.full_state(trainer.model, trainer.optimizer, trainer.updater.trainable)
+        return tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, (model, optim.get("state", {})))
+
+    def same(a: tuple[dict, dict], b: tuple[dict, dict]) -> bool:  # rank 0 holds the whole optimizer state
+        return (all(torch.equal(a[0][k], b[0][k]) for k in a[0]) and a[1].keys() == b[1].keys()
+                and all(torch.equal(torch.as_tensor(a[1][k][s]), torch.as_tensor(b[1][k][s]))
+                        for k in a[1] for s in a[1][k]))
+
+    before, snap = state(), memory_snapshot(trainer.model, trainer.optimizer)
+    out = {"sharded": all(hasattr(v, "full_tensor") for v in snap["weights"].values())}
+    for attempt in ("first", "second"):
+        trainer.train_step()
+        out[f"moved before the {attempt} rollback"] = not same(state(), before)
+        restore_snapshot(trainer.model, trainer.optimizer, snap)
+        out[f"back after the {attempt} rollback"] = same(state(), before)
+    return out
 
 
 def main(model_dir: str, data: str, out_dir: str, strategy: str) -> None:

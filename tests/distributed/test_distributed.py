@@ -90,6 +90,7 @@ def test_update_two_ranks_equals_one_rank(strategy, one_rank, tiny_model_dir, di
         for name, w in trained.items():
             assert torch.equal(params[name], w), name
         assert (ckpt / "ref.safetensors").is_file()  # ref_update_steps: the sharded reference is saved whole
+        assert set(train["rollback"].values()) == {True}, train["rollback"]  # on_collapse: rollback, twice
         ppo = result["train_ppo"]  # the optimizer also steps the value head, outside the sharded model
         assert ppo["step"] == 1 and ppo["same_after_resume"] and ppo["num_state"] > train["num_state"]
         assert ppo["value_head_moved"] > 0

@@ -12,7 +12,9 @@ into a freed pool) passed every CPU test and failed on the first GPU. Here, on C
   tensors), which counts each memory pool's users as torch's allocator does; a capture that fails
   fails the test (grouprl would warn and decode without graphs);
 - packed attention goes through the varlen path, with test_packing's reference kernel (exact on
-  CPU, in any dtype), probed once a test as on a fresh process.
+  CPU, in any dtype), probed once a test as on a fresh process;
+- a sampled token is drawn as on CUDA: the vocabulary's running sum in blocks, its entries below
+  the target counted (`sampling.SCAN_BLOCK`, `sampling.COUNTED_DRAWS`).
 Tests marked `cpu_rules` assert a choice that is CPU's by design (checkpointing only over the budget,
 the eager loop's own instrumentation, the masked attention path) and are left out.
 """
@@ -33,6 +35,7 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(autouse=True)
 def _as_cuda(monkeypatch):
     from grouprl import memory, packing
+    from grouprl.rollout import sampling
     from tests.rollout.test_compiled_decode import pool_counting_graphs
     from tests.trainer.test_packing import reference_varlen
 
@@ -53,6 +56,8 @@ def _as_cuda(monkeypatch):
         packing.VARLEN["enabled"] and head_dim % 8 == 0 and head_dim <= 256 and dropout == 0.0))
     monkeypatch.setattr(packing, "_PROBED", {})
     monkeypatch.setitem(packing.VARLEN, "enabled", True)
+    monkeypatch.setitem(sampling.SCAN_BLOCK, "cpu", sampling.SCAN_BLOCK["cuda"])
+    monkeypatch.setattr(sampling, "COUNTED_DRAWS", sampling.COUNTED_DRAWS | {"cpu"})
     with warnings.catch_warnings():  # (a test that expects the warning records it with pytest.warns)
         warnings.filterwarnings("error", message="generation_cuda_graphs: capturing the decode step")
         yield

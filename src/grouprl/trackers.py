@@ -86,6 +86,8 @@ def _wandb_mode_problem() -> str | None:
     try:
         wandb.Settings(mode=mode)
     except ValueError as e:  # pydantic's ValidationError
+        if not any(tuple(err.get("loc", ())) == ("mode",) for err in getattr(e, "errors", list)()):
+            return None  # another setting's error: wandb.init names it
         known = re.search(r"Input should be ([^\[]+?) \[", str(e))
         return (f"WANDB_MODE={mode!r} is not a mode wandb takes" + (f" ({known.group(1)})" if known else "")
                 + ": set it to offline (written to output_dir/wandb, `wandb sync` uploads it), online or "

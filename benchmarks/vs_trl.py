@@ -526,6 +526,10 @@ def main() -> None:
         versions["trl"] = trl.__version__
     if args.device == "cuda":
         versions["gpu"] = torch.cuda.get_device_name(0)
+        # torch reads it once: set, SDPA does not try cuDNN's attention first on sm90/sm100, whose
+        # execution plan is built anew for every new shape (batch, key length) -- every decode step
+        # of an attention over the whole cache, as transformers' generate runs it
+        versions["TORCH_CUDNN_SDPA_DEPRIORITIZED"] = os.environ.get("TORCH_CUDNN_SDPA_DEPRIORITIZED", "")
     print(f"versions: {versions}, threads={args.threads}, cpus={os.cpu_count()}, device={args.device}, "
           f"packed attention={args.packed_attention}", flush=True)
     peak = {"fp32": 0.0, "bf16": 0.0}

@@ -20,13 +20,13 @@
 # both sides, 150 s (the 1.7B's, sixth session: ~215 s); compiled at 135M 112 s (the compile's try
 # 69 s); the suite, 11 workers beside 4 for tests/test_benchmarks_and_scripts.py, one torch thread
 # each, to its end in 258 s (eleventh session). A lent machine has 15 minutes in all (each start
-# ~40 s included) and 10 a call: put the most wanted first. The next lease (~880 s in all): (1)
-# PARTS=compiled DECODE_S=170, timeout_s 380 (both models: whether the counted draw, d079d55, lets
-# the step compile, and its ms a token against the graphed eager step; a compile that fails prints
-# its traceback), then at once, while the machine is warm (30 s), (2) PARTS="bench tests"
-# WORKLOADS=gpu-1.7b-256 BENCH_S=230 TESTS_S=200, timeout_s 470 (the 1.7B step with graphed
-# decoding, never measured, then the suite with this session's fixes as far as it gets). At most 8
-# files come back from a lent machine's output folder; each of these writes 6 at most.
+# ~40 s included) and 10 a call: put the most wanted first. The next lease (~870 s in all): (1)
+# PARTS="compiled cudnn" DECODE_S=150 CUDNN_S=80 BENCH_S=200, timeout_s 580 (both models' compiled
+# step: whether the counted draw, d079d55, lets it compile, and its ms a token against the graphed
+# eager step, a failed compile printing its traceback; then cuDNN's attention, below), then at
+# once, while the machine is warm (30 s), (2) PARTS=bench WORKLOADS=gpu-1.7b-256 BENCH_S=230,
+# timeout_s 260 (the 1.7B step with graphed decoding, never measured). At most 8 files come back
+# from a lent machine's output folder: (1) writes 7, (2) 2.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-${OUT:-gpu-out}}
@@ -130,10 +130,28 @@ ab() {
     --rounds 1 --only grouprl --packed-attention per-sequence --workload gpu-135m-256 --json "$OUT/vs_trl_per_sequence.json" \
     2>&1 | grep -v "Warning\|warn(" | tee "$OUT/vs_trl_per_sequence.log"
 }
-for part in ${PARTS:-bench tests eager widths compiled memory mb ab}; do
+# cuDNN's attention on an H100 (eleventh session's reading, not yet measured): torch 2.11 puts it
+# first in SDPA's order on sm90/sm100 (unless TORCH_CUDNN_SDPA_DEPRIORITIZED is set), and it builds an
+# execution plan for every new shape (batch, key length). The plain eager decode loop attends a new key
+# length every token: its first 256-token call took 20-30 s against ~4 s later, which fits. So does
+# TRL's generate (transformers' SDPA over the cache with a padding mask: 70 ms a token at 135M). The
+# graphed slot loop writes its attention out, and the update takes the varlen flash kernel, so neither
+# meets cuDNN; grouprl's prefill (SDPA with a mask) does, once per new prompt shape. Both sides again
+# with cuDNN deprioritized, and the plain eager loop's first and later calls both ways (CUDNN_S)
+cudnn() {
+  for env in "" TORCH_CUDNN_SDPA_DEPRIORITIZED=1; do
+    timeout "${CUDNN_S:-100}" env $env python3 benchmarks/decode.py --device cuda --models smollm2-135m-shape \
+      --rows 16 --prompt 16 --tokens 128 --dtypes bf16 --reps 2 --no-compile --cuda-graphs off --smollm2 "$TOKENIZER" \
+      --json "$OUT/decode-eager${env:+-nocudnn}.json" 2>&1 | tail -3 | tee -a "$OUT/cudnn.log"
+  done
+  TORCH_CUDNN_SDPA_DEPRIORITIZED=1 timeout "${BENCH_S:-250}" python3 benchmarks/vs_trl.py --device cuda \
+    --smollm2 "$TOKENIZER" --steps "${STEPS:-4}" --rounds 1 --workload gpu-135m-256 --json "$OUT/vs_trl-nocudnn.json" \
+    2>&1 | grep -v "Warning\|warn(" | tail -6 | tee -a "$OUT/cudnn.log"
+}
+for part in ${PARTS:-bench tests eager widths compiled memory mb ab cudnn}; do
   case "$part" in
-    bench|tests|eager|widths|compiled|memory|mb|ab) echo "== $part ($(date +%T))"; "$part" ;;
-    *) echo "unknown part '$part': bench tests eager widths compiled memory mb ab" >&2; exit 2 ;;
+    bench|tests|eager|widths|compiled|memory|mb|ab|cudnn) echo "== $part ($(date +%T))"; "$part" ;;
+    *) echo "unknown part '$part': bench tests eager widths compiled memory mb ab cudnn" >&2; exit 2 ;;
   esac
 done
 exit "$code"

@@ -353,7 +353,7 @@ def no_varlen_kernel(*a, **kw):
 
 
 def checkpoint_before_torch_2_13(function, *args, **kwargs):
-    """torch's non-reentrant checkpoint as torch 2.4-2.12 ran it: when the checkpointed forward
+    """torch's non-reentrant checkpoint as torch before 2.13 ran it: when the checkpointed forward
     raises, the checkpoint's generator is left suspended inside its saved-tensor hooks, which stay
     on until the generator is collected (torch 2.13 throws the error into it, which takes them off).
     Whatever is saved meanwhile goes to the failed layer's frame, and the backward then recomputes

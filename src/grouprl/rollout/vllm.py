@@ -264,8 +264,11 @@ def check_adapter(model: torch.nn.Module) -> None:
 
 
 def is_moe(config) -> bool:
-    """A mixture-of-experts model, by the expert counts transformers' configs name."""
-    return any((getattr(config, k, 0) or 0) > 1 for k in ("num_experts", "num_local_experts", "n_routed_experts"))
+    """A mixture-of-experts model, by the expert counts transformers' configs name, at the top or in
+    the text model's config (a multimodal model's language model keeps them in `text_config`)."""
+    configs = (config, getattr(config, "text_config", None))
+    return any((getattr(c, k, 0) or 0) > 1 for c in configs if c is not None
+               for k in ("num_experts", "num_local_experts", "n_routed_experts"))
 
 
 def repack_tied_head(model: torch.nn.Module) -> None:

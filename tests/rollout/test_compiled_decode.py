@@ -93,6 +93,14 @@ def cuda_draws(monkeypatch, block: int) -> None:
     monkeypatch.setattr(sampling, "COUNTED_DRAWS", {"cpu"})
 
 
+def searched_draws(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """The reference draw, whatever path the draws take (tests/as_cuda.py sets CUDA's): one cumsum
+    in float64, searched."""
+    cdf = probs.double().cumsum(-1)
+    index = torch.searchsorted(cdf, u[:, None] * cdf[:, -1:], right=True).squeeze(-1)
+    return index.clamp_(max=probs.shape[-1] - 1)
+
+
 def test_draws_over_a_running_sum_in_blocks_are_the_one_piece_draws(monkeypatch):
     """1,000 draws over SmolLM2's 49,152-token vocabulary (a peaked and a flat softmax, and a
     top-k filter that leaves most tokens at 0): the same tokens from CUDA's draw (the blocked running
@@ -104,7 +112,8 @@ def test_draws_over_a_running_sum_in_blocks_are_the_one_piece_draws(monkeypatch)
     u[:2] = torch.tensor([0.0, 1 - 2 ** -53], dtype=torch.float64)  # the ends of [0, 1)
     for params in (SamplingParams(1), SamplingParams(1, top_k=40)):
         probs = sampling.filtered_probs(logits, params)
-        want = sampling.inverse_cdf(probs, u)
+        want = searched_draws(probs, u)
+        assert torch.equal(sampling.inverse_cdf(probs, u), want)  # this device's draw
         with monkeypatch.context() as m:
             cuda_draws(m, 4096)
             got = sampling.inverse_cdf(probs, u)
@@ -119,7 +128,7 @@ def test_the_blocked_draw_compiles_as_one_graph(compiles, monkeypatch):
     gen = torch.Generator().manual_seed(1)
     cases = [(torch.softmax(torch.randn(rows, 1500, generator=gen) * 3, -1),
               torch.rand(rows, dtype=torch.float64, generator=gen)) for rows in (5, 9)]
-    wants = [sampling.inverse_cdf(probs, u) for probs, u in cases]
+    wants = [searched_draws(probs, u) for probs, u in cases]
     cuda_draws(monkeypatch, 256)
     draw = torch.compile(lambda p, u: sampling.inverse_cdf(p, u), fullgraph=True, dynamic=True)
     for (probs, u), want in zip(cases, wants):
@@ -557,8 +566,10 @@ def test_the_eager_step_makes_no_host_sync_that_a_cuda_capture_refuses(model_and
     HFEngine(model, _stops(tok), tok.pad_token_id).generate(short_prompts(tok), 2, SAMPLED,
                                                             torch.Generator().manual_seed(0))
     names = {func.overloadpacket.__name__ for func, _, _ in OpsOfReplays.ops}
-    draw = "sum" if "cpu" in sampling.COUNTED_DRAWS else "searchsorted"  # counted as on CUDA under tests/as_cuda.py
-    assert {"mm", "index_copy_", "topk", "sort", draw, "eq", "index_put_"} <= names  # the whole step
+    counted = "cpu" in sampling.COUNTED_DRAWS  # as on CUDA, under tests/as_cuda.py
+    draw = {"le", "sum"} if counted else {"searchsorted"}
+    assert {"mm", "index_copy_", "topk", "sort", "eq", "index_put_"} | draw <= names  # the whole step
+    assert ("searchsorted" in names) != counted
     assert not names & _SYNCING, names & _SYNCING
     bool_index = [func for func, args, _ in OpsOfReplays.ops if func.overloadpacket.__name__ in ("index", "index_put_")
                   and any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in (args[1] or ()))]

@@ -99,9 +99,9 @@ SCAN_BLOCK = {"cuda": 4096}
 
 # Where a draw counts the running sum's entries at or below its target instead of searching them:
 # the same index, as a running sum of probabilities does not decrease (up to rounding). On CUDA,
-# torch's Inductor before 2.13 could not compile searchsorted over the blocked sum, a view of two
-# scans: an H100 run of the compiled decode step stopped with "InductorError: NotImplementedError:
-# View" (eleventh session) and decoded eagerly. There the count is one more pass over a row just
+# torch 2.11's Inductor could not compile searchsorted over the blocked sum, a view of two scans:
+# an H100 run of the compiled decode step stopped with "InductorError: NotImplementedError: View"
+# (eleventh session) and decoded eagerly. There the count is one more pass over a row just
 # written, microseconds; on CPU it took 0.86 ms at 16 x 49,152 against 2 us for the search.
 COUNTED_DRAWS = {"cuda"}
 

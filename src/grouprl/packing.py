@@ -454,10 +454,12 @@ def forward_packed(model: torch.nn.Module, layout: PackedLayout, logits_to_keep)
 
 def _release_frames(error: BaseException) -> None:
     """Clear the frames that `error` (and the errors it chains) unwound, so that what they held goes
-    now, not when the error is collected. Torch's checkpoint before 2.13 leaves the failed layer's
-    generator suspended inside that layer's saved-tensor hooks until it is collected: the retried
-    pass's tensors were saved into the failed layer's frame, and the backward, recomputing that layer
-    on the per-sequence path, raised torch's CheckpointError (an H100's suite, torch 2.11)."""
+    now, not when the error is collected. Torch 2.11's checkpoint (2.13 throws the error into it)
+    leaves the failed layer's generator suspended inside that layer's saved-tensor hooks until it
+    is collected: the retried pass's tensors were saved into the failed layer's frame, and the
+    backward, recomputing that layer on the per-sequence path, raised torch's CheckpointError (an
+    H100's suite). Retrying after the except block frees the error, unless something keeps it (a
+    log handler holding exc_info, an error reporter): its frames then hold the failed call stack."""
     seen: set[int] = set()
     while error is not None and id(error) not in seen:
         seen.add(id(error))

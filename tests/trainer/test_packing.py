@@ -352,10 +352,10 @@ def no_varlen_kernel(*a, **kw):
     raise RuntimeError("FlashAttention only supports Ampere GPUs or newer.\nmore")
 
 
-def checkpoint_before_torch_2_13(function, *args, **kwargs):
-    """torch's non-reentrant checkpoint as torch before 2.13 ran it: when the checkpointed forward
-    raises, the checkpoint's generator is left suspended inside its saved-tensor hooks, which stay
-    on until the generator is collected (torch 2.13 throws the error into it, which takes them off).
+def checkpoint_of_torch_2_11(function, *args, **kwargs):
+    """torch's non-reentrant checkpoint as torch 2.11 runs it: when the checkpointed forward raises,
+    the checkpoint's generator is left suspended inside its saved-tensor hooks, which stay on until
+    the generator is collected (torch 2.13 throws the error into it, which takes them off).
     Whatever is saved meanwhile goes to the failed layer's frame, and the backward then recomputes
     that layer to match it: torch's CheckpointError."""
     gen = torch.utils.checkpoint._checkpoint_without_reentrant_generator(
@@ -379,7 +379,7 @@ def varlen_failing_past_the_probe(q, k, v, cu_q, *a, **kw):
     (forward_only_varlen, "backward for head dim 8", False),  # only its backward fails, past any fallback
     (functools.wraps(reference_varlen)(varlen_failing_past_the_probe), "invalid configuration", True),
 ])
-@pytest.mark.parametrize("checkpointing", [None, "torch's", "torch<2.13"])
+@pytest.mark.parametrize("checkpointing", [None, "torch's", "torch 2.11's", "torch 2.11's, the error kept"])
 def test_a_varlen_kernel_that_fails_warns_once_and_the_rows_run_per_sequence(monkeypatch, llama, caplog, kernel,
                                                                              message, probe_passed, checkpointing):
     """Forward and backward once on toy sequences, before the first real pass (the probe), find a
@@ -388,15 +388,20 @@ def test_a_varlen_kernel_that_fails_warns_once_and_the_rows_run_per_sequence(mon
     Each warns once with the error's first line, and the pass runs per sequence: log-probs,
     entropies and gradients equal the padded pass's. Under gradient checkpointing too (CUDA's
     default), where a layer whose path changed between its forward and its recomputation raised
-    torch's CheckpointError; and under torch's checkpoint as it was before 2.13, whose failed
-    layer left its hooks on (an H100's suite, torch 2.11)."""
+    torch's CheckpointError; and under torch 2.11's checkpoint, whose failed layer left its hooks on
+    (an H100's suite), also while something keeps the kernel's error (a log handler holding
+    exc_info, an error reporter): its frames then keep the whole failed call stack alive."""
     if checkpointing:
         llama = copy.deepcopy(llama)
         llama.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    if checkpointing == "torch<2.13":
+    if checkpointing and checkpointing.startswith("torch 2.11's"):
         for module in llama.modules():
             if hasattr(module, "_gradient_checkpointing_func"):
-                module._gradient_checkpointing_func = checkpoint_before_torch_2_13
+                module._gradient_checkpointing_func = checkpoint_of_torch_2_11
+    kept = []
+    if checkpointing == "torch 2.11's, the error kept":
+        give_up = packing._give_up_varlen
+        monkeypatch.setattr(packing, "_give_up_varlen", lambda error: kept.append(error) or give_up(error))
     monkeypatch.setattr(packing, "_varlen_kernel", kernel)
     monkeypatch.setattr(packing, "uses_varlen", lambda *a: packing.VARLEN["enabled"])
     monkeypatch.setitem(packing.VARLEN, "enabled", True)

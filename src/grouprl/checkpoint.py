@@ -288,19 +288,19 @@ def restore_snapshot(model: torch.nn.Module, optimizer: torch.optim.Optimizer, s
     with torch.no_grad():
         for name, value in snapshot["weights"].items():
             params[name].copy_(value.to(params[name].device) if type(value) is torch.Tensor else value)
-    devices = {p.device for p in params.values()}
+    optimizer.load_state_dict(_loadable(snapshot["optimizer"], {p.device for p in params.values()}))
 
-    def own(x: Any) -> Any:
-        # load_state_dict adopts a tensor that already has its parameter's device and dtype (Adam's
-        # step always, the moments when the snapshot sits where the parameters do: CPU, a shard) as
-        # it is, and the optimizer's later steps then change it in place: the snapshot itself, which
-        # a second rollback to it would put back as the later state. So those go in as copies.
-        if isinstance(x, torch.Tensor):
-            return x.clone() if x.dim() == 0 or x.device in devices else x
-        if isinstance(x, dict):
-            return {k: own(v) for k, v in x.items()}
-        if isinstance(x, (list, tuple)):
-            return type(x)(own(v) for v in x)
-        return x
 
-    optimizer.load_state_dict(own(snapshot["optimizer"]))
+def _loadable(x: Any, devices: set[torch.device]) -> Any:
+    """A snapshot's optimizer state for `load_state_dict`, with copies of what it would adopt as it
+    is: a tensor that already has its parameter's device and dtype (Adam's step, a 0-dim tensor that
+    stays where it is, and the moments when the snapshot sits where the parameters do: CPU, a shard).
+    Adopted, the optimizer's later steps change it in place -- the snapshot itself, which a second
+    rollback to it would put back as the later state. The rest is copied to its device by the load."""
+    if isinstance(x, torch.Tensor):
+        return x.clone() if x.dim() == 0 or x.device in devices else x
+    if isinstance(x, dict):
+        return {k: _loadable(v, devices) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return type(x)(_loadable(v, devices) for v in x)
+    return x

@@ -346,6 +346,22 @@ def test_a_second_rollback_to_the_same_snapshot_puts_back_the_same_state(fused):
         assert all(torch.equal(a, b) for a, b in zip(state(), taken, strict=True))
 
 
+def test_a_snapshot_of_cuda_training_goes_back_without_handing_over_its_own_tensors():
+    """On a GPU the snapshot's moments sit in host memory, and load_state_dict copies them to the
+    device; Adam's step, a 0-dim host tensor that the load keeps where it is, would be adopted as it
+    is (the snapshot's own, counted up by later steps): it goes in as a copy, the moments as they are."""
+    from grouprl.checkpoint import _loadable
+
+    moment, step = torch.zeros(4, 3), torch.tensor(3.0)
+    state = {"state": {0: {"exp_avg": moment, "step": step}}, "param_groups": [{"params": [0], "lr": 0.1}]}
+    on_gpu = _loadable(state, {torch.device("cuda", 0)})
+    assert on_gpu["state"][0]["exp_avg"] is moment  # the load copies it to the GPU
+    assert on_gpu["state"][0]["step"] is not step and torch.equal(on_gpu["state"][0]["step"], step)
+    on_cpu = _loadable(state, {torch.device("cpu")})  # where the load would adopt both
+    assert on_cpu["state"][0]["exp_avg"] is not moment and on_cpu["state"][0]["step"] is not step
+    assert on_cpu["param_groups"] == state["param_groups"]
+
+
 def test_a_rollback_snapshot_of_cuda_weights_is_made_in_host_memory():
     """Weights and optimizer state on CUDA (fake tensors: shapes and devices, no data, no GPU) are
     copied to host memory, not cloned beside the originals (on an H100 the snapshot had stayed on the

@@ -92,6 +92,8 @@ def _wandb_mode_problem() -> str | None:
         return (f"WANDB_MODE={mode!r} is not a mode wandb takes" + (f" ({known.group(1)})" if known else "")
                 + ": set it to offline (written to output_dir/wandb, `wandb sync` uploads it), online or "
                 "disabled, or unset it")
+    except Exception:  # not a validation of the mode: wandb.init, the authority, says what it is
+        return None
     return None
 
 

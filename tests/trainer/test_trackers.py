@@ -209,6 +209,17 @@ def test_a_tracker_that_cannot_start_is_a_config_error_before_the_model_loads(ma
     from grouprl.trackers import tracker_problems
     assert tracker_problems(["wandb"], cfg.output_dir) == []
 
+    class OtherSettingRefused(ValueError):  # a validation error, as pydantic's, about another setting
+        def errors(self):
+            return [{"loc": ("api_key",), "msg": "invalid"}]
+
+    import wandb
+
+    for error in (OtherSettingRefused("api_key"), RuntimeError("wandb's own trouble")):
+        with monkeypatch.context() as m:
+            m.setattr(wandb, "Settings", lambda error=error, **kw: (_ for _ in ()).throw(error))
+            assert tracker_problems(["wandb"], cfg.output_dir) == []  # not the mode's fault: wandb.init names it
+
     pytest.importorskip("mlflow", reason="the mlflow extra: pip install 'grouprl[mlflow]' (or mlflow-skinny)")
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{cfg.output_dir}/mlflow.db")
     real = importlib.util.find_spec

@@ -27,6 +27,7 @@ from typing import Any, Callable
 
 import numpy as np
 import torch
+from torch.utils._pytree import tree_map_only
 from safetensors import SafetensorError
 from safetensors.torch import load_file, load_model, save_file, save_model
 
@@ -265,21 +266,13 @@ def memory_snapshot(model: torch.nn.Module, optimizer: torch.optim.Optimizer) ->
     """A copy of the trainable weights and the optimizer state, in host memory (a sharded tensor
     stays where it is: each rank keeps its own shard), for `on_collapse: rollback`. It costs the
     trainable weights plus Adam's two moments: 3x the trainable parameters, in their dtype."""
-    def host(x: Any) -> Any:
-        if isinstance(x, torch.Tensor):
-            if hasattr(x, "full_tensor"):  # a DTensor shard: copied where it is
-                return x.detach().clone()
-            # from a GPU, one copy, made in host memory (the test for a shard was `type(x) is not
-            # torch.Tensor`, which every Parameter passes: a CUDA run kept its snapshot on the GPU)
-            return x.detach().to("cpu", copy=True)
-        if isinstance(x, dict):
-            return {k: host(v) for k, v in x.items()}
-        if isinstance(x, (list, tuple)):
-            return type(x)(host(v) for v in x)
-        return x
+    def host(x: torch.Tensor) -> torch.Tensor:
+        if hasattr(x, "full_tensor"):  # a DTensor shard: copied where it is
+            return x.detach().clone()
+        return x.detach().to("cpu", copy=True)  # a Parameter too (on CUDA, one copy, made in host memory)
 
     return {"weights": {n: host(p) for n, p in model.named_parameters() if p.requires_grad},
-            "optimizer": host(optimizer.state_dict())}
+            "optimizer": tree_map_only(torch.Tensor, host, optimizer.state_dict())}
 
 
 def restore_snapshot(model: torch.nn.Module, optimizer: torch.optim.Optimizer, snapshot: dict[str, Any]) -> None:
@@ -288,19 +281,14 @@ def restore_snapshot(model: torch.nn.Module, optimizer: torch.optim.Optimizer, s
     with torch.no_grad():
         for name, value in snapshot["weights"].items():
             params[name].copy_(value.to(params[name].device) if type(value) is torch.Tensor else value)
+    # load_state_dict adopts as it is a tensor that already has its parameter's device and dtype
+    # (Adam's step, a 0-dim tensor that stays where it is, and the moments when the snapshot sits
+    # where the parameters do: CPU, a shard). Adopted, the optimizer's later steps would change it in
+    # place -- the snapshot itself, which a second rollback to it would put back as the later state.
+    # Those go in as copies; the rest the load copies to its device.
     optimizer.load_state_dict(_loadable(snapshot["optimizer"], {p.device for p in params.values()}))
 
 
-def _loadable(x: Any, devices: set[torch.device]) -> Any:
-    """A snapshot's optimizer state for `load_state_dict`, with copies of what it would adopt as it
-    is: a tensor that already has its parameter's device and dtype (Adam's step, a 0-dim tensor that
-    stays where it is, and the moments when the snapshot sits where the parameters do: CPU, a shard).
-    Adopted, the optimizer's later steps change it in place -- the snapshot itself, which a second
-    rollback to it would put back as the later state. The rest is copied to its device by the load."""
-    if isinstance(x, torch.Tensor):
-        return x.clone() if x.dim() == 0 or x.device in devices else x
-    if isinstance(x, dict):
-        return {k: _loadable(v, devices) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return type(x)(_loadable(v, devices) for v in x)
-    return x
+def _loadable(state: dict[str, Any], devices: set[torch.device]) -> dict[str, Any]:
+    """`state` with a copy of each tensor that load_state_dict would adopt as it is (see restore_snapshot)."""
+    return tree_map_only(torch.Tensor, lambda x: x.clone() if x.dim() == 0 or x.device in devices else x, state)

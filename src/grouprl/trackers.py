@@ -85,16 +85,15 @@ def _wandb_mode_problem() -> str | None:
 
     try:
         wandb.Settings(mode=mode)
-    except ValueError as e:  # pydantic's ValidationError
-        if not any(tuple(err.get("loc", ())) == ("mode",) for err in getattr(e, "errors", list)()):
-            return None  # another setting's error: wandb.init names it
-        known = re.search(r"Input should be ([^\[]+?) \[", str(e))
-        return (f"WANDB_MODE={mode!r} is not a mode wandb takes" + (f" ({known.group(1)})" if known else "")
-                + ": set it to offline (written to output_dir/wandb, `wandb sync` uploads it), online or "
-                "disabled, or unset it")
-    except Exception:  # not a validation of the mode: wandb.init, the authority, says what it is
         return None
-    return None
+    except Exception as e:  # pydantic's ValidationError lists its errors; anything else, wandb.init names
+        errors = [err for err in getattr(e, "errors", list)() if tuple(err.get("loc", ())) == ("mode",)]
+    if not errors:
+        return None
+    expected = errors[0].get("ctx", {}).get("expected")
+    return (f"WANDB_MODE={mode!r} is not a mode wandb takes" + (f" ({expected})" if expected else "")
+            + ": set it to offline (written to output_dir/wandb, `wandb sync` uploads it), online or "
+            "disabled, or unset it")
 
 
 def _unwritable(folder: Path) -> str | None:

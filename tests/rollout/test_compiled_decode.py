@@ -134,6 +134,7 @@ def test_the_blocked_draw_compiles_as_one_graph(compiles, monkeypatch):
     for (probs, u), want in zip(cases, wants):
         assert torch.equal(draw(probs, u), want)
 
+
 def _stops(tok):
     return (tok.eos_token_id, *tok.convert_tokens_to_ids(list("|}y<6")))
 

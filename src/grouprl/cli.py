@@ -187,6 +187,7 @@ def _train(cfg: TrainConfig, *, resume: bool, again: str) -> int:
     finally:
         if trainer is not None:
             trainer.close()  # before the process group goes: vLLM tears its groups down with it
+        trainer = None  # its DDP/FSDP wrappers hold the group: destroy_distributed collects them first
         destroy_distributed()
     if stopped is not None:
         if ctx.is_main:
@@ -232,6 +233,7 @@ def _eval(cfg: TrainConfig, *, found_config: str | None = None) -> int:
     finally:
         if trainer is not None:
             trainer.close()
+        trainer = None  # see _train
         destroy_distributed()
     if ctx.is_main:
         out = Path(cfg.output_dir)
@@ -288,6 +290,7 @@ def _preflight(cfg: TrainConfig, num_prompts: int, samples: int | None, strict: 
     finally:
         if trainer is not None:
             trainer.close()
+        trainer = None  # see _train
         destroy_distributed()
     teaching = report["total"]["teaching_share"]
     if ctx.is_main:

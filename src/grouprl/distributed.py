@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import gc
 import math
 import os
 from dataclasses import dataclass
@@ -92,8 +93,15 @@ def destroy_distributed() -> None:
     """Destroy the process group init_distributed created, and only that one: a group another
     library set up in this process (vLLM colocated initialises a one-process gloo world of its own)
     is its to close, and destroying it under that library left its next engine unable to start
-    ("Invalid process group specified")."""
+    ("Invalid process group specified").
+
+    Garbage is collected first. A finished Trainer sits in reference cycles, and its DDP or FSDP
+    wrappers hold the group's C++ object, so `destroy_process_group` alone left that object to some
+    later collection, possibly during interpreter shutdown, where gloo's teardown aborted a rank
+    ("terminate called without an active exception", once in a CI run of a 2-rank test). Callers
+    drop their last reference to the trainer before calling this."""
     if _OWNED_GROUP and dist.is_initialized() and dist.group.WORLD is _OWNED_GROUP[-1]:
+        gc.collect()
         dist.destroy_process_group()
     _OWNED_GROUP.clear()
 

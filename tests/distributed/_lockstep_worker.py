@@ -109,6 +109,7 @@ def main(case: str, model_dir: str, data: str, out_dir: str) -> None:
                   "generate_calls": D.gather_objects(ctx, mine["generate_calls"])}
     if ctx.is_main:
         torch.save(result, Path(out_dir) / f"{case}.pt")
+    D.barrier(ctx)  # the ranks leave together, as the CLI's do
     D.destroy_distributed()
 
 

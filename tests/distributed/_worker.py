@@ -192,6 +192,7 @@ def main(model_dir: str, data: str, out_dir: str, strategy: str) -> None:
         result["train_ppo"] = fsdp2_train_save_resume(cfg, "ppo")
     if ctx.is_main:
         torch.save(result, Path(out_dir) / f"grads-{strategy}.pt")
+    D.barrier(ctx)  # the ranks leave together, as the CLI's do
     D.destroy_distributed()
 
 

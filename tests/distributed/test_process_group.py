@@ -57,3 +57,32 @@ def test_destroy_closes_the_group_it_made(tmp_path, monkeypatch):
     assert D.dist.is_initialized()
     D.destroy_distributed()
     assert not D.dist.is_initialized()
+
+
+def test_destroy_collects_a_finished_trainers_wrapper_before_the_group_goes(tmp_path, monkeypatch):
+    """A finished Trainer sits in reference cycles and its DDP wrapper holds the group's C++ object:
+    left to a later collection, at interpreter shutdown that teardown aborted a gloo rank once in CI
+    ("terminate called without an active exception"). destroy_distributed collects it first."""
+    import gc
+    import weakref
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    init = D.dist.init_process_group
+    monkeypatch.setattr(D.dist, "init_process_group", lambda backend, timeout: init(
+        backend, init_method=f"file://{tmp_path}/store", rank=0, world_size=1, timeout=timeout))
+    D.init_distributed()
+    enabled = gc.isenabled()
+    gc.disable()  # no collection but destroy_distributed's
+    try:
+        wrapper = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 2))
+        wrapper.me = wrapper  # a cycle, as a trainer's callbacks make
+        alive = weakref.ref(wrapper)
+        del wrapper
+        assert alive() is not None
+        D.destroy_distributed()
+        assert alive() is None and not D.dist.is_initialized()
+    finally:
+        if enabled:
+            gc.enable()

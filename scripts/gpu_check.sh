@@ -6,7 +6,7 @@
 # the tokenizer files are read: tokenizer.json, tokenizer_config.json, chat_template.jinja). The
 # folder also holds the 517 MB weights, too large to travel: copy those three files and config.json
 # into a small folder that goes with the checkout, and set TOKENIZER to it.
-# Parts, run in the order PARTS names (default: bench tests eager widths compiled memory mb ab), each
+# Parts, run in the order PARTS names (default: all of these, in this order), each
 # under its own time limit in seconds so that one that hangs cannot starve the rest:
 #   bench    benchmarks/vs_trl.py's GPU workloads (WORKLOADS), each side in its own process (BENCH_S)
 #   tests    the suite, a line per test, each failure's traceback in failures.log, and the
@@ -16,6 +16,9 @@
 #   compiled each model's compiled step (DECODE_MODELS, DECODE_S each)
 #   memory   both sides' memory at 135M, recorded and broken down by code site (MEM_S)
 #   mb       grouprl in 16-row passes at 135M (MB_S);  ab  per-sequence attention at 135M (AB_S)
+#   cudnn    cuDNN's attention deprioritized against not (CUDNN_S, BENCH_S)
+#   multiturn the embedded tool task's multi-turn rollouts, the eager step replayed as graphs against
+#            launched kernel by kernel (MT_S); such calls took the plain eager loop until 2026-11-27
 # What each took on one H100: setup ~20 s; eager, both models, 56 s; widths ~110 s; bench at 135M,
 # both sides, 150 s (the 1.7B's, sixth session: ~215 s); compiled at 135M 112 s (the compile's try
 # 69 s); the suite, 11 workers beside 4 for tests/test_benchmarks_and_scripts.py, one torch thread
@@ -24,9 +27,9 @@
 # PARTS="compiled cudnn" DECODE_S=150 CUDNN_S=80 BENCH_S=200, timeout_s 580 (both models' compiled
 # step: whether the counted draw, d079d55, lets it compile, and its ms a token against the graphed
 # eager step, a failed compile printing its traceback; then cuDNN's attention, below), then at
-# once, while the machine is warm (30 s), (2) PARTS=bench WORKLOADS=gpu-1.7b-256 BENCH_S=230,
-# timeout_s 260 (the 1.7B step with graphed decoding, never measured). At most 8 files come back
-# from a lent machine's output folder: (1) writes 7, (2) 2.
+# once, while the machine is warm (30 s), (2) PARTS="multiturn bench" WORKLOADS=gpu-1.7b-256 MT_S=60
+# BENCH_S=230, timeout_s 300 (multi-turn calls graphed, and the 1.7B step with graphed decoding, never
+# measured). At most 8 files come back from a lent machine's output folder: (1) writes 7, (2) 3.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-${OUT:-gpu-out}}
@@ -148,10 +151,16 @@ cudnn() {
     --smollm2 "$TOKENIZER" --steps "${STEPS:-4}" --rounds 1 --workload gpu-135m-256 --json "$OUT/vs_trl-nocudnn.json" \
     2>&1 | grep -v "Warning\|warn(" | tail -6 | tee -a "$OUT/cudnn.log"
 }
-for part in ${PARTS:-bench tests eager widths compiled memory mb ab cudnn}; do
+# multi-turn rollouts (call, tool result, answer) of the embedded tool policy, 16 prompts x 8, each
+# turn a generate call inside keep_conversations: replayed as graphs against the plain eager loop
+multiturn() {
+  timeout "${MT_S:-90}" python3 benchmarks/multiturn_continuation.py --compare graphs --device cuda --rounds 3 \
+    2>&1 | grep -v "Warning\|warn(" | tee "$OUT/multiturn.log"
+}
+for part in ${PARTS:-bench tests eager widths compiled memory mb ab cudnn multiturn}; do
   case "$part" in
-    bench|tests|eager|widths|compiled|memory|mb|ab|cudnn) echo "== $part ($(date +%T))"; "$part" ;;
-    *) echo "unknown part '$part': bench tests eager widths compiled memory mb ab cudnn" >&2; exit 2 ;;
+    bench|tests|eager|widths|compiled|memory|mb|ab|cudnn|multiturn) echo "== $part ($(date +%T))"; "$part" ;;
+    *) echo "unknown part '$part': bench tests eager widths compiled memory mb ab cudnn multiturn" >&2; exit 2 ;;
   esac
 done
 exit "$code"

@@ -284,21 +284,76 @@ def test_compiled_decoding_of_a_lora_model_equals_eager(compiles):
     assert not torch.equal(plain.completion_ids, compiled.completion_ids)  # the adapters mattered
 
 
-def test_multiturn_continuation_with_compile_on_equals_eager(model_and_tok, compiles):
-    """Inside keep_conversations (the multi-turn driver) the kept caches need each row's state at
-    its EOS: those calls decode eagerly, and a second turn continues from the first's caches."""
-    model, tok = model_and_tok
-    outs = []
-    for compile in (False, True):
-        engine = HFEngine(model, _stops(tok), tok.pad_token_id, compile=compile)
-        gen = torch.Generator().manual_seed(0)
-        with engine.keep_conversations():
-            first = engine.generate(short_prompts(tok), 1, SAMPLED, gen)
-            follow = [p + c + tok("ok")["input_ids"] for p, c in zip(short_prompts(tok), first.token_lists())]
-            second = engine.generate(follow, 1, SAMPLED, gen)
-        outs.append((first, second))
-    for a, b in zip(*outs):
+def _two_turns(engine, tok, G=2):
+    """Two calls inside keep_conversations (the multi-turn driver's pattern): G sampled completions
+    per prompt, then each continued (G = 1) after "ok"; returns the two rollouts and the caches kept
+    after the first call (token tuple -> (k, v))."""
+    gen = torch.Generator().manual_seed(0)
+    with engine.keep_conversations():
+        first = engine.generate(short_prompts(tok), G, SAMPLED, gen)
+        kept = dict(engine._kept)
+        prompts = [p for p in short_prompts(tok) for _ in range(G)]
+        follow = [p + c + tok("ok")["input_ids"] for p, c in zip(prompts, first.token_lists())]
+        second = engine.generate(follow, 1, SAMPLED, gen)
+    return first, second, kept
+
+
+def _assert_same_turns(want, got):
+    """The same tokens in both turns, and the same rows kept, each with its cache to rounding."""
+    for a, b in zip(want[:2], got[:2]):
         _assert_same(a, b)
+    assert want[2].keys() == got[2].keys() and len(want[2]) >= 4
+    for key, (k, v) in want[2].items():
+        assert got[2][key][0].shape == k.shape and k.shape[2] == len(key) - 1  # [layers, Hkv, c, D]: EOS not fed
+        torch.testing.assert_close(got[2][key], (k, v), atol=1e-5, rtol=1e-5)
+
+
+def _recording_keeps(monkeypatch):
+    """(rows handed to `keep` per call of the slot loop's _keep_finished, prefixes start_from got)."""
+    handed, prefixes = [], []
+    keep_finished = cd.CompiledDecodeLoop._keep_finished
+    monkeypatch.setattr(cd.CompiledDecodeLoop, "_keep_finished", staticmethod(
+        lambda dec, finished, rowmap, completion, eos, kept, keep, caller: keep_finished(
+            dec, finished, rowmap, completion, eos, kept,
+            lambda rows, *a: (handed.append(len(rows)), keep(rows, *a)), caller)))
+    start_from = FastDecoder.start_from
+    monkeypatch.setattr(FastDecoder, "start_from", lambda self, ids, mask, T, prefix: (
+        prefixes.append(sum(p is not None for p in prefix)), start_from(self, ids, mask, T, prefix))[1])
+    return handed, prefixes
+
+
+def test_multiturn_calls_decode_in_the_slot_loop_with_the_eager_loops_tokens_and_caches(
+        model_and_tok, eager_graphs, monkeypatch):
+    """Inside keep_conversations the slot loop (here the eager step replayed as stand-in graphs, as
+    on CUDA without compiling) keeps each row that ends with EOS: the caches of the rows that
+    finished are taken before the live rows move into fewer slots, and the rest at the end. The
+    same rows are kept, with the same keys/values, as the plain eager loop keeps, and the second
+    turn continues from them with the same tokens."""
+    model, tok = model_and_tok
+    monkeypatch.setattr(cd, "compiled_step", lambda device: pytest.fail("compiled with compile=False"))
+    want = _two_turns(HFEngine(model, _stops(tok), tok.pad_token_id, cuda_graphs=False), tok)
+    assert eager_graphs == []  # the plain eager loop
+    handed, prefixes = _recording_keeps(monkeypatch)
+    got = _two_turns(HFEngine(model, _stops(tok), tok.pad_token_id, check_every=4), tok)
+    _assert_same_turns(want, got)
+    assert eager_graphs.count("enter") == 2 and eager_graphs.count("replay") > 0  # both turns in the slot loop
+    _assert_graph_discipline(eager_graphs)
+    assert len(handed) >= 3 and sum(handed) >= len(got[2])  # first call: before a move and at its end
+    assert prefixes == [int((~got[0].truncated).sum())]  # the second turn: every row that ended with EOS goes on
+
+
+def test_multiturn_continuation_with_compile_on_equals_eager(model_and_tok, compiles, monkeypatch):
+    """The same with the compiled step: both turns decode in the compiled slot loop, keep the eager
+    loop's rows and caches, and give its tokens."""
+    model, tok = model_and_tok
+    want = _two_turns(HFEngine(model, _stops(tok), tok.pad_token_id, compile=False), tok)
+    runs = []
+    run = cd.CompiledDecodeLoop.run
+    monkeypatch.setattr(cd.CompiledDecodeLoop, "run", lambda self, *a, **k: (runs.append(1), run(self, *a, **k))[1])
+    got = _two_turns(HFEngine(model, _stops(tok), tok.pad_token_id, compile=True, check_every=4), tok)
+    assert not cd._FAILED, cd._FAILED
+    assert len(runs) == 2
+    _assert_same_turns(want, got)
 
 
 # ---------------------------------------------------------------- captured steps (CUDA graphs' discipline)

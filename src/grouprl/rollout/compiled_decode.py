@@ -38,8 +38,12 @@ Inductor's reordered float sums leave the logits close enough not to move a draw
 boundary (tests/rollout/test_compiled_decode.py).
 
 What stays eager: the prefill (`start`, one call of large ops per generate), the first token's draw,
-the moves between shapes, and calls inside `keep_conversations` (the multi-turn driver keeps each
-finished row's cache as of its own EOS step, which needs the eager loop's immediate removal).
+and the moves between shapes. Inside `keep_conversations` (the multi-turn driver) the loop hands
+each row that ended with EOS its cache up to that EOS (`keep`): a finished slot writes on past its
+end but never before it, so its columns are copied whenever the host looks next before the slot is
+given up (`_compact`), and at the end of the call. Until 2026-11-27 such calls decoded in the plain
+eager loop, which on an H100 decodes the 135M shape at 16-20 ms a token against ~2.6 replayed as
+graphs (measured on single-turn calls; multi-turn ones have not yet run on a GPU).
 
 On CUDA the graph runs as Triton kernels, and each step is then replayed as a captured CUDA graph
 (`generation_cuda_graphs`, on by default): a 30-layer step is hundreds of kernels, whose launches
@@ -306,12 +310,12 @@ class CudaGraphs:
     @contextlib.contextmanager
     def running(self):
         """Run the block's work on the side stream, ordered after the caller's stream and before
-        whatever the caller's stream does next."""
+        whatever the caller's stream does next; yields the caller's stream."""
         caller = torch.cuda.current_stream(self.device)
         self.stream.wait_stream(caller)
         try:
             with torch.cuda.stream(self.stream):
-                yield
+                yield caller
         finally:
             caller.wait_stream(self.stream)
 
@@ -342,6 +346,13 @@ def _in_use(t: torch.Tensor) -> None:
     still read it). A no-op on CPU and on the tensor's own stream."""
     if t.is_cuda:
         t.record_stream(torch.cuda.current_stream(t.device))
+
+
+def _handed_out(t: torch.Tensor, caller) -> None:
+    """A tensor made on the loop's side stream (CudaGraphs.running) for the caller's stream to keep:
+    its block must not go back to the side stream's pool while the caller's stream may read it."""
+    if caller is not None and t.is_cuda:
+        t.record_stream(caller)
 
 
 GRAPH_BACKENDS: dict[str, type] = {"cuda": CudaGraphs}  # device type -> its step graphs (a test adds "cpu")
@@ -383,10 +394,13 @@ class CompiledDecodeLoop:
             return None
 
     def run(self, dec, first_logits: torch.Tensor, params: SamplingParams, uniforms: torch.Tensor,
-            eos: torch.Tensor, pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+            eos: torch.Tensor, pad_token_id: int, keep=None) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Decode up to params.max_new_tokens tokens for the N rows of `first_logits` [N, V]; the
         first token is drawn eagerly with uniforms[:, 0]. Returns (completion [N, T], lengths [N]), or
-        None when the step could not be compiled (the decoder's cache is then as `start` left it)."""
+        None when the step could not be compiled (the decoder's cache is then as `start` left it).
+        `keep(rows, tokens, caches)`, when given, is called with rows of the call that ended with EOS,
+        each row's tokens up to and with its EOS, and its cache before that EOS (`dec.snapshot`), once
+        per row, before the row's slot is given up."""
         device = self.device
         graphed = self.graphs and graphs_available(device)
         step = compiled_step(device) if self.compile else None
@@ -420,6 +434,8 @@ class CompiledDecodeLoop:
             tok, pos, rowmap, finished = self._compact(dec, torch.arange(N, device=device), S, tok, pos, rowmap,
                                                        finished, N)
         cursor = torch.tensor([1, dec.P], dtype=torch.long, device=device)  # [step, cache column], advanced by the step
+        kept = torch.zeros(N + 1, dtype=torch.bool, device=device)  # rows handed to `keep`; N: the dump row
+        kept[N] = True
         uniforms = torch.cat([uniforms, uniforms.new_zeros(1, uniforms.shape[1])])  # the dump row's
         for x in (completion, uniforms):
             _dynamic(x, 0, 1)
@@ -427,13 +443,17 @@ class CompiledDecodeLoop:
         for x in (dec.cos, dec.sin):
             _dynamic(x, 0)
         t, col, W, views, replay = 1, dec.P, 0, None, None
-        with graphs.running() if graphs is not None else contextlib.nullcontext():
+        with graphs.running() if graphs is not None else contextlib.nullcontext() as caller:
             while t < T:
                 if stop and (t - 1) % self.check_every == 0:
                     live = (~finished).nonzero().squeeze(-1)  # the host looks: a sync every check_every steps
                     if live.numel() == 0:
                         break
-                    if 2 * live.numel() <= S and max(live.numel(), MIN_SLOTS) < S:
+                    # not before the first step: a compile that fails there hands the caller's eager
+                    # loop the cache as `start` left it
+                    if 2 * live.numel() <= S and max(live.numel(), MIN_SLOTS) < S and t > 1:
+                        if keep is not None:  # the finished slots go now: their caches first
+                            self._keep_finished(dec, finished, rowmap, completion, eos, kept, keep, caller)
                         S = max(live.numel(), MIN_SLOTS)
                         tok, pos, rowmap, finished = self._compact(dec, live, S, tok, pos, rowmap, finished, N)
                         views = None
@@ -473,11 +493,31 @@ class CompiledDecodeLoop:
                                                           uniforms, completion, eos))
                     if replay is None:
                         graphs = None  # capturing failed: the compiled step, launched kernel by kernel
+        if keep is not None and stop:  # on the caller's stream again, after the loop's work
+            self._keep_finished(dec, finished, rowmap, completion, eos, kept, keep, None)
         completion = completion[:N]
         if not stop:
             return completion, torch.full((N,), T, dtype=torch.long, device=device)
         is_eos = torch.isin(completion, eos)  # [N, T]: a finished row wrote padding after its EOS
         return completion, torch.where(is_eos.any(-1), is_eos.int().argmax(-1) + 1, T)
+
+    @staticmethod
+    def _keep_finished(dec, finished, rowmap, completion, eos, kept, keep, caller) -> None:
+        """Hand `keep` the rows whose slots have finished (with EOS: `finished` is set by nothing
+        else) and that it has not had yet: their tokens up to and with the EOS, and their caches
+        before it."""
+        slots = (finished & ~kept[rowmap]).nonzero().squeeze(-1)
+        if slots.numel() == 0:
+            return
+        rows = rowmap[slots]
+        ends = torch.isin(completion[rows], eos).int().argmax(-1)  # the first EOS: the row's own
+        kept[rows] = True
+        caches = dec.snapshot(slots, ends)
+        for cache in caches:
+            for x in cache:
+                _handed_out(x, caller)
+        tokens = [row[: e + 1] for row, e in zip(completion[rows].tolist(), ends.tolist())]
+        keep(rows.tolist(), tokens, caches)
 
     def _capture(self, graphs, step, args: tuple):
         """Capture one step over `args` (the current shape's tensors, bound here: a replay reads and

@@ -9,9 +9,9 @@ What this engine does that `model.generate` does not, and why:
   to compute the same tokens);
 - sampling draws from a caller-owned `torch.Generator`, so a resumed run samples the same tokens;
 - inside `keep_conversations()` (the multi-turn driver's rollouts), each row that ends with EOS
-  leaves its keys/values behind, and a later call whose prompt extends that row's tokens (the
-  conversation so far) copies them in and prefills only the new tokens (FastDecoder models; the
-  generic path prefills the whole prompt).
+  leaves its keys/values behind (in the eager loop and in compiled_decode.py's slot loop alike),
+  and a later call whose prompt extends that row's tokens (the conversation so far) copies them in
+  and prefills only the new tokens (FastDecoder models; the generic path prefills the whole prompt).
 """
 
 from __future__ import annotations
@@ -112,7 +112,7 @@ class HFEngine(GenerationEngine):
             fast = isinstance(decoder, FastDecoder)
             compiles = self._choice.use()
             # the slot loop: the compiled step, or on a device with graphs the eager step replayed as graphs
-            slot_loop = (fast and not keeps and T > 0  # (no token to decode: the eager loop returns [N, 0])
+            slot_loop = (fast and T > 0  # (no token to decode: the eager loop returns [N, 0])
                          and (compiles or (self.cuda_graphs and graphs_available(device))))
             if prefix is not None and any(x is not None for x in prefix):
                 logits = decoder.start_from(ids, mask, T, prefix)  # [N, V]
@@ -123,8 +123,9 @@ class HFEngine(GenerationEngine):
             out = None
             started = time.perf_counter()
             if slot_loop:
+                keep = (lambda rows, tokens, caches: self._keep(prompt_ids, G, rows, tokens, caches)) if keeps else None
                 out = CompiledDecodeLoop(device, self.check_every, self.cuda_graphs, compile=compiles).run(
-                    decoder, logits, params, uniforms, eos, self.pad_token_id)
+                    decoder, logits, params, uniforms, eos, self.pad_token_id, keep=keep)
             if out is None:
                 if slot_loop:  # no compiled step and no graphs: the eager loop over the same (zeroed) cache
                     decoder.n, decoder.t = N, 0
@@ -165,31 +166,31 @@ class HFEngine(GenerationEngine):
         for t in range(T):
             tok = sample_next(logits, params, u=uniforms[active, t])  # [n]
             completion[active, t] = tok
+            done = None if params.ignore_eos else torch.isin(tok, eos)  # [n]
+            if keeps and done.any():  # a conversation may go on from these rows' caches (the last token's too)
+                rows = done.nonzero().squeeze(-1)
+                self._keep(prompt_ids, G, active[rows].tolist(), completion[active[rows], : t + 1].tolist(),
+                           decoder.snapshot(rows))
             if t == T - 1:
                 break
-            if not params.ignore_eos:
-                done = torch.isin(tok, eos)  # [n]
-                if done.any() and keeps:  # a conversation may go on from these rows' caches
-                    self._keep_rows(decoder, prompt_ids, G, completion, active, done.nonzero().squeeze(-1), t)
-                if done.any():
-                    lengths[active[done]] = t + 1
-                    keep = (~done).nonzero().squeeze(-1)  # [n']
-                    if keep.numel() == 0:
-                        break
-                    active, tok = active[keep], tok[keep]
-                    decoder.keep(keep)  # finished rows leave the batch
+            if done is not None and done.any():
+                lengths[active[done]] = t + 1
+                keep = (~done).nonzero().squeeze(-1)  # [n']
+                if keep.numel() == 0:
+                    break
+                active, tok = active[keep], tok[keep]
+                decoder.keep(keep)  # finished rows leave the batch
             logits = decoder.step(tok)  # [n, V]
         return completion, lengths
 
-    def _keep_rows(self, decoder: FastDecoder, prompt_ids: list[list[int]], G: int, completion: torch.Tensor,
-                   active: torch.Tensor, rows: torch.Tensor, t: int) -> None:
-        """Keep the caches of `rows` (of the active batch), which just sampled EOS at step t: the
-        keys/values of their prompt and first t tokens (the EOS was never fed), under the tokens of
-        prompt + completion up to that EOS, with which the next turn's prompt starts."""
-        for r, kv in zip(rows.tolist(), decoder.snapshot(rows)):
-            n = int(active[r])
-            key = tuple(prompt_ids[n // G] + completion[n, : t + 1].tolist())
-            self._kept[key] = kv
+    def _keep(self, prompt_ids: list[list[int]], G: int, rows: list[int], tokens: list[list[int]],
+              caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Keep the caches of `rows` (of the call), which ended with EOS: the keys/values of each
+        one's prompt and completion before that EOS (the EOS was never fed), under the tokens of
+        prompt + completion up to and with the EOS (`tokens`), with which the next turn's prompt
+        starts."""
+        for n, toks, kv in zip(rows, tokens, caches):
+            self._kept[tuple(prompt_ids[n // G] + toks)] = kv
 
 
 def _prefixes(kept: dict, prompt_ids: list[list[int]]) -> list[tuple[torch.Tensor, torch.Tensor] | None]:

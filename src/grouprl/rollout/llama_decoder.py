@@ -36,8 +36,9 @@ cache passed whole (`start(..., zeroed=True)`: columns not yet written are read,
 hold numbers), and on CUDA replayed as one captured CUDA graph per shape of a call
 (`generation_cuda_graphs`). What is not: `start` and `start_from` (the prefill: a few large ops per
 call, which a launch costs little against), `keep` and the cache's growth (moves between shapes,
-rare), `snapshot` (the multi-turn driver's kept rows, which need each row's cache at its own EOS
-step: a call inside `keep_conversations` decodes eagerly), and the generic `transformers` path.
+rare), `snapshot` (the multi-turn driver's kept rows: each finished row's cache up to its own EOS,
+copied on the host's side of the loop before its slot is given up), and the generic `transformers`
+path.
 
 `FastDecoder.supports(model)` says whether a model fits (Llama/Qwen2 weights, SiLU MLP, no sliding
 window); the engine falls back to the generic `transformers` path otherwise. A PEFT model with LoRA
@@ -414,12 +415,15 @@ class FastDecoder:
         x = self._layers(F.embedding(ids[:, w0:], self.embed), cos, sin, write, attend)  # [B, P-w0, d]
         return self._logits(x[:, -1]).float()  # [B, V]
 
-    def snapshot(self, rows: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def snapshot(self, rows: torch.Tensor, fed: torch.Tensor | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """The keys/values of every real token fed so far, per row of the current batch: (k, v)
-        [layers, Hkv, c, D] each, copied (compaction overwrites the cache)."""
-        c = self.P + self.t
+        [layers, Hkv, c, D] each, copied (compaction overwrites the cache). `fed` [len(rows)]: the new
+        tokens to take of each row, where rows stopped at different steps (the slot loop of
+        compiled_decode.py, whose finished rows write on past their end); default all fed, self.t."""
+        ends = [self.t] * rows.numel() if fed is None else fed.tolist()
         out = []
-        for r in rows.tolist():
+        for r, t in zip(rows.tolist(), ends):
+            c = self.P + t
             cols = self.valid[r, :c]
             out.append((torch.stack([k[r][:, :c][:, cols] for k in self.k]),
                         torch.stack([v[r][:, :c][:, cols] for v in self.v])))

@@ -309,13 +309,18 @@ def _assert_same_turns(want, got):
 
 
 def _recording_keeps(monkeypatch):
-    """(rows handed to `keep` per call of the slot loop's _keep_finished, prefixes start_from got)."""
+    """(per slot-loop call, the rows each hand to `keep` gave, in order, with "move" where the live
+    rows moved into fewer slots; the prefixes start_from got)."""
     handed, prefixes = [], []
-    keep_finished = cd.CompiledDecodeLoop._keep_finished
+    run, keep_finished, compact = cd.CompiledDecodeLoop.run, cd.CompiledDecodeLoop._keep_finished, \
+        cd.CompiledDecodeLoop._compact
+    monkeypatch.setattr(cd.CompiledDecodeLoop, "run", lambda self, *a, **k: (handed.append([]), run(self, *a, **k))[1])
     monkeypatch.setattr(cd.CompiledDecodeLoop, "_keep_finished", staticmethod(
         lambda dec, finished, rowmap, completion, eos, kept, keep, caller: keep_finished(
             dec, finished, rowmap, completion, eos, kept,
-            lambda rows, *a: (handed.append(len(rows)), keep(rows, *a)), caller)))
+            lambda rows, *a: (handed[-1].append(rows), keep(rows, *a)), caller)))
+    monkeypatch.setattr(cd.CompiledDecodeLoop, "_compact", staticmethod(
+        lambda *a: (handed[-1].append("move"), compact(*a))[1]))
     start_from = FastDecoder.start_from
     monkeypatch.setattr(FastDecoder, "start_from", lambda self, ids, mask, T, prefix: (
         prefixes.append(sum(p is not None for p in prefix)), start_from(self, ids, mask, T, prefix))[1])
@@ -338,8 +343,46 @@ def test_multiturn_calls_decode_in_the_slot_loop_with_the_eager_loops_tokens_and
     _assert_same_turns(want, got)
     assert eager_graphs.count("enter") == 2 and eager_graphs.count("replay") > 0  # both turns in the slot loop
     _assert_graph_discipline(eager_graphs)
-    assert len(handed) >= 3 and sum(handed) >= len(got[2])  # first call: before a move and at its end
-    assert prefixes == [int((~got[0].truncated).sum())]  # the second turn: every row that ended with EOS goes on
+    first = handed[0]
+    rows = [r for hand in first if hand != "move" for r in hand]
+    assert sorted(rows) == (~got[0].truncated).nonzero().squeeze(-1).tolist()  # each row ended by EOS, once
+    moves = [i for i, hand in enumerate(first) if hand == "move"]
+    assert moves and all(i > 0 and first[i - 1] != "move" for i in moves)  # finished rows handed before each move
+    assert prefixes == [len(rows)]  # the second turn: every row that ended with EOS goes on from its cache
+
+
+def test_rows_kept_at_the_first_and_the_last_token_with_a_stop_token_as_padding(model_and_tok, eager_graphs):
+    """Rows that end at their first token and at the last allowed one, the padding itself a stop
+    token, in a call of 8 rows and in a call of one (a lone row runs beside an empty slot): the slot
+    loop keeps the rows the eager loop keeps, with the same caches. A row's draws depend on the seed,
+    its row and the step only, so a stop token taken from a run without stops ends a row where that
+    run drew it."""
+    model, tok = model_and_tok
+    T, prompts = 10, short_prompts(tok)
+    params = SamplingParams(T, temperature=1.5)
+
+    def run(rows, stops, pad, **kw):
+        engine = HFEngine(model, stops, pad, **kw)
+        with engine.keep_conversations():
+            out = engine.generate([prompts[r] for r in rows], 1, params, torch.Generator().manual_seed(0))
+            return out, dict(engine._kept)
+
+    comp = run(range(8), (tok.eos_token_id,), tok.pad_token_id, cuda_graphs=False)[0].completion_ids.tolist()
+    first = comp[0][0]  # row 0 ends at its first token
+    last = next(r for r in range(1, 8) if first not in comp[r] and comp[r][T - 1] not in comp[r][: T - 1])
+    alone = run([last], (tok.eos_token_id,), tok.pad_token_id, cuda_graphs=False)[0].completion_ids[0, 0].item()
+    cases = [(range(8), (first, comp[last][T - 1]), {(0, 1), (last, T)}),  # (row, length) of rows that must be kept
+             ([last], (alone,), {(0, 1)})]
+    for rows, stops, ends in cases:
+        want, got = (run(rows, stops, stops[0], **kw) for kw in ({"cuda_graphs": False}, {"check_every": 4}))
+        _assert_same(want[0], got[0])
+        assert want[1].keys() == got[1].keys()
+        for key, kv in want[1].items():
+            torch.testing.assert_close(got[1][key], kv, atol=1e-5, rtol=1e-5)
+        for row, length in ends:
+            key = tuple(prompts[rows[row]] + got[0].completion_ids[row, :length].tolist())
+            assert key[-1] in stops and got[1][key][0].shape[2] == len(key) - 1  # the stop never fed
+    assert eager_graphs.count("enter") == 2  # both calls in the slot loop
 
 
 def test_multiturn_continuation_with_compile_on_equals_eager(model_and_tok, compiles, monkeypatch):

@@ -397,7 +397,8 @@ class CompiledDecodeLoop:
             eos: torch.Tensor, pad_token_id: int, keep=None) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Decode up to params.max_new_tokens tokens for the N rows of `first_logits` [N, V]; the
         first token is drawn eagerly with uniforms[:, 0]. Returns (completion [N, T], lengths [N]), or
-        None when the step could not be compiled (the decoder's cache is then as `start` left it).
+        None when the step could not be compiled (the decoder's first n rows are then as `start`
+        left them: nothing moves before the first step but a lone row's spare slot).
         `keep(rows, tokens, caches)`, when given, is called with rows of the call that ended with EOS,
         each row's tokens up to and with its EOS, and its cache before that EOS (`dec.snapshot`), once
         per row, before the row's slot is given up."""
@@ -493,8 +494,8 @@ class CompiledDecodeLoop:
                                                           uniforms, completion, eos))
                     if replay is None:
                         graphs = None  # capturing failed: the compiled step, launched kernel by kernel
-        if keep is not None and stop:  # on the caller's stream again, after the loop's work
-            self._keep_finished(dec, finished, rowmap, completion, eos, kept, keep, None)
+            if keep is not None and stop:  # on the loop's stream, which made the cache it reads
+                self._keep_finished(dec, finished, rowmap, completion, eos, kept, keep, caller)
         completion = completion[:N]
         if not stop:
             return completion, torch.full((N,), T, dtype=torch.long, device=device)
@@ -503,9 +504,10 @@ class CompiledDecodeLoop:
 
     @staticmethod
     def _keep_finished(dec, finished, rowmap, completion, eos, kept, keep, caller) -> None:
-        """Hand `keep` the rows whose slots have finished (with EOS: `finished` is set by nothing
-        else) and that it has not had yet: their tokens up to and with the EOS, and their caches
-        before it."""
+        """Hand `keep` the rows whose slots have finished and that it has not had yet: their tokens
+        up to and with the EOS, and their caches before it. A row's slot is finished only by an EOS
+        draw; an empty slot is finished from the start, but maps to the dump row N, which `kept`
+        marks as had."""
         slots = (finished & ~kept[rowmap]).nonzero().squeeze(-1)
         if slots.numel() == 0:
             return

@@ -423,10 +423,9 @@ class FastDecoder:
         ends = [self.t] * rows.numel() if fed is None else fed.tolist()
         out = []
         for r, t in zip(rows.tolist(), ends):
-            c = self.P + t
-            cols = self.valid[r, :c]
-            out.append((torch.stack([k[r][:, :c][:, cols] for k in self.k]),
-                        torch.stack([v[r][:, :c][:, cols] for v in self.v])))
+            cols = self.valid[r, : self.P + t].nonzero().squeeze(-1)  # one host read a row, not one a layer
+            out.append((torch.stack([k[r].index_select(1, cols) for k in self.k]),
+                        torch.stack([v[r].index_select(1, cols) for v in self.v])))
         return out
 
     def keep(self, rows: torch.Tensor) -> None:

@@ -237,7 +237,9 @@ class TrainFields:
     For Llama and Qwen2 models (the built-in engine's fast path; vLLM compiles its own). `auto`:
     the first two generate calls decode eagerly and are timed; the run then compiles if the decode
     time its remaining steps would save exceeds what a compile costs (README "Generation" gives
-    the measured figures); `true`: always; `false`: never. Where compiling fails (no C++ compiler,
+    the measured figures), counting one call a step: a multi-turn step's later turns and the
+    evaluation's calls would save more, uncounted, so auto errs towards eager; `true`: always;
+    `false`: never. Where compiling fails (no C++ compiler,
     an op Inductor cannot lower) the run warns once, naming the reason, and decodes eagerly (on
     CUDA, the eager step replayed as graphs: `generation_cuda_graphs`)."""
     generation_cuda_graphs: bool = True

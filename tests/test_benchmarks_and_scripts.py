@@ -129,6 +129,15 @@ def test_multiturn_continuation_benchmark_one_round():
     assert "median ratio continue/prefill" in out
 
 
+def test_multiturn_benchmark_refuses_graphs_without_cuda():
+    """`--compare graphs` (gpu_check.sh's multiturn part) times CUDA graphs: on CPU both sides would
+    be the same eager loop, so it stops with the reason instead of printing a ratio of 1."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT / "src") + os.pathsep + str(ROOT)}
+    proc = subprocess.run([sys.executable, "benchmarks/multiturn_continuation.py", "--compare", "graphs"], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and "needs --device cuda" in proc.stderr
+
+
 def test_build_default_policy_and_its_rl_check(tmp_path):
     out = run("scripts/build_default_policy.py", "--out", str(tmp_path / "p"), "--steps", "2", "--log-every", "1",
               "--check-rl", "--rl-steps", "1")

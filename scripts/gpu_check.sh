@@ -19,6 +19,7 @@
 #   cudnn    cuDNN's attention deprioritized against not (CUDNN_S, BENCH_S)
 #   multiturn the embedded tool task's multi-turn rollouts, the eager step replayed as graphs against
 #            launched kernel by kernel (MT_S); such calls took the plain eager loop until 2026-11-27
+#   every    how often the slot loop should read its rows' finished flags on CUDA (EVERY_S)
 # What each took on one H100: setup ~20 s; eager, both models, 56 s; widths ~110 s; bench at 135M,
 # both sides, 150 s (the 1.7B's, sixth session: ~215 s); compiled at 135M 112 s (the compile's try
 # 69 s); the suite, 11 workers beside 4 for tests/test_benchmarks_and_scripts.py, one torch thread
@@ -27,9 +28,10 @@
 # PARTS="compiled cudnn" DECODE_S=150 CUDNN_S=80 BENCH_S=200, timeout_s 580 (both models' compiled
 # step: whether the counted draw, d079d55, lets it compile, and its ms a token against the graphed
 # eager step, a failed compile printing its traceback; then cuDNN's attention, below), then at
-# once, while the machine is warm (30 s), (2) PARTS="multiturn bench" WORKLOADS=gpu-1.7b-256 MT_S=60
-# BENCH_S=230, timeout_s 300 (multi-turn calls graphed, and the 1.7B step with graphed decoding, never
-# measured). At most 8 files come back from a lent machine's output folder: (1) writes 7, (2) 3.
+# once, while the machine is warm (30 s), (2) PARTS="multiturn bench" WORKLOADS=gpu-1.7b-256 MT_S=50
+# BENCH_S=230, timeout_s 290 (multi-turn calls graphed, and the 1.7B step with graphed decoding, never
+# measured). The `every` part (~90 s) does not fit beside them; it goes into the lease after. At most
+# 8 files come back from a lent machine's output folder: (1) writes 7, (2) 3.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-${OUT:-gpu-out}}
@@ -157,10 +159,19 @@ multiturn() {
   timeout "${MT_S:-90}" python3 benchmarks/multiturn_continuation.py --compare graphs --device cuda --rounds 3 \
     2>&1 | grep -v "Warning\|warn(" | tee "$OUT/multiturn.log"
 }
-for part in ${PARTS:-bench tests eager widths compiled memory mb ab cudnn multiturn}; do
+# the slot loop's check interval (engine.CHECK_EVERY: every step on CPU, measured; 8 on CUDA, where a
+# look is a sync that drains the queue of replayed graphs: an estimate): 64 rows of the 135M shape
+# ending after ~125 of at most 256 tokens, graphed eager step, intervals and the plain eager loop
+every() {
+  timeout "${EVERY_S:-120}" python3 benchmarks/check_every.py --device cuda --model smollm2-135m-shape \
+    --smollm2 "$TOKENIZER" --rows 64 --tokens 256 --stop-share 0.008 --bf16 --reps 3 --every 1 4 8 16 32 \
+    --json "$OUT/check_every.json" 2>&1 | grep -v "Warning\|warn(" | tee "$OUT/check_every.log"
+}
+for part in ${PARTS:-bench tests eager widths compiled memory mb ab cudnn multiturn every}; do
   case "$part" in
-    bench|tests|eager|widths|compiled|memory|mb|ab|cudnn|multiturn) echo "== $part ($(date +%T))"; "$part" ;;
-    *) echo "unknown part '$part': bench tests eager widths compiled memory mb ab cudnn multiturn" >&2; exit 2 ;;
+    bench|tests|eager|widths|compiled|memory|mb|ab|cudnn|multiturn|every) echo "== $part ($(date +%T))"; "$part" ;;
+    *) echo "unknown part '$part': bench tests eager widths compiled memory mb ab cudnn multiturn every" >&2
+       exit 2 ;;
   esac
 done
 exit "$code"

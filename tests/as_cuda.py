@@ -14,7 +14,8 @@ into a freed pool) passed every CPU test and failed on the first GPU. Here, on C
 - packed attention goes through the varlen path, with test_packing's reference kernel (exact on
   CPU, in any dtype), probed once a test as on a fresh process;
 - a sampled token is drawn as on CUDA: the vocabulary's running sum in blocks, its entries below
-  the target counted (`sampling.SCAN_BLOCK`, `sampling.COUNTED_DRAWS`).
+  the target counted (`sampling.SCAN_BLOCK`, `sampling.COUNTED_DRAWS`);
+- the slot loop reads its rows' finished flags as often as on CUDA (`engine.CHECK_EVERY`).
 Tests marked `cpu_rules` assert a choice that is CPU's by design (checkpointing only over the budget,
 the eager loop's own instrumentation, the masked attention path) and are left out.
 """
@@ -35,7 +36,7 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(autouse=True)
 def _as_cuda(monkeypatch):
     from grouprl import memory, packing
-    from grouprl.rollout import sampling
+    from grouprl.rollout import engine, sampling
     from tests.rollout.test_compiled_decode import pool_counting_graphs
     from tests.trainer.test_packing import reference_varlen
 
@@ -58,6 +59,7 @@ def _as_cuda(monkeypatch):
     monkeypatch.setitem(packing.VARLEN, "enabled", True)
     monkeypatch.setitem(sampling.SCAN_BLOCK, "cpu", sampling.SCAN_BLOCK["cuda"])
     monkeypatch.setattr(sampling, "COUNTED_DRAWS", sampling.COUNTED_DRAWS | {"cpu"})
+    monkeypatch.setitem(engine.CHECK_EVERY, "cpu", engine.CHECK_EVERY["cuda"])
     with warnings.catch_warnings():  # (a test that expects the warning records it with pytest.warns)
         warnings.filterwarnings("error", message="generation_cuda_graphs: capturing the decode step")
         yield

@@ -44,6 +44,7 @@ RUN = {"benchmarks/shared_prompt.py", "benchmarks/process_vs_outcome.py", "bench
        "benchmarks/step_profile.py", "benchmarks/distillation.py", "benchmarks/decode.py",
        "benchmarks/memory_peak.py", "benchmarks/update_launches.py", "benchmarks/packed_attention.py",
        "benchmarks/decode_launches.py", "benchmarks/crash_false_alarms.py", "benchmarks/math_reward.py",
+       "benchmarks/check_every.py",
        "scripts/build_default_policy.py",
        "scripts/build_tool_policy.py", "scripts/sandbox_report.py"}
 HELP_ONLY = {"benchmarks/async_rollouts.py", "benchmarks/agentic_async.py", "benchmarks/vllm_vs_builtin.py",
@@ -127,6 +128,17 @@ def test_multiturn_continuation_benchmark_one_round():
     rounds = [line for line in out.splitlines() if line.startswith("round ")]
     assert len(rounds) == 2 and all(line.endswith("same tokens: True") for line in rounds)  # continuation is exact
     assert "median ratio continue/prefill" in out
+
+
+def test_check_every_benchmark_one_round(tmp_path):
+    """Two intervals and the eager loop on the tiny model, compiled: rows of several lengths, the
+    same on every side."""
+    out = run("benchmarks/check_every.py", "--rows", "16", "--tokens", "24", "--stop-share", "0.1", "--every", "1",
+              "8", "--reps", "1", "--json", str(tmp_path / "e.json"))
+    assert "same lengths on every side: True" in out
+    result = json.loads((tmp_path / "e.json").read_text())
+    assert set(result["sides"]) == {"every-1", "every-8", "eager-loop"} and result["compile"] is True
+    assert 1 <= result["length_mean"] < result["length_max"] <= 24
 
 
 def test_multiturn_benchmark_refuses_graphs_without_cuda():

@@ -29,9 +29,9 @@ rather than compiling a second graph (measured: a 1-row call then a 16-row call 
   doubling its new-token columns (`_grow`), keeping WIDTH_STEP spare ones.
 - The weights are inputs of the graph, not constants: a new policy is not a new graph.
 
-The host looks at the rows' finished flags only every `check_every` steps (on a GPU that read is a
-device sync; here, where it is cheap, it decides only when rows move); a row that finished in
-between draws tokens that are replaced by padding. The draw uses the counter-based uniforms of
+The host looks at the rows' finished flags only every `check_every` steps (engine.CHECK_EVERY: every
+step on CPU, where a look is cheap and measured so; every 8 on a GPU, where it is a device sync); a
+row that finished in between draws tokens that are replaced by padding. The draw uses the counter-based uniforms of
 rollout/sampling.py, indexed by the row's number in the call and the step, so the compiled loop
 draws exactly the tokens the eager loop draws from the same logits: equal tokens wherever
 Inductor's reordered float sums leave the logits close enough not to move a draw across a token

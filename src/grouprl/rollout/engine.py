@@ -44,7 +44,8 @@ class HFEngine(GenerationEngine):
     decode_threads: int | None = None  # torch threads while decoding; None: 1 for small models on CPU
     compile: bool | str = False  # FastDecoder models: the compiled decode step, True, False or "auto"
     planned_calls: int | None = None  # compile="auto": the generate calls the run will make
-    check_every: int = 8  # slot loop: the host reads the finished flags every this many tokens
+    check_every: int | None = None  # slot loop: the host reads the finished flags every this many tokens;
+    # None: CHECK_EVERY for the device
     cuda_graphs: bool = True  # on CUDA: replay each decode step, compiled or eager, as a graph (compiled_decode.py)
     decodes_with_policy = True  # the engine runs the training model itself (class attribute)
     _kept: dict | None = field(default=None, init=False, repr=False)  # token tuple -> (k, v), see keep_conversations
@@ -124,7 +125,8 @@ class HFEngine(GenerationEngine):
             started = time.perf_counter()
             if slot_loop:
                 keep = (lambda rows, tokens, caches: self._keep(prompt_ids, G, rows, tokens, caches)) if keeps else None
-                out = CompiledDecodeLoop(device, self.check_every, self.cuda_graphs, compile=compiles).run(
+                every = self.check_every or CHECK_EVERY.get(device.type, CHECK_EVERY["cuda"])
+                out = CompiledDecodeLoop(device, every, self.cuda_graphs, compile=compiles).run(
                     decoder, logits, params, uniforms, eos, self.pad_token_id, keep=keep)
             if out is None:
                 if slot_loop:  # no compiled step and no graphs: the eager loop over the same (zeroed) cache
@@ -204,6 +206,13 @@ def _prefixes(kept: dict, prompt_ids: list[list[int]]) -> list[tuple[torch.Tenso
 
 
 SMALL_MODEL_PARAMS = 5_000_000  # decode on a single CPU thread up to this many parameters
+# How often the slot loop reads its rows' finished flags, by device type. On CPU a look is a few
+# microseconds, and looking every step costs nothing measurable: benchmarks/check_every.py (tiny at
+# 16 and 64 rows, 10m at 16, compiled; rows ending after ~40 of at most 128 tokens) put 1, 2 and 4
+# within 5 % of each other, at 0.77-0.86x the eager loop's time, 8 at 0.79-0.87x, 16 at 0.80-0.89x,
+# and 32 (tiny, 16 rows) at 1.00x. On CUDA a look is a sync that drains the queue of replayed
+# graphs: 8 there is an estimate, not yet measured (scripts/gpu_check.sh's `every` part).
+CHECK_EVERY = {"cpu": 1, "cuda": 8}
 
 
 @contextlib.contextmanager

@@ -46,26 +46,9 @@ def test_destroy_leaves_alone_a_group_another_library_made(tmp_path):
         D.dist.destroy_process_group()
 
 
-def test_destroy_closes_the_group_it_made(tmp_path, monkeypatch):
-    monkeypatch.setenv("WORLD_SIZE", "2")  # as under torchrun; the group itself is a one-process one here
-    monkeypatch.setenv("LOCAL_RANK", "0")
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    init = D.dist.init_process_group
-    monkeypatch.setattr(D.dist, "init_process_group", lambda backend, timeout: init(
-        backend, init_method=f"file://{tmp_path}/store", rank=0, world_size=1, timeout=timeout))
-    D.init_distributed()
-    assert D.dist.is_initialized()
-    D.destroy_distributed()
-    assert not D.dist.is_initialized()
-
-
-def test_destroy_collects_a_finished_trainers_wrapper_before_the_group_goes(tmp_path, monkeypatch):
-    """A finished Trainer sits in reference cycles and its DDP wrapper holds the group's C++ object:
-    left to a later collection, at interpreter shutdown that teardown aborted a gloo rank once in CI
-    ("terminate called without an active exception"). destroy_distributed collects it first."""
-    import gc
-    import weakref
-
+@pytest.fixture
+def torchrun_like_group(tmp_path, monkeypatch):
+    """init_distributed as under torchrun with 2 ranks on CPU, the group itself a one-process one."""
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("LOCAL_RANK", "0")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
@@ -73,6 +56,23 @@ def test_destroy_collects_a_finished_trainers_wrapper_before_the_group_goes(tmp_
     monkeypatch.setattr(D.dist, "init_process_group", lambda backend, timeout: init(
         backend, init_method=f"file://{tmp_path}/store", rank=0, world_size=1, timeout=timeout))
     D.init_distributed()
+    assert D.dist.is_initialized()
+    yield
+    D.destroy_distributed()  # a no-op when the test destroyed it
+
+
+def test_destroy_closes_the_group_it_made(torchrun_like_group):
+    D.destroy_distributed()
+    assert not D.dist.is_initialized()
+
+
+def test_destroy_collects_a_finished_trainers_wrapper_before_the_group_goes(torchrun_like_group):
+    """A finished Trainer sits in reference cycles and its DDP wrapper holds the group's C++ object:
+    left to a later collection, at interpreter shutdown that teardown aborted a gloo rank once in CI
+    ("terminate called without an active exception"). destroy_distributed collects it first."""
+    import gc
+    import weakref
+
     enabled = gc.isenabled()
     gc.disable()  # no collection but destroy_distributed's
     try:

@@ -31,11 +31,11 @@ rather than compiling a second graph (measured: a 1-row call then a 16-row call 
 
 The host looks at the rows' finished flags only every `check_every` steps (engine.CHECK_EVERY: every
 step on CPU, where a look is cheap and measured so; every 8 on a GPU, where it is a device sync); a
-row that finished in between draws tokens that are replaced by padding. The draw uses the counter-based uniforms of
-rollout/sampling.py, indexed by the row's number in the call and the step, so the compiled loop
-draws exactly the tokens the eager loop draws from the same logits: equal tokens wherever
-Inductor's reordered float sums leave the logits close enough not to move a draw across a token
-boundary (tests/rollout/test_compiled_decode.py).
+row that finished in between draws tokens that are replaced by padding. The draw uses the
+counter-based uniforms of rollout/sampling.py, indexed by the row's number in the call and the step,
+so the compiled loop draws exactly the tokens the eager loop draws from the same logits: equal
+tokens wherever Inductor's reordered float sums leave the logits close enough not to move a draw
+across a token boundary (tests/rollout/test_compiled_decode.py).
 
 What stays eager: the prefill (`start`, one call of large ops per generate), the first token's draw,
 and the moves between shapes. Inside `keep_conversations` (the multi-turn driver) the loop hands
@@ -512,13 +512,14 @@ class CompiledDecodeLoop:
         if slots.numel() == 0:
             return
         rows = rowmap[slots]
-        ends = torch.isin(completion[rows], eos).int().argmax(-1)  # the first EOS: the row's own
+        done = completion[rows]  # [n, T]
+        ends = torch.isin(done, eos).int().argmax(-1)  # the first EOS: the row's own
         kept[rows] = True
         caches = dec.snapshot(slots, ends)
         for cache in caches:
             for x in cache:
                 _handed_out(x, caller)
-        tokens = [row[: e + 1] for row, e in zip(completion[rows].tolist(), ends.tolist())]
+        tokens = [row[: e + 1] for row, e in zip(done.tolist(), ends.tolist())]
         keep(rows.tolist(), tokens, caches)
 
     def _capture(self, graphs, step, args: tuple):

@@ -17,6 +17,7 @@ What this engine does that `model.generate` does not, and why:
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from dataclasses import dataclass, field
 
@@ -124,7 +125,7 @@ class HFEngine(GenerationEngine):
             out = None
             started = time.perf_counter()
             if slot_loop:
-                keep = (lambda rows, tokens, caches: self._keep(prompt_ids, G, rows, tokens, caches)) if keeps else None
+                keep = functools.partial(self._keep, prompt_ids, G) if keeps else None
                 every = self.check_every or CHECK_EVERY.get(device.type, CHECK_EVERY["cuda"])
                 out = CompiledDecodeLoop(device, every, self.cuda_graphs, compile=compiles).run(
                     decoder, logits, params, uniforms, eos, self.pad_token_id, keep=keep)
@@ -169,13 +170,14 @@ class HFEngine(GenerationEngine):
             tok = sample_next(logits, params, u=uniforms[active, t])  # [n]
             completion[active, t] = tok
             done = None if params.ignore_eos else torch.isin(tok, eos)  # [n]
-            if keeps and done.any():  # a conversation may go on from these rows' caches (the last token's too)
+            any_done = done is not None and bool(done.any())
+            if keeps and any_done:  # a conversation may go on from these rows' caches (the last token's too)
                 rows = done.nonzero().squeeze(-1)
                 self._keep(prompt_ids, G, active[rows].tolist(), completion[active[rows], : t + 1].tolist(),
                            decoder.snapshot(rows))
             if t == T - 1:
                 break
-            if done is not None and done.any():
+            if any_done:
                 lengths[active[done]] = t + 1
                 keep = (~done).nonzero().squeeze(-1)  # [n']
                 if keep.numel() == 0:

@@ -17,13 +17,15 @@ from grouprl.config import ConfigError, TrainConfig
 from grouprl.core import overlong_penalty
 from grouprl.data import DataError, PromptBatch, completion_objects
 from grouprl.rewards import RewardScores, process_rewards, resolve_reward_spec, score_completions
+from grouprl.rewards.workers import RewardWorkers
 from grouprl.rollout.types import Trajectories
 
 
 def score_trajectories(cfg: TrainConfig, tokenizer: Any, reward_funcs: list[Callable], audit_funcs: list[Callable],
-                       prompts: PromptBatch, trajectories: Trajectories) -> StepBatch:
+                       prompts: PromptBatch, trajectories: Trajectories, workers: RewardWorkers | None = None
+                       ) -> StepBatch:
     """The reward and audit functions on `trajectories` of `prompts` (G per prompt), weighted and
-    shaped as configured."""
+    shaped as configured; those the reward `workers` run, there."""
     rollout = trajectories.rollout
     G = len(rollout) // len(prompts.prompts)
     ids = rollout.token_lists()  # [N][T_i]
@@ -40,14 +42,16 @@ def score_trajectories(cfg: TrainConfig, tokenizer: Any, reward_funcs: list[Call
     completions = trajectories.messages or completion_objects(texts, prompts.conversational)
     scores: RewardScores = score_completions(
         reward_funcs, cfg.reward_weights, per_prompt, completions,
-        cols, timeout_s=cfg.reward_timeout_s, fallback=cfg.reward_fallback, step_delimiter=cfg.step_delimiter)
+        cols, timeout_s=cfg.reward_timeout_s, fallback=cfg.reward_fallback, step_delimiter=cfg.step_delimiter,
+        workers=workers, group_size=G)
     shaping = (overlong_penalty(rollout.lengths, cfg.max_completion_length, cfg.overlong_cache_len)
                if cfg.overlong_shaping else None)  # [N]
     rewards = scores.total.float() if shaping is None else scores.total.float() + shaping  # [N]
     steps = process_rewards(scores.steps, scores.per_func, cfg.reward_weights, ids, texts, tokenizer,
                             shaping, estimator=cfg.advantage_estimator)
     audit = score_completions(audit_funcs, None, per_prompt, completions, cols, timeout_s=cfg.reward_timeout_s,
-                              fallback=cfg.reward_fallback).per_func if audit_funcs else {}
+                              fallback=cfg.reward_fallback, workers=workers,
+                              group_size=G).per_func if audit_funcs else {}
     index = None if prompts.indices is None else [i for i in prompts.indices for _ in range(G)]
     calls = None if trajectories.messages is None else [
         [f"{c['function']['name']}({json.dumps(c['function']['arguments'])})"
@@ -62,4 +66,17 @@ def reward_from_config(spec: Any) -> Callable:
     try:
         return resolve_reward_spec(spec)
     except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+def start_reward_workers(cfg: TrainConfig, reward_funcs: list[Callable], audit_funcs: list[Callable],
+                         from_config: bool) -> RewardWorkers | None:
+    """The run's reward worker processes (`reward_workers`), or None for none; functions built `from_config`
+    are built again in each worker from their config entries."""
+    if not cfg.reward_workers:
+        return None
+    specs = (list(cfg.reward_funcs) if from_config else [None] * len(reward_funcs)) + list(cfg.audit_funcs)
+    try:
+        return RewardWorkers(cfg.reward_workers, reward_funcs + audit_funcs, specs, preload=["grouprl.trainer"])
+    except ValueError as e:  # a function the workers cannot load
         raise ConfigError(str(e)) from None

@@ -70,7 +70,7 @@ from grouprl.rollout.types import Trajectories
 from grouprl.rollout_source import PromptDraw, make_producer
 from grouprl.runlog import Progress, RunLogger, run_metadata
 from grouprl.sample_stats import SampleTally, batch_metrics, completion_rows
-from grouprl.scoring import reward_from_config, score_trajectories
+from grouprl.scoring import reward_from_config, score_trajectories, start_reward_workers
 from grouprl.signals import StopSignals, TrainingStopped
 from grouprl.timings import Timings
 from grouprl.trackers import tracker_problems
@@ -115,6 +115,7 @@ class Trainer:
             raise ConfigError("; ".join(problems))
         self.audit_funcs = [reward_from_config(spec) for spec in cfg.audit_funcs]  # scored, never rewarded
         self.audit_names = reward_names(self.audit_funcs)
+        self.reward_workers = start_reward_workers(cfg, self.reward_funcs, self.audit_funcs, not reward_funcs)
         self.guard = RunGuard(cfg, self.reward_names, self.audit_names, is_main=self.dist.is_main)  # guard.py
         if cfg.metric_for_best_model and self.eval_ds is None:
             raise ConfigError(f"metric_for_best_model={cfg.metric_for_best_model!r} needs an eval set: set eval_data "
@@ -326,7 +327,7 @@ class Trainer:
         rollout's messages and `env_reward`), weighted and shaped as configured; the audit functions
         beside them."""
         return score_trajectories(self.cfg, self.tokenizer, self.reward_funcs, self.audit_funcs, prompts,
-                                  trajectories)  # scoring.py
+                                  trajectories, self.reward_workers)  # scoring.py
 
     def sample_batch(self, timings: Timings | None = None) -> tuple[StepBatch, dict[str, float]]:
         """The step's scored completions, gathered over ranks, and the sampling metrics. With dynamic sampling
@@ -491,6 +492,8 @@ class Trainer:
                              self.generator, self.sampler, self.guard, self.prompt_filter, self.updater.value_head)
 
     def close(self) -> None:
-        """Release the generation engine (a colocated vLLM engine's memory); call once done."""
+        """Release the generation engine (a colocated vLLM engine's memory) and the reward workers; call once done."""
         self.rollouts.close()
         self.engine.close()
+        if self.reward_workers is not None:
+            self.reward_workers.close()

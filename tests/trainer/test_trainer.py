@@ -386,3 +386,20 @@ def test_checkpointing_pass_by_pass_leaves_no_hook_behind(tiny_model_dir, lora_r
         counts.append(len(embedding._forward_hooks))
     assert counts == [0, 0, 0]
     assert any(p.grad is not None for p in model.parameters())  # the checkpointed passes had gradients
+
+
+def test_reward_workers_give_the_run_the_same_rewards_and_end_with_it(make_cfg, tmp_path):
+    funcs = ["tests.trainer.conftest:digit_fraction", "think_format", {"name": "regex_match", "pattern": r"\d"}]
+    base = make_cfg(max_steps=2, reward_funcs=funcs, audit_funcs=["tests.trainer.conftest:short_reward"])
+    Trainer(base).train()
+    trainer = Trainer(replace(base, reward_workers=2, output_dir=str(tmp_path / "workers")))
+    processes = [w.process for w in trainer.reward_workers._workers]
+    assert len(processes) == 2 and all(p.is_alive() for p in processes)
+    assert all(trainer.reward_workers.runs(f) for f in trainer.reward_funcs + trainer.audit_funcs)
+    trainer.train()
+    trainer.close()
+    assert not any(p.is_alive() for p in processes)
+    keys = ["reward/mean", "rewards/digit_fraction/mean", "rewards/regex_match/mean", "audit/short_reward/mean"]
+    for alone, pooled in zip(read_metrics(base.output_dir), read_metrics(tmp_path / "workers"), strict=True):
+        assert [alone.get(k) for k in keys] == [pooled.get(k) for k in keys]
+        assert alone["rewards/digit_fraction/mean"] > 0

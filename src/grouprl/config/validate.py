@@ -184,6 +184,9 @@ def validate_config(cfg: C) -> C:
     if c.reward_timeout_s is not None and not c.reward_timeout_s > 0:
         raise ConfigError(f"reward_timeout_s={c.reward_timeout_s} must be a positive number of seconds, or null "
                           "for no timeout")
+    if isinstance(c.reward_workers, bool) or not isinstance(c.reward_workers, int) or c.reward_workers < 0:
+        raise ConfigError(f"reward_workers={c.reward_workers!r} must be a whole number of processes: 0 scores in "
+                          "the trainer's process, N > 0 in N worker processes (about one per free core)")
     if isinstance(c.max_tokens_per_micro_batch, str) and c.max_tokens_per_micro_batch != "auto":
         raise ConfigError(f"max_tokens_per_micro_batch={c.max_tokens_per_micro_batch!r} is not a number of "
                           "tokens, auto (sized per device) or null (micro_batch_size rows per pass)")

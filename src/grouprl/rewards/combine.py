@@ -16,12 +16,15 @@ Where the functions run: with a timeout, called from the main thread (the traine
 the main thread itself, stopped at the deadline by a SIGALRM a watchdog thread sends: libraries that
 time themselves out with `signal.alarm` (math-verify's `parse` and `verify`, so TRL's and open-r1's
 accuracy rewards) raise in any other thread. Elsewhere (another thread, Windows) in a worker thread,
-abandoned at the deadline. An `async def` function is run to its end on an event loop of its own.
+abandoned at the deadline. An `async def` function is run to its end on an event loop of its own. With
+reward workers (workers.py, `reward_workers: N`), the functions they take run in worker processes, each
+there as here, in slices of whole groups and all at once, while the others run here.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
 import logging
 import math
@@ -54,11 +57,11 @@ class RewardScores:
     fallback: dict[str, Tensor] = field(default_factory=dict)  # name -> [N] bool, rows given `fallback`
 
 
-class _Timeout(Exception):
-    pass
+class RewardTimeout(Exception):
+    """A reward function's call ran past its timeout (`call_reward`)."""
 
 
-class _Exited(Exception):
+class RewardExited(Exception):
     """A reward function raised SystemExit (or, in its own thread, KeyboardInterrupt) itself: its
     fault, named like any other error, not the end of the run (`sys.exit(3)` would end it with the
     run health's own exit code). In the main thread a KeyboardInterrupt is the user's Ctrl-C: it passes."""
@@ -84,14 +87,15 @@ def _invoke(func: Callable, kwargs: dict) -> Any:
     return asyncio.run(out) if inspect.iscoroutine(out) else out
 
 
-def _call(func: Callable, kwargs: dict, timeout_s: float | None) -> Any:
+def call_reward(func: Callable, kwargs: dict, timeout_s: float | None) -> Any:
+    """`func(**kwargs)` under `timeout_s` (RewardTimeout past it), where it is safe to (module docstring)."""
     if inspect.iscoroutinefunction(func) and _loop_running():  # asyncio.run cannot start in a notebook's loop
         return _call_in_thread(func, kwargs, timeout_s)
     if timeout_s is None:
         try:
             return _invoke(func, kwargs)
         except SystemExit as e:
-            raise _Exited(f"SystemExit({e})") from None
+            raise RewardExited(f"SystemExit({e})") from None
     if threading.current_thread() is threading.main_thread() and hasattr(signal, "pthread_kill"):
         return _call_on_main_thread(func, kwargs, timeout_s)
     return _call_in_thread(func, kwargs, timeout_s)
@@ -109,7 +113,7 @@ STUCK_WARNING_S = 10.0  # past the deadline: the function is named in a warning
 
 
 def _call_on_main_thread(func: Callable, kwargs: dict, timeout_s: float) -> Any:
-    """Run the function here, in the main thread, and raise _Timeout in it at the deadline. A watchdog
+    """Run the function here, in the main thread, and raise RewardTimeout in it at the deadline. A watchdog
     thread sends the main thread SIGALRM then, and again every 50 ms until the stop is delivered (a
     library may hold SIGALRM with a handler of its own for a while: math-verify does, for its own
     timeouts); once it was, the function has 1 s to unwind (a `finally`, an `__exit__`), and then the
@@ -167,7 +171,7 @@ def _call_on_main_thread(func: Callable, kwargs: dict, timeout_s: float) -> Any:
             raise
         out = None
     except SystemExit as e:
-        raise _Exited(f"SystemExit({e})") from None
+        raise RewardExited(f"SystemExit({e})") from None
     finally:
         with lock:
             finished.set()
@@ -175,7 +179,7 @@ def _call_on_main_thread(func: Callable, kwargs: dict, timeout_s: float) -> Any:
         signal.signal(signal.SIGALRM, signal.SIG_IGN)  # drops a signal still pending, then the previous handler
         signal.signal(signal.SIGALRM, signal.SIG_DFL if previous is None else previous)
     if expired.is_set():
-        raise _Timeout
+        raise RewardTimeout
     return out
 
 
@@ -188,14 +192,14 @@ def _call_in_thread(func: Callable, kwargs: dict, timeout_s: float | None) -> An
         except Exception as e:  # handed to the caller's thread
             box["error"] = e
         except BaseException as e:  # noqa: BLE001 -- raised by the function: no signal reaches this thread
-            box["error"] = _Exited(f"{type(e).__name__}({e})")
+            box["error"] = RewardExited(f"{type(e).__name__}({e})")
 
     # A daemon thread: a function that never returns is abandoned, and cannot block interpreter exit.
     worker = threading.Thread(target=target, daemon=True, name=f"reward-{getattr(func, '__name__', 'func')}")
     worker.start()
     worker.join(timeout_s)
     if worker.is_alive():
-        raise _Timeout
+        raise RewardTimeout
     if "error" in box:
         raise box["error"]
     return box["value"]
@@ -203,7 +207,7 @@ def _call_in_thread(func: Callable, kwargs: dict, timeout_s: float | None) -> An
 
 def _raised(e: BaseException) -> str:
     """What a function raised, for its RewardFunctionError; a signal-based library in a worker thread gets the fix."""
-    if isinstance(e, _Exited):
+    if isinstance(e, RewardExited):
         return f"raised {e}"
     threaded = "signal only works in main thread" in str(e) or "threaded environment" in str(e)
     return f"raised {type(e).__name__}: {e}" + (_THREADED_HINT if threaded else "")
@@ -264,14 +268,32 @@ def _row_kwargs(prompts: list, completions: list, columns: dict, i: int) -> dict
             **{k: v[i : i + 1] for k, v in columns.items()}}
 
 
-def _score_one(func: Callable, name: str, prompts: list, completions: list, columns: dict,
-               timeout_s: float | None, fallback: float | None, delimiter: str
+class _Deferred:
+    """A call made here when its `result()` is asked for; `cancel()` drops it."""
+
+    def __init__(self, func: Callable, kwargs: dict, timeout_s: float | None):
+        self.result = functools.partial(call_reward, func, kwargs, timeout_s)
+
+    def cancel(self) -> None:
+        pass
+
+
+def _start(func: Callable, kwargs: dict, timeout_s: float | None, workers: Any, group_size: int) -> Any:
+    """The call of `func` on `kwargs`, started now in the reward workers when they run it (workers.py), else
+    deferred: its `result()` is the output (or raises what the call raised)."""
+    if workers is not None and workers.runs(func):
+        return workers.submit(func, kwargs, len(kwargs["completions"]), group_size, timeout_s)
+    return _Deferred(func, kwargs, timeout_s)
+
+
+def _score_one(call: Any, func: Callable, name: str, prompts: list, completions: list,
+               columns: dict, timeout_s: float | None, fallback: float | None, delimiter: str, workers: Any = None
                ) -> tuple[list[float | StepList | None], list[bool]]:
-    """One function's validated scores, and which rows got the fallback."""
+    """One function's validated scores, and which rows got the fallback; `call` is its call on the batch (_start)."""
     n = len(completions)
     try:
-        out = _call(func, {"prompts": prompts, "completions": completions, **columns}, timeout_s)
-    except _Timeout:
+        out = call.result()
+    except RewardTimeout:
         err = RewardFunctionError(name, f"did not return within timeout_s={timeout_s} s")
         if fallback is None:
             raise err from None
@@ -281,7 +303,7 @@ def _score_one(func: Callable, name: str, prompts: list, completions: list, colu
         raise  # the run's error says what to lower (grouprl.memory), rather than a fallback for every row
     except Exception as batch_error:
         return _score_rows_alone(func, name, prompts, completions, columns, timeout_s, fallback,
-                                 delimiter, batch_error)
+                                 delimiter, batch_error, workers)
     try:
         return _validate(name, out, completions, delimiter), [False] * n
     except RewardFunctionError as err:
@@ -302,23 +324,28 @@ def _score_one(func: Callable, name: str, prompts: list, completions: list, colu
         return values, used
 
 
-def _score_rows_alone(func, name, prompts, completions, columns, timeout_s, fallback, delimiter, batch_error):
-    """The batch call raised: call each row alone to name the failing row(s)."""
+def _score_rows_alone(func, name, prompts, completions, columns, timeout_s, fallback, delimiter, batch_error,
+                      workers=None):
+    """The batch call raised: call each row alone to name the failing row(s) (in the workers, all at once)."""
     values: list[float | None] = []
     used: list[bool] = []
-    for i in range(len(completions)):
+    calls = [_start(func, _row_kwargs(prompts, completions, columns, i), timeout_s, workers, 1)
+             for i in range(len(completions))]
+    for i, call in enumerate(calls):
         try:
-            out = _call(func, _row_kwargs(prompts, completions, columns, i), timeout_s)
+            out = call.result()
             values += _validate(name, out, completions[i:i + 1], delimiter, i)
             used.append(False)
-        except Exception as e:  # includes _Timeout
+        except Exception as e:  # includes RewardTimeout
             if isinstance(e, RewardFunctionError):
                 err = e
-            elif isinstance(e, _Timeout):
+            elif isinstance(e, RewardTimeout):
                 err = RewardFunctionError(name, f"did not return within timeout_s={timeout_s} s", i)
             else:
                 err = RewardFunctionError(name, _raised(e), i)
             if fallback is None:
+                for later in calls[i + 1:]:
+                    later.cancel()
                 raise err from e
             logger.warning("%s; using fallback %s", err, fallback)
             values.append(fallback)
@@ -341,12 +368,16 @@ def score_completions(
     timeout_s: float | None = None,
     fallback: float | None = None,
     step_delimiter: str = "\n",
+    workers: Any = None,
+    group_size: int = 1,
 ) -> RewardScores:
     """Score N completions with every reward function; weighted nansum, per-function scores, metrics.
 
     Each function is called as f(prompts=..., completions=..., **columns) — keyword arguments, as TRL
     does. `columns` maps a dataset column to its N values. See the module docstring for faults.
-    `step_delimiter` splits a completion into steps for step rewards given by step index.
+    `step_delimiter` splits a completion into steps for step rewards given by step index. `workers`
+    (`RewardWorkers`): the functions they run are called there, all at once, in slices of whole groups of
+    `group_size` rows; the others here, meanwhile, in order.
     """
     n = len(completions)
     columns = dict(columns or {})
@@ -376,9 +407,16 @@ def score_completions(
     total = torch.zeros(n, dtype=torch.float32)  # [N]
     scored = torch.zeros(n, dtype=torch.bool)  # [N]
     steps: dict[str, list[StepList | None]] = {}
-    for func, name, w in zip(funcs, reward_names(funcs), weights):
-        values, fell_back = _score_one(func, name, prompts, completions, columns, timeout_s, fallback,
-                                       step_delimiter)
+    kwargs = {"prompts": prompts, "completions": completions, **columns}
+    calls = [_start(func, kwargs, timeout_s, workers, group_size) for func in funcs]
+    for i, (call, func, name, w) in enumerate(zip(calls, funcs, reward_names(funcs), weights)):
+        try:
+            values, fell_back = _score_one(call, func, name, prompts, completions, columns, timeout_s, fallback,
+                                           step_delimiter, workers)
+        except BaseException:
+            for later in calls[i + 1:]:  # in the workers: not started yet, and no longer wanted
+                later.cancel()
+            raise
         if any(isinstance(v, list) for v in values):
             steps[name] = [v if isinstance(v, list) else None for v in values]
             values = [_step_mean(v) if isinstance(v, list) else v for v in values]

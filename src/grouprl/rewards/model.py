@@ -16,6 +16,8 @@ from .text import completion_text, prompt_messages, prompt_text
 class RewardModelScorer:
     """Callable reward function wrapping a sequence-classification reward model."""
 
+    in_process = True  # it holds a model (perhaps on the GPU): reward workers leave it in the trainer
+
     def __init__(self, model: str, *, batch_size: int = 8, max_length: int | None = None, device: str = "cpu"):
         import torch
         from transformers import AutoModelForSequenceClassification, AutoTokenizer

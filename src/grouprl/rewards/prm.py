@@ -48,6 +48,8 @@ REWARDS = ("prob", "signed", "log")
 class ProcessRewardModel:
     """Callable step-reward function wrapping a PRM (module docstring)."""
 
+    in_process = True  # it holds a model (perhaps on the GPU): reward workers leave it in the trainer
+
     def __init__(self, model: str, *, step_delimiter: str = "\n", step_tag: str | None = None,
                  keep_delimiter: bool = False, kind: str = "auto", good_label: int = 1,
                  good_token: str | int = "+", bad_token: str | int | None = "-", reward: str = "prob",

@@ -1,0 +1,221 @@
+"""Reward functions in worker processes (rewards/workers.py): the same scores as in the trainer's process,
+slices of whole groups, and every fault contained and named as it would be in process."""
+
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+import time
+import types
+
+import pytest
+import torch
+
+from grouprl.config import ConfigError, TrainConfig
+from grouprl.rewards import RewardFunctionError, math_accuracy, regex_match, score_completions
+from grouprl.rewards import workers as W
+from grouprl.rewards.workers import RewardWorkers
+
+G = 4
+ANSWERS = [r"\frac{3}{4}", r"\sqrt{2}", r"2^{10}", "42", r"(1, 2)", "7"]
+PROMPTS = [f"p{i // G}" for i in range(6 * G)]
+GOLDS = [ANSWERS[i // G] for i in range(6 * G)]
+COMPLETIONS = [f"So the answer is $\\boxed{{{ANSWERS[(i * 5) % len(ANSWERS)]}}}$." for i in range(6 * G)]
+
+
+def worker_pid(prompts, completions, **kwargs):
+    """Where it ran, as a reward."""
+    return [float(os.getpid())] * len(completions)
+
+
+def group_share(prompts, completions, **kwargs):
+    """How many rows of its call share each row's prompt: G when slices are whole groups."""
+    return [float(prompts.count(p)) for p in prompts]
+
+
+def raises_on_bad(prompts, completions, **kwargs):
+    if "bad" in completions:
+        raise ValueError("cannot read 'bad'")
+    return [1.0] * len(completions)
+
+
+def dies_on_die(prompts, completions, **kwargs):
+    if "die" in completions:
+        os._exit(7)
+    return [1.0] * len(completions)
+
+
+def sleeps(prompts, completions, **kwargs):
+    time.sleep(60)
+    return [1.0] * len(completions)
+
+
+def ignores_every_stop(prompts, completions, **kwargs):
+    """Catches the timeout's stop every time, as native code that holds the interpreter would never see it."""
+    end = time.monotonic() + 60
+    while time.monotonic() < end:
+        try:
+            time.sleep(0.05)
+        except BaseException:  # noqa: BLE001 -- on purpose
+            pass
+    return [1.0] * len(completions)
+
+
+def returns_a_generator(prompts, completions, **kwargs):
+    return (1.0 for _ in completions)
+
+
+class InTheTrainer:
+    """Like a reward model: marked to stay in the trainer's process."""
+
+    in_process = True
+    __name__ = "in_the_trainer"
+
+    def __call__(self, prompts, completions, **kwargs):
+        return [float(os.getpid())] * len(completions)
+
+
+@pytest.fixture(scope="module")
+def pool():
+    funcs = [math_accuracy, worker_pid, group_share, raises_on_bad, dies_on_die, sleeps, ignores_every_stop,
+             returns_a_generator]
+    workers = RewardWorkers(2, funcs)
+    yield workers
+    workers.close()
+
+
+def test_scores_in_the_workers_equal_the_trainers_and_slices_are_whole_groups(pool):
+    columns = {"answer": GOLDS}
+    here = score_completions([math_accuracy, group_share], None, PROMPTS, COMPLETIONS, columns)
+    there = score_completions([math_accuracy, group_share], None, PROMPTS, COMPLETIONS, columns, workers=pool,
+                              group_size=G)
+    assert torch.equal(here.per_func["math_accuracy"], there.per_func["math_accuracy"])
+    assert torch.equal(here.total, there.total)
+    assert 0 < here.per_func["math_accuracy"].sum() < len(COMPLETIONS)  # both outcomes occur
+    five = score_completions([group_share], None, PROMPTS[:5 * G], COMPLETIONS[:5 * G], workers=pool, group_size=G)
+    assert five.per_func["group_share"].tolist() == [float(G)] * 5 * G  # 3 + 2 groups: never one cut in two
+    pids = score_completions([worker_pid], None, PROMPTS, COMPLETIONS, workers=pool, group_size=G).total.tolist()
+    groups = [pids[g:g + G] for g in range(0, len(pids), G)]
+    assert all(len(set(group)) == 1 for group in groups)  # a group in one process
+    assert pids[0] != pids[G]  # the first two slices went to the two idle workers, joined in row order
+    assert float(os.getpid()) not in pids
+
+
+def test_rows_that_are_not_whole_groups_go_in_slices_of_rows(pool):
+    out = score_completions([group_share], None, PROMPTS[:7], COMPLETIONS[:7], workers=pool, group_size=G)
+    assert out.per_func["group_share"].tolist() != [float(G)] * 7  # 7 rows are no whole groups of 4: cut anyway
+    assert len(out.per_func["group_share"]) == 7
+
+
+def test_a_marked_function_and_a_lambda_stay_in_the_trainer(caplog):
+    lam = lambda prompts, completions, **kw: [float(os.getpid())] * len(completions)  # noqa: E731
+    lam.__name__ = "a_lambda"
+    with caplog.at_level(logging.WARNING, logger="grouprl.rewards.workers"):
+        workers = RewardWorkers(1, [InTheTrainer(), lam])
+    try:
+        assert "a_lambda runs in the trainer's process" in caplog.text and "cannot be pickled" in caplog.text
+        assert "reward function in_the_trainer" not in caplog.text  # marked: no warning
+        assert "no worker was started" in caplog.text and not workers.runs(lam)
+        out = score_completions([InTheTrainer(), lam], None, PROMPTS, COMPLETIONS, workers=workers, group_size=G)
+        assert set(out.per_func["in_the_trainer"].tolist()) == {float(os.getpid())}
+        assert set(out.per_func["a_lambda"].tolist()) == {float(os.getpid())}
+    finally:
+        workers.close()
+
+
+def test_a_function_that_raises_is_named_with_its_row(pool):
+    completions = ["ok"] * 5 + ["bad"] + ["ok"] * 2
+    with pytest.raises(RewardFunctionError) as e:
+        score_completions([raises_on_bad], None, PROMPTS[:8], completions, workers=pool, group_size=G)
+    message = str(e.value)
+    assert "raises_on_bad" in message and "row 5" in message and "ValueError: cannot read 'bad'" in message
+    out = score_completions([raises_on_bad], None, PROMPTS[:8], completions, fallback=-1.0, workers=pool,
+                            group_size=G)
+    assert out.per_func["raises_on_bad"].tolist() == [1.0] * 5 + [-1.0] + [1.0] * 2
+
+
+def test_a_worker_that_dies_is_replaced_and_the_row_that_killed_it_named(pool):
+    completions = ["ok"] * 3 + ["die"] + ["ok"] * 4
+    out = score_completions([dies_on_die], None, PROMPTS[:8], completions, fallback=0.5, workers=pool, group_size=G)
+    assert out.per_func["dies_on_die"].tolist() == [1.0] * 3 + [0.5] + [1.0] * 4
+    with pytest.raises(RewardFunctionError, match=r"row 3.*exit code 7"):
+        score_completions([dies_on_die], None, PROMPTS[:8], completions, workers=pool, group_size=G)
+    again = score_completions([worker_pid], None, PROMPTS, COMPLETIONS, workers=pool, group_size=G)
+    assert float(os.getpid()) not in again.total.tolist()  # the workers serve again
+    assert len(pool._workers) == 2 and all(w.process.is_alive() for w in pool._workers)
+
+
+def test_a_call_past_its_timeout_is_stopped_in_the_worker(pool):
+    start = time.monotonic()
+    with pytest.raises(RewardFunctionError, match="did not return within timeout_s=0.5"):
+        score_completions([sleeps], None, PROMPTS[:8], COMPLETIONS[:8], timeout_s=0.5, workers=pool, group_size=G)
+    assert time.monotonic() - start < W.KILL_GRACE_S  # its own stop, in the worker: no kill needed
+
+
+def test_a_worker_no_stop_reaches_is_killed_at_the_deadline_and_replaced(pool, monkeypatch, caplog):
+    monkeypatch.setattr(W, "KILL_GRACE_S", 0.5)
+    before = {w.process.pid for w in pool._workers}
+    with caplog.at_level(logging.WARNING, logger="grouprl.rewards.workers"):
+        out = score_completions([ignores_every_stop], None, PROMPTS[:8], COMPLETIONS[:8], timeout_s=0.5,
+                                fallback=0.0, workers=pool, group_size=G)
+    assert out.per_func["ignores_every_stop"].tolist() == [0.0] * 8
+    assert "was killed and replaced" in caplog.text
+    assert not before & {w.process.pid for w in pool._workers}  # both slices' workers replaced
+    again = score_completions([math_accuracy], None, PROMPTS, COMPLETIONS, {"answer": GOLDS}, workers=pool,
+                              group_size=G)
+    assert len(again.per_func["math_accuracy"]) == len(COMPLETIONS)
+
+
+def test_an_output_that_cannot_come_back_is_named(pool):
+    with pytest.raises(RewardFunctionError, match="cannot be sent back from the reward worker"):
+        score_completions([returns_a_generator], None, PROMPTS[:4], COMPLETIONS[:4], workers=pool, group_size=G)
+
+
+def test_a_function_configured_by_name_is_built_again_in_the_worker():
+    spec = {"name": "regex_match", "pattern": r"\\boxed\{42\}"}
+    func = regex_match(pattern=r"\\boxed\{42\}")  # a factory's closure: it cannot be pickled
+    workers = RewardWorkers(1, [func], [spec])
+    try:
+        assert workers.runs(func)
+        here = score_completions([func], None, PROMPTS, COMPLETIONS)
+        there = score_completions([func], None, PROMPTS, COMPLETIONS, workers=workers, group_size=G)
+        assert torch.equal(here.total, there.total) and here.total.sum() > 0
+    finally:
+        workers.close()
+
+
+def test_a_function_the_workers_cannot_import_fails_at_start():
+    module = types.ModuleType("grouprl_test_only_here")  # in this process's sys.modules, in no file
+
+    def only_here(prompts, completions, **kwargs):
+        return [1.0] * len(completions)
+
+    only_here.__module__ = module.__name__
+    only_here.__qualname__ = "only_here"
+    module.only_here = only_here
+    sys.modules[module.__name__] = module
+    try:
+        with pytest.raises(ValueError, match=r"only_here cannot be loaded in a reward worker.*ModuleNotFoundError"):
+            RewardWorkers(1, [only_here])
+    finally:
+        del sys.modules[module.__name__]
+
+
+@pytest.mark.parametrize("bad", [-1, True, 1.5, "2"])
+def test_reward_workers_must_be_a_whole_number(bad):
+    with pytest.raises(ConfigError, match="reward_workers="):
+        TrainConfig(model="m", train_data="rows.jsonl", reward_funcs=["math_accuracy"], reward_workers=bad).validate()
+
+
+def test_a_script_without_a_main_guard_gets_the_fix(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent("""
+        from grouprl.rewards import math_accuracy
+        from grouprl.rewards.workers import RewardWorkers
+        RewardWorkers(1, [math_accuracy])
+    """))
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert out.returncode != 0
+    assert 'if __name__ == "__main__":' in out.stderr and "reward_workers: 0" in out.stderr

@@ -44,7 +44,7 @@ RUN = {"benchmarks/shared_prompt.py", "benchmarks/process_vs_outcome.py", "bench
        "benchmarks/step_profile.py", "benchmarks/distillation.py", "benchmarks/decode.py",
        "benchmarks/memory_peak.py", "benchmarks/update_launches.py", "benchmarks/packed_attention.py",
        "benchmarks/decode_launches.py", "benchmarks/crash_false_alarms.py", "benchmarks/math_reward.py",
-       "benchmarks/check_every.py",
+       "benchmarks/check_every.py", "benchmarks/reward_workers.py",
        "scripts/build_default_policy.py",
        "scripts/build_tool_policy.py", "scripts/sandbox_report.py"}
 HELP_ONLY = {"benchmarks/async_rollouts.py", "benchmarks/agentic_async.py", "benchmarks/vllm_vs_builtin.py",
@@ -165,6 +165,13 @@ def test_build_tool_policy_and_its_rl_check(tmp_path):
 def test_math_reward_benchmark():
     out = run("benchmarks/math_reward.py", "--prompts", "2", "--group", "4", "--reps", "1")
     assert out.startswith("8 completions: parsed afresh") and "remembered" in out
+
+
+def test_reward_workers_benchmark_one_round():
+    out = run("benchmarks/reward_workers.py", "--prompts", "2", "--group", "4", "--workers", "1", "--rounds", "1")
+    lines = out.strip().splitlines()
+    assert lines[0].startswith("8 completions (2 x 4)") and "in the trainer's process" in lines[1]
+    assert "1 worker(s) (started in" in lines[2]  # its totals equal the trainer's: the script checks
 
 
 def test_sandbox_report():

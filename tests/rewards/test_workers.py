@@ -172,6 +172,18 @@ def test_an_output_that_cannot_come_back_is_named(pool):
         score_completions([returns_a_generator], None, PROMPTS[:4], COMPLETIONS[:4], workers=pool, group_size=G)
 
 
+def test_the_models_and_the_sandboxed_code_reward_stay_in_the_trainer():
+    from grouprl.rewards import ProcessRewardModel, RewardModelScorer, code_tests
+
+    assert RewardModelScorer.in_process and ProcessRewardModel.in_process  # built from a model: not here
+    sandboxed = code_tests(isolation="weak")  # its programs run one per core already
+    workers = RewardWorkers(1, [sandboxed, math_accuracy])
+    try:
+        assert not workers.runs(sandboxed) and workers.runs(math_accuracy)
+    finally:
+        workers.close()
+
+
 def test_a_function_configured_by_name_is_built_again_in_the_worker():
     spec = {"name": "regex_match", "pattern": r"\\boxed\{42\}"}
     func = regex_match(pattern=r"\\boxed\{42\}")  # a factory's closure: it cannot be pickled

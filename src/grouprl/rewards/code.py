@@ -68,4 +68,5 @@ def code_tests(
         return scores
 
     code_tests.sandbox_isolation = isolation  # the trainer logs the sandbox in force for such rewards
+    code_tests.in_process = True  # its programs already run one per core: in N reward workers, N per core
     return code_tests

@@ -831,3 +831,31 @@ def test_generation_compile_reaches_the_engine_and_auto_decides_after_probing(mo
     for i in range(3):
         engine.generate(short_prompts(tok)[:2], 2, SAMPLED, torch.Generator().manual_seed(i))
         assert len(runs) == (1 if i == 2 else 0)
+
+
+def test_auto_prices_a_rollout_as_one_call_however_many_calls_it_makes(model_and_tok, monkeypatch):
+    """auto's probe counts rollouts, as its planned calls (max_steps) do: a rollout cut into
+    generation_batch_size calls, and a multi-turn rollout's turns, are timed together and recorded once,
+    with their decode steps summed."""
+    model, tok = model_and_tok
+    engine = HFEngine(model, _stops(tok), tok.pad_token_id, compile="auto", planned_calls=1000, max_batch_size=2)
+    recorded, steps = [], []
+    record, generate = engine._choice.record, engine._generate
+    monkeypatch.setattr(engine._choice, "record", lambda *a: (recorded.append(a), record(*a))[1])
+
+    def counted(*a, **k):
+        out = generate(*a, **k)
+        steps.append(int(out.completion_mask.sum(-1).max()) - 1)
+        return out
+
+    monkeypatch.setattr(engine, "_generate", counted)
+    prompts = short_prompts(tok)[:2]
+    engine.generate(prompts, 2, SAMPLED, torch.Generator().manual_seed(0))  # 2 prompts x 2 rows, 2 rows a call
+    assert len(steps) == 2 and len(recorded) == 1 and recorded[0][1] == sum(steps)
+    assert engine._choice.probing()
+    with engine.keep_conversations():
+        for turn in range(3):  # a multi-turn rollout: one call a turn
+            engine.generate(prompts[:1], 1, SAMPLED, torch.Generator().manual_seed(turn + 1))
+        assert len(recorded) == 1  # priced when the rollout ends
+    assert len(steps) == 5 and len(recorded) == 2 and recorded[1][1] == sum(steps[2:])
+    assert not engine._choice.probing() and engine._choice.calls == cd.PROBE_CALLS

@@ -240,7 +240,8 @@ class CompileChoice:
     """Whether a call decodes with the compiled step. `setting` True or False is final; "auto"
     times the first PROBE_CALLS calls eagerly and then compiles if the time the remaining calls
     would save exceeds the compile's estimated cost. Without `planned_calls` (how many calls the
-    run makes) auto stays eager."""
+    run makes) auto stays eager. The engine records a rollout as one call, whatever calls it made
+    (engine.py, `_probe_rollout`): the run plans one a step."""
 
     setting: bool | str = False
     planned_calls: int | None = None

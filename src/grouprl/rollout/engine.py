@@ -51,6 +51,7 @@ class HFEngine(GenerationEngine):
     decodes_with_policy = True  # the engine runs the training model itself (class attribute)
     _kept: dict | None = field(default=None, init=False, repr=False)  # token tuple -> (k, v), see keep_conversations
     _choice: CompileChoice = field(init=False, repr=False)
+    _probe: list | None = field(default=None, init=False, repr=False)  # auto: a rollout's timed calls
 
     def __post_init__(self) -> None:
         self._choice = CompileChoice(self.compile, self.planned_calls)
@@ -62,9 +63,27 @@ class HFEngine(GenerationEngine):
         not change inside the block (the kept keys/values are theirs)."""
         self._kept = {}
         try:
-            yield self
+            with self._probe_rollout():  # auto prices the whole multi-turn rollout, every turn's call
+                yield self
         finally:
             self._kept = None
+
+    @contextlib.contextmanager
+    def _probe_rollout(self):
+        """While `auto` is probing, the decode calls of one rollout (a `generate` cut into generation_batch_size
+        parts, or the turns of a `keep_conversations` block) are timed together and recorded as one call: the
+        run makes one rollout a step (planned_calls is max_steps), however many calls each takes."""
+        if self._probe is not None or not self._choice.probing():  # inside a rollout already, or decided
+            yield
+            return
+        self._probe = []
+        try:
+            yield
+            timed = self._probe
+        finally:
+            self._probe = None
+        if timed:
+            self._choice.record(sum(t[0] for t in timed), sum(t[1] for t in timed), timed[0][2], timed[0][3])
 
     def sync_weights(self, model: torch.nn.Module, version: int) -> None:
         """The engine decodes with the training model itself: nothing to copy."""
@@ -79,8 +98,9 @@ class HFEngine(GenerationEngine):
         per_call = max(1, (self.max_batch_size or len(prompt_ids) * num_generations) // num_generations)
         kept = self._kept  # the previous call's rows (keep_conversations); this call's rows replace them
         self._kept = {} if kept is not None else None
-        parts = [self._generate(prompt_ids[i:i + per_call], num_generations, params, generator, kept)
-                 for i in range(0, len(prompt_ids), per_call)]
+        with self._probe_rollout():
+            parts = [self._generate(prompt_ids[i:i + per_call], num_generations, params, generator, kept)
+                     for i in range(0, len(prompt_ids), per_call)]
         return Rollout.cat(parts, self.pad_token_id)
 
     def _decode_threads(self, device: torch.device) -> int | None:
@@ -135,12 +155,12 @@ class HFEngine(GenerationEngine):
                 completion, lengths = self._decode_eager(decoder, logits, params, uniforms, eos, prompt_ids, G, keeps)
             else:
                 completion, lengths = out
-            if fast and T > 0 and self._choice.probing():  # auto times the calls it decodes without compiling
+            if fast and T > 0 and self._probe is not None:  # auto times the calls it decodes without compiling
                 if device.type == "cuda":  # replayed graphs run asynchronously: the clock waits for the device
                     torch.cuda.synchronize(device)
                 graphed = out is not None  # uncompiled, the slot loop runs only to replay the eager step as graphs
-                self._choice.record(time.perf_counter() - started, int(lengths.max()) - 1, len(decoder.layers),
-                                    device.type + ("+graphs" if graphed else ""))
+                self._probe.append((time.perf_counter() - started, int(lengths.max()) - 1, len(decoder.layers),
+                                    device.type + ("+graphs" if graphed else "")))
             del decoder
         real = torch.arange(T, device=device)[None, :] < lengths[:, None]  # [N, T]
         truncated = ~(torch.isin(completion, eos) & real).any(-1)  # no EOS: a completion ending with one at

@@ -77,6 +77,7 @@ def start_reward_workers(cfg: TrainConfig, reward_funcs: list[Callable], audit_f
         return None
     specs = (list(cfg.reward_funcs) if from_config else [None] * len(reward_funcs)) + list(cfg.audit_funcs)
     try:
-        return RewardWorkers(cfg.reward_workers, reward_funcs + audit_funcs, specs, preload=["grouprl.trainer"])
+        return RewardWorkers(cfg.reward_workers, reward_funcs + audit_funcs, specs, preload=["grouprl.trainer"],
+                             seed=cfg.seed)
     except ValueError as e:  # a function the workers cannot load
         raise ConfigError(str(e)) from None

@@ -3,6 +3,9 @@ slices of whole groups, and every fault contained and named as it would be in pr
 
 import logging
 import os
+import pathlib
+import random
+import signal
 import subprocess
 import sys
 import textwrap
@@ -66,6 +69,63 @@ def returns_a_generator(prompts, completions, **kwargs):
     return (1.0 for _ in completions)
 
 
+def dies_on_a_batch(prompts, completions, **kwargs):
+    """As a worker the OOM killer ends when a call is large: alone, each row is fine."""
+    if len(completions) > 1:
+        os._exit(9)
+    return [float(len(completions[0]))]
+
+
+class _Unreadable(float):
+    def __reduce__(self):  # pickles in the worker, cannot be unpickled in the trainer
+        return (_refuse, ())
+
+
+def _refuse():
+    raise ValueError("this value cannot be read back")
+
+
+def unreadable(prompts, completions, **kwargs):
+    return [_Unreadable(1.0)] * len(completions)
+
+
+def drawn(prompts, completions, **kwargs):
+    return [random.random() for _ in completions]
+
+
+def slow_build(seconds: float = 1.5):
+    """A factory that takes a while (a tokenizer to load): its build is no call's time."""
+    time.sleep(seconds)
+
+    def built_slowly(prompts, completions, **kwargs):
+        return [1.0] * len(completions)
+
+    return built_slowly
+
+
+def waits_for_the_trainer(prompts, completions, marks, **kwargs):
+    """Says it started, then waits (10 s at most) for the trainer's own function to say so too."""
+    folder = pathlib.Path(marks[0])
+    (folder / f"worker-{os.getpid()}").touch()
+    end = time.monotonic() + 10
+    while not (folder / "trainer").exists() and time.monotonic() < end:
+        time.sleep(0.01)
+    return [float((folder / "trainer").exists())] * len(completions)
+
+
+class WaitsForAWorker:
+    in_process = True
+    __name__ = "waits_for_a_worker"
+
+    def __call__(self, prompts, completions, marks, **kwargs):
+        folder = pathlib.Path(marks[0])
+        end = time.monotonic() + 10
+        while not any(folder.glob("worker-*")) and time.monotonic() < end:
+            time.sleep(0.01)
+        (folder / "trainer").touch()
+        return [float(any(folder.glob("worker-*")))] * len(completions)
+
+
 class InTheTrainer:
     """Like a reward model: marked to stay in the trainer's process."""
 
@@ -79,7 +139,7 @@ class InTheTrainer:
 @pytest.fixture(scope="module")
 def pool():
     funcs = [math_accuracy, worker_pid, group_share, raises_on_bad, dies_on_die, sleeps, ignores_every_stop,
-             returns_a_generator]
+             returns_a_generator, dies_on_a_batch, unreadable, waits_for_the_trainer]
     workers = RewardWorkers(2, funcs)
     yield workers
     workers.close()
@@ -143,7 +203,6 @@ def test_a_worker_that_dies_is_replaced_and_the_row_that_killed_it_named(pool):
         score_completions([dies_on_die], None, PROMPTS[:8], completions, workers=pool, group_size=G)
     again = score_completions([worker_pid], None, PROMPTS, COMPLETIONS, workers=pool, group_size=G)
     assert float(os.getpid()) not in again.total.tolist()  # the workers serve again
-    assert len(pool._workers) == 2 and all(w.process.is_alive() for w in pool._workers)
 
 
 def test_a_call_past_its_timeout_is_stopped_in_the_worker(pool):
@@ -155,13 +214,11 @@ def test_a_call_past_its_timeout_is_stopped_in_the_worker(pool):
 
 def test_a_worker_no_stop_reaches_is_killed_at_the_deadline_and_replaced(pool, monkeypatch, caplog):
     monkeypatch.setattr(W, "KILL_GRACE_S", 0.5)
-    before = {w.process.pid for w in pool._workers}
     with caplog.at_level(logging.WARNING, logger="grouprl.rewards.workers"):
         out = score_completions([ignores_every_stop], None, PROMPTS[:8], COMPLETIONS[:8], timeout_s=0.5,
                                 fallback=0.0, workers=pool, group_size=G)
     assert out.per_func["ignores_every_stop"].tolist() == [0.0] * 8
-    assert "was killed and replaced" in caplog.text
-    assert not before & {w.process.pid for w in pool._workers}  # both slices' workers replaced
+    assert caplog.text.count("the worker was killed and replaced") == 2  # one a slice
     again = score_completions([math_accuracy], None, PROMPTS, COMPLETIONS, {"answer": GOLDS}, workers=pool,
                               group_size=G)
     assert len(again.per_func["math_accuracy"]) == len(COMPLETIONS)
@@ -231,3 +288,70 @@ def test_a_script_without_a_main_guard_gets_the_fix(tmp_path):
                          env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert out.returncode != 0
     assert 'if __name__ == "__main__":' in out.stderr and "reward_workers: 0" in out.stderr
+
+
+def test_a_worker_the_oom_killer_ends_mid_batch_costs_no_score(pool, caplog):
+    completions = ["ab", "abc", "a", "abcd"]
+    with caplog.at_level(logging.WARNING):
+        out = score_completions([dies_on_a_batch], None, PROMPTS[:4], completions, workers=pool, group_size=G)
+    assert out.per_func["dies_on_a_batch"].tolist() == [2.0, 3.0, 1.0, 4.0]  # each row alone, no fallback needed
+    assert "exit code 9" in caplog.text and "each row alone then succeeded" in caplog.text
+
+
+def test_workers_outlive_a_schedulers_sigterm_and_an_idle_one_killed_is_replaced(pool):
+    from multiprocessing import forkserver
+
+    server = forkserver._forkserver._forkserver_pid
+    for pid in [w.process.pid for w in pool._workers] + [server]:
+        os.kill(pid, signal.SIGTERM)  # a scheduler's notice to every process of the job: the trainer decides
+    time.sleep(0.3)
+    assert all(w.process.is_alive() for w in pool._workers)
+    os.kill(pool._workers[0].process.pid, signal.SIGKILL)  # gone while idle
+    out = score_completions([worker_pid], None, PROMPTS, COMPLETIONS, workers=pool, group_size=G)
+    assert float(os.getpid()) not in out.total.tolist() and len(out.total) == len(COMPLETIONS)
+
+
+def test_an_output_that_cannot_be_read_back_fails_the_call_and_does_not_hang(pool):
+    with pytest.raises(RewardFunctionError, match="could not be read back from the reward worker"):
+        score_completions([unreadable], None, PROMPTS[:4], COMPLETIONS[:4], timeout_s=None, workers=pool,
+                          group_size=G)
+
+
+def test_building_a_function_is_not_its_calls_time(monkeypatch):
+    monkeypatch.setattr(W, "KILL_GRACE_S", 0.2)
+    spec = {"name": f"{__name__}:slow_build", "seconds": 1.0}
+    func = slow_build(0.0)
+    workers = RewardWorkers(2, [func], [spec])
+    try:  # every worker built it before its first call: no call runs into the 0.5 s timeout
+        out = score_completions([func], None, PROMPTS, COMPLETIONS, timeout_s=0.5, workers=workers, group_size=G)
+        assert out.total.tolist() == [1.0] * len(COMPLETIONS)
+        for w in workers._workers:  # their replacements build it (1 s) before they take a call, too
+            os.kill(w.process.pid, signal.SIGKILL)
+        out = score_completions([func], None, PROMPTS, COMPLETIONS, timeout_s=0.5, workers=workers, group_size=G)
+        assert out.total.tolist() == [1.0] * len(COMPLETIONS)
+    finally:
+        workers.close()
+
+
+def test_worker_i_is_seeded_seed_plus_i():
+    draws = []
+    for _ in range(2):
+        workers = RewardWorkers(2, [drawn], seed=3)
+        try:
+            draws.append(score_completions([drawn], None, PROMPTS[:2 * G], COMPLETIONS[:2 * G], workers=workers,
+                                           group_size=G).total.tolist())
+        finally:
+            workers.close()
+    assert draws[0] == draws[1]  # the same seed, the same draws
+    first, second = draws[0][:G], draws[0][G:]
+    assert first != second  # the two slices' workers: seeds 3 and 4
+    random.seed(3)
+    assert first == pytest.approx([random.random() for _ in range(G)])
+
+
+def test_the_trainers_own_functions_run_while_the_workers_run_theirs(pool, tmp_path):
+    columns = {"marks": [str(tmp_path)] * 8}
+    out = score_completions([waits_for_the_trainer, WaitsForAWorker()], None, PROMPTS[:8], COMPLETIONS[:8],
+                            columns, workers=pool, group_size=G)
+    assert out.per_func["waits_for_the_trainer"].tolist() == [1.0] * 8  # it saw the trainer's function start
+    assert out.per_func["waits_for_a_worker"].tolist() == [1.0] * 8  # ... which saw a worker's start first

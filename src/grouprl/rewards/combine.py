@@ -39,7 +39,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .errors import RewardFunctionError
+from .errors import RewardFunctionError, WorkerDied
 from .text import completion_text
 from .process import StepList, is_step_list, parse_steps
 
@@ -350,6 +350,10 @@ def _score_rows_alone(func, name, prompts, completions, columns, timeout_s, fall
             logger.warning("%s; using fallback %s", err, fallback)
             values.append(fallback)
             used.append(True)
+    if not any(used) and isinstance(batch_error, WorkerDied):  # the process died, not the rows' fault (OOM killer)
+        logger.warning("reward function %s: %s; each row alone then succeeded: using those scores", name,
+                       batch_error)
+        return values, used
     if not any(used):  # every row passed alone: the failure is about the batch as a whole
         err = RewardFunctionError(name, f"{_raised(batch_error)} (each row alone succeeds)")
         if fallback is None:
@@ -408,15 +412,21 @@ def score_completions(
     scored = torch.zeros(n, dtype=torch.bool)  # [N]
     steps: dict[str, list[StepList | None]] = {}
     kwargs = {"prompts": prompts, "completions": completions, **columns}
+    names = reward_names(funcs)
     calls = [_start(func, kwargs, timeout_s, workers, group_size) for func in funcs]
-    for i, (call, func, name, w) in enumerate(zip(calls, funcs, reward_names(funcs), weights)):
+    # the trainer's own functions first, while the workers run theirs; summed below in the functions' order
+    order = sorted(range(len(funcs)), key=lambda i: not isinstance(calls[i], _Deferred))
+    results = {}
+    for i in order:
         try:
-            values, fell_back = _score_one(call, func, name, prompts, completions, columns, timeout_s, fallback,
-                                           step_delimiter, workers)
+            results[i] = _score_one(calls[i], funcs[i], names[i], prompts, completions, columns, timeout_s,
+                                    fallback, step_delimiter, workers)
         except BaseException:
-            for later in calls[i + 1:]:  # in the workers: not started yet, and no longer wanted
-                later.cancel()
+            for call in calls:  # in the workers: not started yet, and no longer wanted
+                call.cancel()
             raise
+    for i, (name, w) in enumerate(zip(names, weights)):
+        values, fell_back = results[i]
         if any(isinstance(v, list) for v in values):
             steps[name] = [v if isinstance(v, list) else None for v in values]
             values = [_step_mean(v) if isinstance(v, list) else v for v in values]

@@ -3,25 +3,32 @@
 A reward written in Python runs in the trainer's process, one row after another: math-verify reads a
 LaTeX answer with an antlr grammar and compares it with sympy, ~5 ms a row on a CPU, so 512 completions
 take seconds of one core while the others, and on a GPU machine the GPU, wait. With N workers each
-function's call on a batch is cut into N slices of whole groups (the G completions of a prompt stay
-together: a function may compare a completion with its group), the slices run in N processes at once,
-and their outputs are joined in row order. Functions run at the same time as each other, too, and
-those kept in the trainer's process (below) run while the workers do.
+function's call on a batch is cut into slices of whole groups (the G completions of a prompt stay
+together: a function may compare a completion with its group), the slices run in N processes, taken in
+turn as workers come free, and their outputs are joined in row order. The functions' slices all run
+at once, and while they do, the trainer's process runs the functions kept there (below): a thread of
+the trainer's feeds the workers and reads their answers.
 
 What stays in the trainer's process: functions marked `in_process = True` (the reward and process
-reward models: they hold a model, perhaps on the GPU), and functions that cannot be sent to another
-process (a lambda, a closure), named once in a warning. A function configured by name or import path
-goes as its config entry and is built again in the worker (a factory's closure does not pickle); a
-function passed as a Python object goes by pickle (a module-level function by its import path). Every
-function is loaded in a worker when the workers start, so one a worker cannot import fails the run
-before its first step, not in it.
+reward models: they hold a model, perhaps on the GPU; `code_tests`, whose programs already run one
+per core), and functions that cannot be sent to another process (a lambda, a closure), named once in
+a warning. A function configured by name or import path goes as its config entry and is built again
+in each worker (a factory's closure does not pickle); a function passed as a Python object goes by
+pickle (a module-level function by its import path). Every worker builds every function before it
+takes a call (the time a build takes is not the call's), and the first workers do it at start, so a
+function a worker cannot import fails the run before its first step, not in it. A function that keeps
+state between calls, or draws random numbers, keeps it per worker (worker i is seeded `seed + i`):
+mark such a function `in_process = True` to keep the trainer's behaviour.
 
 A worker runs a function as the trainer would (`combine.call_reward`: its own timeout in its own main
 thread, where math-verify's `signal.alarm` works), and sends back the output or what was raised,
-validated in the trainer as any output. A worker that does not answer by the timeout plus
+validated in the trainer as any output. A worker that has not answered by the timeout plus
 `KILL_GRACE_S` (native code that no signal stops) is killed and replaced: that call is a timeout. A
-worker that dies (a segfault, `os._exit`) is replaced and the call raises `WorkerDied`, so the rows are
-retried one by one to name the row that kills it, like any error.
+worker that dies (a segfault, `os._exit`, the kernel's OOM killer) is replaced and the call raises
+`WorkerDied`, so the rows are retried one by one to name the row that kills it (and if every row then
+succeeds, their scores are used). Workers ignore SIGINT and SIGTERM (a scheduler's notice goes to every
+process: the trainer's stop is the trainer's to make), leave when the trainer closes them, and are
+killed when the fork server exits, which it does when the trainer's process ends, however it ends.
 
 The workers are forked from a fork server (spawned where there is none) that imported `grouprl.rewards`
 and the caller's modules once (the trainer's: Python's multiprocessing runs a script's top level again
@@ -34,8 +41,11 @@ from __future__ import annotations
 
 import logging
 import multiprocessing as mp
+import os
 import pickle
+import random
 import signal
+import sys
 import threading
 import time
 import traceback
@@ -44,33 +54,34 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from typing import Any, Callable, Sequence
 
-from .combine import call_reward, RewardExited, RewardTimeout
+from .combine import RewardExited, RewardTimeout, call_reward
+from .errors import WorkerDied
 
 logger = logging.getLogger(__name__)
 
 KILL_GRACE_S = 3.0  # past a call's timeout: its worker is killed (its own stop had 1 s to unwind)
 SLICES_PER_WORKER = 4  # a batch's slices per worker at most, taken in turn as workers come free
+_MAIN_GUARD = ("the reward worker processes ended as they started. If a script of yours started the run, each worker "
+               "ran its top level again (Python's multiprocessing imports the main module in a new process): put the "
+               "code that trains under `if __name__ == \"__main__\":`, or set reward_workers: 0. The workers' own "
+               "error is printed above.")
 
 
-class WorkerDied(RuntimeError):
-    """The worker process running a reward function ended during the call (a crash, os._exit)."""
-
-
-@dataclass
+@dataclass(eq=False)
 class _Task:
     key: int
     kwargs: dict
     timeout_s: float | None
-    done: bool = False
+    done: threading.Event = field(default_factory=threading.Event)
     reply: tuple | None = None
     deadline: float | None = None
 
 
-@dataclass
+@dataclass(eq=False)
 class _Worker:
     process: Any
     conn: Connection
-    loaded: set[int] = field(default_factory=set)
+    loading: int  # functions it has not yet confirmed built: it takes no call before 0
     task: _Task | None = None
 
 
@@ -85,7 +96,8 @@ class Pending:
         self._pool._cancel(self._tasks)
 
     def result(self) -> Any:
-        self._pool._run_until(lambda: all(t.done for t in self._tasks))
+        for t in self._tasks:
+            t.done.wait()
         outs = []
         for t in self._tasks:  # the first slice's fault is the call's, as in-process the first bad row would be
             kind, *rest = t.reply
@@ -105,14 +117,15 @@ class RewardWorkers:
     """`n` worker processes that run reward functions on slices of a batch (module docstring)."""
 
     def __init__(self, n: int, funcs: Sequence[Callable], specs: Sequence[Any] | None = None,
-                 preload: Sequence[str] = ()):
+                 preload: Sequence[str] = (), seed: int | None = None):
         """`funcs`: the reward and audit functions the workers may run; `specs[i]`, when given, is the
         config entry `funcs[i]` was built from, and the worker builds it from that. `preload`: modules the
         fork server imports once for every worker (the caller's: a script's top level runs again in each
-        worker, and what it imports is then already there)."""
+        worker, and what it imports is then already there). `seed`: worker i seeds random, numpy and torch
+        with seed + i. ValueError for a function a worker cannot build, naming it and the fix."""
         if n < 1:
             raise ValueError(f"reward_workers={n}: give at least 1 worker process, or 0 to score in the trainer")
-        self.n = n
+        self.n, self.seed = n, seed
         self._payloads: dict[int, bytes] = {}  # key -> what a worker builds the function from
         self._keys: dict[int, int] = {}  # id(func) -> key
         specs = list(specs) if specs is not None else [None] * len(funcs)
@@ -128,26 +141,37 @@ class RewardWorkers:
             self._payloads[len(self._payloads)] = payload
         self._names = {self._keys[id(f)]: _name(f) for f in funcs if id(f) in self._keys}
         self._queue: deque[_Task] = deque()
-        self._lock = threading.RLock()
+        self._lock = threading.Lock()
         self._workers: list[_Worker] = []
-        self._context = _context(preload)
+        self._spawned, self._failed_starts = 0, 0  # workers started; in a row that ended before they were ready
+        self._broken: str | None = None  # why no call can run any more
+        self._closed, self._thread = False, None
+        self._ready = threading.Event()  # the first workers built every function, or failed to
         if not self._payloads:
             logger.warning("reward_workers=%d, but every reward function runs in the trainer's process (marked "
                            "in_process, or it cannot be pickled): no worker was started", n)
             return
+        self._context = _context(preload)
+        self._wake_r, self._wake_w = os.pipe()  # a submission or close() wakes the thread from its wait
         start = time.perf_counter()
-        self._workers = [self._start() for _ in range(n)]
-        self._check_loads()
+        self._workers = [self._spawn() for _ in range(n)]
+        self._thread = threading.Thread(target=self._pump, daemon=True, name="grouprl-reward-workers")
+        self._thread.start()
+        self._ready.wait()
+        if self._broken is not None:
+            why = self._broken
+            self.close()
+            raise ValueError(why)
         logger.info("reward workers: %d processes started in %.1f s; in them: %s", n, time.perf_counter() - start,
-                    ", ".join(self._names.values()) or "no function")
+                    ", ".join(self._names.values()))
 
     def runs(self, func: Callable) -> bool:
         """Whether `func` runs in the workers (else in the trainer's process)."""
-        return id(func) in self._keys and bool(self._workers)
+        return id(func) in self._keys and self._thread is not None and not self._closed
 
     def submit(self, func: Callable, kwargs: dict, rows: int, group_size: int, timeout_s: float | None) -> Pending:
         """Start `func(**kwargs)` on `rows` rows in slices of whole groups of `group_size` rows (every argument
-        holds one value per row, as score_completions checks)."""
+        holds one value per row, as score_completions checks); 1 lets any row go to any worker."""
         key = self._keys[id(func)]
         size = group_size if group_size > 0 and rows % group_size == 0 else 1  # rows of a group, else one
         groups = rows // size
@@ -156,27 +180,45 @@ class RewardWorkers:
         bounds = [(a, min(a + per, rows)) for a in range(0, rows, per)] or [(0, 0)]
         tasks = [_Task(key, {k: v[a:b] for k, v in kwargs.items()}, timeout_s) for a, b in bounds]
         with self._lock:
-            self._queue.extend(tasks)
-            self._dispatch()
+            if self._broken is not None or self._closed:
+                for t in tasks:
+                    self._fail(t, self._broken or "the reward workers were closed")
+            else:
+                self._queue.extend(tasks)
+                os.write(self._wake_w, b"x")
         return Pending(self, tasks)
 
     def call(self, func: Callable, kwargs: dict, rows: int, group_size: int, timeout_s: float | None) -> Any:
         return self.submit(func, kwargs, rows, group_size, timeout_s).result()
 
     def close(self) -> None:
-        """End the workers (idempotent)."""
+        """End the workers and the thread that feeds them (idempotent); calls still waiting fail."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            if self._thread is not None:
+                os.write(self._wake_w, b"x")
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=10.0)
         with self._lock:
             workers, self._workers = self._workers, []
-            for w in workers:
-                try:
-                    w.conn.close()
-                except OSError:
-                    pass
-            for w in workers:
+            for t in list(self._queue) + [w.task for w in workers if w.task is not None]:
+                self._fail(t, "the reward workers were closed")
+            self._queue.clear()
+        for w in workers:
+            w.conn.close()  # a worker waiting for a call reads the end and leaves; one in a call, after it
+        deadline = time.monotonic() + 2.0
+        for w in workers:
+            w.process.join(timeout=max(0.0, deadline - time.monotonic()))
+        for w in workers:
+            if w.process.is_alive():
+                w.process.kill()
                 w.process.join(timeout=2.0)
-                if w.process.is_alive():
-                    w.process.kill()
-                    w.process.join(timeout=2.0)
+        if self._thread is not None:
+            for fd in (self._wake_r, self._wake_w):
+                os.close(fd)
+            self._thread = None
 
     def __del__(self) -> None:
         try:
@@ -184,106 +226,158 @@ class RewardWorkers:
         except Exception:  # noqa: BLE001 -- interpreter shutdown
             pass
 
-    # ------------------------------------------------------------------ internals
-    def _start(self) -> _Worker:
+    # ------------------------------------------------------------------ the feeding thread
+    def _spawn(self) -> _Worker:
+        """A new worker, sent every function to build (it answers each before it takes a call)."""
         ours, theirs = self._context.Pipe(duplex=True)
-        process = self._context.Process(target=_serve, args=(theirs,), daemon=True, name="grouprl-reward-worker")
+        seed = None if self.seed is None else self.seed + self._spawned
+        self._spawned += 1
+        process = self._context.Process(target=_serve, args=(theirs, seed), daemon=True, name="grouprl-reward-worker")
         process.start()
         theirs.close()
-        return _Worker(process, ours)
+        try:
+            for key, payload in self._payloads.items():
+                ours.send(("load", key, payload))
+        except OSError:  # it died as it started: its sentinel says so
+            pass
+        return _Worker(process, ours, len(self._payloads))
 
-    def _check_loads(self) -> None:
-        """Load every function in one worker now: what it cannot import fails here (ValueError), before any step."""
-        w = self._workers[0]
-        for key, payload in self._payloads.items():
+    def _pump(self) -> None:
+        try:
+            while True:
+                with self._lock:
+                    if self._closed:
+                        return
+                    self._dispatch()
+                    deadlines = [w.task.deadline for w in self._workers if w.task and w.task.deadline is not None]
+                    waits = [self._wake_r] + [x for w in self._workers for x in (w.conn, w.process.sentinel)]
+                timeout = None if not deadlines else max(0.0, min(deadlines) - time.monotonic())
+                ready = wait(waits, timeout)
+                if self._wake_r in ready:
+                    os.read(self._wake_r, 4096)
+                with self._lock:
+                    if self._closed:
+                        return
+                    for i, w in enumerate(self._workers):
+                        self._look_at(i, w, ready)
+                    if not self._ready.is_set() and all(w.loading == 0 for w in self._workers):
+                        self._ready.set()
+        except BaseException as e:  # noqa: BLE001 -- nothing may wait for ever on a thread that is gone
+            with self._lock:
+                self._break(f"the reward workers' feeding thread failed ({type(e).__name__}: {e})")
+            logger.exception("reward workers: the feeding thread failed")
+
+    def _break(self, why: str) -> None:
+        """No call can run any more: every waiting one fails with `why`, and so will every later one."""
+        self._broken = self._broken or why
+        for t in list(self._queue) + [w.task for w in self._workers if w.task is not None]:
+            self._fail(t, self._broken)
+        self._queue.clear()
+        self._ready.set()
+
+    def _look_at(self, i: int, w: _Worker, ready: list) -> None:
+        """Worker i's answer, its death, or its deadline."""
+        message = None
+        if w.conn in ready:
             try:
-                w.conn.send(("load", key, payload))
-                kind, *rest = w.conn.recv()
-            except (EOFError, OSError):
-                self.close()
-                raise ValueError(
-                    "the reward worker processes ended as they started. If a script of yours started the run, each "
-                    "worker ran its top level again (Python's multiprocessing imports the main module in a new "
-                    "process): put the code that trains under `if __name__ == \"__main__\":`, or set "
-                    "reward_workers: 0. The workers' own error is printed above.") from None
-            if kind != "ok":
-                self.close()
-                raise ValueError(f"reward function {self._names[key]} cannot be loaded in a reward worker process: "
-                                  f"{rest[1]}: {rest[2]} (define it at module level in an importable module, mark it "
-                                  f"`in_process = True`, or set reward_workers: 0)")
-            w.loaded.add(key)
+                message = w.conn.recv()
+            except (EOFError, OSError):  # dead: its sentinel says how
+                pass
+            except Exception as e:  # noqa: BLE001 -- an answer that cannot be unpickled here
+                message = ("error", None, type(e).__name__, f"its output could not be read back from the reward "
+                           f"worker ({e}): return floats or None", "")
+        if message is not None:
+            self._receive(w, message)
+        elif w.conn in ready or w.process.sentinel in ready:
+            w.process.join(timeout=1.0)
+            code = w.process.exitcode
+            how = f"exit code {code}{_signal_name(code)}"
+            if w.loading:  # it ended before it built every function: at start, or a replacement
+                self._failed_starts += 1
+                if not self._ready.is_set() or self._failed_starts >= 3:
+                    self._break(f"{_MAIN_GUARD} ({how})" if not self._ready.is_set() else
+                                f"reward worker processes keep ending as they start ({how}); the last worker's "
+                                "error is printed above")
+                    return
+            self._replace(i, ("died", f"its worker process ended during the call ({how})"))
+        elif w.task is not None and w.task.deadline is not None and time.monotonic() >= w.task.deadline:
+            logger.warning("reward function %s ran %.0f s past its timeout in a reward worker, which no signal "
+                           "stopped there (native code?); the worker was killed and replaced",
+                           self._names[w.task.key], KILL_GRACE_S)
+            self._replace(i, ("timeout",))
+
+    def _receive(self, w: _Worker, message: tuple) -> None:
+        kind, *rest = message
+        if kind == "loaded":
+            w.loading -= 1
+            if not w.loading:
+                self._failed_starts = 0
+        elif kind == "load_error":
+            key, type_name, text = rest
+            self._break(f"reward function {self._names[key]} cannot be loaded in a reward worker process: "
+                        f"{type_name}: {text} (define it at module level in an importable module, mark it "
+                        "`in_process = True`, or set reward_workers: 0)")
+        else:
+            task, w.task = w.task, None
+            if task is not None:
+                task.reply = message
+                task.done.set()
 
     def _dispatch(self) -> None:
         for w in self._workers:
             if not self._queue:
                 return
-            if w.task is None:
+            if w.task is None and w.loading == 0 and w.process.is_alive():
                 task = self._queue.popleft()
-                payload = None if task.key in w.loaded else self._payloads[task.key]
-                w.conn.send(("call", task.key, payload, task.kwargs, task.timeout_s))
-                w.loaded.add(task.key)
+                try:
+                    w.conn.send(("call", task.key, task.kwargs, task.timeout_s))
+                except OSError:  # it died idle: the task waits for another, and its sentinel gets it replaced
+                    self._queue.appendleft(task)
+                    continue
+                except Exception as e:  # noqa: BLE001 -- arguments that cannot be pickled
+                    self._fail(task, f"its arguments cannot be sent to a reward worker ({type(e).__name__}: {e})")
+                    continue
                 w.task = task
                 task.deadline = None if task.timeout_s is None else time.monotonic() + task.timeout_s + KILL_GRACE_S
-
-    def _run_until(self, finished: Callable[[], bool]) -> None:
-        with self._lock:
-            while not finished():
-                if not self._workers:
-                    raise RuntimeError("the reward workers were closed")
-                busy = [w for w in self._workers if w.task is not None]
-                deadlines = [w.task.deadline for w in busy if w.task.deadline is not None]
-                timeout = None if not deadlines else max(0.0, min(deadlines) - time.monotonic())
-                ready = wait([w.conn for w in busy] + [w.process.sentinel for w in busy], timeout)
-                for i, w in enumerate(self._workers):
-                    if w.task is None:
-                        continue
-                    if w.conn in ready:
-                        try:
-                            reply = w.conn.recv()
-                        except (EOFError, OSError):
-                            reply = None
-                        if reply is not None:
-                            self._finish(w, reply)
-                            continue
-                    if w.process.sentinel in ready or (w.conn in ready):
-                        w.process.join(timeout=1.0)
-                        code = w.process.exitcode
-                        self._replace(i, ("died", f"its worker process ended during the call (exit code {code}"
-                                                  f"{_signal_name(code)})"))
-                    elif w.task.deadline is not None and time.monotonic() >= w.task.deadline:
-                        self._replace(i, ("timeout",))
-                self._dispatch()
-
-    def _cancel(self, tasks: list[_Task]) -> None:
-        with self._lock:
-            for t in tasks:
-                if not t.done and t in self._queue:
-                    self._queue.remove(t)
-                    t.reply, t.done = ("error", None, "RuntimeError", "cancelled", ""), True
-
-    def _finish(self, w: _Worker, reply: tuple) -> None:
-        task, w.task = w.task, None
-        task.reply, task.done = reply, True
 
     def _replace(self, i: int, reply: tuple) -> None:
         """Kill worker i (stuck past its deadline, or already dead), give its task `reply`, start another."""
         w = self._workers[i]
         if w.process.is_alive():
             w.process.kill()
-            logger.warning("reward function %s ran %.0f s past its timeout in a reward worker, which native code "
-                           "held; the worker was killed and replaced", self._names[w.task.key], KILL_GRACE_S)
         w.process.join(timeout=2.0)
         w.conn.close()
-        self._finish(w, reply)
-        self._workers[i] = self._start()
+        if w.task is not None:
+            w.task.reply = reply
+            w.task.done.set()
+        self._workers[i] = self._spawn()
+
+    def _fail(self, task: _Task, why: str) -> None:
+        if not task.done.is_set():
+            task.reply = ("error", None, "RuntimeError", why, "")
+            task.done.set()
+
+    def _cancel(self, tasks: list[_Task]) -> None:
+        with self._lock:
+            for t in tasks:
+                if t in self._queue:
+                    self._queue.remove(t)
+                    self._fail(t, "cancelled")
 
 
-def _serve(conn: Connection) -> None:
-    """A worker's loop: load functions and call them (module docstring)."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle; it ends the workers
+def _serve(conn: Connection, seed: int | None) -> None:
+    """A worker's loop: build functions and call them (module docstring)."""
+    for s in (signal.SIGINT, signal.SIGTERM):  # the trainer's to handle; it closes the workers
+        signal.signal(s, signal.SIG_IGN)
+    _die_with_parent()
     import torch  # combine's import
 
     torch.set_num_threads(1)  # a reward's tensor work must not start a thread per core in each worker
+    if seed is not None:
+        random.seed(seed)
+        torch.manual_seed(seed)
+        if "numpy" in sys.modules:
+            sys.modules["numpy"].random.seed(seed % 2**32)
     funcs: dict[int, Callable] = {}
     while True:
         try:
@@ -294,21 +388,19 @@ def _serve(conn: Connection) -> None:
             _, key, payload = message
             try:
                 funcs[key] = _load(payload)
-                conn.send(("ok",))
+                reply: tuple = ("loaded", key)
             except Exception as e:  # noqa: BLE001 -- named to the trainer
-                conn.send(("error", None, type(e).__name__, str(e), traceback.format_exc()))
-            continue
-        _, key, payload, kwargs, timeout_s = message
-        try:
-            if payload is not None:
-                funcs[key] = _load(payload)
-            reply: tuple = ("ok", call_reward(funcs[key], kwargs, timeout_s))
-        except RewardTimeout:
-            reply = ("timeout",)
-        except RewardExited as e:
-            reply = ("exited", str(e))
-        except BaseException as e:  # noqa: BLE001 -- the function's fault, handed to the trainer
-            reply = ("error", _pickled(e), type(e).__name__, str(e), traceback.format_exc())
+                reply = ("load_error", key, type(e).__name__, str(e))
+        else:
+            _, key, kwargs, timeout_s = message
+            try:
+                reply = ("ok", call_reward(funcs[key], kwargs, timeout_s))
+            except RewardTimeout:
+                reply = ("timeout",)
+            except RewardExited as e:
+                reply = ("exited", str(e))
+            except BaseException as e:  # noqa: BLE001 -- the function's fault, handed to the trainer
+                reply = ("error", _pickled(e), type(e).__name__, str(e), traceback.format_exc())
         try:
             try:
                 conn.send(reply)
@@ -319,6 +411,21 @@ def _serve(conn: Connection) -> None:
                            f"reward worker ({type(e).__name__}: {e}): return floats or None", ""))
         except (OSError, EOFError):  # the trainer closed the workers during the call: nobody waits for it
             return
+
+
+def _die_with_parent() -> None:
+    """Linux: the kernel kills this worker when its parent, the fork server, ends; the server ends with
+    the trainer's process, so a worker stuck in native code never outlives the run."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        if os.getppid() == 1:  # the parent ended before the call: nothing will kill us later
+            os._exit(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def _payload(func: Callable, spec: Any) -> tuple[bytes | None, str]:
@@ -349,10 +456,12 @@ def _pickled(e: BaseException) -> bytes | None:
 
 
 def _rebuilt(data: bytes | None, type_name: str, message: str, tb: str) -> BaseException:
-    """The exception a worker's function raised, as raised there where it pickles, with the worker's traceback."""
-    e: BaseException = pickle.loads(data) if data is not None else RuntimeError(f"{type_name}: {message}")
-    if data is None:
-        e.remote_type = type_name  # type: ignore[attr-defined]
+    """The exception a worker's function raised, as raised there where it pickles (else an Exception of the
+    same name and message), with the worker's traceback as a note."""
+    if data is not None:
+        e: BaseException = pickle.loads(data)
+    else:
+        e = type(type_name, (Exception,), {"__module__": __name__})(message)
     if tb and hasattr(e, "add_note"):  # Python 3.11+
         e.add_note(f"raised in a reward worker process:\n{tb.rstrip()}")
     return e

@@ -162,8 +162,8 @@ class RewardWorkers:
             why = self._broken
             self.close()
             raise ValueError(why)
-        logger.info("reward workers: %d processes started in %.1f s; in them: %s", n, time.perf_counter() - start,
-                    ", ".join(self._names.values()))
+        logger.info("reward workers: %d process%s started in %.1f s; in them: %s", n, "es" * (n > 1),
+                    time.perf_counter() - start, ", ".join(self._names.values()))
 
     def runs(self, func: Callable) -> bool:
         """Whether `func` runs in the workers (else in the trainer's process)."""

@@ -20,6 +20,8 @@
 #   multiturn the embedded tool task's multi-turn rollouts, the eager step replayed as graphs against
 #            launched kernel by kernel (MT_S); such calls took the plain eager loop until 2026-11-27
 #   every    how often the slot loop should read its rows' finished flags on CUDA (EVERY_S)
+#   rewards  the reward stage in 4, 8 and 15 worker processes on the machine's 16 cores, 512 completions
+#            with LaTeX answers (benchmarks/reward_workers.py; REWARDS_S, ~60 s)
 # What each took on one H100: setup ~20 s; eager, both models, 56 s; widths ~110 s; bench at 135M,
 # both sides, 150 s (the 1.7B's, sixth session: ~215 s); compiled at 135M 112 s (the compile's try
 # 69 s); the suite, 11 workers beside 4 for tests/test_benchmarks_and_scripts.py, one torch thread
@@ -30,7 +32,8 @@
 # eager step, a failed compile printing its traceback; then cuDNN's attention, below), then at
 # once, while the machine is warm (30 s), (2) PARTS="multiturn bench" WORKLOADS=gpu-1.7b-256 MT_S=50
 # BENCH_S=230, timeout_s 290 (multi-turn calls graphed, and the 1.7B step with graphed decoding, never
-# measured). The `every` part (~90 s) does not fit beside them; it goes into the lease after. At most
+# measured). The `every` part (~90 s) does not fit beside them; it goes into the lease after, with
+# `rewards` (PARTS="every rewards", ~150 s). At most
 # 8 files come back from a lent machine's output folder: (1) writes 7, (2) 3.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -167,10 +170,14 @@ every() {
     --smollm2 "$TOKENIZER" --rows 64 --tokens 256 --stop-share 0.008 --bf16 --reps 3 --every 1 4 8 16 32 \
     --json "$OUT/check_every.json" 2>&1 | grep -v "Warning\|warn(" | tee "$OUT/check_every.log"
 }
-for part in ${PARTS:-bench tests eager widths compiled memory mb ab cudnn multiturn every}; do
+rewards() {
+  timeout "${REWARDS_S:-120}" python3 benchmarks/reward_workers.py --prompts 32 --group 16 --workers 4 8 15 \
+    --rounds 3 2>&1 | grep -v "Warning\|warn(" | tee "$OUT/reward_workers.log"
+}
+for part in ${PARTS:-bench tests eager widths compiled memory mb ab cudnn multiturn every rewards}; do
   case "$part" in
-    bench|tests|eager|widths|compiled|memory|mb|ab|cudnn|multiturn|every) echo "== $part ($(date +%T))"; "$part" ;;
-    *) echo "unknown part '$part': bench tests eager widths compiled memory mb ab cudnn multiturn every" >&2
+    bench|tests|eager|widths|compiled|memory|mb|ab|cudnn|multiturn|every|rewards) echo "== $part ($(date +%T))"; "$part" ;;
+    *) echo "unknown part '$part': bench tests eager widths compiled memory mb ab cudnn multiturn every rewards" >&2
        exit 2 ;;
   esac
 done

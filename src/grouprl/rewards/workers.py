@@ -152,7 +152,7 @@ class RewardWorkers:
                            "in_process, or it cannot be pickled): no worker was started", n)
             return
         self._context = _context(preload)
-        self._wake_r, self._wake_w = os.pipe()  # a submission or close() wakes the thread from its wait
+        self._wake_r, self._wake_w = mp.Pipe(duplex=False)  # a submission or close() wakes the thread's wait
         start = time.perf_counter()
         self._workers = [self._spawn() for _ in range(n)]
         self._thread = threading.Thread(target=self._pump, daemon=True, name="grouprl-reward-workers")
@@ -185,7 +185,7 @@ class RewardWorkers:
                     self._fail(t, self._broken or "the reward workers were closed")
             else:
                 self._queue.extend(tasks)
-                os.write(self._wake_w, b"x")
+                self._wake_w.send_bytes(b"x")
         return Pending(self, tasks)
 
     def call(self, func: Callable, kwargs: dict, rows: int, group_size: int, timeout_s: float | None) -> Any:
@@ -198,7 +198,7 @@ class RewardWorkers:
                 return
             self._closed = True
             if self._thread is not None:
-                os.write(self._wake_w, b"x")
+                self._wake_w.send_bytes(b"x")
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=10.0)
         with self._lock:
@@ -216,8 +216,8 @@ class RewardWorkers:
                 w.process.kill()
                 w.process.join(timeout=2.0)
         if self._thread is not None:
-            for fd in (self._wake_r, self._wake_w):
-                os.close(fd)
+            self._wake_r.close()
+            self._wake_w.close()
             self._thread = None
 
     def __del__(self) -> None:
@@ -253,8 +253,8 @@ class RewardWorkers:
                     waits = [self._wake_r] + [x for w in self._workers for x in (w.conn, w.process.sentinel)]
                 timeout = None if not deadlines else max(0.0, min(deadlines) - time.monotonic())
                 ready = wait(waits, timeout)
-                if self._wake_r in ready:
-                    os.read(self._wake_r, 4096)
+                while self._wake_r.poll():
+                    self._wake_r.recv_bytes()
                 with self._lock:
                     if self._closed:
                         return

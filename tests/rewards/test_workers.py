@@ -205,11 +205,12 @@ def test_a_worker_that_dies_is_replaced_and_the_row_that_killed_it_named(pool):
     assert float(os.getpid()) not in again.total.tolist()  # the workers serve again
 
 
-def test_a_call_past_its_timeout_is_stopped_in_the_worker(pool):
-    start = time.monotonic()
-    with pytest.raises(RewardFunctionError, match="did not return within timeout_s=0.5"):
-        score_completions([sleeps], None, PROMPTS[:8], COMPLETIONS[:8], timeout_s=0.5, workers=pool, group_size=G)
-    assert time.monotonic() - start < W.KILL_GRACE_S  # its own stop, in the worker: no kill needed
+def test_a_call_past_its_timeout_is_stopped_in_the_worker(pool, caplog):
+    with caplog.at_level(logging.WARNING, logger="grouprl.rewards.workers"):
+        with pytest.raises(RewardFunctionError, match="did not return within timeout_s=0.5"):
+            score_completions([sleeps], None, PROMPTS[:8], COMPLETIONS[:8], timeout_s=0.5, workers=pool,
+                              group_size=G)
+    assert "killed" not in caplog.text  # its own stop, in the worker: no kill needed
 
 
 def test_a_worker_no_stop_reaches_is_killed_at_the_deadline_and_replaced(pool, monkeypatch, caplog):
@@ -318,16 +319,16 @@ def test_an_output_that_cannot_be_read_back_fails_the_call_and_does_not_hang(poo
 
 
 def test_building_a_function_is_not_its_calls_time(monkeypatch):
-    monkeypatch.setattr(W, "KILL_GRACE_S", 0.2)
-    spec = {"name": f"{__name__}:slow_build", "seconds": 1.0}
+    monkeypatch.setattr(W, "KILL_GRACE_S", 0.5)
+    spec = {"name": f"{__name__}:slow_build", "seconds": 3.0}
     func = slow_build(0.0)
     workers = RewardWorkers(2, [func], [spec])
-    try:  # every worker built it before its first call: no call runs into the 0.5 s timeout
-        out = score_completions([func], None, PROMPTS, COMPLETIONS, timeout_s=0.5, workers=workers, group_size=G)
+    try:  # every worker built it (3 s) before its first call: no call is killed 2.5 s after it was sent
+        out = score_completions([func], None, PROMPTS, COMPLETIONS, timeout_s=2.0, workers=workers, group_size=G)
         assert out.total.tolist() == [1.0] * len(COMPLETIONS)
-        for w in workers._workers:  # their replacements build it (1 s) before they take a call, too
+        for w in workers._workers:  # their replacements build it before they take a call, too
             os.kill(w.process.pid, signal.SIGKILL)
-        out = score_completions([func], None, PROMPTS, COMPLETIONS, timeout_s=0.5, workers=workers, group_size=G)
+        out = score_completions([func], None, PROMPTS, COMPLETIONS, timeout_s=2.0, workers=workers, group_size=G)
         assert out.total.tolist() == [1.0] * len(COMPLETIONS)
     finally:
         workers.close()

@@ -37,6 +37,13 @@ def group_share(prompts, completions, **kwargs):
     return [float(prompts.count(p)) for p in prompts]
 
 
+def group_share_by_row(prompts, completions, **kwargs):
+    return group_share(prompts, completions)
+
+
+group_share_by_row.rowwise = True  # says it scores each row on its own: it may be cut between a group's rows
+
+
 def raises_on_bad(prompts, completions, **kwargs):
     if "bad" in completions:
         raise ValueError("cannot read 'bad'")
@@ -138,7 +145,7 @@ class InTheTrainer:
 
 @pytest.fixture(scope="module")
 def pool():
-    funcs = [math_accuracy, worker_pid, group_share, raises_on_bad, dies_on_die, sleeps, ignores_every_stop,
+    funcs = [math_accuracy, worker_pid, group_share, group_share_by_row, raises_on_bad, dies_on_die, sleeps, ignores_every_stop,
              returns_a_generator, dies_on_a_batch, unreadable, waits_for_the_trainer]
     workers = RewardWorkers(2, funcs)
     yield workers
@@ -160,6 +167,18 @@ def test_scores_in_the_workers_equal_the_trainers_and_slices_are_whole_groups(po
     assert all(len(set(group)) == 1 for group in groups)  # a group in one process
     assert pids[0] != pids[G]  # the first two slices went to the two idle workers, joined in row order
     assert float(os.getpid()) not in pids
+
+
+def test_a_rowwise_function_is_cut_by_rows_and_the_built_ins_are_rowwise(pool):
+    out = score_completions([group_share_by_row], None, PROMPTS, COMPLETIONS, workers=pool, group_size=G)
+    assert min(out.total.tolist()) < G  # 24 rows in 8 slices of 3: groups of 4 cut
+    from grouprl.rewards import BUILTIN_REWARDS
+
+    built = [BUILTIN_REWARDS.get(name) for name in ("math_accuracy", "think_format", "think_format_soft")]
+    built += [regex_match(pattern="x"), *(BUILTIN_REWARDS.get(name)(**params) for name, params in [
+        ("length_target", {"target": 8}), ("cosine_length", {"max_len": 8}), ("repetition_penalty", {}),
+        ("overlong_penalty", {"max_len": 8, "cache_len": 2})])]
+    assert all(getattr(f, "rowwise", False) for f in built)
 
 
 def test_rows_that_are_not_whole_groups_go_in_slices_of_rows(pool):
@@ -356,3 +375,22 @@ def test_the_trainers_own_functions_run_while_the_workers_run_theirs(pool, tmp_p
                             columns, workers=pool, group_size=G)
     assert out.per_func["waits_for_the_trainer"].tolist() == [1.0] * 8  # it saw the trainer's function start
     assert out.per_func["waits_for_a_worker"].tolist() == [1.0] * 8  # ... which saw a worker's start first
+
+
+def test_a_script_that_never_closes_its_workers_still_ends(tmp_path):
+    """multiprocessing's exit handler would SIGTERM the workers, who ignore it, and wait for them for ever."""
+    script = tmp_path / "score.py"
+    script.write_text(textwrap.dedent("""
+        from grouprl.rewards import math_accuracy, score_completions
+        from grouprl.rewards.workers import RewardWorkers
+
+        if __name__ == "__main__":
+            workers = RewardWorkers(2, [math_accuracy])
+            out = score_completions([math_accuracy], None, ["p"] * 4, ["42", "41", "42", "x"], {"answer": ["42"] * 4},
+                                    workers=workers, group_size=2)
+            print("scored", out.total.tolist())
+    """))
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "scored [1.0, 0.0, 1.0, 0.0]" in out.stdout

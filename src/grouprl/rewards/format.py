@@ -30,6 +30,9 @@ def think_format(prompts: list[Any], completions: list[Any], **kwargs: Any) -> l
     return [1.0 if _strict_ok(completion_text(c)) else 0.0 for c in completions]
 
 
+think_format.rowwise = True  # scored row by row: the reward workers may cut a group
+
+
 def think_format_soft(prompts: list[Any], completions: list[Any], **kwargs: Any) -> list[float]:
     """0.25 per tag present exactly once; 0.75 at most when all four are present but out of order."""
     scores = []
@@ -43,6 +46,9 @@ def think_format_soft(prompts: list[Any], completions: list[Any], **kwargs: Any)
                 score = 0.75
         scores.append(score)
     return scores
+
+
+think_format_soft.rowwise = True  # scored row by row: the reward workers may cut a group
 
 
 def regex_match(pattern: str, *, full: bool = False, ignore_case: bool = False) -> Callable[..., list[float]]:
@@ -59,4 +65,5 @@ def regex_match(pattern: str, *, full: bool = False, ignore_case: bool = False) 
             return [1.0 if compiled.fullmatch(t.strip()) else 0.0 for t in texts]
         return [1.0 if compiled.search(t) else 0.0 for t in texts]
 
+    regex_match.rowwise = True  # scored row by row: the reward workers may cut a group
     return regex_match

@@ -269,3 +269,6 @@ def math_accuracy(prompts: list[Any], completions: list[Any], **kwargs: Any) -> 
     answer cannot be parsed. Completions may be strings or chat message lists."""
     golds = column(kwargs, ("answer", "solution"), len(completions), "math_accuracy")
     return [None if g is None else verify_math(completion_text(c), str(g)) for c, g in zip(completions, golds)]
+
+
+math_accuracy.rowwise = True  # scored row by row: the reward workers may cut a group

@@ -49,6 +49,7 @@ def length_target(target: int, scale: float | None = None) -> RewardFunc:
     def length_target(prompts: list[Any], completions: list[Any], **kwargs: Any) -> list[float]:
         return [max(0.0, 1.0 - abs(L - target) / scale) for L in completion_lengths(completions, kwargs)]
 
+    length_target.rowwise = True  # scored row by row: the reward workers may cut a group
     return length_target
 
 
@@ -80,6 +81,7 @@ def cosine_length(
                 out.append(cosine(L, min_value_wrong, max_value_wrong))
         return out
 
+    cosine_length.rowwise = True  # scored row by row: the reward workers may cut a group
     return cosine_length
 
 
@@ -101,6 +103,7 @@ def repetition_penalty(ngram_size: int = 3, max_penalty: float = -1.0) -> Reward
             out.append(max_penalty * (1.0 - len(set(ngrams)) / len(ngrams)))
         return out
 
+    repetition_penalty.rowwise = True  # scored row by row: the reward workers may cut a group
     return repetition_penalty
 
 
@@ -119,4 +122,5 @@ def overlong_penalty(max_len: int, cache_len: int) -> RewardFunc:
         lengths = torch.tensor(completion_lengths(completions, kwargs), dtype=torch.long)  # [N]
         return dapo_overlong(lengths, max_len, cache_len).tolist()
 
+    overlong_penalty.rowwise = True  # scored row by row: the reward workers may cut a group
     return overlong_penalty

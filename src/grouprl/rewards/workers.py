@@ -4,7 +4,8 @@ A reward written in Python runs in the trainer's process, one row after another:
 LaTeX answer with an antlr grammar and compares it with sympy, ~5 ms a row on a CPU, so 512 completions
 take seconds of one core while the others, and on a GPU machine the GPU, wait. With N workers each
 function's call on a batch is cut into slices of whole groups (the G completions of a prompt stay
-together: a function may compare a completion with its group), the slices run in N processes, taken in
+together: a function may compare a completion with its group; one marked `rowwise = True`, as every
+built-in is, scores each row on its own and is cut by rows), the slices run in N processes, taken in
 turn as workers come free, and their outputs are joined in row order. The functions' slices all run
 at once, and while they do, the trainer's process runs the functions kept there (below): a thread of
 the trainer's feeds the workers and reads their answers.
@@ -39,6 +40,7 @@ nothing of the trainer's memory.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import multiprocessing as mp
 import os
@@ -157,6 +159,9 @@ class RewardWorkers:
         self._workers = [self._spawn() for _ in range(n)]
         self._thread = threading.Thread(target=self._pump, daemon=True, name="grouprl-reward-workers")
         self._thread.start()
+        # Before multiprocessing's own exit handler (atexit runs the later first), which would SIGTERM the
+        # workers, who ignore it, and then wait for them for ever: a script that never closes them still ends.
+        atexit.register(self.close)
         self._ready.wait()
         if self._broken is not None:
             why = self._broken
@@ -171,9 +176,11 @@ class RewardWorkers:
 
     def submit(self, func: Callable, kwargs: dict, rows: int, group_size: int, timeout_s: float | None) -> Pending:
         """Start `func(**kwargs)` on `rows` rows in slices of whole groups of `group_size` rows (every argument
-        holds one value per row, as score_completions checks); 1 lets any row go to any worker."""
+        holds one value per row, as score_completions checks); 1, or a function marked `rowwise = True` (it
+        scores each row on its own: the built-ins), lets any row go to any worker."""
         key = self._keys[id(func)]
-        size = group_size if group_size > 0 and rows % group_size == 0 else 1  # rows of a group, else one
+        whole = group_size > 0 and rows % group_size == 0 and not getattr(func, "rowwise", False)
+        size = group_size if whole else 1  # rows a group, or one: a `rowwise` function's slices may cut a group
         groups = rows // size
         slices = min(groups, SLICES_PER_WORKER * self.n)  # more slices than workers: a slow one holds up less
         per = max(1, -(-groups // max(slices, 1))) * size  # rows a slice: whole groups
@@ -199,6 +206,7 @@ class RewardWorkers:
             self._closed = True
             if self._thread is not None:
                 self._wake_w.send_bytes(b"x")
+        atexit.unregister(self.close)
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=10.0)
         with self._lock:

@@ -86,3 +86,6 @@ def format_reward(prompts: list[Any], completions: list[Any], **kwargs: Any) -> 
     columns in `kwargs` are accepted and unused.
     """
     return [1.0 if _DIGITS.fullmatch(completion_text(c).strip()) else 0.0 for c in completions]
+
+
+format_reward.rowwise = True  # scored row by row: the reward workers may cut a group

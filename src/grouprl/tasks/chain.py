@@ -82,6 +82,12 @@ def chain_answer(prompts: list[Any], completions: list[Any], answer: list[str], 
     return out
 
 
+chain_answer.rowwise = True  # scored row by row: the reward workers may cut a group
+
+
 def chain_exact(prompts: list[Any], completions: list[Any], steps: list[str], **kwargs: Any) -> list[float]:
     """1.0 when every line is right and there are no others (an eval metric)."""
     return [1.0 if completion_text(c).strip() == gold else 0.0 for c, gold in zip(completions, steps)]
+
+
+chain_exact.rowwise = True  # scored row by row: the reward workers may cut a group

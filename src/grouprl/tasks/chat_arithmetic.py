@@ -60,6 +60,9 @@ def boxed_format(prompts: list[Any], completions: list[Any], **kwargs: Any) -> l
     return [1.0 if _BOXED.search(completion_text(c)) else 0.0 for c in completions]
 
 
+boxed_format.rowwise = True  # scored row by row: the reward workers may cut a group
+
+
 def boxed_accuracy(prompts: list[Any], completions: list[Any], **kwargs: Any) -> list[float]:
     """Strict correctness: 1.0 when the last \\boxed{} integer equals `answer`, else 0.0."""
     out = []
@@ -68,3 +71,5 @@ def boxed_accuracy(prompts: list[Any], completions: list[Any], **kwargs: Any) ->
         out.append(1.0 if boxed and int(boxed[-1]) == int(gold) else 0.0)
     return out
 
+
+boxed_accuracy.rowwise = True  # scored row by row: the reward workers may cut a group

@@ -91,6 +91,9 @@ def product_accuracy(prompts: list[Any], completions: list[Any], answer: list[st
     return [float(_final_answer(c) == str(a)) for c, a in zip(completions, answer)]
 
 
+product_accuracy.rowwise = True  # scored row by row: the reward workers may cut a group
+
+
 def correct_tool_use(prompts: list[Any], completions: list[Any], a: list[int], b: list[int],
                      **kwargs: Any) -> list[float]:
     """1.0 when the trajectory called `mul` with the prompt's operands (and nothing else), else 0.0."""
@@ -100,6 +103,9 @@ def correct_tool_use(prompts: list[Any], completions: list[Any], a: list[int], b
         out.append(float(bool(calls) and all(f["name"] == "mul" and f["arguments"] == {"a": x, "b": y}
                                              for f in calls)))
     return out
+
+
+correct_tool_use.rowwise = True  # scored row by row: the reward workers may cut a group
 
 
 def add_chat_tokens(tokenizer) -> None:

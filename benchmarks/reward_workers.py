@@ -5,6 +5,7 @@ trainer makes (math_accuracy and think_format, slices of whole groups); the tota
 
     python benchmarks/reward_workers.py                            # 16 prompts x 16, workers 1 and 2
     python benchmarks/reward_workers.py --prompts 32 --group 16 --workers 2 4 8 --rounds 5
+    python benchmarks/reward_workers.py --prompts 1 --group 128 [--whole-groups]   # one group: cut by rows or not
 """
 
 from __future__ import annotations
@@ -22,6 +23,15 @@ from grouprl.rewards.workers import RewardWorkers
 
 FORMS = [lambda a, b: f"\\frac{{{a}}}{{{b}}}", lambda a, b: f"\\sqrt{{{a}}} + {b}", lambda a, b: f"{a}^{{{b % 5 + 2}}}",
          lambda a, b: f"[{a}, {a + b})", lambda a, b: f"\\{{{a}, {b}\\}}", lambda a, b: f"\\frac{{{a}\\pi}}{{{b}}}"]
+
+
+def math_by_groups(prompts, completions, **kwargs):
+    """math_accuracy without its `rowwise` mark: the workers cut its calls between whole groups only."""
+    return math_accuracy(prompts, completions, **kwargs)
+
+
+def format_by_groups(prompts, completions, **kwargs):
+    return think_format(prompts, completions, **kwargs)
 
 
 def batch(prompts: int, group: int, seed: int) -> tuple[list[str], list[str], list[str]]:
@@ -46,8 +56,10 @@ def main() -> None:
     ap.add_argument("--group", type=int, default=16)
     ap.add_argument("--workers", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--whole-groups", action="store_true", help="slices of whole groups only (the functions "
+                    "unmarked), as for a function that compares a completion with its group")
     args = ap.parse_args()
-    funcs = [math_accuracy, think_format]
+    funcs = [math_by_groups, format_by_groups] if args.whole_groups else [math_accuracy, think_format]
     start = {}
     pools = {}
     for n in args.workers:
@@ -75,7 +87,7 @@ def main() -> None:
     n = args.prompts * args.group
     base = statistics.median(times[0])
     print(f"{n} completions ({args.prompts} x {args.group}), {os.cpu_count()} cores, load {os.getloadavg()[0]:.2f}; "
-          f"medians of {args.rounds} alternated rounds")
+          f"medians of {args.rounds} alternated rounds; slices {'of whole groups' if args.whole_groups else 'of rows'}")
     for side in sides:
         med = statistics.median(times[side])
         label = "in the trainer's process" if side == 0 else f"{side} worker(s) (started in {start[side]:.1f} s)"

@@ -87,9 +87,10 @@ class TrainFields:
     """When set, a reward that raises, hangs or returns NaN gets this value (counted in the metrics)
     instead of stopping the run."""
     reward_workers: int = 0
-    """Worker processes that run the reward and audit functions (per rank), each on a slice of whole groups,
-    while those kept in the trainer (reward models) run too: for rewards that are Python work (math-verify
-    reads LaTeX with a parser and sympy, ~5 ms a row); 0: all in the trainer's process (docs/rewards.md)."""
+    """Worker processes that run the reward and audit functions (per rank), each call cut into slices (whole
+    groups, or rows for a function marked `rowwise`), while those kept in the trainer (reward models) run
+    too: for rewards that are Python work (math-verify reads LaTeX with a parser and sympy, ~5 ms a row);
+    0: all in the trainer's process (docs/rewards.md, "Reward workers")."""
     step_delimiter: str = "\n"
     """Process supervision: a reward function that returns (k, reward) step pairs with an int k
     means the k-th piece of the completion split after each occurrence of this string

@@ -145,8 +145,8 @@ class InTheTrainer:
 
 @pytest.fixture(scope="module")
 def pool():
-    funcs = [math_accuracy, worker_pid, group_share, group_share_by_row, raises_on_bad, dies_on_die, sleeps, ignores_every_stop,
-             returns_a_generator, dies_on_a_batch, unreadable, waits_for_the_trainer]
+    funcs = [math_accuracy, worker_pid, group_share, group_share_by_row, raises_on_bad, dies_on_die, sleeps,
+             ignores_every_stop, returns_a_generator, dies_on_a_batch, unreadable, waits_for_the_trainer]
     workers = RewardWorkers(2, funcs)
     yield workers
     workers.close()

@@ -394,3 +394,66 @@ def test_a_script_that_never_closes_its_workers_still_ends(tmp_path):
                          env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert out.returncode == 0, out.stderr[-2000:]
     assert "scored [1.0, 0.0, 1.0, 0.0]" in out.stdout
+
+
+def test_workers_and_their_server_end_when_the_trainer_is_killed_mid_call(tmp_path):
+    """A fork server's child holds the pipe by which the server learns that the trainer is gone: a worker
+    that kept it would keep the server, and so itself, alive for ever after a SIGKILL."""
+    script = tmp_path / "killed.py"
+    script.write_text(textwrap.dedent(f"""
+        import os, signal, sys, time
+        sys.path.insert(0, {str(pathlib.Path(__file__).parent)!r})
+        from grouprl.rewards.workers import RewardWorkers
+        from multiprocessing import forkserver
+        import test_workers as t
+
+        if __name__ == "__main__":
+            workers = RewardWorkers(1, [t.sleeps])
+            workers.submit(t.sleeps, {{"prompts": ["p"], "completions": ["c"]}}, 1, 1, None)
+            time.sleep(1.0)  # the call is running
+            print(workers._workers[0].process.pid, forkserver._forkserver._forkserver_pid, flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+    """))
+    printed = tmp_path / "pids.txt"  # a file, not a pipe: a pipe's reader would wait for every process holding it
+    with open(printed, "w") as stdout:
+        subprocess.run([sys.executable, str(script)], stdout=stdout, stderr=subprocess.DEVNULL, timeout=120,
+                       env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    pids = [int(x) for x in printed.read_text().split()]
+    assert len(pids) == 2
+    end = time.monotonic() + 20  # the call sleeps 60 s: only the trainer's end can stop it in time
+    while any(_alive(pid) for pid in pids) and time.monotonic() < end:
+        time.sleep(0.1)
+    assert not any(_alive(pid) for pid in pids), "a worker or its fork server outlived the trainer"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    stat = pathlib.Path(f"/proc/{pid}/stat")
+    return not (stat.exists() and stat.read_text().split(") ")[-1].startswith("Z"))  # a zombie has ended
+
+
+def test_workers_that_keep_ending_outside_calls_break_the_pool_with_the_reason():
+    workers = RewardWorkers(1, [worker_pid])
+    try:
+        for _ in range(W.MAX_FAILED_STARTS):  # each replacement killed before any call came back
+            pid = workers._workers[0].process.pid
+            os.kill(pid, signal.SIGKILL)
+            end = time.monotonic() + 30
+            while workers._workers and workers._workers[0].process.pid == pid and workers._broken is None \
+                    and time.monotonic() < end:
+                time.sleep(0.05)
+        with pytest.raises(RewardFunctionError, match="keep ending before a call comes back"):
+            score_completions([worker_pid], None, PROMPTS[:4], COMPLETIONS[:4], workers=workers, group_size=G)
+        workers._thread.join(timeout=10)
+        assert not workers._thread.is_alive()  # the broken pool's thread has stopped, not spinning
+    finally:
+        workers.close()
+
+
+def test_a_build_that_hangs_fails_the_start_with_the_reason(monkeypatch):
+    monkeypatch.setattr(W, "BUILD_TIMEOUT_S", 0.5)
+    with pytest.raises(ValueError, match="did not build the reward functions within 0 s"):
+        RewardWorkers(1, [slow_build(0.0)], [{"name": f"{__name__}:slow_build", "seconds": 30.0}])

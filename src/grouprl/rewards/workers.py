@@ -19,7 +19,8 @@ pickle (a module-level function by its import path). Every worker builds every f
 takes a call (the time a build takes is not the call's), and the first workers do it at start, so a
 function a worker cannot import fails the run before its first step, not in it. A function that keeps
 state between calls, or draws random numbers, keeps it per worker (worker i is seeded `seed + i`):
-mark such a function `in_process = True` to keep the trainer's behaviour.
+mark such a function `in_process = True` to keep the trainer's behaviour (a worker that replaces one takes the
+next seed, seed + n, seed + n + 1, ...).
 
 A worker runs a function as the trainer would (`combine.call_reward`: its own timeout in its own main
 thread, where math-verify's `signal.alarm` works), and sends back the output or what was raised,
@@ -27,9 +28,12 @@ validated in the trainer as any output. A worker that has not answered by the ti
 `KILL_GRACE_S` (native code that no signal stops) is killed and replaced: that call is a timeout. A
 worker that dies (a segfault, `os._exit`, the kernel's OOM killer) is replaced and the call raises
 `WorkerDied`, so the rows are retried one by one to name the row that kills it (and if every row then
-succeeds, their scores are used). Workers ignore SIGINT and SIGTERM (a scheduler's notice goes to every
-process: the trainer's stop is the trainer's to make), leave when the trainer closes them, and are
-killed when the fork server exits, which it does when the trainer's process ends, however it ends.
+succeeds, their scores are used). A worker that ends outside a call, or has not built every function
+within BUILD_TIMEOUT_S, is replaced too; after MAX_FAILED_STARTS of those in a row, with no call come
+back between them, the pool gives up, and every call fails with the reason. Workers ignore SIGINT and
+SIGTERM (a scheduler's notice goes to every process: the trainer's stop is the trainer's to make),
+leave when the trainer closes them, and are killed when the fork server exits, which it does when the
+trainer's process ends, however it ends.
 
 The workers are forked from a fork server (spawned where there is none) that imported `grouprl.rewards`
 and the caller's modules once (the trainer's: Python's multiprocessing runs a script's top level again
@@ -41,6 +45,7 @@ nothing of the trainer's memory.
 from __future__ import annotations
 
 import atexit
+import builtins
 import logging
 import multiprocessing as mp
 import os
@@ -62,6 +67,8 @@ from .errors import WorkerDied
 logger = logging.getLogger(__name__)
 
 KILL_GRACE_S = 3.0  # past a call's timeout: its worker is killed (its own stop had 1 s to unwind)
+BUILD_TIMEOUT_S = 300.0  # a worker that has not built every function by then is killed (a build that hangs)
+MAX_FAILED_STARTS = 3  # workers in a row that ended (or were killed) before a call came back: the pool gives up
 SLICES_PER_WORKER = 4  # a batch's slices per worker at most, taken in turn as workers come free
 _MAIN_GUARD = ("the reward worker processes ended as they started. If a script of yours started the run, each worker "
                "ran its top level again (Python's multiprocessing imports the main module in a new process): put the "
@@ -83,7 +90,7 @@ class _Task:
 class _Worker:
     process: Any
     conn: Connection
-    loading: int  # functions it has not yet confirmed built: it takes no call before 0
+    loading: float | None  # until when it may build the functions (then it is killed); None once built
     task: _Task | None = None
 
 
@@ -145,7 +152,7 @@ class RewardWorkers:
         self._queue: deque[_Task] = deque()
         self._lock = threading.Lock()
         self._workers: list[_Worker] = []
-        self._spawned, self._failed_starts = 0, 0  # workers started; in a row that ended before they were ready
+        self._spawned, self._failed_starts = 0, 0  # workers started; in a row that ended before a call came back
         self._broken: str | None = None  # why no call can run any more
         self._closed, self._thread = False, None
         self._ready = threading.Event()  # the first workers built every function, or failed to
@@ -236,7 +243,8 @@ class RewardWorkers:
 
     # ------------------------------------------------------------------ the feeding thread
     def _spawn(self) -> _Worker:
-        """A new worker, sent every function to build (it answers each before it takes a call)."""
+        """A new worker, sent every function to build in one message, which it reads whole before it builds
+        any (so the send never waits on a build), and answers once before it takes a call."""
         ours, theirs = self._context.Pipe(duplex=True)
         seed = None if self.seed is None else self.seed + self._spawned
         self._spawned += 1
@@ -244,20 +252,20 @@ class RewardWorkers:
         process.start()
         theirs.close()
         try:
-            for key, payload in self._payloads.items():
-                ours.send(("load", key, payload))
+            ours.send(("load", self._payloads))
         except OSError:  # it died as it started: its sentinel says so
             pass
-        return _Worker(process, ours, len(self._payloads))
+        return _Worker(process, ours, time.monotonic() + BUILD_TIMEOUT_S)
 
     def _pump(self) -> None:
         try:
             while True:
                 with self._lock:
-                    if self._closed:
+                    if self._closed or self._broken is not None:  # a broken pool's calls have all failed
                         return
                     self._dispatch()
                     deadlines = [w.task.deadline for w in self._workers if w.task and w.task.deadline is not None]
+                    deadlines += [w.loading for w in self._workers if w.loading is not None]
                     waits = [self._wake_r] + [x for w in self._workers for x in (w.conn, w.process.sentinel)]
                 timeout = None if not deadlines else max(0.0, min(deadlines) - time.monotonic())
                 ready = wait(waits, timeout)
@@ -267,8 +275,9 @@ class RewardWorkers:
                     if self._closed:
                         return
                     for i, w in enumerate(self._workers):
-                        self._look_at(i, w, ready)
-                    if not self._ready.is_set() and all(w.loading == 0 for w in self._workers):
+                        if self._broken is None:
+                            self._look_at(i, w, ready)
+                    if not self._ready.is_set() and all(w.loading is None for w in self._workers):
                         self._ready.set()
         except BaseException as e:  # noqa: BLE001 -- nothing may wait for ever on a thread that is gone
             with self._lock:
@@ -280,6 +289,8 @@ class RewardWorkers:
         self._broken = self._broken or why
         for t in list(self._queue) + [w.task for w in self._workers if w.task is not None]:
             self._fail(t, self._broken)
+        for w in self._workers:
+            w.task = None  # failed above: a late answer must not replace that reply
         self._queue.clear()
         self._ready.set()
 
@@ -300,26 +311,38 @@ class RewardWorkers:
             w.process.join(timeout=1.0)
             code = w.process.exitcode
             how = f"exit code {code}{_signal_name(code)}"
-            if w.loading:  # it ended before it built every function: at start, or a replacement
-                self._failed_starts += 1
-                if not self._ready.is_set() or self._failed_starts >= 3:
-                    self._break(f"{_MAIN_GUARD} ({how})" if not self._ready.is_set() else
-                                f"reward worker processes keep ending as they start ({how}); the last worker's "
-                                "error is printed above")
+            if w.task is None:  # while it built the functions or waited for a call: nothing of a row's doing
+                self._failed_start(f"{_MAIN_GUARD} ({how})" if not self._ready.is_set() else
+                                   f"reward worker processes keep ending before a call comes back ({how}); the "
+                                   "last worker's error is printed above")
+                if self._broken is not None:
                     return
+                logger.warning("a reward worker process ended outside any call (%s); it was replaced", how)
             self._replace(i, ("died", f"its worker process ended during the call ({how})"))
+        elif w.loading is not None and time.monotonic() >= w.loading:
+            self._failed_start(f"a reward worker did not build the reward functions within {BUILD_TIMEOUT_S:.0f} s "
+                               "(one of them hangs as it is built); set reward_workers: 0 to build them here only")
+            if self._broken is None:
+                logger.warning("a reward worker did not build the reward functions within %.0f s; it was killed "
+                               "and replaced", BUILD_TIMEOUT_S)
+                self._replace(i, ("died", "its worker process was killed while building"))
         elif w.task is not None and w.task.deadline is not None and time.monotonic() >= w.task.deadline:
             logger.warning("reward function %s ran %.0f s past its timeout in a reward worker, which no signal "
                            "stopped there (native code?); the worker was killed and replaced",
                            self._names[w.task.key], KILL_GRACE_S)
             self._replace(i, ("timeout",))
 
+    def _failed_start(self, why: str) -> None:
+        """A worker ended (or was killed) with no call of its own to blame: at start the pool fails; later it
+        gives up after MAX_FAILED_STARTS in a row with no call come back between them (a restart loop)."""
+        self._failed_starts += 1
+        if not self._ready.is_set() or self._failed_starts >= MAX_FAILED_STARTS:
+            self._break(why)
+
     def _receive(self, w: _Worker, message: tuple) -> None:
         kind, *rest = message
         if kind == "loaded":
-            w.loading -= 1
-            if not w.loading:
-                self._failed_starts = 0
+            w.loading = None
         elif kind == "load_error":
             key, type_name, text = rest
             self._break(f"reward function {self._names[key]} cannot be loaded in a reward worker process: "
@@ -327,7 +350,8 @@ class RewardWorkers:
                         "`in_process = True`, or set reward_workers: 0)")
         else:
             task, w.task = w.task, None
-            if task is not None:
+            self._failed_starts = 0  # a call came back: workers start and work
+            if task is not None and not task.done.is_set():
                 task.reply = message
                 task.done.set()
 
@@ -335,7 +359,7 @@ class RewardWorkers:
         for w in self._workers:
             if not self._queue:
                 return
-            if w.task is None and w.loading == 0 and w.process.is_alive():
+            if w.task is None and w.loading is None and w.process.is_alive():
                 task = self._queue.popleft()
                 try:
                     w.conn.send(("call", task.key, task.kwargs, task.timeout_s))
@@ -355,7 +379,7 @@ class RewardWorkers:
             w.process.kill()
         w.process.join(timeout=2.0)
         w.conn.close()
-        if w.task is not None:
+        if w.task is not None and not w.task.done.is_set():
             w.task.reply = reply
             w.task.done.set()
         self._workers[i] = self._spawn()
@@ -377,6 +401,7 @@ def _serve(conn: Connection, seed: int | None) -> None:
     """A worker's loop: build functions and call them (module docstring)."""
     for s in (signal.SIGINT, signal.SIGTERM):  # the trainer's to handle; it closes the workers
         signal.signal(s, signal.SIG_IGN)
+    _drop_the_servers_lifeline()
     _die_with_parent()
     import torch  # combine's import
 
@@ -393,12 +418,13 @@ def _serve(conn: Connection, seed: int | None) -> None:
         except (EOFError, OSError, KeyboardInterrupt):
             return
         if message[0] == "load":
-            _, key, payload = message
-            try:
-                funcs[key] = _load(payload)
-                reply: tuple = ("loaded", key)
-            except Exception as e:  # noqa: BLE001 -- named to the trainer
-                reply = ("load_error", key, type(e).__name__, str(e))
+            reply: tuple = ("loaded",)
+            for key, payload in message[1].items():
+                try:
+                    funcs[key] = _load(payload)
+                except Exception as e:  # noqa: BLE001 -- named to the trainer
+                    reply = ("load_error", key, type(e).__name__, str(e))
+                    break
         else:
             _, key, kwargs, timeout_s = message
             try:
@@ -419,6 +445,21 @@ def _serve(conn: Connection, seed: int | None) -> None:
                            f"reward worker ({type(e).__name__}: {e}): return floats or None", ""))
         except (OSError, EOFError):  # the trainer closed the workers during the call: nobody waits for it
             return
+
+
+def _drop_the_servers_lifeline() -> None:
+    """A fork server's child inherits the write end of the pipe by which the server learns that the trainer
+    is gone (it leaves at that pipe's end): a worker holding it keeps the server, and so itself, alive after
+    the trainer dies. A worker starts no process, so it closes it."""
+    try:
+        from multiprocessing import forkserver
+
+        fd = getattr(forkserver._forkserver, "_forkserver_alive_fd", None)
+        if fd is not None:
+            os.close(fd)
+            forkserver._forkserver._forkserver_alive_fd = None
+    except (ImportError, AttributeError, OSError):
+        pass
 
 
 def _die_with_parent() -> None:
@@ -466,8 +507,11 @@ def _pickled(e: BaseException) -> bytes | None:
 def _rebuilt(data: bytes | None, type_name: str, message: str, tb: str) -> BaseException:
     """The exception a worker's function raised, as raised there where it pickles (else an Exception of the
     same name and message), with the worker's traceback as a note."""
+    builtin = getattr(builtins, type_name, None)
     if data is not None:
         e: BaseException = pickle.loads(data)
+    elif isinstance(builtin, type) and issubclass(builtin, Exception):
+        e = builtin(message)  # RuntimeError("the reward workers were closed"): catchable as such
     else:
         e = type(type_name, (Exception,), {"__module__": __name__})(message)
     if tb and hasattr(e, "add_note"):  # Python 3.11+

@@ -171,7 +171,8 @@ def test_scores_in_the_workers_equal_the_trainers_and_slices_are_whole_groups(po
 
 def test_a_rowwise_function_is_cut_by_rows_and_the_built_ins_are_rowwise(pool):
     out = score_completions([group_share_by_row], None, PROMPTS, COMPLETIONS, workers=pool, group_size=G)
-    assert min(out.total.tolist()) < G  # 24 rows in 8 slices of 3: groups of 4 cut
+    slices = [PROMPTS[a:a + 3] for a in range(0, len(PROMPTS), 3)]  # 24 rows in 8 slices of 3: groups of 4 cut
+    assert out.total.tolist() == [float(part.count(p)) for part in slices for p in part]
     from grouprl.rewards import BUILTIN_REWARDS
 
     built = [BUILTIN_REWARDS.get(name) for name in ("math_accuracy", "think_format", "think_format_soft")]
@@ -183,8 +184,7 @@ def test_a_rowwise_function_is_cut_by_rows_and_the_built_ins_are_rowwise(pool):
 
 def test_rows_that_are_not_whole_groups_go_in_slices_of_rows(pool):
     out = score_completions([group_share], None, PROMPTS[:7], COMPLETIONS[:7], workers=pool, group_size=G)
-    assert out.per_func["group_share"].tolist() != [float(G)] * 7  # 7 rows are no whole groups of 4: cut anyway
-    assert len(out.per_func["group_share"]) == 7
+    assert out.per_func["group_share"].tolist() == [1.0] * 7  # 7 rows are no whole groups of 4: a row a slice
 
 
 def test_a_marked_function_and_a_lambda_stay_in_the_trainer(caplog):

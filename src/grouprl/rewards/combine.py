@@ -18,7 +18,8 @@ time themselves out with `signal.alarm` (math-verify's `parse` and `verify`, so 
 accuracy rewards) raise in any other thread. Elsewhere (another thread, Windows) in a worker thread,
 abandoned at the deadline. An `async def` function is run to its end on an event loop of its own. With
 reward workers (workers.py, `reward_workers: N`), the functions they take run in worker processes, each
-there as here, in slices of whole groups and all at once, while the others run here.
+there as here, in slices (whole groups, or rows for a `rowwise` function) and all at once, while the
+others run here.
 """
 
 from __future__ import annotations
@@ -381,7 +382,7 @@ def score_completions(
     does. `columns` maps a dataset column to its N values. See the module docstring for faults.
     `step_delimiter` splits a completion into steps for step rewards given by step index. `workers`
     (`RewardWorkers`): the functions they run are called there, all at once, in slices of whole groups of
-    `group_size` rows; the others here, meanwhile, in order.
+    `group_size` rows (of rows, for a function marked `rowwise`); the others here, meanwhile, in order.
     """
     n = len(completions)
     columns = dict(columns or {})

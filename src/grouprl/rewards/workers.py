@@ -61,7 +61,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from typing import Any, Callable, Sequence
 
-from .combine import RewardExited, RewardTimeout, call_reward
+from .combine import RewardExited, RewardTimeout, call_reward, reward_names
 from .errors import WorkerDied
 
 logger = logging.getLogger(__name__)
@@ -138,17 +138,18 @@ class RewardWorkers:
         self._payloads: dict[int, bytes] = {}  # key -> what a worker builds the function from
         self._keys: dict[int, int] = {}  # id(func) -> key
         specs = list(specs) if specs is not None else [None] * len(funcs)
+        names = dict(zip(map(id, funcs), reward_names(funcs)))  # as the scores are keyed
         for func, spec in zip(funcs, specs):
             if getattr(func, "in_process", False) or id(func) in self._keys:
                 continue
             payload, why = _payload(func, spec)
             if payload is None:
                 logger.warning("reward function %s runs in the trainer's process, not in the reward workers: %s",
-                               _name(func), why)
+                               names[id(func)], why)
                 continue
             self._keys[id(func)] = len(self._payloads)
             self._payloads[len(self._payloads)] = payload
-        self._names = {self._keys[id(f)]: _name(f) for f in funcs if id(f) in self._keys}
+        self._names = {key: names[fid] for fid, key in self._keys.items()}
         self._queue: deque[_Task] = deque()
         self._lock = threading.Lock()
         self._workers: list[_Worker] = []
@@ -201,9 +202,6 @@ class RewardWorkers:
                 self._queue.extend(tasks)
                 self._wake_w.send_bytes(b"x")
         return Pending(self, tasks)
-
-    def call(self, func: Callable, kwargs: dict, rows: int, group_size: int, timeout_s: float | None) -> Any:
-        return self.submit(func, kwargs, rows, group_size, timeout_s).result()
 
     def close(self) -> None:
         """End the workers and the thread that feeds them (idempotent); calls still waiting fail."""
@@ -533,10 +531,6 @@ def _joined(outs: list[Any]) -> Any:
             return out
         joined.extend(out)
     return joined
-
-
-def _name(func: Callable) -> str:
-    return getattr(func, "__name__", None) or type(func).__name__
 
 
 def _signal_name(code: int | None) -> str:

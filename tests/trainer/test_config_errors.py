@@ -40,6 +40,10 @@ def _nothing_loads(no_tokenizer_loading):
     ({"adam_beta2": 1.0}, "adam_beta2=1.0 must be in .0, 1. .AdamW"),
     ({"weight_decay": -0.01}, "weight_decay=-0.01 must be 0 or more"),
     ({"lora_r": 8, "ref_update_steps": 2}, "ref_update_steps with LoRA is not supported"),
+    ({"algorithm": "reinforce_pp", "dynamic_sampling": True}, "dynamic_sampling with advantage_estimator=reinforce_pp: "
+     "dynamic sampling drops the groups whose rewards are all equal, and its baseline is the batch's mean"),
+    ({"algorithm": "reinforce_pp", "prompt_filter": True}, "prompt_filter with advantage_estimator=reinforce_pp: "
+     "the prompt filter stops drawing prompts .* set prompt_filter: false"),
     ({"vllm_importance_sampling_mode": "tis"}, "vllm_importance_sampling_mode='tis' is not one of"),
     ({"vllm_importance_sampling_cap": 0.5}, "vllm_importance_sampling_cap=0.5 must be at least 1"),
     ({"vllm_importance_sampling_min": 2.0}, "vllm_importance_sampling_min=2.0 must be in [0, 1]"),

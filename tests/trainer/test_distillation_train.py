@@ -173,6 +173,9 @@ def test_a_tiny_student_learns_from_a_tiny_teacher_without_the_reward(make_cfg, 
     ({"algorithm": "on_policy_distill", "teacher_model": "x", "dynamic_sampling": True},
      "dynamic_sampling with distill_coef=1.0: .* with a teacher those groups still carry its per-token signal; "
      "set dynamic_sampling: false"),
+    ({"algorithm": "on_policy_distill", "teacher_model": "x", "prompt_filter": True},
+     "prompt_filter with distill_coef=1.0: the prompt filter stops drawing prompts whose groups' rewards were all "
+     "equal, and with a teacher those groups still carry its per-token signal; set prompt_filter: false"),
     ({"algorithm": "on_policy_distill", "teacher_model": "x", "distill_signal": "forward_kl"},
      "distill_signal='forward_kl' is not one of: reverse_kl"),
     ({"algorithm": "on_policy_distill", "teacher_model": "./no/teacher"},

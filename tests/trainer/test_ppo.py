@@ -130,9 +130,12 @@ def test_config_errors_name_the_fix(make_cfg):
         make_cfg(algorithm="ppo", lam=1.5).validate()
     with pytest.raises(ConfigError, match="vf_coef=0"):
         make_cfg(algorithm="ppo", vf_coef=0.0).validate()
-    with pytest.raises(ConfigError, match="GAE's baseline is the value function, so those groups still teach; "
-                                          "set dynamic_sampling: false"):
+    with pytest.raises(ConfigError, match="GAE's baseline is the value function, not the group's mean, so those "
+                                          "groups still teach; set dynamic_sampling: false"):
         make_cfg(algorithm="ppo", dynamic_sampling=True).validate()
+    with pytest.raises(ConfigError, match="prompt_filter with advantage_estimator=gae .PPO.: the prompt filter stops "
+                                          "drawing .* so those groups still teach; set prompt_filter: false"):
+        make_cfg(algorithm="ppo", prompt_filter=True).validate()
 
 
 def test_the_cli_reaches_ppo():

@@ -318,6 +318,7 @@ def validate_config(cfg: C) -> C:
         raise ConfigError(f"overlong_cache_len={c.overlong_cache_len} must be in "
                           f"(0, max_completion_length={c.max_completion_length}]")
     _check_distillation(c)
+    _check_group_skips(c)
     _check_vllm(c)
     _check_tools(c)
     return c
@@ -403,14 +404,31 @@ def _check_distillation(c: TrainFields) -> None:
                           "teacher would load and never count; set distill_coef (e.g. 1.0 to add its per-token "
                           "signal to the reward advantages), or algorithm: on_policy_distill to learn from the "
                           "teacher alone, or drop teacher_model")
-    if c.distill_coef > 0 and c.dynamic_sampling:
-        raise ConfigError(f"dynamic_sampling with distill_coef={c.distill_coef}: dynamic sampling drops the groups "
-                          "whose rewards are all equal, and with a teacher those groups still carry its per-token "
-                          "signal; set dynamic_sampling: false")
     if c.distill_coef == 0 and c.distill_reward_coef != 1:
         raise ConfigError(f"distill_reward_coef={c.distill_reward_coef} weighs the reward advantages against a "
                           "teacher's signal, and there is none (distill_coef=0): drop distill_reward_coef, or set "
                           "teacher_model and distill_coef")
+
+
+def _check_group_skips(c: TrainFields) -> None:
+    """Dynamic sampling drops the groups whose rewards are all equal, and the prompt filter stops
+    drawing the prompts whose last groups were: both rest on such a group's advantages being all 0,
+    which holds for a group baseline and no other signal, not where a group still teaches."""
+    if c.distill_coef > 0:
+        why = (f"distill_coef={c.distill_coef}", "with a teacher those groups still carry its per-token signal")
+    elif c.value_head:
+        why = ("advantage_estimator=gae (PPO)", "GAE's baseline is the value function, not the group's mean, so "
+               "those groups still teach")
+    elif c.advantage_estimator == "reinforce_pp":
+        why = ("advantage_estimator=reinforce_pp", "its baseline is the batch's mean, not the group's, so those "
+               "groups still get advantages (reinforce_pp_baseline centres each group first)")
+    else:
+        return
+    for name, does in (("dynamic_sampling", "dynamic sampling drops the groups whose rewards are all equal"),
+                       ("prompt_filter", "the prompt filter stops drawing prompts whose groups' rewards were all "
+                                         "equal")):
+        if getattr(c, name):
+            raise ConfigError(f"{name} with {why[0]}: {does}, and {why[1]}; set {name}: false")
 
 
 def _check_vllm(c: TrainFields) -> None:
@@ -510,8 +528,3 @@ def _check_value_function(c: TrainFields) -> None:
                           "10 x learning_rate")
     if c.cliprange_value is not None and not c.cliprange_value > 0:
         raise ConfigError(f"cliprange_value={c.cliprange_value} must be positive, or null for no value clipping")
-    if c.value_head and c.dynamic_sampling:
-        raise ConfigError("dynamic_sampling with advantage_estimator=gae (PPO): dynamic sampling drops the groups "
-                          "whose rewards are all equal because a group baseline gives them zero advantage, but "
-                          "GAE's baseline is the value function, so those groups still teach; set "
-                          "dynamic_sampling: false")

@@ -6,11 +6,16 @@
     python benchmarks/decode.py --models smollm2 --smollm2 models/smollm2 --dtypes fp32 bf16
     python benchmarks/decode.py --device cuda --models smollm2-135m-shape smollm2-1.7b-shape --rows 16
     python benchmarks/decode.py --device cuda --cuda-graphs off ...     # without the CUDA-graph columns
+    python benchmarks/decode.py --models qwen3-0.6b-shape --rows 16 --prompt 16 --generic  # and the generic path
 
 Models: the random-init `tiny`, `10m` and `50m` Qwen2 workloads (grouprl.tasks.testing), the real
 SmolLM2-135M-Instruct (`smollm2`, the folder scripts/fetch_smollm2.py writes), and random-init
-Llamas of SmolLM2's 135M and 1.7B shapes (`smollm2-*-shape`, benchmarks/vs_trl.py's SHAPES). bf16
-runs only where the device multiplies it natively.
+Llamas of SmolLM2's 135M and 1.7B shapes (`smollm2-*-shape`, benchmarks/vs_trl.py's SHAPES), and a
+random-init Qwen3 of Qwen3-0.6B's shape (`qwen3-0.6b-shape`: 28 layers, hidden 1,024, 16 query heads
+of 128 on 8 key/value heads, its 151,936-token vocabulary; SmolLM2's tokenizer gives only the pad and
+EOS ids). bf16 runs only where the device multiplies it natively. `--generic` adds a side that decodes
+through the model's own forward with transformers' cache (`HFEngine(fast=False)`): what a model the
+fast decoder does not take gets, and what Qwen3, Mistral and SmolLM3 models got before it took them.
 
 A cell is one model, dtype, row count R and prompt length P: R rows (R/8 prompts x 8 completions,
 or 1 x R below 8) of P random prompt tokens decode `--tokens` new tokens with ignore_eos. The
@@ -56,6 +61,11 @@ def build(name: str, smollm2: str, device: str):
     tok = AutoTokenizer.from_pretrained(smollm2)
     if name == "smollm2":
         model = AutoModelForCausalLM.from_pretrained(smollm2, dtype=torch.float32)
+    elif name in QWEN3_SHAPES:
+        from transformers import Qwen3Config
+
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(Qwen3Config(**QWEN3_SHAPES[name]), dtype=torch.float32)
     else:
         from vs_trl import SHAPES
 
@@ -65,6 +75,12 @@ def build(name: str, smollm2: str, device: str):
     return model.to(device).eval(), pad, tok.eos_token_id, model.config.vocab_size
 
 
+QWEN3_SHAPES = {"qwen3-0.6b-shape": dict(
+    vocab_size=151_936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
+    num_key_value_heads=8, head_dim=128, tie_word_embeddings=True, rope_theta=1_000_000.0, rms_norm_eps=1e-6,
+    max_position_embeddings=40_960)}
+
+
 def native_bf16(device: str) -> bool:
     from grouprl.precision import native_bf16 as native
 
@@ -72,7 +88,7 @@ def native_bf16(device: str) -> bool:
 
 
 def cell(model, pad, eos, vocab, rows: int, prompt: int, tokens: int, reps: int, dtype, device: str,
-         threads: int | None = None, cuda_graphs: bool = True, compile: bool = True) -> dict:
+         threads: int | None = None, cuda_graphs: bool = True, compile: bool = True, generic: bool = False) -> dict:
     from grouprl.rollout import HFEngine, SamplingParams
     from grouprl.rollout import compiled_decode as cd
 
@@ -80,6 +96,8 @@ def cell(model, pad, eos, vocab, rows: int, prompt: int, tokens: int, reps: int,
     gen = torch.Generator().manual_seed(0)
     prompts = torch.randint(4, vocab, (rows // G, prompt), generator=gen).tolist()
     variants = {"eager": dict(compile=False, cuda_graphs=False)}
+    if generic:  # the model's own forward, transformers' cache: no fast decoder
+        variants["generic"] = dict(compile=False, cuda_graphs=False, fast=False)
     if device == "cuda" and cuda_graphs:  # the eager step replayed as captured CUDA graphs
         variants["eager_graphs"] = dict(compile=False, cuda_graphs=True)
     if compile:
@@ -117,7 +135,7 @@ def cell(model, pad, eos, vocab, rows: int, prompt: int, tokens: int, reps: int,
         out[f"{v}_ms"] = round(ms[v], 3)
         out[f"{v}_runs"] = [round(x, 3) for x in per_token[v]]
         if v != "eager":
-            out["speedup" if v == "compiled" else f"{v}_speedup"] = round(ms["eager"] / ms[v], 2)
+            out["speedup" if v == "compiled" else f"{v}_speedup"] = round(ms["eager"] / ms[v], 2)  # generic: < 1
     if compile:
         out["compile_s"] = round(after, 1) if before is None and after is not None else None
         # a reason when compiling failed: the "compiled" (and "graphs") runs then decoded without compiling
@@ -165,6 +183,8 @@ def main() -> None:
                     help="torch threads while decoding (default: the engine's policy)")
     ap.add_argument("--no-compile", action="store_true",
                     help="leave out the compiled sides: eager, and on CUDA eager replayed as graphs (no compile wait)")
+    ap.add_argument("--generic", action="store_true",
+                    help="also time the generic path (the model's own forward; HFEngine(fast=False))")
     ap.add_argument("--cuda-graphs", choices=["on", "off"], default="on",
                     help="on CUDA, also time the compiled step replayed as CUDA graphs (default on)")
     ap.add_argument("--graph-width-step", type=int, default=None,
@@ -192,7 +212,7 @@ def main() -> None:
             for prompt in args.prompt:
                 for rows in args.rows:
                     r = cell(model, pad, eos, vocab, rows, prompt, args.tokens, args.reps, dtype, args.device,
-                             args.threads, args.cuda_graphs == "on", not args.no_compile)
+                             args.threads, args.cuda_graphs == "on", not args.no_compile, args.generic)
                     r.update(model=name, dtype=dt, layers=layers, params=params, device=args.device,
                              threads=args.threads or "engine")
                     results.append(r)
@@ -201,10 +221,13 @@ def main() -> None:
                         Path(args.json).write_text(json.dumps(results, indent=1) + "\n")
         del model
     graphs = any("eager_graphs_ms" in r for r in results)
+    generic = any("generic_ms" in r for r in results)
     extra = (" eager + CUDA graphs | speed-up | compiled + CUDA graphs | speed-up |", "---|---|---|---|") if graphs \
         else ("", "")
-    print(f"\n| model | dtype | rows | prompt | eager ms/token | compiled ms/token | speed-up |{extra[0]} compile s |")
-    print(f"|---|---|---|---|---|---|---|{extra[1]}---|")
+    gen = (" generic ms/token |", "---|") if generic else ("", "")
+    print(f"\n| model | dtype | rows | prompt |{gen[0]} eager ms/token | compiled ms/token | speed-up |{extra[0]} "
+          "compile s |")
+    print(f"|---|---|---|---|{gen[1]}---|---|---|{extra[1]}---|")
 
     def x(v) -> str:  # a speed-up, or blank for a side not run
         return f"{v}x" if v is not None else ""
@@ -213,8 +236,10 @@ def main() -> None:
         g = (f" {r.get('eager_graphs_ms', '')} | {x(r.get('eager_graphs_speedup'))} |"
              f" {r.get('graphs_ms', '')} | {x(r.get('graphs_speedup'))} |") if graphs else ""
         compile_s = f"failed ({r['compile_failed']})" if r.get("compile_failed") else r.get("compile_s") or ""
-        print(f"| {r['model']} | {r['dtype']} | {r['rows']} | {r['prompt']} | {r['eager_ms']} | "
+        gcol = f" {r.get('generic_ms', '')} |" if generic else ""
+        print(f"| {r['model']} | {r['dtype']} | {r['rows']} | {r['prompt']} |{gcol} {r['eager_ms']} | "
               f"{r.get('compiled_ms', '')} | {x(r.get('speedup'))} |{g} {compile_s} |")
+
 
 if __name__ == "__main__":
     main()

@@ -269,7 +269,7 @@ def can_share_prompts(model: torch.nn.Module) -> bool:
 WHOLE_LOGITS_MAX_ELEMENTS = {"cpu": 1 << 26, "cuda": 1 << 24}  # by device type, as head_logprobs' chunks
 DEFAULT_WHOLE_LOGITS_MAX_ELEMENTS = 1 << 26
 # Models whose logits are exactly lm_head(last hidden state): no soft-capping or scaling after it.
-PLAIN_HEAD_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
+PLAIN_HEAD_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "smollm3"})
 
 
 def completion_logprobs(model: torch.nn.Module, mb: MicroBatch, *, temperature: float,

@@ -11,8 +11,8 @@ from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from grouprl.lora import adapter_disabled
 from grouprl.micro_batches import MicroBatch
-from grouprl.policy import completion_logprobs
-from grouprl.tasks.testing import with_random_lora
+from grouprl.policy import _plain_head, completion_logprobs
+from grouprl.tasks.testing import ARCHITECTURES, build_tiny_architecture, with_random_lora
 from tests.trainer.test_shared_prompt import ragged_rollout
 
 WHOLE, CHUNKED = 1 << 60, 0  # max_logits_elements: always the logits path / always the head path
@@ -65,6 +65,17 @@ def test_the_chunked_head_equals_the_logits_path(request, which, share):
     assert_same(chunked, whole, atol=1e-5, grad_rtol=1e-5)
     head = "lm_head.weight" if which == "untied" else "model.embed_tokens.weight"
     assert head in chunked[2]  # the head's gradient comes through head_logprobs
+
+
+@pytest.mark.parametrize("kind", ARCHITECTURES)
+def test_each_architecture_takes_the_chunked_head_with_the_logits_paths_values(kind):
+    """Every architecture the fast decoder takes has a plain head (logits = lm_head(last hidden
+    state)): the chunked head is taken, and its log-probs and gradients are the logits path's."""
+    model, _ = build_tiny_architecture(kind, vocab_size=120, seed=4)
+    model.train()
+    assert _plain_head(model) is model.lm_head
+    r = ragged_rollout([3, 9, 5], G=2, seed=1)
+    assert_same(run(model, r, True, CHUNKED), run(model, r, True, WHOLE), atol=1e-5, grad_rtol=1e-5)
 
 
 def test_lora_policy_and_its_adapter_disabled_reference(tied):

@@ -16,7 +16,7 @@ from grouprl import packing
 from grouprl.lora import adapter_disabled
 from grouprl.micro_batches import MicroBatch, packed_tokens, plan_micro_batches
 from grouprl.policy import completion_logprobs
-from grouprl.tasks.testing import with_random_lora
+from grouprl.tasks.testing import build_tiny_architecture, with_random_lora
 from tests.trainer.test_head_logprobs_path import CHUNKED, WHOLE, assert_same
 from tests.trainer.test_micro_batches import rollout_of
 from tests.trainer.test_shared_prompt import ragged_rollout
@@ -52,6 +52,25 @@ def llama():
     model = LlamaForCausalLM(cfg).train()
     assert packing.enable(model)
     return model
+
+
+def _architecture(kind: str) -> torch.nn.Module:
+    model, _ = build_tiny_architecture(kind, vocab_size=120, seed=0)
+    model.train()
+    assert packing.enable(model)
+    return model
+
+
+@pytest.fixture(scope="module")
+def qwen3():
+    """Qwen3: per-head q/k norms, a head size (16) that is not hidden / heads (48 / 4)."""
+    return _architecture("qwen3")
+
+
+@pytest.fixture(scope="module")
+def smollm3():
+    """SmolLM3: a layer without RoPE (NoPE)."""
+    return _architecture("smollm3")
 
 
 def test_layout_worked_by_hand():
@@ -433,7 +452,7 @@ real_masked = packing.masked_attention
 
 @pytest.mark.parametrize("limit", [WHOLE, CHUNKED])
 @pytest.mark.parametrize("share", [True, False])
-@pytest.mark.parametrize("which", ["tied", "llama"])
+@pytest.mark.parametrize("which", ["tied", "llama", "qwen3", "smollm3"])
 def test_packed_equals_padded(request, which, share, limit, attention):
     model = request.getfixturevalue(which)
     r = ragged_rollout([3, 9, 5], G=4, seed=1)

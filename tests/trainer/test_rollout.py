@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from grouprl.rollout import HFEngine, Rollout, SamplingParams, sample_next
-from grouprl.tasks.testing import build_tiny_model, with_random_lora
+from grouprl.tasks.testing import ARCHITECTURES, build_tiny_architecture, build_tiny_model, with_random_lora
 
 
 @pytest.fixture(scope="module")
@@ -173,13 +173,53 @@ def test_fast_decoder_logits_match_transformers_forward(model_and_tok, dtype, at
     pass over the same left-padded sequences; bf16 is compared with transformers under autocast."""
     if pack and dtype == torch.bfloat16 and not cpu_bf16_flags():
         pytest.skip("packed bf16 weights need a CPU with native bf16 (precision.py)")
-    model, tok = model_and_tok
+    _assert_fast_logits(*model_and_tok, dtype, atol, fuse, pack)
+
+
+@pytest.mark.parametrize("dtype,atol,fuse", [(None, 1e-4, True), (None, 1e-4, False), (torch.bfloat16, 0.15, None)])
+@pytest.mark.parametrize("kind", ARCHITECTURES)
+def test_fast_decoder_logits_match_transformers_forward_for_each_architecture(kind, dtype, atol, fuse):
+    """Llama, Mistral (no window), Qwen2 and Qwen3 (per-head q/k RMSNorm before RoPE, a head size
+    that is not hidden / heads), each with grouped-query attention and random norm weights: the
+    fast decoder's logits are the transformers forward's, fused or not, and in bf16."""
+    model, tok = build_tiny_architecture(kind, seed=5)
+    assert FastDecoder.supports(model)
+    _assert_fast_logits(model, tok, dtype, atol, fuse, False)
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "mistral"])
+def test_lora_models_of_each_architecture_decode_fast_from_merged_weights(kind):
+    model, tok = build_tiny_architecture(kind, seed=6)
+    peft = _lora(model)
+    assert FastDecoder.supports(peft)
+    _assert_fast_logits(peft, tok, None, 1e-4, True, False)
+    base = _hf_logits(model, *_padded(tok))
+    assert (_hf_logits(peft, *_padded(tok)) - base).abs().max() > 0.1  # the adapters change the logits
+
+
+@pytest.mark.parametrize("kind,config", [("mistral", {"sliding_window": 4096}), ("qwen3", {"use_sliding_window": True}),
+                                         ("qwen3", {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}})])
+def test_windowed_or_length_dependent_models_of_these_architectures_take_the_generic_path(kind, config):
+    """A sliding window (Mistral v0.1's 4,096 on every layer; Qwen3's use_sliding_window) or a RoPE
+    that follows the length is not what the fast decoder computes: such a model is not taken."""
+    model, _ = build_tiny_architecture(kind, **config)
+    assert not FastDecoder.supports(model)
+
+
+def _padded(tok):
+    """Two left-padded prompts: ids and mask [2, P]."""
     prompts = [tok("What is 1+2? ")["input_ids"], tok("Hi")["input_ids"]]
-    P, G, steps = max(map(len, prompts)), 2, 6
+    P = max(map(len, prompts))
     ids = torch.full((2, P), tok.pad_token_id)
     mask = torch.zeros((2, P), dtype=torch.long)
     for b, p in enumerate(prompts):
         ids[b, P - len(p):], mask[b, P - len(p):] = torch.tensor(p), 1
+    return ids, mask
+
+
+def _assert_fast_logits(model, tok, dtype, atol, fuse, pack):
+    ids, mask = _padded(tok)
+    P, G, steps = ids.shape[1], 2, 6
     feed = torch.randint(4, 90, (4, steps), generator=torch.Generator().manual_seed(0))  # tokens fed per row
     with torch.no_grad():
         dec = FastDecoder(model, dtype=dtype, fuse=fuse, pack=pack)

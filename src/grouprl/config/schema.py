@@ -239,14 +239,14 @@ class TrainFields:
     generation_compile: bool | str = "auto"
     """The built-in engine's decode step compiled with torch.compile (rollout/compiled_decode.py):
     one fused graph per token instead of ~100 small ops, drawing the same tokens as the eager step.
-    For Llama and Qwen2 models (the built-in engine's fast path; vLLM compiles its own). `auto`:
-    the first two rollouts decode eagerly and are timed (a multi-turn rollout's every turn, a rollout
-    cut into generation_batch_size calls all of them); the run then compiles if the decode time its
-    remaining steps' rollouts would save exceeds what a compile costs (README "Generation" gives the
-    measured figures; the evaluation's calls would save more, uncounted, so auto errs towards eager);
-    `true`: always; `false`: never. Where compiling fails (no C++ compiler,
-    an op Inductor cannot lower) the run warns once, naming the reason, and decodes eagerly (on
-    CUDA, the eager step replayed as graphs: `generation_cuda_graphs`)."""
+    For the models of the built-in engine's fast path (Llama, Mistral, Qwen2, Qwen3, SmolLM3; vLLM
+    compiles its own). `auto`: the first two rollouts decode eagerly and are timed (a multi-turn
+    rollout's every turn, a rollout cut into generation_batch_size calls all of them); the run then
+    compiles if the decode time its remaining steps' rollouts would save exceeds what a compile
+    costs (README "Generation" gives the measured figures; the evaluation's calls would save more,
+    uncounted, so auto errs towards eager); `true`: always; `false`: never. Where compiling fails
+    (no C++ compiler, an op Inductor cannot lower) the run warns once, naming the reason, and
+    decodes eagerly (on CUDA, the eager step replayed as graphs: `generation_cuda_graphs`)."""
     generation_cuda_graphs: bool = True
     """On CUDA: replay each decode step as a captured CUDA graph, one launch instead of one per
     kernel (hundreds for a 30-layer model), captured once per shape of a generate call. The step

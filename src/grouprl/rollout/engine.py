@@ -41,7 +41,7 @@ class HFEngine(GenerationEngine):
     pad_token_id: int
     max_batch_size: int | None = None  # completions decoded together at most
     autocast_dtype: torch.dtype | None = None  # compute dtype of generation (None: the weights' dtype)
-    fast: bool = True  # use FastDecoder for the models it supports (Llama, Qwen2)
+    fast: bool = True  # use FastDecoder for the models it supports (Llama, Mistral, Qwen2, Qwen3, SmolLM3)
     decode_threads: int | None = None  # torch threads while decoding; None: 1 for small models on CPU
     compile: bool | str = False  # FastDecoder models: the compiled decode step, True, False or "auto"
     planned_calls: int | None = None  # compile="auto": the generate calls the run will make

@@ -1,15 +1,20 @@
-"""A lean decoder for Llama-family causal LMs (Llama, Qwen2) with a preallocated KV cache.
+"""A lean decoder for Llama-family causal LMs (Llama, Mistral, Qwen2, Qwen3, SmolLM3) with a
+preallocated KV cache.
 
-Taken by `FastDecoder.supports`: SiLU MLPs without bias, no sliding window, plain Parameters, RoPE
+Taken by `FastDecoder.supports`: SiLU MLPs without bias, no sliding window (Mistral: `sliding_window`
+null, as in v0.3 and Nemo), plain Parameters, RoPE
 of a fixed table (default, linear, llama3, yarn: not dynamic-NTK or LongRoPE, whose frequencies
 follow the sequence's length), and PEFT adapters that merge as W + s·BA (lora.mergeable). Anything
 else decodes through the generic path, the model's own forward.
 
 The same math as the `transformers` forward pass of these models, per layer l:
 
-    h   = x + W_o · attn(RoPE(W_q·n1(x)), RoPE(W_k·n1(x)), W_v·n1(x))     n1, n2: RMSNorm
+    h   = x + W_o · attn(RoPE(nq(W_q·n1(x))), RoPE(nk(W_k·n1(x))), W_v·n1(x))     n1, n2: RMSNorm
     x'  = h + W_down · (silu(W_gate·n2(h)) ⊙ W_up·n2(h))
     logits = W_lm · norm(x_L)
+
+where nq and nk are Qwen3's RMSNorms over each head of the queries and keys (the identity for the
+others), and SmolLM3's NoPE layers (every 4th) leave out RoPE. W_q/W_k/W_v carry biases in Qwen2.
 
 computed without the per-step costs of the generic path: the KV cache is one tensor per layer
 (no `torch.cat` per step), the RoPE table is built once per call, W_q/W_k/W_v and W_gate/W_up are
@@ -40,7 +45,7 @@ rare), `snapshot` (the multi-turn driver's kept rows: each finished row's cache 
 copied on the host's side of the loop before its slot is given up), and the generic `transformers`
 path.
 
-`FastDecoder.supports(model)` says whether a model fits (Llama/Qwen2 weights, SiLU MLP, no sliding
+`FastDecoder.supports(model)` says whether a model fits (Llama-family weights, SiLU MLP, no sliding
 window); the engine falls back to the generic `transformers` path otherwise. A PEFT model with LoRA
 adapters (no adapter dropout) decodes from merged weights W + s·BA, built per call as the cast or
 packed copies are: the same logits as the adapter's forward, and on SmolLM2-135M with r = 16 the
@@ -52,13 +57,14 @@ from __future__ import annotations
 import contextlib
 import threading
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 from grouprl.lora import base_model, is_peft_model, merged_weight, mergeable
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "smollm3")
 FUSE_MAX_PARAMS = 20_000_000  # fuse projection weights only for models up to this size (see __init__)
 PACK_MIN_PARAMS = 5_000_000  # on CPU (fp32, or native bf16), models from this size decode with oneDNN-packed weights
 CACHE_BLOCK = 64  # new-token columns of the first KV-cache allocation; each growth doubles them
@@ -156,6 +162,21 @@ def rope_type(cfg) -> str:
     return scaling.get("rope_type", scaling.get("type", "default")) if isinstance(scaling, dict) else "default"
 
 
+class DecoderLayer(NamedTuple):
+    """One layer's weights as the decode step reads them (copies or views of the model's, see __init__)."""
+    w_in: torch.Tensor  # input RMSNorm's weight
+    eps_in: float
+    qkv: list  # [(W, bias)]: W_q, W_k, W_v, or one fused [W_q; W_k; W_v]
+    w_o: torch.Tensor
+    b_o: torch.Tensor | None
+    w_post: torch.Tensor  # post-attention RMSNorm's weight
+    eps_post: float
+    gate_up: list  # [W_gate, W_up], or one fused [W_gate; W_up]
+    w_down: torch.Tensor
+    qk_norm: tuple[torch.Tensor, float] | None  # Qwen3: ([H+Hkv, D] per-head weights, eps)
+    rope: bool  # False: this layer's queries and keys carry no positions (SmolLM3's NoPE layers)
+
+
 class FastDecoder:
     """Prefill and single-token decode steps for one `generate` call, over a KV cache that grows
     with the tokens fed and shrinks with the live rows."""
@@ -177,6 +198,8 @@ class FastDecoder:
             return False
         if getattr(cfg, "use_sliding_window", False):
             return False
+        if cfg.model_type == "mistral" and getattr(cfg, "sliding_window", None) is not None:
+            return False  # Mistral attends through its window in every layer when one is set (v0.1: 4,096)
         if rope_type(cfg) in ("dynamic", "longrope"):
             return False  # frequencies that follow the sequence's length: the table here is built once, for P + T
         if any(type(p) is not torch.nn.Parameter for p in model.parameters()):
@@ -221,6 +244,11 @@ class FastDecoder:
         mat = (lambda t: _pack(cast(t))) if pack else cast  # weight matrices (biases stay plain)
         for layer in base.layers:
             a, m = layer.self_attn, layer.mlp
+            qk_norm = None
+            if getattr(a, "q_norm", None) is not None:  # Qwen3: RMSNorm over each head of q and k, before RoPE
+                qk_norm = (torch.cat([a.q_norm.weight.detach()[None].expand(self.H, -1),
+                                      a.k_norm.weight.detach()[None].expand(self.Hkv, -1)]),  # [H+Hkv, D]
+                           a.q_norm.variance_epsilon)
             qkv = [(cast(merged_weight(p)), cast_bias(p)) for p in (a.q_proj, a.k_proj, a.v_proj)]
             gu = [cast(merged_weight(m.gate_proj)), cast(merged_weight(m.up_proj))]
             if fuse:
@@ -229,12 +257,13 @@ class FastDecoder:
                     bias = torch.cat([b if b is not None else w.new_zeros(w.shape[0]) for w, b in qkv])
                 qkv = [(torch.cat([w for w, _ in qkv]), bias)]
                 gu = [torch.cat(gu)]
-            self.layers.append((
+            self.layers.append(DecoderLayer(
                 layer.input_layernorm.weight.detach(), layer.input_layernorm.variance_epsilon,
                 [(mat(w), b) for w, b in qkv],
                 mat(merged_weight(a.o_proj)), cast_bias(a.o_proj),
                 layer.post_attention_layernorm.weight.detach(), layer.post_attention_layernorm.variance_epsilon,
-                [mat(w) for w in gu], mat(merged_weight(m.down_proj)),
+                [mat(w) for w in gu], mat(merged_weight(m.down_proj)), qk_norm,
+                bool(getattr(a, "use_rope", True)),  # SmolLM3: every 4th layer attends without positions (NoPE)
             ))
         self.lm_head = mat(self.lm_head)
         self.scale = getattr(layer.self_attn, "scaling", self.D ** -0.5)
@@ -250,8 +279,9 @@ class FastDecoder:
             table.append(w)
             return PackedSlot(len(table) - 1, w.shape[0])
 
-        self.layers = [(w_in, e1, [(slot(w), b) for w, b in qkv], slot(w_o), b_o, w_post, e2, [slot(w) for w in gu],
-                        slot(w_down)) for w_in, e1, qkv, w_o, b_o, w_post, e2, gu, w_down in self.layers]
+        self.layers = [layer._replace(qkv=[(slot(w), b) for w, b in layer.qkv], w_o=slot(layer.w_o),
+                                      gate_up=[slot(w) for w in layer.gate_up], w_down=slot(layer.w_down))
+                       for layer in self.layers]
         self.lm_head = slot(self.lm_head)
         self.linear, self._table = _slot_linear, table
 
@@ -262,7 +292,10 @@ class FastDecoder:
     # ------------------------------------------------------------------ pieces
     @staticmethod
     def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+        """RMSNorm over the last dimension, scaled by `w` [D], or by `w` [heads, D] for x [.., heads, D]."""
         if x.dtype == w.dtype == torch.float32:  # the same math in one call (one fused kernel where torch has it)
+            if w.dim() > 1:
+                return F.rms_norm(x, (x.shape[-1],), None, eps) * w
             return F.rms_norm(x, (x.shape[-1],), w, eps)
         xf = x.float()  # a half-precision stream: normalised in fp32, rounded, then scaled, as transformers does
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
@@ -279,7 +312,7 @@ class FastDecoder:
         `attend(l, q)` returns the attention output [n, H, S, D]."""
         n, S, _ = x.shape
         H, Hkv, D = self.H, self.Hkv, self.D
-        for l, (w_in, eps1, qkv_w, w_o, b_o, w_post, eps2, gu_w, w_down) in enumerate(self.layers):
+        for l, (w_in, eps1, qkv_w, w_o, b_o, w_post, eps2, gu_w, w_down, qk_norm, rope) in enumerate(self.layers):
             dt = self.dtype  # like autocast: matmul inputs in dt, the residual stream in wdtype
             h = self._rms(x, w_in, eps1).to(dt)
             if len(qkv_w) == 1:  # queries and keys side by side: RoPE on both at once
@@ -287,7 +320,11 @@ class FastDecoder:
             else:
                 q, k, v = (self.linear(h, w, b) for w, b in qkv_w)  # [n, S, H*D], [n, S, Hkv*D] x 2
                 qk = torch.cat([q, k], -1)
-            qk = self._rope(qk.view(n, S, H + Hkv, D).transpose(1, 2), cos, sin).to(self.adtype)  # [n, H+Hkv, S, D]
+            qk = qk.view(n, S, H + Hkv, D)
+            if qk_norm is not None:  # Qwen3: each head's q and k normalised, with q_norm's and k_norm's weights
+                qk = self._rms(qk, *qk_norm)
+            qk = qk.transpose(1, 2)  # [n, H+Hkv, S, D]
+            qk = (self._rope(qk, cos, sin) if rope else qk).to(self.adtype)
             q, k = qk.split([H, Hkv], dim=1)  # [n, H, S, D], [n, Hkv, S, D]
             write(l, k, v.view(n, S, Hkv, D).transpose(1, 2).to(self.adtype))
             o = attend(l, q).transpose(1, 2).reshape(n, S, H * D).to(dt)

@@ -1,4 +1,5 @@
-"""Tiny, locally built models: a character-level tokenizer and small random Qwen2 models.
+"""Tiny, locally built models: a character-level tokenizer and small random Qwen2 models (and, for
+the tests of each architecture the fast decoder takes, Llama, Mistral, Qwen3 and SmolLM3 ones).
 
 Used by the tests, the benchmarks and `scripts/build_default_policy.py`; nothing here
 touches the network. The tokenizer maps one character to one token (no merges), so a
@@ -114,6 +115,44 @@ def build_tiny_model(size: str = "tiny", seed: int = 0) -> tuple[Qwen2ForCausalL
         tokenizer, hidden_size=hidden, num_layers=layers, num_heads=heads, intermediate_size=mlp, seed=seed
     )
     return model, tokenizer
+
+
+ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "smollm3")
+
+
+def build_tiny_architecture(kind: str, tokenizer: PreTrainedTokenizerFast | None = None, *, seed: int = 0,
+                            **config) -> tuple[torch.nn.Module, PreTrainedTokenizerFast]:
+    """A random `kind` model (one of ARCHITECTURES) with the character tokenizer: 2 layers, hidden
+    size 48, grouped-query attention (4 query heads on 2 key/value heads) of head size 16, which for
+    Qwen3 is not hidden / heads (its q/k/v are 64 wide, as Qwen3-0.6B's are 2,048 over a hidden size
+    of 1,024), Qwen2's q/k/v biases, and SmolLM3's layers without RoPE (here the second). Every norm
+    weight, Qwen3's per-head q/k norms included, is drawn at random around 1 (transformers starts
+    them at 1, where a weight left out goes unseen). `config` overrides the config's fields.
+    `(model, tokenizer)`, in eval mode."""
+    import transformers
+
+    names = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "smollm3": "SmolLM3"}
+    if kind not in names:
+        raise ValueError(f"kind={kind!r} is not one of {ARCHITECTURES}")
+    tokenizer = tokenizer or build_char_tokenizer()
+    fields = dict(vocab_size=len(tokenizer), hidden_size=48, intermediate_size=96, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=16 if kind == "qwen3" else 12,
+                  max_position_embeddings=512, tie_word_embeddings=kind != "mistral",
+                  pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+                  bos_token_id=tokenizer.bos_token_id)
+    if kind == "mistral":
+        fields["sliding_window"] = None
+    if kind == "smollm3":
+        fields["no_rope_layers"] = [1, 0]  # its second layer attends without positions (NoPE), as every 4th does
+    cfg = getattr(transformers, names[kind] + "Config")(**{**fields, **config})
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = getattr(transformers, names[kind] + "ForCausalLM")(cfg)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    p.normal_(1.0, 0.3)
+    return model.eval(), tokenizer
 
 
 def save_tiny_model(path: str | os.PathLike, size: str = "tiny", seed: int = 0) -> Path:

@@ -7,6 +7,9 @@ Layout of `output_dir/checkpoints/step-000010/`:
   ref.safetensors     the reference weights, only in DeepSeekMath's iterative mode
   state.pt            optimizer, scheduler, RNG states, data position, step, eval results
   COMPLETE            written last; a folder without it is never read
+  loop.pt             only after an eval that followed the save (eval_after; one made up on
+                      resume): the eval results, pending flag, best record and run guard as they
+                      stand after it, read over state.pt's (`write_loop_state`)
 
 A rename within one filesystem is atomic, so a run killed at any moment leaves either the new
 checkpoint complete or no trace of it beside the previous one. A checkpoint replaced by a new one of
@@ -193,6 +196,24 @@ def read_checkpoint(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str
             _read(path / "state.pt", lambda p: torch.load(p, weights_only=False, map_location="cpu")))
     # (map_location: a GPU run's optimizer state is saved on its device; read on the CPU, it resumes on a
     # machine without that GPU, and K ranks do not each load it onto cuda:0. load_state_dict moves it.)
+
+
+def write_loop_state(path: Path, fields: dict[str, Any]) -> None:
+    """`fields` of state.pt as they stand now, into `path`/loop.pt, replaced atomically: a run that
+    evaluated after writing the checkpoint `path` (its weights unchanged) records the eval without
+    writing the weights and optimizer state again."""
+    tmp = path / f".loop.pt.tmp-{os.getpid()}"
+    torch.save(fields, tmp)
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path / "loop.pt")
+    _fsync_dir(path)
+
+
+def read_loop_state(path: Path) -> dict[str, Any]:
+    """What `write_loop_state` recorded beside the checkpoint `path`, or {}."""
+    file = Path(path) / "loop.pt"
+    return _read(file, lambda p: torch.load(p, weights_only=False)) if file.is_file() else {}
 
 
 def _read(file: Path, load: Callable[[Path], Any]) -> Any:

@@ -76,11 +76,13 @@ def lr_schedule(kind: str, warmup: int, total: int) -> Callable[[int], float]:
 
 
 def scale_learning_rate(optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LambdaLR,
-                        factor: float) -> None:
-    """Multiply the learning rate by `factor` from now on: in the scheduler's base rates, so the
-    schedule keeps its shape and a checkpoint keeps the new rate, and in the optimizer's groups at
-    once (a rollback's lower rate; a resumed run given a new `learning_rate`)."""
-    scheduler.base_lrs = [b * factor for b in scheduler.base_lrs]
+                        factor: float | list[float]) -> None:
+    """Multiply the learning rate by `factor` (or each group's by its own) from now on: in the
+    scheduler's base rates, so the schedule keeps its shape and a checkpoint keeps the new rate, and
+    in the optimizer's groups at once (a rollback's lower rate; a resumed run given a new
+    `learning_rate` or `value_learning_rate`)."""
+    factors = factor if isinstance(factor, list) else [factor] * len(scheduler.base_lrs)
+    scheduler.base_lrs = [b * f for b, f in zip(scheduler.base_lrs, factors, strict=True)]
     for group, base, schedule in zip(optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas):
         group["initial_lr"], group["lr"] = base, base * schedule(scheduler.last_epoch)
     _set_last_lr(scheduler, [g["lr"] for g in optimizer.param_groups])

@@ -19,16 +19,14 @@ Deliberate choices:
   sampler's own log-probs (vLLM) and the importance-sampling correction compares them with the trainer's
   (core/importance.py), or for distillation's signal; a teacher model exists only then (distillation.py);
 - reference log-probs are computed only when beta > 0, and no reference model exists otherwise;
-- each of the num_iterations passes is one optimizer step over the whole batch: its micro-batches
-  add up to the full-batch gradient for every aggregation mode, and a step whose loss or gradient
-  norm is not finite is skipped, the scheduler still stepping (update.py, `skipped_nonfinite`);
-- the loss parameters are built once from the config (objective.policy_loss_params, a frozen
-  dataclass validated at construction), not on every micro-batch;
-- rollouts are generated inline by the `generate` stage; with `async_rollouts` (max_staleness > 0)
-  a background thread generates them ahead (rollout_source.py);
-- under torchrun each rank generates and scores whole groups, then the scored batch is gathered
-  so every rank computes advantages and DAPO decisions on the global batch and runs its share of
-  the micro-batches (grouprl/distributed.py explains why the update does not depend on K);
+- each of the num_iterations passes is one optimizer step over the whole batch: its micro-batches add up to the
+  full-batch gradient for every aggregation mode, and a step whose loss or gradient norm is not finite is
+  skipped, the scheduler still stepping (update.py, `skipped_nonfinite`);
+- the loss parameters are built once from the config (objective.policy_loss_params), not on every micro-batch;
+- rollouts are generated inline by the `generate` stage, or ahead by a background thread with `async_rollouts`;
+- under torchrun each rank generates and scores whole groups, then the scored batch is gathered so every rank
+  computes advantages and DAPO decisions on the global batch and runs its share of the micro-batches
+  (grouprl/distributed.py explains why the update does not depend on K);
 - a first SIGTERM or SIGINT ends the run after the current step with a checkpoint (signals.py).
 """
 
@@ -75,7 +73,7 @@ from grouprl.signals import StopSignals, TrainingStopped
 from grouprl.timings import Timings
 from grouprl.trackers import tracker_problems
 from grouprl.training_state import (LoopState, TrainingParts, load_trainable_weights, prepare_output_dir,
-                                    restore_training_state, save_training_state)
+                                    record_loop_state, restore_training_state, save_training_state)
 from grouprl.update import make_policy_update
 
 logger = logging.getLogger(__name__)
@@ -143,29 +141,26 @@ class Trainer:
         self.model.train()
         if self.dist.device.type == "cuda":
             self.model.to(self.dist.device)
-        # memory.py: `auto` per device (CPU: checkpoint a pass only over a 4k budget; CUDA: every pass,
-        # the budget sized from the free memory); sized before the optimizer state exists
+        # memory.py: `auto` per device (CPU: checkpoint only over a 4k budget; CUDA: every pass), before the optimizer
         self.ref = Reference(self.model) if cfg.beta > 0 else None  # (a copy: before the budget is sized)
         colocated = cfg.vllm_gpu_memory_utilization if cfg.use_vllm and cfg.vllm_mode == "colocate" else 0.0
         auto_budget = (token_budget("auto", self.model, self.dist.device, checkpointing == "always",
                                     vllm_share=colocated, autocast=self.autocast is not None)
                        if cfg.max_tokens_per_micro_batch == "auto" else None)
-        # `model` is the plain module (generation, saving); `train_model` runs the update (DDP
-        # wrapper); FSDP2 shards both in place, the reference too
+        # `model`: generation, saving; `train_model`: the update (DDP's wrapper); FSDP2 shards both, the reference too
         self.train_model = D.wrap_model(self.model, self.dist, cfg.distributed_strategy)
         if D.is_sharded(self.model) and self.ref is not None and self.ref.model is not None:
             D.shard_model(self.ref.model)
+        over_budget = checkpointing == "over_budget"
         self.updater = make_policy_update(cfg, self.model, self.train_model, self.dist, autocast=self.autocast,
-                                          auto_budget=auto_budget,
-                                          checkpoint_over_budget=checkpointing == "over_budget")  # update.py
+                                          auto_budget=auto_budget, checkpoint_over_budget=over_budget)  # update.py
         self.formatter = PromptFormatter(self.tokenizer, max_prompt_length=cfg.max_prompt_length,
                                          tools=[t.schema for t in self.tools.values()])
         self.engine = make_engine(cfg, self.model, self.tokenizer, self.dist, self.autocast)
         self.turns = make_rollouts(cfg, self.model, self.tokenizer, self.formatter, self.tools,
                                    self.environment)  # one engine call, or turns with tools / an environment
         self.weights_version = 0  # grows with every change of the policy's weights (engine sync)
-        self.sampling = SamplingParams(cfg.max_completion_length, cfg.temperature, cfg.top_p, cfg.top_k,
-                                       cfg.ignore_eos)
+        self.sampling = SamplingParams(cfg.max_completion_length, cfg.temperature, cfg.top_p, cfg.top_k, cfg.ignore_eos)
 
         self.optimizer, self.scheduler = make_optimizer(cfg, self.model, self.updater.value_head)  # optim.py
         self.sampler = PromptSampler(len(self.train_ds), cfg.seed)
@@ -214,11 +209,13 @@ class Trainer:
         signum, reason = None, None  # the signal all ranks agreed to stop on; an alarm set to stop the run
         with progress:  # an error closes the bar first, so its message starts on a line of its own
             with StopSignals() as stop:  # looked for (one tiny all-reduce) after each step, and after its eval/save
-                if "eval_before" not in self.evals and self.eval_ds is not None:
+                if self.step == 0 and "eval_before" not in self.evals and self.eval_ds is not None:  # not resumed
                     self.evals["eval_before"] = self._log_eval(0, progress)
                 if self._eval_pending:  # the run stopped before the eval due at its last step: made up here
                     self._eval_pending, saved = False, None  # the checkpoint on disk still says pending
                     saved, reason = self._periodic_eval(progress, saved)
+                    if saved is None:  # not the best: the eval recorded beside the checkpoint resumed from
+                        self.save(weights=False)
                 self.guard.snapshot(self.step, self.updater.trainable, self.optimizer)  # rollback target at the start
                 while not reason and self.step < cfg.max_steps and not (signum := stop.requested(self.dist)):
                     metrics = self.train_step()
@@ -239,13 +236,14 @@ class Trainer:
                     self.guard.snapshot(self.step, self.updater.trainable, self.optimizer)
                 if signum or reason:
                     self._stop(signum, progress, saved, reason)
-            if self.eval_ds is not None and not finished:
-                self.evals["eval_after"] = self._log_eval(self.step, progress)
-                self.best.update(self.evals["eval_after"], self.step)  # its checkpoint is written below
-                self.respond_to_alarms({}, progress, final=True, log=True)  # the run is over: reported only
+                if not finished and saved != self.step:  # before eval_after: a signal then finds the steps saved
+                    self.save()
+                if self.eval_ds is not None and not finished:  # a resumed run makes it up if it is cut short
+                    self.evals["eval_after"] = self._log_eval(self.step, progress)
+                    self.best.update(self.evals["eval_after"], self.step)  # its checkpoint: the one just written
+                    self.respond_to_alarms({}, progress, final=True, log=True)  # the run is over: reported only
+                    self.save(weights=False)  # eval_after, recorded beside that checkpoint
         progress.close()
-        if not finished:
-            self.save()
         summary = self.logger.summary(self.step, self.evals)
         if self.best.record is not None:
             summary["best_checkpoint"] = {**self.best.record, "checkpoint": str(self.best.checkpoint)}
@@ -471,10 +469,12 @@ class Trainer:
         return result
 
     # ------------------------------------------------------------------ checkpoints
-    def save(self) -> Path:
-        """Rank 0 writes the checkpoint (FSDP2: whole state dicts gathered from every rank); every
-        rank's RNG states go in; nobody continues before it is complete (training_state.py)."""
+    def save(self, weights: bool = True) -> Path:
+        """Rank 0 writes the checkpoint (FSDP2: gathered whole) with every rank's RNG states, complete before anyone
+        goes on (training_state.py); weights=False: where the loop stands, beside this step's (record_loop_state)."""
         loop = LoopState(self.step, self.evals, self._eval_pending, self.best.record)
+        if not weights:
+            return record_loop_state(self.cfg, self.dist, self._checkpointed(), loop)
         return save_training_state(self.cfg, self.dist, self._checkpointed(), loop, self.tokenizer)
 
     def _resume(self) -> bool:

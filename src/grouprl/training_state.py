@@ -23,8 +23,9 @@ from torch.optim.lr_scheduler import LRScheduler
 
 from grouprl import distributed as D
 from grouprl.checkpoint import (CheckpointMismatch, DamagedCheckpoint, check_fits, checkpoint_path, latest_checkpoint,
-                                list_checkpoints, load_checkpoint, read_checkpoint, recover_interrupted_saves,
-                                restore_rng_states, rng_states, save_checkpoint)
+                                list_checkpoints, load_checkpoint, read_checkpoint, read_loop_state,
+                                recover_interrupted_saves, restore_rng_states, rng_states, save_checkpoint,
+                                write_loop_state)
 from grouprl.config import ConfigError, TrainConfig, changed_settings
 from grouprl.optim import scale_learning_rate
 from grouprl.value import optimized_modules
@@ -105,6 +106,7 @@ def save_training_state(cfg: TrainConfig, dist: D.DistContext, parts: TrainingPa
         "optimizer": optimizer_state, "scheduler": parts.scheduler.state_dict(), "rng": rng[0],
         "rng_by_rank": rng, "sharded_optimizer": D.is_sharded(parts.model), "eval_pending": loop.eval_pending,
         "guard": parts.guard.state_dict(), "best": loop.best, "learning_rate": cfg.learning_rate,
+        "value_learning_rate": value_learning_rate(cfg) if parts.value_head is not None else None,
         "prompt_filter": None if parts.prompt_filter is None else parts.prompt_filter.state_dict(),
         "value_head": None if parts.value_head is None else parts.value_head.state_dict(),
     }
@@ -127,6 +129,8 @@ def restore_training_state(cfg: TrainConfig, dist: D.DistContext, parts: Trainin
     if ckpt is None:
         raise ConfigError(f"--resume: output_dir={cfg.output_dir!r} holds no complete "
                           "checkpoint; start without --resume")
+    # the config's weight decay, betas and eps, before the load puts back the checkpoint's
+    own = [{k: g[k] for k in ("weight_decay", "betas", "eps") if k in g} for g in parts.optimizer.param_groups]
     sharded = D.is_sharded(parts.model)
     try:
         if sharded:  # every rank reads the whole weights and keeps its shard
@@ -154,18 +158,26 @@ def restore_training_state(cfg: TrainConfig, dist: D.DistContext, parts: Trainin
                           f"{'fsdp2' if not sharded else 'ddp'}: resume with the same strategy")
     if not sharded:
         parts.optimizer.load_state_dict(state["optimizer"])
+    for group, hyper in zip(parts.optimizer.param_groups, own):
+        group.update(hyper)  # changed settings apply, as the warning below says (the load kept the old ones)
+    state.update(read_loop_state(ckpt))  # evals made after the save: their results and the guard's record
     step = state["step"]
     parts.sampler.load_state_dict(state["sampler"])
     parts.scheduler.load_state_dict(state["scheduler"])
     parts.guard.load_state_dict(state.get("guard", {}))
     if parts.prompt_filter is not None and state.get("prompt_filter"):
         parts.prompt_filter.load_state_dict(state["prompt_filter"])
-    restore_rng_states(state.get("rng_by_rank", [state["rng"]]), dist.rank, dist.world_size,
-                       parts.generator, fresh_seed=cfg.seed + dist.rank + 1_000_003 * step)
+    by_rank = state.get("rng_by_rank", [state["rng"]])
+    if len(by_rank) != dist.world_size and dist.is_main:
+        logger.warning("resuming a run of %d process(es) in %d: each rank's sampling stream is seeded anew, so the "
+                       "run goes on validly but not as the uninterrupted one would have; resume with %d process(es) "
+                       "to continue it exactly", len(by_rank), dist.world_size, len(by_rank))
+    restore_rng_states(by_rank, dist.rank, dist.world_size, parts.generator,
+                       fresh_seed=cfg.seed + dist.rank + 1_000_003 * step)
     changed = changed_settings(Path(cfg.output_dir) / "config.yaml", cfg)
-    old_lr = state.get("learning_rate", changed.get("learning_rate", (None,))[0])  # the rate it was saved at
-    if isinstance(old_lr, (int, float)) and 0 < old_lr != cfg.learning_rate:  # its schedule, the new rate
-        scale_learning_rate(parts.optimizer, parts.scheduler, cfg.learning_rate / old_lr)
+    factors = _rate_changes(cfg, state, changed, parts)
+    if any(f != 1 for f in factors):  # the restored schedule (and a rollback's cut), at the new rates
+        scale_learning_rate(parts.optimizer, parts.scheduler, factors)
     if changed and dist.is_main:
         logger.warning("resuming with settings changed since the run last started (they apply from step %d): %s",
                        step + 1, ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in changed.items()))
@@ -180,6 +192,42 @@ def restore_training_state(cfg: TrainConfig, dist: D.DistContext, parts: Trainin
         logger.warning("--resume: the run in %s is finished (step %d, max_steps=%d): nothing is trained, its summary "
                        "is written again; to train further, raise max_steps", cfg.output_dir, step, cfg.max_steps)
     return LoopState(step, evals, state.get("eval_pending", False), best, finished)
+
+
+def value_learning_rate(cfg: TrainConfig) -> float:
+    """The value head's rate (optim.make_optimizer): value_learning_rate, or null for 10 x learning_rate."""
+    return cfg.value_learning_rate or 10 * cfg.learning_rate
+
+
+def _rate_changes(cfg: TrainConfig, state: dict[str, Any], changed: dict[str, tuple[Any, Any]],
+                  parts: TrainingParts) -> list[float]:
+    """Each optimizer group's configured rate over the one its checkpoint was saved at: the policy's
+    by learning_rate, the value head's by its own rate (a new learning_rate moves it only where
+    value_learning_rate is null)."""
+    old_lr = state.get("learning_rate", changed.get("learning_rate", (cfg.learning_rate,))[0])
+    if not (isinstance(old_lr, (int, float)) and old_lr > 0):
+        old_lr = cfg.learning_rate
+    factors = [cfg.learning_rate / old_lr] * len(parts.optimizer.param_groups)
+    if parts.value_head is None:
+        return factors
+    old_value = state.get("value_learning_rate")  # saved since 2026-11-27; before, from the config's change
+    if old_value is None:
+        old_value = changed.get("value_learning_rate", (cfg.value_learning_rate,))[0] or 10 * old_lr
+    value = {id(p) for p in parts.value_head.parameters()}
+    return [value_learning_rate(cfg) / old_value if any(id(p) in value for p in g["params"]) else f
+            for g, f in zip(parts.optimizer.param_groups, factors)]
+
+
+def record_loop_state(cfg: TrainConfig, dist: D.DistContext, parts: TrainingParts, loop: LoopState) -> Path:
+    """An eval after the checkpoint of `loop.step` was written (eval_after; one made up on resume):
+    where the loop now stands, beside that checkpoint (checkpoint.write_loop_state), instead of
+    writing the same weights again. Returns the checkpoint's path."""
+    path = checkpoint_path(cfg.output_dir, loop.step)
+    if dist.is_main:
+        write_loop_state(path, {"evals": loop.evals, "eval_pending": loop.eval_pending, "best": loop.best,
+                                "guard": parts.guard.state_dict()})
+    D.barrier(dist)
+    return path
 
 
 def _check_value_head(ckpt: Path, parts: TrainingParts, state: dict[str, Any]) -> None:

@@ -82,6 +82,58 @@ def test_a_resumed_run_says_what_changed_and_takes_a_new_learning_rate(make_cfg,
     assert lrs[2] == pytest.approx(1.46447e-3, rel=1e-5)  # not 1.46e-4: the old rate
 
 
+def test_changed_optimizer_settings_apply_on_resume(make_cfg, caplog):
+    """weight_decay and adam_beta2 changed between runs: the resumed optimizer uses the
+    new ones, as the warning says (loading the checkpoint's optimizer state put back the old ones),
+    in each group (the decayed matrices at the new decay, the rest still at 0)."""
+    kw = dict(max_steps=1, save_steps=1, weight_decay=0.01, adam_beta2=0.999)
+    Trainer(make_cfg(**kw)).train()
+    trainer = Trainer(make_cfg(**{**kw, "max_steps": 2, "weight_decay": 0.5, "adam_beta2": 0.9}))
+    with caplog.at_level("WARNING", logger="grouprl.training_state"):
+        trainer._resume()
+    assert "weight_decay 0.01 -> 0.5" in caplog.text and "adam_beta2 0.999 -> 0.9" in caplog.text
+    groups = trainer.optimizer.param_groups
+    assert [g["weight_decay"] for g in groups] == [0.5, 0.0]
+    assert all(g["betas"] == (0.9, 0.9) for g in groups)
+    assert trainer.optimizer.state  # the moments themselves were restored
+
+
+@pytest.mark.parametrize("change, rates", [({"learning_rate": 2e-3}, [2e-3, 1e-2]),
+                                           ({"value_learning_rate": 5e-2}, [1e-3, 5e-2]),
+                                           ({"value_learning_rate": None}, [1e-3, 1e-2])])
+def test_a_value_heads_rate_follows_its_own_setting_on_resume(make_cfg, change, rates):
+    """PPO's value head has its own rate: a new learning_rate leaves an explicit value_learning_rate
+    alone (it was scaled with the policy's), and a new value_learning_rate applies (it was ignored);
+    null means 10 x learning_rate, here the same 1e-2."""
+    kw = dict(algorithm="ppo", max_steps=1, save_steps=1, learning_rate=1e-3, value_learning_rate=1e-2,
+              lr_scheduler_type="constant", warmup_steps=0)
+    Trainer(make_cfg(**kw)).train()
+    trainer = Trainer(make_cfg(**{**kw, "max_steps": 2, **change}))
+    trainer._resume()
+    assert [g["lr"] for g in trainer.optimizer.param_groups] == pytest.approx(rates)
+
+
+def test_a_run_resumed_with_an_eval_set_added_has_no_eval_before(make_cfg, digits_data):
+    """eval_before is the starting model's: a run resumed at step 2 with eval_data added does not
+    evaluate its step-2 weights as "before" (logged as step 0 after steps 1-2)."""
+    Trainer(make_cfg(max_steps=2, save_steps=2)).train()
+    summary = Trainer(make_cfg(max_steps=3, eval_data=str(digits_data), max_eval_samples=4)).train(resume=True)
+    assert "eval_before" not in summary and "eval_after" in summary
+    assert [r["step"] for r in read_metrics(make_cfg().output_dir)] == [1, 2, 3, 3]  # step 3, then its eval
+
+
+def test_resuming_in_another_number_of_processes_says_the_streams_are_new(make_cfg, caplog):
+    from grouprl.distributed import DistContext
+    from grouprl.training_state import restore_training_state
+
+    Trainer(make_cfg(max_steps=1, save_steps=1)).train()
+    trainer = Trainer(make_cfg(max_steps=2))
+    with caplog.at_level("WARNING", logger="grouprl.training_state"):
+        restore_training_state(trainer.cfg, DistContext(rank=0, world_size=2), trainer._checkpointed())
+    assert "resuming a run of 1 process(es) in 2: each rank's sampling stream is seeded anew" in caplog.text
+    assert "resume with 1 process(es) to continue it exactly" in caplog.text
+
+
 def test_resume_without_checkpoint_is_a_clear_error(make_cfg):
     with pytest.raises(ConfigError, match="no complete checkpoint"):
         Trainer(make_cfg()).train(resume=True)

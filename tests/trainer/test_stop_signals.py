@@ -89,6 +89,74 @@ def test_a_signal_anywhere_in_a_step_stops_after_it_and_resume_reproduces(make_c
         assert all(torch.equal(final[k], resumed[k]) for k in final), where
 
 
+class KilledInEval(Exception):
+    pass
+
+
+def test_a_signal_during_eval_after_finds_the_last_step_saved(make_cfg, tmp_path):
+    """The last step is saved before eval_after, which runs under the stop handlers: a SIGTERM there
+    (a long eval, a scheduler's notice) lets the eval finish and kills nothing. It used to come after
+    the handlers were put back, so the signal killed the run and every step since the last periodic
+    checkpoint was lost. A run cut short during eval_after resumes to that eval alone, once."""
+    kw = dict(max_steps=3, save_steps=2, eval_fraction=0.1, max_eval_samples=4)
+    cfg = make_cfg(output_dir=str(tmp_path / "signal"), **kw)
+    trainer = Trainer(cfg)
+    seen, outside = [], signal.getsignal(signal.SIGTERM)
+    original = trainer._log_eval
+
+    def eval_after_signalled(step, progress):
+        if step == 3:
+            ours = signal.getsignal(signal.SIGTERM) is not outside  # the stop handlers are in place
+            seen.append((latest_checkpoint(cfg.output_dir).name, ours))
+            if ours:  # (outside them, the signal would end pytest itself)
+                os.kill(os.getpid(), signal.SIGTERM)
+        return original(step, progress)
+
+    trainer._log_eval = eval_after_signalled
+    summary = trainer.train()
+    assert seen == [("step-000003", True)] and "eval_after" in summary and "stopped_by" not in summary
+    assert [r["step"] for r in read_metrics(cfg.output_dir) if "eval/accuracy" in r] == [0, 3]
+
+    cut = make_cfg(output_dir=str(tmp_path / "cut"), **kw)
+    trainer = Trainer(cut)
+
+    def killed_in_eval_after(step, progress, original=trainer._log_eval):
+        if step == 3:
+            raise KilledInEval  # as a SIGKILL after the scheduler's grace period would end it
+        return original(step, progress)
+
+    trainer._log_eval = killed_in_eval_after
+    with pytest.raises(KilledInEval):
+        trainer.train()
+    assert latest_checkpoint(cut.output_dir).name == "step-000003"  # saved before the eval that was cut
+    resumed = Trainer(cut).train(resume=True)
+    assert resumed["eval_after"]["accuracy"] == summary["eval_after"]["accuracy"]
+    rows = read_metrics(cut.output_dir)
+    assert [r["step"] for r in rows if "reward/mean" in r] == [1, 2, 3]  # nothing trained again
+    assert [r["step"] for r in rows if "eval/accuracy" in r] == [0, 3]
+    assert Trainer(cut).train(resume=True) == resumed  # finished: eval_after is recorded beside step 3
+
+
+def test_an_eval_made_up_on_resume_is_logged_once_if_the_run_crashes_before_its_next_save(make_cfg, tmp_path):
+    """Stopped in step 2 (its eval left pending), resumed (the eval made up, not a best, so no new
+    checkpoint), crashed in step 3, resumed again: the made-up eval is recorded beside step 2's
+    checkpoint, so the second resume does not log it twice."""
+    kw = dict(max_steps=4, save_steps=4, eval_steps=2, eval_fraction=0.1, max_eval_samples=4)
+    full = make_cfg(output_dir=str(tmp_path / "full"), **kw)
+    Trainer(full).train()
+    cut = make_cfg(output_dir=str(tmp_path / "cut"), **kw)
+    trainer = Trainer(cut)
+    _send_at(trainer, "updater.optimizer_step", 2)
+    with pytest.raises(TrainingStopped):
+        trainer.train()
+    trainer = Trainer(cut)
+    trainer.train_step = lambda original=trainer.train_step: original() if trainer.step < 2 else 1 / 0
+    with pytest.raises(ZeroDivisionError):
+        trainer.train(resume=True)
+    Trainer(cut).train(resume=True)
+    assert _strip_timing(read_metrics(cut.output_dir)) == _strip_timing(read_metrics(full.output_dir))
+
+
 def test_a_second_signal_stops_at_once_without_a_checkpoint(make_cfg):
     cfg = make_cfg(max_steps=4, save_steps=1)
     trainer = Trainer(cfg)

@@ -13,7 +13,8 @@
 #            benchmark smoke runs (tests/test_benchmarks_and_scripts.py) beside it on 4 workers (TESTS_S)
 #   eager    the decode step eager and replayed as graphs, no compile, 64 tokens (EAGER_S)
 #   widths   256-token graphed calls (several captures a call) at width buckets of 32 and 128
-#   compiled each model's compiled step (DECODE_MODELS, DECODE_S each)
+#   compiled each model's compiled step (DECODE_MODELS, DECODE_S each; qwen3-0.6b-shape also times
+#            the generic path, the model's own forward, which Qwen3 models took until 2026-11-27)
 #   memory   both sides' memory at 135M, recorded and broken down by code site (MEM_S)
 #   mb       grouprl in 16-row passes at 135M (MB_S);  ab  per-sequence attention at 135M (AB_S)
 #   cudnn    cuDNN's attention deprioritized against not (CUDNN_S, BENCH_S)
@@ -33,7 +34,8 @@
 # once, while the machine is warm (30 s), (2) PARTS="multiturn bench" WORKLOADS=gpu-1.7b-256 MT_S=50
 # BENCH_S=230, timeout_s 290 (multi-turn calls graphed, and the 1.7B step with graphed decoding, never
 # measured). The `every` part (~90 s) does not fit beside them; it goes into the lease after, with
-# `rewards` (PARTS="every rewards", ~150 s). At most
+# `rewards` (PARTS="every rewards", ~150 s), and Qwen3's fast path (PARTS=compiled
+# DECODE_MODELS=qwen3-0.6b-shape, ~150 s). At most
 # 8 files come back from a lent machine's output folder: (1) writes 7, (2) 3.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -109,8 +111,9 @@ widths() {
 }
 compiled() {
   for m in ${DECODE_MODELS:-smollm2-135m-shape smollm2-1.7b-shape}; do
+    generic=""; [ "$m" = qwen3-0.6b-shape ] && generic="--generic"
     timeout "${DECODE_S:-150}" python3 benchmarks/decode.py --device cuda --models "$m" --rows 16 --prompt 16 \
-      --dtypes bf16 --reps 2 --smollm2 "$TOKENIZER" --json "$OUT/decode-$m.json" 2>&1 | tee -a "$OUT/decode.log"
+      --dtypes bf16 --reps 2 --smollm2 "$TOKENIZER" $generic --json "$OUT/decode-$m.json" 2>&1 | tee -a "$OUT/decode.log"
     echo "decode $m exit: ${PIPESTATUS[0]}" | tee -a "$OUT/decode.log"
   done
 }

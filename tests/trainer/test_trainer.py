@@ -310,6 +310,27 @@ def test_gpt2_model_whose_tokenizer_has_no_pad_token(make_cfg, tmp_path):
     assert read_metrics(noisy.cfg.output_dir)[0]["kl"] > 0.0  # dropout on: the policy's log-probs are random
 
 
+@pytest.mark.parametrize("kind", ["llama", "mistral", "qwen3", "smollm3"])
+def test_each_fast_decoded_architecture_trains_from_a_folder(make_cfg, tmp_path, kind):
+    """A saved Llama, Mistral, Qwen3 or SmolLM3 (Qwen2 is every other test's) trains through the fast
+    decoder and padding-free passes, with a reference: loadable, taken by both, and finite."""
+    from grouprl import packing
+    from grouprl.rollout.llama_decoder import FastDecoder
+    from grouprl.tasks.testing import build_tiny_architecture
+
+    model, tok = build_tiny_architecture(kind, seed=1)
+    model.save_pretrained(tmp_path / kind)
+    tok.save_pretrained(tmp_path / kind)
+    trainer = Trainer(make_cfg(model=str(tmp_path / kind), max_steps=2, beta=0.04))
+    assert type(trainer.model).__name__.lower().startswith(kind) and packing.supports_packing(trainer.model)
+    with torch.no_grad():
+        assert isinstance(trainer.engine._decoder(torch.device("cpu")), FastDecoder)
+    trainer.train()
+    rows = read_metrics(trainer.cfg.output_dir)
+    assert [r["step"] for r in rows] == [1, 2] and all(math.isfinite(r["loss"]) for r in rows)
+    assert rows[0]["kl"] == 0.0 and rows[1]["kl"] > 0.0  # the reference pass ran, the update moved the policy
+
+
 def test_switch_off_dropout_makes_train_mode_deterministic(tiny_model_dir, tmp_path):
     """nn.Dropout layers and transformers' float `attention_dropout` attributes both go to 0."""
     from grouprl.policy import load_policy

@@ -286,10 +286,12 @@ class PromptBatch:
 class PromptFormatter:
     """Turns prompts into token ids: strings as they are, messages through the chat template."""
 
-    def __init__(self, tokenizer, *, max_prompt_length: int | None = None, tools: list[dict] | None = None):
+    def __init__(self, tokenizer, *, max_prompt_length: int | None = None, tools: list[dict] | None = None,
+                 template_kwargs: dict[str, Any] | None = None):
         self.tokenizer = tokenizer
         self.max_prompt_length = max_prompt_length
         self.tools = tools or None  # tool schemas the chat template shows the model
+        self.template_kwargs = dict(template_kwargs or {})  # chat_template_kwargs: e.g. enable_thinking
         self._warned_cut = False  # the first prompt cut to max_prompt_length is logged, the others not
 
     def text(self, prompt: Any) -> str:
@@ -302,7 +304,8 @@ class PromptFormatter:
                             "template: give prompts as plain strings, or use a tokenizer with one")
         prefill = bool(prompt) and prompt[-1].get("role") == "assistant"
         return self.tokenizer.apply_chat_template(prompt, tools=self.tools, add_generation_prompt=not prefill,
-                                                  continue_final_message=prefill, tokenize=False)
+                                                  continue_final_message=prefill, tokenize=False,
+                                                  **self.template_kwargs)
 
     def encode(self, prompt: Any) -> list[int]:
         ids = self.tokenizer(self.text(prompt), add_special_tokens=False)["input_ids"]

@@ -76,7 +76,8 @@ def make_producer(cfg: TrainConfig, engine: GenerationEngine, draw: Callable[[],
         return RolloutProducer(engine, draw, generate, 0)
     multiturn = bool(tools) or environment is not None  # its driver tokenises: a tokenizer of its own
     tok = copy.deepcopy(tokenizer) if multiturn else tokenizer
-    formatter = PromptFormatter(tok, max_prompt_length=cfg.max_prompt_length, tools=[t.schema for t in tools.values()])
+    formatter = PromptFormatter(tok, max_prompt_length=cfg.max_prompt_length, tools=[t.schema for t in tools.values()],
+                                template_kwargs=cfg.chat_template_kwargs)
     turns = make_rollouts(cfg, model, tok, formatter, tools, environment)  # single-turn: a SingleTurn
 
     def generate_ahead(prompts: PromptBatch) -> Trajectories:

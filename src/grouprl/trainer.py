@@ -154,11 +154,11 @@ class Trainer:
         over_budget = checkpointing == "over_budget"
         self.updater = make_policy_update(cfg, self.model, self.train_model, self.dist, autocast=self.autocast,
                                           auto_budget=auto_budget, checkpoint_over_budget=over_budget)  # update.py
-        self.formatter = PromptFormatter(self.tokenizer, max_prompt_length=cfg.max_prompt_length,
-                                         tools=[t.schema for t in self.tools.values()])
+        schemas = [t.schema for t in self.tools.values()]  # what the chat template shows the model
+        self.formatter = PromptFormatter(self.tokenizer, max_prompt_length=cfg.max_prompt_length, tools=schemas,
+                                         template_kwargs=cfg.chat_template_kwargs)
         self.engine = make_engine(cfg, self.model, self.tokenizer, self.dist, self.autocast)
-        self.turns = make_rollouts(cfg, self.model, self.tokenizer, self.formatter, self.tools,
-                                   self.environment)  # one engine call, or turns with tools / an environment
+        self.turns = make_rollouts(cfg, self.model, self.tokenizer, self.formatter, self.tools, self.environment)
         self.weights_version = 0  # grows with every change of the policy's weights (engine sync)
         self.sampling = SamplingParams(cfg.max_completion_length, cfg.temperature, cfg.top_p, cfg.top_k, cfg.ignore_eos)
 

@@ -87,6 +87,30 @@ def test_a_last_turn_that_renders_differently_once_messages_follow(qwen_tokenize
     assert tok.decode(observation) == "\n<|im_start|>user\nhigher<|im_end|>\n<|im_start|>assistant\n"
 
 
+# Qwen3's switch: with enable_thinking false the generation prompt carries an empty thinking block
+THINKING_SWITCH = THINKING_CHATML.replace(
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}",
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
+    "{%- endif %}")
+
+
+def test_the_next_turn_is_opened_with_the_templates_arguments(qwen_tokenizer):
+    """chat_template_kwargs reach the header of the turn after tool results or an observation, as they
+    reached the prompt's: Qwen3 without thinking opens every assistant turn with an empty block."""
+    tok = qwen_tokenizer
+    tok.chat_template = THINKING_SWITCH
+    assert THINKING_SWITCH != THINKING_CHATML
+    results = [ToolResult("add", "5", "ok")]
+    plain = tok.decode(render_tool_messages(tok, results, TOOLS))
+    assert plain.endswith("<|im_start|>assistant\n")
+    off = {"enable_thinking": False}
+    assert tok.decode(render_tool_messages(tok, results, TOOLS, off)) == plain + "<think>\n\n</think>\n\n"
+    observation = render_after_turn(tok, [{"role": "user", "content": "higher"}], template_kwargs=off)
+    assert tok.decode(observation) == ("\n<|im_start|>user\nhigher<|im_end|>\n<|im_start|>assistant\n"
+                                       "<think>\n\n</think>\n\n")
+
+
 # Like Llama 3.1-3.3's template: an assistant turn with tool calls is written as its call alone (the content
 # is dropped), and a turn with more than one call raises
 LLAMA3_LIKE = (

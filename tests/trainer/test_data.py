@@ -188,6 +188,29 @@ def test_a_column_named_like_an_argument_of_the_reward_functions_is_refused(colu
     assert len(load_prompts([{column: "q"}], prompt_column=column)) == 1  # the prompt column itself is not passed
 
 
+def test_chat_template_kwargs_reach_the_template(make_cfg, tmp_path, tiny_model_dir):
+    """chat_template_kwargs ({enable_thinking: false}, Qwen3's switch) render the trainer's prompts; the
+    arguments grouprl sets itself are refused."""
+    from grouprl.config import ConfigError
+    from grouprl.tasks.testing import build_char_tokenizer
+    from grouprl.trainer import Trainer
+
+    tok = build_char_tokenizer()
+    tok.chat_template = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+                         "{% if add_generation_prompt %}<assistant>{% if enable_thinking is defined and "
+                         "not enable_thinking %}[no think]{% endif %}{% endif %}")
+    tok.save_pretrained(tmp_path / "tok")
+    question = [[{"role": "user", "content": "6*7?"}]]
+    texts = {}
+    for kwargs in ({}, {"enable_thinking": False}):
+        trainer = Trainer(make_cfg(tokenizer=str(tmp_path / "tok"), chat_template_kwargs=kwargs))
+        texts[str(kwargs)] = trainer.tokenizer.decode(trainer.prompts(question).prompt_ids[0])
+    assert texts == {"{}": "<user>6*7?<assistant>", "{'enable_thinking': False}": "<user>6*7?<assistant>[no think]"}
+    with pytest.raises(ConfigError, match="chat_template_kwargs sets add_generation_prompt, tools, which grouprl "
+                                          "sets itself"):
+        make_cfg(chat_template_kwargs={"tools": [], "add_generation_prompt": False}).validate()
+
+
 def test_a_prompt_ending_with_the_assistant_continues_its_message():
     """A prefill ("<think>") was closed and a new assistant turn opened after it; TRL continues it."""
     from grouprl.data import PromptFormatter

@@ -163,9 +163,11 @@ def test_environment_through_the_trainer(chat_cfg):
     environment, the driver, the rewards and the update are the trainer's own."""
     SEEN.clear()
     cfg, rows = chat_cfg(environment="tests.trainer.test_multiturn_train:CountdownEnv", max_turns=4,
-                         max_completion_length=200, env_timeout_s=45.0, max_tool_output_chars=99)
+                         max_completion_length=200, env_timeout_s=45.0, max_tool_output_chars=99,
+                         chat_template_kwargs={"unused_by_this_template": 1})
     trainer = Trainer(cfg, train_dataset=rows, reward_funcs=[env_reward])
     assert (trainer.turns.env_timeout_s, trainer.turns.max_tool_output_chars) == (45.0, 99)  # the config's limits
+    assert trainer.turns.template_kwargs == {"unused_by_this_template": 1}  # the next turns' headers, as the prompts
     replies = {"Start": "first reply", "Go on": "second"}
     trainer.engine = ScriptedEngine(trainer.tokenizer, lambda text: replies[text.split("user\n")[-1][:5]])
     trainer.train()

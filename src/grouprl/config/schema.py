@@ -222,6 +222,10 @@ class TrainFields:
     max_prompt_length: int | None = None
     """Prompts longer than this many tokens (at least 1) are cut from the left, with a warning the first
     time; None keeps them whole."""
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    """More arguments for the chat template, wherever it renders the policy's conversations (prompts,
+    eval prompts, a multi-turn rollout's tool results and next turn), as TRL's field of that name:
+    e.g. {enable_thinking: false} for Qwen3's template without its thinking block."""
     max_completion_length: int = 256
     """Tokens generated per completion at most."""
     temperature: float = 1.0

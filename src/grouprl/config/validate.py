@@ -307,6 +307,12 @@ def validate_config(cfg: C) -> C:
                           "multiplies the learning rate by it (e.g. 0.1)")
     if c.max_rollbacks < 0:
         raise ConfigError(f"max_rollbacks={c.max_rollbacks} must be 0 or more")
+    taken = sorted({"conversation", "tools", "add_generation_prompt", "continue_final_message", "tokenize"}
+                   & set(c.chat_template_kwargs))
+    if taken:
+        raise ConfigError(f"chat_template_kwargs sets {', '.join(taken)}, which grouprl sets itself for each "
+                          "conversation it renders (the tools from `tools`, the generation prompt by the last "
+                          "message's role): drop them")
     if c.prompt_filter_history < 1:
         raise ConfigError(f"prompt_filter_history={c.prompt_filter_history} must be at least 1 (groups)")
     if not 0 <= c.prompt_filter_revisit <= 1:

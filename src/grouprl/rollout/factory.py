@@ -130,4 +130,5 @@ def make_rollouts(cfg: TrainConfig, model: torch.nn.Module, tokenizer, formatter
     return MultiTurnDriver(tokenizer, limits, tools=tools, parser=parser, environment=environment,
                            encode=formatter.encode, eos_token_ids=eos_ids(model, tokenizer),
                            tool_timeout_s=cfg.tool_timeout_s, env_timeout_s=cfg.env_timeout_s,
-                           max_tool_output_chars=cfg.max_tool_output_chars)
+                           max_tool_output_chars=cfg.max_tool_output_chars,
+                           template_kwargs=formatter.template_kwargs)

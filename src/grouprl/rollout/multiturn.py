@@ -105,7 +105,8 @@ class MultiTurnDriver:
                  tools: dict[str, Tool] | None = None, parser: ToolCallParser | None = None,
                  environment: Callable[[], Environment] | None = None, encode: Callable[[Any], list[int]] | None = None,
                  eos_token_ids: tuple[int, ...] = (), tool_timeout_s: float = 30.0, max_concurrency: int = 16,
-                 env_timeout_s: float | None = None, max_tool_output_chars: int | None = None):
+                 env_timeout_s: float | None = None, max_tool_output_chars: int | None = None,
+                 template_kwargs: dict[str, Any] | None = None):
         if bool(tools) == (environment is not None):
             raise ValueError("a multi-turn rollout needs tools or an environment (one of them: an environment "
                              "answers every assistant turn itself, so it runs any tools it offers)")
@@ -119,6 +120,7 @@ class MultiTurnDriver:
         self.tool_timeout_s, self.max_concurrency = tool_timeout_s, max_concurrency
         self.env_timeout_s = env_timeout_s  # each reset/step call at most this long; None: no limit
         self.max_tool_output_chars = max_tool_output_chars  # each result's head and tail; None: whole
+        self.template_kwargs = template_kwargs  # chat_template_kwargs, as the prompts were rendered with
 
     def generate(self, engine: GenerationEngine, prompt_ids: list[list[int]], num_generations: int,
                  params: SamplingParams, generator: torch.Generator | None = None, *,
@@ -208,7 +210,8 @@ class MultiTurnDriver:
         counts["tool_timeouts"] += batch.count("timeout")
         counts["parse_failures"] += batch.count("parse_error")
         counts["tool_seconds"] += batch.wall_s
-        return [(row, (render_tool_messages(self.tokenizer, results, self.tools), [r.message for r in results]))
+        return [(row, (render_tool_messages(self.tokenizer, results, self.tools, self.template_kwargs),
+                       [r.message for r in results]))
                 for (row, _), results in zip(run, batch.results)]
 
     def _step_envs(self, ended: list[tuple[_Row, ParsedTurn]], counts: dict[str, float]
@@ -238,7 +241,8 @@ class MultiTurnDriver:
             if not obs:
                 raise ValueError(f"{name}.step returned no observation and done=False: "
                                  "the policy needs something to answer, or return done=True")
-            answers.append((row, (render_after_turn(self.tokenizer, obs, self.tools or None), obs)))
+            answers.append((row, (render_after_turn(self.tokenizer, obs, self.tools or None,
+                                                    template_kwargs=self.template_kwargs), obs)))
         return answers
 
     def _reset(self, rows: list[_Row], prompts: list[Any] | None, columns: dict[str, list], G: int) -> None:

@@ -29,20 +29,22 @@ _NOT_INCREMENTAL = ("this chat template renders earlier turns differently once t
                     "(Qwen2.5, Qwen3, Llama 3.x do)")
 
 
-def render_tool_messages(tokenizer: Any, results: Sequence[ToolResult],
-                         tools: dict[str, Tool] | None = None) -> list[int]:
+def render_tool_messages(tokenizer: Any, results: Sequence[ToolResult], tools: dict[str, Tool] | None = None,
+                         template_kwargs: dict[str, Any] | None = None) -> list[int]:
     """Token ids to append after the policy's end-of-turn token: the results as tool messages, then
     the next assistant header. ValueError when the template cannot be continued this way."""
     if not results:
         raise ValueError("no tool results to render: a turn without calls is not followed by tool messages")
-    return render_after_turn(tokenizer, [r.message for r in results], tools, after_call=True)
+    return render_after_turn(tokenizer, [r.message for r in results], tools, after_call=True,
+                             template_kwargs=template_kwargs)
 
 
 def render_after_turn(tokenizer: Any, messages: Sequence[dict], tools: dict[str, Tool] | None = None,
-                      after_call: bool = False) -> list[int]:
+                      after_call: bool = False, template_kwargs: dict[str, Any] | None = None) -> list[int]:
     """Token ids to append after the policy's end-of-turn token: `messages` (tool results, or an
     environment's observations as user messages), then the next assistant header. `after_call`: the
-    stand-in assistant turn makes a tool call (a template may check that tool messages follow one)."""
+    stand-in assistant turn makes a tool call (a template may check that tool messages follow one).
+    `template_kwargs`: more arguments for the template (chat_template_kwargs, e.g. enable_thinking)."""
     if not messages:
         raise ValueError("no messages to render after the assistant turn")
     schemas = [t.schema for t in tools.values()] if tools else None
@@ -53,7 +55,7 @@ def render_after_turn(tokenizer: Any, messages: Sequence[dict], tools: dict[str,
     def render(conversation: list[dict], generation_prompt: bool = False) -> str:
         try:
             return tokenizer.apply_chat_template(conversation, tools=schemas, tokenize=False,
-                                                 add_generation_prompt=generation_prompt)
+                                                 add_generation_prompt=generation_prompt, **(template_kwargs or {}))
         except Exception as e:  # jinja's raise_exception, or a template tripping over these roles
             roles = ", ".join(dict.fromkeys(str(m.get("role")) for m in messages))
             raise ValueError(f"the chat template cannot render {roles} messages after an assistant turn"

@@ -233,6 +233,33 @@ def test_a_return_value_that_cannot_be_shown_as_text_is_an_error():
         "error: unprintable returned a value that cannot be shown as text (RuntimeError: no str)", "error")
 
 
+class Unspeakable(Exception):
+    def __str__(self):
+        raise RuntimeError("no message either")
+
+
+def speechless() -> str:
+    """Fail with an exception whose message cannot be made text.
+    """
+    raise Unspeakable
+
+
+def listing() -> list:
+    """A directory listing with a file name that is not UTF-8, as os.listdir decodes it (surrogateescape).
+    """
+    return b"caf\xe9.txt".decode("utf-8", "surrogateescape")
+
+
+def test_an_error_without_a_message_and_a_name_utf8_cannot_encode_are_still_answers():
+    batch = execute_calls([[ToolCall("speechless", {})], [ToolCall("listing", {})]],
+                          resolve_tools([speechless, listing]))
+    (silent,), (names,) = batch.results
+    assert (silent.content, silent.status) == (
+        "error: speechless raised Unspeakable (its message cannot be shown)", "error")
+    assert (names.content, names.status) == ("caf?.txt", "ok")  # the tokenizer refuses a lone surrogate
+    names.content.encode("utf-8")
+
+
 LET_GO, STUBBORN_DONE = threading.Event(), threading.Event()  # the stubborn tool's release, and its end
 
 

@@ -72,6 +72,11 @@ def test_hermes_arguments_as_a_json_string_are_decoded():
     ('["add", 1]', "expected a JSON object, got list"),
     ('{"arguments": {"a": 1}}', 'the call has no "name"'),
     ('{"name": "add", "arguments": [1, 2]}', "the arguments of add are not a JSON object"),
+    # a degenerate model's output, which json reads as no syntax error: ValueError and RecursionError
+    ('{"name": "add", "arguments": {"a": ' + "9" * 5000 + "}}",
+     "invalid JSON (Exceeds the limit (4300 digits) for integer string conversion)"),
+    ('{"name": "add", "arguments": {"a": ' + "[" * 5000 + "}}", "invalid JSON (nested too deeply)"),
+    ('{"name": "add", "arguments": "' + "[" * 5000 + '"}', "the arguments of add are not a JSON object"),
 ])
 def test_hermes_malformed_call_is_a_parse_error_in_its_place(body, reason):
     text = f'<tool_call>{body}</tool_call><tool_call>{{"name": "add", "arguments": {{"a": 7}}}}</tool_call>'
@@ -116,6 +121,13 @@ def test_llama3_plain_answers_hold_no_call():
     for text in ("The sum is 5.", '{"answer": 5}', 'I would call {"name": "add"} here'):
         turn = llama3(text)
         assert (turn.content, turn.calls) == (text, [])
+
+
+def test_llama3_calls_json_cannot_read_are_parse_errors():
+    for body, why in [("9" * 5000, "Exceeds the limit (4300 digits) for integer string conversion"),
+                      ("[" * 5000, "nested too deeply")]:
+        turn = llama3('{"name": "add", "parameters": {"a": ' + body + "}}")
+        assert [c.reason for c in turn.calls] == [f"invalid JSON ({why})"]
 
 
 def test_llama3_malformed_calls():

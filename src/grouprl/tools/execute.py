@@ -134,13 +134,21 @@ async def _run_call(call: ToolCall, tools: dict[str, Tool], timeout_s: float) ->
     try:
         value = task.result()
     except BaseException as e:  # even SystemExit, or a CancelledError of the tool's own
-        return ToolResult(call.name, f"error: {call.name} raised {type(e).__name__}: {e}", "error", took)
+        return ToolResult(call.name, f"error: {call.name} raised {_describe(e)}", "error", took)
     try:
         text = _as_text(value)
     except Exception as e:  # e.g. nesting too deep for json, or an object whose __str__ raises
         return ToolResult(call.name, f"error: {call.name} returned a value that cannot be shown as text "
-                          f"({type(e).__name__}: {e})", "error", took)
+                          f"({_describe(e)})", "error", took)
     return ToolResult(call.name, text, "ok", took)
+
+
+def _describe(e: BaseException) -> str:
+    """"Type: message", even for an exception whose own str() raises."""
+    try:
+        return f"{type(e).__name__}: {e}"
+    except Exception:  # noqa: BLE001 — whatever its __str__ does, the tool's error is still reported
+        return f"{type(e).__name__} (its message cannot be shown)"
 
 
 async def _awaited(func: Callable[..., Any], kwargs: dict) -> Any:
@@ -180,10 +188,12 @@ def _in_daemon_thread(func: Callable[..., Any], kwargs: dict) -> asyncio.Future:
 
 
 def _as_text(value: Any) -> str:
-    """A tool's return value as the model sees it: a string as is, anything else as JSON (else str())."""
-    if isinstance(value, str):
-        return value
-    try:
-        return json.dumps(value)
-    except (TypeError, ValueError):
-        return str(value)
+    """A tool's return value as the model sees it: a string as is, anything else as JSON (else str());
+    characters UTF-8 cannot encode (lone surrogates, as `os.listdir` gives for a file name that is not
+    UTF-8) as "?", since the tokenizer refuses them."""
+    if not isinstance(value, str):
+        try:
+            value = json.dumps(value)
+        except (TypeError, ValueError):
+            value = str(value)
+    return value.encode("utf-8", "replace").decode("utf-8") if not value.isascii() else value

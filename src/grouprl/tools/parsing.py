@@ -116,7 +116,7 @@ class ToolCallParser:
         if isinstance(arguments, str):  # some models write the arguments as a JSON string
             try:
                 arguments = json.loads(arguments)
-            except json.JSONDecodeError:
+            except (ValueError, RecursionError):  # invalid, a number past Python's digit limit, nesting too deep
                 pass
         if not isinstance(arguments, dict):
             return ParseError(f'the arguments of {name} are not a JSON object', text, self.hint)
@@ -131,6 +131,14 @@ def _decode(body: str) -> tuple[Any, str | None]:
         return json.loads(body), None
     except json.JSONDecodeError as e:
         return None, f"invalid JSON ({e.msg} at line {e.lineno} column {e.colno})"
+    except (ValueError, RecursionError) as e:  # a degenerate model's 5,000-digit number or 1,000 open brackets
+        return None, f"invalid JSON ({_unreadable(e)})"
+
+
+def _unreadable(e: BaseException) -> str:
+    """Why json could not read a call that is not a syntax error: a number past Python's integer
+    digit limit (ValueError), or brackets nested past the recursion limit (RecursionError)."""
+    return "nested too deeply" if isinstance(e, RecursionError) else str(e).split(":")[0]
 
 
 def _hermes(text: str) -> tuple[str, list]:
@@ -162,6 +170,9 @@ def _llama3(text: str) -> tuple[str, list]:
         except json.JSONDecodeError as e:
             why = f"invalid JSON ({e.msg} at character {e.pos - pos})"
             raw.append(ParseError(why, body[pos:], _HINTS["llama3"]))
+            break
+        except (ValueError, RecursionError) as e:
+            raw.append(ParseError(f"invalid JSON ({_unreadable(e)})", body[pos:], _HINTS["llama3"]))
             break
         raw.append((obj, body[pos:end]))
         pos = end

@@ -157,6 +157,7 @@ class _StderrHandler(logging.Handler):
 
 def _train(cfg: TrainConfig, *, resume: bool, again: str) -> int:
     """`again`: the command that continues this run, printed if a signal stops it."""
+    from grouprl.data import DataError
     from grouprl.distributed import barrier, destroy_distributed, init_distributed
     from grouprl.memory import checkpoint_mode, is_out_of_memory, out_of_memory_advice
     from grouprl.trainer import Trainer
@@ -171,6 +172,11 @@ def _train(cfg: TrainConfig, *, resume: bool, again: str) -> int:
             summary = trainer.train(resume=resume)
         except TrainingStopped as e:  # every rank stopped after the same step
             stopped = e
+        except ValueError as e:  # a fault while training (an environment's, a parser's): its traceback, exit 1
+            if isinstance(e, (ConfigError, DataError)):  # not main's one-line "error:" of a wrong setting
+                raise
+            raise RuntimeError(f"the run stopped on {type(e).__name__} while training (the traceback above shows "
+                               f"where): {e}") from e
         # every rank tears its process group down together: a gloo rank that left while rank 0 still
         # wrote the summary was seen to hang the other at exit (once in three full test runs)
         barrier(ctx)

@@ -243,6 +243,7 @@ def test_multi_turn_game_turn_by_turn(tok):
     closes = [i for kind, i, _ in GuessEnv.log if kind == "close"]
     assert len(closes) == 4 and set(closes) == envs  # finished ones when done, the others when dropped
     assert rubric_reward("anything")(None, traj.messages) == [None] * 4  # no rubric: nothing noted
+    assert adapter.environment().concurrency == 1  # the driver's calls too: each timed from its own start
 
 
 def test_an_instance_is_copied_for_each_trajectory(tok):

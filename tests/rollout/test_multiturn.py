@@ -8,6 +8,7 @@ chooses, so each test knows exactly what the policy "said"; the driver itself is
 import os
 import re
 import threading
+import time
 
 import pytest
 import torch
@@ -307,6 +308,76 @@ def test_an_environment_call_that_hangs_stops_the_run_naming_the_call(tok):
                          columns={"target": ["2", "7"]})
     finally:
         HangingEnv.release.set()
+
+
+class OddEnv(GuessEnv):
+    """Answers its first step with whatever `answer` is set to."""
+
+    answer: tuple = ()
+
+    def step(self, message):
+        return OddEnv.answer
+
+
+def _guess_once(tok, env, **kw):
+    encode = lambda msgs: tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True,  # noqa: E731
+                                                  return_dict=False)
+    drv = Driver(ScriptedEngine(tok, bisect), MultiTurnDriver(tok, TurnLimits(400, max_turns=3), environment=env,
+                                                              encode=encode, eos_token_ids=(tok.eos_token_id,), **kw))
+    prompts = [[{"role": "user", "content": "Play."}]] * 2
+    return drv.generate([encode(p) for p in prompts], 2, SamplingParams(max_new_tokens=1), prompts=prompts,
+                        columns={"target": ["2", "7"]})
+
+
+@pytest.mark.parametrize("answer, error", [
+    (("higher", False, "high"), r"OddEnv.step returned the reward 'high': return a finite number, or None"),
+    (("higher", False, float("nan")), r"OddEnv.step returned the reward nan: return a finite number"),
+    (("higher", "no"), r"OddEnv.step returned done='no': return True or False"),
+    (([{"role": "user"}], False), r"OddEnv.step returned \[\{'role': 'user'\}\]: an observation is .* each content "
+                                  r"a string"),
+    (([{"role": "user", "content": 5}], False), r"OddEnv.step returned .*'content': 5.*: an observation is"),
+])
+def test_an_environments_wrong_answer_is_an_error_naming_it_and_the_form(tok, answer, error):
+    """A reward that is not a finite number (it failed later, blamed on the reward function, or as a bare
+    ValueError), a done that is not a bool (taken as True), a message without text content (blamed on the
+    chat template): each is the environment's error, named, with the form it should return."""
+    OddEnv.answer = answer
+    with pytest.raises(TypeError, match=error):
+        _guess_once(tok, OddEnv)
+
+
+class ExitingEnv(GuessEnv):
+    def step(self, message):
+        raise SystemExit(3)
+
+
+def test_an_environment_that_exits_is_an_error_not_the_runs_end(tok):
+    """SystemExit(3) in a step ended the process silently with exit 3, an alarm's exit status."""
+    with pytest.raises(RuntimeError, match=r"ExitingEnv.step raised SystemExit\(3,\): an environment may not end "
+                                           "the process"):
+        _guess_once(tok, ExitingEnv)
+
+
+class SerialEnv(GuessEnv):
+    """One call at a time, each 0.3 s: a queue of 4 takes 1.2 s."""
+
+    concurrency = 1
+    lock = threading.Lock()
+
+    def step(self, message):
+        assert SerialEnv.lock.acquire(blocking=False), "two calls at once"
+        try:
+            time.sleep(0.3)
+            return [], True, 1.0
+        finally:
+            SerialEnv.lock.release()
+
+
+def test_an_environment_of_one_call_at_a_time_gets_them_so_each_timed_from_its_start(tok):
+    """`concurrency = 1` (OpenEnv's environments without concurrent sessions): the calls run one after
+    another, and env_timeout_s (0.8 s) bounds each call, not the queue (1.2 s), which timed out before."""
+    traj = _guess_once(tok, SerialEnv, env_timeout_s=0.8)
+    assert traj.stop_reasons == ["env_done"] * 4
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="the sandbox needs a POSIX host")

@@ -2,11 +2,13 @@
 end to end, and bad multi-turn settings failing before any model loads."""
 
 import copy
+import json
 from pathlib import Path
 import re
 
 import pytest
 import torch
+import yaml
 
 import grouprl.trainer as trainer_module
 import grouprl.update as update_module
@@ -178,6 +180,27 @@ def test_environment_through_the_trainer(chat_cfg):
     m = read_metrics(cfg.output_dir)[0]
     assert m["multiturn/stop_env_done_frac"] == 1.0 and m["multiturn/turns_per_trajectory"] == 2.0
     assert m["completion/length_mean"] == len("first reply") + len("second") + 2  # actions: 2 replies + <|im_end|>
+
+
+class BrokenEnv(CountdownEnv):
+    def reset(self, prompt, answer):
+        return int("x" + answer)  # a bug: ValueError
+
+
+def test_a_value_error_in_an_environment_is_a_fault_with_its_traceback_not_a_config_error(chat_cfg, tmp_path, capsys):
+    """`grouprl train` printed any ValueError as "error: <message>" with exit 2, a wrong setting's form, so an
+    environment's bug lost its traceback and looked like a config mistake; it now propagates (exit 1),
+    naming where it was raised."""
+    from grouprl.cli import main
+
+    cfg, rows = chat_cfg(environment="tests.trainer.test_multiturn_train:BrokenEnv")
+    data = tmp_path / "chat.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump({**cfg.to_dict(), "train_data": str(data)}))
+    with pytest.raises(RuntimeError, match="the run stopped on ValueError while training") as raised:
+        main(["train", str(tmp_path / "run.yaml")])
+    assert isinstance(raised.value.__cause__, ValueError) and "'x" in str(raised.value.__cause__)
+    assert "error: invalid literal" not in capsys.readouterr().err
 
 
 def test_a_dataset_column_named_env_reward_is_its_own_without_an_environment_and_refused_with_one(chat_cfg):

@@ -204,10 +204,15 @@ class OpenEnvAdapter:
                                    "(an exception in an environment is a bug in it and stops the step; to let "
                                    "the policy see a failure, return it as an observation)") from e
 
+    @staticmethod
+    def _concurrent(env: Any) -> bool:
+        """Whether the environment takes calls from several threads at once (OpenEnv's flags)."""
+        return bool(getattr(env, "SUPPORTS_CONCURRENT_SESSIONS", True)) and not getattr(
+            env, "REQUIRES_SINGLE_THREAD_EXECUTOR", False)
+
     def _run(self, env: Any, fn: Callable, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
-        if getattr(env, "SUPPORTS_CONCURRENT_SESSIONS", True) and not getattr(env, "REQUIRES_SINGLE_THREAD_EXECUTOR",
-                                                                              False):
+        if self._concurrent(env):
             return fn(*args, **kwargs)
         with self._lock:
             if self._serial is None:
@@ -258,6 +263,13 @@ class _Episode:
         # (a remote environment's session would otherwise stay open on its server)
         self.close = weakref.finalize(self, self.adapter._close, self.env)
         self.close.atexit = False
+
+    @property
+    def concurrency(self) -> int | None:
+        """1 for an environment that takes one call at a time (SUPPORTS_CONCURRENT_SESSIONS = False, OpenEnv's
+        default): the driver then makes one call at a time, so each call's env_timeout_s counts from its own
+        start, not from its place in the queue (it counted from the queue's: 12 steps of 0.5 s timed out at 2 s)."""
+        return None if self.adapter._concurrent(self.env) else 1
 
     def _call(self, method: str, args: tuple = (), kwargs: dict | None = None, shown: Any = None
               ) -> tuple[Any, float | None, bool]:

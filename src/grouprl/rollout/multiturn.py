@@ -42,12 +42,15 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import math
+import numbers
 import threading
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Protocol
 
+import numpy as np
 import torch
 
 from grouprl.importpath import import_callable
@@ -57,7 +60,9 @@ from grouprl.tools import (ParsedTurn, Tool, ToolCallParser, execute_calls, rend
                            render_tool_messages)
 
 class Environment(Protocol):
-    """A stateful task the policy acts in, turn by turn (one instance per trajectory)."""
+    """A stateful task the policy acts in, turn by turn (one instance per trajectory). An optional
+    attribute `concurrency` (an int) caps how many of its calls run at once (1: one at a time, each
+    call's env_timeout_s counted from its own start); 16 otherwise."""
 
     def reset(self, **row: Any) -> str | list[dict] | None: ...
 
@@ -220,7 +225,8 @@ class MultiTurnDriver:
         if not ended:
             return []
         t0 = time.perf_counter()
-        outs = _concurrently([(row.env.step, (row.messages[-1],)) for row, _ in ended], self.env_timeout_s)
+        outs = _concurrently([(row.env.step, (row.messages[-1],)) for row, _ in ended], self.env_timeout_s,
+                             _concurrency([row.env for row, _ in ended]))
         counts["env_seconds"] += time.perf_counter() - t0
         answers = []
         for (row, _), out in zip(ended, outs):
@@ -228,9 +234,15 @@ class MultiTurnDriver:
             if not (isinstance(out, tuple) and len(out) in (2, 3)):
                 raise TypeError(f"{name}.step returned {out!r}: return (observation, done) or "
                                 "(observation, done, reward)")
-            observation, done = out[0], bool(out[1])
+            observation, done = out[0], out[1]
+            if not isinstance(done, (bool, np.bool_)):
+                raise TypeError(f"{name}.step returned done={done!r}: return True or False")
             if len(out) == 3 and out[2] is not None:
-                row.env_reward += float(out[2])
+                reward = out[2]
+                if isinstance(reward, bool) or not isinstance(reward, numbers.Real) or not math.isfinite(reward):
+                    raise TypeError(f"{name}.step returned the reward {reward!r}: return a finite number, or "
+                                    "None for no reward")
+                row.env_reward += float(reward)
             if done:
                 row.stop = "env_done"
                 continue
@@ -253,7 +265,8 @@ class MultiTurnDriver:
                 for _ in range(G)]
         for row in rows:
             row.env = self.environment()
-        outs = _concurrently([(row.env.reset, (), d) for row, d in zip(rows, data)], self.env_timeout_s)
+        outs = _concurrently([(row.env.reset, (), d) for row, d in zip(rows, data)], self.env_timeout_s,
+                             _concurrency([row.env for row in rows]))
         for row, obs, d in zip(rows, outs, data):
             if obs is None:
                 continue
@@ -289,10 +302,16 @@ def _as_messages(observation: Any, where: str) -> list[dict]:
         return [{"role": "user", "content": observation}]
     if isinstance(observation, dict):
         observation = [observation]
-    if not (isinstance(observation, list) and all(isinstance(m, dict) and "role" in m for m in observation)):
+    if not (isinstance(observation, list) and all(isinstance(m, dict) and "role" in m and isinstance(
+            m.get("content"), (str, list)) for m in observation)):
         raise TypeError(f"{where} returned {observation!r}: an observation is a string or a list of "
-                        "{'role': ..., 'content': ...} messages")
+                        "{'role': ..., 'content': '...'} messages, each content a string (or a template's parts)")
     return list(observation)
+
+
+def _concurrency(envs: list[Any]) -> int:
+    """How many of these environments' calls run at once: 16, or less where one says so (`concurrency`)."""
+    return min([16] + [c for e in envs if isinstance(c := getattr(e, "concurrency", None), int) and c >= 1])
 
 
 def _call(fn: Callable, args: tuple, kwargs: dict) -> Any:
@@ -318,8 +337,12 @@ def _concurrently(jobs: list[tuple], timeout_s: float | None = None, concurrency
             started[i] = time.monotonic()
             try:
                 futures[i].set_result(_call(fn, args, kwargs))
-            except BaseException as e:  # noqa: BLE001 -- handed to the caller's thread
+            except Exception as e:  # noqa: BLE001 -- handed to the caller's thread
                 futures[i].set_exception(e)
+            except BaseException as e:  # SystemExit, KeyboardInterrupt: not the run's own end (exit 3 is an alarm's)
+                futures[i].set_exception(RuntimeError(
+                    f"{getattr(fn, '__qualname__', fn)} raised {type(e).__name__}{e.args!r}: an environment may "
+                    "not end the process; raise an exception for a bug, or end the episode with done=True"))
 
     for i, job in enumerate(jobs):
         threading.Thread(target=run, args=(i, job[0], job[1], job[2] if len(job) > 2 else {}), daemon=True,

@@ -96,7 +96,8 @@ def load_prompts(source: str | Path | Dataset | DatasetDict | IterableDataset | 
             raise DataError(f"{name}={source!r} is a folder: name the data file in it")
         if not _has_rows(path):  # the readers' own error is StopIteration or "no data"
             raise DataError(f"{name}={source!r} has no rows: it needs at least one prompt")
-        problem = _jsonl_problem(path) if path.suffix.lower() == ".jsonl" else None
+        problem = _utf8_problem(path) if path.suffix.lower() in (".jsonl", ".json", ".csv") else None
+        problem = problem or (_jsonl_problem(path) if path.suffix.lower() == ".jsonl" else None)
         if problem:  # datasets' own error names no line
             raise DataError(f"{name}={source!r}: {problem}")
         try:
@@ -154,6 +155,20 @@ def _has_rows(path: Path) -> bool:
         return any(line.strip() for line in f)
 
 
+def _utf8_problem(path: Path) -> str | None:
+    """The first line of a text file that is not UTF-8, named by number. The readers keep such bytes
+    in the columns they do not decode, so a row failed only when a step drew it (a latin-1 "é" in an
+    answer, step 40), naming neither the file nor the line."""
+    with open(path, "rb") as f:
+        for number, line in enumerate(f, start=1):
+            try:
+                line.decode("utf-8")
+            except UnicodeDecodeError as e:
+                return (f"line {number} is not UTF-8 (byte 0x{line[e.start]:02x} at byte {e.start + 1} of the "
+                        "line): re-save the file as UTF-8 (e.g. iconv -f latin1 -t utf-8)")
+    return None
+
+
 def _jsonl_problem(path: Path) -> str | None:
     """The first line of a JSON Lines file that is not one JSON object, named by number."""
     with open(path, encoding="utf-8", errors="replace") as f:
@@ -195,11 +210,16 @@ def validate_prompts(ds: Dataset, *, prompt_column: str = "prompt", name: str = 
         raise DataError(f"{name} has no {prompt_column!r} column (columns: {ds.column_names}); "
                         f"rename the prompt column to {prompt_column!r} or set prompt_column")
     check_reserved(ds.column_names, prompt_column, name)
+    first: dict[bool, int] = {}  # string prompt or not -> the first row of that form
     for i, prompt in enumerate(ds[prompt_column]):
         problem = _prompt_problem(prompt)
         if problem:
             raise DataError(f"{name} row {i}: {prompt_column!r} {problem}; a prompt is a non-empty "
                             "string or a list of {'role': ..., 'content': ...} messages")
+        first.setdefault(isinstance(prompt, str), i)
+    if len(first) > 1:  # a batch's completions are strings or messages as its first prompt is
+        raise DataError(f"{name} mixes prompt forms: row {first[True]} is a string, row {first[False]} chat "
+                        "messages; give every prompt one form (a string s as [{'role': 'user', 'content': s}])")
 
 
 def check_reserved(columns: list[str], prompt_column: str, name: str) -> None:

@@ -188,6 +188,29 @@ def test_a_column_named_like_an_argument_of_the_reward_functions_is_refused(colu
     assert len(load_prompts([{column: "q"}], prompt_column=column)) == 1  # the prompt column itself is not passed
 
 
+@pytest.mark.parametrize("suffix", [".jsonl", ".csv"])
+def test_a_file_that_is_not_utf8_is_refused_when_it_loads_naming_the_line(tmp_path, suffix):
+    """A latin-1 "é" in the answer of the 101st row: the readers keep such bytes in columns they do not
+    decode, so the run failed at the step that drew the row, naming neither the file nor the line."""
+    path = tmp_path / f"data{suffix}"
+    good = [json.dumps({"prompt": f"q{i}", "answer": "a"}) if suffix == ".jsonl" else f"q{i},a" for i in range(100)]
+    bad = '{"prompt": "q", "answer": "caf\xe9"}' if suffix == ".jsonl" else "q,caf\xe9"
+    header = [] if suffix == ".jsonl" else ["prompt,answer"]
+    path.write_bytes("\n".join(header + good).encode() + b"\n" + bad.encode("latin-1") + b"\n")
+    line = 101 + len(header)
+    with pytest.raises(DataError, match=f"line {line} is not UTF-8 .byte 0xe9 at byte .* re-save the file as UTF-8"):
+        load_prompts(str(path))
+
+
+def test_prompts_of_both_forms_are_refused(tmp_path):
+    """A batch's completions are strings or messages as its first prompt is: a JSON Lines file mixing the
+    forms (which its reader takes) gave one form or the other depending on which row came first."""
+    path = tmp_path / "mixed.jsonl"
+    path.write_text('{"prompt": [{"role": "user", "content": "x"}]}\n{"prompt": "a"}\n')
+    with pytest.raises(DataError, match="mixes prompt forms: row 1 is a string, row 0 chat messages"):
+        load_prompts(str(path))
+
+
 def test_chat_template_kwargs_reach_the_template(make_cfg, tmp_path, tiny_model_dir):
     """chat_template_kwargs ({enable_thinking: false}, Qwen3's switch) render the trainer's prompts; the
     arguments grouprl sets itself are refused."""

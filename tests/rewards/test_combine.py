@@ -89,12 +89,45 @@ def test_raising_function_with_fallback_only_replaces_the_bad_row(caplog):
     "values, match",
     [([1.0, 2.0], "returned 2 values for 4 completions"), ([1.0, float("nan"), 0.0, 0.0], "on row 1: returned nan"),
      ([1.0, 0.0, float("inf"), 0.0], "on row 2: returned inf"), ([1.0, "1", 0.0, 0.0], "on row 1: returned '1'"),
-     (0.5, "returned float")],
+     (0.5, "returned float"),
+     # finite, but not as float32 (the rewards' dtype): inf later, in the advantages, naming no function
+     ([0.0, 1e39, 0.0, 0.0], r"on row 1: returned 1e\+39; rewards must be finite numbers within float32's range"),
+     ([0.0, 0.0, 10**400, 0.0], "on row 2: returned inf; rewards must be finite numbers within float32's range")],
 )
 def test_bad_outputs_are_named(values, match):
     with pytest.raises(RewardFunctionError, match=match):
         score_completions([const("bad", values) if isinstance(values, list) else (lambda **k: values)],
                           None, PROMPTS, COMPLETIONS, {})
+
+
+def test_a_weighted_total_past_float32s_range_names_the_function_that_took_it_there():
+    big = [3e38, 0.0, 0.0, 0.0]
+    with pytest.raises(RewardFunctionError, match=r"reward function 'second' on row 0: weighted by 1 and added to the "
+                                                  r"functions before it, gives a total reward of inf"):
+        score_completions([const("first", big), const("second", big)], None, PROMPTS, COMPLETIONS, {})
+
+
+def test_a_function_that_changes_its_inputs_changes_nothing_else():
+    """A prompt is one object for its G completions, and every function got the same objects: a function
+    extending each conversation in place changed the other rows, the next function's inputs and the
+    samples logged. Each row's value is now the function's own copy."""
+    prompt = [{"role": "user", "content": "q"}]
+    prompts = [prompt] * 4  # as scoring.py repeats a prompt for its group
+    completions = [[{"role": "assistant", "content": c}] for c in "abcd"]
+
+    def extends(prompts, completions, **kw):
+        for p, c in zip(prompts, completions):
+            p.extend(c)
+            c.append({"role": "user", "content": "more"})
+        return [float(len(p)) for p in prompts]
+
+    def counts(prompts, completions, **kw):
+        return [float(len(p) + len(c)) for p, c in zip(prompts, completions)]
+
+    res = score_completions([extends, counts], None, prompts, completions, {"tests": [[1, 2]] * 4})
+    assert res.per_func["extends"].tolist() == [2.0] * 4  # each row extended once, not 2, 3, 4, 5
+    assert res.per_func["counts"].tolist() == [2.0] * 4  # the next function sees the rows as they were
+    assert prompt == [{"role": "user", "content": "q"}] and completions[0] == [{"role": "assistant", "content": "a"}]
 
 
 def test_bad_outputs_with_fallback_are_counted():

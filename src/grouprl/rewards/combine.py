@@ -25,6 +25,7 @@ others run here.
 from __future__ import annotations
 
 import asyncio
+import copy
 import functools
 import inspect
 import logging
@@ -89,7 +90,9 @@ def _invoke(func: Callable, kwargs: dict) -> Any:
 
 
 def call_reward(func: Callable, kwargs: dict, timeout_s: float | None) -> Any:
-    """`func(**kwargs)` under `timeout_s` (RewardTimeout past it), where it is safe to (module docstring)."""
+    """`func(**kwargs)` under `timeout_s` (RewardTimeout past it), where it is safe to (module docstring),
+    each row's value a copy of its own (`_own_copies`)."""
+    kwargs = _own_copies(kwargs)
     if inspect.iscoroutinefunction(func) and _loop_running():  # asyncio.run cannot start in a notebook's loop
         return _call_in_thread(func, kwargs, timeout_s)
     if timeout_s is None:
@@ -100,6 +103,21 @@ def call_reward(func: Callable, kwargs: dict, timeout_s: float | None) -> Any:
     if threading.current_thread() is threading.main_thread() and hasattr(signal, "pthread_kill"):
         return _call_on_main_thread(func, kwargs, timeout_s)
     return _call_in_thread(func, kwargs, timeout_s)
+
+
+def _own_copies(kwargs: dict) -> dict:
+    """The arguments with each row's list or dict value copied: a function that changes its inputs in place
+    (a conversation extended with its completion) then changes neither the other rows (a prompt is one
+    object for its G completions), nor the functions after it, nor the samples the trainer logs."""
+    return {k: [_copy(v) for v in values] if isinstance(values, list) else values for k, values in kwargs.items()}
+
+
+def _copy(value: Any) -> Any:
+    if isinstance(value, dict):
+        return copy.deepcopy(value)
+    if isinstance(value, list):  # a conversation (of dicts): deeply; a list of token ids: its items are immutable
+        return copy.deepcopy(value) if value and isinstance(value[0], (list, dict)) else list(value)
+    return value
 
 
 def _loop_running() -> bool:
@@ -214,6 +232,9 @@ def _raised(e: BaseException) -> str:
     return f"raised {type(e).__name__}: {e}" + (_THREADED_HINT if threaded else "")
 
 
+FLOAT32_MAX = float(torch.finfo(torch.float32).max)
+
+
 def _validate(name: str, out: Any, completions: list, delimiter: str, row_offset: int = 0
               ) -> list[float | StepList | None]:
     """Check one function's output; return floats / step lists / None. Raises RewardFunctionError."""
@@ -245,10 +266,13 @@ def _validate(name: str, out: Any, completions: list, delimiter: str, row_offset
         if not isinstance(v, numbers.Real):
             raise RewardFunctionError(name, f"returned {v!r} ({type(v).__name__}), not a number or None",
                                       row_offset + i)
-        v = float(v)
-        if not math.isfinite(v):
-            raise RewardFunctionError(name, f"returned {v}; rewards must be finite (return None to skip a row)",
-                                      row_offset + i)
+        try:
+            v = float(v)
+        except OverflowError:  # an int past a float's range, e.g. 10**400
+            v = math.inf
+        if not math.isfinite(v) or abs(v) > FLOAT32_MAX:  # rewards are float32: 1e39 would become inf
+            raise RewardFunctionError(name, f"returned {v:g}; rewards must be finite numbers within float32's range "
+                                      f"(|r| <= {FLOAT32_MAX:.3g}; return None to skip a row)", row_offset + i)
         values.append(v)
     return values
 
@@ -435,6 +459,11 @@ def score_completions(
         present = ~torch.isnan(r)  # [N]
         per_func[name], used[name] = r, torch.tensor(fell_back, dtype=torch.bool)
         total += torch.where(present, w * r, torch.zeros_like(r))
+        if not bool(total.isfinite().all()):  # each reward finite, their weighted sum past float32's range
+            row = int((~total.isfinite()).nonzero()[0])
+            raise RewardFunctionError(name, f"weighted by {w:g} and added to the functions before it, gives a total "
+                                      f"reward of {float(total[row]):g}: scale the rewards or reward_weights down",
+                                      row)
         scored |= present
     all_none = ~scored  # [N]
     if all_none.any():

@@ -318,6 +318,10 @@ class PromptFormatter:
         """A string as it is; messages through the chat template, opening the assistant's turn, or, when the
         last message is the assistant's (a prefill such as "<think>"), continuing it, as TRL does."""
         if isinstance(prompt, str):
+            if self.tools:  # a string goes to the model as it is: the tools' schemas would never reach it
+                raise DataError(f"a prompt is a plain string ({prompt[:60]!r}) and tools are set: the model learns "
+                                "of the tools from the chat template, which renders chat messages only; give the "
+                                "prompts as [{'role': 'user', 'content': '...'}]")
             return prompt
         if not getattr(self.tokenizer, "chat_template", None):
             raise DataError("a prompt is a list of chat messages but the tokenizer has no chat "

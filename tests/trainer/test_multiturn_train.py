@@ -182,6 +182,19 @@ def test_environment_through_the_trainer(chat_cfg):
     assert m["completion/length_mean"] == len("first reply") + len("second") + 2  # actions: 2 replies + <|im_end|>
 
 
+def test_tools_with_plain_string_prompts_are_refused_naming_the_fix(chat_cfg):
+    """The model learns of the tools from the chat template, which a string prompt never passes through:
+    the run trained with tools the model was never shown, silently."""
+    from grouprl.data import DataError
+
+    cfg, rows = chat_cfg()
+    strings = [{"prompt": r["prompt"][0]["content"], "answer": r["answer"]} for r in rows]
+    trainer = Trainer(cfg, train_dataset=strings, reward_funcs=[trajectory_reward], tools=[add])
+    with pytest.raises(DataError, match=r"a prompt is a plain string \('Add \d and 3.'\) and tools are set: .* give "
+                                        r"the prompts as \[\{'role': 'user'"):
+        trainer.train_step()
+
+
 class BrokenEnv(CountdownEnv):
     def reset(self, prompt, answer):
         return int("x" + answer)  # a bug: ValueError

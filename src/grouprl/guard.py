@@ -16,11 +16,11 @@ says, as a `Response` that the trainer carries out (the guard never calls the tr
   since the snapshot are spent, not replayed. After `max_rollbacks` rollbacks the next collapse stops the run.
 
 Snapshots (`snapshot`, only with `on_collapse: rollback`): the trainable weights and the optimizer
-state in host memory, at the start and then every `window` steps, two kept. They cost three times
-the trainable parameters (weights and Adam's two moments): 1.6 GB for a 135 M model in fp32, a few
-MB for a LoRA adapter. Departure: they are not in the checkpoint (it would triple in size), so a
-resumed run's first rollback target is the state it resumed from, and from a rollback after a resume
-on, the run differs from an uninterrupted one.
+state in host memory, at the start and then every `window` steps, two kept (three at window 1, so
+that one is 3 steps old). They cost three times the trainable parameters each (weights and Adam's
+two moments): 1.6 GB for a 135 M model in fp32, a few MB for a LoRA adapter. Departure: they are not
+in the checkpoint (it would triple in size), so a resumed run's first rollback target is the state
+it resumed from, and from a rollback after a resume on, the run differs from an uninterrupted one.
 """
 
 from __future__ import annotations
@@ -131,9 +131,11 @@ class RunGuard:
         """Keep the state after `step` as a rollback target (on_collapse: rollback; every window steps)."""
         if self.cfg.on_collapse != "rollback" or self.monitor is None:
             return
-        if self.snapshots and step - self.snapshots[-1][0] < self.monitor.t.window:
+        window = self.monitor.t.window
+        if self.snapshots and step - self.snapshots[-1][0] < window:
             return
-        self.snapshots = self.snapshots[-1:] + [(step, memory_snapshot(model, optimizer))]
+        keep = 1 + math.ceil(2 / window)  # one of them at least 3 steps before any later alarm's step
+        self.snapshots = self.snapshots[-(keep - 1):] + [(step, memory_snapshot(model, optimizer))]
 
     def restore(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                 scheduler: torch.optim.lr_scheduler.LambdaLR) -> dict[str, float]:

@@ -153,10 +153,10 @@ class HealthThresholds:
         if unknown:
             raise ValueError(f"health_thresholds: unknown {', '.join(unknown)}; the thresholds are "
                              f"{', '.join(sorted(known))}")
-        out = cls(**overrides)
-        if out.window < 1:
-            raise ValueError(f"health_thresholds: window={out.window} must be at least 1 step")
-        return out
+        window = overrides.get("window", cls.window)
+        if window != int(window) or window < 1:  # YAML gives 3.0 for a field of floats: whole numbers only
+            raise ValueError(f"health_thresholds: window={window} must be a whole number of steps, at least 1")
+        return cls(**{**overrides, "window": int(window)})
 
 
 @dataclass
@@ -414,15 +414,19 @@ class HealthMonitor:
                                  f"{gain:+.3f} (at most {allowed:+.3f} counts as not following)",
                                  gain, allowed, self._examples("reward", high=True, low_audit=name)))
         if rising and len(self.names) > 1:
-            gains = {n: self._gain(f"component/{n}") for n in self.names}
+            # a function that scored no row in a window has no gain: left out, not a NaN that silences the alarm
+            gains = {n: g for n in self.names if math.isfinite(g := self._gain(f"component/{n}"))}
             total = sum(gains.values())
-            top = max(zip(self.weights, self.names))[1]
+            most = max(self.weights)
+            tops = [n for n, w in zip(self.names, self.weights) if w == most and n in gains]  # every main objective
+            top_gain = max((gains[n] for n in tops), default=math.nan)
             for n, w in zip(self.names, self.weights):
-                share = gains[n] / total if total > 0 else 0.0
-                if w <= 0.5 * max(self.weights) and share >= t.dominance_share and gains[top] <= 0:
+                share = gains.get(n, 0.0) / total if total > 0 else 0.0
+                if w <= 0.5 * most and share >= t.dominance_share and top_gain <= 0:
                     out.append(Alarm("component_dominance", step, self._span(), n,
                                      f"{share:.0%} of the reward gain ({total:+.3f}) comes from {n} (weight {w:g}); "
-                                     f"the main objective {top} (weight {max(self.weights):g}) moved {gains[top]:+.3f}",
+                                     f"the main objective{'s' * (len(tops) > 1)} {', '.join(tops)} (weight "
+                                     f"{most:g}) moved {top_gain:+.3f}{' at most' * (len(tops) > 1)}",
                                      share, t.dominance_share, self._examples(f"per_func/{n}", high=True)))
         dup, dup0 = (self._mean("cross_prompt_duplicates", rows) for rows in (self.history[-W:], self.history[:W]))
         dist, dist0 = (self._mean("distinct_4gram", rows) for rows in (self.history[-W:], self.history[:W]))

@@ -147,6 +147,47 @@ def test_component_dominance_needs_the_main_objective_flat():
         assert _step(mon, step, p_main=0.75 if up else 0.25, p_bonus=1.0 if up else 0.0)[1] == []
 
 
+def _dominance(names: list[str], weights: list[float], steps: list[dict[str, list[float]]]) -> list[tuple]:
+    """component_dominance alarms over steps of per-function scores (32 completions, groups of 8)."""
+    mon, fired = HealthMonitor(HealthThresholds(), names, weights, []), []
+    for step, scores in enumerate(steps, 1):
+        per_func = {n: torch.tensor(scores[n]) for n in names}
+        total = sum(w * torch.nan_to_num(per_func[n]) for n, w in zip(names, weights))
+        _, alarms = mon.observe(step, rewards=total, per_func=per_func, audit={},
+                                texts=[f"completion {step} {i}" for i in range(32)],
+                                token_lists=[[step, i, i + 1, i + 2, i + 3] for i in range(32)],
+                                lengths=torch.full((32,), 5.0), G=8, entropy=1.0, kl=None,
+                                prompts=[f"p{i // 8}" for i in range(32)])
+        fired += [(a.step, a.kind, a.function) for a in alarms]
+    return fired
+
+
+def _share(p: float) -> list[float]:
+    """32 scores, a fraction p of them 1, spread so that every group varies."""
+    return [1.0 if (i * 7) % 32 < round(p * 32) else 0.0 for i in range(32)]
+
+
+def test_component_dominance_weighs_every_main_objective_whatever_its_name():
+    """Accuracy and format share the largest weight; accuracy gains, format is flat at 1, the bonus carries
+    62 % of the gain. One of the main objectives gained: no alarm. The main objective was picked by
+    name on a tie, so "format" (sorting last) stood for both, and renaming accuracy changed the verdict."""
+    steps = [{"accuracy": _share(0.3 if s < 3 else 0.45), "format": [1.0] * 32, "bonus": _share(0 if s < 3 else 1)}
+             for s in range(6)]
+    for first in ("accuracy", "zaccuracy"):
+        named = [{first if k == "accuracy" else k: v for k, v in s.items()} for s in steps]
+        assert _dominance([first, "format", "bonus"], [1.0, 1.0, 0.2], named) == [], first
+
+
+@pytest.mark.parametrize("weight", [0.0, 0.5])
+def test_a_function_that_scores_nothing_in_a_window_leaves_component_dominance_on(weight):
+    """A tool-use reward that abstains on every row until the policy calls a tool has no gain over the
+    base: it made the total gain NaN, which switched the alarm off for the whole run."""
+    steps = [{"accuracy": [0.0] * 32, "bonus": _share(0.1 if s < 3 else 0.9),
+              "tool_used": [math.nan] * 32 if s < 3 else _share(0.5)} for s in range(6)]
+    assert _dominance(["accuracy", "bonus", "tool_used"], [1.0, 0.2, weight], steps) == [
+        (6, "component_dominance", "bonus")]
+
+
 def test_template_collapse_is_across_prompts_not_within_groups():
     mon, fired = _monitor(), []
     for step in range(1, 8):  # every group converges on its own answer: duplicates within groups only
@@ -289,7 +330,7 @@ def test_a_rollback_restores_a_policy_that_sampled_no_crashed_step():
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0)
 
-    def run_to(alarm_step):
+    def run_to(alarm_step, cfg=cfg):
         guard = RunGuard(cfg, ["f"], [], is_main=True)
         for step in range(alarm_step):  # the trainer snapshots after each step's update (step 0: the start)
             with torch.no_grad():
@@ -299,6 +340,11 @@ def test_a_rollback_restores_a_policy_that_sampled_no_crashed_step():
 
     assert run_to(8) == ([3, 6], 3) and model.weight.item() == 3.0
     assert run_to(2) == ([0], 0) and model.weight.item() == 0.0
+    # window 1: a snapshot every step, three kept, so one is 3 steps old (with two, the target was
+    # always step s - 2, a policy that sampled the crash)
+    every_step = TrainConfig(model="m", train_data="d", reward_funcs=["f"], on_collapse="rollback",
+                             health_thresholds={"window": 1.0})
+    assert run_to(9, every_step) == ([6, 7, 8], 6) and model.weight.item() == 6.0
 
 
 def a_steps(alarms):
@@ -307,6 +353,7 @@ def a_steps(alarms):
 
 @pytest.mark.parametrize("overrides, message", [
     (dict(health_thresholds={"windw": 3}), "health_thresholds: unknown windw"),
+    (dict(health_thresholds={"window": 2.5}), "health_thresholds: window=2.5 must be a whole number of steps"),
     (dict(metric_for_best_model="accuracy"), "metric_for_best_model='accuracy' needs an eval set"),
     (dict(audit_funcs=["no_such_reward"]), "no_such_reward"),
 ])

@@ -108,6 +108,48 @@ def test_merged_named_weights_are_the_merged_checkpoint():
         (n, p.data_ptr()) for n, p in plain.named_parameters()]  # no adapter: the parameters themselves
 
 
+def test_a_second_adapter_on_some_layers_only_merges_as_peft_runs_it():
+    """Two active adapters, the second on q_proj and down_proj only: the merged weights and the fast
+    decoder's logits are the PEFT model's own (summing every active adapter in every layer raised
+    KeyError where the second has no weights)."""
+    from peft import LoraConfig, get_peft_model
+
+    from grouprl.rollout.llama_decoder import FastDecoder
+    from grouprl.tasks.testing import build_tiny_architecture
+
+    model, _ = build_tiny_architecture("llama")
+    peft = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+    peft.add_adapter("two", LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "down_proj"]))
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in peft.named_parameters():
+            if "lora_B" in name:
+                p.copy_(0.3 * torch.randn(p.shape, generator=g))
+    peft.base_model.set_adapter(["default", "two"])
+    peft.eval()
+    ids = torch.randint(4, 90, (2, 7), generator=g)
+    with torch.no_grad():
+        want = peft(input_ids=ids).logits[:, -1]
+        got = FastDecoder(peft).start(ids, torch.ones_like(ids), 1, 2)
+        merged = dict(merged_named_weights(peft))
+        reference = merged_copy(peft)(input_ids=ids).logits[:, -1]  # PEFT's own merge
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    torch.testing.assert_close(reference, want, atol=1e-5, rtol=0)
+    theirs = merged_copy(peft).state_dict()
+    assert merged.keys() <= theirs.keys() and all(torch.allclose(v, theirs[k], atol=1e-6) for k, v in merged.items())
+
+
+@pytest.mark.parametrize("given, want", [("q_proj,v_proj", ["q_proj", "v_proj"]), ("q_proj", ["q_proj"]),
+                                         ("all-linear", "all-linear"), (["k_proj"], ["k_proj"])])
+def test_lora_target_modules_given_as_one_name_or_with_commas_is_a_list(given, want):
+    """PEFT reads a string as a pattern for the whole module path, which "q_proj" never matches: the run
+    failed after the model loaded."""
+    from grouprl.config import TrainConfig
+
+    cfg = TrainConfig(model="m", train_data="d", reward_funcs=["f"], lora_r=8, lora_target_modules=given)
+    assert cfg.validate().lora_target_modules == want
+
+
 def test_adapter_disabled_computes_the_base_model():
     plain, _ = build_tiny_model()
     peft = _lora()

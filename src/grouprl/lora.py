@@ -81,7 +81,14 @@ def merged_weight(layer: torch.nn.Module) -> torch.Tensor:
                          "cannot be merged here; train a plain LoRA adapter (use_dora and lora_bias off), or "
                          "generate with the built-in engine, which then runs the adapter's own forward")
     with torch.no_grad():
-        return layer.base_layer.weight + sum(layer.get_delta_weight(a) for a in layer.active_adapters)
+        return layer.base_layer.weight + sum(layer.get_delta_weight(a) for a in held_adapters(layer))
+
+
+def held_adapters(layer: torch.nn.Module) -> list[str]:
+    """The active adapters this layer holds: a second adapter may cover other layers than the first,
+    and PEFT's forward and merge skip it where it has no weights."""
+    return [a for a in layer.active_adapters if a in getattr(layer, "lora_A", {})
+            or a in getattr(layer, "lora_embedding_A", {})]
 
 
 def plain_lora(layer: torch.nn.Module) -> bool:

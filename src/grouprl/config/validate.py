@@ -152,6 +152,10 @@ def validate_config(cfg: C) -> C:
         raise ConfigError(f"bf16={c.bf16!r} is not one of: auto, true, false")
     if isinstance(c.gradient_checkpointing, str) and c.gradient_checkpointing != "auto":
         raise ConfigError(f"gradient_checkpointing={c.gradient_checkpointing!r} is not one of: auto, true, false")
+    if isinstance(c.lora_target_modules, str) and c.lora_target_modules != "all-linear":
+        # one name, or names with commas (as a list field takes them on the command line); PEFT would read a
+        # string as a pattern for the whole module path, which "q_proj" never matches, after the model loaded
+        c.lora_target_modules = [m.strip() for m in c.lora_target_modules.split(",") if m.strip()]
     if not c.model:
         raise ConfigError("model is empty: pass a model folder, e.g. --model path/to/model "
                           "(or builtin:default_policy)")

@@ -123,12 +123,15 @@ def out_of_memory_advice(stage: str | None, cfg, *, budget: int | None = None, c
     answer)."""
     evaluating = stage == "eval"
     n = 64 * cfg.num_generations_eval if evaluating else cfg.prompts_per_step * cfg.num_generations
-    rows = cfg.generation_batch_size or n
+    group = cfg.num_generations_eval if evaluating else cfg.num_generations  # decoded together whatever the setting
+    rows = max(cfg.generation_batch_size or n, group)
     every = f"null, all {n} of an eval batch of 64 prompts" if evaluating else f"null, all {n} of a step"
+    halve = max(group, (rows // 2) // group * group)  # whole groups
     generate = [f"generation decodes {rows} rows together (generation_batch_size: "
                 f"{cfg.generation_batch_size or every}), each with a KV cache of prompt + "
-                f"max_completion_length ({cfg.max_completion_length}) tokens: set generation_batch_size to "
-                f"{max(1, rows // 2)}, or lower max_completion_length"]
+                f"max_completion_length ({cfg.max_completion_length}) tokens: "
+                + (f"set generation_batch_size to {halve}, or lower max_completion_length" if halve < rows else
+                   f"lower max_completion_length (a group of {group} is decoded together at the least)")]
     if cfg.use_vllm and cfg.vllm_mode == "colocate":
         generate.append(f"colocated vLLM takes vllm_gpu_memory_utilization ({cfg.vllm_gpu_memory_utilization}) "
                         f"of the GPU for itself: lower it, or serve vLLM on its own GPU (vllm_mode: server)")

@@ -40,6 +40,10 @@ def _nothing_loads(no_tokenizer_loading):
     ({"adam_beta2": 1.0}, "adam_beta2=1.0 must be in .0, 1. .AdamW"),
     ({"weight_decay": -0.01}, "weight_decay=-0.01 must be 0 or more"),
     ({"lora_r": 8, "ref_update_steps": 2}, "ref_update_steps with LoRA is not supported"),
+    ({"temperature": 1e-40}, "temperature=1e-40 must be at least 1e-06"),
+    ({"eval_temperature": 1e-40}, "eval_temperature=1e-40 must be at least 1e-06"),
+    ({"generation_batch_size": 2}, "generation_batch_size=2 is under num_generations=4: a prompt's group is "
+                                   "decoded together"),
     ({"algorithm": "reinforce_pp", "dynamic_sampling": True}, "dynamic_sampling with advantage_estimator=reinforce_pp: "
      "dynamic sampling drops the groups whose rewards are all equal, and its baseline is the batch's mean"),
     ({"algorithm": "reinforce_pp", "prompt_filter": True}, "prompt_filter with advantage_estimator=reinforce_pp: "

@@ -283,6 +283,23 @@ def test_lora_models_decode_fast_from_merged_weights(model_and_tok):
         assert isinstance(engine._decoder(torch.device("cpu")), FastDecoder)
 
 
+@pytest.mark.parametrize("fast", [True, False])
+def test_a_policy_whose_logits_are_not_finite_is_an_error_not_a_rollout(model_and_tok, fast):
+    """NaN in the weights (a diverged update, a damaged checkpoint): every draw over NaN was the last
+    token of the vocabulary (on CUDA, token 0), a greedy one token 0, with no error."""
+    from grouprl.rollout.engine import NonFiniteLogits
+
+    model, tok = model_and_tok
+    broken = copy.deepcopy(model)
+    with torch.no_grad():
+        broken.model.norm.weight[0] = float("nan")
+    engine = HFEngine(broken, (tok.eos_token_id,), tok.pad_token_id, fast=fast)
+    for params in (SamplingParams(max_new_tokens=4), SamplingParams(max_new_tokens=4, greedy=True)):
+        with pytest.raises(NonFiniteLogits, match=r"not finite \(NaN or inf\) for 4 of 4 rows after their prompts"):
+            engine.generate([tok("ab")["input_ids"], tok("c")["input_ids"]], 2, params,
+                            torch.Generator().manual_seed(0))
+
+
 def test_unsupported_models_fall_back_to_the_generic_path():
     from transformers import GPT2Config, GPT2LMHeadModel
 

@@ -240,7 +240,8 @@ class TrainFields:
     mask_truncated_completions: bool = False
     """Completions that hit max_completion_length without EOS get no loss."""
     generation_batch_size: int | None = None
-    """Completions decoded together at most; default all of a step's completions at once."""
+    """Completions decoded together at most (whole groups: at least num_generations; an eval's groups
+    of num_generations_eval are decoded whole too); default all of a step's completions at once."""
     generation_compile: bool | str = "auto"
     """The built-in engine's decode step compiled with torch.compile (rollout/compiled_decode.py):
     one fused graph per token instead of ~100 small ops, drawing the same tokens as the eager step.

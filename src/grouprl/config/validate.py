@@ -145,6 +145,9 @@ def with_algorithm(cfg: C, algorithm: str, keep=()) -> C:
     return out, [f"{f} {getattr(cfg, f)} -> {getattr(new, f)}" for f in cleared if getattr(cfg, f) != getattr(new, f)]
 
 
+MIN_TEMPERATURE = 1e-6  # logits of 1e3 over it stay far inside float32; at 1e-40 every draw was the last token
+
+
 def validate_config(cfg: C) -> C:
     """Check every field; raise ConfigError naming the field and the fix. Returns the resolved copy."""
     c = resolve_preset(cfg)
@@ -200,8 +203,11 @@ def validate_config(cfg: C) -> C:
     n = c.prompts_per_step * c.num_generations
     if isinstance(c.generation_compile, str) and c.generation_compile != "auto":
         raise ConfigError(f"generation_compile={c.generation_compile!r} is not one of: auto, true, false")
-    if c.generation_batch_size is not None and c.generation_batch_size < 1:
-        raise ConfigError("generation_batch_size must be at least 1 (or null for all at once)")
+    if c.generation_batch_size is not None and c.generation_batch_size < c.num_generations:
+        raise ConfigError(f"generation_batch_size={c.generation_batch_size} is under num_generations="
+                          f"{c.num_generations}: a prompt's group is decoded together (its prompt prefilled "
+                          f"once), so at least {c.num_generations} rows are; set it to {c.num_generations} or "
+                          "more (a multiple decodes whole groups), or null for all at once")
     if isinstance(c.micro_batch_size, str):
         if c.micro_batch_size != "auto":
             raise ConfigError(f"micro_batch_size={c.micro_batch_size!r} is not a number of completions per pass "
@@ -263,10 +269,10 @@ def validate_config(cfg: C) -> C:
         raise ConfigError(f"delta={c.delta} must be above 1 + epsilon_high = {1 + c.epsilon_high:g}: the cap "
                           "min(ratio, delta) would otherwise stop the gradient of positive-advantage tokens "
                           "still inside the clip range (INTELLECT-2 uses delta 4)")
-    if not (0 < c.temperature):
-        raise ConfigError(f"temperature={c.temperature} must be positive: GRPO learns from the differences "
-                          "between a prompt's G samples, and at temperature 0 they are all the same (1.0 is "
-                          "usual; greedy decoding is for evaluation: eval_metrics [greedy])")
+    if not (MIN_TEMPERATURE <= c.temperature):  # below it, logits / temperature overflow float32 into NaN draws
+        raise ConfigError(f"temperature={c.temperature} must be at least {MIN_TEMPERATURE:g}: GRPO learns from the "
+                          "differences between a prompt's G samples, and at temperature 0 they are all the same "
+                          "(1.0 is usual; greedy decoding is for evaluation: eval_metrics [greedy])")
     if not (0 < c.top_p <= 1):
         raise ConfigError(f"top_p={c.top_p} must be in (0, 1]")
     if not (0 <= c.eval_fraction < 1):
@@ -294,8 +300,9 @@ def validate_config(cfg: C) -> C:
                               f"num_generations_eval={c.num_generations_eval}: raise it to {k} or more")
     if not c.eval_metrics:
         raise ConfigError("eval_metrics is empty: name at least one, e.g. [greedy] or [greedy, pass@8]")
-    if c.eval_temperature is not None and c.eval_temperature <= 0:
-        raise ConfigError(f"eval_temperature={c.eval_temperature} must be > 0 (greedy is the `greedy` metric)")
+    if c.eval_temperature is not None and not c.eval_temperature >= MIN_TEMPERATURE:
+        raise ConfigError(f"eval_temperature={c.eval_temperature} must be at least {MIN_TEMPERATURE:g} (greedy is "
+                          "the `greedy` metric)")
     if c.load_best_model_at_end and not c.metric_for_best_model:
         raise ConfigError("load_best_model_at_end needs metric_for_best_model, e.g. accuracy or pass@8")
     if c.metric_for_best_model:

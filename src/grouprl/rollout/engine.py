@@ -140,6 +140,12 @@ class HFEngine(GenerationEngine):
                 logits = decoder.start_from(ids, mask, T, prefix)  # [N, V]
             else:
                 logits = decoder.start(ids, mask, G, T, zeroed=True) if slot_loop else decoder.start(ids, mask, G, T)
+            if T > 0 and not bool(torch.isfinite(logits).all()):  # one read a call; a draw over NaN is a silent token
+                bad = int((~torch.isfinite(logits)).any(-1).sum())
+                raise NonFiniteLogits(f"the policy's next-token logits are not finite (NaN or inf) for {bad} of "
+                                      f"{logits.shape[0]} rows after their prompts: its weights (or a prompt's "
+                                      "embedding) hold NaN or inf, and every draw would be a meaningless token; "
+                                      "resume from an earlier checkpoint, or lower learning_rate")
             N = logits.shape[0]
             uniforms = uniform_table(seed, N, T, device)  # [N, T] float64
             out = None
@@ -215,6 +221,10 @@ class HFEngine(GenerationEngine):
         starts."""
         for n, toks, kv in zip(rows, tokens, caches):
             self._kept[tuple(prompt_ids[n // G] + toks)] = kv
+
+
+class NonFiniteLogits(RuntimeError):
+    """The policy's logits after the prompts hold NaN or inf: nothing it samples would mean anything."""
 
 
 def _prefixes(kept: dict, prompt_ids: list[list[int]]) -> list[tuple[torch.Tensor, torch.Tensor] | None]:

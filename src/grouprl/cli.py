@@ -232,7 +232,8 @@ def _eval(cfg: TrainConfig, *, found_config: str | None = None) -> int:
               f"{cfg.output_dir}", flush=True)
     trainer = None
     try:
-        trainer = Trainer(replace(cfg, train_data=cfg.eval_data or cfg.train_data))  # eval reads no train_data
+        # eval reads no train_data, and logs to no tracker (a run's wandb need not be on the machine that evaluates)
+        trainer = Trainer(replace(cfg, train_data=cfg.eval_data or cfg.train_data, report_to=[]))
         result = trainer.evaluate()
         accuracy = accuracy_reward_name(cfg.accuracy_reward, trainer.reward_names)
         barrier(ctx)  # every rank tears the process group down together, as _train does
@@ -290,7 +291,7 @@ def _preflight(cfg: TrainConfig, num_prompts: int, samples: int | None, strict: 
     ctx = init_distributed()  # under torchrun every rank samples its share of the prompts
     trainer = None
     try:
-        trainer = Trainer(cfg)
+        trainer = Trainer(replace(cfg, report_to=[]))  # preflight logs to no tracker
         report = trainer.preflight(num_prompts, samples)
         barrier(ctx)  # every rank tears the process group down together, as _train does
     finally:

@@ -41,7 +41,22 @@ def build_config(config_path: str | None, args: list[str], *, command: str = "tr
         if changed:
             logger.info("--algorithm %s over %s (algorithm %s): the fields at %s's values take %s's: %s",
                         cfg.algorithm, config_path, old, old, cfg.algorithm, ", ".join(changed))
+    if config_path is not None:
+        overrides = {**_derived_follow(cfg, overrides), **overrides}
     return dataclasses.replace(cfg, **overrides)
+
+
+def _derived_follow(cfg: TrainConfig, overrides: dict[str, Any]) -> dict[str, Any]:
+    """Over a run's config.yaml, fields it holds only because of another one follow that one when it is
+    given anew: a new --model drops the old model's gguf_file (a checkpoint's model/ folder holds none),
+    and a new --max_completion_length the window derived from the old one (overlong_cache_len)."""
+    follow: dict[str, Any] = {}
+    if "model" in overrides and "gguf_file" not in overrides and cfg.gguf_file:
+        follow["gguf_file"] = None
+    if ("max_completion_length" in overrides and "overlong_cache_len" not in overrides
+            and cfg.overlong_cache_len == max(1, cfg.max_completion_length // 5)):
+        follow["overlong_cache_len"] = None  # derived again from the new length (validate.resolve_preset)
+    return follow
 
 
 def _check_own_task(overrides: dict[str, Any], command: str) -> None:

@@ -40,6 +40,10 @@ def _nothing_loads(no_tokenizer_loading):
     ({"adam_beta2": 1.0}, "adam_beta2=1.0 must be in .0, 1. .AdamW"),
     ({"weight_decay": -0.01}, "weight_decay=-0.01 must be 0 or more"),
     ({"lora_r": 8, "ref_update_steps": 2}, "ref_update_steps with LoRA is not supported"),
+    ({"lora_r": 4, "lora_dropout": 1.5}, "lora_dropout=1.5 must be in [0, 1"),
+    ({"lora_r": 4, "lora_target_modules": []}, "lora_target_modules is empty"),
+    ({"reward_funcs": [1]}, "reward_funcs[0]=1: name a reward function as `math_accuracy`"),
+    ({"audit_funcs": [None]}, "audit_funcs[0]=None: name a reward function"),
     ({"temperature": 1e-40}, "temperature=1e-40 must be at least 1e-06"),
     ({"eval_temperature": 1e-40}, "eval_temperature=1e-40 must be at least 1e-06"),
     ({"generation_batch_size": 2}, "generation_batch_size=2 is under num_generations=4: a prompt's group is "
@@ -164,6 +168,47 @@ def test_exponent_floats_without_a_dot_are_floats_in_yaml_files_and_on_the_comma
     # a text field keeps the text as typed; null still clears an optional one
     assert (cfg.output_dir, cfg.model, cfg.train_data, cfg.eval_data) == ("1e5", "2024", "2.5", None)
     cfg.validate()
+    cfg.save_yaml(tmp_path / "written.yaml")  # written as a run writes its config.yaml, and read back
+    assert "output_dir: '1e5'" in (tmp_path / "written.yaml").read_text()  # bare, it read back as 100000.0
+    assert TrainConfig.load(tmp_path / "written.yaml") == cfg
+
+
+@pytest.mark.parametrize("command", ["eval", "preflight"])
+def test_eval_and_preflight_open_no_tracker(make_cfg, digits_data, tmp_path, monkeypatch, command):
+    """A run's config.yaml names its trackers; evaluating its checkpoint (or a preflight) logs to none, so
+    a machine without wandb refused `grouprl eval` over a wandb run ("wandb is not installed")."""
+    import grouprl.trainer
+    from grouprl.cli import main
+
+    built = []
+
+    class Built(Exception):
+        pass
+
+    def trainer(cfg, **kwargs):
+        built.append(cfg.report_to)
+        raise Built
+
+    monkeypatch.setattr(grouprl.trainer, "Trainer", trainer)
+    make_cfg(report_to=["wandb"], eval_data=str(digits_data)).save_yaml(tmp_path / "run.yaml")
+    with pytest.raises(Built):
+        main([command, str(tmp_path / "run.yaml")])
+    assert built == [[]]
+
+
+def test_a_runs_config_with_a_new_model_or_length_drops_what_followed_from_the_old_ones(tmp_path):
+    """Over a run's config.yaml: a new --model drops the GGUF file name of the model the run started from (a
+    checkpoint's model/ folder holds none, so `grouprl eval --model RUN/checkpoints/step-N/model` failed for a
+    run trained from a GGUF file), and a new --max_completion_length the window derived from the old length."""
+    run = TrainConfig(model="gg", gguf_file="tiny.gguf", train_data="d", reward_funcs=["f"],
+                      max_completion_length=256).validate()
+    assert run.overlong_cache_len == 51
+    run.save_yaml(tmp_path / "config.yaml")
+    cfg = build_config(str(tmp_path / "config.yaml"), ["--model", "ckpt/model", "--max_completion_length", "2048"])
+    assert (cfg.gguf_file, cfg.validate().overlong_cache_len) == (None, 409)
+    kept = build_config(str(tmp_path / "config.yaml"), ["--max_completion_length", "2048", "--overlong_cache_len",
+                                                        "100", "--gguf_file", "other.gguf", "--model", "x"])
+    assert (kept.gguf_file, kept.overlong_cache_len) == ("other.gguf", 100)  # given: kept
 
 
 def test_a_list_field_takes_one_value_or_commas_and_micro_batch_size_stops_at_the_step(tmp_path):

@@ -24,10 +24,16 @@ class _YamlLoader(yaml.SafeLoader):
     and `-2e+3` as floats (as YAML 1.2 and JSON do); nothing else changes."""
 
 
-_YamlLoader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9][0-9_]*)[eE][-+]?[0-9]+$"),
-    list("-+0123456789."))
+class _YamlDumper(yaml.SafeDumper):
+    """What `_YamlLoader` reads as a float, written quoted when it is a string: a run named `1e5`
+    (or an output_dir `1e3`) was written bare, read back as 100000.0, and its config.yaml refused."""
+
+
+for _resolving in (_YamlLoader, _YamlDumper):
+    _resolving.add_implicit_resolver(
+        "tag:yaml.org,2002:float",
+        re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9][0-9_]*)[eE][-+]?[0-9]+$"),
+        list("-+0123456789."))
 
 
 def load_yaml(text: str) -> Any:
@@ -46,7 +52,7 @@ def save_yaml(cfg: TrainFields, path: str | Path, *, absolute: bool = False) -> 
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp")
     values = to_dict(cfg)
-    tmp.write_text(yaml.safe_dump(absolute_paths(values) if absolute else values, sort_keys=False))
+    tmp.write_text(yaml.dump(absolute_paths(values) if absolute else values, Dumper=_YamlDumper, sort_keys=False))
     tmp.replace(path)
 
 

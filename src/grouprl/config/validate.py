@@ -159,6 +159,14 @@ def validate_config(cfg: C) -> C:
         # one name, or names with commas (as a list field takes them on the command line); PEFT would read a
         # string as a pattern for the whole module path, which "q_proj" never matches, after the model loaded
         c.lora_target_modules = [m.strip() for m in c.lora_target_modules.split(",") if m.strip()]
+    if c.lora_r:  # PEFT's own errors came after the model loaded, naming no field
+        if not 0 <= c.lora_dropout < 1:
+            raise ConfigError(f"lora_dropout={c.lora_dropout} must be in [0, 1)")
+        if not c.lora_alpha > 0:
+            raise ConfigError(f"lora_alpha={c.lora_alpha} must be positive (the update is scaled by lora_alpha / "
+                              "lora_r)")
+        if not c.lora_target_modules:
+            raise ConfigError("lora_target_modules is empty: name the modules (q_proj,v_proj) or all-linear")
     if not c.model:
         raise ConfigError("model is empty: pass a model folder, e.g. --model path/to/model "
                           "(or builtin:default_policy)")
@@ -223,6 +231,12 @@ def validate_config(cfg: C) -> C:
     if not c.reward_funcs:
         raise ConfigError("reward_funcs is empty: name at least one reward function, e.g. "
                           "--reward_funcs '[math_accuracy]' or a `module:function` path")
+    for field in ("reward_funcs", "audit_funcs"):
+        for i, spec in enumerate(getattr(c, field)):
+            if not ((isinstance(spec, str) and spec) or (isinstance(spec, dict) and isinstance(spec.get("name"), str))
+                    or callable(spec)):
+                raise ConfigError(f"{field}[{i}]={spec!r}: name a reward function as `math_accuracy`, "
+                                  "`package.module:function`, or a mapping {name: regex_match, pattern: '...'}")
     if c.reward_weights is not None and len(c.reward_weights) != len(c.reward_funcs):
         raise ConfigError(f"reward_weights has {len(c.reward_weights)} values but reward_funcs "
                           f"has {len(c.reward_funcs)}: give one weight per function")

@@ -75,6 +75,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.config is not None and args.config.startswith("--"):  # `grouprl train --beta 0`
         overrides.insert(0, args.config)
         args.config = None
+    if args.config is None and overrides[:1] and overrides[0].endswith((".yaml", ".yml")):
+        args.config = overrides.pop(0)  # `grouprl train --resume run.yaml`: argparse left the file over
     if args.help or args.command is None:
         try:
             print(f"usage: {USAGE}\n\n{_help_body()}\n")

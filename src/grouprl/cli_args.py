@@ -98,6 +98,11 @@ def run_of_checkpoint(args: list[str]) -> Path | None:
     return None
 
 
+_BOOL_WORDS = {"true", "false", "yes", "no", "on", "off", "y", "n", "1", "0", "null", "~"}  # YAML's, and what
+# type-checks a bool field to an error: a bool field's flag takes them as its value, and anything else after it
+# is the next argument (`grouprl train --resume run.yaml`, `--progress run.yaml`)
+
+
 def parse_overrides(args: list[str], types: dict[str, Any]) -> dict[str, Any]:
     """`--field value` / `--field=value` pairs for the fields in `types` (name: type), each value read
     by `parse_value`. Dashes in names are accepted for underscores. A bare flag is `true` for a field
@@ -108,14 +113,17 @@ def parse_overrides(args: list[str], types: dict[str, Any]) -> dict[str, Any]:
     while i < len(args):
         arg = args[i]
         if not arg.startswith("--"):
-            raise ConfigError(f"unexpected argument {arg!r}: overrides take the form --field value")
+            first = (" (a config file comes right after the command: grouprl train CONFIG [--field value ...])"
+                     if arg.endswith((".yaml", ".yml")) else "")
+            raise ConfigError(f"unexpected argument {arg!r}: overrides take the form --field value{first}")
         name, eq, value = arg[2:].partition("=")
         name = name.replace("-", "_")
         if name not in known:
             raise ConfigError(f"unknown option --{name}{did_you_mean(name, known)}; "
                               "`grouprl train --help` lists every field")
         if not eq:
-            if i + 1 < len(args) and not args[i + 1].startswith("--"):
+            flag = types[name] is bool and (i + 1 == len(args) or args[i + 1].lower() not in _BOOL_WORDS)
+            if i + 1 < len(args) and not args[i + 1].startswith("--") and not flag:
                 value = args[i + 1]
                 i += 1
             elif value_matches(True, types[name]):

@@ -173,6 +173,20 @@ def test_exponent_floats_without_a_dot_are_floats_in_yaml_files_and_on_the_comma
     assert TrainConfig.load(tmp_path / "written.yaml") == cfg
 
 
+def test_a_config_file_after_options_is_read_or_named(tmp_path, monkeypatch, capsys):
+    """argparse fills the config positional before the options: `grouprl train --resume run.yaml` left the
+    file over as an "unexpected argument", and `--progress run.yaml` took it as --progress's value."""
+    import grouprl.cli as cli
+
+    seen = []
+    monkeypatch.setattr(cli, "_train", lambda cfg, **kw: seen.append((cfg.beta, kw["resume"])) or 0)
+    (tmp_path / "run.yaml").write_text("beta: 0.5\n")
+    assert cli.main(["train", "--resume", str(tmp_path / "run.yaml")]) == 0 and seen == [(0.5, True)]
+    for args in (["--beta", "0.1", str(tmp_path / "run.yaml")], ["--progress", str(tmp_path / "run.yaml")]):
+        assert cli.main(["train", *args]) == 2
+        assert "(a config file comes right after the command: grouprl train CONFIG" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("command", ["eval", "preflight"])
 def test_eval_and_preflight_open_no_tracker(make_cfg, digits_data, tmp_path, monkeypatch, command):
     """A run's config.yaml names its trackers; evaluating its checkpoint (or a preflight) logs to none, so

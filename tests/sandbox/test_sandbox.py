@@ -236,6 +236,21 @@ def test_the_host_tree_is_not_there():
     assert got <= allowed and {"tmp", "usr", "sandbox"} <= got, got
 
 
+SHM = """import ctypes
+libc = ctypes.CDLL(None, use_errno=True)
+print(libc.shmget(0, ctypes.c_size_t(1 << 20), 0o1600))
+"""
+
+
+def test_sysv_shared_memory_which_the_memory_limit_does_not_count_is_off():
+    """A SysV segment written and then detached is not in the address space RLIMIT_AS bounds: 300 MiB were
+    held under a 64 MiB memory_mb. The run's IPC namespace has its limits at 0, so shmget fails (-1): as
+    root (namespace mode); an unprivileged user namespace cannot set them (its uid 0 is not mapped)."""
+    res = sandboxed(SHM, [{"input": "", "output": "-1"}], **OK)
+    if res is not None and EXPECT == "namespace":  # unprivileged, the namespace's limits cannot be set
+        assert res.passed == 1, res.detail
+
+
 def test_write_outside_the_sandbox_directory(tmp_path):
     tag = os.urandom(4).hex()
     open_dir = tmp_path / "open"

@@ -206,6 +206,19 @@ def _build_root(cfg, files, userns):
     os.chdir("/")
 
 
+def _no_shared_memory():
+    """SysV shared memory is not counted by RLIMIT_AS: a segment written and then detached held 300 MiB
+    under a 64 MiB memory_mb. Its limits belong to the IPC namespace just made: set to 0 there, every
+    shmget fails. Root only: an unprivileged user namespace, whose uid 0 is not mapped, cannot write
+    them, and the kernel's defaults stay (docs/rewards.md)."""
+    for name in ("shmmax", "shmall"):
+        try:
+            with open(f"/proc/sys/kernel/{name}", "w") as f:  # the writer's IPC namespace's, whichever /proc
+                f.write("0")
+        except OSError:
+            pass
+
+
 def _sandbox_ids(cfg, userns):
     """The program's uid and gid as seen inside the sandbox."""
     return (INNER_ID, INNER_ID) if userns else (cfg["uid"], cfg["gid"])
@@ -332,6 +345,7 @@ def main(cfg):
         with open(os.path.join(run_dir, name), "rb") as f:
             files[name] = f.read()
     _unshare(userns, cfg["uid"], cfg["gid"])
+    _no_shared_memory()
     alive_r, alive_w = os.pipe()  # EOF on alive_r once the launcher is gone
     init = os.fork()
     if init:

@@ -124,3 +124,16 @@ def test_weights_that_do_not_fit_the_kind_are_an_error_not_a_random_head(qwen_pr
         resolve_reward_func("process_reward_model", model=str(qwen_prm_layout[0]), kind="token_classification")
     with pytest.raises(ValueError, match=r"do not fit kind='mlp_head'.*randomly initialised"):
         resolve_reward_func("process_reward_model", model=str(token_classification_prm[0]), kind="mlp_head")
+
+
+def test_a_mark_on_a_character_split_over_byte_tokens_is_read_at_its_last_piece():
+    """Byte-level BPE splits an emoji over tokens that share its offsets: the model has read the character,
+    and so the step, whole only at the last piece. The first piece was read (before the step's end)."""
+    import itertools
+
+    from grouprl.rewards.prm import _last_covering
+
+    offsets = [(0, 1), (1, 2), (2, 3), (2, 3), (2, 3), (3, 4)]  # "ab", a 4-byte character as three pieces, "c"
+    ends = list(itertools.accumulate((e for _, e in offsets), max))
+    assert [_last_covering(offsets, ends, m) for m in range(4)] == [0, 1, 4, 5]
+

@@ -132,6 +132,24 @@ def test_process_rewards_weights_merges_and_outcome_as_final_step():
     assert torch.equal(process_advantages(*pr.with_outcome(), 2, 7), expected)
 
 
+def test_a_functions_steps_that_end_in_one_token_stay_apart():
+    """A blank line is a step of its own, and "\\n\\n" one token: "a\\n\\n\\nb\\nc" has 5 steps, of which two end
+    in the token "ĊĊ". Every step of both completions scores 1: the group is flat, so every advantage is 0.
+    Summed into one step of 2, the steps were not flat, and the advantages reached ±1.13."""
+    from grouprl.core import process_advantages
+
+    tok = merging_tokenizer([("Ċ", "Ċ")])
+    texts = ["a\n\n\nb\nc", "a\nb\nc"]
+    ids = [tok(t, add_special_tokens=False)["input_ids"] + [tok.eos_token_id] for t in texts]
+    steps = {"lines": [[(i, 1.0) for i in range(5)], [(i, 1.0) for i in range(3)]]}
+    per_func = {"lines": torch.tensor([1.0, 1.0])}
+    pr = process_rewards(steps, per_func, None, ids, texts, tok, estimator="process")
+    assert [len(r) for r in pr.rewards] == [5, 3] and pr.rewards[0] == [1.0] * 5
+    assert len(set(pr.ends[0])) < 5  # some of the five steps end in one token
+    rewards, ends = pr.with_outcome()
+    assert not process_advantages(rewards, ends, 2, max(map(len, ids))).any()
+
+
 def test_shaping_without_an_outcome_is_a_step_only_where_it_is_not_zero():
     """Only step functions and overlong shaping: a penalty of 0 adds no step (a step of 0 would enter
     the group's mean and std and change every advantage); a non-zero one is a step at the last token.

@@ -156,7 +156,7 @@ class ProcessRewardModel:
             for row, (_, marks, ends) in enumerate(chunk):
                 n = int(enc["attention_mask"][row].sum())
                 token_ends = list(itertools.accumulate((e for _, e in offsets[row][:n]), max))  # [n]
-                at = [min(_first_covering(token_ends, m), n - 1) for m in marks]  # token holding each mark
+                at = [min(_last_covering(offsets[row][:n], token_ends, m), n - 1) for m in marks]  # [K]
                 probs = self._good_prob(logits[row, at]).tolist()  # [K]
                 out.append([(CharOffset(e), self._map(p)) for e, p in zip(ends, probs)])
         return out
@@ -225,6 +225,16 @@ def _first_covering(token_ends: list[int], char: int) -> int:
     """Index of the first token whose exclusive end lies past ``char``: the token that holds it.
     ``token_ends`` is a running maximum, so added special tokens' (0, 0) offsets keep it sorted."""
     return bisect.bisect_right(token_ends, char)
+
+
+def _last_covering(offsets: list, token_ends: list[int], char: int) -> int:
+    """The last token holding ``char``: a character of several bytes (an emoji, a CJK or maths symbol) may
+    be split over byte tokens that share its offsets, and the model has read it whole only at the last
+    of them (the first was read before the step's end was seen)."""
+    k = _first_covering(token_ends, char)
+    while k + 1 < len(offsets) and offsets[k + 1][0] <= char < offsets[k + 1][1]:
+        k += 1
+    return k
 
 
 def process_reward_model(model: str, step_delimiter: str = "\n", step_tag: str | None = None,

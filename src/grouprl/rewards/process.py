@@ -14,9 +14,11 @@ The trainer turns these into token steps (`ProcessRewards`):
 - a step ending at character e (exclusive) ends at the token holding character e − 1; a step that
   ends at the end of the text ends at the completion's last token (a trailing EOS is credited with
   it). Several steps may end in one token (a BPE token such as "\\n\\n" or "3\\n" can hold the end of
-  one step and the start of the next): their weighted rewards add up to one step.
-- the weighted rewards of every function's steps ending at the same token add up (weights are the
-  reward_weights, as for outcome rewards);
+  one step and the start of the next): they stay steps of their own, each normalised apart, as the
+  formula has them (summed into one, they changed the group's mean, std and step count, and a group
+  whose steps all scored 1 was not flat when a blank line merged into the line before it);
+- different functions' steps are one step where they coincide: the weighted rewards of the k-th step
+  of each function ending at a token add up (weights are the reward_weights, as for outcome rewards);
 - the outcome reward (the weighted sum of the functions that returned a float for the row, plus
   DAPO overlong shaping) counts as one more step at the completion's last token. A batch where no
   function returned steps is thus outcome supervision: every token of completion i gets its
@@ -156,8 +158,8 @@ def token_index(char_ends: list[int], end: int, num_tokens: int, text_len: int) 
 class ProcessRewards:
     """Weighted step rewards of N completions at token indices, and their outcome rewards."""
 
-    ends: list[list[int]]       # [N][K_i] token index of each process step's last token, increasing
-    rewards: list[list[float]]  # [N][K_i] weighted step reward (steps ending in one token summed)
+    ends: list[list[int]]       # [N][K_i] token index of each process step's last token, non-decreasing
+    rewards: list[list[float]]  # [N][K_i] weighted step reward (functions' coinciding steps summed)
     outcome: list[float | None]  # [N] weighted outcome reward, unshaped; None when no function gave a float
     last: list[int]             # [N] index of the completion's last token
     shaping: list[float]        # [N] DAPO overlong penalty (0.0 when not shaped)
@@ -211,7 +213,7 @@ def process_rewards(steps: dict[str, list[StepList | None]], per_func: dict[str,
     out = ProcessRewards([], [], [], [], [])
     for i, (ids, text) in enumerate(zip(token_ids, texts)):
         char_ends = None
-        at: dict[int, float] = {}
+        at: dict[tuple[int, int], float] = {}  # (token, k: the k-th step of a function ending there) -> reward
         outcome: float | None = None
         for name, w in zip(names, weights):
             row = steps.get(name, [None] * len(texts))[i]
@@ -222,11 +224,13 @@ def process_rewards(steps: dict[str, list[StepList | None]], per_func: dict[str,
                 continue
             if char_ends is None:
                 char_ends = token_char_ends(tokenizer, ids, text)
+            seen: dict[int, int] = {}
             for end, r in row:
                 t = token_index(char_ends, end, len(ids), len(text))
-                at[t] = at.get(t, 0.0) + w * r
-        out.ends.append(sorted(at))
-        out.rewards.append([at[t] for t in sorted(at)])
+                k = seen[t] = seen.get(t, -1) + 1
+                at[(t, k)] = at.get((t, k), 0.0) + w * r
+        out.ends.append([t for t, _ in sorted(at)])
+        out.rewards.append([at[key] for key in sorted(at)])
         out.outcome.append(outcome)
         out.last.append(len(ids) - 1)
         out.shaping.append(0.0 if shaping is None else float(shaping[i]))

@@ -83,7 +83,7 @@ def all_equal_probability(scores: torch.Tensor, G: int) -> tuple[torch.Tensor, s
     n = scores.shape[1]
     probs = []
     for row in scores.tolist():  # [n] exact values: equality as in zero_std_groups
-        counts = Counter(row).values()  # k_v per distinct score v
+        counts = Counter(v for v in row if v == v).values()  # k_v per distinct score v; NaN equals nothing
         if G <= n:
             probs.append(sum(math.comb(k, G) for k in counts) / math.comb(n, G))
         else:
@@ -153,6 +153,16 @@ class Samples:
     forward_s: float                   # one log-prob pass over the first chunk's completions
     flat: torch.Tensor | None = None   # [B*n/G] the groups of G training would call flat (StepBatch.flat_groups:
                                        # under process supervision, by their steps); None: judged on `total`
+    equal_as: torch.Tensor | None = None  # [B, n] under process supervision, what a group's flatness compares
+                                       # (`step_keys`); None: `total`
+
+
+def step_keys(steps: list[list[float]]) -> torch.Tensor:
+    """Per completion [N], a value equal between two completions exactly when a group of them alone would
+    be flat under process supervision (all their step rewards equal, `zero_std_step_groups`): its steps'
+    common value when they are all equal, else NaN, equal to nothing (`all_equal_probability`). A group is
+    then flat when its keys are all equal, and the all-equal predictions apply to the keys."""
+    return torch.tensor([float(r[0]) if r and len(set(r)) == 1 else math.nan for r in steps], dtype=torch.float64)
 
 
 class PreflightStages(SamplingStages, Protocol):
@@ -211,7 +221,9 @@ def sample(trainer: PreflightStages, num_prompts: int, samples_per_prompt: int |
                    torch.cat([p.unshaped for p in parts]).view(-1, samples),
                    torch.cat([p.rollout.action_lengths for p in parts]),
                    torch.cat([p.rollout.truncated for p in parts]), chunks, gen_s, reward_s, forward_s,
-                   torch.cat([p.flat_groups(cfg.num_generations) for p in parts]))
+                   torch.cat([p.flat_groups(cfg.num_generations) for p in parts]),
+                   None if parts[0].steps is None else step_keys(
+                       [r for p in parts for r in p.steps.with_outcome(shaped=False)[0]]).view(-1, samples))
 
 
 # ---------------------------------------------------------------------- the report
@@ -225,7 +237,7 @@ def summarize(s: Samples, cfg: Any, device: torch.device = torch.device("cpu")) 
         rewards[name] = {"mean": _finite(scores.nanmean()), "pass_rate": float(pass_counts(scores).sum()) / (B * n),
                          "zero_variance_share": float(zero_std_groups(contribution.view(-1), G).double().mean()),
                          "predicted_zero_variance_share": _shares(predicted_zero_variance(contribution, sizes))}
-    predicted = predicted_zero_variance(s.total, sizes)
+    predicted = predicted_zero_variance(s.total if s.equal_as is None else s.equal_as, sizes)
     flat = s.flat if s.flat is not None else zero_std_groups(s.total.view(-1), G)
     zero_var = float(flat.double().mean())
     accuracy = cfg.accuracy_reward or next(iter(s.per_func))

@@ -139,6 +139,24 @@ def _samples(per_func: dict[str, list[list[float]]], truncated: float = 0.0) -> 
                      torch.tensor([True] * cut + [False] * (N - cut)), [total.shape[0]], [1.0], [0.5], 0.25)
 
 
+def test_under_process_supervision_the_predictions_judge_groups_by_their_steps(make_cfg):
+    """Every completion's steps average 2/3 (or 1/2) with unequal steps: training calls no group flat, but the
+    predictions, made from the means, said every group of any size would be (1.0 where the observed share
+    at G = n is 0). They now judge a group by its steps, as training does: each completion by `step_keys`."""
+    from grouprl.core import zero_std_step_groups
+
+    steps = [[1., 1., 0.], [1., 0., 1.], [0., 1., 1.], [1., 1., 0.], [1., 0.], [0., 1.], [1., 0.], [0., 1.],
+             [1.], [1.], [1.], [1.], [1., 1.], [1.], [0.], [1.]]  # prompt 2's steps all 1: flat; prompt 3 not
+    total = torch.tensor([sum(r) / len(r) for r in steps]).view(4, 4)
+    s = P.Samples({"lines": total.clone()}, total, torch.full((16,), 5), torch.zeros(16, dtype=torch.bool), [4],
+                  [1.0], [0.5], 0.25, zero_std_step_groups(steps, 4), P.step_keys(steps).view(4, 4))
+    report = P.summarize(s, make_cfg(num_generations=4, prompts_per_step=4))
+    assert report["total"]["zero_variance_share"] == 0.25  # prompt 2's group, observed as training judges it
+    predicted = report["total"]["predicted_zero_variance_share"]
+    assert predicted["4"] == 0.25  # the unbiased estimate at G = n is the observed share (from the means: 0.75)
+    assert predicted["8"] == pytest.approx((1 + 0.75 ** 8 + 0.25 ** 8) / 4)  # plug-in: prompt 3's keys 1, 1, 0, 1
+
+
 @pytest.mark.cpu_rules  # its update estimate is CPU's (checkpointing only over the budget)
 def test_summary_and_recommendations_from_fixed_samples(make_cfg):
     """G = 4, four prompts, n = 4. acc passes 4, 0, 0, 1 times; `brevity` is 1 - acc (opposed).

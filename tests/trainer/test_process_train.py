@@ -128,4 +128,6 @@ def test_preflight_judges_a_process_group_by_its_steps_as_training_does(make_cfg
                    reward_funcs=["tests.trainer.test_process_train:crossed_halves"])
     s = P.sample(Trainer(cfg), 4)
     assert set(s.total.flatten().tolist()) == {0.5}  # every completion's mean
-    assert P.summarize(s, cfg)["total"]["zero_variance_share"] == 0.0
+    report = P.summarize(s, cfg)
+    assert report["total"]["zero_variance_share"] == 0.0
+    assert set(report["total"]["predicted_zero_variance_share"].values()) == {0.0}  # by steps too (means: 1.0)

@@ -45,6 +45,7 @@ from grouprl.config import ConfigError, TrainConfig
 from grouprl.config.io import absolute_paths
 from grouprl.rewards import RewardFunctionError, SandboxUnavailableError
 from grouprl.rollout.vllm_server import VLLMServerError
+from grouprl.runlog import strict_json
 from grouprl.signals import TrainingStopped, exit_code
 from grouprl.trackers import TrackerError
 
@@ -250,9 +251,9 @@ def _eval(cfg: TrainConfig, *, found_config: str | None = None) -> int:
         where = absolute_paths({"model": cfg.model, "eval_data": cfg.eval_data, "train_data": cfg.train_data})
         scored = {"model": where["model"],  # which model, on what (absolute: evals run from any folder compare)
                   "eval_data": where["eval_data"] or f"{where['train_data']} (eval_fraction {cfg.eval_fraction})"}
-        (out / "eval.json").write_text(json.dumps({**scored, **result}, indent=2) + "\n")  # the latest
+        (out / "eval.json").write_text(strict_json({**scored, **result}, indent=2) + "\n")  # the latest
         with open(out / "evals.jsonl", "a") as f:  # every eval into this folder, in order: none is lost
-            f.write(json.dumps({"time": time.strftime("%Y-%m-%dT%H:%M:%S"), **scored, **result}) + "\n")
+            f.write(strict_json({"time": time.strftime("%Y-%m-%dT%H:%M:%S"), **scored, **result}) + "\n")
         print(_eval_table(result, cfg, accuracy))
         print(f"written to {out / 'eval.json'} (and appended to {out / 'evals.jsonl'})")
     return 0

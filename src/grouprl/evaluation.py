@@ -201,3 +201,7 @@ class BestModel:
     def checkpoint(self) -> Path | None:
         """The best checkpoint's folder in the current output_dir (None without a record)."""
         return None if self.record is None else checkpoint_path(self.output_dir, self.record["step"])
+
+    def summary(self) -> dict[str, Any]:
+        """summary.json's `best_checkpoint` (the record and its folder), or nothing without a record."""
+        return {} if self.record is None else {"best_checkpoint": {**self.record, "checkpoint": str(self.checkpoint)}}

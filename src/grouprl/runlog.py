@@ -70,7 +70,7 @@ class RunLogger:
             return
         row = {"step": step, **{k: _plain(v) for k, v in metrics.items()}}
         with open(self.metrics_path, "a") as f:
-            f.write(json.dumps(row) + "\n")
+            f.write(strict_json(row) + "\n")
         if trackers:
             scalars = {k: float(v) for k, v in row.items() if k != "step" and isinstance(v, (int, float))
                        and not isinstance(v, bool) and math.isfinite(v)}
@@ -91,13 +91,13 @@ class RunLogger:
             return
         with open(self.samples_path, "a") as f:
             for s in samples:
-                f.write(json.dumps({"step": step, **{k: _plain(v) for k, v in s.items()}}) + "\n")
+                f.write(strict_json({"step": step, **{k: _plain(v) for k, v in s.items()}}) + "\n")
 
     def write_json(self, name: str, payload: dict[str, Any]) -> None:
         if not self.enabled:
             return
         tmp = self.dir / f".{name}.tmp"
-        tmp.write_text(json.dumps(payload, indent=2, default=_plain))
+        tmp.write_text(strict_json(payload, indent=2))
         tmp.replace(self.dir / name)
 
     def read_metrics(self) -> list[dict[str, Any]]:
@@ -224,6 +224,24 @@ def _cell(v: Any) -> Any:
 def _plain(v: Any) -> Any:
     if hasattr(v, "item") and getattr(v, "numel", lambda: 1)() == 1:
         return v.item()
+    return v
+
+
+def strict_json(payload: Any, **kwargs: Any) -> str:
+    """JSON that strict readers take (jq, JavaScript, pandas): a NaN or infinite number is written as null
+    (Python's json writes bare NaN and Infinity, which they refuse). A metric is NaN where it has nothing
+    to be computed on, e.g. a correlation on a step without usable groups, or a loss on a skipped step."""
+    return json.dumps(_finite(payload), allow_nan=False, **kwargs)
+
+
+def _finite(v: Any) -> Any:
+    v = _plain(v)
+    if isinstance(v, float):
+        return v if math.isfinite(v) else None
+    if isinstance(v, dict):
+        return {k: _finite(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_finite(x) for x in v]
     return v
 
 

@@ -185,6 +185,16 @@ class Trackio(_RunTracker):
                                 resume="allow" if resume_step else "never", embed=False)
 
 
+def _write_id(path: Path, run_id: str) -> None:
+    """The tracker run's id beside the run, through a temporary file renamed into place (a kill mid-write
+    left an empty file, and the next --resume failed); not written again when it holds that id already."""
+    if path.is_file() and path.read_text().strip() == run_id:
+        return
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(run_id + "\n")
+    tmp.replace(path)
+
+
 class Wandb(_RunTracker):
     name = "wandb"
 
@@ -193,8 +203,8 @@ class Wandb(_RunTracker):
 
         self.table = wandb.Table
         id_file = out / "wandb_run_id"
-        run_id = id_file.read_text().strip() if resume_step and id_file.is_file() else uuid.uuid4().hex[:8]
-        id_file.write_text(run_id + "\n")
+        run_id = (id_file.read_text().strip() if resume_step and id_file.is_file() else "") or uuid.uuid4().hex[:8]
+        _write_id(id_file, run_id)
         self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "grouprl"), name=run_name, id=run_id,
                               resume="allow", dir=str(out), config=config)
 
@@ -233,7 +243,7 @@ class Mlflow(Tracker):
             experiment = self.client.get_experiment_by_name(name)
             experiment_id = experiment.experiment_id if experiment else self.client.create_experiment(name)
             run_id = self.client.create_run(experiment_id, run_name=run_name).info.run_id
-        id_file.write_text(run_id + "\n")
+        _write_id(id_file, run_id)
         self.run_id = run_id
         if new:  # a resume without an id file (it opens a new run) logs them too
             # mlflow takes at most 100 params a batch, and the config has more: split here, not by the client

@@ -244,13 +244,11 @@ class Trainer:
                     self.respond_to_alarms({}, progress, final=True, log=True)  # the run is over: reported only
                     self.save(weights=False)  # eval_after, recorded beside that checkpoint
         progress.close()
-        summary = self.logger.summary(self.step, self.evals)
-        if self.best.record is not None:
-            summary["best_checkpoint"] = {**self.best.record, "checkpoint": str(self.best.checkpoint)}
-            if self.cfg.load_best_model_at_end:
-                load_trainable_weights(self.best.checkpoint, self.model)  # training_state.py
-                self.weights_version += 1
-                self.sync_weights()
+        summary = {**self.logger.summary(self.step, self.evals), **self.best.summary()}  # best_checkpoint, if any
+        if self.best.record is not None and self.cfg.load_best_model_at_end:
+            load_trainable_weights(self.best.checkpoint, self.model)  # training_state.py
+            self.weights_version += 1
+            self.sync_weights()
         self.logger.finish(summary)
         return summary
 
@@ -274,7 +272,8 @@ class Trainer:
         is not over, and a preempted run has little time."""
         progress.close()
         path = checkpoint_path(self.cfg.output_dir, self.step) if saved == self.step else self.save()
-        self.logger.finish({**self.logger.summary(self.step, self.evals), "stopped_by": reason or signum.name})
+        self.logger.finish({**self.logger.summary(self.step, self.evals), **self.best.summary(),
+                            "stopped_by": reason or signum.name})
         raise TrainingStopped(None if reason else signum, self.step, path, reason)
 
     def train_step(self) -> dict[str, Any]:

@@ -45,3 +45,21 @@ def test_a_failed_rewrite_on_resume_keeps_every_logged_row(tmp_path, monkeypatch
         RunLogger(tmp_path, resume_step=1, report_to=())
     monkeypatch.undo()
     assert (tmp_path / "metrics.jsonl").read_text().splitlines() == rows
+
+
+def test_numbers_json_cannot_hold_are_written_null(tmp_path):
+    """Python's json wrote bare NaN and Infinity, which strict readers (jq, JavaScript, pandas) refuse: a
+    correlation on a step without usable groups, a loss on a skipped step, a reward a function left out."""
+    def refuse(constant):
+        raise ValueError(constant)
+
+    log = RunLogger(tmp_path, report_to=())
+    log.log(1, {"loss": float("nan"), "grad_norm": float("inf"), "alarms": [{"value": float("-inf")}], "kl": 0.5})
+    log.log_samples(1, [{"rewards/f": float("nan"), "advantage": 1.0}])
+    log.write_json("summary.json", {"eval_before": {"accuracy": float("nan")}})
+    row = json.loads((tmp_path / "metrics.jsonl").read_text(), parse_constant=refuse)
+    assert row == {"step": 1, "loss": None, "grad_norm": None, "alarms": [{"value": None}], "kl": 0.5}
+    assert json.loads((tmp_path / "samples.jsonl").read_text(), parse_constant=refuse)["rewards/f"] is None
+    assert json.loads((tmp_path / "summary.json").read_text(), parse_constant=refuse) == {
+        "eval_before": {"accuracy": None}}
+

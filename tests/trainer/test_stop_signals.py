@@ -89,6 +89,20 @@ def test_a_signal_anywhere_in_a_step_stops_after_it_and_resume_reproduces(make_c
         assert all(torch.equal(final[k], resumed[k]) for k in final), where
 
 
+def test_a_stopped_runs_summary_names_its_best_checkpoint(make_cfg):
+    """summary.json of a run stopped by a signal (or an alarm, which is not resumed) names the best checkpoint
+    on disk, as a finished run's does; it was left out."""
+    cfg = make_cfg(max_steps=4, eval_steps=1, eval_fraction=0.1, max_eval_samples=4,
+                   metric_for_best_model="reward_mean")
+    trainer = Trainer(cfg)
+    _send_at(trainer, "updater.optimizer_step", 2)
+    with pytest.raises(TrainingStopped):
+        trainer.train()
+    summary = json.loads((Path(cfg.output_dir) / "summary.json").read_text())
+    assert summary["stopped_by"] == "SIGTERM" and summary["best_checkpoint"]["step"] == 1
+    assert Path(summary["best_checkpoint"]["checkpoint"]).name == "step-000001"
+
+
 class KilledInEval(Exception):
     pass
 

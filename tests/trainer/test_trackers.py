@@ -397,3 +397,17 @@ def test_mlflow_resume_of_a_run_the_store_lacks_is_an_error(monkeypatch, tmp_pat
     with pytest.raises(TrackerError, match=r"mlflow run 0123456789abcdef0123456789abcdef .* is not in the tracking "
                                            r"store .*delete .*mlflow_run_id"):
         RunLogger(out, resume_step=2, report_to=("mlflow",))
+
+
+def test_a_tracker_run_id_is_written_whole_and_only_when_it_changes(tmp_path, monkeypatch):
+    """It was truncated and rewritten at every start: a kill in between left an empty file, and wandb's next
+    --resume failed ("Run ID cannot be empty"). Now it is renamed into place, and left alone when unchanged."""
+    from grouprl import trackers
+
+    path = tmp_path / "wandb_run_id"
+    trackers._write_id(path, "abc123")
+    assert path.read_text() == "abc123\n" and not list(tmp_path.glob(".*tmp"))
+    written = path.stat().st_mtime_ns
+    monkeypatch.setattr(type(path), "write_text", lambda *a, **k: pytest.fail("rewritten"))
+    trackers._write_id(path, "abc123")
+    assert path.stat().st_mtime_ns == written

@@ -219,7 +219,7 @@ def old_length_rule(rows: list[dict], W: int = 3) -> int | None:
     corr = [r.get("health/length_reward_corr", float("nan")) for r in rows]
     length = [r["completion/length_mean"] for r in rows]
     for i in range(2 * W - 1, len(rows)):
-        recent = [c for c in corr[i - W + 1:i + 1] if c == c]
+        recent = [c for c in corr[i - W + 1:i + 1] if c is not None and c == c]  # NaN is written null
         if (recent and sum(recent) / len(recent) >= 0.5
                 and sum(length[i - W + 1:i + 1]) >= 1.25 * sum(length[:W])):
             return rows[i]["step"]

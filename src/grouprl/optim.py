@@ -23,8 +23,7 @@ def make_optimizer(cfg: TrainConfig, model: torch.nn.Module, value_head: torch.n
     are all matrices: one group)."""
     groups = _decay_groups([p for p in model.parameters() if p.requires_grad], cfg.learning_rate, cfg.weight_decay)
     if value_head is not None:
-        value_lr = cfg.value_learning_rate or 10 * cfg.learning_rate  # null: verl's examples' critic/actor ratio
-        groups += _decay_groups(list(value_head.parameters()), value_lr, cfg.weight_decay)
+        groups += _decay_groups(list(value_head.parameters()), value_learning_rate(cfg), cfg.weight_decay)
     # fused AdamW: one kernel over all parameters, same update (8x faster than the per-parameter
     # loop on CPU at 50M parameters); sharded (DTensor) parameters keep the default implementation
     fused = all(type(p) is torch.nn.Parameter for g in groups for p in g["params"]) or None
@@ -35,6 +34,12 @@ def make_optimizer(cfg: TrainConfig, model: torch.nn.Module, value_head: torch.n
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_schedule(cfg.lr_scheduler_type, cfg.warmup_steps,
                                                                          total))
     return optimizer, scheduler
+
+
+def value_learning_rate(cfg: TrainConfig) -> float:
+    """The value head's rate: value_learning_rate, or for null 10 x learning_rate (verl's examples' critic/actor
+    ratio)."""
+    return cfg.value_learning_rate or 10 * cfg.learning_rate
 
 
 def _decay_groups(params: list[torch.nn.Parameter], lr: float, weight_decay: float) -> list[dict]:

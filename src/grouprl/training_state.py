@@ -27,7 +27,7 @@ from grouprl.checkpoint import (CheckpointMismatch, DamagedCheckpoint, check_fit
                                 recover_interrupted_saves, restore_rng_states, rng_states, save_checkpoint,
                                 write_loop_state)
 from grouprl.config import ConfigError, TrainConfig, changed_settings
-from grouprl.optim import scale_learning_rate
+from grouprl.optim import scale_learning_rate, value_learning_rate
 from grouprl.value import optimized_modules
 
 logger = logging.getLogger(__name__)
@@ -192,11 +192,6 @@ def restore_training_state(cfg: TrainConfig, dist: D.DistContext, parts: Trainin
         logger.warning("--resume: the run in %s is finished (step %d, max_steps=%d): nothing is trained, its summary "
                        "is written again; to train further, raise max_steps", cfg.output_dir, step, cfg.max_steps)
     return LoopState(step, evals, state.get("eval_pending", False), best, finished)
-
-
-def value_learning_rate(cfg: TrainConfig) -> float:
-    """The value head's rate (optim.make_optimizer): value_learning_rate, or null for 10 x learning_rate."""
-    return cfg.value_learning_rate or 10 * cfg.learning_rate
 
 
 def _rate_changes(cfg: TrainConfig, state: dict[str, Any], changed: dict[str, tuple[Any, Any]],

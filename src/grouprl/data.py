@@ -12,7 +12,7 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import pandas as pd
 import pyarrow as pa
@@ -96,8 +96,9 @@ def load_prompts(source: str | Path | Dataset | DatasetDict | IterableDataset | 
             raise DataError(f"{name}={source!r} is a folder: name the data file in it")
         if not _has_rows(path):  # the readers' own error is StopIteration or "no data"
             raise DataError(f"{name}={source!r} has no rows: it needs at least one prompt")
-        problem = _utf8_problem(path) if path.suffix.lower() in (".jsonl", ".json", ".csv") else None
-        problem = problem or (_jsonl_problem(path) if path.suffix.lower() == ".jsonl" else None)
+        suffix = path.suffix.lower()
+        problem = (_text_problem(path, _jsonl_line_problem if suffix == ".jsonl" else None)
+                   if suffix in (".jsonl", ".json", ".csv") else None)
         if problem:  # datasets' own error names no line
             raise DataError(f"{name}={source!r}: {problem}")
         try:
@@ -155,35 +156,37 @@ def _has_rows(path: Path) -> bool:
         return any(line.strip() for line in f)
 
 
-def _utf8_problem(path: Path) -> str | None:
-    """The first line of a text file that is not UTF-8, named by number. The readers keep such bytes
-    in the columns they do not decode, so a row failed only when a step drew it (a latin-1 "é" in an
-    answer, step 40), naming neither the file nor the line."""
+def _text_problem(path: Path, line_problem: Callable[[int, str], str | None] | None = None) -> str | None:
+    """The first line of a text file that is not UTF-8, or that `line_problem` finds wrong, named by
+    number, in one pass. The readers keep bytes that are not UTF-8 in the columns they do not decode,
+    so such a row failed only when a step drew it (a latin-1 "é" in an answer, step 40), naming
+    neither the file nor the line."""
     with open(path, "rb") as f:
-        for number, line in enumerate(f, start=1):
+        for number, raw in enumerate(f, start=1):
             try:
-                line.decode("utf-8")
+                line = raw.decode("utf-8")
             except UnicodeDecodeError as e:
-                return (f"line {number} is not UTF-8 (byte 0x{line[e.start]:02x} at byte {e.start + 1} of the "
+                return (f"line {number} is not UTF-8 (byte 0x{raw[e.start]:02x} at byte {e.start + 1} of the "
                         "line): re-save the file as UTF-8 (e.g. iconv -f latin1 -t utf-8)")
+            problem = line_problem(number, line) if line_problem is not None else None
+            if problem:
+                return problem
     return None
 
 
-def _jsonl_problem(path: Path) -> str | None:
-    """The first line of a JSON Lines file that is not one JSON object, named by number."""
-    with open(path, encoding="utf-8", errors="replace") as f:
-        for number, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line.rstrip())
-            except json.JSONDecodeError as e:
-                where = f"{e.msg} column {e.colno}" if e.msg.endswith(" at") else f"{e.msg} at column {e.colno}"
-                return (f"line {number} is not valid JSON ({where}): "
-                        f"{line.strip()[:80]!r}; each line must be one JSON object, e.g. {{\"prompt\": \"...\"}}")
-            if not isinstance(row, dict):
-                return (f"line {number} is a JSON {type(row).__name__}, not an object: each line must be one "
-                        "JSON object with the prompt column, e.g. {\"prompt\": \"...\"}")
+def _jsonl_line_problem(number: int, line: str) -> str | None:
+    """What is wrong with line `number` of a JSON Lines file, if it is not blank and not one JSON object."""
+    if not line.strip():
+        return None
+    try:
+        row = json.loads(line.rstrip())
+    except json.JSONDecodeError as e:
+        where = f"{e.msg} column {e.colno}" if e.msg.endswith(" at") else f"{e.msg} at column {e.colno}"
+        return (f"line {number} is not valid JSON ({where}): "
+                f"{line.strip()[:80]!r}; each line must be one JSON object, e.g. {{\"prompt\": \"...\"}}")
+    if not isinstance(row, dict):
+        return (f"line {number} is a JSON {type(row).__name__}, not an object: each line must be one "
+                "JSON object with the prompt column, e.g. {\"prompt\": \"...\"}")
     return None
 
 

@@ -13,8 +13,8 @@ from typing import Any
 
 import yaml
 
-from grouprl.config import (ConfigError, TrainConfig, TrainFields, did_you_mean, field_types, list_item_type,
-                            load_yaml, value_matches, with_algorithm)
+from grouprl.config import (ConfigError, TrainConfig, TrainFields, derived_overlong, did_you_mean, field_types,
+                            list_item_type, load_yaml, value_matches, with_algorithm)
 
 TASK_FIELDS = {"model", "train_data", "eval_data", "reward_funcs"}
 logger = logging.getLogger(__name__)
@@ -53,8 +53,7 @@ def _derived_follow(cfg: TrainConfig, overrides: dict[str, Any]) -> dict[str, An
     follow: dict[str, Any] = {}
     if "model" in overrides and "gguf_file" not in overrides and cfg.gguf_file:
         follow["gguf_file"] = None
-    if ("max_completion_length" in overrides and "overlong_cache_len" not in overrides
-            and cfg.overlong_cache_len == max(1, cfg.max_completion_length // 5)):
+    if "max_completion_length" in overrides and "overlong_cache_len" not in overrides and derived_overlong(cfg):
         follow["overlong_cache_len"] = None  # derived again from the new length (validate.resolve_preset)
     return follow
 

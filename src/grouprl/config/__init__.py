@@ -22,7 +22,8 @@ from .errors import ConfigError, did_you_mean
 from .fieldtypes import field_types, list_item_type, value_matches
 from .io import changed_settings, load_yaml
 from .schema import TrainFields
-from .validate import PRESET_FIELDS, parse_eval_metric, resolve_preset, validate_config, with_algorithm
+from .validate import (PRESET_FIELDS, derived_overlong, parse_eval_metric, resolve_preset, validate_config,
+                       with_algorithm)
 
 
 _FIELDS = frozenset(f.name for f in dataclasses.fields(TrainFields))
@@ -71,6 +72,7 @@ __all__ = [
     "TrainConfig",
     "TrainFields",
     "changed_settings",
+    "derived_overlong",
     "did_you_mean",
     "field_types",
     "list_item_type",

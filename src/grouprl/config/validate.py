@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from grouprl.core import (ADVANTAGE_ESTIMATORS, DISTILL_SIGNALS, IS_MODES, KL_ESTIMATORS, LOSS_AGGREGATIONS, LOSS_TYPES,
                           MULTI_OBJECTIVE_AGGREGATIONS, PRESETS, RATIO_LEVELS, Registry)
@@ -72,6 +72,14 @@ def resolve_preset(cfg: C) -> C:
     if out.overlong_cache_len is None:
         out.overlong_cache_len = max(1, out.max_completion_length // 5)  # DAPO: 4,096 of 20,480
     return out
+
+
+def derived_overlong(cfg: TrainFields) -> bool:
+    """Whether a resolved config's overlong_cache_len is the one derived from its max_completion_length
+    (`resolve_preset`; a quarter before 2026-11-26), not a value of its own: a new length or preset over
+    it (a run's config.yaml) derives it again."""
+    m = cfg.max_completion_length
+    return cfg.overlong_cache_len is not None and cfg.overlong_cache_len in (m // 4, max(1, m // 5))
 
 
 TOKEN_RATIO = "the ratio of each token (1 - epsilon to 1 + epsilon_high)"
@@ -135,9 +143,8 @@ def with_algorithm(cfg: C, algorithm: str, keep=()) -> C:
         raise ConfigError(f"--algorithm {algorithm} over a resolved config of {cfg.algorithm}: {kept}="
                           f"{getattr(cfg, kept)} differs from {cfg.algorithm}'s and would be kept beside {algorithm}'s "
                           f"other bound; give both epsilon and epsilon_high on the command line")
-    if ("overlong_cache_len" not in keep and cfg.overlong_cache_len is not None
-            and cfg.overlong_cache_len in (cfg.max_completion_length // 4, cfg.max_completion_length // 5)):
-        cleared.append("overlong_cache_len")  # the derived default (a quarter before 2026-11-26)
+    if "overlong_cache_len" not in keep and derived_overlong(cfg):
+        cleared.append("overlong_cache_len")
     out = dataclasses.replace(cfg, algorithm=algorithm, **{f: None for f in cleared})
     if algorithm not in PRESETS:
         return out, []  # resolve_preset names the unknown algorithm
@@ -233,8 +240,7 @@ def validate_config(cfg: C) -> C:
                           "--reward_funcs '[math_accuracy]' or a `module:function` path")
     for field in ("reward_funcs", "audit_funcs"):
         for i, spec in enumerate(getattr(c, field)):
-            if not ((isinstance(spec, str) and spec) or (isinstance(spec, dict) and isinstance(spec.get("name"), str))
-                    or callable(spec)):
+            if not _names_something(spec):
                 raise ConfigError(f"{field}[{i}]={spec!r}: name a reward function as `math_accuracy`, "
                                   "`package.module:function`, or a mapping {name: regex_match, pattern: '...'}")
     if c.reward_weights is not None and len(c.reward_weights) != len(c.reward_funcs):
@@ -504,12 +510,18 @@ def _check_vllm(c: TrainFields) -> None:
                           "would not know); pick one in that range")
 
 
+def _names_something(spec: Any) -> bool:
+    """A reward function's, audit function's or tool's entry: a name or import path, a mapping with a
+    `name` (and the factory's arguments), or the callable itself (given in memory)."""
+    return bool(isinstance(spec, str) and spec) or (isinstance(spec, dict) and isinstance(spec.get("name"), str)) \
+        or callable(spec)
+
+
 def _check_tools(c: TrainFields) -> None:
     """Multi-turn fields; the tools and the environment themselves are imported by the trainer (still
     before any model loads)."""
     for i, spec in enumerate(c.tools):
-        if not (isinstance(spec, str) and spec) and not (isinstance(spec, dict) and isinstance(spec.get("name"), str)) \
-                and not callable(spec):
+        if not _names_something(spec):
             raise ConfigError(f"tools[{i}]={spec!r}: name a tool as `python`, `package.module:function`, or a "
                               "mapping {name: python, timeout_s: 5}")
     if c.tool_parser is not None:

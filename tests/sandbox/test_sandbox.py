@@ -238,16 +238,19 @@ def test_the_host_tree_is_not_there():
 
 SHM = """import ctypes
 libc = ctypes.CDLL(None, use_errno=True)
-print(libc.shmget(0, ctypes.c_size_t(1 << 20), 0o1600))
+print(libc.shmget(0, ctypes.c_size_t(1 << 20), 0o1600) >= 0)
 """
 
 
 def test_sysv_shared_memory_which_the_memory_limit_does_not_count_is_off():
     """A SysV segment written and then detached is not in the address space RLIMIT_AS bounds: 300 MiB were
-    held under a 64 MiB memory_mb. The run's IPC namespace has its limits at 0, so shmget fails (-1): as
-    root (namespace mode); an unprivileged user namespace cannot set them (its uid 0 is not mapped)."""
-    res = sandboxed(SHM, [{"input": "", "output": "-1"}], **OK)
-    if res is not None and EXPECT == "namespace":  # unprivileged, the namespace's limits cannot be set
+    held under a 64 MiB memory_mb. The run's IPC namespace has its limits at 0, so shmget fails: as root
+    (namespace mode); an unprivileged user namespace cannot set them (its uid 0 is not mapped), the gap
+    docs/rewards.md states, checked here as it is."""
+    # unprivileged, the namespace's limits cannot be set (its uid 0 is not mapped): the documented gap
+    allowed = "True" if EXPECT == "userns" else "False"
+    res = sandboxed(SHM, [{"input": "", "output": allowed}], **OK)
+    if res is not None:  # None: the run was refused, which sandboxed checked
         assert res.passed == 1, res.detail
 
 

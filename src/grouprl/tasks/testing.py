@@ -124,7 +124,7 @@ def build_tiny_architecture(kind: str, tokenizer: PreTrainedTokenizerFast | None
                             **config) -> tuple[torch.nn.Module, PreTrainedTokenizerFast]:
     """A random `kind` model (one of ARCHITECTURES) with the character tokenizer: 2 layers, hidden
     size 48, grouped-query attention (4 query heads on 2 key/value heads) of head size 16, which for
-    Qwen3 is not hidden / heads (its q/k/v are 64 wide, as Qwen3-0.6B's are 2,048 over a hidden size
+    Qwen3 is not hidden / heads (its queries are 64 wide, as Qwen3-0.6B's are 2,048 over a hidden size
     of 1,024), Qwen2's q/k/v biases, and SmolLM3's layers without RoPE (here the second). Every norm
     weight, Qwen3's per-head q/k norms included, is drawn at random around 1 (transformers starts
     them at 1, where a weight left out goes unseen). `config` overrides the config's fields.

@@ -273,13 +273,25 @@ def _eval_table(result: dict, cfg: TrainConfig, accuracy: str) -> str:
     return "\n".join(lines)
 
 
+STRICT_SHARE = 0.25  # `--strict` alone: the share of groups that must teach
+
+
 def _preflight_options(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     """`--prompts N`, `--samples M` and `--strict [SHARE]` out of a preflight command line; the rest is left."""
     parser = argparse.ArgumentParser(prog="grouprl preflight", add_help=False, allow_abbrev=False)
     parser.add_argument("--prompts", type=int, default=64)
     parser.add_argument("--samples", type=int)
-    parser.add_argument("--strict", type=float, nargs="?", const=0.25)
-    return parser.parse_known_args(argv)
+    parser.add_argument("--strict", type=float, nargs="?", const=STRICT_SHARE)
+    return parser.parse_known_args([f"--strict={STRICT_SHARE}" if a == "--strict" and not _is_number(b) else a
+                                    for a, b in zip(argv, [*argv[1:], ""])])  # `--strict run.yaml`: the default
+
+
+def _is_number(word: str) -> bool:
+    try:
+        float(word)
+    except ValueError:
+        return False
+    return True
 
 
 def _preflight(cfg: TrainConfig, num_prompts: int, samples: int | None, strict: float | None) -> int:

@@ -265,6 +265,8 @@ def test_cli_preflight_writes_the_report_and_strict_fails(make_cfg, tmp_path, ca
     assert main(["preflight", str(path), "--prompts", "4", "--strict"]) == 1
     assert "only 0.0% of groups would teach" in capsys.readouterr().err
     assert main(["preflight", str(path), "--prompts", "4", "--strict", "0"]) == 0
+    assert main(["preflight", "--strict", str(path), "--prompts", "4"]) == 1  # the file is not --strict's value
+    assert "below --strict 0.25" in capsys.readouterr().err
 
     assert main(["preflight", str(path), "--prompts", "0"]) == 2
     assert "--prompts 0: preflight needs at least one prompt" in capsys.readouterr().err

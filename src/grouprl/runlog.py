@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import re
 from pathlib import Path
 from typing import Any, Callable
 
@@ -17,6 +18,16 @@ logger = logging.getLogger(__name__)
 
 CURVES = (("reward/mean", "reward (train)"), ("eval/accuracy", "eval accuracy (greedy)"),
           ("kl", "KL to reference"), ("completion/length_mean", "completion length"))
+
+
+def _eval_curve(rows: list[dict[str, Any]]) -> tuple[str, str]:
+    """The eval panel's metric: the greedy accuracy, or else the first sampled metric (`mean@k`, `pass@k`,
+    `maj@k`) the run recorded, since `eval_metrics` may leave out `greedy`."""
+    if not any(isinstance(r.get(CURVES[1][0]), (int, float)) for r in rows):
+        for key in (k for r in rows for k in r):
+            if re.fullmatch(r"eval/(mean|pass|maj)@\d+", key):
+                return key, f"eval {key.removeprefix('eval/')} (sampled)"
+    return CURVES[1]
 
 
 class RunLogger:
@@ -127,7 +138,7 @@ class RunLogger:
 
         rows = self.read_metrics()
         fig, axes = plt.subplots(2, 2, figsize=(10, 7))
-        for ax, (key, title) in zip(axes.flat, CURVES):
+        for ax, (key, title) in zip(axes.flat, [CURVES[0], _eval_curve(rows), *CURVES[2:]]):
             pts = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float))]
             if pts:
                 xs, ys = zip(*pts)

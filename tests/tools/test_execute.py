@@ -335,3 +335,34 @@ def test_bad_limits():
     with pytest.raises(ValueError, match="status 'timed_out': a tool result's status is one of ok, error, timeout, "
                                          "parse_error"):
         execute_calls([], TOOLS).count("timed_out")
+
+
+class SlowToShow:
+    """A value whose text takes longer than the call's timeout (json refuses it, so str() is used)."""
+
+    def __str__(self):
+        RELEASE.wait(60)
+        return "shown at last"
+
+
+def slow_to_show() -> object:
+    """Return at once a value that is slow to make text.
+    """
+    return SlowToShow()
+
+
+async def slow_to_show_async() -> object:
+    """The same, from an async tool.
+    """
+    return SlowToShow()
+
+
+def test_making_the_answer_text_is_within_the_timeout():
+    """A tool that returns at once a value whose str() hangs times out like a tool that hangs, sync or
+    async, and the batch answers while that conversion still runs (abandoned)."""
+    batch = execute_calls([[ToolCall("slow_to_show", {})], [ToolCall("slow_to_show_async", {})],
+                           [ToolCall("add", {"a": 1, "b": 2})]],
+                          resolve_tools([slow_to_show, slow_to_show_async, add]), timeout_s=0.5)
+    assert [(r.content, r.status) for row in batch.results for r in row] == [
+        ("error: slow_to_show did not finish within 0.5 s", "timeout"),
+        ("error: slow_to_show_async did not finish within 0.5 s", "timeout"), ("3", "ok")]

@@ -3,11 +3,13 @@
 Rows run concurrently, each row's calls one after another in the order the model wrote them (a
 later call may rely on an earlier one's effect). A plain function runs in a daemon thread of its
 own, an `async def` tool is awaited on one event loop; at most `max_concurrency` calls run at once.
-Every call is bounded by `timeout_s`. Nothing a tool does raises here: an exception, a timeout, an
-unknown tool, bad arguments or a return value that cannot be shown as text become a result whose
-content tells the model what went wrong, and whose status counts it. Python cannot kill a thread: a
-timed-out plain function runs on, abandoned, and cannot block interpreter exit. A timed-out `async def`
-tool is cancelled; one that ignores the cancellation runs on, abandoned, on the loop's daemon thread.
+Every call is bounded by `timeout_s`, and so is making its return value text (json, else str()),
+which runs in the call's thread, or in a thread of its own after an `async def` tool. Nothing a
+tool does raises here: an exception, a timeout, an unknown tool, bad arguments or a return value
+that cannot be shown as text become a result whose content tells the model what went wrong, and
+whose status counts it. Python cannot kill a thread: a timed-out plain function runs on, abandoned,
+and cannot block interpreter exit. A timed-out `async def` tool is cancelled; one that ignores the
+cancellation runs on, abandoned, on the loop's daemon thread.
 Limit: an `async def` tool that blocks (calls `time.sleep` or other blocking code without awaiting)
 holds the event loop, so every call of the batch waits for it and no timeout fires until it yields;
 make blocking work a plain function, or await it through `asyncio.to_thread`.
@@ -132,14 +134,12 @@ async def _run_call(call: ToolCall, tools: dict[str, Tool], timeout_s: float) ->
         task.cancel()
         return ToolResult(call.name, f"error: {call.name} did not finish within {timeout_s:g} s", "timeout", took)
     try:
-        value = task.result()
+        text = task.result()
+    except _Unshowable as e:
+        return ToolResult(call.name, f"error: {call.name} returned a value that cannot be shown as text ({e})",
+                          "error", took)
     except BaseException as e:  # even SystemExit, or a CancelledError of the tool's own
         return ToolResult(call.name, f"error: {call.name} raised {_describe(e)}", "error", took)
-    try:
-        text = _as_text(value)
-    except Exception as e:  # e.g. nesting too deep for json, or an object whose __str__ raises
-        return ToolResult(call.name, f"error: {call.name} returned a value that cannot be shown as text "
-                          f"({_describe(e)})", "error", took)
     return ToolResult(call.name, text, "ok", took)
 
 
@@ -151,15 +151,19 @@ def _describe(e: BaseException) -> str:
         return f"{type(e).__name__} (its message cannot be shown)"
 
 
-async def _awaited(func: Callable[..., Any], kwargs: dict) -> Any:
+async def _awaited(func: Callable[..., Any], kwargs: dict) -> str:
+    """An async tool's answer as text; a value that is not a string is made text in a thread, within the
+    call's timeout like the call itself (a huge or slow `__str__` would otherwise hold the event loop)."""
     try:  # called inside the task, so even a call that fails to start is the task's error
-        return await func(**kwargs)
+        value = await func(**kwargs)
     except (SystemExit, KeyboardInterrupt) as e:  # a task re-raises these out of the event loop, ending the batch
         raise RuntimeError(repr(e)) from None
+    return _shown(value) if isinstance(value, str) else await _in_daemon_thread(_shown, {"value": value})
 
 
 def _in_daemon_thread(func: Callable[..., Any], kwargs: dict) -> asyncio.Future:
-    """`func(**kwargs)` in a new daemon thread; the future settles on the calling loop."""
+    """`func(**kwargs)`, made text, in a new daemon thread (so the call's timeout bounds both); the future
+    settles on the calling loop."""
     loop = asyncio.get_running_loop()
     future = loop.create_future()
 
@@ -173,7 +177,7 @@ def _in_daemon_thread(func: Callable[..., Any], kwargs: dict) -> asyncio.Future:
 
     def target() -> None:
         try:
-            value, error = func(**kwargs), None
+            value, error = _shown(func(**kwargs)), None
         except BaseException as e:  # even SystemExit: a tool never takes the trainer down
             # a Future refuses StopIteration (it would end a generator), so it travels wrapped like SystemExit
             wrap = not isinstance(e, Exception) or isinstance(e, StopIteration)
@@ -185,6 +189,17 @@ def _in_daemon_thread(func: Callable[..., Any], kwargs: dict) -> asyncio.Future:
 
     threading.Thread(target=target, daemon=True, name=f"tool-{getattr(func, '__name__', 'func')}").start()
     return future
+
+
+class _Unshowable(Exception):
+    """A tool's return value that `_as_text` could not make text; the message says why."""
+
+
+def _shown(value: Any) -> str:
+    try:
+        return _as_text(value)
+    except Exception as e:  # e.g. nesting too deep for json, or an object whose __str__ raises
+        raise _Unshowable(_describe(e)) from None
 
 
 def _as_text(value: Any) -> str:

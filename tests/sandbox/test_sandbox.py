@@ -432,6 +432,40 @@ def test_a_program_that_clears_its_death_signal_and_leaves_the_group_ends_at_the
     assert live_processes(used_uids) == []
 
 
+def own_children() -> dict[int, str]:
+    """This process's children and their states, read from /proc; none is reaped here (live_children reaps)."""
+    me, found = str(os.getpid()), {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                state, parent = f.read().rsplit(")", 1)[1].split()[:2]
+        except OSError:
+            continue
+        if parent == me:
+            found[int(pid)] = state
+    return found
+
+
+def test_a_run_killed_at_its_deadline_leaves_no_zombie_to_a_subreaper():
+    """This process is a subreaper (conftest), as a trainer that is a container's PID 1 is: when the launcher
+    is killed at the deadline, the sandbox's init is handed to us (it may still be dying when the run
+    returns) and must be reaped once dead, not left a zombie."""
+    before = set(own_children())
+    spin = ["while True:\n    pass\n"] * 4  # four runs: in some the init dies before the launcher, no zombie
+    if REFUSED:
+        with pytest.raises(SandboxUnavailableError):
+            run_code_batch(spin, [[{"input": "", "output": ""}]] * 4, max_workers=4, **FAST)
+        return
+    results = run_code_batch(spin, [[{"input": "", "output": ""}]] * 4, max_workers=4, **FAST)
+    assert [r.status for r in results] == ["timeout"] * 4
+    deadline = time.monotonic() + 5.0
+    while (left := {p: s for p, s in own_children().items() if p not in before}) and time.monotonic() < deadline:
+        if all(s == "Z" for s in left.values()) and time.monotonic() > deadline - 4.0:
+            break  # only zombies for a second: nothing is reaping them
+        time.sleep(0.02)
+    assert left == {}
+
+
 def test_nested_user_namespace_is_refused():
     prog = "import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\nprint(libc.unshare(0x10000000))\n"
     res = sandboxed(prog, [{"input": "", "output": "-1"}], **OK)

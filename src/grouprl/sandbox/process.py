@@ -10,6 +10,7 @@ import selectors
 import signal
 import stat
 import subprocess
+import threading
 import time
 from contextlib import contextmanager
 
@@ -99,7 +100,31 @@ def execute(argv, stdin, pass_fds, uid, timeout_s, caps):
             except OSError:
                 pass
         rc = proc.wait()
+        reap_group(proc.pid)
     return bytes(bufs[out_fd]), bytes(bufs[err_fd]), rc, stopped
+
+
+def reap_group(pgid):
+    """Reap the launcher's orphans that were handed to us: when the launcher is killed, its child (the
+    sandbox's init, in the launcher's process group) goes to the nearest subreaper, which is this
+    process when it is a container's PID 1 or a subreaper, and would stay a zombie. Only children in
+    the group `pgid` are waited for (no other child's exit status is taken); one still dying is waited
+    for in a daemon thread. Elsewhere the init went to another process, and this finds nothing."""
+    while True:
+        try:
+            if os.waitid(os.P_PGID, pgid, os.WEXITED | os.WNOHANG) is None:  # one is still dying
+                break
+        except ChildProcessError:  # none of ours left in the group
+            return
+    threading.Thread(target=_wait_group, args=(pgid,), daemon=True, name=f"reap-{pgid}").start()
+
+
+def _wait_group(pgid):
+    try:
+        while True:
+            os.waitid(os.P_PGID, pgid, os.WEXITED)
+    except ChildProcessError:
+        pass
 
 
 def kill_launcher(proc, uid):

@@ -10,6 +10,7 @@ The conftest checks after each test that no process outlived it.
 
 import contextlib
 import os
+import platform
 import socket
 import threading
 import time
@@ -19,7 +20,7 @@ from situation import (COUNT_CHILDREN, DOUBLE, DOUBLE_TESTS, ESCAPE, EXPECT, FAS
                        assert_normal_program_scores, live_children, outlivers, sandboxed)
 
 from grouprl.sandbox import CodeResult, SandboxUnavailableError, check_memory, run_code_batch, sandbox_mechanism
-from grouprl.sandbox import process
+from grouprl.sandbox import launch, process
 from grouprl.sandbox import runner as sandbox
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="the sandbox needs a POSIX host")
@@ -242,15 +243,30 @@ print(libc.shmget(0, ctypes.c_size_t(1 << 20), 0o1600) >= 0)
 """
 
 
-def test_sysv_shared_memory_which_the_memory_limit_does_not_count_is_off():
+MEMFD = """import os
+try:
+    fd = os.memfd_create("hold")
+except PermissionError:
+    print("refused")
+else:
+    for _ in range(200):
+        os.write(fd, bytes(1 << 20))
+    print("held", os.fstat(fd).st_size >> 20, "MiB")
+"""
+
+
+def test_sysv_shared_memory_and_memfd_files_which_the_memory_limit_does_not_count_are_off():
     """A SysV segment written and then detached is not in the address space RLIMIT_AS bounds: 300 MiB were
-    held under a 64 MiB memory_mb. The run's IPC namespace has its limits at 0, so shmget fails: as root
-    (namespace mode); an unprivileged user namespace cannot set them (its uid 0 is not mapped), the gap
-    docs/rewards.md states, checked here as it is."""
-    # unprivileged, the namespace's limits cannot be set (its uid 0 is not mapped): the documented gap
-    allowed = "True" if EXPECT == "userns" else "False"
+    held under a 64 MiB memory_mb; nor is a memfd file (200 MiB under 128, one per open file, in each
+    process). Both are refused by the launcher's seccomp filter, as root and in a user namespace (on the
+    machines SECCOMP_ARCH lists); as root the run's IPC namespace also has shmget's limits at 0."""
+    filtered = platform.machine() in launch.SECCOMP_ARCH
+    allowed = "True" if EXPECT == "userns" and not filtered else "False"
     res = sandboxed(SHM, [{"input": "", "output": allowed}], **OK)
     if res is not None:  # None: the run was refused, which sandboxed checked
+        assert res.passed == 1, res.detail
+    res = sandboxed(MEMFD, [{"input": "", "output": "refused" if filtered else "held 200 MiB"}], **OK)
+    if res is not None:
         assert res.passed == 1, res.detail
 
 

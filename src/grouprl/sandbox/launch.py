@@ -25,7 +25,8 @@ isolating modes:
 4. In the harness's process: setrlimit (CPU, address space, processes, file size, open files, no core
    dumps); drop to the run's uid/gid with no supplementary groups (namespace mode, and userns as root);
    max_user_namespaces 0 in a user namespace of its own, so the program cannot nest one; parent-death
-   signal SIGKILL, no_new_privs.
+   signal SIGKILL, no_new_privs; a seccomp filter refusing memfd_create, memfd_secret and shmget, whose
+   memory RLIMIT_AS does not count.
 5. exec the harness with a clean environment. The exec runs as a non-zero uid without file
    capabilities, so it clears every capability held inside the namespaces.
 
@@ -34,6 +35,7 @@ and process spawning with an audit hook. See docs/rewards.md.
 """
 
 import ctypes
+import errno
 import json
 import os
 import platform
@@ -47,7 +49,10 @@ CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = 0x10000000, 0x20000000, 0x40000000
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT = 1, 2, 4, 8, 32
 MS_NOATIME, MS_NODIRATIME, MS_BIND, MS_REC, MS_PRIVATE, MS_RELATIME = 1024, 2048, 4096, 16384, 1 << 18, 1 << 21
 MNT_DETACH = 2
-PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_SET_NO_NEW_PRIVS = 1, 4, 38
+PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_SET_SECCOMP, PR_SET_NO_NEW_PRIVS = 1, 4, 22, 38
+SECCOMP_MODE_FILTER = 2
+# The seccomp filter's machines: (AUDIT_ARCH_*, memfd_create, shmget); memfd_secret is 447 on each
+SECCOMP_ARCH = {"x86_64": (0xC000003E, 319, 29), "aarch64": (0xC00000B7, 279, 194), "riscv64": (0xC00000F3, 279, 194)}
 SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41, "riscv64": 41, "ppc64le": 203, "ppc64": 203, "s390x": 217}
 # statvfs flags that a remount inside a user namespace must keep (the kernel locks them), as mount flags
 KEPT_FLAGS = ((os.ST_NOSUID, MS_NOSUID), (os.ST_NODEV, MS_NODEV), (os.ST_NOEXEC, MS_NOEXEC),
@@ -272,6 +277,46 @@ def _drop_privileges(uid, gid, isolated):
     # After the uid change (which clears it): die with our parent (the init, or the caller in "rlimit").
     libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     _check(libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "prctl(NO_NEW_PRIVS)")
+    _deny_unbounded_memory()
+
+
+class _SockFilter(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_ushort), ("jt", ctypes.c_ubyte), ("jf", ctypes.c_ubyte), ("k", ctypes.c_uint)]
+
+
+class _SockFprog(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.POINTER(_SockFilter))]
+
+
+def _deny_unbounded_memory():
+    """A seccomp filter under which memfd_create, memfd_secret and shmget fail with EPERM: memory they
+    hold is outside the address space RLIMIT_AS bounds (a memfd is a file of up to RLIMIT_FSIZE, one per
+    open file, in each process). Also refused: syscalls of another ABI (i386's int 0x80, x32), whose
+    numbers differ. Needs no_new_privs, and is kept across fork and exec. On a machine not in
+    SECCOMP_ARCH, or a kernel without seccomp filters (EINVAL), the gap stays (docs/rewards.md)."""
+    arch = SECCOMP_ARCH.get(platform.machine())
+    if arch is None:
+        return
+    audit_arch, memfd_create, shmget = arch
+    ld_word, jeq, jge, ret = 0x20, 0x15, 0x35, 0x06  # BPF_LD|W|ABS, BPF_JMP|JEQ|K, BPF_JMP|JGE|K, BPF_RET|K
+    allow, deny = 0x7FFF0000, 0x00050000 | errno.EPERM  # SECCOMP_RET_ALLOW, SECCOMP_RET_ERRNO
+    program = [
+        (ld_word, 0, 0, 4),  # seccomp_data.arch
+        (jeq, 1, 0, audit_arch),
+        (ret, 0, 0, deny),  # another ABI
+        (ld_word, 0, 0, 0),  # seccomp_data.nr
+        (jge, 4, 0, 0x40000000),  # x32's numbers (__X32_SYSCALL_BIT)
+        (jeq, 3, 0, memfd_create),
+        (jeq, 2, 0, 447),  # memfd_secret
+        (jeq, 1, 0, shmget),
+        (ret, 0, 0, allow),
+        (ret, 0, 0, deny),
+    ]
+    filters = (_SockFilter * len(program))(*(_SockFilter(*op) for op in program))
+    fprog = _SockFprog(len(program), filters)
+    if libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.byref(fprog), 0, 0) != 0:
+        if ctypes.get_errno() != errno.EINVAL:
+            _check(-1, "prctl(SET_SECCOMP)")
 
 
 def _forbid_nested_userns(uid):

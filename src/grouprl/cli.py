@@ -166,7 +166,7 @@ def _train(cfg: TrainConfig, *, resume: bool, again: str) -> int:
     from grouprl.trainer import Trainer
     from grouprl.training_state import prepare_output_dir
 
-    ctx = init_distributed()  # under torchrun: one process group for the run (docs/distributed.md)
+    ctx = init_distributed(cfg.ddp_timeout)  # under torchrun: one process group for the run (docs/distributed.md)
     trainer, stopped = None, None
     try:
         prepare_output_dir(cfg, ctx, resume)  # a folder that holds a run, or --resume of none: before any model loads
@@ -229,7 +229,7 @@ def _eval(cfg: TrainConfig, *, found_config: str | None = None) -> int:
         raise ConfigError("grouprl eval needs an eval set: set eval_data (or eval_fraction)")
     from grouprl.distributed import barrier, destroy_distributed, init_distributed
 
-    ctx = init_distributed()
+    ctx = init_distributed(cfg.ddp_timeout)
     if found_config is not None and ctx.is_main:
         print(f"config: {found_config} (the run that holds --model's checkpoint); eval.json goes to "
               f"{cfg.output_dir}", flush=True)
@@ -303,7 +303,7 @@ def _preflight(cfg: TrainConfig, num_prompts: int, samples: int | None, strict: 
     if strict is not None and not 0 <= strict <= 1:
         raise ConfigError(f"--strict {strict}: the share of groups that must teach is between 0 and 1 "
                           "(default 0.25)")
-    ctx = init_distributed()  # under torchrun every rank samples its share of the prompts
+    ctx = init_distributed(cfg.ddp_timeout)  # under torchrun every rank samples its share of the prompts
     trainer = None
     try:
         trainer = Trainer(replace(cfg, report_to=[]))  # preflight logs to no tracker

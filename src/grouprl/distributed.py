@@ -59,10 +59,11 @@ class DistContext:
         return self.world_size > 1
 
 
-def init_distributed(timeout_s: float = 600.0) -> DistContext:
+def init_distributed(timeout_s: float = 1800.0) -> DistContext:
     """The process group from torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK): NCCL on CUDA,
-    gloo on CPU. Idempotent; a single-process context when not launched by torchrun. The timeout
-    bounds how long the other ranks wait when one rank fails inside a collective."""
+    gloo on CPU. Idempotent (the first call's timeout holds); a single-process context when not
+    launched by torchrun. The timeout (`ddp_timeout`) bounds how long the other ranks wait in a
+    collective: for one that failed, and for rank 0 writing a checkpoint alone."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     cuda = torch.cuda.is_available()
@@ -128,6 +129,18 @@ def all_reduce_sums(ctx: DistContext, values: dict[str, float]) -> dict[str, flo
     t = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64, device=_comm_device(ctx))
     dist.all_reduce(t, op=dist.ReduceOp.SUM)
     return dict(zip(keys, t.cpu().tolist()))
+
+
+def least_over_ranks(ctx: DistContext, value: int | None) -> int | None:
+    """The smallest of every rank's `value` (None stays None: every rank passes None or a number). For
+    what each rank sizes from its own device, as the automatic token budget from its free memory: every
+    rank must cut the batch into the same micro-batches, or DDP averages mismatched passes and FSDP2's
+    collectives hang."""
+    if not ctx.enabled or value is None:
+        return value
+    t = torch.tensor([value], dtype=torch.int64, device=_comm_device(ctx))
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return int(t.item())
 
 
 def all_reduce_tensor(ctx: DistContext, x: torch.Tensor) -> torch.Tensor:

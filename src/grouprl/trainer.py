@@ -97,7 +97,7 @@ class Trainer:
         # model/tokenizer paths and GGUF files probed before any model loads (data paths: load_datasets)
         cfg.model, cfg.gguf_file = check_model_source(cfg.model, cfg.gguf_file, cfg.tokenizer)
         self.cfg = cfg = replace(cfg, **{k: getattr(config, k) for k in placeholders})
-        self.dist = D.init_distributed()
+        self.dist = D.init_distributed(cfg.ddp_timeout)
         if cfg.prompts_per_step % self.dist.world_size:
             raise ConfigError(f"prompts_per_step={cfg.prompts_per_step} does not split over {self.dist.world_size} "
                               f"processes (each rank generates whole groups): use a multiple of {self.dist.world_size}")
@@ -144,9 +144,9 @@ class Trainer:
         # memory.py: `auto` per device (CPU: checkpoint only over a 4k budget; CUDA: every pass), before the optimizer
         self.ref = Reference(self.model) if cfg.beta > 0 else None  # (a copy: before the budget is sized)
         colocated = cfg.vllm_gpu_memory_utilization if cfg.use_vllm and cfg.vllm_mode == "colocate" else 0.0
-        auto_budget = (token_budget("auto", self.model, self.dist.device, checkpointing == "always",
-                                    vllm_share=colocated, autocast=self.autocast is not None)
-                       if cfg.max_tokens_per_micro_batch == "auto" else None)
+        auto_budget = D.least_over_ranks(self.dist, token_budget(  # each rank's free memory: one budget for all
+            "auto", self.model, self.dist.device, checkpointing == "always", vllm_share=colocated,
+            autocast=self.autocast is not None) if cfg.max_tokens_per_micro_batch == "auto" else None)
         # `model`: generation, saving; `train_model`: the update (DDP's wrapper); FSDP2 shards both, the reference too
         self.train_model = D.wrap_model(self.model, self.dist, cfg.distributed_strategy)
         if D.is_sharded(self.model) and self.ref is not None and self.ref.model is not None:

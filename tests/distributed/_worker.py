@@ -183,10 +183,26 @@ def rollback(trainer: Trainer) -> dict[str, bool]:
     return out
 
 
+def auto_budgets(cfg: TrainConfig) -> list[int]:
+    """The automatic token budget each rank's trainer takes when each rank's device has a different
+    amount of memory free (here: rank r's budget would be 4096 * (r + 1))."""
+    import grouprl.trainer as trainer_module
+
+    rank = D.init_distributed().rank
+    own = trainer_module.token_budget
+    trainer_module.token_budget = lambda setting, *a, **k: 4096 * (rank + 1) if setting == "auto" else setting
+    try:
+        trainer = Trainer(replace(cfg, max_tokens_per_micro_batch="auto"))
+    finally:
+        trainer_module.token_budget = own
+    return D.gather_objects(trainer.dist, trainer.updater.planner.auto_budget)
+
+
 def main(model_dir: str, data: str, out_dir: str, strategy: str) -> None:
     ctx = D.init_distributed()
     cfg = config(model_dir, data, f"{out_dir}/run-{strategy}", distributed_strategy=strategy)
-    result: dict[str, object] = {"world_size": ctx.world_size, "grads": update_grads(cfg), "ppo": ppo_update(cfg)}
+    result: dict[str, object] = {"world_size": ctx.world_size, "grads": update_grads(cfg), "ppo": ppo_update(cfg),
+                                 "auto_budgets": auto_budgets(cfg)}
     if strategy == "fsdp2":
         result["train"] = fsdp2_train_save_resume(cfg)
         result["train_ppo"] = fsdp2_train_save_resume(cfg, "ppo")

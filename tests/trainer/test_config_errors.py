@@ -39,6 +39,7 @@ def _nothing_loads(no_tokenizer_loading):
     ({"max_grad_norm": -1.0}, "max_grad_norm=-1.0 must be positive, or null"),
     ({"adam_beta2": 1.0}, "adam_beta2=1.0 must be in .0, 1. .AdamW"),
     ({"weight_decay": -0.01}, "weight_decay=-0.01 must be 0 or more"),
+    ({"ddp_timeout": 0}, "ddp_timeout=0 must be a positive number of seconds"),
     ({"lora_r": 8, "ref_update_steps": 2}, "ref_update_steps with LoRA is not supported"),
     ({"lora_r": 4, "lora_dropout": 1.5}, "lora_dropout=1.5 must be in [0, 1"),
     ({"lora_r": 4, "lora_target_modules": []}, "lora_target_modules is empty"),

@@ -492,6 +492,10 @@ class TrainFields:
     """Under torchrun: `ddp` keeps a whole model on every rank and averages gradients; `fsdp2`
     shards parameters, gradients and optimizer state (torch `fully_shard`) for models that do not
     fit one device. prompts_per_step must be a multiple of the number of processes."""
+    ddp_timeout: float = 1800.0
+    """Under torchrun: seconds a rank waits in a collective before the run fails (transformers' name):
+    the other ranks wait this long while rank 0 writes a checkpoint alone, or one rank's generation
+    runs long. Raise it for large models on slow storage."""
 
     # ---------------------------------------------- tools and multi-turn
     tools: list[Any] = field(default_factory=list)

@@ -311,6 +311,8 @@ def validate_config(cfg: C) -> C:
         raise ConfigError("ref_update_steps with LoRA is not supported: with LoRA the reference "
                           "is the base model with the adapter disabled; set ref_update_steps: 0")
     _check_choice("distributed_strategy", c.distributed_strategy, ("ddp", "fsdp2"))
+    if not 0 < c.ddp_timeout < float("inf"):
+        raise ConfigError(f"ddp_timeout={c.ddp_timeout} must be a positive number of seconds (default 1800)")
     if c.num_generations_eval < 1:
         raise ConfigError(f"num_generations_eval={c.num_generations_eval} must be at least 1")
     for name in c.eval_metrics:

@@ -127,9 +127,24 @@ def test_rank_share_covers_each_micro_batch_once_with_equal_pass_counts(num_micr
 
 
 def test_prompts_per_step_must_split_over_ranks(make_cfg, monkeypatch):
-    monkeypatch.setattr(D, "init_distributed", lambda: D.DistContext(rank=0, world_size=3))
+    timeouts = []
+    monkeypatch.setattr(D, "init_distributed", lambda timeout_s: timeouts.append(timeout_s) or D.DistContext(
+        rank=0, world_size=3))
     with pytest.raises(ConfigError, match="prompts_per_step=4 does not split over 3 processes"):
-        Trainer(make_cfg())
+        Trainer(make_cfg(ddp_timeout=90))
+    assert timeouts == [90]  # the collective timeout the config sets
+
+
+def test_the_process_group_takes_ddp_timeout(monkeypatch):
+    """Under torchrun (WORLD_SIZE > 1) the process group is made with the timeout given."""
+    made = {}
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setattr(D.dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(D.dist, "init_process_group", lambda backend, timeout: made.update(timeout=timeout) or 1 / 0)
+    monkeypatch.setattr(D.torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ZeroDivisionError):
+        D.init_distributed(90.0)
+    assert made["timeout"].total_seconds() == 90
 
 
 def test_single_process_helpers_are_no_ops():

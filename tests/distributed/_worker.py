@@ -183,9 +183,9 @@ def rollback(trainer: Trainer) -> dict[str, bool]:
     return out
 
 
-def auto_budgets(cfg: TrainConfig) -> list[int]:
-    """The automatic token budget each rank's trainer takes when each rank's device has a different
-    amount of memory free (here: rank r's budget would be 4096 * (r + 1))."""
+def budgets_and_summaries(cfg: TrainConfig) -> list[tuple[int, dict]]:
+    """Each rank's automatic token budget when each rank's device has a different amount of memory free
+    (here: rank r's budget would be 4096 * (r + 1)), and what `train()` (one step) returns on each rank."""
     import grouprl.trainer as trainer_module
 
     rank = D.init_distributed().rank
@@ -195,14 +195,15 @@ def auto_budgets(cfg: TrainConfig) -> list[int]:
         trainer = Trainer(replace(cfg, max_tokens_per_micro_batch="auto"))
     finally:
         trainer_module.token_budget = own
-    return D.gather_objects(trainer.dist, trainer.updater.planner.auto_budget)
+    summary = trainer.train()
+    return D.gather_objects(trainer.dist, (trainer.updater.planner.auto_budget, summary))
 
 
 def main(model_dir: str, data: str, out_dir: str, strategy: str) -> None:
     ctx = D.init_distributed()
     cfg = config(model_dir, data, f"{out_dir}/run-{strategy}", distributed_strategy=strategy)
     result: dict[str, object] = {"world_size": ctx.world_size, "grads": update_grads(cfg), "ppo": ppo_update(cfg),
-                                 "auto_budgets": auto_budgets(cfg)}
+                                 "budgets_and_summaries": budgets_and_summaries(cfg)}
     if strategy == "fsdp2":
         result["train"] = fsdp2_train_save_resume(cfg)
         result["train_ppo"] = fsdp2_train_save_resume(cfg, "ppo")

@@ -6,7 +6,8 @@
   importance-sampling correction, whose mismatch metrics cover the whole batch on every rank;
 - PPO on 2 ranks equals PPO on 1: V_old of the whole batch on every rank, the value head's gradient
   averaged like the model's;
-- every rank takes the least rank's automatic token budget (free memory differs between devices);
+- every rank takes the least rank's automatic token budget (free memory differs between devices), and
+  `train()` returns rank 0's summary on every rank;
 - FSDP2 also generates, checkpoints (whole weights, optimizer state) and resumes;
 - the pieces that need no second process: the micro-batch plan and the prompts_per_step check.
 """
@@ -54,7 +55,9 @@ def test_update_two_ranks_equals_one_rank(strategy, one_rank, tiny_model_dir, di
     torchrun("-m", "tests.distributed._worker", str(tiny_model_dir), str(digits_data), str(tmp_path), strategy)
     result = torch.load(tmp_path / f"grads-{strategy}.pt", weights_only=False)
     assert result["world_size"] == 2
-    assert result["auto_budgets"] == [4096, 4096]  # the least rank's budget: the same micro-batches on each
+    (budget0, summary0), (budget1, summary1) = result["budgets_and_summaries"]
+    assert budget0 == budget1 == 4096  # the least rank's budget: the same micro-batches on each
+    assert summary1 == summary0 and "reward_last" in summary0  # rank 0's summary (it reads the metrics), on both
     one_rank_grads = one_rank(update_grads, strategy == "ddp")  # 4 aggs x 3 scales, 2 IS modes
     assert result["grads"].keys() == one_rank_grads.keys() and len(one_rank_grads) == 14
     for case, (expected, stats1) in one_rank_grads.items():

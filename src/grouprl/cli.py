@@ -235,8 +235,10 @@ def _eval(cfg: TrainConfig, *, found_config: str | None = None) -> int:
               f"{cfg.output_dir}", flush=True)
     trainer = None
     try:
-        # eval reads no train_data, and logs to no tracker (a run's wandb need not be on the machine that evaluates)
-        trainer = Trainer(replace(cfg, train_data=cfg.eval_data or cfg.train_data, report_to=[]))
+        # eval reads no train_data, and logs to no tracker (a run's wandb need not be on the machine that evaluates);
+        # nor does it draw training prompts: a run trained with B=3 is evaluated on 2 ranks all the same
+        trainer = Trainer(replace(cfg, train_data=cfg.eval_data or cfg.train_data, report_to=[],
+                                  prompts_per_step=cfg.prompts_per_step * ctx.world_size))
         result = trainer.evaluate()
         accuracy = accuracy_reward_name(cfg.accuracy_reward, trainer.reward_names)
         barrier(ctx)  # every rank tears the process group down together, as _train does

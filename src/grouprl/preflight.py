@@ -194,6 +194,9 @@ def sample(trainer: PreflightStages, num_prompts: int, samples_per_prompt: int |
     samples = check_counts(num_prompts, samples_per_prompt, cfg.num_generations)
     n = min(num_prompts, len(ds))
     n -= n % dist.world_size  # every rank samples whole groups of the same number of prompts
+    if n == 0 and num_prompts < dist.world_size:
+        raise ValueError(f"--prompts {num_prompts} is fewer than the {dist.world_size} processes (each samples "
+                         f"whole groups of its share): use --prompts {dist.world_size} or more")
     if n == 0:
         raise ValueError(f"the training set has {len(ds)} prompts, fewer than the {dist.world_size} "
                          "processes: run preflight with fewer processes")

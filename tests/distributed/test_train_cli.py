@@ -37,6 +37,11 @@ def test_two_process_train_checkpoints_and_resume_reproduces(tiny_model_dir, dig
     rounds = sum(r["dynamic_sampling/rounds"] for r in rows if "reward/mean" in r)
     assert state["sampler"]["pos"] == 4 * rounds  # B prompts per round, whatever the number of ranks
 
+    # eval draws no training prompts: a prompts_per_step that does not split over the ranks is no error there
+    torchrun("-m", "grouprl", "eval", "--model", str(run / "checkpoints/step-000003/model"), "--prompts_per_step", "3")
+    scored = json.loads((run / "eval.json").read_text())
+    assert scored["num_samples"] == 6 and scored["model"].endswith("step-000003/model")
+
     cut = tmp_path / "cut"  # the same run stopped after its step-2 checkpoint
     shutil.copytree(run, cut)
     shutil.rmtree(cut / "checkpoints/step-000003")

@@ -299,3 +299,17 @@ def test_the_update_estimate_counts_checkpointing_as_the_device_runs_it(make_cfg
     passes = {(mode, dev): P.summarize(s, make_cfg(gradient_checkpointing=mode), torch.device(dev))
               ["timing"]["update_forward_passes"] for mode in ("auto", False) for dev in ("cpu", "cuda")}
     assert passes == {("auto", "cpu"): 3, ("auto", "cuda"): 4, (False, "cpu"): 3, (False, "cuda"): 3}
+
+
+def test_fewer_prompts_than_processes_names_prompts_not_the_dataset(make_cfg):
+    """Under torchrun with 2 ranks, `--prompts 1` is the problem (64 training prompts are plenty)."""
+    from types import SimpleNamespace
+
+    from grouprl.distributed import DistContext
+
+    stages = SimpleNamespace(cfg=make_cfg(), dist=DistContext(rank=0, world_size=2), train_ds=list(range(64)))
+    with pytest.raises(ValueError, match=r"--prompts 1 is fewer than the 2 processes .*use --prompts 2 or more"):
+        P.sample(stages, 1)
+    stages.train_ds = [0]
+    with pytest.raises(ValueError, match="the training set has 1 prompts, fewer than the 2 processes"):
+        P.sample(stages, 4)

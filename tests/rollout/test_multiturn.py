@@ -34,10 +34,11 @@ class ScriptedEngine(GenerationEngine):
         """Nothing held."""
 
     def __init__(self, tokenizer, script):
-        self.tok, self.script, self.calls = tokenizer, script, []
+        self.tok, self.script, self.calls, self.params = tokenizer, script, [], []
 
     def generate(self, prompt_ids, num_generations, params, generator=None):
         self.calls.append(len(prompt_ids) * num_generations)
+        self.params.append((params, [len(p) for p in prompt_ids]))
         rows = []
         for p in prompt_ids:
             text = self.tok.decode(p, skip_special_tokens=False)
@@ -130,6 +131,12 @@ def test_rows_finish_at_different_turns_and_the_rest_keep_going(tok):
     assert traj.stop_reasons == ["answer"] * 3
     assert [m[-1]["content"] for m in traj.messages] == ["done after 0", "done after 1", "done after 3"]
     assert drv.engine.calls == [3, 2, 1, 1]  # rows leave the batch as they answer
+    (first, prompts), *later = drv.engine.params
+    assert first.row_max_new_tokens is None and first.max_new_tokens == 400
+    for params, contexts in later:  # each row's own room: what its earlier turns left of the 400 tokens
+        rooms = params.row_max_new_tokens
+        assert len(rooms) == len(contexts) and params.max_new_tokens == max(rooms)
+        assert [c + r for c, r in zip(contexts, rooms)] == [p + 400 for p in prompts[-len(contexts):]]
     assert [int(r.sum()) for r in traj.rollout.action_mask] != [int(r.sum()) for r in traj.rollout.completion_mask]
 
 

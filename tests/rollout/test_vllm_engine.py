@@ -126,8 +126,24 @@ def test_a_prompt_and_completion_past_max_model_len_is_an_error_naming_both_fixe
     mid-batch: the call says which setting to change instead."""
     engine, _, tok, prompts = setup
     T = engine.max_model_len - max(map(len, prompts)) + 1
-    with pytest.raises(ValueError, match=rf"a prompt of {max(map(len, prompts))} tokens \+ max_completion_length "
-                                         rf"{T} is longer than vLLM's max_model_len {engine.max_model_len}: set "
+    with pytest.raises(ValueError, match=rf"a prompt of {max(map(len, prompts))} tokens \+ {T} new tokens "
+                                         rf"\(max_completion_length, less what earlier turns took\) is longer than "
+                                         rf"vLLM's max_model_len {engine.max_model_len}: set "
                                          rf"vllm_max_model_length to at least {engine.max_model_len + 1}"):
         engine.generate(prompts, 1, SamplingParams(max_new_tokens=T, greedy=True))
+
+
+def test_each_row_is_checked_against_its_own_room(setup):
+    """A multi-turn continuation: the longest context has little room left, the shortest much. Each fits
+    max_model_len with its own room, though the longest context + the largest room does not; each row
+    gets at most its own room."""
+    engine, _, tok, prompts = setup
+    long, short = prompts[0], prompts[-1]
+    rooms = (engine.max_model_len - len(long), engine.max_model_len - len(short))
+    params = SamplingParams(max_new_tokens=max(rooms), greedy=True, ignore_eos=True, row_max_new_tokens=rooms)
+    ro = engine.generate([long, short], 1, params)
+    assert ro.lengths.tolist() == list(rooms)
+    with pytest.raises(ValueError, match=rf"a prompt of {len(long)} tokens \+ {rooms[0] + 1} new tokens"):
+        engine.generate([long, short], 1, SamplingParams(max_new_tokens=max(rooms), greedy=True,
+                                                         row_max_new_tokens=(rooms[0] + 1, rooms[1])))
 

@@ -147,7 +147,7 @@ class MultiTurnDriver:
         with engine.keep_conversations():  # the built-in engine continues from its KV cache
             while active:
                 room = [T - len(r.ids) for r in active]
-                p = replace(params, max_new_tokens=max(room))
+                p = replace(params, max_new_tokens=max(room), row_max_new_tokens=None if first else tuple(room))
                 if first and self.environment is None:  # each prompt prefilled once, its cache shared by its G rows
                     ro = engine.generate(prompt_ids, G, p, generator)
                 else:

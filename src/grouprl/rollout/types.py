@@ -11,12 +11,18 @@ import torch
 
 @dataclass(frozen=True)
 class SamplingParams:
+    """How an engine samples. `row_max_new_tokens`, when set, is each prompt's own most new tokens (a
+    multi-turn continuation: a row's room is what its earlier turns left), `max_new_tokens` their
+    largest. An engine may generate up to `max_new_tokens` for every row (the caller reads each row's
+    own); one with a length limit (vLLM's max_model_len) checks each row against its own."""
+
     max_new_tokens: int
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
     ignore_eos: bool = False
     greedy: bool = False
+    row_max_new_tokens: tuple[int, ...] | None = None
 
 
 @dataclass

@@ -178,18 +178,16 @@ class VLLMEngine(GenerationEngine):
 
         G, T = num_generations, params.max_new_tokens
         N = len(prompt_ids) * G
-        longest = max((len(p) for p in prompt_ids), default=0)
-        if longest + T > self.max_model_len:  # vLLM would cut the completion short (ignore_eos too) or refuse
-            raise ValueError(f"a prompt of {longest} tokens + max_completion_length {T} is longer than vLLM's "
-                             f"max_model_len {self.max_model_len}: set vllm_max_model_length to at least "
-                             f"{longest + T}, or max_prompt_length to at most {self.max_model_len - T}")
+        limits = params.row_max_new_tokens or (T,) * len(prompt_ids)  # a multi-turn row's own room
+        check_model_length(prompt_ids, limits, self.max_model_len)
         seeded = generator is not None and not params.greedy
         seeds = torch.randint(0, 2**31 - 1, (N,), generator=generator).tolist() if seeded else [None] * N
         requests = [VSamplingParams(
-            n=1, seed=seed, max_tokens=T, temperature=0.0 if params.greedy else params.temperature,
+            n=1, seed=seed, max_tokens=limit, temperature=0.0 if params.greedy else params.temperature,
             top_p=params.top_p, top_k=params.top_k, ignore_eos=params.ignore_eos,
             stop_token_ids=[] if params.ignore_eos else list(self.eos_token_ids),
-            logprobs=0, detokenize=False) for seed in seeds]  # logprobs=0: the sampled token's only
+            logprobs=0, detokenize=False)  # logprobs=0: the sampled token's only
+            for seed, limit in zip(seeds, (t for t in limits for _ in range(G)))]
         prompts = [TokensPrompt(prompt_token_ids=list(p)) for p in prompt_ids for _ in range(G)]
         with self._awake():
             outputs = self.llm.generate(prompts, requests, use_tqdm=False,  # in request order
@@ -216,6 +214,19 @@ class VLLMEngine(GenerationEngine):
             yield
         finally:
             self.llm.sleep(level=1)
+
+
+def check_model_length(prompt_ids: list[list[int]], max_new_tokens: tuple[int, ...] | list[int],
+                       max_model_len: int) -> None:
+    """Refuse a prompt whose own most new tokens do not fit vLLM's max_model_len: vLLM would cut the
+    completion short (even with ignore_eos) or refuse the request."""
+    over = [(len(p) + t, len(p), t) for p, t in zip(prompt_ids, max_new_tokens) if len(p) + t > max_model_len]
+    if over:
+        total, length, t = max(over)
+        raise ValueError(f"a prompt of {length} tokens + {t} new tokens (max_completion_length, less what earlier "
+                         f"turns took) is longer than vLLM's max_model_len {max_model_len}: set "
+                         f"vllm_max_model_length to at least {total}, or max_prompt_length to at most "
+                         f"{max_model_len - t}")
 
 
 def vllm_lora_rank(r: int) -> int:

@@ -869,3 +869,34 @@ def test_auto_prices_a_rollout_as_one_call_however_many_calls_it_makes(model_and
         assert len(recorded) == 1  # priced when the rollout ends
     assert len(steps) == 5 and len(recorded) == 2 and recorded[1][1] == sum(steps[2:])
     assert not engine._choice.probing() and engine._choice.calls == cd.PROBE_CALLS
+
+
+def test_a_compile_that_fails_after_an_earlier_one_succeeded_falls_back_with_one_warning(model_and_tok,
+                                                                                        monkeypatch):
+    """A run whose greedy eval compiled first: the training call's sampled spec compiles anew, and an
+    Inductor error there (as the sampled draw's code generation failed on an H100) warns once and
+    decodes eagerly, with the eager tokens, instead of ending the run."""
+    from torch._inductor.exc import InductorError
+
+    model, tok = model_and_tok
+    monkeypatch.setattr(cd, "_COMPILED", {})
+    monkeypatch.setattr(cd, "_FAILED", {})
+    monkeypatch.setattr(cd, "_COMPILE_SECONDS", {})
+    monkeypatch.setattr(cd, "GRAPH_BACKENDS", {})  # no graphs: a later failure goes on in the slot loop
+    eager_step = cd.decode_step
+
+    def compiled(dec, spec, *args):  # a stand-in for Inductor: the greedy spec compiles, the sampled one fails
+        if not spec.greedy:
+            raise InductorError(NotImplementedError("View (the sampled draw)"), None)
+        return eager_step(dec, spec, *args)
+
+    monkeypatch.setattr(cd.torch, "compile", lambda fn, **kw: compiled)
+    greedy = SamplingParams(T, greedy=True)
+    engine = HFEngine(model, _stops(tok), tok.pad_token_id, compile=True)
+    engine.generate(short_prompts(tok), 1, greedy)
+    assert "cpu" in cd._COMPILE_SECONDS and not cd._FAILED
+    eager = HFEngine(model, _stops(tok), tok.pad_token_id, cuda_graphs=False).generate(
+        short_prompts(tok), 2, SAMPLED, torch.Generator().manual_seed(0))
+    with pytest.warns(RuntimeWarning, match=r"NotImplementedError: View \(the sampled draw\)\); decoding eagerly"):
+        got = engine.generate(short_prompts(tok), 2, SAMPLED, torch.Generator().manual_seed(0))
+    _assert_same(eager, got)

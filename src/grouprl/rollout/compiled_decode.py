@@ -196,6 +196,14 @@ def compiled_step(device: torch.device):
     return _COMPILED[kind]
 
 
+def _is_compile_error(err: BaseException) -> bool:
+    """An error of Dynamo or Inductor (InductorError, BackendCompilerFailed, Unsupported, ...): compiling
+    failed, at whatever step a compile happens (a later call's new sampling spec compiles anew)."""
+    from torch._dynamo.exc import TorchDynamoException
+
+    return isinstance(err, TorchDynamoException)
+
+
 def _reason(err: BaseException) -> str:
     """An error as a warning names it: its type and its message's first line."""
     text = str(err).strip()
@@ -206,9 +214,9 @@ def _compile_failed(device: torch.device, err: BaseException) -> None:
     # the whole traceback, for a report (benchmarks/decode.py prints it): the warning names the error only
     log.debug("generation_compile: the compile's error on %s", device.type, exc_info=err)
     reason = _FAILED[device.type] = _reason(err)
-    eager = "the eager step, replayed as graphs," if graphs_available(device) else "eagerly"
+    eager = "with the eager step, replayed as graphs," if graphs_available(device) else "eagerly"
     warnings.warn(f"generation_compile: compiling the decode step failed on {device.type} ({reason}); "
-                  f"decoding with {eager} for the rest of this run. Set generation_compile: false to skip the try.",
+                  f"decoding {eager} for the rest of this run. Set generation_compile: false to skip the try.",
                   RuntimeWarning, stacklevel=3)
 
 
@@ -478,10 +486,11 @@ class CompiledDecodeLoop:
                     tok, finished, _ = step(dec, spec, tok, pos, cursor, rowmap, finished, *views, uniforms,
                                             completion, eos)
                 except Exception as err:  # noqa: BLE001 — compiling failed: the eager step, or the caller's loop
-                    if step is decode_step or t > 1 or device.type in _COMPILE_SECONDS:
-                        raise  # the eager step failed, or the step compiled and ran before: a real error
-                    _compile_failed(device, err)
-                    if graphs is None:
+                    first = t == 1 and device.type not in _COMPILE_SECONDS  # the process's first compile
+                    if step is decode_step or not (first or _is_compile_error(err)):
+                        raise  # the eager step failed, or the compiled step ran before and this is no compile
+                    _compile_failed(device, err)  # a first compile, or a later one (a new spec or shape)
+                    if graphs is None and t == 1:
                         return None
                     step = decode_step  # nothing ran: the same step again, eagerly, and replayed from here on
                     continue

@@ -110,9 +110,15 @@ def token_budget(setting: int | str | None, model: torch.nn.Module, device: torc
 def is_out_of_memory(error: BaseException) -> bool:
     """A device allocation that failed: CUDA's `torch.OutOfMemoryError`, or the CPU allocator's
     RuntimeError ("DefaultCPUAllocator: can't allocate memory"), or Python's MemoryError. (A process
-    the kernel's OOM killer ends raises nothing: it is gone.)"""
-    return (isinstance(error, (torch.OutOfMemoryError, MemoryError))
-            or isinstance(error, RuntimeError) and "can't allocate memory" in str(error))
+    the kernel's OOM killer ends raises nothing: it is gone.) Also the CUDA failures that come from
+    outside the caching allocator, as RuntimeErrors (torch.AcceleratorError) that say so: the driver's
+    "CUDA error: out of memory" (a graph's instantiation, cuDNN's set-up), cuBLAS's
+    CUBLAS_STATUS_ALLOC_FAILED, NCCL's "Cuda failure 'out of memory'"."""
+    if isinstance(error, (torch.OutOfMemoryError, MemoryError)):
+        return True
+    text = str(error) if isinstance(error, RuntimeError) else ""
+    return any(s in text for s in ("can't allocate memory", "CUDA error: out of memory", "CUBLAS_STATUS_ALLOC_FAILED",
+                                   "Cuda failure 'out of memory'"))
 
 
 def out_of_memory_advice(stage: str | None, cfg, *, budget: int | None = None, checkpointing: str | None = None) -> str:

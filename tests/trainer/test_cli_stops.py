@@ -38,6 +38,11 @@ def test_is_out_of_memory_knows_each_allocator_failure():
     assert memory.is_out_of_memory(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
     assert memory.is_out_of_memory(MemoryError())
     assert not memory.is_out_of_memory(RuntimeError("shape mismatch"))
+    # CUDA's failures from outside the caching allocator: the driver's, cuBLAS's, NCCL's
+    assert memory.is_out_of_memory(torch.AcceleratorError("CUDA error: out of memory\nCUDA kernel errors might be"))
+    assert memory.is_out_of_memory(RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate`"))
+    assert memory.is_out_of_memory(RuntimeError("NCCL error: unhandled cuda error, Cuda failure 'out of memory'"))
+    assert not memory.is_out_of_memory(torch.AcceleratorError("CUDA error: an illegal memory access was encountered"))
 
 
 def test_out_of_memory_in_the_update_names_the_budget_keeps_the_checkpoint_and_resume_finishes(

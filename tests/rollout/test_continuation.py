@@ -2,6 +2,7 @@
 the same logits as prefilling the whole conversation, and the same trajectories."""
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from grouprl.rollout import GenerationEngine, HFEngine, SamplingParams
@@ -12,6 +13,17 @@ from grouprl.tasks import TOOL_POLICY_DIR
 from grouprl.tasks.products import mul, train_rows
 from grouprl.tasks.testing import build_tiny_model
 from grouprl.tools import get_tool_parser, resolve_tools
+
+
+class HostReads(TorchDispatchMode):
+    """Counts the ops by which the host reads one device value (`int(t)`, `t.item()`, a tensor as a slice
+    bound); `tolist()` reads a whole tensor at once, outside the dispatcher."""
+
+    count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func.overloadpacket.__name__ in ("_local_scalar_dense", "item", "is_nonzero")
+        return func(*args, **(kwargs or {}))
 
 
 def test_start_from_a_cached_prefix_gives_the_logits_of_a_full_prefill():
@@ -30,7 +42,9 @@ def test_start_from_a_cached_prefix_gives_the_logits_of_a_full_prefill():
         kv = dict(zip(rows, earlier.snapshot(torch.arange(len(rows)))))
         assert [kv[i][0].shape[2] for i in rows] == [6, 13, 1]  # [layers, Hkv, c, D]: real tokens only
         dec = FastDecoder(model)
-        got = dec.start_from(ids, mask, 8, [kv.get(i) for i in range(4)])
+        with HostReads() as reads:  # on CUDA each read is a sync: the rows' columns are read once, not per copy
+            got = dec.start_from(ids, mask, 8, [kv.get(i) for i in range(4)])
+        assert reads.count == 0, reads.count
         torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
         # and decoding goes on from there as it would after a full prefill
         ref = FastDecoder(model)

@@ -424,8 +424,8 @@ class FastDecoder:
         self.valid[:, :P] = mask.bool()
         self.next_pos = pos[:, -1] + 1  # [B]
         self.n, self.t = B, 0
-        first = P - mask.sum(-1)  # [B] column of each row's first real token
-        done = first.clone()  # [B] columns before this one hold cached keys/values
+        first = (P - mask.sum(-1)).tolist()  # each row's first real column: one read of the device, not one a copy
+        done = list(first)  # columns before done[b] hold cached keys/values
         for b, cached in enumerate(prefix):
             if cached is None:
                 continue
@@ -435,7 +435,7 @@ class FastDecoder:
                 self.k[l][b, :, first[b]: first[b] + c] = k[l].to(self.adtype)
                 self.v[l][b, :, first[b]: first[b] + c] = v[l].to(self.adtype)
             done[b] += c
-        w0 = int(done.min())  # the window [w0, P) is computed for every row
+        w0 = min(done)  # the window [w0, P) is computed for every row
         allowed = torch.tril(torch.ones(P, P, dtype=torch.bool, device=device))[None] & mask.bool()[:, None, :]
         allowed |= torch.eye(P, dtype=torch.bool, device=device)[None]
         allowed = allowed[:, None, w0:]  # [B, 1, P-w0, P]

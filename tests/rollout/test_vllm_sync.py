@@ -142,3 +142,24 @@ def test_auto_runs_the_adapter_colocated_only_with_a_gpu(monkeypatch, tmp_path):
     assert (rank(lora_r=16), rank(lora_r=16, vllm_lora_sync="adapter"), rank(lora_r=0)) == (0, 16, 0)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert (rank(lora_r=16), rank(lora_r=16, vllm_lora_sync="merged")) == (16, 0)
+
+
+def test_waking_a_sleeping_engine_on_cuda_first_empties_torchs_cache(monkeypatch):
+    """What the update freed stays reserved in torch's caching allocator, which vLLM's own allocator
+    cannot see: the cache is emptied before each wake_up, then the engine sleeps again (level 1)."""
+    events = []
+
+    class Sleeper:
+        def wake_up(self):
+            events.append("wake_up")
+
+        def sleep(self, level):
+            events.append(f"sleep {level}")
+
+    engine = object.__new__(VLLMEngine)  # the wake/sleep bracket alone: no vLLM engine is built
+    engine.llm, engine.sleep_mode = Sleeper(), True
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: events.append("empty_cache"))
+    with engine._awake():
+        events.append("generate")
+    assert events == ["empty_cache", "wake_up", "generate", "sleep 1"]

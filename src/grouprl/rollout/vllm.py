@@ -209,6 +209,8 @@ class VLLMEngine(GenerationEngine):
         if not self.sleep_mode:
             yield
             return
+        if torch.cuda.is_available():  # what the update freed, still held by torch's cache, vLLM's allocator
+            torch.cuda.empty_cache()  # cannot see: wake_up would run out of memory beside it
         self.llm.wake_up()
         try:
             yield

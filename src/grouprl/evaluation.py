@@ -1,8 +1,8 @@
 """Evaluation that samples: pass@k, mean@k and maj@k next to the greedy accuracy.
 
 `eval_metrics` names what `Trainer.evaluate` reports, all read from the accuracy reward
-(`accuracy_reward`, default the first reward function); a completion counts as right when its
-score is above 0 (as in preflight):
+(`accuracy_reward`, default the first reward function); `greedy` and `mean@k` average its scores,
+and for `pass@k` and `maj@k` a completion counts as right when its score is above 0 (as in preflight):
 - `greedy`: the mean score of one greedy completion per prompt (`accuracy`);
 - `mean@k`: the mean score of sampled completions: k of them per prompt, estimated without bias
   from all n = `num_generations_eval` samples (the mean over n);

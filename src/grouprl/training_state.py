@@ -26,7 +26,7 @@ from grouprl.checkpoint import (CheckpointMismatch, DamagedCheckpoint, check_fit
                                 list_checkpoints, load_checkpoint, read_checkpoint, read_loop_state,
                                 recover_interrupted_saves, restore_rng_states, rng_states, save_checkpoint,
                                 write_loop_state)
-from grouprl.config import ConfigError, TrainConfig, changed_settings
+from grouprl.config import RUN_CONFIG_HEADER, ConfigError, TrainConfig, changed_settings
 from grouprl.optim import scale_learning_rate, value_learning_rate
 from grouprl.value import optimized_modules
 
@@ -76,6 +76,9 @@ def prepare_output_dir(cfg: TrainConfig, dist: D.DistContext, resume: bool) -> N
     (checkpoint.recover_interrupted_saves), every rank waiting; a new run refuses a folder that holds a
     run: a checkpoint, or the metrics of one that stopped before its first save; --resume needs a
     checkpoint. `grouprl train` calls it before any model loads, and `Trainer.train` again."""
+    out = Path(cfg.output_dir)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"output_dir={str(cfg.output_dir)!r} is a file, not a folder: choose a folder for the run")
     if dist.is_main:
         recover_interrupted_saves(cfg.output_dir)
     D.barrier(dist)
@@ -85,7 +88,12 @@ def prepare_output_dir(cfg: TrainConfig, dist: D.DistContext, resume: bool) -> N
     if resume and latest_checkpoint(cfg.output_dir) is None:
         raise ConfigError(f"--resume: output_dir={cfg.output_dir!r} holds no complete checkpoint; start without "
                           "--resume")
-    logged = Path(cfg.output_dir) / "metrics.jsonl"
+    own = out / "config.yaml"  # a run writes its resolved config there: one it did not write is the user's
+    if not resume and own.is_file() and not own.read_text(errors="replace").startswith(RUN_CONFIG_HEADER):
+        raise ConfigError(f"output_dir={str(cfg.output_dir)!r} holds a config.yaml that no grouprl run wrote (your "
+                          "config file?), and a run writes its resolved config there: choose another output_dir "
+                          f"(e.g. {str(out / 'run')!r}), or move the file")
+    logged = out / "metrics.jsonl"
     if not resume and logged.is_file() and logged.stat().st_size:  # a run that stopped before its first save
         raise ConfigError(f"output_dir={str(cfg.output_dir)!r} already holds a run's metrics.jsonl but no checkpoint "
                           "(it stopped before its first save), which a new run would overwrite: choose a new "

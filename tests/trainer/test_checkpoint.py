@@ -314,6 +314,30 @@ def test_a_folder_of_a_run_that_stopped_before_its_first_save_is_not_overwritten
     assert (out / "metrics.jsonl").read_text() == '{"step": 1, "reward/mean": 0.5}\n'
 
 
+def test_a_users_config_file_in_output_dir_is_not_overwritten(make_cfg, no_model_loading, tmp_path, capsys):
+    """`grouprl train runs/exp/config.yaml` with output_dir runs/exp: the run would replace the user's file
+    (comments and all) by its resolved config, so it is refused before any model loads; a config.yaml
+    that a run wrote (its header) is its own. An output_dir that is a file is refused too."""
+    from grouprl.cli import main
+
+    out = tmp_path / "exp"
+    out.mkdir()
+    mine = out / "config.yaml"
+    make_cfg(output_dir=str(out)).save_yaml(mine)
+    text = "# my experiment: keep this comment\n" + mine.read_text()
+    mine.write_text(text)
+    assert main(["train", str(mine)]) == 2
+    assert "holds a config.yaml that no grouprl run wrote (your config file?)" in capsys.readouterr().err
+    assert mine.read_text() == text
+    make_cfg(output_dir=str(out)).save_yaml(mine, absolute=True)  # as a run writes it: its own, no error here
+    assert mine.read_text().startswith("# grouprl: this run's resolved config")
+    notes = tmp_path / "notes.txt"
+    notes.write_text("mine\n")
+    assert main(["train", str(mine), "--output_dir", str(notes)]) == 2
+    assert "output_dir=" + repr(str(notes)) + " is a file, not a folder" in capsys.readouterr().err
+    assert notes.read_text() == "mine\n"
+
+
 @pytest.mark.parametrize("umask, want", [(0o022, 0o644), (0o077, 0o600)])
 def test_checkpoint_files_are_as_readable_as_the_umask_says(make_cfg, umask, want):
     """safetensors creates its files 0600: a teammate's, or a vLLM server's, process could not read

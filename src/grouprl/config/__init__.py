@@ -20,7 +20,7 @@ from typing import Any
 from . import io
 from .errors import ConfigError, did_you_mean
 from .fieldtypes import field_types, list_item_type, value_matches
-from .io import changed_settings, load_yaml
+from .io import RUN_CONFIG_HEADER, changed_settings, load_yaml
 from .schema import TrainFields
 from .validate import (PRESET_FIELDS, derived_overlong, parse_eval_metric, resolve_preset, validate_config,
                        with_algorithm)
@@ -68,6 +68,7 @@ class TrainConfig(TrainFields):
 
 __all__ = [
     "PRESET_FIELDS",
+    "RUN_CONFIG_HEADER",
     "ConfigError",
     "TrainConfig",
     "TrainFields",

@@ -46,13 +46,18 @@ def to_dict(cfg: TrainFields) -> dict[str, Any]:
     return dataclasses.asdict(cfg)
 
 
+RUN_CONFIG_HEADER = "# grouprl: this run's resolved config, written when it started (read by --resume and eval)\n"
+
+
 def save_yaml(cfg: TrainFields, path: str | Path, *, absolute: bool = False) -> None:
     """Through a temporary file renamed into place: a kill mid-write leaves the previous file whole.
-    `absolute`: local paths written absolute (`absolute_paths`; a run's own config.yaml)."""
+    `absolute`: a run's own config.yaml: local paths written absolute (`absolute_paths`), under
+    RUN_CONFIG_HEADER, by which a new run tells its own file from a user's it must not overwrite."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp")
     values = to_dict(cfg)
-    tmp.write_text(yaml.dump(absolute_paths(values) if absolute else values, Dumper=_YamlDumper, sort_keys=False))
+    text = yaml.dump(absolute_paths(values) if absolute else values, Dumper=_YamlDumper, sort_keys=False)
+    tmp.write_text(RUN_CONFIG_HEADER + text if absolute else text)
     tmp.replace(path)
 
 

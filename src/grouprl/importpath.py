@@ -14,6 +14,7 @@ import importlib
 import inspect
 import os
 import sys
+import traceback
 from typing import Any, Callable
 
 from grouprl.core.registry import Registry
@@ -30,6 +31,13 @@ def import_callable(spec: str, kind: str) -> Callable:
     except ImportError as e:
         raise ValueError(f"{kind} {spec!r}: cannot import module {module_name!r}: {e} (looked in the installed "
                          f"packages, PYTHONPATH and the current folder {os.getcwd()})") from e
+    except SyntaxError as e:  # the module's own code, found but not valid Python
+        raise ValueError(f"{kind} {spec!r}: module {module_name!r} is not valid Python: {e.msg} "
+                         f"({e.filename}, line {e.lineno}); fix that line") from e
+    except Exception as e:  # raised by the module's own code as it was imported
+        where = traceback.extract_tb(e.__traceback__)[-1]
+        raise ValueError(f"{kind} {spec!r}: importing module {module_name!r} raised {type(e).__name__}: {e} "
+                         f"({where.filename}, line {where.lineno}: its top-level code runs on import)") from e
     target: Any = module
     for part in attr.split("."):
         if not hasattr(target, part):
@@ -50,8 +58,8 @@ def _import(module_name: str) -> Any:
         top, cwd = module_name.partition(".")[0], os.getcwd()
         if e.name != top or cwd in sys.path or "" in sys.path:
             raise
-        sys.path.append(cwd)
-        return importlib.import_module(module_name)
+    sys.path.append(cwd)  # outside the handler: an error of the module found here is not chained to the first
+    return importlib.import_module(module_name)
 
 
 def split_spec(entry: Any) -> tuple[Any, dict[str, Any]]:

@@ -66,6 +66,25 @@ def test_a_module_in_the_current_folder_is_found_as_python_script_py_finds_it(tm
         resolve_reward_func("not_here_either:f")
 
 
+def test_a_module_that_fails_as_it_is_imported_says_so(tmp_path, monkeypatch):
+    """A syntax error names the file and the line; an error of the module's top-level code names it; neither
+    reads as "No module named" (the retry in the current folder is not chained to the first lookup)."""
+    import sys
+
+    (tmp_path / "syntax_slip.py").write_text("def broken(:\n    pass\n")
+    (tmp_path / "raises_on_import.py").write_text("RATE = 1 / 0\n\ndef f(prompts, completions):\n    return []\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    with pytest.raises(ValueError, match=r"reward 'syntax_slip:broken': module 'syntax_slip' is not valid Python: "
+                                         rf".*\({tmp_path}/syntax_slip.py, line 1\); fix that line") as e:
+        resolve_reward_func("syntax_slip:broken")
+    assert e.value.__cause__.__context__ is None  # no ModuleNotFoundError in the traceback
+    with pytest.raises(ValueError, match="reward 'raises_on_import:f': importing module 'raises_on_import' "
+                                         rf"raised ZeroDivisionError: division by zero \({tmp_path}/raises_on_import"
+                                         r"\.py, line 1:"):
+        resolve_reward_func("raises_on_import:f")
+
+
 class Constant:
     """A reward factory whose rewards are callable objects, without a __name__ of their own."""
 

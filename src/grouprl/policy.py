@@ -14,6 +14,7 @@ import copy
 import importlib.util
 import logging
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -123,9 +124,26 @@ def _check_gguf(model: str, gguf_file: str | None, tokenizer: str | None) -> tup
     return str(folder), gguf_file
 
 
+@contextlib.contextmanager
+def _from_hub(what: str, name: str) -> Iterator[None]:
+    """A hub id that cannot be fetched (no network, a gated or unknown repo): transformers' OSError, after
+    its retries, as an error that says what to do instead. A local folder's errors pass as they are."""
+    try:
+        yield
+    except OSError as e:
+        if name.startswith("builtin:") or Path(name).expanduser().exists():
+            raise
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ConfigError(f"{what}={name!r} is not a local folder, and the Hugging Face hub did not give it ({first}): "
+                          f"check the name and the network; or download it once where the hub is reachable "
+                          f"(hf download {name}) and run with HF_HUB_OFFLINE=1, or set {what} to a local folder "
+                          "that holds it") from None
+
+
 def load_tokenizer(name: str, gguf_file: str | None = None):
     """The tokenizer of a model folder or hub id, or the one stored in its GGUF file `gguf_file`."""
-    tok = AutoTokenizer.from_pretrained(resolve_model_path(name), gguf_file=gguf_file)
+    with _from_hub("tokenizer", name):
+        tok = AutoTokenizer.from_pretrained(resolve_model_path(name), gguf_file=gguf_file)
     if tok.pad_token_id is None:  # e.g. GPT-2, Llama: pad with EOS (padding is always masked out)
         if tok.eos_token is None:
             raise ValueError(f"tokenizer {name!r} has neither a pad nor an EOS token: add one")
@@ -143,7 +161,9 @@ def load_policy(name: str, *, gguf_file: str | None = None, lora_r: int = 0, lor
     `dtype`: another storage dtype for a model that is never trained (a distillation teacher in
     bf16), so that it is never whole in fp32."""
     try:
-        model = AutoModelForCausalLM.from_pretrained(resolve_model_path(name), dtype=dtype, **_gguf_kwargs(gguf_file))
+        with _from_hub("model", name):
+            model = AutoModelForCausalLM.from_pretrained(resolve_model_path(name), dtype=dtype,
+                                                         **_gguf_kwargs(gguf_file))
     except SafetensorError as e:
         raise ConfigError(f"model={name!r}: its weights cannot be read ({e}): a file is damaged or incomplete (a "
                           "copy cut short, a full disk); copy the model again, or use an earlier checkpoint's "

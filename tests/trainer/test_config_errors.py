@@ -286,6 +286,31 @@ def test_validation_reads_no_file_and_the_loaders_probe_paths_before_any_model_l
     assert check_model_source("org/name", None, None) == ("org/name", None)
 
 
+def test_a_hub_model_that_cannot_be_fetched_is_an_error_naming_the_fixes(monkeypatch, make_cfg, tmp_path):
+    """Online (HF_HUB_OFFLINE unset) with no network, transformers raises OSError after its retries, for
+    the tokenizer and the model alike: an error that names the model and what to do, not a traceback."""
+    import transformers
+
+    from grouprl.policy import load_policy, load_tokenizer
+
+    def unreachable(*args, **kwargs):
+        raise OSError("We couldn't connect to 'https://huggingface.co' to load the files, and couldn't find them "
+                      "in the cached files.\nCheck your internet connection")
+
+    for auto in (transformers.AutoTokenizer, transformers.AutoModelForCausalLM):
+        monkeypatch.setattr(auto, "from_pretrained", unreachable)
+    fix = (r"the Hugging Face hub did not give it \(We couldn't connect to 'https://huggingface.co' to load the "
+           r"files, and couldn't find them in the cached files.\): check the name and the network; or download it "
+           r"once where the hub is reachable \(hf download org/name\) and run with HF_HUB_OFFLINE=1, or set {} to a "
+           "local folder that holds it")
+    with pytest.raises(ConfigError, match="tokenizer='org/name' is not a local folder, and " + fix.format("tokenizer")):
+        load_tokenizer("org/name")
+    with pytest.raises(ConfigError, match="model='org/name' is not a local folder, and " + fix.format("model")):
+        load_policy("org/name")
+    with pytest.raises(OSError, match="We couldn't connect"):  # a local folder's error is its own
+        load_policy(str(tmp_path))
+
+
 def test_a_model_folder_without_a_model_names_the_one_inside(tmp_path):
     """`model: RUN/checkpoints/step-N` (without /model), the run folder itself, or an empty folder: an
     error before anything loads, naming the model folder inside where there is one (it was a tokenizer

@@ -38,7 +38,7 @@ from datasets import Dataset
 from grouprl import distributed as D
 from grouprl.batch import StepBatch
 from grouprl.checkpoint import checkpoint_path
-from grouprl.config import ConfigError, TrainConfig, parse_eval_metric
+from grouprl.config import ConfigError, TrainConfig, did_you_mean, parse_eval_metric
 from grouprl.data import PromptBatch
 from grouprl.rewards.math import read_answer
 from grouprl.rollout.types import Trajectories
@@ -171,6 +171,21 @@ def run_evaluation(trainer: EvalStages, ds: Dataset, batch_size: int) -> dict[st
     if sampled is not None:
         out.update(sampled.result(D.all_reduce_sums(trainer.dist, sampled.sums)))
     return out
+
+
+def check_eval_names(cfg: TrainConfig, has_eval_set: bool, reward_names: list[str]) -> None:
+    """Before any model loads, the names that the reward functions give meaning to: `accuracy_reward` is
+    one of them, and `metric_for_best_model` needs an eval set and, as `rewards/NAME`, names one of them
+    (else a typo surfaced at the first eval that read it: after the whole run, with `eval_steps: 0`)."""
+    metric = cfg.metric_for_best_model
+    if metric and not has_eval_set:
+        raise ConfigError(f"metric_for_best_model={metric!r} needs an eval set: set eval_data (or eval_fraction)")
+    if cfg.accuracy_reward and cfg.accuracy_reward not in reward_names:
+        raise ConfigError(f"accuracy_reward={cfg.accuracy_reward!r} is not one of the reward functions {reward_names}")
+    if metric and metric.startswith("rewards/") and metric.removeprefix("rewards/") not in reward_names:
+        results = [f"rewards/{name}" for name in reward_names]
+        raise ConfigError(f"metric_for_best_model={metric!r} names no reward function: the eval reports "
+                          f"{', '.join(results)}" + did_you_mean(metric, results))
 
 
 class BestModel:

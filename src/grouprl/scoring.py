@@ -69,6 +69,21 @@ def reward_from_config(spec: Any) -> Callable:
         raise ConfigError(str(e)) from None
 
 
+def check_reward_columns(funcs: list[Callable], names: list[str], **datasets: Any) -> None:
+    """Before any model loads: each reward (or audit) function that says which dataset column it reads
+    (`needs_column`: its alternatives; the built-ins that compare with a gold answer or run tests) finds
+    one in each data set given (`train_data=`, `eval_data=`; None: no such set). Otherwise the first
+    step's reward call failed, after the model loaded, with advice to fix the function."""
+    for func, name in zip(funcs, names):
+        wanted = getattr(func, "needs_column", ())
+        for which, ds in datasets.items():
+            if wanted and ds is not None and not set(wanted) & set(ds.column_names):
+                raise ConfigError(f"reward function {name!r} reads the dataset column "
+                                  f"{' or '.join(map(repr, wanted))}, which {which} lacks (its columns: "
+                                  f"{', '.join(ds.column_names)}): add it, or rename the column that holds it "
+                                  "(docs/rewards.md lists each built-in's columns)")
+
+
 def start_reward_workers(cfg: TrainConfig, reward_funcs: list[Callable], audit_funcs: list[Callable],
                          from_config: bool) -> RewardWorkers | None:
     """The run's reward worker processes (`reward_workers`), or None for none; functions built `from_config`

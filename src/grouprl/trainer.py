@@ -50,7 +50,7 @@ from grouprl.checkpoint import checkpoint_path
 from grouprl.config import ConfigError, TrainConfig
 from grouprl.data import PromptBatch, PromptFormatter, PromptSampler, load_datasets, load_prompts
 from grouprl.distillation import load_teacher
-from grouprl.evaluation import BestModel, run_evaluation
+from grouprl.evaluation import BestModel, check_eval_names, run_evaluation
 from grouprl.guard import RunGuard
 from grouprl.objective import (corrects_sampler, loss_mask, policy_loss_params, sampler_weights, step_advantages,
                                value_targets)
@@ -68,7 +68,7 @@ from grouprl.rollout.types import Trajectories
 from grouprl.rollout_source import PromptDraw, make_producer
 from grouprl.runlog import Progress, RunLogger, run_metadata
 from grouprl.sample_stats import SampleTally, batch_metrics, completion_rows
-from grouprl.scoring import reward_from_config, score_trajectories, start_reward_workers
+from grouprl.scoring import check_reward_columns, reward_from_config, score_trajectories, start_reward_workers
 from grouprl.signals import StopSignals, TrainingStopped
 from grouprl.timings import Timings
 from grouprl.trackers import tracker_problems
@@ -115,12 +115,9 @@ class Trainer:
         self.audit_names = reward_names(self.audit_funcs)
         self.reward_workers = start_reward_workers(cfg, self.reward_funcs, self.audit_funcs, not reward_funcs)
         self.guard = RunGuard(cfg, self.reward_names, self.audit_names, is_main=self.dist.is_main)  # guard.py
-        if cfg.metric_for_best_model and self.eval_ds is None:
-            raise ConfigError(f"metric_for_best_model={cfg.metric_for_best_model!r} needs an eval set: set eval_data "
-                              "(or eval_fraction)")
-        if cfg.accuracy_reward and cfg.accuracy_reward not in self.reward_names:
-            raise ConfigError(f"accuracy_reward={cfg.accuracy_reward!r} is not one of the reward "
-                              f"functions {self.reward_names}")
+        check_eval_names(cfg, self.eval_ds is not None, self.reward_names)  # evaluation.py
+        check_reward_columns(self.reward_funcs + self.audit_funcs, self.reward_names + self.audit_names,
+                             train_data=self.train_ds, eval_data=self.eval_ds)  # scoring.py
         isolations = {getattr(f, "sandbox_isolation", "") for f in self.reward_funcs} - {""}
         self.tools, self.environment = resolve_multiturn(cfg, tools)
         for sandbox in sorted({sandbox_mechanism(i).describe() for i in isolations}):

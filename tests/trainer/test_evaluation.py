@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 
 from grouprl.cli import main
 from grouprl.config import ConfigError, parse_eval_metric
-from grouprl.evaluation import SampledSums, majority_right, math_answer_key, pass_at_k
+from grouprl.evaluation import BestModel, SampledSums, majority_right, math_answer_key, pass_at_k
 from grouprl.rewards.math import verify_math
 from grouprl.trainer import Trainer
 from tests.trainer.conftest import read_metrics
@@ -222,12 +222,15 @@ def test_the_best_checkpoint_is_found_after_the_run_folder_moved(make_cfg, digit
 
 
 def test_an_unknown_best_metric_is_named(make_cfg, digits_data):
-    """A rewards/NAME passes validation (the names come with the reward functions) and is named at the first eval."""
+    """A rewards/NAME passes validation (the names come with the reward functions), and is named when they
+    resolve, before any model loads; a result an eval does not report is named at that eval."""
     cfg = make_cfg(eval_data=str(digits_data), max_eval_samples=4, eval_steps=1, max_steps=1,
                    metric_for_best_model="rewards/no_such_reward")
-    with pytest.raises(ConfigError, match="metric_for_best_model='rewards/no_such_reward' is not an eval result; "
-                                          "they are accuracy"):
-        Trainer(cfg).train()
+    with pytest.raises(ConfigError, match="metric_for_best_model='rewards/no_such_reward' names no reward function: "
+                                          r"the eval reports rewards/digit_fraction$"):
+        Trainer(cfg)
+    with pytest.raises(ConfigError, match="metric_for_best_model='pass@2' is not an eval result; they are accuracy"):
+        BestModel("pass@2", True, str(digits_data)).update({"accuracy": 0.5, "seconds": 1.0}, 1)
 
 
 def test_grouprl_eval_prints_a_table_and_writes_eval_json(tiny_model_dir, digits_data, tmp_path, capsys):

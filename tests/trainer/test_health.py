@@ -356,10 +356,23 @@ def a_steps(alarms):
     (dict(health_thresholds={"window": 2.5}), "health_thresholds: window=2.5 must be a whole number of steps"),
     (dict(metric_for_best_model="accuracy"), "metric_for_best_model='accuracy' needs an eval set"),
     (dict(audit_funcs=["no_such_reward"]), "no_such_reward"),
+    (dict(metric_for_best_model="rewards/digit_fractoin", eval_fraction=0.1),  # else found after the whole run
+     r"metric_for_best_model='rewards/digit_fractoin' names no reward function: the eval reports "
+     r"rewards/digit_fraction \(did you mean 'rewards/digit_fraction'\?\)"),
+    (dict(reward_funcs=["math_accuracy"], train_data="gold"), r"reward function 'math_accuracy' reads the dataset "
+     r"column 'answer' or 'solution', which train_data lacks \(its columns: prompt, gold\): add it, or rename the "
+     "column that holds it"),
+    (dict(audit_funcs=[{"name": "cosine_length", "max_len": 8}], train_data="gold"), "reward function "
+     "'cosine_length' reads the dataset column 'answer' or 'solution', which train_data lacks"),
+    (dict(reward_funcs=["code_tests"], eval_data="gold"), "reward function 'code_tests' reads the dataset column "
+     "'tests', which train_data lacks"),
 ])
-def test_run_health_settings_fail_before_any_model_loads(make_cfg, monkeypatch, overrides, message):
+def test_run_health_settings_fail_before_any_model_loads(make_cfg, monkeypatch, tmp_path, overrides, message):
     import grouprl.trainer as trainer_module
 
+    gold = tmp_path / "gold.jsonl"  # the gold answer in a column no built-in reads
+    gold.write_text("".join(f'{{"prompt": "{i} + 1 = ", "gold": "{i + 1}"}}\n' for i in range(8)))
+    overrides = {k: str(gold) if v == "gold" else v for k, v in overrides.items()}
     def no_load(*args, **kwargs):
         raise AssertionError("a model was loaded before the error")
 

@@ -379,7 +379,8 @@ def parse_eval_metric(name: str) -> tuple[str, int]:
 def _check_best_metric(metric: str, eval_metrics: list[str]) -> None:
     """`metric` must be a result the eval reports (evaluation.run_evaluation): accuracy, reward_mean,
     length_mean, each sampled metric of `eval_metrics` (greedy's is accuracy), rewards/NAME. NAME
-    depends on the reward functions, which load later: evaluation.BestModel checks it at the first eval."""
+    depends on the reward functions, which resolve later: evaluation.check_eval_names checks it, still
+    before any model loads."""
     reported = ["accuracy", "reward_mean", "length_mean", *(m for m in eval_metrics if m != "greedy")]
     if metric in reported or metric.startswith("rewards/"):
         return

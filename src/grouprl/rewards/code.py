@@ -69,4 +69,5 @@ def code_tests(
 
     code_tests.sandbox_isolation = isolation  # the trainer logs the sandbox in force for such rewards
     code_tests.in_process = True  # its programs already run one per core: in N reward workers, N per core
+    code_tests.needs_column = ("tests",)  # checked when the data loads
     return code_tests

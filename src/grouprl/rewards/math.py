@@ -272,3 +272,4 @@ def math_accuracy(prompts: list[Any], completions: list[Any], **kwargs: Any) -> 
 
 
 math_accuracy.rowwise = True  # scored row by row: the reward workers may cut a group
+math_accuracy.needs_column = ("answer", "solution")  # one of them: checked when the data loads

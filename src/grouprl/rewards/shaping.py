@@ -82,6 +82,7 @@ def cosine_length(
         return out
 
     cosine_length.rowwise = True  # scored row by row: the reward workers may cut a group
+    cosine_length.needs_column = ("answer", "solution")  # one of them: checked when the data loads
     return cosine_length
 
 

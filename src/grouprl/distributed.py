@@ -308,6 +308,30 @@ def full_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None =
                                                                                   options=options)
 
 
+def optimizer_state_by_name(optimizer: torch.optim.Optimizer, module: torch.nn.Module,
+                            state: dict[str, Any]) -> dict[str, Any]:
+    """An optimizer state dict as torch's `Optimizer.state_dict` writes it (parameters by their index in
+    the optimizer's groups: an unsharded run's checkpoint) keyed instead by each parameter's name in
+    `module`, as FSDP2's whole state dicts are (`full_state`): how a checkpoint written by one process,
+    or under DDP, resumes under FSDP2. The indices are read against `optimizer`'s own groups, which the
+    same settings build in the same order."""
+    names = {id(p): name for name, p in module.named_parameters()}
+    by_index = {i: names[id(p)] for saved, group in zip(state["param_groups"], optimizer.param_groups)
+                for i, p in zip(saved["params"], group["params"])}
+    return {"state": {by_index[i]: s for i, s in state["state"].items()},
+            "param_groups": [{**g, "params": [by_index[i] for i in g["params"]]} for g in state["param_groups"]]}
+
+
+def optimizer_state_by_index(optimizer: torch.optim.Optimizer, module: torch.nn.Module,
+                             state: dict[str, Any]) -> dict[str, Any]:
+    """The converse of `optimizer_state_by_name`: FSDP2's whole optimizer state (by parameter name) as
+    `optimizer.load_state_dict` takes it, for a run that resumes it in one process or under DDP."""
+    names = {id(p): name for name, p in module.named_parameters()}
+    index = {names[id(p)]: i for i, p in enumerate(p for group in optimizer.param_groups for p in group["params"])}
+    return {"state": {index[name]: s for name, s in state["state"].items()},
+            "param_groups": [{**g, "params": [index[n] for n in g["params"]]} for g in state["param_groups"]]}
+
+
 def load_full_state(model: torch.nn.Module, model_state: dict[str, torch.Tensor],
                     optimizer: torch.optim.Optimizer | None = None,
                     optimizer_state: dict[str, Any] | None = None, optimized: torch.nn.Module | None = None) -> None:

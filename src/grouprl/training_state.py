@@ -145,8 +145,9 @@ def restore_training_state(cfg: TrainConfig, dist: D.DistContext, parts: Trainin
             weights, ref_weights, state = read_checkpoint(ckpt)
             check_fits(ckpt, weights, parts.model)
             _check_value_head(ckpt, parts, state)
-            D.load_full_state(parts.model, weights, parts.optimizer,
-                              state["optimizer"] if state.get("sharded_optimizer") else None, parts.optimized)
+            optimizer = state["optimizer"] if state.get("sharded_optimizer") else D.optimizer_state_by_name(
+                parts.optimizer, parts.optimized, state["optimizer"])  # written unsharded
+            D.load_full_state(parts.model, weights, parts.optimizer, optimizer, parts.optimized)
             if parts.ref_model is not None and ref_weights is not None:
                 D.load_full_state(parts.ref_model, ref_weights)
         else:
@@ -161,11 +162,10 @@ def restore_training_state(cfg: TrainConfig, dist: D.DistContext, parts: Trainin
             else "it is the run's only checkpoint: delete it and start the run again without --resume")) from e
     if parts.value_head is not None:
         parts.value_head.load_state_dict(state["value_head"])
-    if state.get("sharded_optimizer", False) != sharded:
-        raise ConfigError(f"checkpoint {ckpt} was written with distributed_strategy="
-                          f"{'fsdp2' if not sharded else 'ddp'}: resume with the same strategy")
-    if not sharded:
-        parts.optimizer.load_state_dict(state["optimizer"])
+    if not sharded:  # written sharded (FSDP2 on several processes): by parameter name
+        parts.optimizer.load_state_dict(D.optimizer_state_by_index(parts.optimizer, parts.optimized,
+                                                                   state["optimizer"])
+                                        if state.get("sharded_optimizer") else state["optimizer"])
     for group, hyper in zip(parts.optimizer.param_groups, own):
         group.update(hyper)  # changed settings apply, as the warning below says (the load kept the old ones)
     state.update(read_loop_state(ckpt))  # evals made after the save: their results and the guard's record

@@ -150,6 +150,30 @@ def test_the_process_group_takes_ddp_timeout(monkeypatch):
     assert made["timeout"].total_seconds() == 90
 
 
+def test_optimizer_state_by_name_is_torchs_whole_state_dict_and_converts_back():
+    """An unsharded checkpoint's optimizer state (by index) keyed by parameter name equals torch's whole
+    (FSDP2-style) optimizer state dict, with AdamW's decay and no-decay groups; and back again: how a
+    checkpoint moves between one process or DDP and FSDP2 on several processes."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.LayerNorm(4), torch.nn.Linear(4, 2))
+    decay = [p for n, p in model.named_parameters() if n.endswith("weight") and n != "1.weight"]
+    rest = [p for p in model.parameters() if all(p is not q for q in decay)]
+    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}])
+    model(torch.randn(5, 3)).pow(2).sum().backward()
+    optimizer.step()
+    by_index = optimizer.state_dict()
+    by_name = D.optimizer_state_by_name(optimizer, model, by_index)
+    torchs = get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True))
+    assert by_name["param_groups"] == torchs["param_groups"] and by_name["state"].keys() == torchs["state"].keys()
+    for name, moments in torchs["state"].items():
+        assert all(torch.equal(torch.as_tensor(v), torch.as_tensor(by_name["state"][name][k]))
+                   for k, v in moments.items()), name
+    back = D.optimizer_state_by_index(optimizer, model, by_name)
+    assert back["param_groups"] == by_index["param_groups"] and back["state"].keys() == by_index["state"].keys()
+    assert all(back["state"][i] is by_index["state"][i] for i in by_index["state"])
+
+
 def test_single_process_helpers_are_no_ops():
     ctx = D.init_distributed()
     assert (ctx.rank, ctx.world_size, ctx.is_main, ctx.enabled) == (0, 1, True, False)

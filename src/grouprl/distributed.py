@@ -196,8 +196,10 @@ def wrap_model(model: torch.nn.Module, ctx: DistContext, strategy: str) -> torch
     # pass runs the prompts first), chosen by its content, so ranks on different paths wait in mismatched
     # collectives until the timeout. A language model has no buffers to keep in step (no running statistics;
     # rotary tables are computed alike on every rank).
+    # gradient_as_bucket_view: each gradient is a view into DDP's all-reduce buckets, which DDP holds anyway,
+    # rather than a second copy beside them (4 bytes a trainable parameter less in the update; torch's docs)
     return DistributedDataParallel(model, device_ids=[ctx.local_rank] if ctx.device.type == "cuda" else None,
-                                   broadcast_buffers=False)
+                                   broadcast_buffers=False, gradient_as_bucket_view=True)
 
 
 def shard_model(model: torch.nn.Module) -> torch.nn.Module:

@@ -33,6 +33,7 @@ import json
 import logging
 import os
 import shlex
+import shutil
 import signal
 import sys
 import time
@@ -358,8 +359,8 @@ def vllm_serve(argv: list[str]) -> int:
     except (ConfigError, ValueError) as e:
         print(f"grouprl vllm-serve: error: {e}", file=sys.stderr)
         return 2
-    if gguf_file is not None:
-        model = os.path.join(model, gguf_file)
+    if gguf_file is not None:  # vLLM reads no GGUF: the weights the trainer dequantizes, as a plain folder
+        model = _dequantized_folder(model, gguf_file)
     if not any(f == "--dtype" or f.startswith("--dtype=") for f in extra) and _checkpoint_dtype(model) == "float32":
         print("grouprl vllm-serve: the checkpoint is float32 and vLLM samples it in its default dtype (bfloat16 or "
               "float16), while the trainer computes in float32 unless it autocasts to bf16: pass --dtype float32 to "
@@ -369,6 +370,31 @@ def vllm_serve(argv: list[str]) -> int:
                              tensor_parallel_size=args.tensor_parallel_size, extra=tuple(extra),
                              weight_transfer=args.weight_transfer, lora_rank=args.lora_rank)
     os.execve(cmd[0], cmd, env)
+
+
+def _dequantized_folder(folder: str, gguf_file: str) -> str:
+    """A GGUF model as vLLM can serve it: dequantized by transformers, as the trainer loads it (so the
+    server starts from the trainer's weights), with its tokenizer, written once as a safetensors
+    folder in the temporary directory, found again by the file's path, size and time."""
+    import hashlib
+    import tempfile
+
+    from grouprl.checkpoint import save_model_folder
+    from grouprl.policy import load_policy, load_tokenizer
+
+    file = Path(folder, gguf_file).resolve()
+    stat = file.stat()
+    key = hashlib.sha256(f"{file}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    out = Path(tempfile.gettempdir()) / f"grouprl-vllm-serve-{file.stem}-{key}"
+    if not (out / "COMPLETE").is_file():
+        print(f"grouprl vllm-serve: vLLM reads no GGUF file: dequantizing {file} to {out} (once)", file=sys.stderr)
+        work = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
+        save_model_folder(load_policy(folder, gguf_file=gguf_file), work)
+        load_tokenizer(folder, gguf_file=gguf_file).save_pretrained(work)
+        (work / "COMPLETE").write_text("1\n")
+        shutil.rmtree(out, ignore_errors=True)
+        work.rename(out)
+    return str(out)
 
 
 def _checkpoint_dtype(model: str) -> str | None:

@@ -260,3 +260,26 @@ def test_a_gguf_model_trains_with_colocated_vllm(make_cfg, gguf_dir):
     assert "quantization_config" not in json.loads((start / "config.json").read_text())
     first = read_metrics(cfg.output_dir)[0]
     assert first["is/mismatch_k3"] < 1e-6, first
+
+
+def test_vllm_serve_of_a_gguf_file_serves_the_trainers_dequantized_weights(gguf_dir, monkeypatch, tmp_path, capsys):
+    """vLLM reads no GGUF file (its server died on one): `grouprl vllm-serve MODEL.gguf` serves the weights
+    the trainer dequantizes, with the file's tokenizer, written once as a plain folder and reused."""
+    from safetensors.torch import load_file
+
+    from grouprl import cli
+
+    ran = []
+    monkeypatch.setattr(cli.os, "execve", lambda path, argv, env: ran.append(argv))
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    cli.main(["vllm-serve", str(gguf_dir / "tiny-q4_1.gguf"), "--dtype", "float32"])
+    served = Path(ran[-1][ran[-1].index("--model") + 1])
+    assert served.parent == tmp_path and (served / "config.json").is_file() and (served / "COMPLETE").is_file()
+    assert "dequantizing" in capsys.readouterr().err
+    trainer_weights = load_policy(str(gguf_dir), gguf_file="tiny-q4_1.gguf").state_dict()
+    written = load_file(served / "model.safetensors")
+    assert written.keys() <= trainer_weights.keys() and len(written) > 0
+    assert all(torch.equal(written[k], trainer_weights[k]) for k in written)
+    assert load_tokenizer(str(served)).get_vocab() == load_tokenizer(str(gguf_dir), "tiny-q4_1.gguf").get_vocab()
+    cli.main(["vllm-serve", str(gguf_dir / "tiny-q4_1.gguf"), "--dtype", "float32"])  # the folder again
+    assert ran[-1][ran[-1].index("--model") + 1] == str(served) and "dequantizing" not in capsys.readouterr().err

@@ -375,12 +375,15 @@ def test_a_code_reward_without_an_isolating_sandbox_stops_the_run_at_start(make_
     assert code == 2 and "user namespaces are refused" in capsys.readouterr().err
 
 
-def test_the_trainer_logs_the_sandbox_in_force_once(make_cfg, no_isolating_sandbox, monkeypatch, caplog):
+def test_the_trainer_logs_the_sandbox_in_force_once(make_cfg, no_isolating_sandbox, monkeypatch, caplog, tmp_path):
     monkeypatch.undo()  # loads the model; the sandbox is this host's own
     monkeypatch.setattr(sandbox_runner, "_warned_weak", False)
+    tasks = tmp_path / "tasks.jsonl"  # code_tests reads the `tests` column
+    tasks.write_text("".join(json.dumps({"prompt": f"Print {i}.", "tests": [{"input": "", "output": str(i)}]}) + "\n"
+                             for i in range(8)))
     with caplog.at_level(logging.INFO, logger="grouprl"):
-        Trainer(make_cfg(reward_funcs=["tests.trainer.conftest:digit_fraction",
-                                       {"name": "code_tests", "isolation": "weak"}, "code_tests"]))
+        Trainer(make_cfg(train_data=str(tasks), reward_funcs=[
+            "tests.trainer.conftest:digit_fraction", {"name": "code_tests", "isolation": "weak"}, "code_tests"]))
     lines = [r.getMessage() for r in caplog.records if r.name == "grouprl.trainer"]
     lines = [line for line in lines if "sandbox" in line]  # the trainer also logs its precision
     mech = sandbox_mechanism()

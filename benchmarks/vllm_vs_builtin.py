@@ -46,7 +46,7 @@ def worker(side: str, model_dir: str, max_tokens: int, steps: int, gen_repeats: 
                           num_generations=G, prompts_per_step=B, micro_batch_size=8, max_completion_length=max_tokens,
                           ignore_eos=True, learning_rate=1e-5, beta=0.0, max_steps=steps, output_dir=out,
                           progress=False, report_to=[], num_logged_samples=0, num_threads=threads,
-                          use_vllm=side == "vllm", vllm_enforce_eager=True, reward_timeout_s=None)
+                          use_vllm=side == "vllm", vllm_enforce_eager=side == "vllm", reward_timeout_s=None)
         trainer = Trainer(cfg, train_dataset=Dataset.from_list(rows))
         prompts = trainer.prompts(rows[:B])  # the config samples at temperature 1, max_tokens, ignore_eos
         gen = torch.Generator().manual_seed(0)

@@ -76,6 +76,17 @@ def _nothing_loads(no_tokenizer_loading):
     ({"vllm_gpu_memory_utilization": 1.5}, "vllm_gpu_memory_utilization=1.5 must be in (0, 1]"),
     ({"vllm_dtype": "fp8"}, "vllm_dtype='fp8' is not one of: float32, bfloat16, float16, auto"),
     ({"vllm_max_model_length": 10}, "vllm_max_model_length=10 is shorter than max_prompt_length"),
+    # a vLLM setting the run would not read: without use_vllm, or in the other mode
+    ({"vllm_enforce_eager": True}, "vllm_enforce_eager=True is a vLLM setting, and use_vllm is false: set "
+                                   "use_vllm: true, or remove it"),
+    ({"use_vllm": True, "vllm_mode": "server", "vllm_max_model_length": 4096},
+     "vllm_max_model_length=4096 shapes the colocated engine, and vllm_mode is server, whose engine is set where it "
+     "starts: grouprl vllm-serve MODEL --max-model-len ...; remove vllm_max_model_length"),
+    ({"use_vllm": True, "vllm_mode": "server", "vllm_dtype": "float32"}, "grouprl vllm-serve MODEL --dtype"),
+    ({"use_vllm": True, "vllm_server_port": 8001}, "vllm_server_port=8001 applies to vllm_mode: server, and this "
+                                                   "run colocates vLLM: remove it, or set vllm_mode: server"),
+    ({"use_vllm": True, "vllm_mode": "server", "async_rollouts": True, "partial_rollouts": True, "max_staleness": 0},
+     "partial_rollouts with max_staleness=0: nothing is generated ahead"),
     ({"use_vllm": True, "temperature": 3.0},
      "temperature=3.0 with use_vllm: vLLM samples at temperatures in [0.01, 2]"),
 ])

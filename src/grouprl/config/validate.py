@@ -507,10 +507,41 @@ def _check_vllm(c: TrainFields) -> None:
         raise ConfigError("vllm_importance_sampling_correction=true without use_vllm: the built-in engine samples "
                           "from the trainer's own model, so there is no sampler/trainer mismatch to correct; set "
                           "use_vllm: true, or leave the field unset")
+    _check_vllm_mode_fields(c)
+    if c.partial_rollouts and c.max_staleness == 0:
+        raise ConfigError("partial_rollouts with max_staleness=0: nothing is generated ahead, so no batch is in "
+                          "flight during an update; set max_staleness to 1 or more, or partial_rollouts: false")
     if c.use_vllm and not 0.01 <= c.temperature <= 2:
         raise ConfigError(f"temperature={c.temperature} with use_vllm: vLLM samples at temperatures in "
                           "[0.01, 2] only (it raises lower ones to 0.01, which the trainer's log-probs "
                           "would not know); pick one in that range")
+
+
+# vLLM settings that only one mode reads: the colocated engine's (and the `grouprl vllm-serve` flag that
+# sets a server's instead), and the server client's
+COLOCATED_ONLY = {"vllm_gpu_memory_utilization": "--gpu-memory-utilization", "vllm_enable_sleep_mode":
+                  "--enable-sleep-mode", "vllm_dtype": "--dtype", "vllm_max_model_length": "--max-model-len",
+                  "vllm_enforce_eager": "--enforce-eager"}
+SERVER_ONLY = ("vllm_server_host", "vllm_server_port", "vllm_server_timeout_s", "vllm_server_weight_dir",
+               "vllm_weight_transfer", "vllm_weight_transfer_address")
+
+
+def _check_vllm_mode_fields(c: TrainFields) -> None:
+    """A vLLM setting changed from its default that the run would not read (without use_vllm, or in the
+    other vllm_mode) is refused: a run that silently ignores it samples otherwise than its config says."""
+    defaults = {f.name: f.default for f in dataclasses.fields(c)}
+    changed = [name for name in (*COLOCATED_ONLY, *SERVER_ONLY, "vllm_lora_sync") if getattr(c, name) != defaults[name]]
+    for name in changed:
+        value = f"{name}={getattr(c, name)!r}"
+        if not c.use_vllm:
+            raise ConfigError(f"{value} is a vLLM setting, and use_vllm is false: set use_vllm: true, or remove it")
+        if c.vllm_mode == "server" and name in COLOCATED_ONLY:
+            raise ConfigError(f"{value} shapes the colocated engine, and vllm_mode is server, whose engine is "
+                              f"set where it starts: grouprl vllm-serve MODEL {COLOCATED_ONLY[name]} ...; remove "
+                              f"{name} from the run's config")
+        if c.vllm_mode == "colocate" and name in SERVER_ONLY:
+            raise ConfigError(f"{value} applies to vllm_mode: server, and this run colocates vLLM: remove it, "
+                              "or set vllm_mode: server")
 
 
 def _names_something(spec: Any) -> bool:

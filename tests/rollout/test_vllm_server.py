@@ -298,6 +298,27 @@ def test_a_request_after_a_sync_never_reuses_prefix_keys_of_the_old_weights(serv
     engine.close()
 
 
+def test_a_request_past_the_servers_max_model_len_is_refused_with_the_fix(server, tiny_model_dir, tmp_path):
+    """The server runs with --max-model-len 256. vLLM's completions API lowers max_tokens to what
+    fits without an error: a 250-token prompt with max_completion_length 12 came back with 6-token
+    completions marked not truncated. The engine reads the server's max model length when it
+    connects and refuses such a request, naming the flag to restart it with; one that fits is
+    served whole."""
+    tok, model = load_tokenizer(str(tiny_model_dir)), load_policy(str(tiny_model_dir))
+    engine = VLLMServerEngine("127.0.0.1", server.port, eos_token_ids=(tok.eos_token_id,),
+                              pad_token_id=tok.pad_token_id, weight_dir=str(tmp_path / "w"), timeout_s=60)
+    engine.sync_weights(model, 0)
+    prompt = [5] * 250
+    ro = engine.generate([prompt], 2, SamplingParams(max_new_tokens=6, ignore_eos=True))
+    assert ro.lengths.tolist() == [6, 6]
+    with pytest.raises(VLLMServerError, match=f"a prompt of 250 tokens \\+ max_completion_length 12 is longer than the "
+                                              f"max model length 256 of the vLLM server 127.0.0.1:{server.port}: "
+                                              "restart it with `grouprl vllm-serve MODEL --max-model-len 262` .*or set "
+                                              "max_prompt_length to at most 244"):
+        engine.generate([prompt, [5, 6]], 2, SamplingParams(max_new_tokens=12, ignore_eos=True))
+    engine.close()
+
+
 def test_under_torchrun_rank_0_sends_only_once_every_rank_reached_the_sync(monkeypatch, tmp_path):
     """Async rollouts under DDP: each rank's producer waits only for its own batches before the sync,
     and reading DDP's weights is no collective, so rank 0 waits at the barrier for every rank before

@@ -125,7 +125,8 @@ class VLLMServerEngine(GenerationEngine):
         self.rank, self.world_size, self._barrier = rank, world_size, barrier
         self.version: int | None = None  # unknown: the server may hold any weights until we send ours
         self._wait_until_up()
-        self.model_id = self._get("/v1/models")["data"][0]["id"]
+        card = self._get("/v1/models")["data"][0]
+        self.model_id, self.max_model_len = card["id"], card.get("max_model_len")  # the server's --max-model-len
         choice = None
         if rank == 0:  # the extension is there (a plain `vllm serve` lacks it); each worker answers
             served = self._post("/collective_rpc", {"method": "grouprl_weights_probe", "timeout": timeout_s},
@@ -378,6 +379,12 @@ class VLLMServerEngine(GenerationEngine):
             raise VLLMServerError("VLLMServerEngine.generate before sync_weights: the server may hold "
                                   "another run's weights; send the policy's first")
         G, T, B = num_generations, params.max_new_tokens, len(prompt_ids)
+        longest = max((len(p) for p in prompt_ids), default=0)
+        if self.max_model_len and longest + T > self.max_model_len:  # vLLM would lower max_tokens, silently
+            raise VLLMServerError(f"a prompt of {longest} tokens + max_completion_length {T} is longer than the "
+                                  f"max model length {self.max_model_len} of the vLLM server {self.host}:{self.port}: "
+                                  f"restart it with `grouprl vllm-serve MODEL --max-model-len {longest + T}` (or "
+                                  f"more), or set max_prompt_length to at most {self.max_model_len - T}")
         seeded = generator is not None and not params.greedy
         seeds = torch.randint(0, 2**31 - G, (B,), generator=generator).tolist() if seeded else [None] * B
         model = self._adapter_name or self.model_id

@@ -721,6 +721,52 @@ def test_a_server_without_the_extension_or_that_hangs_is_named(tmp_path, hang_s,
     httpd.shutdown()
 
 
+def test_close_after_a_hung_server_returns_at_once(monkeypatch, tmp_path):
+    """The trainer closes the engine before its error is printed, and close() calls the server
+    (leave the transfer group, unload each adapter): against a hung server each call waited a full
+    vllm_server_timeout_s, minutes at the default 240 s. Now each waits CLEANUP_TIMEOUT_S at most,
+    and none is made once the server has timed out: after a rollout that timed out, close() makes
+    no call; otherwise the first call's short timeout spares the others. The adapters' files go."""
+    from types import SimpleNamespace
+
+    from grouprl.rollout import vllm_server
+
+    handler = type("Handler", (_Fake,), {"hang_s": 10.0})
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    httpd.daemon_threads = True
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    monkeypatch.setattr(vllm_server, "CLEANUP_TIMEOUT_S", 0.5)
+
+    def engine(timeout_s: float) -> VLLMServerEngine:
+        """An engine connected (the probe answered) with a transfer group and two adapters to release."""
+        with monkeypatch.context() as m:
+            m.setattr(VLLMServerEngine, "_post", lambda self, path, body, what, probe=False: {
+                "results": [{"weight_transfer": "gloo", "lora_rank": 8}]})
+            e = VLLMServerEngine("127.0.0.1", httpd.server_address[1], eos_token_ids=(1,), pad_token_id=0,
+                                 weight_dir=str(tmp_path), timeout_s=timeout_s, lora_rank=8, lora_sync="adapter")
+        leave = lambda: e._post("/shutdown_weight_transfer_engine", {}, "leave the weight-transfer group")  # noqa: E731
+        e._transfer = SimpleNamespace(client=SimpleNamespace(shutdown_weight_transfer_engine=leave),
+                                      shutdown=lambda: None)
+        for name in ("a", "b"):
+            (tmp_path / name).mkdir(exist_ok=True)
+            e._adapters.append((name, tmp_path / name))
+        return e
+
+    def seconds_to_close(e: VLLMServerEngine) -> float:
+        t0 = time.monotonic()
+        e.close()
+        assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+        return time.monotonic() - t0
+
+    timed_out = engine(timeout_s=1)
+    timed_out.version = 0  # as after a sync
+    with pytest.raises(VLLMServerError, match="did not answer within vllm_server_timeout_s=1 s"):
+        timed_out.generate([[5, 6]], 2, SamplingParams(max_new_tokens=4))
+    assert seconds_to_close(timed_out) < 0.3  # was 3 x 1 s
+    assert seconds_to_close(engine(timeout_s=3)) < 1.5  # one call of 0.5 s; was 3 x 3 s
+    httpd.shutdown()
+
+
 def test_a_server_that_returns_raw_logprobs_is_refused_with_the_fix(monkeypatch, tmp_path):
     """`grouprl vllm-serve MODEL --logprobs-mode raw_logprobs` (a user's flag comes after ours) would
     return the log-probs of the full-vocabulary distribution, not of the one sampled from: the

@@ -50,6 +50,7 @@ EXTENSION = "grouprl.rollout.vllm_worker.WeightReceiver"
 LORA_NAME = "grouprl-policy"  # the adapter's name on the server (vllm_lora_sync: adapter)
 SERVER_FLAGS = ("--worker-extension-cls", EXTENSION, "--logprobs-mode", "processed_logprobs",
                 "--generation-config", "vllm", "--enable-prefix-caching")
+CLEANUP_TIMEOUT_S = 5.0  # each of close()'s calls to the server: best effort, and the run's error waits for it
 
 
 class VLLMServerError(RuntimeError):
@@ -154,6 +155,7 @@ class VLLMServerEngine(GenerationEngine):
         self._adapters: deque[tuple[str, Path]] = deque()  # rank 0: the adapters the server holds, oldest first
         self.keep_adapters = max(2, keep_adapters)
         self._pool = ThreadPoolExecutor(max_workers=32)
+        self._lost = False  # the server timed out or was unreachable: close() no longer calls it
 
     def _lora_choice(self, rank: int, sync: str, served: int) -> int:
         """The adapter's rank when only the adapter is to be sent, else 0 (merged weights)."""
@@ -175,16 +177,21 @@ class VLLMServerEngine(GenerationEngine):
 
     def close(self) -> None:
         """The server is not ours to stop: it outlives the run (and may serve the next). The
-        transfer group is left, so the server's workers release their end."""
+        transfer group is left, so the server's workers release their end, and our adapters are
+        unloaded. Best effort, and quick: the trainer closes the engine before its error is
+        printed, so each call waits CLEANUP_TIMEOUT_S at most, and none is made once the server
+        has timed out or been unreachable (a hung server held the error back by a full timeout
+        per call: minutes)."""
+        self.timeout_s = min(self.timeout_s, CLEANUP_TIMEOUT_S)
         if self._transfer is not None:
             transfer, self._transfer = self._transfer, None
-            if self.rank == 0:
+            if self.rank == 0 and not self._lost:
                 with contextlib.suppress(VLLMServerError):
                     transfer.client.shutdown_weight_transfer_engine()
             transfer.shutdown()
         while self._adapters:  # the server outlives the run: no adapter of ours stays registered there
             self._drop_oldest_adapter()
-        self._pool.shutdown(wait=True)
+        self._pool.shutdown(wait=not self._lost, cancel_futures=True)
 
     # ------------------------------------------------------------------ HTTP
     def _hint(self) -> str:
@@ -197,10 +204,12 @@ class VLLMServerEngine(GenerationEngine):
             r = self._requests.request(method, self.url + path, timeout=(min(10.0, self.timeout_s),
                                                                           self.timeout_s), **kwargs)
         except self._requests.Timeout as e:
+            self._lost = True
             raise VLLMServerError(f"vLLM server {self.host}:{self.port} did not answer within "
                                   f"vllm_server_timeout_s={self.timeout_s:g} s ({what}): {self._hint()}; "
                                   f"raise the timeout if it is only slow") from e
         except self._requests.RequestException as e:  # refused, reset, dropped mid-answer
+            self._lost = True
             raise VLLMServerError(f"vLLM server {self.host}:{self.port} is unreachable ({what}: "
                                   f"{type(e).__name__}): {self._hint()}") from e
         return r
@@ -305,10 +314,12 @@ class VLLMServerEngine(GenerationEngine):
             self._drop_oldest_adapter()
 
     def _drop_oldest_adapter(self) -> None:
-        """Unload the oldest adapter from the server (a dead server is no error here) and delete its files."""
+        """Unload the oldest adapter from the server (a dead server is no error here, and one that
+        has timed out or been unreachable is not asked) and delete its files."""
         name, path = self._adapters.popleft()
-        with contextlib.suppress(VLLMServerError):
-            self._call("POST", "/v1/unload_lora_adapter", "unload an old LoRA adapter", json={"lora_name": name})
+        if not self._lost:
+            with contextlib.suppress(VLLMServerError):
+                self._call("POST", "/v1/unload_lora_adapter", "unload an old LoRA adapter", json={"lora_name": name})
         shutil.rmtree(path, ignore_errors=True)
 
     def _send_in_memory(self, model: torch.nn.Module, version: int, weights=checkpoint_weights) -> None:

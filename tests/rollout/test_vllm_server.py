@@ -767,6 +767,24 @@ def test_close_after_a_hung_server_returns_at_once(monkeypatch, tmp_path):
     httpd.shutdown()
 
 
+def test_a_server_of_another_model_is_named_before_the_first_sync(server, tiny_model_dir, tmp_path):
+    """The server serves the tiny model (vocabulary 100) and the policy is the tool task's (103):
+    the first sync failed inside the server with `Worker failed with error ''`. The probe reports
+    the served model's shape, and the engine refuses before sending, naming both and the command."""
+    import re
+
+    from grouprl.tasks import TOOL_POLICY_DIR
+
+    engine = VLLMServerEngine("127.0.0.1", server.port, eos_token_ids=(1,), pad_token_id=0, weight_dir=str(tmp_path),
+                              timeout_s=60)
+    served, ours = ("Qwen2ForCausalLM, vocabulary {}, hidden size 128, 2 layers".format(v) for v in (100, 103))
+    with pytest.raises(VLLMServerError, match=re.escape(
+            f"vLLM server 127.0.0.1:{server.port} serves {tiny_model_dir} ({served}), not the policy's model ({ours}): "
+            f"restart it with the model the run trains, `grouprl vllm-serve {TOOL_POLICY_DIR}`")):
+        engine.sync_weights(load_policy(str(TOOL_POLICY_DIR)), 0)
+    engine.close()
+
+
 def test_a_server_that_returns_raw_logprobs_is_refused_with_the_fix(monkeypatch, tmp_path):
     """`grouprl vllm-serve MODEL --logprobs-mode raw_logprobs` (a user's flag comes after ours) would
     return the log-probs of the full-vocabulary distribution, not of the one sampled from: the
@@ -819,9 +837,13 @@ def test_the_probe_reports_a_mixture_of_experts_model_on_cpu(monkeypatch, model,
     worker = SimpleNamespace(vllm_config=SimpleNamespace(
         weight_transfer_config=None, lora_config=None,
         model_config=SimpleNamespace(logprobs_mode="processed_logprobs", hf_config=hf)))
-    assert WeightReceiver.grouprl_weights_probe(worker) == {
+    answer = WeightReceiver.grouprl_weights_probe(worker)
+    assert {k: answer[k] for k in ("weight_transfer", "lora_rank", "logprobs_mode", "moe_on_cpu")} == {
         "weight_transfer": "file", "lora_rank": 0, "logprobs_mode": "processed_logprobs",
         "moe_on_cpu": cpu and model != "dense"}
+    text = moe if model != "dense" else hf  # the language model's sizes, also in `text_config`
+    assert answer["model"] == {"architecture": None, "vocab_size": text.vocab_size, "hidden_size": text.hidden_size,
+                               "num_hidden_layers": text.num_hidden_layers}
 
 
 def test_an_unreachable_server_is_named_with_what_to_check(tmp_path):

@@ -94,6 +94,20 @@ def _has_accelerator() -> bool:
     return torch.cuda.is_available() or (hasattr(torch, "xpu") and torch.xpu.is_available())
 
 
+def model_shape(config) -> dict:
+    """What the served model and the policy must share for a weight sync to fit: the architecture
+    and the sizes that shape its tensors (the language model's, for a multimodal config). The
+    worker extension's probe reports the served model's; None where a config does not say."""
+    text = config.get_text_config()
+    return {"architecture": (getattr(config, "architectures", None) or [None])[0],
+            **{k: getattr(text, k, None) for k in ("vocab_size", "hidden_size", "num_hidden_layers")}}
+
+
+def _shape_text(shape: dict) -> str:
+    return (f"{shape['architecture']}, vocabulary {shape['vocab_size']}, hidden size {shape['hidden_size']}, "
+            f"{shape['num_hidden_layers']} layers")
+
+
 class VLLMServerEngine(GenerationEngine):
     """Generation engine that is a client of a vLLM server started by `grouprl vllm-serve`."""
 
@@ -128,7 +142,7 @@ class VLLMServerEngine(GenerationEngine):
         self._wait_until_up()
         card = self._get("/v1/models")["data"][0]
         self.model_id, self.max_model_len = card["id"], card.get("max_model_len")  # the server's --max-model-len
-        choice = None
+        choice, self._served_model = None, None  # rank 0: the served model's shape, checked at the first sync
         if rank == 0:  # the extension is there (a plain `vllm serve` lacks it); each worker answers
             served = self._post("/collective_rpc", {"method": "grouprl_weights_probe", "timeout": timeout_s},
                                 what="probe the grouprl worker extension", probe=True)["results"]
@@ -141,6 +155,7 @@ class VLLMServerEngine(GenerationEngine):
             if served[0].get("moe_on_cpu"):  # the first sync would fail inside the server, mid-run
                 raise VLLMServerError(f"vLLM server {host}:{port} serves {self.model_id}, a mixture-of-experts "
                                       f"model, on CPU: {MOE_ON_CPU}")
+            self._served_model = served[0].get("model")
             choice = (self._transfer_choice(weight_transfer, served[0]["weight_transfer"]), len(served),
                       self._lora_choice(lora_rank, lora_sync, served[0]["lora_rank"]), uuid.uuid4().hex[:8])
         if world_size > 1 and broadcast is not None:
@@ -262,6 +277,8 @@ class VLLMServerEngine(GenerationEngine):
         so rank 0 would otherwise swap the weights under another rank's batch."""
         if version == self.version:
             return
+        if self.version is None:
+            self._check_model(model)
         if self.world_size > 1 and self._barrier is not None:
             self._barrier()  # every rank's batches are done (or, partial rollouts, meant to run on)
         adapter_only = bool(self.lora_rank) and is_peft_model(model)
@@ -278,6 +295,20 @@ class VLLMServerEngine(GenerationEngine):
         if self.world_size > 1 and self._barrier is not None:
             self._barrier()  # no rank samples before the server holds the new weights
         self.version = version
+
+    def _check_model(self, model: torch.nn.Module) -> None:
+        """Before the first sync (rank 0, which probed the server): the server serves a model of
+        the policy's shape: another model's weights failed inside the server, with an empty error
+        (`Worker failed with error ''`, HTTP 500)."""
+        config, served = getattr(model, "config", None), self._served_model
+        if config is None or served is None:
+            return
+        ours = model_shape(config)
+        if any(ours[k] is not None and served.get(k) is not None and ours[k] != served[k] for k in ours):
+            raise VLLMServerError(f"vLLM server {self.host}:{self.port} serves {self.model_id} "
+                                  f"({_shape_text(served)}), not the policy's model ({_shape_text(ours)}): restart it "
+                                  f"with the model the run trains, `grouprl vllm-serve "
+                                  f"{getattr(config, '_name_or_path', '') or 'MODEL'}`")
 
     def _lora_name(self, version: int) -> str:
         return f"{LORA_NAME}-{self._run_tag}-v{version}"

@@ -22,15 +22,19 @@ class WeightReceiver:
         """Answers the client's start-up check that the extension is installed, with the weight
         transfer the server was started with (`file` when none), its LoRA rank (0: no LoRA), the
         log-probs it returns (`processed_logprobs`: of the distribution it sampled from) and whether
-        it serves a mixture-of-experts model on CPU, which no weight sync reaches (MOE_ON_CPU)."""
+        it serves a mixture-of-experts model on CPU, which no weight sync reaches (MOE_ON_CPU), and
+        the served model's shape (`model_shape`: the trainer compares it with the policy's)."""
         from vllm.platforms import current_platform
+
+        from grouprl.rollout.vllm_server import model_shape
 
         config, lora = self.vllm_config.weight_transfer_config, self.vllm_config.lora_config
         model_config = self.vllm_config.model_config
         return {"weight_transfer": config.backend if config is not None else "file",
                 "lora_rank": lora.max_lora_rank if lora is not None else 0,
                 "logprobs_mode": model_config.logprobs_mode,
-                "moe_on_cpu": bool(current_platform.is_cpu() and is_moe(model_config.hf_config))}
+                "moe_on_cpu": bool(current_platform.is_cpu() and is_moe(model_config.hf_config)),
+                "model": model_shape(model_config.hf_config)}
 
     def grouprl_release_weight_transfer(self) -> None:
         """A new trainer takes the server over: end whatever a previous one left (a trainer that

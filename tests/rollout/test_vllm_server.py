@@ -319,6 +319,33 @@ def test_a_request_past_the_servers_max_model_len_is_refused_with_the_fix(server
     engine.close()
 
 
+def test_a_restarted_server_is_refused_a_rollout_and_gets_the_weights_again_at_the_next_sync(
+        server, tiny_model_dir, tmp_path):
+    """A restarted server serves the weights it loaded at start: a rollout then sampled another
+    policy with no error (log-prob gap 2.1), and the next gloo sync failed with a misleading error.
+    Each server worker now answers the probe with an id of its process, checked before each
+    rollout and each sync. The restart is played, not done (a restart takes a minute here): the
+    engine is told it connected to other processes, after another trainer sent the server other
+    weights and took its transfer group over, which is what a restarted server holds."""
+    tok, model = load_tokenizer(str(tiny_model_dir)), load_policy(str(tiny_model_dir))
+    kwargs = dict(eos_token_ids=(tok.eos_token_id,), pad_token_id=tok.pad_token_id, timeout_s=60)
+    engine = VLLMServerEngine("127.0.0.1", server.port, weight_dir=str(tmp_path / "a"), **kwargs)  # gloo
+    optimizer_step(model, lr=3e-2)
+    engine.sync_weights(model, 1)
+    other = VLLMServerEngine("127.0.0.1", server.port, weight_dir=str(tmp_path / "b"), **kwargs)
+    other.sync_weights(load_policy(str(tiny_model_dir)), 0)  # the checkpoint's weights, its own group
+    other.close()
+    engine._server_ids = ["the processes before the restart"]
+    prompts = [tok(p)["input_ids"] for p in ("Say numbers 1: ", "abc")]
+    with pytest.raises(VLLMServerError, match=f"vLLM server 127.0.0.1:{server.port} was restarted since the last "
+                                              "weight sync: it serves the weights it loaded at start, not the "
+                                              "policy's; resume the run from its last checkpoint"):
+        engine.generate(prompts, 2, SamplingParams(max_new_tokens=4))
+    engine.sync_weights(model, 1)  # the version it sent before: sent again, through a new group
+    assert max_logp_gap(engine, model, prompts) < LOGP_ATOL
+    engine.close()
+
+
 def test_under_torchrun_rank_0_sends_only_once_every_rank_reached_the_sync(monkeypatch, tmp_path):
     """Async rollouts under DDP: each rank's producer waits only for its own batches before the sync,
     and reading DDP's weights is no collective, so rank 0 waits at the barrier for every rank before

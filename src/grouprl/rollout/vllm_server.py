@@ -103,6 +103,13 @@ def model_shape(config) -> dict:
             **{k: getattr(text, k, None) for k in ("vocab_size", "hidden_size", "num_hidden_layers")}}
 
 
+def _identity(served: list[dict]) -> tuple[list, list[dict]]:
+    """The probe's answers split into the server's identity (each worker process's random id,
+    new at every start) and its settings (all else)."""
+    return ([s.get("server_id") for s in served],
+            [{k: v for k, v in s.items() if k != "server_id"} for s in served])
+
+
 def _shape_text(shape: dict) -> str:
     return (f"{shape['architecture']}, vocabulary {shape['vocab_size']}, hidden size {shape['hidden_size']}, "
             f"{shape['num_hidden_layers']} layers")
@@ -140,12 +147,12 @@ class VLLMServerEngine(GenerationEngine):
         self.rank, self.world_size, self._barrier = rank, world_size, barrier
         self.version: int | None = None  # unknown: the server may hold any weights until we send ours
         self._wait_until_up()
-        card = self._get("/v1/models")["data"][0]
-        self.model_id, self.max_model_len = card["id"], card.get("max_model_len")  # the server's --max-model-len
-        choice, self._served_model = None, None  # rank 0: the served model's shape, checked at the first sync
-        if rank == 0:  # the extension is there (a plain `vllm serve` lacks it); each worker answers
-            served = self._post("/collective_rpc", {"method": "grouprl_weights_probe", "timeout": timeout_s},
-                                what="probe the grouprl worker extension", probe=True)["results"]
+        self._read_model_card()
+        served = self._probe()  # the extension is there (a plain `vllm serve` lacks it); each worker answers
+        self._server_ids, self._served = _identity(served)  # which server processes, started with what
+        self._served_model = served[0].get("model")  # its shape, checked against the policy's at the first sync
+        choice = None
+        if rank == 0:
             mode = served[0].get("logprobs_mode", "processed_logprobs")
             if mode != "processed_logprobs":  # e.g. `grouprl vllm-serve MODEL --logprobs-mode raw_logprobs`
                 raise VLLMServerError(f"vLLM server {host}:{port} returns {mode}, and the trainer needs the "
@@ -155,7 +162,6 @@ class VLLMServerEngine(GenerationEngine):
             if served[0].get("moe_on_cpu"):  # the first sync would fail inside the server, mid-run
                 raise VLLMServerError(f"vLLM server {host}:{port} serves {self.model_id}, a mixture-of-experts "
                                       f"model, on CPU: {MOE_ON_CPU}")
-            self._served_model = served[0].get("model")
             choice = (self._transfer_choice(weight_transfer, served[0]["weight_transfer"]), len(served),
                       self._lora_choice(lora_rank, lora_sync, served[0]["lora_rank"]), uuid.uuid4().hex[:8])
         if world_size > 1 and broadcast is not None:
@@ -189,6 +195,42 @@ class VLLMServerEngine(GenerationEngine):
         raise VLLMServerError(f"vllm_weight_transfer={asked}, but the vLLM server {self.host}:{self.port} was "
                               f"started with weight transfer {served!r}: restart it with `grouprl vllm-serve MODEL "
                               f"--weight-transfer {asked}`, or set vllm_weight_transfer: auto (or file)")
+
+    def _read_model_card(self) -> None:
+        """The served model's name and max model length (`--max-model-len`, else the model's)."""
+        card = self._get("/v1/models")["data"][0]
+        self.model_id, self.max_model_len = card["id"], card.get("max_model_len")
+
+    def _probe(self) -> list[dict]:
+        """Each server worker's answer to grouprl's probe (`WeightReceiver.grouprl_weights_probe`)."""
+        return self._post("/collective_rpc", {"method": "grouprl_weights_probe", "timeout": self.timeout_s},
+                          what="probe the grouprl worker extension", probe=True)["results"]
+
+    def _restarted(self) -> list[dict] | None:
+        """The probe's answers if the server's processes are not those the engine knows (it was
+        restarted: it holds the weights it loaded at start, and nothing the engine sent), else None."""
+        served = self._probe()
+        return served if _identity(served)[0] != self._server_ids else None
+
+    def _reconnect(self, served: list[dict]) -> None:
+        """Treat a restarted server as a new one: the next sync sends all the weights again (a new
+        transfer group, the base weights and the adapter), as the first sync did. The engine chose
+        its weight path and LoRA sync by the server's settings, so a server restarted with others
+        is refused."""
+        if _identity(served)[1] != self._served:
+            raise VLLMServerError(f"vLLM server {self.host}:{self.port} was restarted with other settings "
+                                  f"(its model, weight transfer, LoRA rank or workers: {_identity(served)[1]}, "
+                                  f"where it had {self._served}): restart it as before, or resume the run from "
+                                  "its last checkpoint (`--resume`), which connects to it anew")
+        if self._transfer is not None:
+            transfer, self._transfer = self._transfer, None
+            transfer.shutdown()  # our end of a group whose other end is gone
+        for _, path in self._adapters:  # the new server holds none of them
+            shutil.rmtree(path, ignore_errors=True)
+        self._adapters.clear()
+        self._read_model_card()
+        self._server_ids = _identity(served)[0]
+        self.version, self._base_sent, self._adapter_name = None, False, None
 
     def close(self) -> None:
         """The server is not ours to stop: it outlives the run (and may serve the next). The
@@ -275,6 +317,9 @@ class VLLMServerEngine(GenerationEngine):
         first waits at a barrier for every rank to reach the sync: with async rollouts each rank's
         producer has drained only its own batches, and DDP's weights are read without a collective,
         so rank 0 would otherwise swap the weights under another rank's batch."""
+        served = self._restarted()
+        if served is not None:
+            self._reconnect(served)
         if version == self.version:
             return
         if self.version is None:
@@ -297,9 +342,8 @@ class VLLMServerEngine(GenerationEngine):
         self.version = version
 
     def _check_model(self, model: torch.nn.Module) -> None:
-        """Before the first sync (rank 0, which probed the server): the server serves a model of
-        the policy's shape: another model's weights failed inside the server, with an empty error
-        (`Worker failed with error ''`, HTTP 500)."""
+        """Before the first sync: the server serves a model of the policy's shape (another model's
+        weights failed inside the server, with an empty error: `Worker failed with error ''`)."""
         config, served = getattr(model, "config", None), self._served_model
         if config is None or served is None:
             return
@@ -427,6 +471,10 @@ class VLLMServerEngine(GenerationEngine):
                                   f"max model length {self.max_model_len} of the vLLM server {self.host}:{self.port}: "
                                   f"restart it with `grouprl vllm-serve MODEL --max-model-len {longest + T}` (or "
                                   f"more), or set max_prompt_length to at most {self.max_model_len - T}")
+        if self._restarted() is not None:  # checked at each rollout: a sync would resend the weights
+            raise VLLMServerError(f"vLLM server {self.host}:{self.port} was restarted since the last weight sync: "
+                                  "it serves the weights it loaded at start, not the policy's; resume the run from "
+                                  "its last checkpoint (`--resume`), which sends the checkpoint's weights first")
         seeded = generator is not None and not params.greedy
         seeds = torch.randint(0, 2**31 - G, (B,), generator=generator).tolist() if seeded else [None] * B
         model = self._adapter_name or self.model_id

@@ -9,10 +9,13 @@
 
 from __future__ import annotations
 
+import uuid
+
 from grouprl.rollout.vllm import is_moe, repack_tied_head
 from grouprl.rollout.weight_transfer import register
 
 register()
+SERVER_ID = uuid.uuid4().hex  # this worker process's: a restarted server answers the probe with new ones
 
 
 class WeightReceiver:
@@ -23,7 +26,9 @@ class WeightReceiver:
         transfer the server was started with (`file` when none), its LoRA rank (0: no LoRA), the
         log-probs it returns (`processed_logprobs`: of the distribution it sampled from) and whether
         it serves a mixture-of-experts model on CPU, which no weight sync reaches (MOE_ON_CPU), and
-        the served model's shape (`model_shape`: the trainer compares it with the policy's)."""
+        the served model's shape (`model_shape`: the trainer compares it with the policy's), and
+        `server_id`, new at each start of the server: the trainer checks it before each rollout and
+        each sync, and a restarted server gets all the weights again."""
         from vllm.platforms import current_platform
 
         from grouprl.rollout.vllm_server import model_shape
@@ -34,7 +39,7 @@ class WeightReceiver:
                 "lora_rank": lora.max_lora_rank if lora is not None else 0,
                 "logprobs_mode": model_config.logprobs_mode,
                 "moe_on_cpu": bool(current_platform.is_cpu() and is_moe(model_config.hf_config)),
-                "model": model_shape(model_config.hf_config)}
+                "model": model_shape(model_config.hf_config), "server_id": SERVER_ID}
 
     def grouprl_release_weight_transfer(self) -> None:
         """A new trainer takes the server over: end whatever a previous one left (a trainer that

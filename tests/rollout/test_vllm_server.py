@@ -303,7 +303,7 @@ def test_a_request_past_the_servers_max_model_len_is_refused_with_the_fix(server
     fits without an error: a 250-token prompt with max_completion_length 12 came back with 6-token
     completions marked not truncated. The engine reads the server's max model length when it
     connects and refuses such a request, naming the flag to restart it with; one that fits is
-    served whole."""
+    served whole, a multi-turn row's with its own room."""
     tok, model = load_tokenizer(str(tiny_model_dir)), load_policy(str(tiny_model_dir))
     engine = VLLMServerEngine("127.0.0.1", server.port, eos_token_ids=(tok.eos_token_id,),
                               pad_token_id=tok.pad_token_id, weight_dir=str(tmp_path / "w"), timeout_s=60)
@@ -311,11 +311,16 @@ def test_a_request_past_the_servers_max_model_len_is_refused_with_the_fix(server
     prompt = [5] * 250
     ro = engine.generate([prompt], 2, SamplingParams(max_new_tokens=6, ignore_eos=True))
     assert ro.lengths.tolist() == [6, 6]
-    with pytest.raises(VLLMServerError, match=f"a prompt of 250 tokens \\+ max_completion_length 12 is longer than the "
-                                              f"max model length 256 of the vLLM server 127.0.0.1:{server.port}: "
-                                              "restart it with `grouprl vllm-serve MODEL --max-model-len 262` .*or set "
+    with pytest.raises(VLLMServerError, match=f"a prompt of 250 tokens \\+ 12 new tokens \\(max_completion_length, "
+                                              "less what earlier turns took\\) is longer than the max model length "
+                                              f"256 of the vLLM server 127.0.0.1:{server.port}: restart it with "
+                                              "`grouprl vllm-serve MODEL --max-model-len 262` .*or set "
                                               "max_prompt_length to at most 244"):
         engine.generate([prompt, [5, 6]], 2, SamplingParams(max_new_tokens=12, ignore_eos=True))
+    # a multi-turn continuation: each row is checked with its own room, and generates no more
+    ro = engine.generate([prompt, [5, 6]], 1, SamplingParams(max_new_tokens=12, ignore_eos=True,
+                                                              row_max_new_tokens=(6, 12)))
+    assert ro.lengths.tolist() == [6, 12]
     engine.close()
 
 

@@ -465,12 +465,16 @@ class VLLMServerEngine(GenerationEngine):
             raise VLLMServerError("VLLMServerEngine.generate before sync_weights: the server may hold "
                                   "another run's weights; send the policy's first")
         G, T, B = num_generations, params.max_new_tokens, len(prompt_ids)
-        longest = max((len(p) for p in prompt_ids), default=0)
-        if self.max_model_len and longest + T > self.max_model_len:  # vLLM would lower max_tokens, silently
-            raise VLLMServerError(f"a prompt of {longest} tokens + max_completion_length {T} is longer than the "
-                                  f"max model length {self.max_model_len} of the vLLM server {self.host}:{self.port}: "
-                                  f"restart it with `grouprl vllm-serve MODEL --max-model-len {longest + T}` (or "
-                                  f"more), or set max_prompt_length to at most {self.max_model_len - T}")
+        limits = params.row_max_new_tokens or (T,) * B  # a multi-turn row's own room
+        over = [(len(p) + t, len(p), t) for p, t in zip(prompt_ids, limits)
+                if self.max_model_len and len(p) + t > self.max_model_len]
+        if over:  # vLLM's completions API would lower max_tokens to what fits, without an error
+            total, length, t = max(over)
+            raise VLLMServerError(f"a prompt of {length} tokens + {t} new tokens (max_completion_length, less what "
+                                  f"earlier turns took) is longer than the max model length {self.max_model_len} of "
+                                  f"the vLLM server {self.host}:{self.port}: restart it with `grouprl vllm-serve MODEL "
+                                  f"--max-model-len {total}` (or more), or set max_prompt_length to at most "
+                                  f"{self.max_model_len - t}")
         if self._restarted() is not None:  # checked at each rollout: a sync would resend the weights
             raise VLLMServerError(f"vLLM server {self.host}:{self.port} was restarted since the last weight sync: "
                                   "it serves the weights it loaded at start, not the policy's; resume the run from "
@@ -482,12 +486,13 @@ class VLLMServerEngine(GenerationEngine):
         # computed with older weights. The reset after each sync is not enough: vLLM refuses it
         # (`success: false`) while any request runs, which partial rollouts and other ranks make
         # the rule, not the exception.
-        common = dict(model=model, n=G, max_tokens=T, logprobs=0, return_token_ids=True,
+        common = dict(model=model, n=G, logprobs=0, return_token_ids=True,
                       cache_salt=f"grouprl-{self._run_tag}-v{self.version}",
                       temperature=0.0 if params.greedy else params.temperature, top_p=params.top_p,
                       top_k=params.top_k, ignore_eos=params.ignore_eos,
                       stop_token_ids=[] if params.ignore_eos else list(self.eos_token_ids))
-        bodies = [{**common, "prompt": list(p), "seed": s} for p, s in zip(prompt_ids, seeds)]
+        bodies = [{**common, "prompt": list(p), "seed": s, "max_tokens": t}
+                  for p, s, t in zip(prompt_ids, seeds, limits)]
         answers = list(self._pool.map(lambda b: self._post("/v1/completions", b, what="generate"), bodies))
 
         choices = [c for answer in answers for c in sorted(answer["choices"], key=lambda c: c["index"])]

@@ -179,7 +179,12 @@ class VLLMEngine(GenerationEngine):
         G, T = num_generations, params.max_new_tokens
         N = len(prompt_ids) * G
         limits = params.row_max_new_tokens or (T,) * len(prompt_ids)  # a multi-turn row's own room
-        check_model_length(prompt_ids, limits, self.max_model_len)
+        if worst := longest_past(prompt_ids, limits, self.max_model_len):
+            total, length, t = worst
+            raise ValueError(f"a prompt of {length} tokens + {t} new tokens (max_completion_length, less what earlier "
+                             f"turns took) is longer than vLLM's max_model_len {self.max_model_len}: set "
+                             f"vllm_max_model_length to at least {total}, or max_prompt_length to at most "
+                             f"{self.max_model_len - t}")
         seeded = generator is not None and not params.greedy
         seeds = torch.randint(0, 2**31 - 1, (N,), generator=generator).tolist() if seeded else [None] * N
         requests = [VSamplingParams(
@@ -218,17 +223,14 @@ class VLLMEngine(GenerationEngine):
             self.llm.sleep(level=1)
 
 
-def check_model_length(prompt_ids: list[list[int]], max_new_tokens: tuple[int, ...] | list[int],
-                       max_model_len: int) -> None:
-    """Refuse a prompt whose own most new tokens do not fit vLLM's max_model_len: vLLM would cut the
-    completion short (even with ignore_eos) or refuse the request."""
-    over = [(len(p) + t, len(p), t) for p, t in zip(prompt_ids, max_new_tokens) if len(p) + t > max_model_len]
-    if over:
-        total, length, t = max(over)
-        raise ValueError(f"a prompt of {length} tokens + {t} new tokens (max_completion_length, less what earlier "
-                         f"turns took) is longer than vLLM's max_model_len {max_model_len}: set "
-                         f"vllm_max_model_length to at least {total}, or max_prompt_length to at most "
-                         f"{max_model_len - t}")
+def longest_past(prompt_ids: list[list[int]], max_new_tokens: tuple[int, ...] | list[int],
+                 max_model_len: int | None) -> tuple[int, int, int] | None:
+    """The prompt whose own most new tokens go furthest past vLLM's max_model_len, as (prompt + new
+    tokens, prompt, new tokens); None when every one fits (or no length is known). vLLM would cut such
+    a completion short (even with ignore_eos) or refuse the request: each engine refuses it first."""
+    over = [(len(p) + t, len(p), t) for p, t in zip(prompt_ids, max_new_tokens)
+            if max_model_len and len(p) + t > max_model_len]
+    return max(over) if over else None
 
 
 def vllm_lora_rank(r: int) -> int:

@@ -44,7 +44,7 @@ import torch
 
 from grouprl.lora import base_named_weights, is_peft_model
 from grouprl.rollout.types import GenerationEngine, Rollout, SamplingParams, sampled_rollout
-from grouprl.rollout.vllm import CPU_KV_CACHE_GIB, MOE_ON_CPU, checkpoint_weights
+from grouprl.rollout.vllm import CPU_KV_CACHE_GIB, MOE_ON_CPU, checkpoint_weights, longest_past
 
 EXTENSION = "grouprl.rollout.vllm_worker.WeightReceiver"
 LORA_NAME = "grouprl-policy"  # the adapter's name on the server (vllm_lora_sync: adapter)
@@ -466,10 +466,8 @@ class VLLMServerEngine(GenerationEngine):
                                   "another run's weights; send the policy's first")
         G, T, B = num_generations, params.max_new_tokens, len(prompt_ids)
         limits = params.row_max_new_tokens or (T,) * B  # a multi-turn row's own room
-        over = [(len(p) + t, len(p), t) for p, t in zip(prompt_ids, limits)
-                if self.max_model_len and len(p) + t > self.max_model_len]
-        if over:  # vLLM's completions API would lower max_tokens to what fits, without an error
-            total, length, t = max(over)
+        if worst := longest_past(prompt_ids, limits, self.max_model_len):  # the completions API would lower
+            total, length, t = worst  # max_tokens to what fits, without an error
             raise VLLMServerError(f"a prompt of {length} tokens + {t} new tokens (max_completion_length, less what "
                                   f"earlier turns took) is longer than the max model length {self.max_model_len} of "
                                   f"the vLLM server {self.host}:{self.port}: restart it with `grouprl vllm-serve MODEL "

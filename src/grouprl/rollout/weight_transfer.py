@@ -12,8 +12,11 @@ every worker (each tensor-parallel shard and data-parallel replica) receives eve
 vLLM's `load_weights` keeps its own shard. Loading runs inside vLLM's layerwise reload
 (`initialize_layerwise_reload` / `finalize_layerwise_reload`), as the NCCL engine does.
 
-Every wait has a timeout: the process group's (`timeout_s`: a peer that dies or stalls mid-transfer
-fails the collective on the other side instead of hanging it), and the HTTP calls'. A failed
+Every gloo and HTTP wait has a timeout: the gloo process group's (`timeout_s`: a peer that dies or
+stalls mid-transfer fails the collective on the other side instead of hanging it), and the HTTP
+calls'. vLLM's NCCL engine takes no timeout for its broadcasts: a server that dies mid-transfer
+there can leave the trainer waiting inside NCCL (not yet seen on a GPU; the HTTP call beside it
+still fails at its timeout, but the broadcast is not interrupted). A failed
 transfer leaves the server serving (with partly updated weights until the next update) and its
 transfer group torn down; the trainer's next update re-initialises it.
 

@@ -141,14 +141,18 @@ def restore_training_state(cfg: TrainConfig, dist: D.DistContext, parts: Trainin
     own = [{k: g[k] for k in ("weight_decay", "betas", "eps") if k in g} for g in parts.optimizer.param_groups]
     sharded = D.is_sharded(parts.model)
     try:
-        if sharded:  # every rank reads the whole weights and keeps its shard
-            weights, ref_weights, state = read_checkpoint(ckpt)
-            check_fits(ckpt, weights, parts.model)
-            _check_value_head(ckpt, parts, state)
-            optimizer = state["optimizer"] if state.get("sharded_optimizer") else D.optimizer_state_by_name(
-                parts.optimizer, parts.optimized, state["optimizer"])  # written unsharded
+        if sharded:  # rank 0 reads the whole checkpoint; each rank takes its shard from it (D.load_full_state)
+            weights, ref_weights, state = read_checkpoint(ckpt) if dist.is_main else ({}, {}, {})
+            if dist.is_main:
+                check_fits(ckpt, weights, parts.model)
+                _check_value_head(ckpt, parts, state)
+                if not state.get("sharded_optimizer"):  # written unsharded: by index
+                    state["optimizer"] = D.optimizer_state_by_name(parts.optimizer, parts.optimized, state["optimizer"])
+            optimizer = state.pop("optimizer", {})  # the rest of the state, small, goes to every rank
+            state = D.broadcast_object(dist, {**state, "has_ref": ref_weights is not None})
+            has_ref = state.pop("has_ref")
             D.load_full_state(parts.model, weights, parts.optimizer, optimizer, parts.optimized)
-            if parts.ref_model is not None and ref_weights is not None:
+            if parts.ref_model is not None and has_ref:
                 D.load_full_state(parts.ref_model, ref_weights)
         else:
             state = load_checkpoint(ckpt, parts.model, parts.ref_model)
@@ -243,7 +247,7 @@ def _check_value_head(ckpt: Path, parts: TrainingParts, state: dict[str, Any]) -
 
 def load_trainable_weights(checkpoint: str | Path, model: torch.nn.Module) -> None:
     """The trainable weights of a checkpoint into `model` (sharded or not): load_best_model_at_end."""
-    if D.is_sharded(model):
-        D.load_full_state(model, read_checkpoint(checkpoint)[0])
+    if D.is_sharded(model):  # rank 0 reads it, the others take their shards from it
+        D.load_full_state(model, read_checkpoint(checkpoint)[0] if D.dist.get_rank() == 0 else {})
     else:
         load_checkpoint(checkpoint, model)

@@ -137,7 +137,14 @@ def fsdp2_train_save_resume(cfg: TrainConfig, algorithm: str = "grpo") -> dict[s
     metrics = trainer.train_step()
     path = trainer.save()
     resumed = Trainer(cfg)
-    resumed._resume()
+    import grouprl.training_state as training_state
+
+    reads, read = [], training_state.read_checkpoint  # who reads the whole checkpoint: rank 0 alone
+    training_state.read_checkpoint = lambda *args, **kwargs: reads.append(1) or read(*args, **kwargs)
+    try:
+        resumed._resume()
+    finally:
+        training_state.read_checkpoint = read
     a = D.full_state(trainer.model, trainer.optimizer, trainer.updater.trainable)
     b = D.full_state(resumed.model, resumed.optimizer, resumed.updater.trainable)
     ra, rb = D.full_state(trainer.ref.model)[0], D.full_state(resumed.ref.model)[0]
@@ -151,6 +158,7 @@ def fsdp2_train_save_resume(cfg: TrainConfig, algorithm: str = "grpo") -> dict[s
         same = same and all(torch.equal(x, y) for x, y in zip(heads[0].state_dict().values(),
                                                               heads[1].state_dict().values()))
     return {"loss": metrics["loss"], "step": resumed.step, "same_after_resume": same, "checkpoint": str(path),
+            "reads_by_rank": D.gather_objects(resumed.dist, len(reads)),
             "num_state": len(a[1].get("state", {})),
             "value_head_moved": None if heads[0] is None else float(heads[0].linear.weight.abs().sum()),
             "rollback": rollback(trainer) if algorithm == "grpo" else None}

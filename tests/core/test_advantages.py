@@ -115,6 +115,17 @@ def test_zero_std_groups_and_integer_rewards():
     assert adv.tolist() == [0.0, 0.0, -0.7071067690849304, 0.7071067690849304, 0.0, 0.0, 0.0, 0.0]
 
 
+def test_flat_rewards_give_zero_advantages_even_without_eps():
+    """advantage_eps: 0 is allowed: a batch (REINFORCE++'s whitening) or a group (pass@k) with nothing
+    between its rewards gets advantages of exactly 0, as GRPO's all-equal groups do, not 0/0 = NaN."""
+    assert reinforce_pp_advantages(torch.zeros(8), 4, eps=0.0).tolist() == [0.0] * 8
+    assert reinforce_pp_baseline_advantages(torch.ones(8), 4, eps=0.0).tolist() == [0.0] * 8
+    got = compute_advantages("grpo_passk", torch.tensor([1.0, 1.0, 0.0, 1.0]), 2, scale="group", eps=0.0)
+    close(got, torch.tensor([0.0, 0.0, 0.0, 2 ** 0.5]))
+    got = compute_advantages("grpo_passk", torch.ones(4), 2, scale="batch", eps=0.0)
+    assert got.tolist() == [0.0] * 4
+
+
 def test_register_custom_estimator():
     @register_advantage_estimator("test_sign")
     def sign(rewards, group_size, *, scale, eps, unbiased):

@@ -189,11 +189,13 @@ def rloo_advantages(rewards: Tensor, group_size: int) -> Tensor:
 
 
 def _whiten(x: Tensor, eps: float, unbiased: bool, scale: bool) -> Tensor:
-    """(x − mean) / (std + eps) over all of x [N] (only the centring when not ``scale``)."""
+    """(x − mean) / (std + eps) over all of x [N] (only the centring when not ``scale``); all-equal x
+    becomes exactly 0, as an all-equal group does (with eps 0 it was 0/0: NaN)."""
     centered = x - x.mean()
     if not scale or x.numel() < 2:
         return centered
-    return centered / (x.std(correction=1 if unbiased else 0) + eps)
+    scaled = centered / (x.std(correction=1 if unbiased else 0) + eps)
+    return torch.where((x == x[:1]).all(), torch.zeros_like(scaled), scaled)
 
 
 def _batch_scale(scale: str, name: str) -> bool:
@@ -238,6 +240,7 @@ def passk_advantages(rewards: Tensor, group_size: int, *, scale: str = "none", e
         gap = gap / (grouped.std(dim=1, correction=correction) + eps)
     elif scale == "batch":
         gap = gap / (grouped.std(correction=correction) + eps)
+    gap = torch.where(top2[:, 0] == top2[:, 1], torch.zeros_like(gap), gap)  # no gap: 0, not 0/0 with eps 0
     adv = torch.zeros_like(grouped).scatter_(1, best[:, None], gap[:, None])  # [B, G]
     return adv.reshape(-1)  # [N]
 

@@ -55,3 +55,24 @@ def test_bad_input():
         kl_estimate(torch.zeros(2), torch.zeros(2), "k4")
     with pytest.raises(ValueError, match="ref_logp has"):
         kl_estimate(torch.zeros(2, 3), torch.zeros(2, 4))
+
+
+def test_each_estimators_expected_gradient_in_the_loss():
+    """What a KL estimator does in the loss is its gradient on the policy's own samples, in expectation
+    (summed over a 3-token vocabulary, the sampling weights held fixed): k1's is zero, k2's is the
+    reverse KL's, k3's the forward KL's (docs/algorithms.md, section 5)."""
+    from grouprl.core.kl import kl_estimate
+
+    pi, ref = torch.tensor([0.5, 0.3, 0.2], dtype=torch.float64), torch.tensor([0.4, 0.4, 0.2], dtype=torch.float64)
+
+    def grad(loss_of_logp):
+        z = pi.log().clone().requires_grad_()
+        loss_of_logp(torch.log_softmax(z, 0)).backward()
+        return z.grad
+
+    def expected(name):
+        return grad(lambda logp: (pi * kl_estimate(logp, ref.log(), name)).sum())
+
+    assert torch.equal(expected("k1"), torch.zeros(3, dtype=torch.float64))
+    torch.testing.assert_close(expected("k2"), grad(lambda logp: (logp.exp() * (logp - ref.log())).sum()))
+    torch.testing.assert_close(expected("k3"), grad(lambda logp: (ref * (ref.log() - logp)).sum()))

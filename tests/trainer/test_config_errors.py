@@ -76,6 +76,8 @@ def _nothing_loads(no_tokenizer_loading):
     ({"vllm_gpu_memory_utilization": 1.5}, "vllm_gpu_memory_utilization=1.5 must be in (0, 1]"),
     ({"vllm_dtype": "fp8"}, "vllm_dtype='fp8' is not one of: float32, bfloat16, float16, auto"),
     ({"vllm_max_model_length": 10}, "vllm_max_model_length=10 is shorter than max_prompt_length"),
+    ({"kl_estimator": "k1", "beta": 0.04}, "kl_estimator=k1 with beta=0.04: added to the loss, k1 = logp - "
+                                           "ref_logp has a gradient of zero in expectation"),
     # a vLLM setting the run would not read: without use_vllm, or in the other mode
     ({"vllm_enforce_eager": True}, "vllm_enforce_eager=True is a vLLM setting, and use_vllm is false: set "
                                    "use_vllm: true, or remove it"),

@@ -173,7 +173,9 @@ class TrainFields:
     next-token distribution (at `temperature`) from the same log-prob pass, aggregated like the
     policy loss (loss_agg). 0 turns it off and computes nothing extra; 1e-3 is a usual start."""
     kl_estimator: str = "k3"
-    """KL estimator for the penalty: k1 | k2 | k3."""
+    """KL estimator for the penalty, added to the loss: k3 (its gradient is the forward KL's,
+    KL(ref || policy): DeepSeekMath, TRL) | k2 (the reverse KL's, KL(policy || ref)) | k1 (its gradient is
+    zero in expectation on the policy's own samples: refused with beta > 0, docs/algorithms.md §5)."""
     importance_sampling_level: str | None = None
     """`token` ratios (GRPO) or one `sequence` ratio per completion (GSPO)."""
     dual_clip: float | None = None

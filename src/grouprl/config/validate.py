@@ -257,6 +257,11 @@ def validate_config(cfg: C) -> C:
     _check_variants(c)
     _check_choice("loss_agg", c.loss_agg, LOSS_AGGREGATIONS)
     _check_choice("kl_estimator", c.kl_estimator, KL_ESTIMATORS)
+    if c.kl_estimator == "k1" and c.beta > 0:  # E_pi[beta * grad log pi] = 0
+        raise ConfigError(f"kl_estimator=k1 with beta={c.beta}: added to the loss, k1 = logp - ref_logp has a "
+                          "gradient of zero in expectation on the policy's own samples, so it would add noise "
+                          "and hold nothing near the reference; use k3 (the forward KL's gradient, as DeepSeekMath "
+                          "and TRL) or k2 (the reverse KL's)")
     _check_choice("importance_sampling_level", c.importance_sampling_level, RATIO_LEVELS)
     _check_choice("lr_scheduler_type", c.lr_scheduler_type, ("constant", "linear", "cosine"))
     _check_choice("vllm_importance_sampling_mode", c.vllm_importance_sampling_mode, IS_MODES)

@@ -9,6 +9,10 @@ With samples drawn from the policy and δ = logp − ref_logp (log π_θ − log
 Worked numbers (docs/algorithms.md): π = 0.5, π_ref = 0.25 → δ = log 2, k3 = ½ + log 2 − 1 = 0.193147;
 π = 0.25, π_ref = 0.5 → k3 = 2 − log 2 − 1 = 0.306853.
 
+In the loss, what acts is each estimator's expected gradient on the policy's samples: k1's is 0,
+k2's the reverse KL's (∇KL(π‖π_ref)), k3's the forward KL's (∇KL(π_ref‖π)); so the config refuses k1
+with beta > 0 (docs/algorithms.md, section 5).
+
 k3 is computed as expm1(−δ) + δ, the same value with an absolute rounding error of about
 eps·|δ| instead of eps (exp(−δ) − 1 rounds to ~eps first); k3 ≈ δ²/2 for small δ.
 No clamping of δ is applied (verl clamps k3 to ±10); padded positions are the caller's to mask.

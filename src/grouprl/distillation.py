@@ -69,10 +69,10 @@ def load_teacher(cfg: TrainConfig, tokenizer: PreTrainedTokenizerBase, dist: D.D
         raise ConfigError(f"teacher_model={cfg.teacher_model!r} scores {rows} token ids and the policy's tokenizer "
                           f"has {len(tokenizer)}: use a teacher whose head covers the whole vocabulary")
     model.to(dtype=autocast or torch.float32)  # a no-op unless the loader kept another dtype (a GGUF file may)
-    if dist.device.type == "cuda":
-        model.to(dist.device)
     if dist.enabled and cfg.distributed_strategy == "fsdp2":
-        D.shard_model(model)
+        D.shard_model(model)  # fully_shard moves each shard to the rank's device, never the whole teacher
+    elif dist.device.type == "cuda":
+        model.to(dist.device)
     return Teacher(model, dist)
 
 

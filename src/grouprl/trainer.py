@@ -136,18 +136,18 @@ class Trainer:
                                  lora_dropout=cfg.lora_dropout, lora_target_modules=cfg.lora_target_modules,
                                  gradient_checkpointing=checkpointing == "always", disable_dropout=cfg.disable_dropout)
         self.model.train()
-        if self.dist.device.type == "cuda":
-            self.model.to(self.dist.device)
-        # memory.py: `auto` per device (CPU: checkpoint only over a 4k budget; CUDA: every pass), before the optimizer
-        self.ref = Reference(self.model) if cfg.beta > 0 else None  # (a copy: before the budget is sized)
-        colocated = cfg.vllm_gpu_memory_utilization if cfg.use_vllm and cfg.vllm_mode == "colocate" else 0.0
-        auto_budget = D.least_over_ranks(self.dist, token_budget(  # each rank's free memory: one budget for all
-            "auto", self.model, self.dist.device, checkpointing == "always", vllm_share=colocated,
-            autocast=self.autocast is not None) if cfg.max_tokens_per_micro_batch == "auto" else None)
+        if self.dist.device.type == "cuda" and not (self.dist.enabled and cfg.distributed_strategy == "fsdp2"):
+            self.model.to(self.dist.device)  # FSDP2's fully_shard moves each shard there itself, never the whole
+        self.ref = Reference(self.model) if cfg.beta > 0 else None  # a copy (FSDP2: on the host until sharded)
         # `model`: generation, saving; `train_model`: the update (DDP's wrapper); FSDP2 shards both, the reference too
         self.train_model = D.wrap_model(self.model, self.dist, cfg.distributed_strategy)
         if D.is_sharded(self.model) and self.ref is not None and self.ref.model is not None:
             D.shard_model(self.ref.model)
+        # memory.py: `auto` per device (CPU: checkpoint only over a 4k budget; CUDA: every pass), before the optimizer
+        colocated = cfg.vllm_gpu_memory_utilization if cfg.use_vllm and cfg.vllm_mode == "colocate" else 0.0
+        auto_budget = D.least_over_ranks(self.dist, token_budget(  # each rank's free memory: one budget for all
+            "auto", self.model, self.dist.device, checkpointing == "always", vllm_share=colocated,
+            autocast=self.autocast is not None) if cfg.max_tokens_per_micro_batch == "auto" else None)
         over_budget = checkpointing == "over_budget"
         self.updater = make_policy_update(cfg, self.model, self.train_model, self.dist, autocast=self.autocast,
                                           auto_budget=auto_budget, checkpoint_over_budget=over_budget)  # update.py

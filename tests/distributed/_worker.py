@@ -133,7 +133,15 @@ def fsdp2_train_save_resume(cfg: TrainConfig, algorithm: str = "grpo") -> dict[s
     cfg = replace(cfg, distributed_strategy="fsdp2", ref_update_steps=1, num_logged_samples=0, algorithm=algorithm)
     if algorithm != "grpo":
         cfg = replace(cfg, output_dir=f"{cfg.output_dir}-{algorithm}", beta=0.04)
-    trainer = Trainer(cfg)
+    import grouprl.trainer as trainer_module
+
+    sized, own = [], trainer_module.token_budget  # the automatic budget is sized after sharding (free memory
+    trainer_module.token_budget = lambda setting, model, *a, **k: (  # then counts the shards, not the whole)
+        sized.append(D.is_sharded(model)) or own(setting, model, *a, **k))
+    try:
+        trainer = Trainer(replace(cfg, max_tokens_per_micro_batch="auto"))
+    finally:
+        trainer_module.token_budget = own
     metrics = trainer.train_step()
     path = trainer.save()
     resumed = Trainer(cfg)
@@ -158,7 +166,7 @@ def fsdp2_train_save_resume(cfg: TrainConfig, algorithm: str = "grpo") -> dict[s
         same = same and all(torch.equal(x, y) for x, y in zip(heads[0].state_dict().values(),
                                                               heads[1].state_dict().values()))
     return {"loss": metrics["loss"], "step": resumed.step, "same_after_resume": same, "checkpoint": str(path),
-            "reads_by_rank": D.gather_objects(resumed.dist, len(reads)),
+            "reads_by_rank": D.gather_objects(resumed.dist, len(reads)), "budget_after_sharding": sized == [True],
             "num_state": len(a[1].get("state", {})),
             "value_head_moved": None if heads[0] is None else float(heads[0].linear.weight.abs().sum()),
             "rollback": rollback(trainer) if algorithm == "grpo" else None}

@@ -87,6 +87,7 @@ def test_update_two_ranks_equals_one_rank(strategy, one_rank, tiny_model_dir, di
     if strategy == "fsdp2":  # one sampled step with the sharded model, its checkpoint, its resume
         train = result["train"]
         assert train["step"] == 1 and train["same_after_resume"] and train["num_state"] > 0
+        assert train["budget_after_sharding"]
         assert train["reads_by_rank"] == [1, 0]  # rank 0 reads it whole; rank 1 takes its shards from rank 0's
         ckpt = Path(train["checkpoint"])
         whole = AutoModelForCausalLM.from_pretrained(ckpt / "model")  # save_pretrained output, whole

@@ -24,7 +24,12 @@ def _nothing_loads(no_tokenizer_loading):
 
 
 @pytest.mark.parametrize("overrides, message", [
-    ({"num_generations": 1}, "num_generations=1: GRPO needs at least 2"),
+    ({"num_generations": 1}, "num_generations=1: the trainer samples each prompt's completions as a group, of at "
+                             "least 2"),
+    ({"gamma": 0.9}, "gamma=0.9 shapes PPO's value head and GAE, and this run has none .value_head is false.: set "
+                     "algorithm: ppo, or remove gamma"),
+    ({"vf_coef": 0.5}, "vf_coef=0.5 shapes PPO's value head"),
+    ({"cliprange_value": None}, "cliprange_value=None shapes PPO's value head"),
     ({"micro_batch_size": 5}, "micro_batch_size=5 does not divide the 16 completions"),
     ({"reward_funcs": ["no_such_reward"]}, "no_such_reward"),
     ({"reward_funcs": ["nomodule_xyz:f"]}, "nomodule_xyz"),

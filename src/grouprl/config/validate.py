@@ -181,8 +181,9 @@ def validate_config(cfg: C) -> C:
         raise ConfigError("train_data is empty: pass a .jsonl/.csv/.parquet file with a "
                           "`prompt` column, e.g. --train_data prompts.jsonl")
     if c.num_generations < 2:
-        raise ConfigError(f"num_generations={c.num_generations}: GRPO needs at least 2 "
-                          "completions per prompt to form a group baseline; use 2 or more")
+        raise ConfigError(f"num_generations={c.num_generations}: the trainer samples each prompt's completions as "
+                          "a group, of at least 2 (GRPO's baseline is the group's mean; PPO and distillation "
+                          "sample groups too, docs/algorithms.md §1.8): use 2 or more")
     for name in ("prompts_per_step", "max_completion_length", "max_steps",
                  "num_iterations", "logging_steps", "max_sampling_rounds"):
         if getattr(c, name) < 1:
@@ -610,3 +611,9 @@ def _check_value_function(c: TrainFields) -> None:
                           "10 x learning_rate")
     if c.cliprange_value is not None and not c.cliprange_value > 0:
         raise ConfigError(f"cliprange_value={c.cliprange_value} must be positive, or null for no value clipping")
+    if not c.value_head:  # as teacher_model without distill_coef: a setting that would do nothing is refused
+        defaults = {f.name: f.default for f in dataclasses.fields(c)}
+        for name in ("gamma", "lam", "vf_coef", "value_learning_rate", "cliprange_value"):
+            if getattr(c, name) != defaults[name]:
+                raise ConfigError(f"{name}={getattr(c, name)} shapes PPO's value head and GAE, and this run has "
+                                  f"none (value_head is false): set algorithm: ppo, or remove {name}")

@@ -12,6 +12,7 @@ its first paragraph.
                                           completions each (G; a multiple of G predicts larger G
                                           better), and report what GRPO would learn (preflight.py);
                                           --strict: exit 1 when fewer than SHARE (0.25) of groups teach
+                                          (GRPO-style baselines; not with PPO or a teacher)
     grouprl train --help                  every config field with its documentation
     grouprl vllm-serve MODEL [--tensor-parallel-size K] [--host H] [--port P] [vLLM flags...]
                                           a vLLM server for vllm_mode: server (docs/vllm.md)
@@ -322,7 +323,7 @@ def _preflight(cfg: TrainConfig, num_prompts: int, samples: int | None, strict: 
         print(table(report))
         out = Path(cfg.output_dir)
         print(f"written to {out / 'preflight.json'} and {out / 'preflight.png'}")
-    if strict is not None and teaching < strict:
+    if strict is not None and teaching < strict and report["groups_carry_the_signal"]:
         if ctx.is_main:
             print(f"grouprl preflight: error: only {teaching:.1%} of groups would teach (rewards not all equal "
                   f"at G={cfg.num_generations}), below --strict {strict:g}: follow the recommendations above "

@@ -132,9 +132,19 @@ def length_stats(lengths: torch.Tensor, truncated: torch.Tensor) -> dict[str, fl
             "max": int(lengths.max()), "truncation_rate": float(truncated.double().mean())}
 
 
-def update_passes(num_iterations: int, reference: bool, old_logprobs: bool, checkpointing: bool) -> int:
-    """An update's cost in forward passes over the step's completions (module docstring)."""
-    return num_iterations * (4 if checkpointing else 3) + int(reference) + int(old_logprobs)
+def update_passes(num_iterations: int, reference: bool, old_logprobs: bool, checkpointing: bool,
+                  teacher: bool = False, values: bool = False) -> int:
+    """An update's cost in forward passes over the step's completions (module docstring): with a
+    teacher (distillation) its log-prob pass too, and with a value head (PPO) the pass for V_old."""
+    return num_iterations * (4 if checkpointing else 3) + int(reference) + int(old_logprobs) + int(teacher) \
+        + int(values)
+
+
+def groups_carry_the_signal(cfg: Any) -> bool:
+    """Whether a group whose rewards are all equal teaches nothing: under GRPO-style group baselines,
+    yes; with PPO's value head (the baseline is V, not the group) or a teacher (every token is scored
+    against it) such groups still teach, so the teaching share is for information only."""
+    return not cfg.value_head and not (cfg.distill_coef or 0) > 0
 
 
 # ---------------------------------------------------------------------- samples
@@ -259,6 +269,7 @@ def summarize(s: Samples, cfg: Any, device: torch.device = torch.device("cpu")) 
         "correlations": correlations,
         "lengths": {**length_stats(s.lengths, s.truncated), "max_completion_length": cfg.max_completion_length},
         "timing": _timing(s, cfg, 1.0 - zero_var, device),
+        "groups_carry_the_signal": groups_carry_the_signal(cfg),
     }
     report["recommendations"] = recommendations(report, cfg.temperature)
     return report
@@ -275,8 +286,10 @@ def _timing(s: Samples, cfg: Any, teaching: float, device: torch.device) -> dict
     if cfg.dynamic_sampling:  # DAPO generates again until B groups teach
         rounds = expected_sampling_rounds(cfg.prompts_per_step, teaching, cfg.max_sampling_rounds)
     corrects = cfg.use_vllm and cfg.vllm_importance_sampling_correction is not False  # vLLM's log-probs kept
-    passes = update_passes(cfg.num_iterations, cfg.beta > 0, cfg.num_iterations > 1 or corrects,
-                           checkpoint_mode(cfg.gradient_checkpointing, device) == "always")  # auto: per device
+    distills = (cfg.distill_coef or 0) > 0  # d = log pi_T - log pi_old: the old log-probs are computed
+    passes = update_passes(cfg.num_iterations, cfg.beta > 0, cfg.num_iterations > 1 or corrects or distills,
+                           checkpoint_mode(cfg.gradient_checkpointing, device) == "always",  # auto: per device
+                           teacher=distills, values=bool(cfg.value_head))
     update = passes * s.forward_s * step_completions / completions[0]
     step = rounds * (gen + reward) + update
     return {"generated_tokens": int(s.lengths.sum()), "generate_seconds": sum(s.generate_s),
@@ -312,7 +325,8 @@ def recommendations(report: dict[str, Any], temperature: float) -> list[dict[str
     out = []
     G, total, diff = report["num_generations"], report["total"], report["difficulty"]
     teaching = total["teaching_share"]
-    if teaching < LOW_TEACHING:
+    grouped = report.get("groups_carry_the_signal", True)  # PPO, distillation: flat groups teach all the same
+    if grouped and teaching < LOW_TEACHING:
         better = [(int(g), 1 - z) for g, z in total["predicted_zero_variance_share"].items()
                   if int(g) > G and 1 - z >= teaching + RAISE_G_GAIN]
         n = report["samples_per_prompt"]
@@ -326,7 +340,7 @@ def recommendations(report: dict[str, Any], temperature: float) -> list[dict[str
                                   "whether a larger num_generations would help",
                         "reason": f"only {teaching:.0%} of groups teach at G={G}, and beyond {n} samples per "
                                   "prompt the predictions are plug-in estimates, which cannot show a gain"})
-    if diff["too_easy"] >= SKEWED_PROMPTS or diff["too_hard"] >= SKEWED_PROMPTS:
+    if grouped and (diff["too_easy"] >= SKEWED_PROMPTS or diff["too_hard"] >= SKEWED_PROMPTS):
         out.append({"advice": "filter the prompts (drop those always or never solved, or pick harder/easier data)",
                     "reason": f"{diff['too_easy']:.0%} of prompts are always passed and {diff['too_hard']:.0%} "
                               f"never (reward {diff['reward']}, {report['samples_per_prompt']} samples each): "
@@ -442,7 +456,9 @@ def table(report: dict[str, Any]) -> str:
                      f"{v['zero_variance_share']:>13.1%}  "
                      + "  ".join(f"{v['predicted_zero_variance_share'][g]:>6.1%}" for g in sizes))
     diff, lengths, t = report["difficulty"], report["lengths"], report["timing"]
-    lines += ["", f"groups that teach at G={G}: {report['total']['teaching_share']:.1%}",
+    lines += ["", f"groups that teach at G={G}: {report['total']['teaching_share']:.1%}"
+              + ("" if report.get("groups_carry_the_signal", True) else " (for information: the value head or the "
+                 "teacher gives every completion a signal, flat groups included)"),
               f"prompts ({diff['reward']}): too easy {diff['too_easy']:.1%}, too hard {diff['too_hard']:.1%}, "
               f"informative {diff['informative']:.1%}"]
     lines += [f"correlation {c['a']} ~ {c['b']}: " + ("n/a" if c["r"] is None else f"{c['r']:+.2f}")

@@ -267,6 +267,14 @@ def test_cli_preflight_writes_the_report_and_strict_fails(make_cfg, tmp_path, ca
     assert main(["preflight", str(path), "--prompts", "4", "--strict", "0"]) == 0
     assert main(["preflight", "--strict", str(path), "--prompts", "4"]) == 1  # the file is not --strict's value
     assert "below --strict 0.25" in capsys.readouterr().err
+    # PPO: the value head is the baseline, so flat groups teach too: the share informs, --strict passes
+    assert main(["preflight", str(path), "--prompts", "4", "--strict", "--algorithm", "ppo"]) == 0
+    out = capsys.readouterr().out
+    assert "groups that teach at G=4: 0.0% (for information: the value head or the teacher" in out
+    assert "raise num_generations" not in out and "filter the prompts" not in out
+    report = json.loads((Path(cfg.output_dir) / "preflight.json").read_text())
+    assert report["groups_carry_the_signal"] is False
+    assert report["timing"]["update_forward_passes"] == 3 + 1  # one training pass (mu = 1) and the value pass
 
     assert main(["preflight", str(path), "--prompts", "0"]) == 2
     assert "--prompts 0: preflight needs at least one prompt" in capsys.readouterr().err

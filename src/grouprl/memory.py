@@ -96,7 +96,8 @@ def token_budget(setting: int | str | None, model: torch.nn.Module, device: torc
     if config is None or not hasattr(config, "hidden_size"):
         return CUDA_BUDGET_RANGE[0]
     weights = sum(p.numel() for p in model.parameters())
-    state = 12 * trainable + int(vllm_share * total) + (2 * weights if autocast else 0)
+    state = 12 * trainable + int(vllm_share * total) + (2 * weights if autocast else 0) + _head_backward_bytes(
+        model, autocast)
     per_token = activation_bytes_per_token(config, checkpointing)
     budget = cuda_budget(free, state, per_token)
     logger.info("max_tokens_per_micro_batch=auto: %d tokens per pass on %s (a quarter of the %.1f GiB free after "
@@ -105,6 +106,17 @@ def token_budget(setting: int | str | None, model: torch.nn.Module, device: torc
                                                                                         if autocast else ""),
                 per_token // 1024, " with checkpointing" if checkpointing else "")
     return budget
+
+
+def _head_backward_bytes(model: torch.nn.Module, autocast: bool) -> int:
+    """What the chunked LM head's backward holds beside the activations (core/head_logprobs.py): an fp32
+    [V, H] gradient it accumulates over the chunks when the head trains (4 bytes a weight), and under
+    bf16 autocast a bf16 copy of the head it multiplies with (2). At V = 152k and H = 4096: 3.7 GB."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    weight = getattr(head, "weight", None)
+    if weight is None:
+        return 0
+    return weight.numel() * (4 * int(weight.requires_grad) + 2 * int(autocast))
 
 
 def is_out_of_memory(error: BaseException) -> bool:

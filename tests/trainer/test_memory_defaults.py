@@ -67,6 +67,26 @@ def test_auto_on_cuda_counts_what_comes_after_it_colocated_vllm_and_autocasts_we
     assert later == memory.cuda_budget(free, 12 * weights + int(0.3 * total) + 2 * weights, 327_680) == 8192
 
 
+def test_auto_on_cuda_counts_the_chunked_heads_backward(monkeypatch):
+    """The chunked LM head's backward accumulates an fp32 [V, H] gradient (4 bytes a head weight when the
+    head trains) and multiplies with a bf16 copy of the head under autocast (2 more): counted as state."""
+    class WithHead(torch.nn.Sequential):
+        def get_output_embeddings(self):
+            return self[1]
+
+    model = WithHead(torch.nn.Linear(1024, 1024, bias=False), torch.nn.Linear(512, 512, bias=False))
+    model.config = Shape
+    weights, head = 1024 * 1024 + 512 * 512, 512 * 512
+    free = 40 * 2**30 + 14 * weights + head  # 2^15 tokens of 327,680 bytes fit a quarter of it, less the head's
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (free, 80 * 2**30))
+    assert memory._head_backward_bytes(model, autocast=True) == 6 * head
+    assert memory.cuda_budget(free, 14 * weights, 327_680) == 32768  # without the head's backward
+    assert memory.token_budget("auto", model, torch.device("cuda"), checkpointing=True, autocast=True) == 16384
+    model[1].weight.requires_grad_(False)  # a frozen head (LoRA): only autocast's bf16 copy
+    assert memory._head_backward_bytes(model, autocast=True) == 2 * head
+    assert memory._head_backward_bytes(model, autocast=False) == 0
+
+
 def test_the_config_takes_auto_a_number_or_null_and_names_anything_else():
     base = dict(model="m", train_data="d.jsonl", output_dir="o", reward_funcs=["math_accuracy"])
     for ok in ("auto", 4096, None):

@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import gc
+import inspect
 import math
 import os
 from dataclasses import dataclass
@@ -200,15 +201,18 @@ def wrap_model(model: torch.nn.Module, ctx: DistContext, strategy: str) -> torch
         return model
     from torch.nn.parallel import DistributedDataParallel
 
-    # broadcast_buffers=False: DDP's default broadcasts rank 0's buffers in each synced forward, a collective
-    # per forward, but a micro-batch takes one forward or two (policy.completion_forward: the shared-prompt
-    # pass runs the prompts first), chosen by its content, so ranks on different paths wait in mismatched
-    # collectives until the timeout. A language model has no buffers to keep in step (no running statistics;
-    # rotary tables are computed alike on every rank).
+    # No buffers synced before each forward: DDP's default broadcasts rank 0's buffers in each synced forward,
+    # a collective per forward, but a micro-batch takes one forward or two (policy.completion_forward: the
+    # shared-prompt pass runs the prompts first), chosen by its content, so ranks on different paths wait in
+    # mismatched collectives until the timeout. A language model has no buffers to keep in step (no running
+    # statistics; rotary tables are computed alike on every rank). torch >= 2.13 names it forward_sync_buffers
+    # (and warns on every run at broadcast_buffers); it still syncs the buffers once at the start, which is harmless.
+    no_sync = {"forward_sync_buffers": False} if "forward_sync_buffers" in inspect.signature(
+        DistributedDataParallel).parameters else {"broadcast_buffers": False}
     # gradient_as_bucket_view: each gradient is a view into DDP's all-reduce buckets, which DDP holds anyway,
     # rather than a second copy beside them (4 bytes a trainable parameter less in the update; torch's docs)
     return DistributedDataParallel(model, device_ids=[ctx.local_rank] if ctx.device.type == "cuda" else None,
-                                   broadcast_buffers=False, gradient_as_bucket_view=True)
+                                   gradient_as_bucket_view=True, **no_sync)
 
 
 def shard_model(model: torch.nn.Module) -> torch.nn.Module:

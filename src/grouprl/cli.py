@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if args.help else 2
     notices = logging.getLogger("grouprl")  # grouprl's own notices: the sandbox in force, warnings
     if not any(isinstance(h, _StderrHandler) for h in notices.handlers):
-        notices.addHandler(_StderrHandler())
+        notices.addHandler(_StderrHandler(int(os.environ.get("RANK", "0") or 0)))
         notices.setLevel(logging.INFO)
     cfg = None
     try:
@@ -154,10 +154,16 @@ def _help_body() -> str:
 
 
 class _StderrHandler(logging.Handler):
-    """Prints a record to the sys.stderr of the moment (not the one at import)."""
+    """Prints a record to the sys.stderr of the moment (not the one at import). Under torchrun the
+    notices (INFO) come from rank 0 alone, once rather than once a rank; another rank's warnings are
+    printed, marked with its rank."""
+
+    def __init__(self, rank: int = 0):
+        super().__init__(logging.INFO if rank == 0 else logging.WARNING)
+        self.prefix = "grouprl: " if rank == 0 else f"grouprl (rank {rank}): "
 
     def emit(self, record: logging.LogRecord) -> None:
-        print(f"grouprl: {record.getMessage()}", file=sys.stderr)
+        print(f"{self.prefix}{record.getMessage()}", file=sys.stderr)
 
 
 def _train(cfg: TrainConfig, *, resume: bool, again: str) -> int:

@@ -135,3 +135,25 @@ def test_a_runs_config_names_its_files_absolutely_so_eval_works_from_anywhere(ma
     (scored,) = [json.loads(line) for line in (work / "run" / "evals.jsonl").read_text().splitlines()]
     assert scored["model"] == str(work / "run" / "checkpoints" / "step-000002" / "model")  # not as typed, relative
     assert scored["eval_data"] == str(work / "data" / "digits.jsonl")
+
+
+def test_under_torchrun_notices_come_from_rank_0_and_other_ranks_warn_with_their_rank(capsys):
+    """8 ranks printed each notice 8 times; a warning of rank 3 says it is rank 3's."""
+    import logging
+
+    from grouprl.cli import _StderrHandler
+
+    log = logging.getLogger("grouprl.test_notices")
+    log.propagate = False  # the handler main() put on "grouprl" in earlier tests would print them again
+    for rank in (0, 3):
+        handler = _StderrHandler(rank)
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
+        try:
+            log.info("generation_compile: auto stays eager")
+            log.warning("the sandbox is weak here")
+        finally:
+            log.removeHandler(handler)
+    assert capsys.readouterr().err.splitlines() == [
+        "grouprl: generation_compile: auto stays eager", "grouprl: the sandbox is weak here",
+        "grouprl (rank 3): the sandbox is weak here"]

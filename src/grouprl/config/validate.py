@@ -532,12 +532,16 @@ SERVER_ONLY = ("vllm_server_host", "vllm_server_port", "vllm_server_timeout_s", 
                "vllm_weight_transfer", "vllm_weight_transfer_address")
 
 
+def _changed(c: TrainFields, names: tuple[str, ...] | list[str]) -> list[str]:
+    """Those of `names` whose value is not the schema's default: settings the run was given."""
+    defaults = {f.name: f.default for f in dataclasses.fields(c) if f.name in names}
+    return [name for name in names if getattr(c, name) != defaults[name]]
+
+
 def _check_vllm_mode_fields(c: TrainFields) -> None:
     """A vLLM setting changed from its default that the run would not read (without use_vllm, or in the
     other vllm_mode) is refused: a run that silently ignores it samples otherwise than its config says."""
-    defaults = {f.name: f.default for f in dataclasses.fields(c)}
-    changed = [name for name in (*COLOCATED_ONLY, *SERVER_ONLY, "vllm_lora_sync") if getattr(c, name) != defaults[name]]
-    for name in changed:
+    for name in _changed(c, (*COLOCATED_ONLY, *SERVER_ONLY, "vllm_lora_sync")):
         value = f"{name}={getattr(c, name)!r}"
         if not c.use_vllm:
             raise ConfigError(f"{value} is a vLLM setting, and use_vllm is false: set use_vllm: true, or remove it")
@@ -611,9 +615,8 @@ def _check_value_function(c: TrainFields) -> None:
                           "10 x learning_rate")
     if c.cliprange_value is not None and not c.cliprange_value > 0:
         raise ConfigError(f"cliprange_value={c.cliprange_value} must be positive, or null for no value clipping")
-    if not c.value_head:  # as teacher_model without distill_coef: a setting that would do nothing is refused
-        defaults = {f.name: f.default for f in dataclasses.fields(c)}
-        for name in ("gamma", "lam", "vf_coef", "value_learning_rate", "cliprange_value"):
-            if getattr(c, name) != defaults[name]:
-                raise ConfigError(f"{name}={getattr(c, name)} shapes PPO's value head and GAE, and this run has "
-                                  f"none (value_head is false): set algorithm: ppo, or remove {name}")
+    changed = _changed(c, ("gamma", "lam", "vf_coef", "value_learning_rate", "cliprange_value"))
+    if changed and not c.value_head:  # as teacher_model without distill_coef: a setting that does nothing
+        name = changed[0]
+        raise ConfigError(f"{name}={getattr(c, name)} shapes PPO's value head and GAE, and this run has "
+                          f"none (value_head is false): set algorithm: ppo, or remove {name}")

@@ -325,7 +325,7 @@ def recommendations(report: dict[str, Any], temperature: float) -> list[dict[str
     out = []
     G, total, diff = report["num_generations"], report["total"], report["difficulty"]
     teaching = total["teaching_share"]
-    grouped = report.get("groups_carry_the_signal", True)  # PPO, distillation: flat groups teach all the same
+    grouped = report["groups_carry_the_signal"]  # PPO, distillation: flat groups teach all the same
     if grouped and teaching < LOW_TEACHING:
         better = [(int(g), 1 - z) for g, z in total["predicted_zero_variance_share"].items()
                   if int(g) > G and 1 - z >= teaching + RAISE_G_GAIN]
@@ -457,7 +457,7 @@ def table(report: dict[str, Any]) -> str:
                      + "  ".join(f"{v['predicted_zero_variance_share'][g]:>6.1%}" for g in sizes))
     diff, lengths, t = report["difficulty"], report["lengths"], report["timing"]
     lines += ["", f"groups that teach at G={G}: {report['total']['teaching_share']:.1%}"
-              + ("" if report.get("groups_carry_the_signal", True) else " (for information: the value head or the "
+              + ("" if report["groups_carry_the_signal"] else " (for information: the value head or the "
                  "teacher gives every completion a signal, flat groups included)"),
               f"prompts ({diff['reward']}): too easy {diff['too_easy']:.1%}, too hard {diff['too_hard']:.1%}, "
               f"informative {diff['informative']:.1%}"]

@@ -241,8 +241,8 @@ class Trainer:
                     self.respond_to_alarms({}, progress, final=True, log=True)  # the run is over: reported only
                     self.save(weights=False)  # eval_after, recorded beside that checkpoint
         progress.close()
-        summary = D.gather_objects(self.dist, {**self.logger.summary(self.step, self.evals),  # rank 0 reads
-                                               **self.best.summary()})[0]  # the metrics: its summary, on every rank
+        summary = D.broadcast_object(self.dist, {**self.logger.summary(self.step, self.evals),  # rank 0 reads
+                                                 **self.best.summary()})  # the metrics: its summary, on every rank
         if self.best.record is not None and self.cfg.load_best_model_at_end:
             load_trainable_weights(self.best.checkpoint, self.model)  # training_state.py
             self.weights_version += 1

@@ -158,7 +158,7 @@ async def _awaited(func: Callable[..., Any], kwargs: dict) -> str:
         value = await func(**kwargs)
     except (SystemExit, KeyboardInterrupt) as e:  # a task re-raises these out of the event loop, ending the batch
         raise RuntimeError(repr(e)) from None
-    return _shown(value) if isinstance(value, str) else await _in_daemon_thread(_shown, {"value": value})
+    return _shown(value) if isinstance(value, str) else await _in_daemon_thread(lambda: value, {})
 
 
 def _in_daemon_thread(func: Callable[..., Any], kwargs: dict) -> asyncio.Future:

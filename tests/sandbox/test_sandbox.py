@@ -474,10 +474,8 @@ def test_a_run_killed_at_its_deadline_leaves_no_zombie_to_a_subreaper():
         return
     results = run_code_batch(spin, [[{"input": "", "output": ""}]] * 4, max_workers=4, **FAST)
     assert [r.status for r in results] == ["timeout"] * 4
-    deadline = time.monotonic() + 5.0
+    deadline = time.monotonic() + 60.0  # a no-hang bound: with the reaper the children go within moments
     while (left := {p: s for p, s in own_children().items() if p not in before}) and time.monotonic() < deadline:
-        if all(s == "Z" for s in left.values()) and time.monotonic() > deadline - 4.0:
-            break  # only zombies for a second: nothing is reaping them
         time.sleep(0.02)
     assert left == {}
 

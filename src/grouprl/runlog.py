@@ -33,15 +33,18 @@ def _eval_curve(rows: list[dict[str, Any]]) -> tuple[str, str]:
 class RunLogger:
     """Appends one JSON line per step to metrics.jsonl and reports the scalars to the trackers named
     in `report_to` (trackers.py). On resume from step S, lines after S (written by the interrupted
-    run after its last checkpoint) are dropped, so the file reads as if the run had never stopped.
+    run after its last checkpoint) are dropped, so the file reads as if the run had never stopped;
+    with `eval_again`, so are step S's eval lines (an eval the killed run logged but never recorded
+    beside the checkpoint, which this run makes again).
 
     A tracker that fails to start is a `TrackerError` (the trackers already started are closed): a
     run never trains untracked by surprise. One that raises mid-run is warned about once and dropped:
     training goes on, and metrics.jsonl keeps every number. In a distributed run only rank 0 writes:
     the other ranks pass `enabled=False`, which makes every method a no-op."""
 
-    def __init__(self, output_dir: str | Path, *, resume_step: int = 0, report_to: tuple[str, ...] = ("tensorboard",),
-                 enabled: bool = True, config: dict[str, Any] | None = None, run_name: str | None = None):
+    def __init__(self, output_dir: str | Path, *, resume_step: int = 0, eval_again: bool = False,
+                 report_to: tuple[str, ...] = ("tensorboard",), enabled: bool = True,
+                 config: dict[str, Any] | None = None, run_name: str | None = None):
         self.dir = Path(output_dir)
         self.enabled = enabled
         self.trackers: list[Tracker] = []
@@ -50,8 +53,8 @@ class RunLogger:
         if not enabled:
             return
         self.dir.mkdir(parents=True, exist_ok=True)
-        for path in (self.metrics_path, self.samples_path):
-            _truncate_after(path, resume_step)
+        _truncate_after(self.metrics_path, resume_step, "eval/" if eval_again else None)
+        _truncate_after(self.samples_path, resume_step)
         for name in dict.fromkeys(report_to):
             if name != "none":
                 self._start(name, run_name or self.dir.name, config or {}, resume_step)
@@ -198,8 +201,9 @@ class Progress:
             self.close()
 
 
-def _truncate_after(path: Path, step: int) -> None:
-    """Keep the rows of steps <= `step` (a resumed run writes the later ones again). A last line
+def _truncate_after(path: Path, step: int, drop_at_step: str | None = None) -> None:
+    """Keep the rows of steps <= `step` (a resumed run writes the later ones again), less those of
+    `step` itself with a key that starts with `drop_at_step` (an eval logged again). A last line
     that is not JSON was cut off by a kill in mid-append and is dropped with its step; a damaged
     line anywhere else is an error that names it. The kept rows go to a new file that replaces the
     old one whole, so a failed write (a full disk) loses no row already logged."""
@@ -217,7 +221,8 @@ def _truncate_after(path: Path, step: int) -> None:
                 break
             raise ValueError(f"{path}: line {i + 1} is not JSON ({e.msg}); the run log is damaged there: "
                              "delete that line to resume") from None
-        if row.get("step", 0) <= step:
+        at = row.get("step", 0)
+        if at < step or at == step and not (drop_at_step and any(k.startswith(drop_at_step) for k in row)):
             keep.append(line)
     tmp = path.with_name(f".{path.name}.tmp")  # the same folder: the rename stays on one filesystem
     tmp.write_text("".join(line + "\n" for line in keep))

@@ -199,7 +199,9 @@ class Trainer:
         if main:
             out.mkdir(parents=True, exist_ok=True)
             cfg.save_yaml(out / "config.yaml", absolute=True)  # local paths absolute: readable from anywhere
-        self.logger = RunLogger(out, resume_step=self.step, report_to=tuple(cfg.report_to), enabled=main,
+        again = self.eval_ds is not None and not finished and (self._eval_pending or self.step >= cfg.max_steps)
+        self.logger = RunLogger(out, resume_step=self.step, eval_again=again,  # its step's eval: logged, not recorded
+                                report_to=tuple(cfg.report_to), enabled=main,
                                 config={**cfg.to_dict(), **run_metadata(self.dist)}, run_name=cfg.run_name)
         progress = Progress(cfg.max_steps, self.step, cfg.progress and main, silent=not main)
         saved = self.step if resume else None  # the step whose checkpoint is on disk

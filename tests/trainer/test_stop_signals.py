@@ -151,6 +151,39 @@ def test_a_signal_during_eval_after_finds_the_last_step_saved(make_cfg, tmp_path
     assert Trainer(cut).train(resume=True) == resumed  # finished: eval_after is recorded beside step 3
 
 
+class KilledInRecord(Exception):
+    pass
+
+
+@pytest.mark.parametrize("where", ["eval_after", "made_up"])
+def test_a_kill_between_an_eval_and_its_record_logs_it_once(make_cfg, tmp_path, where):
+    """An eval after the checkpoint of its step (eval_after, or one made up on resume) is logged, then
+    recorded beside that checkpoint (loop.pt). Killed between the two, the resumed run evaluates again:
+    the first row of that eval goes, as the rows of steps after a checkpoint do, so it is logged once."""
+    kw = dict(max_steps=4, save_steps=4, eval_steps=2, eval_fraction=0.1, max_eval_samples=4)
+    cut = make_cfg(output_dir=str(tmp_path / "cut"), **kw)
+    trainer = Trainer(cut)
+    if where == "made_up":  # stopped in step 2 with its eval pending; the resumed run makes it up, then is killed
+        _send_at(trainer, "updater.optimizer_step", 2)
+        with pytest.raises(TrainingStopped):
+            trainer.train()
+        trainer = Trainer(cut)
+
+    def killed_in_record(weights=True, original=trainer.save):
+        if not weights:
+            raise KilledInRecord  # the eval's row is in metrics.jsonl, loop.pt not yet written
+        return original(weights)
+
+    trainer.save = killed_in_record
+    with pytest.raises(KilledInRecord):
+        trainer.train(resume=where == "made_up")
+    eval_step = 4 if where == "eval_after" else 2
+    assert [r["step"] for r in read_metrics(cut.output_dir) if "eval/accuracy" in r][-1] == eval_step
+    Trainer(cut).train(resume=True)
+    evals = [r["step"] for r in read_metrics(cut.output_dir) if "eval/accuracy" in r]
+    assert evals == [0, 2, 4]
+
+
 def test_an_eval_made_up_on_resume_is_logged_once_if_the_run_crashes_before_its_next_save(make_cfg, tmp_path):
     """Stopped in step 2 (its eval left pending), resumed (the eval made up, not a best, so no new
     checkpoint), crashed in step 3, resumed again: the made-up eval is recorded beside step 2's

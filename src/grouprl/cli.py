@@ -4,6 +4,8 @@ its first paragraph.
     grouprl train                         the embedded default: the shipped policy learns addition
     grouprl train run.yaml --beta 0.04    a config file, with command-line overrides
     grouprl train run.yaml --resume       continue the run in output_dir from its latest checkpoint
+    grouprl train run.yaml --resume auto  continue it if it has a checkpoint, else start it (a job a
+                                          scheduler requeues runs the same command every time)
     grouprl eval run.yaml --model runs/x/checkpoints/step-000100/model
     grouprl eval --model runs/x/checkpoints/step-000100/model
                                           without a config file: the run's own runs/x/config.yaml
@@ -51,7 +53,7 @@ from grouprl.runlog import strict_json
 from grouprl.signals import TrainingStopped, exit_code
 from grouprl.trackers import TrackerError
 
-USAGE = """grouprl train [CONFIG.yaml] [--field value ...] [--resume]
+USAGE = """grouprl train [CONFIG.yaml] [--field value ...] [--resume [auto]]
        grouprl eval  [CONFIG.yaml] [--field value ...]
        grouprl preflight [CONFIG.yaml] [--prompts N] [--samples M] [--strict [SHARE]] [--field value ...]
        grouprl vllm-serve MODEL [--tensor-parallel-size K] [--host H] [--port P] [vLLM flags ...]"""
@@ -69,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="grouprl", usage=USAGE, add_help=False)
     parser.add_argument("command", nargs="?", choices=("train", "eval", "preflight", "vllm-serve"))
     parser.add_argument("config", nargs="?")
-    parser.add_argument("--resume", action="store_true")
+    parser.add_argument("--resume", nargs="?", const=True, default=False)  # or "auto": resume if there is a checkpoint
     parser.add_argument("-h", "--help", action="store_true")
     checks = argparse.Namespace(prompts=64, samples=None, strict=None)
     if argv[:1] == ["preflight"]:  # its own options, taken first: `--prompts 8` must not become the config
@@ -78,8 +80,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.config is not None and args.config.startswith("--"):  # `grouprl train --beta 0`
         overrides.insert(0, args.config)
         args.config = None
+    if isinstance(args.resume, str) and args.resume != "auto":  # `grouprl train --resume run.yaml`
+        overrides.insert(0, args.resume)
+        args.resume = True
     if args.config is None and overrides[:1] and overrides[0].endswith((".yaml", ".yml")):
-        args.config = overrides.pop(0)  # `grouprl train --resume run.yaml`: argparse left the file over
+        args.config = overrides.pop(0)  # `grouprl train --beta 0 run.yaml`: argparse left the file over
     if args.help or args.command is None:
         try:
             print(f"usage: {USAGE}\n\n{_help_body()}\n")
@@ -166,7 +171,7 @@ class _StderrHandler(logging.Handler):
         print(f"{self.prefix}{record.getMessage()}", file=sys.stderr)
 
 
-def _train(cfg: TrainConfig, *, resume: bool, again: str) -> int:
+def _train(cfg: TrainConfig, *, resume: bool | str, again: str) -> int:
     """`again`: the command that continues this run, printed if a signal stops it."""
     from grouprl.data import DataError
     from grouprl.distributed import barrier, destroy_distributed, init_distributed
@@ -177,7 +182,7 @@ def _train(cfg: TrainConfig, *, resume: bool, again: str) -> int:
     ctx = init_distributed(cfg.ddp_timeout)  # under torchrun: one process group for the run (docs/distributed.md)
     trainer, stopped = None, None
     try:
-        prepare_output_dir(cfg, ctx, resume)  # a folder that holds a run, or --resume of none: before any model loads
+        resume = prepare_output_dir(cfg, ctx, resume)  # a run's folder, --resume of none: before a model loads
         trainer = Trainer(cfg)
         try:
             summary = trainer.train(resume=resume)
@@ -219,7 +224,8 @@ def _train(cfg: TrainConfig, *, resume: bool, again: str) -> int:
 def resume_command(argv: list[str]) -> str:
     """The command that continues this run: its own arguments with --resume, under torchrun with the
     launcher (one machine: its exact command; several: the flags each machine was started with)."""
-    args = shlex.join([*[a for a in argv if a != "--resume"], "--resume"])
+    auto = any(a == "--resume=auto" or a == "--resume" and b == "auto" for a, b in zip(argv, [*argv[1:], ""]))
+    args = shlex.join(argv if auto else [*[a for a in argv if a != "--resume"], "--resume"])  # auto resumes too
     world, local = os.environ.get("WORLD_SIZE", "1"), os.environ.get("LOCAL_WORLD_SIZE", "1")
     if world == "1":
         return f"grouprl {args}"

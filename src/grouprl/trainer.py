@@ -188,12 +188,12 @@ class Trainer:
         self._cfg, self.loss_params = cfg, policy_loss_params(cfg)
 
     # ------------------------------------------------------------------ the loop
-    def train(self, *, resume: bool = False) -> dict[str, Any]:
-        """Train to max_steps (resume: continue the run in output_dir) and return the summary. The first SIGTERM
-        or SIGINT ends the run after the current step, with a checkpoint, and raises `TrainingStopped`; a second
-        stops at once (signals.py)."""
+    def train(self, *, resume: bool | str = False) -> dict[str, Any]:
+        """Train to max_steps (resume: continue the run in output_dir; "auto": if it has a checkpoint, else start
+        it) and return the summary. The first SIGTERM or SIGINT ends the run after the current step, with a
+        checkpoint, and raises `TrainingStopped`; a second stops at once (signals.py)."""
         cfg, out = self.cfg, Path(self.cfg.output_dir)
-        prepare_output_dir(cfg, self.dist, resume)  # what a killed save left; a new run in an old run's folder
+        resume = prepare_output_dir(cfg, self.dist, resume)  # a killed save's leftovers; --resume auto
         finished = resume and self._resume()  # nothing left to train or evaluate: only the summary
         main = self.dist.is_main  # only rank 0 writes
         if main:

@@ -14,6 +14,7 @@ logged, and a new `learning_rate` scales the restored schedule (the schedule's s
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -71,17 +72,25 @@ class LoopState:
     finished: bool = False        # restored: the run is over (restore_training_state)
 
 
-def prepare_output_dir(cfg: TrainConfig, dist: D.DistContext, resume: bool) -> None:
+def prepare_output_dir(cfg: TrainConfig, dist: D.DistContext, resume: bool | str) -> bool:
     """Before a run reads or writes a checkpoint: rank 0 recovers what a save killed midway left
     (checkpoint.recover_interrupted_saves), every rank waiting; a new run refuses a folder that holds a
     run: a checkpoint, or the metrics of one that stopped before its first save; --resume needs a
-    checkpoint. `grouprl train` calls it before any model loads, and `Trainer.train` again."""
+    checkpoint. `resume="auto"` (for a job a scheduler requeues with the same command) continues from
+    the latest checkpoint if there is one, and otherwise starts the run; the metrics of one that stopped
+    before its first save are moved aside (`*.jsonl.lost`). Returns whether the run resumes. `grouprl
+    train` calls it before any model loads, and `Trainer.train` again."""
     out = Path(cfg.output_dir)
     if out.exists() and not out.is_dir():
         raise ConfigError(f"output_dir={str(cfg.output_dir)!r} is a file, not a folder: choose a folder for the run")
+    if resume not in (True, False, "auto"):
+        raise ConfigError(f"resume={resume!r}: pass True (continue the run in output_dir), False (a new run) or "
+                          "'auto' (continue it if it has a checkpoint, else start it)")
     if dist.is_main:
         recover_interrupted_saves(cfg.output_dir)
     D.barrier(dist)
+    over = resume == "auto" and latest_checkpoint(cfg.output_dir) is None  # started (again) from its first step
+    resume = not over if resume == "auto" else bool(resume)
     if not resume and latest_checkpoint(cfg.output_dir) is not None:
         raise ConfigError(f"output_dir={str(cfg.output_dir)!r} already holds a run with checkpoints: pass "
                           "--resume (from Python: train(resume=True)) to continue it, or choose a new output_dir")
@@ -94,10 +103,21 @@ def prepare_output_dir(cfg: TrainConfig, dist: D.DistContext, resume: bool) -> N
                           "config file?), and a run writes its resolved config there: choose another output_dir "
                           f"(e.g. {str(out / 'run')!r}), or move the file")
     logged = out / "metrics.jsonl"
-    if not resume and logged.is_file() and logged.stat().st_size:  # a run that stopped before its first save
+    if not resume and not over and logged.is_file() and logged.stat().st_size:  # stopped before its first save
         raise ConfigError(f"output_dir={str(cfg.output_dir)!r} already holds a run's metrics.jsonl but no checkpoint "
                           "(it stopped before its first save), which a new run would overwrite: choose a new "
-                          "output_dir, or move that run's files away (it cannot be resumed)")
+                          "output_dir, move that run's files away (it cannot be resumed), or start it over with "
+                          "--resume auto")
+    if over:  # that run's rows kept aside, not lost: the new run appends to these files
+        if dist.is_main and logged.is_file() and logged.stat().st_size:
+            for name in ("metrics.jsonl", "samples.jsonl"):
+                if (out / name).is_file():
+                    os.replace(out / name, out / f"{name}.lost")
+            logger.warning("--resume auto: %s holds no checkpoint (its run stopped before its first save): the run "
+                           "starts over; the rows that run logged are kept aside in metrics.jsonl.lost and "
+                           "samples.jsonl.lost", cfg.output_dir)
+        D.barrier(dist)
+    return resume
 
 
 def save_training_state(cfg: TrainConfig, dist: D.DistContext, parts: TrainingParts, loop: LoopState,

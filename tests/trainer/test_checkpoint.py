@@ -479,3 +479,55 @@ def test_a_rollback_snapshot_of_cuda_weights_is_made_in_host_memory():
     assert list(snap["weights"]) == ["w"] and snap["weights"]["w"].device.type == "cpu"
     state = snap["optimizer"]["state"][0]
     assert {k: v.device.type for k, v in state.items()} == {"exp_avg": "cpu", "exp_avg_sq": "cpu", "step": "cpu"}
+
+
+def test_resume_auto_starts_a_run_then_continues_it_then_leaves_it_finished(make_cfg, tmp_path):
+    """`--resume auto`, for a job a scheduler requeues with the same command: a new run starts, one cut
+    short continues from its checkpoint exactly as the uninterrupted run, and a finished one stays finished."""
+    kw = dict(max_steps=4, save_steps=2, beta=0.04)
+    full = make_cfg(output_dir=str(tmp_path / "full"), **kw)
+    Trainer(full).train()
+    cut = make_cfg(output_dir=str(tmp_path / "cut"), **kw)
+    trainer = Trainer(cut)
+    original = trainer.train_step
+
+    def crash_in_step_4():
+        if trainer.step == 3:
+            raise Crash
+        return original()
+
+    trainer.train_step = crash_in_step_4
+    with pytest.raises(Crash):
+        trainer.train(resume="auto")  # a new run: nothing to resume yet
+    assert [p.name for p in list_checkpoints(cut.output_dir)] == ["step-000002"]
+    summary = Trainer(cut).train(resume="auto")
+    assert summary["steps"] == 4
+    assert _strip_timing(read_metrics(cut.output_dir)) == _strip_timing(read_metrics(full.output_dir))
+    again = Trainer(cut)
+    again.train_step = lambda: pytest.fail("a finished run trained again")
+    assert again.train(resume="auto")["steps"] == 4
+    with pytest.raises(ConfigError, match="resume='yes': pass True .* or 'auto'"):
+        Trainer(cut).train(resume="yes")
+
+
+def test_resume_auto_starts_over_a_run_that_stopped_before_its_first_save(make_cfg, tmp_path, capsys, caplog):
+    """A run killed before its first checkpoint cannot be resumed, and a plain new run refuses its folder
+    (naming --resume auto); `--resume auto` starts it over and keeps the lost run's rows aside."""
+    from grouprl.cli import main, resume_command
+
+    cfg = make_cfg(max_steps=2)
+    out = Path(cfg.output_dir)
+    out.mkdir(parents=True)
+    lost = '{"step": 1, "reward/mean": 0.5}\n'
+    (out / "metrics.jsonl").write_text(lost)
+    cfg.save_yaml(tmp_path / "run.yaml")
+    assert main(["train", str(tmp_path / "run.yaml")]) == 2
+    assert "or start it over with --resume auto" in capsys.readouterr().err
+    with caplog.at_level("WARNING", logger="grouprl.training_state"):
+        assert main(["train", str(tmp_path / "run.yaml"), "--resume", "auto"]) == 0
+    assert caplog.text.count("the run starts over; the rows that run logged are kept aside") == 1
+    assert (out / "metrics.jsonl.lost").read_text() == lost
+    assert [r["step"] for r in read_metrics(cfg.output_dir) if "reward/mean" in r] == [1, 2]
+    argv = ["train", "run.yaml", "--resume", "auto"]
+    assert resume_command(argv) == "grouprl train run.yaml --resume auto"  # what a signal's message prints
+    assert resume_command(["train", "run.yaml", "--resume"]) == "grouprl train run.yaml --resume"

@@ -366,3 +366,49 @@ def test_making_the_answer_text_is_within_the_timeout():
     assert [(r.content, r.status) for row in batch.results for r in row] == [
         ("error: slow_to_show did not finish within 2 s", "timeout"),
         ("error: slow_to_show_async did not finish within 2 s", "timeout"), ("3", "ok")]
+
+
+def test_a_tool_whose_timed_out_calls_pile_up_gets_no_new_threads(monkeypatch, caplog):
+    """Python cannot stop a timed-out plain-function call: its thread runs on. A tool that hangs now and
+    then would pile such threads up over a long run until the process could start no more. Past
+    ABANDONED_LIMIT calls still running, its calls are answered with an error without a thread (warned
+    once); the other tools run as before, and once the hung calls end, the tool runs again."""
+    import grouprl.tools.execute as execute
+
+    gate = threading.Event()
+
+    def stuck(n: int) -> str:
+        """Wait for the gate.
+
+        Args:
+            n: Any number.
+        """
+        gate.wait(60)
+        return f"through {n}"
+
+    tools = resolve_tools([stuck, add])
+    monkeypatch.setattr(execute, "ABANDONED_LIMIT", 3)
+    threads = lambda: sum(t.name == "tool-stuck" for t in threading.enumerate())  # noqa: E731
+    with caplog.at_level("WARNING", logger="grouprl.tools.execute"):
+        first = execute_calls([[ToolCall("stuck", {"n": i})] for i in range(3)], tools, timeout_s=0.05)
+        assert [r[0].status for r in first.results] == ["timeout"] * 3
+        assert execute.abandoned_calls("stuck") == 3 and threads() == 3
+        later = execute_calls([[ToolCall("stuck", {"n": 9}), ToolCall("add", {"a": 1, "b": 2})]] * 2, tools,
+                              timeout_s=0.05)
+    for row in later.results:
+        assert row[0].status == "error" and "3 of its earlier calls timed out and are still running" in row[0].content
+        assert (row[1].status, row[1].content) == ("ok", "3")
+    assert threads() == 3  # no thread started for the refused calls
+    from grouprl.rollout.types import trajectory_metrics
+
+    gauge = trajectory_metrics({"tool_calls": 6.0, "trajectories": 2.0})["multiturn/tool_calls_abandoned"]
+    assert gauge == execute.abandoned_calls() >= 3  # the process's count (other tests' hung calls included)
+    assert caplog.text.count("tool stuck: 3 of its calls timed out and are still running") == 1
+    gate.set()
+    for _ in range(600):  # the hung calls end: nothing is abandoned any more
+        if execute.abandoned_calls("stuck") == 0:
+            break
+        time.sleep(0.1)
+    assert execute.abandoned_calls("stuck") == 0
+    again = execute_calls([[ToolCall("stuck", {"n": 1})]], tools, timeout_s=30)
+    assert (again.results[0][0].status, again.results[0][0].content) == ("ok", "through 1")

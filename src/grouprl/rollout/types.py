@@ -224,6 +224,10 @@ def trajectory_metrics(counts: dict[str, float]) -> dict[str, float]:
     out = {f"multiturn/{k}_per_trajectory": counts.get(k, 0.0) / n
            for k in ("tool_calls", "tool_errors", "tool_timeouts", "parse_failures", "turns")}
     out.update({f"multiturn/stop_{r}_frac": counts.get(f"stop_{r}", 0.0) / n for r in STOP_REASONS})
+    if "tool_calls" in counts:  # a gauge of this process, not a count of the step: threads Python cannot stop
+        from grouprl.tools.execute import abandoned_calls
+
+        out["multiturn/tool_calls_abandoned"] = float(abandoned_calls())
     out["time/tools"] = counts.get("tool_seconds", 0.0)
     out["time/environment"] = counts.get("env_seconds", 0.0)
     return out

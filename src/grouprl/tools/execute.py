@@ -8,8 +8,11 @@ which runs in the call's thread, or in a thread of its own after an `async def` 
 tool does raises here: an exception, a timeout, an unknown tool, bad arguments or a return value
 that cannot be shown as text become a result whose content tells the model what went wrong, and
 whose status counts it. Python cannot kill a thread: a timed-out plain function runs on, abandoned,
-and cannot block interpreter exit. A timed-out `async def` tool is cancelled; one that ignores the
-cancellation runs on, abandoned, on the loop's daemon thread.
+and cannot block interpreter exit. Abandoned calls still running are counted per tool
+(`abandoned_calls`); a tool with `ABANDONED_LIMIT` of them gets no new thread (its calls are answered
+with an error, once warned about) until some end, so a tool that hangs now and then cannot exhaust
+the process's threads over a long run. A timed-out `async def` tool is cancelled; one that ignores
+the cancellation runs on, abandoned, on the loop's daemon thread.
 Limit: an `async def` tool that blocks (calls `time.sleep` or other blocking code without awaiting)
 holds the event loop, so every call of the batch waits for it and no timeout fires until it yields;
 make blocking work a plain function, or await it through `asyncio.to_thread`.
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import threading
 import time
 from collections.abc import Sequence
@@ -30,6 +34,38 @@ from .base import Tool, ToolCall, check_call, truncate
 from .parsing import ParseError
 
 STATUSES = ("ok", "error", "timeout", "parse_error")
+ABANDONED_LIMIT = 64  # per tool: its timed-out plain-function calls still running; past it, no new thread
+
+logger = logging.getLogger(__name__)
+_abandoned: dict[str, int] = {}  # tool name -> its calls still running after their timeout
+_abandoned_lock = threading.Lock()
+
+
+def abandoned_calls(tool: str | None = None) -> int:
+    """Timed-out calls of plain-function tools (of `tool`, else of all) still running in this process:
+    threads Python cannot stop."""
+    with _abandoned_lock:
+        return _abandoned.get(tool, 0) if tool is not None else sum(_abandoned.values())
+
+
+class _Ticket:
+    """One plain-function call's thread: "running", then "done", or "abandoned" at its timeout (counted
+    in `_abandoned` until the thread ends)."""
+
+    def __init__(self, name: str):
+        self.name, self.state = name, "running"
+
+    def abandon(self) -> None:
+        with _abandoned_lock:
+            if self.state == "running":
+                self.state = "abandoned"
+                _abandoned[self.name] = _abandoned.get(self.name, 0) + 1
+
+    def end(self) -> None:
+        with _abandoned_lock:
+            if self.state == "abandoned":
+                _abandoned[self.name] -= 1
+            self.state = "done"
 
 
 @dataclass(frozen=True)
@@ -125,13 +161,21 @@ async def _run_call(call: ToolCall, tools: dict[str, Tool], timeout_s: float) ->
     if problem is not None:
         return ToolResult(call.name, f"error: {problem}", "error")
     tool = tools[call.name]
+    ticket = None if tool.is_async else _Ticket(call.name)
+    if ticket is not None and (held := _abandoned.get(call.name, 0)) >= ABANDONED_LIMIT:
+        _warn_once(call.name, held)
+        return ToolResult(call.name, f"error: {call.name} is unavailable: {held} of its earlier calls timed out "
+                          "and are still running", "error")
     start = time.monotonic()
-    pending = _awaited(tool.func, call.arguments) if tool.is_async else _in_daemon_thread(tool.func, call.arguments)
+    pending = _awaited(tool.func, call.arguments) if tool.is_async else _in_daemon_thread(tool.func, call.arguments,
+                                                                                          ticket)
     task = asyncio.ensure_future(pending)
     done, _ = await asyncio.wait({task}, timeout=timeout_s)  # not wait_for: a tool's own TimeoutError is an error
     took = time.monotonic() - start
     if not done:
         task.cancel()
+        if ticket is not None:
+            ticket.abandon()
         return ToolResult(call.name, f"error: {call.name} did not finish within {timeout_s:g} s", "timeout", took)
     try:
         text = task.result()
@@ -141,6 +185,17 @@ async def _run_call(call: ToolCall, tools: dict[str, Tool], timeout_s: float) ->
     except BaseException as e:  # even SystemExit, or a CancelledError of the tool's own
         return ToolResult(call.name, f"error: {call.name} raised {_describe(e)}", "error", took)
     return ToolResult(call.name, text, "ok", took)
+
+
+_warned: set[str] = set()
+
+
+def _warn_once(name: str, held: int) -> None:
+    if name not in _warned:
+        _warned.add(name)
+        logger.warning("tool %s: %d of its calls timed out and are still running (Python cannot stop a thread); its "
+                       "new calls are answered with an error until some of them end. Give the tool a time limit of "
+                       "its own (e.g. a network read's timeout)", name, held)
 
 
 def _describe(e: BaseException) -> str:
@@ -161,9 +216,9 @@ async def _awaited(func: Callable[..., Any], kwargs: dict) -> str:
     return _shown(value) if isinstance(value, str) else await _in_daemon_thread(lambda: value, {})
 
 
-def _in_daemon_thread(func: Callable[..., Any], kwargs: dict) -> asyncio.Future:
+def _in_daemon_thread(func: Callable[..., Any], kwargs: dict, ticket: _Ticket | None = None) -> asyncio.Future:
     """`func(**kwargs)`, made text, in a new daemon thread (so the call's timeout bounds both); the future
-    settles on the calling loop."""
+    settles on the calling loop. `ticket` is ended when the thread is."""
     loop = asyncio.get_running_loop()
     future = loop.create_future()
 
@@ -182,6 +237,9 @@ def _in_daemon_thread(func: Callable[..., Any], kwargs: dict) -> asyncio.Future:
             # a Future refuses StopIteration (it would end a generator), so it travels wrapped like SystemExit
             wrap = not isinstance(e, Exception) or isinstance(e, StopIteration)
             value, error = None, RuntimeError(repr(e)) if wrap else e
+        finally:
+            if ticket is not None:
+                ticket.end()
         try:
             loop.call_soon_threadsafe(settle, value, error)
         except RuntimeError:  # the loop has closed: this call timed out and was abandoned

@@ -83,15 +83,6 @@ def _nothing_loads(no_tokenizer_loading):
     ({"vllm_max_model_length": 10}, "vllm_max_model_length=10 is shorter than max_prompt_length"),
     ({"kl_estimator": "k1", "beta": 0.04}, "kl_estimator=k1 with beta=0.04: added to the loss, k1 = logp - "
                                            "ref_logp has a gradient of zero in expectation"),
-    # a vLLM setting the run would not read: without use_vllm, or in the other mode
-    ({"vllm_enforce_eager": True}, "vllm_enforce_eager=True is a vLLM setting, and use_vllm is false: set "
-                                   "use_vllm: true, or remove it"),
-    ({"use_vllm": True, "vllm_mode": "server", "vllm_max_model_length": 4096},
-     "vllm_max_model_length=4096 shapes the colocated engine, and vllm_mode is server, whose engine is set where it "
-     "starts: grouprl vllm-serve MODEL --max-model-len ...; remove vllm_max_model_length"),
-    ({"use_vllm": True, "vllm_mode": "server", "vllm_dtype": "float32"}, "grouprl vllm-serve MODEL --dtype"),
-    ({"use_vllm": True, "vllm_server_port": 8001}, "vllm_server_port=8001 applies to vllm_mode: server, and this "
-                                                   "run colocates vLLM: remove it, or set vllm_mode: server"),
     ({"use_vllm": True, "vllm_mode": "server", "async_rollouts": True, "partial_rollouts": True, "max_staleness": 0},
      "partial_rollouts with max_staleness=0: nothing is generated ahead"),
     ({"use_vllm": True, "temperature": 3.0},
@@ -100,6 +91,37 @@ def _nothing_loads(no_tokenizer_loading):
 def test_config_errors_name_the_field(make_cfg, overrides, message):
     with pytest.raises((ConfigError, ValueError), match=message.replace("(", r"\(").replace("[", r"\[")):
         Trainer(make_cfg(**overrides))
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"vllm_enforce_eager": True}, "vllm_enforce_eager=True is a vLLM setting, and use_vllm is false: it is ignored"),
+    ({"use_vllm": True, "vllm_mode": "server", "vllm_max_model_length": 4096},
+     "vllm_max_model_length=4096 shapes the colocated engine, and vllm_mode is server, whose engine is set where it "
+     "starts (grouprl vllm-serve MODEL --max-model-len ...): it is ignored here"),
+    ({"use_vllm": True, "vllm_mode": "server", "vllm_dtype": "float32"}, "grouprl vllm-serve MODEL --dtype"),
+    ({"use_vllm": True, "vllm_server_port": 8001}, "vllm_server_port=8001 applies to vllm_mode: server, and this "
+                                                   "run colocates vLLM: it is ignored"),
+])
+def test_a_vllm_setting_the_run_will_not_read_is_said_once(make_cfg, caplog, overrides, message):
+    """Said, not refused: a run's own config.yaml holds every setting it ran with, so it must still
+    evaluate with --use_vllm false on a machine without vLLM (it was refused, with advice a command line
+    could not follow), and a config written when a vLLM default differed must still resume."""
+    import grouprl.config.validate as validate
+
+    validate._warned.clear()
+    cfg = make_cfg(**overrides)
+    with caplog.at_level("WARNING", logger="grouprl.config.validate"):
+        cfg.validate()
+        cfg.validate()  # where the trainer starts, again
+    assert caplog.text.count(message) == 1
+
+
+def test_a_vllm_runs_config_evaluates_without_vllm(make_cfg, tmp_path):
+    """The case the refusal broke: a vLLM run's resolved config.yaml, with --use_vllm false."""
+    cfg = make_cfg(use_vllm=True, vllm_gpu_memory_utilization=0.5, vllm_enable_sleep_mode=True)
+    cfg.save_yaml(tmp_path / "config.yaml", absolute=True)
+    got = build_config(str(tmp_path / "config.yaml"), ["--use_vllm", "false"], command="eval")
+    assert not got.use_vllm and got.vllm_gpu_memory_utilization == 0.5
 
 
 def test_missing_prompt_column(make_cfg, tmp_path):

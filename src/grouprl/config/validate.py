@@ -12,6 +12,7 @@ settings are checked by core's check_loss_settings, which LossParams runs too.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import re
 from typing import Any, TypeVar
@@ -25,6 +26,8 @@ from grouprl.tools import FORMATS
 from .errors import ConfigError
 from .fieldtypes import check_type, field_types, value_matches
 from .schema import TrainFields
+
+logger = logging.getLogger(__name__)
 
 C = TypeVar("C", bound=TrainFields)
 
@@ -539,19 +542,32 @@ def _changed(c: TrainFields, names: tuple[str, ...] | list[str]) -> list[str]:
 
 
 def _check_vllm_mode_fields(c: TrainFields) -> None:
-    """A vLLM setting changed from its default that the run would not read (without use_vllm, or in the
-    other vllm_mode) is refused: a run that silently ignores it samples otherwise than its config says."""
+    """A vLLM setting changed from its default that the run will not read (without use_vllm, or in the
+    other vllm_mode) is said in a warning, once: a run that ignored it silently would sample otherwise
+    than its config seems to say. Not an error: a run's own config.yaml holds every setting it ran
+    with, so `grouprl eval --model RUN/... --use_vllm false` on a machine without vLLM, or a config
+    written when a vLLM default differed, must still run."""
     for name in _changed(c, (*COLOCATED_ONLY, *SERVER_ONLY, "vllm_lora_sync")):
         value = f"{name}={getattr(c, name)!r}"
         if not c.use_vllm:
-            raise ConfigError(f"{value} is a vLLM setting, and use_vllm is false: set use_vllm: true, or remove it")
-        if c.vllm_mode == "server" and name in COLOCATED_ONLY:
-            raise ConfigError(f"{value} shapes the colocated engine, and vllm_mode is server, whose engine is "
-                              f"set where it starts: grouprl vllm-serve MODEL {COLOCATED_ONLY[name]} ...; remove "
-                              f"{name} from the run's config")
-        if c.vllm_mode == "colocate" and name in SERVER_ONLY:
-            raise ConfigError(f"{value} applies to vllm_mode: server, and this run colocates vLLM: remove it, "
-                              "or set vllm_mode: server")
+            _warn_once(f"{value} is a vLLM setting, and use_vllm is false: it is ignored (set use_vllm: true to "
+                       "use it)")
+        elif c.vllm_mode == "server" and name in COLOCATED_ONLY:
+            _warn_once(f"{value} shapes the colocated engine, and vllm_mode is server, whose engine is set where it "
+                       f"starts (grouprl vllm-serve MODEL {COLOCATED_ONLY[name]} ...): it is ignored here")
+        elif c.vllm_mode == "colocate" and name in SERVER_ONLY:
+            _warn_once(f"{value} applies to vllm_mode: server, and this run colocates vLLM: it is ignored (set "
+                       "vllm_mode: server to use it)")
+
+
+_warned: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    """A config warning, once per process (a config is validated again where the trainer starts)."""
+    if message not in _warned:
+        _warned.add(message)
+        logger.warning(message)
 
 
 def _names_something(spec: Any) -> bool:

@@ -331,8 +331,8 @@ def optimizer_state_by_name(optimizer: torch.optim.Optimizer, module: torch.nn.M
     or under DDP, resumes under FSDP2. The indices are read against `optimizer`'s own groups, which the
     same settings build in the same order."""
     names = {id(p): name for name, p in module.named_parameters()}
-    by_index = {i: names[id(p)] for saved, group in zip(state["param_groups"], optimizer.param_groups)
-                for i, p in zip(saved["params"], group["params"])}
+    by_index = {i: names[id(p)] for saved, group in zip(state["param_groups"], optimizer.param_groups, strict=True)
+                for i, p in zip(saved["params"], group["params"], strict=True)}  # (optim.check_group_layout first)
     return {"state": {by_index[i]: s for i, s in state["state"].items()},
             "param_groups": [{**g, "params": [by_index[i] for i in g["params"]]} for g in state["param_groups"]]}
 

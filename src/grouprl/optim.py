@@ -29,7 +29,7 @@ def make_optimizer(cfg: TrainConfig, model: torch.nn.Module, value_head: torch.n
     fused = all(type(p) is torch.nn.Parameter for g in groups for p in g["params"]) or None
     optimizer = torch.optim.AdamW(groups, lr=cfg.learning_rate, weight_decay=cfg.weight_decay,
                                   betas=(cfg.adam_beta1, cfg.adam_beta2), fused=fused)
-    optimizer.register_load_state_dict_pre_hook(_check_group_layout)
+    optimizer.register_load_state_dict_pre_hook(check_group_layout)
     total = cfg.max_steps * cfg.num_iterations
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_schedule(cfg.lr_scheduler_type, cfg.warmup_steps,
                                                                          total))
@@ -52,9 +52,9 @@ def _decay_groups(params: list[torch.nn.Parameter], lr: float, weight_decay: flo
                         {"params": no_decay, "lr": lr, "weight_decay": 0.0}) if g["params"]]
 
 
-def _check_group_layout(optimizer: torch.optim.Optimizer, state: dict) -> None:
-    """Before a checkpoint's optimizer state loads: its groups hold as many parameters each as this
-    run's (torch would only say the lengths differ)."""
+def check_group_layout(optimizer: torch.optim.Optimizer, state: dict) -> None:
+    """Before a checkpoint's optimizer state loads (or is converted between by-index and by-name forms):
+    its groups hold as many parameters each as this run's (torch would only say the lengths differ)."""
     saved, own = [len(g["params"]) for g in state["param_groups"]], [len(g["params"]) for g in optimizer.param_groups]
     if saved != own:
         raise ConfigError(f"the checkpoint's optimizer state has parameter groups of {saved} parameters, this run's "

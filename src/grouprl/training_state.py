@@ -28,7 +28,7 @@ from grouprl.checkpoint import (CheckpointMismatch, DamagedCheckpoint, check_fit
                                 recover_interrupted_saves, restore_rng_states, rng_states, save_checkpoint,
                                 write_loop_state)
 from grouprl.config import RUN_CONFIG_HEADER, ConfigError, TrainConfig, changed_settings
-from grouprl.optim import scale_learning_rate, value_learning_rate
+from grouprl.optim import check_group_layout, scale_learning_rate, value_learning_rate
 from grouprl.value import optimized_modules
 
 logger = logging.getLogger(__name__)
@@ -162,14 +162,24 @@ def restore_training_state(cfg: TrainConfig, dist: D.DistContext, parts: Trainin
     sharded = D.is_sharded(parts.model)
     try:
         if sharded:  # rank 0 reads the whole checkpoint; each rank takes its shard from it (D.load_full_state)
-            weights, ref_weights, state = read_checkpoint(ckpt) if dist.is_main else ({}, {}, {})
+            weights, ref_weights, state, failed = {}, {}, {}, None
             if dist.is_main:
-                check_fits(ckpt, weights, parts.model)
-                _check_value_head(ckpt, parts, state)
-                if not state.get("sharded_optimizer"):  # written unsharded: by index
-                    state["optimizer"] = D.optimizer_state_by_name(parts.optimizer, parts.optimized, state["optimizer"])
+                try:
+                    weights, ref_weights, state = read_checkpoint(ckpt)
+                    check_fits(ckpt, weights, parts.model)
+                    _check_value_head(ckpt, parts, state)
+                    if not state.get("sharded_optimizer"):  # written unsharded: by index
+                        check_group_layout(parts.optimizer, state["optimizer"])
+                        state["optimizer"] = D.optimizer_state_by_name(parts.optimizer, parts.optimized,
+                                                                       state["optimizer"])
+                except Exception as e:  # noqa: BLE001 - every rank raises it, not rank 0 alone while the others wait
+                    failed = e
             optimizer = state.pop("optimizer", {})  # the rest of the state, small, goes to every rank
-            state = D.broadcast_object(dist, {**state, "has_ref": ref_weights is not None})
+            state = D.broadcast_object(dist, {**state, "has_ref": ref_weights is not None,
+                                              "failed": None if failed is None else _portable(failed)})
+            if state["failed"] is not None:
+                raise failed or _rebuilt(state["failed"])
+            state.pop("failed")
             has_ref = state.pop("has_ref")
             D.load_full_state(parts.model, weights, parts.optimizer, optimizer, parts.optimized)
             if parts.ref_model is not None and has_ref:
@@ -187,6 +197,8 @@ def restore_training_state(cfg: TrainConfig, dist: D.DistContext, parts: Trainin
     if parts.value_head is not None:
         parts.value_head.load_state_dict(state["value_head"])
     if not sharded:  # written sharded (FSDP2 on several processes): by parameter name
+        if state.get("sharded_optimizer"):
+            check_group_layout(parts.optimizer, state["optimizer"])
         parts.optimizer.load_state_dict(D.optimizer_state_by_index(parts.optimizer, parts.optimized,
                                                                    state["optimizer"])
                                         if state.get("sharded_optimizer") else state["optimizer"])
@@ -255,6 +267,25 @@ def record_loop_state(cfg: TrainConfig, dist: D.DistContext, parts: TrainingPart
                                 "guard": parts.guard.state_dict()})
     D.barrier(dist)
     return path
+
+
+_PORTABLE = (ConfigError, CheckpointMismatch, DamagedCheckpoint)  # raised again on every rank as themselves
+
+
+def _portable(error: Exception) -> tuple[str, str]:
+    """An error rank 0 met reading a checkpoint, as every rank can take it by broadcast (any exception's
+    pickling is not assured): its kind and message."""
+    kind = next((t.__name__ for t in _PORTABLE if isinstance(error, t)), type(error).__name__)
+    return kind, str(error)
+
+
+def _rebuilt(error: tuple[str, str]) -> Exception:
+    """`_portable`'s error on a rank that did not meet it: the same class where the handlers below know
+    it, else a RuntimeError that says where it came from."""
+    kind, message = error
+    known = {t.__name__: t for t in _PORTABLE}
+    return known[kind](message) if kind in known else RuntimeError(f"rank 0 failed to read the checkpoint: "
+                                                                   f"{kind}: {message}")
 
 
 def _check_value_head(ckpt: Path, parts: TrainingParts, state: dict[str, Any]) -> None:

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from grouprl import distributed as D
-from grouprl.config import TrainConfig
+from grouprl.config import ConfigError, TrainConfig
 from grouprl.core import LOSS_AGGREGATIONS
 from grouprl.rollout import Rollout
 from grouprl.batch import StepBatch
@@ -161,12 +161,19 @@ def fsdp2_train_save_resume(cfg: TrainConfig, algorithm: str = "grpo") -> dict[s
             and opt_a.keys() == opt_b.keys()
             and all(torch.equal(torch.as_tensor(opt_a[k][s]), torch.as_tensor(opt_b[k][s]))
                     for k in opt_a for s in opt_a[k]))
+    refused = None
+    if algorithm == "grpo":  # a check that fails on rank 0 (which alone reads the checkpoint) fails every rank
+        try:
+            Trainer(replace(cfg, algorithm="ppo", beta=0.04))._resume()
+        except ConfigError as e:
+            refused = str(e)
     heads = [t.updater.value_head for t in (trainer, resumed)]
     if heads[0] is not None:
         same = same and all(torch.equal(x, y) for x, y in zip(heads[0].state_dict().values(),
                                                               heads[1].state_dict().values()))
     return {"loss": metrics["loss"], "step": resumed.step, "same_after_resume": same, "checkpoint": str(path),
             "reads_by_rank": D.gather_objects(resumed.dist, len(reads)), "budget_after_sharding": sized == [True],
+            "refused_by_rank": D.gather_objects(resumed.dist, refused),
             "num_state": len(a[1].get("state", {})),
             "value_head_moved": None if heads[0] is None else float(heads[0].linear.weight.abs().sum()),
             "rollback": rollback(trainer) if algorithm == "grpo" else None}

@@ -89,6 +89,8 @@ def test_update_two_ranks_equals_one_rank(strategy, one_rank, tiny_model_dir, di
         assert train["step"] == 1 and train["same_after_resume"] and train["num_state"] > 0
         assert train["budget_after_sharding"]
         assert train["reads_by_rank"] == [1, 0]  # rank 0 reads it whole; rank 1 takes its shards from rank 0's
+        refusals = train["refused_by_rank"]  # rank 0 alone met the error; rank 1 waited for its broadcast
+        assert len(set(refusals)) == 1 and "was written without a value head" in refusals[0], refusals
         ckpt = Path(train["checkpoint"])
         whole = AutoModelForCausalLM.from_pretrained(ckpt / "model")  # save_pretrained output, whole
         trained = load_file(ckpt / "trainable.safetensors")
@@ -185,3 +187,24 @@ def test_single_process_helpers_are_no_ops():
     assert D.shard_prompts(ctx, [5, 3, 9]) == [5, 3, 9]
     model = torch.nn.Linear(2, 2)
     assert D.wrap_model(model, ctx, "fsdp2") is model
+
+
+def test_a_checkpoint_of_another_group_layout_is_refused_before_either_conversion(make_cfg, tmp_path):
+    """weight_decay 0 -> 0.1 between the save and the resume: one optimizer group then two (decay and
+    no-decay). Converting the state to names read the groups pairwise and failed with a bare KeyError (or,
+    had the sizes lined up, put moments on the wrong parameters); the layout is now checked first, with
+    the advice the unsharded resume gives, and the conversion refuses a mismatch outright."""
+    from grouprl.config import ConfigError
+    from grouprl.optim import check_group_layout, make_optimizer
+
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.LayerNorm(4), torch.nn.Linear(4, 2))
+    saved, _ = make_optimizer(make_cfg(weight_decay=0.0), model)
+    model(torch.randn(5, 3)).pow(2).sum().backward()
+    saved.step()
+    state = saved.state_dict()
+    optimizer, _ = make_optimizer(make_cfg(weight_decay=0.1), model)
+    assert len(state["param_groups"]) == 1 and len(optimizer.param_groups) == 2
+    with pytest.raises(ConfigError, match=r"parameter groups of \[6\] parameters, this run's optimizer \[2, 4\]"):
+        check_group_layout(optimizer, state)
+    with pytest.raises(ValueError, match="zip"):
+        D.optimizer_state_by_name(optimizer, model, state)

@@ -91,7 +91,9 @@ def token_budget(setting: int | str | None, model: torch.nn.Module, device: torc
     if device.type != "cuda":
         return CPU_BUDGET
     free, total = torch.cuda.mem_get_info(device)
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    # this rank's own share (FSDP2: a DTensor's numel() is the whole parameter's, its gradient and AdamW
+    # moments are sharded); autocast's bf16 copies below are of the whole weights each layer gathers
+    trainable = sum(_local(p).numel() for p in model.parameters() if p.requires_grad)
     config = getattr(model, "config", None)
     if config is None or not hasattr(config, "hidden_size"):
         return CUDA_BUDGET_RANGE[0]
@@ -106,6 +108,11 @@ def token_budget(setting: int | str | None, model: torch.nn.Module, device: torc
                                                                                         if autocast else ""),
                 per_token // 1024, " with checkpointing" if checkpointing else "")
     return budget
+
+
+def _local(p: torch.Tensor) -> torch.Tensor:
+    """A parameter as this rank holds it: an FSDP2 shard's local tensor, else the parameter."""
+    return p.to_local() if hasattr(p, "to_local") else p
 
 
 def _head_backward_bytes(model: torch.nn.Module, autocast: bool) -> int:

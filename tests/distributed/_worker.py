@@ -173,10 +173,28 @@ def fsdp2_train_save_resume(cfg: TrainConfig, algorithm: str = "grpo") -> dict[s
                                                               heads[1].state_dict().values()))
     return {"loss": metrics["loss"], "step": resumed.step, "same_after_resume": same, "checkpoint": str(path),
             "reads_by_rank": D.gather_objects(resumed.dist, len(reads)), "budget_after_sharding": sized == [True],
-            "refused_by_rank": D.gather_objects(resumed.dist, refused),
+            "refused_by_rank": D.gather_objects(resumed.dist, refused), "budget_state": budget_state(trainer),
             "num_state": len(a[1].get("state", {})),
             "value_head_moved": None if heads[0] is None else float(heads[0].linear.weight.abs().sum()),
             "rollback": rollback(trainer) if algorithm == "grpo" else None}
+
+
+def budget_state(trainer: Trainer) -> dict[str, int]:
+    """What the automatic token budget charges this rank for gradients and AdamW state under FSDP2 (the CUDA
+    path, its free memory faked), against 12 bytes a parameter of this rank's shards and of the whole model."""
+    from grouprl import memory
+
+    seen, own_budget, own_info = {}, memory.cuda_budget, torch.cuda.mem_get_info
+    memory.cuda_budget = lambda free, state, per_token: seen.setdefault("state", state) and 4096
+    torch.cuda.mem_get_info = lambda device=None: (60 << 30, 80 << 30)
+    try:
+        memory.token_budget("auto", trainer.model, torch.device("cuda", 0), True)
+    finally:
+        memory.cuda_budget, torch.cuda.mem_get_info = own_budget, own_info
+    params = [p for p in trainer.model.parameters() if p.requires_grad]
+    head = memory._head_backward_bytes(trainer.model, False)
+    return {"charged": seen["state"] - head, "shards": 12 * sum(p.to_local().numel() for p in params),
+            "whole": 12 * sum(p.numel() for p in params)}
 
 
 def rollback(trainer: Trainer) -> dict[str, bool]:

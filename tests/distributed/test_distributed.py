@@ -89,6 +89,8 @@ def test_update_two_ranks_equals_one_rank(strategy, one_rank, tiny_model_dir, di
         assert train["step"] == 1 and train["same_after_resume"] and train["num_state"] > 0
         assert train["budget_after_sharding"]
         assert train["reads_by_rank"] == [1, 0]  # rank 0 reads it whole; rank 1 takes its shards from rank 0's
+        charge = train["budget_state"]  # FSDP2: each rank is charged its shards' gradients and AdamW state
+        assert charge["charged"] == charge["shards"] < charge["whole"], charge
         refusals = train["refused_by_rank"]  # rank 0 alone met the error; rank 1 waited for its broadcast
         assert len(set(refusals)) == 1 and "was written without a value head" in refusals[0], refusals
         ckpt = Path(train["checkpoint"])

@@ -405,8 +405,14 @@ def _dequantized_folder(folder: str, gguf_file: str) -> str:
         save_model_folder(load_policy(folder, gguf_file=gguf_file), work)
         load_tokenizer(folder, gguf_file=gguf_file).save_pretrained(work)
         (work / "COMPLETE").write_text("1\n")
-        shutil.rmtree(out, ignore_errors=True)
-        work.rename(out)
+        try:
+            work.rename(out)  # renamed into place only complete: a folder there is never replaced
+        except OSError:  # another vllm-serve of the file finished first (its server may be reading it)
+            if not (out / "COMPLETE").is_file():  # not a finished folder: what an older version left
+                shutil.rmtree(out, ignore_errors=True)
+                work.rename(out)
+            else:
+                shutil.rmtree(work, ignore_errors=True)
     return str(out)
 
 

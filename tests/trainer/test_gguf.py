@@ -283,3 +283,26 @@ def test_vllm_serve_of_a_gguf_file_serves_the_trainers_dequantized_weights(gguf_
     assert load_tokenizer(str(served)).get_vocab() == load_tokenizer(str(gguf_dir), "tiny-q4_1.gguf").get_vocab()
     cli.main(["vllm-serve", str(gguf_dir / "tiny-q4_1.gguf"), "--dtype", "float32"])  # the folder again
     assert ran[-1][ran[-1].index("--model") + 1] == str(served) and "dequantizing" not in capsys.readouterr().err
+
+
+def test_two_vllm_serves_of_one_gguf_file_started_together_keep_the_first_folder(gguf_dir, monkeypatch, tmp_path):
+    """Both find no finished folder and dequantize. The one that finishes second used to delete the first's
+    folder (its server reading it) and rename its own in; now a finished folder is never replaced, and the
+    second's own work is dropped."""
+    import grouprl.checkpoint as checkpoint
+    from grouprl import cli
+
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    real_save, first, calls = checkpoint.save_model_folder, [], []
+
+    def save_while_the_other_finishes(model, path):
+        real_save(model, path)
+        calls.append(path)
+        if len(calls) == 1:  # meanwhile the other server's dequantizing finished and was renamed into place
+            first.append(cli._dequantized_folder(str(gguf_dir), "tiny-q4_1.gguf"))
+            (Path(first[0]) / "served-by-the-first").write_text("1\n")
+
+    monkeypatch.setattr(checkpoint, "save_model_folder", save_while_the_other_finishes)
+    second = cli._dequantized_folder(str(gguf_dir), "tiny-q4_1.gguf")
+    assert second == first[0] and (Path(second) / "served-by-the-first").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [Path(second).name]  # the second's work folder is gone

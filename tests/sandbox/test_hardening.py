@@ -91,3 +91,20 @@ def test_every_slot_held_is_a_sandbox_error_after_the_claim_timeout(lock_dir, mo
         for fd in held:
             os.close(fd)
     assert res.status == "sandbox_error" and "all 2 slots" in res.detail
+
+
+def test_a_32_bit_python_on_a_64_bit_kernel_gets_no_seccomp_filter_of_the_kernels_abi():
+    """platform.machine() names the kernel's machine; a 32-bit Python there makes its syscalls in the
+    other ABI, every one of which the memory filter refuses: the launcher would fail at its next call.
+    Such a Python gets no filter (the memfd gap stays, as on machines the filter does not know). Run in a
+    process of its own, with sys.maxsize made a 32-bit Python's; before the guard, the filter went in."""
+    import subprocess
+    import sys
+
+    script = ("import os, sys; sys.maxsize = 2**31 - 1\n"
+              "from grouprl.sandbox import launch\n"
+              "launch.libc.prctl(38, 1, 0, 0, 0)  # PR_SET_NO_NEW_PRIVS, as the launcher sets it first\n"
+              "launch._deny_unbounded_memory()\n"
+              "os.close(os.memfd_create('probe')); print('no filter')\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert done.stdout.strip() == "no filter", done.stderr

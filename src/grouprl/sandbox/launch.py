@@ -202,7 +202,7 @@ def _build_root(cfg, files, userns):
     for name, data in files.items():
         _write(os.path.join(root + SANDBOX_DIR, name), data, 0o444)
     _mount("none", root, None, MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV)
-    number = SYS_PIVOT_ROOT.get(platform.machine())
+    number = SYS_PIVOT_ROOT.get(platform.machine()) if sys.maxsize > 2**32 else None  # (a 32-bit ABI's differ)
     if number is None:
         raise OSError(f"pivot_root: no syscall number known for {platform.machine()}")
     os.chdir(root)
@@ -294,7 +294,9 @@ def _deny_unbounded_memory():
     open file, in each process). Also refused: syscalls of another ABI (i386's int 0x80, x32), whose
     numbers differ. Needs no_new_privs, and is kept across fork and exec. On a machine not in
     SECCOMP_ARCH, or a kernel without seccomp filters (EINVAL), the gap stays (docs/rewards.md)."""
-    arch = SECCOMP_ARCH.get(platform.machine())
+    # the kernel's machine; a 32-bit Python on it (a 32-bit userland on a 64-bit kernel) makes its
+    # syscalls in the other ABI, which this filter would refuse, every one
+    arch = SECCOMP_ARCH.get(platform.machine()) if sys.maxsize > 2**32 else None
     if arch is None:
         return
     audit_arch, memfd_create, shmget = arch

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import errno
 import importlib.util
 import logging
 import os
@@ -131,7 +132,8 @@ def _from_hub(what: str, name: str) -> Iterator[None]:
     try:
         yield
     except OSError as e:
-        if name.startswith("builtin:") or Path(name).expanduser().exists():
+        local = errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS  # this machine's disk: as it is
+        if name.startswith("builtin:") or Path(name).expanduser().exists() or e.errno in local:
             raise
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ConfigError(f"{what}={name!r} is not a local folder, and the Hugging Face hub did not give it ({first}): "

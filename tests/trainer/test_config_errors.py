@@ -1,5 +1,6 @@
 """Each bad input fails before any model loads, with a message that names the field and the fix."""
 
+import errno
 import json
 import logging
 import re
@@ -349,6 +350,14 @@ def test_a_hub_model_that_cannot_be_fetched_is_an_error_naming_the_fixes(monkeyp
         load_policy("org/name")
     with pytest.raises(OSError, match="We couldn't connect"):  # a local folder's error is its own
         load_policy(str(tmp_path))
+
+    def disk_full(*args, **kwargs):  # while the download writes into the cache: not the hub's fault
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", disk_full)
+    with pytest.raises(OSError, match="No space left on device") as raised:
+        load_tokenizer("org/name")
+    assert not isinstance(raised.value, ConfigError)
 
 
 def test_a_model_folder_without_a_model_names_the_one_inside(tmp_path):

@@ -806,6 +806,30 @@ def test_close_after_a_hung_server_returns_at_once(monkeypatch, tmp_path):
     httpd.shutdown()
 
 
+def test_a_passing_failure_does_not_stop_the_later_unloads_for_the_run(monkeypatch, tmp_path):
+    """An old adapter's unload that timed out once (suppressed mid-run) marked the server lost for good:
+    every later unload was skipped, and adapters piled up on a server that outlives the run. A call that
+    answers clears the mark."""
+    posts: list[str] = []
+    handler = type("Handler", (_Fake,), {"posts": posts})
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    httpd.daemon_threads = True
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    with monkeypatch.context() as m:
+        m.setattr(VLLMServerEngine, "_post", lambda self, path, body, what, probe=False: {
+            "results": [{"weight_transfer": "gloo", "lora_rank": 8}]})
+        e = VLLMServerEngine("127.0.0.1", httpd.server_address[1], eos_token_ids=(1,), pad_token_id=0,
+                             weight_dir=str(tmp_path), timeout_s=5, lora_rank=8, lora_sync="adapter")
+    e._lost = True  # as after an unload that timed out
+    e._call("GET", "/health", "check the server")
+    (tmp_path / "a").mkdir()
+    e._adapters.append(("a", tmp_path / "a"))
+    e._drop_oldest_adapter()
+    assert posts == ["/v1/unload_lora_adapter"] and not (tmp_path / "a").exists()
+    e.close()
+    httpd.shutdown()
+
+
 def test_a_server_of_another_model_is_named_before_the_first_sync(server, tiny_model_dir, tmp_path):
     """The server serves the tiny model (vocabulary 100) and the policy is the tool task's (103):
     the first sync failed inside the server with `Worker failed with error ''`. The probe reports

@@ -176,7 +176,7 @@ class VLLMServerEngine(GenerationEngine):
         self._adapters: deque[tuple[str, Path]] = deque()  # rank 0: the adapters the server holds, oldest first
         self.keep_adapters = max(2, keep_adapters)
         self._pool = ThreadPoolExecutor(max_workers=32)
-        self._lost = False  # the server timed out or was unreachable: close() no longer calls it
+        self._lost = False  # the server's last call timed out or found it unreachable: close() does not call it
 
     def _lora_choice(self, rank: int, sync: str, served: int) -> int:
         """The adapter's rank when only the adapter is to be sent, else 0 (merged weights)."""
@@ -269,6 +269,7 @@ class VLLMServerEngine(GenerationEngine):
             self._lost = True
             raise VLLMServerError(f"vLLM server {self.host}:{self.port} is unreachable ({what}: "
                                   f"{type(e).__name__}): {self._hint()}") from e
+        self._lost = False  # it answers again: a failure a step ago (an unload's, suppressed) was passing
         return r
 
     def _get(self, path: str):

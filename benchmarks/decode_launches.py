@@ -91,7 +91,8 @@ def step_ops(shape: dict, layers: int, greedy: bool) -> collections.Counter:
     args = (dec, spec, longs[0], longs[1], longs[2], longs[3], torch.zeros(S, dtype=torch.bool, device=META),
             torch.empty(WIDTH - 1, dtype=torch.bool, device=META), dec.valid, dec.k, dec.v,
             torch.zeros(S + 1, WIDTH, dtype=torch.float64, device=META),
-            torch.zeros(S + 1, WIDTH, dtype=torch.long, device=META), torch.zeros(2, dtype=torch.long, device=META))
+            torch.zeros(S + 1, WIDTH, dtype=torch.long, device=META), torch.zeros(2, dtype=torch.long, device=META),
+            torch.full((S + 1,), WIDTH, dtype=torch.long, device=META))
     kernels = Kernels()
     with torch.no_grad(), kernels, FusedRmsNorm(kernels):
         cd.decode_step(*args)

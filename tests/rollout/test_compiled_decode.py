@@ -265,7 +265,7 @@ def test_compiled_bf16_logits_stay_within_bf16_tolerance_of_the_eager_step(compi
             W = comp.P + t
             tok_c, _, lc = step(comp, spec, tok_c, pos, cursor, torch.arange(N), torch.zeros(N, dtype=torch.bool),
                                 torch.empty(W), comp.valid, comp.k, comp.v, uniforms, completion,
-                                torch.tensor([tok.eos_token_id]))
+                                torch.tensor([tok.eos_token_id]), torch.full((N + 1,), 16))
             tol = 2 ** -7 * le.abs().amax(-1, keepdim=True)  # one bf16 rounding of the largest logit
             assert bool(((lc - le).abs() <= tol).all()), float((lc - le).abs().max())
             top2 = le.topk(2, -1).values
@@ -326,8 +326,8 @@ def _recording_keeps(monkeypatch):
         cd.CompiledDecodeLoop._compact
     monkeypatch.setattr(cd.CompiledDecodeLoop, "run", lambda self, *a, **k: (handed.append([]), run(self, *a, **k))[1])
     monkeypatch.setattr(cd.CompiledDecodeLoop, "_keep_finished", staticmethod(
-        lambda dec, finished, rowmap, completion, eos, kept, keep, caller: keep_finished(
-            dec, finished, rowmap, completion, eos, kept,
+        lambda dec, finished, rowmap, completion, eos, limit, kept, keep, caller: keep_finished(
+            dec, finished, rowmap, completion, eos, limit, kept,
             lambda rows, *a: (handed[-1].append(rows), keep(rows, *a)), caller)))
     monkeypatch.setattr(cd.CompiledDecodeLoop, "_compact", staticmethod(
         lambda *a: (handed[-1].append("move"), compact(*a))[1]))

@@ -112,7 +112,8 @@ def _stop_step(dec):
             torch.tensor([1, dec.P], dtype=torch.long, device=META), torch.arange(S, device=META),
             torch.zeros(S, dtype=torch.bool, device=META), torch.empty(cd.WIDTH_STEP, dtype=torch.bool, device=META),
             dec.valid, dec.k, dec.v, torch.zeros(S + 1, T, dtype=torch.float64, device=META),
-            torch.zeros(S + 1, T, dtype=torch.long, device=META), torch.tensor(STOPS, device=META))
+            torch.zeros(S + 1, T, dtype=torch.long, device=META), torch.tensor(STOPS, device=META),
+            torch.full((S + 1,), T, dtype=torch.long, device=META))
 
 
 def test_a_step_that_checks_six_stop_tokens_takes_no_host_read_and_no_host_tensor(model, meta_graphs):

@@ -7,6 +7,12 @@ next token, the end-of-sequence check and the write into the completion buffer -
 of tensors, compiled once by `torch.compile` (Inductor: fused C++/OpenMP loops around oneDNN/MKL
 matmuls on CPU, Triton kernels on CUDA).
 
+A row finishes when it draws EOS or reaches its own most new tokens (`limit`, an input of the graph
+like the uniforms: a multi-turn continuation's room per row, max_new_tokens for every row of a
+single-turn call), so one graph serves calls with and without rooms; a row cut at its room is
+handled like an EOS row (it writes padding after its end and leaves at the next move), except
+that it keeps no cache.
+
 Shapes: one graph serves every call of a model and sampling setting. The slot count S (rows in the
 batch), the attended width W, the completion length and the batch of the call are symbolic sizes
 (`torch._dynamo.mark_dynamic`). Torch specialises a size of 1, so the slots never number fewer
@@ -31,7 +37,8 @@ rather than compiling a second graph (measured: a 1-row call then a 16-row call 
 
 The host looks at the rows' finished flags only every `check_every` steps (engine.CHECK_EVERY: every
 step on CPU, where a look is cheap and measured so; every 8 on a GPU, where it is a device sync); a
-row that finished in between draws tokens that are replaced by padding. The draw uses the
+row that finished in between draws tokens that are replaced by padding. With ignore_eos and no row
+below max_new_tokens nothing finishes early, and the host never looks. The draw uses the
 counter-based uniforms of rollout/sampling.py, indexed by the row's number in the call and the step,
 so the compiled loop draws exactly the tokens the eager loop draws from the same logits: equal
 tokens wherever Inductor's reordered float sums leave the logits close enough not to move a draw
@@ -128,13 +135,15 @@ class StepSpec:
 def decode_step(dec, spec: StepSpec, tok: torch.Tensor, pos: torch.Tensor, cursor: torch.Tensor,
                 rowmap: torch.Tensor, finished: torch.Tensor, width: torch.Tensor, valid: torch.Tensor,
                 kc: list[torch.Tensor], vc: list[torch.Tensor], uniforms: torch.Tensor, completion: torch.Tensor,
-                eos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+                eos: torch.Tensor, limit: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Feed tok [S] (one per slot) at positions pos [S] into cache column cursor[1], draw each slot's
     next token with uniforms[rowmap, cursor[0]], write it to completion[rowmap, cursor[0]], advance
     pos and cursor; returns (next tokens [S], finished [S], the logits [S, V] fp32 if
-    spec.return_logits else None). Mutates valid, kc, vc, completion, pos and cursor in place.
-    Attention reads the first W = len(width) columns of the cache (W > the column written): the
-    caches are passed whole, so their strides never change, and W is a size, not a value."""
+    spec.return_logits else None). A slot finishes when it draws EOS (spec.stop_on_eos) or when its
+    row has its most new tokens, limit[rowmap] (limit [N+1], the dump row's included). Mutates valid,
+    kc, vc, completion, pos and cursor in place. Attention reads the first W = len(width) columns of
+    the cache (W > the column written): the caches are passed whole, so their strides never change,
+    and W is a size, not a value."""
     S, W = tok.shape[0], width.shape[0]
     t, col = cursor[0:1].expand(S), cursor[1:2]  # [S], [1]
     valid.index_fill_(1, col, True)
@@ -170,6 +179,7 @@ def decode_step(dec, spec: StepSpec, tok: torch.Tensor, pos: torch.Tensor, curso
     if spec.stop_on_eos:
         nxt = torch.where(finished, spec.pad_token_id, nxt)
         finished = finished | (nxt[:, None] == eos).any(-1)  # not isin: for many stop tokens it sorts, and may sync
+    finished = finished | (t + 1 >= limit[rowmap])  # the row's t+1 tokens are its most (a multi-turn room)
     completion.index_put_((rowmap, t), nxt)
     pos.add_(1)
     cursor.add_(1)
@@ -406,14 +416,16 @@ class CompiledDecodeLoop:
             return None
 
     def run(self, dec, first_logits: torch.Tensor, params: SamplingParams, uniforms: torch.Tensor,
-            eos: torch.Tensor, pad_token_id: int, keep=None) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Decode up to params.max_new_tokens tokens for the N rows of `first_logits` [N, V]; the
-        first token is drawn eagerly with uniforms[:, 0]. Returns (completion [N, T], lengths [N]), or
+            eos: torch.Tensor, pad_token_id: int, keep=None,
+            limit: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Decode up to params.max_new_tokens tokens for the N rows of `first_logits` [N, V], row n
+        at most limit[n] (None: max_new_tokens for each); the first token is drawn eagerly with
+        uniforms[:, 0]. Returns (completion [N, T], lengths [N]), or
         None when the step could not be compiled (the decoder's first n rows are then as `start`
         left them: nothing moves before the first step but a lone row's spare slot).
         `keep(rows, tokens, caches)`, when given, is called with rows of the call that ended with EOS,
         each row's tokens up to and with its EOS, and its cache before that EOS (`dec.snapshot`), once
-        per row, before the row's slot is given up."""
+        per row, before the row's slot is given up (a row cut at its limit is not kept)."""
         device = self.device
         graphed = self.graphs and graphs_available(device)
         step = compiled_step(device) if self.compile else None
@@ -429,6 +441,9 @@ class CompiledDecodeLoop:
         dec.use_slots()  # oneDNN-packed weights enter the graph as table slots (llama_decoder.py)
         dec.activate_slots()
         stop = not params.ignore_eos
+        looks = stop or limit is not None  # rows may finish before T: the host looks at their flags
+        limit = torch.cat([limit if limit is not None else torch.full((N,), T, dtype=torch.long, device=device),
+                           torch.tensor([T], dtype=torch.long, device=device)])  # [N+1]: the dump row's too
         spec = StepSpec(params.greedy, float(params.temperature), int(params.top_k or 0), float(params.top_p),
                         int(pad_token_id), stop)
         completion = torch.full((N + 1, T), pad_token_id, dtype=torch.long, device=device)  # row N: a dump
@@ -439,7 +454,7 @@ class CompiledDecodeLoop:
             return torch.cat([x, x.new_full((S - N,), fill)])
 
         rowmap = slots(torch.arange(N, device=device), N)  # slot -> row of the call (N: the dump row)
-        finished = slots(torch.isin(tok, eos) & stop, True)  # an empty slot counts as finished
+        finished = slots((torch.isin(tok, eos) & stop) | (limit[:N] <= 1), True)  # an empty slot counts as finished
         tok, pos = slots(tok, pad_token_id), slots(dec.next_pos, 0)
         dec.valid[N:, 0] = True  # an empty slot attends one (zero) column: no row of only -inf scores
         if S < MIN_SLOTS:  # one row: an empty slot beside it (see MIN_SLOTS)
@@ -453,12 +468,13 @@ class CompiledDecodeLoop:
         for x in (completion, uniforms):
             _dynamic(x, 0, 1)
         _dynamic(eos, 0)
+        _dynamic(limit, 0)
         for x in (dec.cos, dec.sin):
             _dynamic(x, 0)
         t, col, W, views, replay = 1, dec.P, 0, None, None
         with graphs.running() if graphs is not None else contextlib.nullcontext() as caller:
             while t < T:
-                if stop and (t - 1) % self.check_every == 0:
+                if looks and (t - 1) % self.check_every == 0:
                     live = (~finished).nonzero().squeeze(-1)  # the host looks: a sync every check_every steps
                     if live.numel() == 0:
                         break
@@ -466,7 +482,7 @@ class CompiledDecodeLoop:
                     # loop the cache as `start` left it
                     if 2 * live.numel() <= S and max(live.numel(), MIN_SLOTS) < S and t > 1:
                         if keep is not None:  # the finished slots go now: their caches first
-                            self._keep_finished(dec, finished, rowmap, completion, eos, kept, keep, caller)
+                            self._keep_finished(dec, finished, rowmap, completion, eos, limit, kept, keep, caller)
                         S = max(live.numel(), MIN_SLOTS)
                         tok, pos, rowmap, finished = self._compact(dec, live, S, tok, pos, rowmap, finished, N)
                         views = None
@@ -487,7 +503,7 @@ class CompiledDecodeLoop:
                 started = time.perf_counter()
                 try:
                     tok, finished, _ = step(dec, spec, tok, pos, cursor, rowmap, finished, *views, uniforms,
-                                            completion, eos)
+                                            completion, eos, limit)
                 except Exception as err:  # noqa: BLE001 — compiling failed: the eager step, or the caller's loop
                     first = t == 1 and device.type not in _COMPILE_SECONDS  # the process's first compile
                     if step is decode_step or not (first or _is_compile_error(err)):
@@ -504,30 +520,36 @@ class CompiledDecodeLoop:
                 t, col = t + 1, col + 1
                 if graphs is not None and min(W - col, T - t) >= MIN_GRAPH_STEPS:
                     replay = self._capture(graphs, step, (dec, spec, tok, pos, cursor, rowmap, finished, *views,
-                                                          uniforms, completion, eos))
+                                                          uniforms, completion, eos, limit))
                     if replay is None:
                         graphs = None  # capturing failed: the compiled step, launched kernel by kernel
             if keep is not None and stop:  # on the loop's stream, which made the cache it reads
-                self._keep_finished(dec, finished, rowmap, completion, eos, kept, keep, caller)
-        completion = completion[:N]
+                self._keep_finished(dec, finished, rowmap, completion, eos, limit, kept, keep, caller)
+        completion, limit = completion[:N], limit[:N]
         if not stop:
-            return completion, torch.full((N,), T, dtype=torch.long, device=device)
-        is_eos = torch.isin(completion, eos)  # [N, T]: a finished row wrote padding after its EOS
-        return completion, torch.where(is_eos.any(-1), is_eos.int().argmax(-1) + 1, T)
+            return completion, limit.clone()
+        is_eos = torch.isin(completion, eos)  # [N, T]: a finished row wrote padding after its EOS or its limit
+        return completion, torch.minimum(torch.where(is_eos.any(-1), is_eos.int().argmax(-1) + 1, T), limit)
 
     @staticmethod
-    def _keep_finished(dec, finished, rowmap, completion, eos, kept, keep, caller) -> None:
-        """Hand `keep` the rows whose slots have finished and that it has not had yet: their tokens
-        up to and with the EOS, and their caches before it. A row's slot is finished only by an EOS
-        draw; an empty slot is finished from the start, but maps to the dump row N, which `kept`
-        marks as had."""
+    def _keep_finished(dec, finished, rowmap, completion, eos, limit, kept, keep, caller) -> None:
+        """Hand `keep` the rows whose slots have finished by an EOS draw and that it has not had yet:
+        their tokens up to and with the EOS, and their caches before it. A slot also finishes when its
+        row reaches its limit without EOS: such a row is marked as had and kept nowhere. An empty slot
+        is finished from the start, but maps to the dump row N, which `kept` marks as had."""
         slots = (finished & ~kept[rowmap]).nonzero().squeeze(-1)
         if slots.numel() == 0:
             return
         rows = rowmap[slots]
-        done = completion[rows]  # [n, T]
-        ends = torch.isin(done, eos).int().argmax(-1)  # the first EOS: the row's own
         kept[rows] = True
+        done = completion[rows]  # [n, T]
+        # an EOS within the row's own tokens: one cut at its limit wrote padding after it, maybe a stop token
+        is_eos = torch.isin(done, eos) & (torch.arange(done.shape[1], device=done.device) < limit[rows, None])
+        ended = is_eos.any(-1).nonzero().squeeze(-1)
+        if ended.numel() == 0:
+            return
+        slots, rows, done = slots[ended], rows[ended], done[ended]
+        ends = is_eos[ended].int().argmax(-1)  # the first EOS: the row's own
         caches = dec.snapshot(slots, ends)
         for cache in caches:
             for x in cache:

@@ -7,6 +7,10 @@ What this engine does that `model.generate` does not, and why:
   nothing (`generate` keeps computing every row until the longest one ends);
 - `ignore_eos` makes every completion exactly `max_new_tokens` long (benchmarks need both sides
   to compute the same tokens);
+- `row_max_new_tokens` (a multi-turn continuation's rooms) stops each row at its own most new
+  tokens: a row that reaches it leaves the batch as an EOS row does, truncated as a row cut at
+  `max_new_tokens` is, and keeps no cache (in every decode path: the eager loop, the slot loop and
+  its compiled step, rollout/compiled_decode.py);
 - sampling draws from a caller-owned `torch.Generator`, so a resumed run samples the same tokens;
 - inside `keep_conversations()` (the multi-turn driver's rollouts), each row that ends with EOS
   leaves its keys/values behind (in the eager loop and in compiled_decode.py's slot loop alike),
@@ -19,7 +23,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from transformers import DynamicCache
@@ -96,11 +100,17 @@ class HFEngine(GenerationEngine):
                  generator: torch.Generator | None = None) -> Rollout:
         """G completions for each of B prompts; rows g*G .. g*G+G-1 belong to prompt g."""
         per_call = max(1, (self.max_batch_size or len(prompt_ids) * num_generations) // num_generations)
+        rooms = params.row_max_new_tokens
+        if rooms is not None and len(rooms) != len(prompt_ids):
+            raise ValueError(f"row_max_new_tokens has {len(rooms)} entries for {len(prompt_ids)} prompts: give "
+                             "each prompt its own most new tokens, or None for max_new_tokens for every one")
         kept = self._kept  # the previous call's rows (keep_conversations); this call's rows replace them
         self._kept = {} if kept is not None else None
         with self._probe_rollout():
-            parts = [self._generate(prompt_ids[i:i + per_call], num_generations, params, generator, kept)
-                     for i in range(0, len(prompt_ids), per_call)]
+            parts = []
+            for i in range(0, len(prompt_ids), per_call):
+                part = params if rooms is None else replace(params, row_max_new_tokens=rooms[i:i + per_call])
+                parts.append(self._generate(prompt_ids[i:i + per_call], num_generations, part, generator, kept))
         return Rollout.cat(parts, self.pad_token_id)
 
     def _decode_threads(self, device: torch.device) -> int | None:
@@ -148,17 +158,19 @@ class HFEngine(GenerationEngine):
                                       "resume from an earlier checkpoint, or lower learning_rate")
             N = logits.shape[0]
             uniforms = uniform_table(seed, N, T, device)  # [N, T] float64
+            limit = _row_limits(params, G, device)  # [N] each row's most new tokens, or None: T for every row
             out = None
             started = time.perf_counter()
             if slot_loop:
                 keep = functools.partial(self._keep, prompt_ids, G) if keeps else None
                 every = self.check_every or CHECK_EVERY.get(device.type, CHECK_EVERY["cuda"])
                 out = CompiledDecodeLoop(device, every, self.cuda_graphs, compile=compiles).run(
-                    decoder, logits, params, uniforms, eos, self.pad_token_id, keep=keep)
+                    decoder, logits, params, uniforms, eos, self.pad_token_id, keep=keep, limit=limit)
             if out is None:
                 if slot_loop:  # no compiled step and no graphs: the eager loop over the same (zeroed) cache
                     decoder.n, decoder.t = N, 0
-                completion, lengths = self._decode_eager(decoder, logits, params, uniforms, eos, prompt_ids, G, keeps)
+                completion, lengths = self._decode_eager(decoder, logits, params, uniforms, eos, prompt_ids, G, keeps,
+                                                         limit)
             else:
                 completion, lengths = out
             if fast and T > 0 and self._probe is not None:  # auto times the calls it decodes without compiling
@@ -169,8 +181,8 @@ class HFEngine(GenerationEngine):
                                     device.type + ("+graphs" if graphed else "")))
             del decoder
         real = torch.arange(T, device=device)[None, :] < lengths[:, None]  # [N, T]
-        truncated = ~(torch.isin(completion, eos) & real).any(-1)  # no EOS: a completion ending with one at
-        if params.ignore_eos:                                       # the last allowed token is not truncated
+        truncated = ~(torch.isin(completion, eos) & real).any(-1)  # no EOS: a completion ending with one at the
+        if params.ignore_eos:                                       # last allowed token (its own) is not truncated
             truncated = torch.zeros_like(truncated)  # every completion is exactly T tokens by request
         model.train(was_training)
         cmask = real
@@ -184,10 +196,11 @@ class HFEngine(GenerationEngine):
         )
 
     def _decode_eager(self, decoder, logits: torch.Tensor, params: SamplingParams, uniforms: torch.Tensor,
-                      eos: torch.Tensor, prompt_ids: list[list[int]], G: int,
-                      keeps: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """The decode loop, one eager step per token: rows that sample EOS leave the batch at once.
-        Returns (completion [N, T], lengths [N])."""
+                      eos: torch.Tensor, prompt_ids: list[list[int]], G: int, keeps: bool,
+                      limit: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The decode loop, one eager step per token: rows that sample EOS, or reach their own most new
+        tokens `limit` [N] (None: T for every row), leave the batch at once. Returns (completion [N, T],
+        lengths [N])."""
         N, T, device = logits.shape[0], params.max_new_tokens, logits.device
         completion = torch.full((N, T), self.pad_token_id, dtype=torch.long, device=device)
         lengths = torch.full((N,), T, dtype=torch.long, device=device)
@@ -195,12 +208,17 @@ class HFEngine(GenerationEngine):
         for t in range(T):
             tok = sample_next(logits, params, u=uniforms[active, t])  # [n]
             completion[active, t] = tok
-            done = None if params.ignore_eos else torch.isin(tok, eos)  # [n]
+            ends = None if params.ignore_eos else torch.isin(tok, eos)  # [n] rows that drew EOS
+            done = ends
+            if limit is not None:  # and rows at their own most new tokens: cut there, as at T
+                cut = limit[active] == t + 1  # [n]
+                done = cut if ends is None else ends | cut
             any_done = done is not None and bool(done.any())
-            if keeps and any_done:  # a conversation may go on from these rows' caches (the last token's too)
-                rows = done.nonzero().squeeze(-1)
-                self._keep(prompt_ids, G, active[rows].tolist(), completion[active[rows], : t + 1].tolist(),
-                           decoder.snapshot(rows))
+            if keeps and any_done:  # a conversation may go on from the EOS rows' caches (the last token's too)
+                rows = ends.nonzero().squeeze(-1)
+                if rows.numel() > 0:
+                    self._keep(prompt_ids, G, active[rows].tolist(), completion[active[rows], : t + 1].tolist(),
+                               decoder.snapshot(rows))
             if t == T - 1:
                 break
             if any_done:
@@ -225,6 +243,18 @@ class HFEngine(GenerationEngine):
 
 class NonFiniteLogits(RuntimeError):
     """The policy's logits after the prompts hold NaN or inf: nothing it samples would mean anything."""
+
+
+def _row_limits(params: SamplingParams, G: int, device: torch.device) -> torch.Tensor | None:
+    """Each row's most new tokens [N] (row n: its prompt's `row_max_new_tokens`, at most max_new_tokens),
+    or None where no prompt's room is below max_new_tokens."""
+    rooms, T = params.row_max_new_tokens, params.max_new_tokens
+    if rooms is None or min(rooms) >= T:
+        return None
+    if min(rooms) < 1:
+        raise ValueError(f"row_max_new_tokens holds {min(rooms)}: every prompt it names needs room for at least "
+                         "one new token (leave a row with no room out of the call)")
+    return torch.tensor([min(r, T) for r in rooms], dtype=torch.long, device=device).repeat_interleave(G)  # [N]
 
 
 def _prefixes(kept: dict, prompt_ids: list[list[int]]) -> list[tuple[torch.Tensor, torch.Tensor] | None]:

@@ -36,9 +36,10 @@ and in a continuation, whose cache is zeroed: 16 second turns that stopped withi
 at +3.1 GB RSS before, +0.25 GB now (benchmarks/generation_memory.py --stop-early --second-turn).
 
 What is compiled (`generation_compile`, rollout/compiled_decode.py): the decode step, `step`'s math
-for one token per row, including the draw of the next token and the EOS check, as one graph over the
-cache passed whole (`start(..., zeroed=True)`: columns not yet written are read, masked, so they must
-hold numbers), and on CUDA replayed as one captured CUDA graph per shape of a call
+for one token per row, including the draw of the next token and the checks for EOS and for the row's
+own most new tokens (a multi-turn room), as one graph over the cache passed whole
+(`start(..., zeroed=True)`: columns not yet written are read, masked, so they must hold numbers),
+and on CUDA replayed as one captured CUDA graph per shape of a call
 (`generation_cuda_graphs`). What is not: `start` and `start_from` (the prefill: a few large ops per
 call, which a launch costs little against), `keep` and the cache's growth (moves between shapes,
 rare), `snapshot` (the multi-turn driver's kept rows: each finished row's cache up to its own EOS,

@@ -171,8 +171,9 @@ class MultiTurnDriver:
                             env_rewards, counts)
 
     def _read_turn(self, row: _Row, ro: Rollout, j: int, room: int, has_logp: bool) -> ParsedTurn | None:
-        """Append row j of this turn's rollout to `row` (cut to its room); the parsed turn when it
-        ended with EOS, else None (the row stops: max_length)."""
+        """Append row j of this turn's rollout to `row` (cut to its room, where the engines stop it; the
+        cut reads an engine that decoded further alike); the parsed turn when it ended with EOS, else
+        None (the row stops: max_length)."""
         new = ro.completion_ids[j][ro.completion_mask[j]].tolist()[:room]
         row.add(new, action=True, logp=ro.sampling_logp[j][: len(new)].tolist() if has_logp else None)
         row.turns += 1

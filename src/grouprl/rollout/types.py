@@ -13,8 +13,10 @@ import torch
 class SamplingParams:
     """How an engine samples. `row_max_new_tokens`, when set, is each prompt's own most new tokens (a
     multi-turn continuation: a row's room is what its earlier turns left), `max_new_tokens` their
-    largest. An engine may generate up to `max_new_tokens` for every row (the caller reads each row's
-    own); one with a length limit (vLLM's max_model_len) checks each row against its own."""
+    largest. The engines here stop each row at its own (a row stopped there is truncated, as one
+    stopped at `max_new_tokens` is), and one with a length limit (vLLM's max_model_len) checks each
+    row against its own; the multi-turn driver still cuts each row to its room, so an engine that
+    decodes every row to `max_new_tokens` gives the same trajectories, only slower."""
 
     max_new_tokens: int
     temperature: float = 1.0

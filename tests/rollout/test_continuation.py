@@ -1,10 +1,15 @@
 """The built-in engine's continuation of a conversation from its KV cache (multi-turn rollouts):
-the same logits as prefilling the whole conversation, and the same trajectories."""
+the same logits as prefilling the whole conversation, and the same trajectories; and the kept
+caches live no longer than their use."""
 
+import weakref
+
+import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+import grouprl.rollout.compiled_decode as cd
 from grouprl.rollout import GenerationEngine, HFEngine, SamplingParams
 from grouprl.rollout.llama_decoder import FastDecoder
 from grouprl.rollout.multiturn import MultiTurnDriver, TurnLimits
@@ -13,6 +18,9 @@ from grouprl.tasks import TOOL_POLICY_DIR
 from grouprl.tasks.products import mul, train_rows
 from grouprl.tasks.testing import build_tiny_model
 from grouprl.tools import get_tool_parser, resolve_tools
+from tests.rollout.conftest import short_prompts
+from tests.rollout.test_compiled_decode import SAMPLED, RecordedGraphs, _stops
+from tests.rollout.test_compiled_decode import eager_graphs  # noqa: F401  (fixture)
 
 
 class HostReads(TorchDispatchMode):
@@ -84,3 +92,57 @@ def test_multiturn_rollouts_continue_from_the_cache_with_the_same_tokens(monkeyp
     assert torch.equal(a.rollout.completion_ids, b.rollout.completion_ids)
     assert torch.equal(a.rollout.action_mask, b.rollout.action_mask) and a.stop_reasons == b.stop_reasons
     assert engine._kept is None  # released when the rollout ends
+
+
+def _alive(refs: dict) -> set:
+    """The keys of `refs` (token tuple -> weak references to a kept cache's k and v) still alive."""
+    return {key for key, kv in refs.items() if any(r() is not None for r in kv)}
+
+
+@pytest.mark.parametrize("per_call", [None, 2], ids=["one part", "parts of 2"])
+@pytest.mark.parametrize("loop", ["eager", "slot"])
+@pytest.mark.usefixtures("eager_graphs")  # the slot loop runs on CPU with stand-in graphs (test_compiled_decode)
+def test_a_continuing_call_holds_no_kept_cache_it_has_copied_or_will_not_use_while_it_decodes(
+        model_and_tok, monkeypatch, loop, per_call):
+    """Inside keep_conversations, a second call continues half the rows that ended with EOS (the
+    rest stopped, as answers do). While it decodes, no kept cache is alive but those of the
+    prompts of its later parts, still to be copied: the unused ones went when the call matched
+    its prompts, and each part's once in its cache (weak references, no garbage collection). The
+    continued rows start from their caches, with the tokens of a call that prefills them whole."""
+    model, tok = model_and_tok
+    kw = {"check_every": 1} if loop == "slot" else {"cuda_graphs": False}
+    engine = HFEngine(model, _stops(tok), tok.pad_token_id, max_batch_size=per_call, **kw)
+    gen = torch.Generator().manual_seed(0)
+    with engine.keep_conversations():
+        first = engine.generate(short_prompts(tok), 1, SAMPLED, gen)
+        refs = {key: tuple(weakref.ref(t) for t in kv) for key, kv in engine._kept.items()}
+        ended = [i for i in range(8) if not first.truncated[i]]
+        assert len(ended) >= 5 and len(refs) == len(ended)  # three or more go on: parts of 2 hold later ones
+        follow = [short_prompts(tok)[i] + first.token_lists()[i] + tok("ok")["input_ids"] for i in ended[::2]]
+        parts, held = _decode_events(monkeypatch, refs)
+        second = engine.generate(follow, 1, SAMPLED, gen)
+    keys = [next(k for k in refs if tuple(f[: len(k)]) == k) for f in follow]  # the cache each prompt continues
+    size = per_call or len(follow)
+    assert parts == [len(keys[i:i + size]) for i in range(0, len(follow), size)]  # each row from its cache
+    assert held and all(alive == set(keys[(part + 1) * size:]) for part, alive in held)
+    calls = len(range(0, 8, per_call or 8)) + len(parts)  # the parts of both calls
+    assert RecordedGraphs.events.count("enter") == (calls if loop == "slot" else 0)
+    want = HFEngine(model, _stops(tok), tok.pad_token_id, max_batch_size=per_call, **kw)
+    gen = torch.Generator().manual_seed(0)
+    want.generate(short_prompts(tok), 1, SAMPLED, gen)
+    assert torch.equal(second.completion_ids, want.generate(follow, 1, SAMPLED, gen).completion_ids)
+    assert engine._kept is None and _alive(refs) == set()
+
+
+def _decode_events(monkeypatch, refs: dict) -> tuple[list[int], list[tuple[int, set]]]:
+    """(the kept caches each part's start_from got, [(part, kept keys alive)] at each decode step of
+    either loop)."""
+    parts, held = [], []
+    start_from = FastDecoder.start_from
+    monkeypatch.setattr(FastDecoder, "start_from", lambda self, ids, mask, T, prefix: (
+        parts.append(sum(p is not None for p in prefix)), start_from(self, ids, mask, T, prefix))[1])
+    step, slot_step = FastDecoder.step, cd.decode_step
+    monkeypatch.setattr(FastDecoder, "step", lambda self, tok: (
+        held.append((len(parts) - 1, _alive(refs))), step(self, tok))[1])
+    monkeypatch.setattr(cd, "decode_step", lambda *a: (held.append((len(parts) - 1, _alive(refs))), slot_step(*a))[1])
+    return parts, held

@@ -16,6 +16,9 @@ What this engine does that `model.generate` does not, and why:
   leaves its keys/values behind (in the eager loop and in compiled_decode.py's slot loop alike),
   and a later call whose prompt extends that row's tokens (the conversation so far) copies them in
   and prefills only the new tokens (FastDecoder models; the generic path prefills the whole prompt).
+  Kept caches live no longer than that: a call drops every kept cache its prompts do not extend
+  once it has matched them, and each one it continues from once it has copied it into its own
+  cache, before it decodes.
 """
 
 from __future__ import annotations
@@ -62,9 +65,10 @@ class HFEngine(GenerationEngine):
 
     @contextlib.contextmanager
     def keep_conversations(self):
-        """Within this block, rows that end with EOS keep their KV cache, and a later `generate`
-        (num_generations=1) whose prompt extends one of them continues from it. The weights must
-        not change inside the block (the kept keys/values are theirs)."""
+        """Within this block, rows that end with EOS keep their KV cache until the next `generate`:
+        that call (num_generations=1) continues each prompt that extends one of them from it, and
+        drops the rest before it decodes. The weights must not change inside the block (the kept
+        keys/values are theirs)."""
         self._kept = {}
         try:
             with self._probe_rollout():  # auto prices the whole multi-turn rollout, every turn's call
@@ -104,13 +108,22 @@ class HFEngine(GenerationEngine):
         if rooms is not None and len(rooms) != len(prompt_ids):
             raise ValueError(f"row_max_new_tokens has {len(rooms)} entries for {len(prompt_ids)} prompts: give "
                              "each prompt its own most new tokens, or None for max_new_tokens for every one")
-        kept = self._kept  # the previous call's rows (keep_conversations); this call's rows replace them
-        self._kept = {} if kept is not None else None
+        kept, keeping = self._kept, self._kept is not None  # the previous call's rows (keep_conversations)
+        self._kept = {} if keeping else None  # this call's rows replace them
+        starts = range(0, len(prompt_ids), per_call)
+        # the kept caches each part's prompts continue from (a continuation: G = 1): the others go now, and
+        # each part empties its list once they are in its cache (_generate), so no copy outlives its use
+        matched = _prefixes(kept, prompt_ids) if kept and num_generations == 1 and not params.ignore_eos else None
+        prefixes = [None if matched is None else matched[i:i + per_call] for i in starts]
+        if kept:
+            kept.clear()
+        del kept, matched  # the parts' lists hold the only references left
         with self._probe_rollout():
             parts = []
-            for i in range(0, len(prompt_ids), per_call):
+            for i, prefix in zip(starts, prefixes):
                 part = params if rooms is None else replace(params, row_max_new_tokens=rooms[i:i + per_call])
-                parts.append(self._generate(prompt_ids[i:i + per_call], num_generations, part, generator, kept))
+                parts.append(self._generate(prompt_ids[i:i + per_call], num_generations, part, generator, keeping,
+                                            prefix))
         return Rollout.cat(parts, self.pad_token_id)
 
     def _decode_threads(self, device: torch.device) -> int | None:
@@ -128,7 +141,11 @@ class HFEngine(GenerationEngine):
         return _HFDecoder(self.model, self.autocast_dtype, device)
 
     def _generate(self, prompt_ids: list[list[int]], G: int, params: SamplingParams,
-                  generator: torch.Generator | None, kept: dict | None = None) -> Rollout:
+                  generator: torch.Generator | None, keeping: bool = False,
+                  prefix: list[tuple[torch.Tensor, torch.Tensor] | None] | None = None) -> Rollout:
+        """One part of a call. `keeping`: inside keep_conversations (rows that end with EOS keep their
+        caches); `prefix` [B]: the kept cache each prompt continues from, or None; the list is emptied
+        once they are copied, before decoding (the caller holds no other reference to them)."""
         model, T = self.model, params.max_new_tokens
         was_training = model.training
         model.eval()
@@ -139,17 +156,18 @@ class HFEngine(GenerationEngine):
         seed = draw_seed(generator)  # this call's counter-based uniforms (rollout/sampling.py)
         with torch.no_grad(), _num_threads(self._decode_threads(device)):
             decoder = self._decoder(device)
-            keeps = kept is not None and isinstance(decoder, FastDecoder) and not params.ignore_eos
-            prefix = _prefixes(kept, prompt_ids) if keeps and G == 1 else None
+            keeps = keeping and isinstance(decoder, FastDecoder) and not params.ignore_eos
             fast = isinstance(decoder, FastDecoder)
             compiles = self._choice.use()
             # the slot loop: the compiled step, or on a device with graphs the eager step replayed as graphs
             slot_loop = (fast and T > 0  # (no token to decode: the eager loop returns [N, 0])
                          and (compiles or (self.cuda_graphs and graphs_available(device))))
-            if prefix is not None and any(x is not None for x in prefix):
+            if keeps and prefix and any(x is not None for x in prefix):
                 logits = decoder.start_from(ids, mask, T, prefix)  # [N, V]
             else:
                 logits = decoder.start(ids, mask, G, T, zeroed=True) if slot_loop else decoder.start(ids, mask, G, T)
+            if prefix:
+                prefix.clear()  # copied into the decoder's cache: the kept ones are freed before decoding
             if T > 0 and not bool(torch.isfinite(logits).all()):  # one read a call; a draw over NaN is a silent token
                 bad = int((~torch.isfinite(logits)).any(-1).sum())
                 raise NonFiniteLogits(f"the policy's next-token logits are not finite (NaN or inf) for {bad} of "

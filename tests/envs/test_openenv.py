@@ -356,6 +356,68 @@ def test_an_environment_that_raises_stops_the_step_named(tok, level, message):
     assert [kind for kind, _, _ in GuessEnv.log].count("close") == 2  # each failed environment was closed
 
 
+# ---------------------------------------------------------------- a call that hangs
+class StuckGuessEnv(GuessEnv):
+    """GuessEnv (one call at a time) whose step hangs on target 7, until the test lets it go."""
+
+    entered, release = threading.Event(), threading.Event()
+
+    def step(self, action: GuessAction, timeout_s=None, **kwargs):
+        if self.target == 7:
+            StuckGuessEnv.entered.set()
+            StuckGuessEnv.release.wait(60)
+        return super().step(action)
+
+
+def test_a_hung_call_holds_up_neither_the_exit_nor_the_closes_and_later_calls_fail_at_once(monkeypatch, caplog):
+    """The serial thread is a daemon (a ThreadPoolExecutor's worker is joined at exit: a hung call kept the
+    process from ending); a close queued behind a running call waits CLOSE_WAIT_S, not for ever (a finalizer
+    waiting so blocked the main thread); closing the environment of the call running there (the driver
+    giving up on it) marks the thread stuck, so later calls fail at once, naming the call and the fix;
+    once the hung call returns, the thread runs the closes left queued, and takes calls again."""
+    from grouprl.envs import openenv
+
+    monkeypatch.setattr(openenv, "CLOSE_WAIT_S", 0.05, raising=False)
+    GuessEnv.log, StuckGuessEnv.entered, StuckGuessEnv.release = [], threading.Event(), threading.Event()
+    adapter = OpenEnvAdapter(StuckGuessEnv, instructions="Play.")
+    hung, other = adapter.environment(), adapter.environment()
+    hung.reset(target=7)
+    other.reset(target=2)
+    threading.Thread(target=hung.step, args=({"role": "assistant", "content": "4"},), daemon=True).start()
+    assert StuckGuessEnv.entered.wait(30)
+    try:
+        serial = [t for t in threading.enumerate() if t.name.startswith("openenv-StuckGuessEnv")]
+        assert len(serial) == 1 and serial[0].daemon
+
+        closing = threading.Thread(target=other.close, daemon=True)  # as a finalizer would, from any thread
+        closing.start()
+        closing.join(30)
+        assert not closing.is_alive()
+        hung.close()  # the driver lets go of the environment whose call it gave up on
+        later = adapter.environment()
+        with pytest.raises(openenv.OpenEnvStuck, match=r"StuckGuessEnv: its calls run one at a time on one thread "
+                           r".* still in step\(GuessAction\(metadata=\{\}, guess=4\)\), which the driver gave up "
+                           r"on .* reset\(\*\*\{'target': 1\}\) cannot run\. Fix the hang .* "
+                           r"SUPPORTS_CONCURRENT_SESSIONS = True"):
+            later.reset(target=1)
+        warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+        assert len(warnings) == 2
+        assert "close() waited 0.05 s for the environment's thread" in warnings[0]
+        assert "step(GuessAction(metadata={}, guess=4)) has not returned" in warnings[1]
+        assert [kind for kind, _, _ in GuessEnv.log].count("close") == 0
+    finally:
+        StuckGuessEnv.release.set()
+    for _ in range(3000):  # until the hung step returned and the closes queued behind it ran (a no-hang bound)
+        if ("close", id(hung.env)) in [(kind, i) for kind, i, _ in GuessEnv.log]:
+            break
+        threading.Event().wait(0.01)
+    fresh = adapter.environment()
+    fresh.reset(target=1)
+    assert fresh.step({"role": "assistant", "content": "1"}) == ([], True, 1.0)
+    closes = [i for kind, i, _ in GuessEnv.log if kind == "close"]
+    assert closes == [id(e.env) for e in (other, hung, later, fresh)]  # those left queued ran after the hung call
+
+
 # ---------------------------------------------------------------- end to end with the shipped tool policy
 class CalcAction(Action):
     message: str

@@ -37,7 +37,11 @@ Deliberate choices:
   environment, the call and the action.
 - An environment that keeps OpenEnv's default SUPPORTS_CONCURRENT_SESSIONS = False, or sets
   REQUIRES_SINGLE_THREAD_EXECUTOR, has its calls run one at a time on one thread: the driver otherwise
-  calls the N environments of a batch concurrently from a pool of threads.
+  calls the N environments of a batch concurrently from a pool of threads. That thread is a daemon, so a
+  call that never returns cannot hold up the process's exit. When the driver closes an environment whose
+  call is still running there (it gave up on it: env_timeout_s), the thread is stuck: later calls fail at
+  once (OpenEnvStuck) instead of queueing behind it, and close() waits CLOSE_WAIT_S at most (closes
+  stay queued there, to run if the hung call ever returns).
 - The reward trained on is the environment's own, never recomputed; the rubric components are logged
   beside it (weight 0) unless `reward_weights(from_rubric=True)` trains on them, weighted as the
   WeightedSum rubrics holding them weigh them.
@@ -57,11 +61,15 @@ import functools
 import inspect
 import json
 import logging
+import queue
 import threading
+import time
 import typing
 import weakref
 from collections.abc import Callable, Iterable, Mapping
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
 from typing import Any
 
 try:
@@ -79,10 +87,15 @@ NOTE = "openenv"  # the assistant-message key where a step records what the envi
 NO_OUTPUT = "[no output]"  # what the policy reads for a step whose observation renders to no text
 _OBSERVATION_BASE = set(Observation.model_fields)  # done, reward, metadata: read by the adapter, not shown
 _ACTION_BASE = set(Action.model_fields)  # metadata
+CLOSE_WAIT_S = 10.0  # how long close() waits for a serial environment's thread; the close stays queued there
 
 
 class OpenEnvCallError(RuntimeError):
     """An OpenEnv environment raised while it was built, reset or stepped: a bug in the environment."""
+
+
+class OpenEnvStuck(OpenEnvCallError):
+    """A call into an environment of one call at a time was given up on and still runs, so no other can."""
 
 
 class OpenEnvAdapter:
@@ -112,7 +125,7 @@ class OpenEnvAdapter:
         self.action, self.observation = action, observation or observation_text
         self.observation_role, self.instructions = observation_role, instructions
         self._builders: dict[type, Callable[[str], Any]] = {}
-        self._serial: ThreadPoolExecutor | None = None
+        self._serial: _SerialThread | None = None
         self._lock = threading.Lock()
         if action is None and isinstance(kind, type) and issubclass(kind, Environment):
             self._builder(kind)  # a class names its Action type: an undeclared one fails here, not mid-rollout
@@ -196,10 +209,12 @@ class OpenEnvAdapter:
         """env.method(*args, **kwargs), on the serial thread where the environment asks for one; an exception
         comes back as OpenEnvCallError naming the environment, the call and the action."""
         kwargs = kwargs or {}
+        call = f"{method}({shown!r})" if shown is not None else f"{method}(**{kwargs!r})"
         try:
-            return self._run(env, getattr(env, method), args, kwargs)
+            return self._run(env, getattr(env, method), args, kwargs, call=call)
+        except OpenEnvStuck:
+            raise
         except Exception as e:
-            call = f"{method}({shown!r})" if shown is not None else f"{method}(**{kwargs!r})"
             raise OpenEnvCallError(f"OpenEnv environment {self.name}: {call} raised {type(e).__name__}: {e} "
                                    "(an exception in an environment is a bug in it and stops the step; to let "
                                    "the policy see a failure, return it as an observation)") from e
@@ -210,22 +225,64 @@ class OpenEnvAdapter:
         return bool(getattr(env, "SUPPORTS_CONCURRENT_SESSIONS", True)) and not getattr(
             env, "REQUIRES_SINGLE_THREAD_EXECUTOR", False)
 
-    def _run(self, env: Any, fn: Callable, args: tuple = (), kwargs: dict | None = None) -> Any:
+    def _run(self, env: Any, fn: Callable, args: tuple = (), kwargs: dict | None = None, *, call: str) -> Any:
+        """fn(*args, **kwargs): here, or on the serial thread where the environment asks for one."""
         kwargs = kwargs or {}
         if self._concurrent(env):
             return fn(*args, **kwargs)
+        serial = self._serial_thread()
+        stuck = serial.stuck
+        if stuck is not None:
+            age = time.monotonic() - stuck.started
+            raise OpenEnvStuck(
+                f"OpenEnv environment {self.name}: its calls run one at a time on one thread (it keeps "
+                f"SUPPORTS_CONCURRENT_SESSIONS = False or sets REQUIRES_SINGLE_THREAD_EXECUTOR), and that thread is "
+                f"still in {stuck.call}, which the driver gave up on (env_timeout_s) {age:.1f} s after it started, "
+                f"so {call} cannot run. Fix the hang in the environment (a call without a "
+                "timeout?) and start the run again; if its instances share nothing, set SUPPORTS_CONCURRENT_SESSIONS "
+                "= True, so that a hung call holds up only its own trajectory")
+        return serial.submit(env, call, fn, args, kwargs).result()
+
+    def _serial_thread(self) -> _SerialThread:
         with self._lock:
             if self._serial is None:
-                self._serial = ThreadPoolExecutor(1, thread_name_prefix=f"openenv-{self.name}")
-        return self._serial.submit(fn, *args, **kwargs).result()
+                self._serial = _SerialThread(f"openenv-{self.name}")
+            return self._serial
 
     def _close(self, env: Any) -> None:
-        """Close an environment whose episode is over; a failure to close is logged, the run goes on."""
-        if callable(getattr(env, "close", None)):
+        """Close an environment whose episode is over; a failure to close is logged, the run goes on. On the
+        serial thread, the close is queued and waited for CLOSE_WAIT_S at most. An environment whose own
+        call still runs there was given up on (closing it is how the driver lets go): the thread is stuck,
+        so the close is not waited for (it runs if that call ever returns) and later calls fail at once."""
+        if not callable(getattr(env, "close", None)):
+            return
+        if self._concurrent(env):
             try:
-                self._run(env, env.close)
+                env.close()
             except Exception as e:
-                logger.warning("OpenEnv environment %s: close() raised %s: %s", self.name, type(e).__name__, e)
+                self._close_failed(e)
+            return
+        serial = self._serial_thread()
+        stuck = serial.give_up(env)
+        if stuck is not None:
+            logger.warning("OpenEnv environment %s: %s has not returned in %.1f s and was given up on; its one "
+                           "thread is stuck in it, so no later call can run", self.name, stuck.call,
+                           time.monotonic() - stuck.started)
+        closing = serial.submit(env, "close()", env.close, (), {})
+        closing.add_done_callback(self._closed)
+        if serial.stuck is None:
+            try:
+                closing.exception(CLOSE_WAIT_S)
+            except FutureTimeout:
+                logger.warning("OpenEnv environment %s: close() waited %g s for the environment's thread, busy "
+                               "with another call; it runs there once that call returns", self.name, CLOSE_WAIT_S)
+
+    def _closed(self, closing: Future) -> None:
+        if closing.exception() is not None:
+            self._close_failed(closing.exception())
+
+    def _close_failed(self, error: BaseException) -> None:
+        logger.warning("OpenEnv environment %s: close() raised %s: %s", self.name, type(error).__name__, error)
 
     def _unpack(self, result: Any, method: str) -> tuple[Any, float | None, bool]:
         """(observation, reward, done) from an Observation (in-process) or a StepResult (a client)."""
@@ -247,6 +304,52 @@ class OpenEnvAdapter:
     def _messages(self, observation: Any, role: str) -> list[dict[str, str]]:
         text = self.observation(observation)
         return [{"role": role, "content": text}] if text else []
+
+
+@dataclass(frozen=True)
+class _Job:
+    env: Any
+    call: str  # what errors call it: "step(GuessAction(guess=4))"
+    started: float  # time.monotonic() when the thread began it
+
+
+class _SerialThread:
+    """One thread running an environment's calls in the order they come (`submit`). A daemon fed by a
+    queue, not a ThreadPoolExecutor, whose worker Python joins at exit: a call that never returns must
+    not keep the process from ending. `stuck`: the call running that was given up on (`give_up`)."""
+
+    def __init__(self, name: str):
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._running: _Job | None = None
+        self.stuck: _Job | None = None
+        threading.Thread(target=self._work, daemon=True, name=name).start()
+
+    def submit(self, env: Any, call: str, fn: Callable, args: tuple, kwargs: dict) -> Future:
+        future: Future = Future()
+        self._jobs.put((future, env, call, fn, args, kwargs))
+        return future
+
+    def give_up(self, env: Any) -> _Job | None:
+        """The call running for `env`, now stuck (its caller has let go of env), or None if none runs."""
+        with self._lock:
+            if self._running is not None and self._running.env is env:
+                self.stuck = self._running
+            return self.stuck if self.stuck is not None and self.stuck.env is env else None
+
+    def _work(self) -> None:
+        while True:
+            future, env, call, fn, args, kwargs = self._jobs.get()
+            with self._lock:
+                self._running = _Job(env, call, time.monotonic())
+            try:
+                future.set_result(fn(*args, **kwargs))
+            except BaseException as e:  # noqa: BLE001 -- handed to the caller's thread
+                future.set_exception(e)
+            finally:
+                with self._lock:
+                    self._running = self.stuck = None  # a stuck call that returned frees the thread
+                future = fn = args = kwargs = env = None  # nothing of a finished call kept while the queue waits
 
 
 class _Episode:

@@ -244,6 +244,7 @@ def test_multi_turn_game_turn_by_turn(tok):
     assert len(closes) == 4 and set(closes) == envs  # finished ones when done, the others when dropped
     assert rubric_reward("anything")(None, traj.messages) == [None] * 4  # no rubric: nothing noted
     assert adapter.environment().concurrency == 1  # the driver's calls too: each timed from its own start
+    assert adapter.environment.concurrency == 1  # said by the class: the driver builds them one at a time too
 
 
 def test_an_instance_is_copied_for_each_trajectory(tok):

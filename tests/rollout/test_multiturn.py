@@ -387,6 +387,43 @@ def test_an_environment_of_one_call_at_a_time_gets_them_so_each_timed_from_its_s
     assert traj.stop_reasons == ["env_done"] * 4
 
 
+class MeetingEnv(GuessEnv):
+    """Each instance's construction waits for the batch's other three (as a factory opening a session
+    waits on a server): only environments built concurrently get past it."""
+
+    meeting = threading.Barrier(4)
+
+    def __init__(self):
+        MeetingEnv.meeting.wait(30)
+        super().__init__()
+
+
+def test_environments_are_built_concurrently(tok):
+    """They were built one after another in the caller's thread: N sessions opened in series."""
+    MeetingEnv.meeting = threading.Barrier(4, timeout=30)
+    traj = _guess_once(tok, MeetingEnv)
+    assert len(traj.stop_reasons) == 4
+
+
+class HangingInitEnv(GuessEnv):
+    release = threading.Event()
+
+    def __init__(self):
+        HangingInitEnv.release.wait(10)
+        super().__init__()
+
+
+def test_an_environment_whose_construction_hangs_stops_the_run_naming_it(tok):
+    """Construction is bounded by env_timeout_s as reset and step are (it had no bound)."""
+    HangingInitEnv.release = threading.Event()
+    try:
+        with pytest.raises(TimeoutError, match=r"HangingInitEnv\(\) \(building the environment\) did not return "
+                                               r"within env_timeout_s=0.2 s \([1-4] of 4 calls"):
+            _guess_once(tok, HangingInitEnv, env_timeout_s=0.2)
+    finally:
+        HangingInitEnv.release.set()
+
+
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="the sandbox needs a POSIX host")
 def test_hostile_python_calls_are_contained_and_the_rollout_continues(tok, tmp_path):
     secret = tmp_path / "secret.txt"

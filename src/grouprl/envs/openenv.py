@@ -129,9 +129,11 @@ class OpenEnvAdapter:
         self._lock = threading.Lock()
         if action is None and isinstance(kind, type) and issubclass(kind, Environment):
             self._builder(kind)  # a class names its Action type: an undeclared one fails here, not mid-rollout
-        self.environment: type = type(self.name, (_Episode,), {
-            "adapter": self, "__module__": __name__, "__qualname__": self.name,
-            "__doc__": f"The OpenEnv environment {self.name}, one instance per trajectory (OpenEnvAdapter)."})
+        attrs = {"adapter": self, "__module__": __name__, "__qualname__": self.name,
+                 "__doc__": f"The OpenEnv environment {self.name}, one instance per trajectory (OpenEnvAdapter)."}
+        if isinstance(kind, type):  # a class says before one is built (the driver builds them so many at once)
+            attrs["concurrency"] = None if self._concurrent(kind) else 1
+        self.environment: type = type(self.name, (_Episode,), attrs)
 
     # ------------------------------------------------------------------ data and rewards
     def rows(self, reset_kwargs: Iterable[Mapping[str, Any]] | None = None, *,
@@ -369,7 +371,8 @@ class _Episode:
 
     @property
     def concurrency(self) -> int | None:
-        """1 for an environment that takes one call at a time (SUPPORTS_CONCURRENT_SESSIONS = False, OpenEnv's
+        """(A class attribute where the adapter has the environment's class; this reads a factory's product.)
+        1 for an environment that takes one call at a time (SUPPORTS_CONCURRENT_SESSIONS = False, OpenEnv's
         default): the driver then makes one call at a time, so each call's env_timeout_s counts from its own
         start, not from its place in the queue (it counted from the queue's: 12 steps of 0.5 s timed out at 2 s)."""
         return None if self.adapter._concurrent(self.env) else 1

@@ -35,7 +35,8 @@ Environments (docs/tools.md): a class named by import path, one instance per tra
 `reset(**row) -> first observation` (None, a string: a user message, or a list of messages appended
 to the prompt) and `step(assistant_message) -> (observation, done)` or `(observation, done, reward)`;
 a reward is summed per trajectory and reaches reward functions as the column `env_reward`.
-Instances of a batch run concurrently (threads; `async def` methods are awaited).
+Instances of a batch are built and run concurrently (threads; `async def` methods are awaited), each
+call within env_timeout_s.
 """
 
 from __future__ import annotations
@@ -264,8 +265,15 @@ class MultiTurnDriver:
             raise ValueError("an environment's reset receives the dataset row: pass prompts= (and columns=)")
         data = [{"prompt": prompts[b], **{k: v[b] for k, v in columns.items()}} for b in range(len(prompts))
                 for _ in range(G)]
-        for row in rows:
+
+        def build(row: _Row) -> None:  # each environment on its row as it is built, so that none goes unclosed
             row.env = self.environment()
+
+        # built concurrently and each within env_timeout_s, as a factory may open a session (an OpenEnv client);
+        # then reset, as many at once as the instances say (an OpenEnv factory's say so only once built)
+        name = getattr(self.environment, "__qualname__", None) or type(self.environment).__name__
+        _concurrently([(build, (row,)) for row in rows], self.env_timeout_s, _concurrency([self.environment]),
+                      what=f"{name}() (building the environment)")
         outs = _concurrently([(row.env.reset, (), d) for row, d in zip(rows, data)], self.env_timeout_s,
                              _concurrency([row.env for row in rows]))
         for row, obs, d in zip(rows, outs, data):
@@ -321,15 +329,24 @@ def _call(fn: Callable, args: tuple, kwargs: dict) -> Any:
 
 
 class EnvironmentTimeout(TimeoutError):
-    """An environment's reset or step did not return within env_timeout_s."""
+    """An environment's construction, reset or step did not return within env_timeout_s."""
 
 
-def _concurrently(jobs: list[tuple], timeout_s: float | None = None, concurrency: int = 16) -> list[Any]:
+def _called(fn: Callable) -> str:
+    """What an error calls `fn`: a method by its instance's class (OpenEnv's are subclasses named by the adapter)."""
+    owner = getattr(fn, "__self__", None)
+    if owner is not None and not isinstance(owner, type) and hasattr(fn, "__name__"):
+        return f"{type(owner).__name__}.{fn.__name__}"
+    return getattr(fn, "__qualname__", None) or repr(fn)
+
+
+def _concurrently(jobs: list[tuple], timeout_s: float | None = None, concurrency: int = 16,
+                  what: str | None = None) -> list[Any]:
     """Run (fn, args[, kwargs]) jobs in threads, `concurrency` at a time, results in order. Every call is
     waited for; then the first exception in the calls' order propagates (a bug in an environment is the
     user's to see, unlike a tool's failure, which the model is shown), and a call running longer than
-    `timeout_s` from its start stops the wait as EnvironmentTimeout. Daemon threads: Python cannot stop
-    a hung call, so it is abandoned, and cannot block the exit."""
+    `timeout_s` from its start stops the wait as EnvironmentTimeout, naming the call (or `what`). Daemon
+    threads: Python cannot stop a hung call, so it is abandoned, and cannot block the exit."""
     gate, futures = threading.Semaphore(concurrency), [Future() for _ in jobs]
     started: list[float | None] = [None] * len(jobs)
 
@@ -342,7 +359,7 @@ def _concurrently(jobs: list[tuple], timeout_s: float | None = None, concurrency
                 futures[i].set_exception(e)
             except BaseException as e:  # SystemExit, KeyboardInterrupt: not the run's own end (exit 3 is an alarm's)
                 futures[i].set_exception(RuntimeError(
-                    f"{getattr(fn, '__qualname__', fn)} raised {type(e).__name__}{e.args!r}: an environment may "
+                    f"{what or _called(fn)} raised {type(e).__name__}{e.args!r}: an environment may "
                     "not end the process; raise an exception for a bug, or end the episode with done=True"))
 
     for i, job in enumerate(jobs):
@@ -364,7 +381,7 @@ def _concurrently(jobs: list[tuple], timeout_s: float | None = None, concurrency
     if pending:
         fn = jobs[next(i for i, f in enumerate(futures) if f in pending)][0]
         raise EnvironmentTimeout(
-            f"{getattr(fn, '__qualname__', fn)} did not return within env_timeout_s={timeout_s:g} s ({len(pending)} "
+            f"{what or _called(fn)} did not return within env_timeout_s={timeout_s:g} s ({len(pending)} "
             f"of {len(jobs)} calls had not returned): a hung environment stops the run like one that raises (its "
             "thread is abandoned); fix the environment, or raise env_timeout_s (null: no limit)")
     return [f.result() for f in futures]

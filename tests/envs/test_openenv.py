@@ -46,11 +46,11 @@ def encoder(tok):
     return lambda msgs: tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=False)
 
 
-def run(tok, adapter, rows, replies, G=2, max_turns=4):
+def run(tok, adapter, rows, replies, G=2, max_turns=4, env_timeout_s=None):
     """The driver over `rows` with the adapter's environment; the scripted engine answers with replies(text)."""
     encode = encoder(tok)
     driver = MultiTurnDriver(tok, TurnLimits(400, max_turns=max_turns), environment=adapter.environment, encode=encode,
-                             eos_token_ids=(tok.eos_token_id,))
+                             eos_token_ids=(tok.eos_token_id,), env_timeout_s=env_timeout_s)
     prompts = [r["prompt"] for r in rows]
     columns = {k: [r[k] for r in rows] for k in rows[0] if k != "prompt"}
     return Driver(ScriptedEngine(tok, replies), driver).generate([encode(p) for p in prompts], G,
@@ -417,6 +417,29 @@ def test_a_hung_call_holds_up_neither_the_exit_nor_the_closes_and_later_calls_fa
     assert fresh.step({"role": "assistant", "content": "1"}) == ([], True, 1.0)
     closes = [i for kind, i, _ in GuessEnv.log if kind == "close"]
     assert closes == [id(e.env) for e in (other, hung, later, fresh)]  # those left queued ran after the hung call
+
+
+def test_after_a_step_that_hangs_the_driver_lets_go_of_it_and_the_next_rollout_fails_at_once(tok, caplog):
+    """Target 7's first step hangs past env_timeout_s, the other trajectory's step waiting for the one
+    thread: the driver closes the hung environment first, so the adapter knows its thread is stuck, and
+    does not wait for the other's close behind it (nor leaves it to a finalizer to wait on); the next rollout
+    fails at once, naming the hung call, instead of timing out again behind it."""
+    from grouprl.envs.openenv import OpenEnvStuck
+    from grouprl.rollout.multiturn import EnvironmentTimeout
+
+    GuessEnv.log, StuckGuessEnv.entered, StuckGuessEnv.release = [], threading.Event(), threading.Event()
+    adapter = OpenEnvAdapter(StuckGuessEnv, instructions="Play.")
+    try:
+        with pytest.raises(EnvironmentTimeout, match=r"StuckGuessEnv.step did not return within env_timeout_s=0.3"):
+            run(tok, adapter, adapter.rows([{"target": 7}]), lambda text: "4", env_timeout_s=0.3)
+        with pytest.raises(OpenEnvStuck, match=r"still in step\(GuessAction\(metadata=\{\}, guess=4\)\), which the "
+                                               r"driver gave up on .* reset\(\*\*\{'target': 2\}\) cannot run"):
+            run(tok, adapter, adapter.rows([{"target": 2}]), lambda text: "2", env_timeout_s=0.3)
+        warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+        assert len(warnings) == 1 and "step(GuessAction(metadata={}, guess=4)) has not returned" in warnings[0]
+        assert StuckGuessEnv.entered.is_set() and [kind for kind, _, _ in GuessEnv.log] == ["reset", "reset"]
+    finally:
+        StuckGuessEnv.release.set()
 
 
 # ---------------------------------------------------------------- end to end with the shipped tool policy

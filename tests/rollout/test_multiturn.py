@@ -5,10 +5,12 @@ The scripted engine answers each prompt (the conversation so far, decoded) with 
 chooses, so each test knows exactly what the policy "said"; the driver itself is the real one.
 """
 
+import gc
 import os
 import re
 import threading
 import time
+import weakref
 
 import pytest
 import torch
@@ -422,6 +424,50 @@ def test_an_environment_whose_construction_hangs_stops_the_run_naming_it(tok):
             _guess_once(tok, HangingInitEnv, env_timeout_s=0.2)
     finally:
         HangingInitEnv.release.set()
+
+
+class ClosingEnv(GuessEnv):
+    """GuessEnv with a close(); `broken` makes the step of target 7 raise."""
+
+    closed, broken = [], False
+
+    def step(self, message):
+        if ClosingEnv.broken and self.target == 7:
+            raise RuntimeError("the board caught fire")
+        return super().step(message)
+
+    def close(self):
+        ClosingEnv.closed.append(id(self))
+
+
+def test_every_environment_is_closed_once_the_rollout_is_done_with_it(tok):
+    """Target 2 finishes (env_done), target 7 is cut by max_turns: each of the 4 is closed, once."""
+    GuessEnv.instances, ClosingEnv.closed, ClosingEnv.broken = [], [], False
+    traj = _guess_once(tok, ClosingEnv)
+    assert traj.stop_reasons == ["env_done", "env_done", "max_turns", "max_turns"]
+    assert sorted(ClosingEnv.closed) == sorted(id(e) for e in GuessEnv.instances)
+
+
+def test_when_one_environment_raises_the_whole_batch_is_closed_and_let_go(tok):
+    """The error of one stopped the step and left the batch's other environments open, held by a cycle
+    (the error, its traceback, the frame holding the futures that hold the error) until a full GC; an
+    environment without atexit closing was then never closed if the process ended first."""
+    GuessEnv.instances, ClosingEnv.closed, ClosingEnv.broken = [], [], True
+    gc.disable()
+    try:
+        try:
+            _guess_once(tok, ClosingEnv)
+        except RuntimeError as e:
+            assert str(e) == "the board caught fire"
+        else:
+            pytest.fail("the step should have raised")
+        assert sorted(ClosingEnv.closed) == sorted(id(e) for e in GuessEnv.instances) and len(ClosingEnv.closed) == 4
+        envs = [weakref.ref(e) for e in GuessEnv.instances]
+        GuessEnv.instances = []
+        assert [r() for r in envs] == [None] * 4  # freed with the error, no GC needed
+    finally:
+        gc.enable()
+        ClosingEnv.broken = False
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="the sandbox needs a POSIX host")

@@ -46,7 +46,8 @@ Deliberate choices:
   beside it (weight 0) unless `reward_weights(from_rubric=True)` trains on them, weighted as the
   WeightedSum rubrics holding them weigh them.
 - An environment is closed when its episode is done, when a call into it failed, and otherwise (a
-  trajectory cut off by max_turns or the token budget) when the driver lets go of it.
+  trajectory cut off by max_turns or the token budget, or a batch that failed) when the driver closes
+  it at the end of the rollout (or, outside the driver, when it is dropped).
 - A remote environment (a factory returning `EnvClient(...).sync()`) validates actions on its server,
   where a reply that makes no valid action is a server error; `action=` building the typed Action
   locally (`lambda text: GuessAction(guess=text)`) turns it into the model's "invalid action" instead.
@@ -364,7 +365,7 @@ class _Episode:
     def __init__(self) -> None:
         self.env = self.adapter._make()
         self.carried: float | None = None  # a reward that reset returned: the driver takes rewards from steps only
-        # close() once: when the episode is done, a call failed, or the driver drops a trajectory cut by a limit
+        # close() once: when the episode is done, a call failed, the driver is done with it, or it is dropped
         # (a remote environment's session would otherwise stay open on its server)
         self.close = weakref.finalize(self, self.adapter._close, self.env)
         self.close.atexit = False

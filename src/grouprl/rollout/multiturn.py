@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import logging
 import math
 import numbers
 import threading
@@ -60,10 +61,19 @@ from grouprl.rollout.types import (STOP_REASONS, TRUNCATING, GenerationEngine, R
 from grouprl.tools import (ParsedTurn, Tool, ToolCallParser, execute_calls, render_after_turn,
                            render_tool_messages)
 
+logger = logging.getLogger(__name__)
+
+CLOSE_TIMEOUT_S = 10.0  # how long environments' close() may take where env_timeout_s sets no limit
+
+
 class Environment(Protocol):
     """A stateful task the policy acts in, turn by turn (one instance per trajectory). An optional
     attribute `concurrency` (an int) caps how many of its calls run at once (1: one at a time, each
-    call's env_timeout_s counted from its own start); 16 otherwise."""
+    call's env_timeout_s counted from its own start); 16 otherwise.
+
+    Optional: `close()`, called once when the rollout is done with the instance, whether it finished,
+    was cut by a limit, or the batch failed (also while a call that outlived env_timeout_s still runs:
+    closing is how the driver lets go of it). A close that raises or outlives env_timeout_s is logged."""
 
     def reset(self, **row: Any) -> str | list[dict] | None: ...
 
@@ -96,6 +106,7 @@ class _Row:
     calls: int = 0  # calls attempted, malformed ones included (what max_tool_calls counts)
     env: Any = None
     env_reward: float = 0.0
+    hung: bool = False  # a call into its environment outlived env_timeout_s and was given up on
 
     def add(self, tokens: list[int], *, action: bool, logp: list[float] | None = None) -> None:
         self.ids += tokens
@@ -134,10 +145,19 @@ class MultiTurnDriver:
         """G trajectories for each of B prompts (rows g*G .. g*G+G-1 share prompt g), each turn one
         `engine.generate` call. `prompts` and `columns` (the dataset rows, B each) are what an
         environment's `reset` receives."""
-        G, T = num_generations, self.limits.max_completion_length
         if params.ignore_eos:
             raise ValueError("ignore_eos=True: a multi-turn rollout ends a turn at EOS; switch it off")
-        rows = [_Row(list(p)) for p in prompt_ids for _ in range(G)]
+        rows = [_Row(list(p)) for p in prompt_ids for _ in range(num_generations)]
+        try:
+            return self._generate(engine, rows, prompt_ids, num_generations, params, generator, prompts, columns)
+        finally:  # every environment, also when one of the batch failed (a cycle kept the others open until a GC)
+            if self.environment is not None:
+                self._close_envs(rows)
+
+    def _generate(self, engine: GenerationEngine, rows: list[_Row], prompt_ids: list[list[int]], G: int,
+                  params: SamplingParams, generator: torch.Generator | None, prompts: list[Any] | None,
+                  columns: dict[str, list] | None) -> Trajectories:
+        T = self.limits.max_completion_length
         counts = dict.fromkeys(("tool_calls", "tool_errors", "tool_timeouts", "parse_failures", "tool_seconds",
                                 "env_seconds"), 0.0)
         if self.environment is not None:
@@ -227,8 +247,7 @@ class MultiTurnDriver:
         if not ended:
             return []
         t0 = time.perf_counter()
-        outs = _concurrently([(row.env.step, (row.messages[-1],)) for row, _ in ended], self.env_timeout_s,
-                             _concurrency([row.env for row, _ in ended]))
+        outs = self._on_envs([row for row, _ in ended], [(row.env.step, (row.messages[-1],)) for row, _ in ended])
         counts["env_seconds"] += time.perf_counter() - t0
         answers = []
         for (row, _), out in zip(ended, outs):
@@ -274,8 +293,7 @@ class MultiTurnDriver:
         name = getattr(self.environment, "__qualname__", None) or type(self.environment).__name__
         _concurrently([(build, (row,)) for row in rows], self.env_timeout_s, _concurrency([self.environment]),
                       what=f"{name}() (building the environment)")
-        outs = _concurrently([(row.env.reset, (), d) for row, d in zip(rows, data)], self.env_timeout_s,
-                             _concurrency([row.env for row in rows]))
+        outs = self._on_envs(rows, [(row.env.reset, (), d) for row, d in zip(rows, data)])
         for row, obs, d in zip(rows, outs, data):
             if obs is None:
                 continue
@@ -283,6 +301,35 @@ class MultiTurnDriver:
                 raise ValueError(f"{type(row.env).__name__}.reset returned an observation but the prompt is a "
                                  "string: give the dataset's prompts as chat messages, or return None")
             row.prompt = self.encode(d["prompt"] + _as_messages(obs, f"{type(row.env).__name__}.reset"))
+
+    def _on_envs(self, rows: list[_Row], jobs: list[tuple]) -> list[Any]:
+        """_concurrently over one call into each row's environment; a row whose call is given up on is `hung`."""
+
+        def give_up(indices: list[int]) -> None:
+            for i in indices:
+                rows[i].hung = True
+
+        return _concurrently(jobs, self.env_timeout_s, _concurrency([r.env for r in rows]), on_give_up=give_up)
+
+    def _close_envs(self, rows: list[_Row]) -> None:
+        """close() each row's environment that has one, as many at once as they take, within env_timeout_s
+        (CLOSE_TIMEOUT_S where it sets no limit): first those whose call was given up on (an OpenEnv
+        environment of one call at a time then knows that its thread is stuck, and the others' closes do
+        not queue behind it), then the rest. A close that raises or does not return is logged."""
+        timeout_s = self.env_timeout_s if self.env_timeout_s is not None else CLOSE_TIMEOUT_S
+        closable = [r for r in rows if callable(getattr(r.env, "close", None))]
+        for envs in ([r.env for r in closable if r.hung], [r.env for r in closable if not r.hung]):
+            if not envs:
+                continue
+            try:
+                failures = _concurrently([(_close, (e,)) for e in envs], timeout_s, _concurrency(envs),
+                                         what=f"{type(envs[0]).__name__}.close")
+            except Exception as e:  # noqa: BLE001 -- the rollout's own outcome (its result or error) comes first
+                logger.warning("closing %d environments: %s", len(envs), e)
+                continue
+            for env, failure in zip(envs, failures):
+                if failure is not None:
+                    logger.warning("%s.close() raised %s", type(env).__name__, failure)
 
     def _rollout(self, rows: list[_Row], has_logp: bool) -> Rollout:
         pad = self.tokenizer.pad_token_id
@@ -328,6 +375,15 @@ def _call(fn: Callable, args: tuple, kwargs: dict) -> Any:
     return asyncio.run(out) if inspect.isawaitable(out) else out
 
 
+def _close(env: Any) -> str | None:
+    """env.close(); what it raised, as text, or None."""
+    try:
+        _call(env.close, (), {})
+    except Exception as e:  # noqa: BLE001 -- logged by the caller
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
 class EnvironmentTimeout(TimeoutError):
     """An environment's construction, reset or step did not return within env_timeout_s."""
 
@@ -341,17 +397,21 @@ def _called(fn: Callable) -> str:
 
 
 def _concurrently(jobs: list[tuple], timeout_s: float | None = None, concurrency: int = 16,
-                  what: str | None = None) -> list[Any]:
+                  what: str | None = None, on_give_up: Callable[[list[int]], None] | None = None) -> list[Any]:
     """Run (fn, args[, kwargs]) jobs in threads, `concurrency` at a time, results in order. Every call is
     waited for; then the first exception in the calls' order propagates (a bug in an environment is the
     user's to see, unlike a tool's failure, which the model is shown), and a call running longer than
     `timeout_s` from its start stops the wait as EnvironmentTimeout, naming the call (or `what`). Daemon
-    threads: Python cannot stop a hung call, so it is abandoned, and cannot block the exit."""
+    threads: Python cannot stop a hung call, so it is abandoned, and cannot block the exit; calls not
+    yet started then are not started, and `on_give_up` hears the indices of those running."""
     gate, futures = threading.Semaphore(concurrency), [Future() for _ in jobs]
     started: list[float | None] = [None] * len(jobs)
+    stopped = threading.Event()
 
     def run(i: int, fn: Callable, args: tuple, kwargs: dict) -> None:
         with gate:
+            if stopped.is_set():
+                return
             started[i] = time.monotonic()
             try:
                 futures[i].set_result(_call(fn, args, kwargs))
@@ -375,9 +435,19 @@ def _concurrently(jobs: list[tuple], timeout_s: float | None = None, concurrency
         # than now + timeout_s); every call is waited for, so that each failed environment is closed
         wake = None if timeout_s is None else max(0.0, min([t + timeout_s for t in running] + [now + timeout_s]) - now)
         pending = wait(pending, timeout=None if wake is None else wake + 1e-3, return_when=FIRST_COMPLETED)[1]
-    errors = [f.exception() for f in futures if f.done() and f.exception() is not None]
-    if errors:  # the first in the calls' order, as a bug in the environment
-        raise errors[0]
+    if pending:
+        stopped.set()
+        if on_give_up is not None:
+            on_give_up([i for i, f in enumerate(futures) if f in pending and started[i] is not None])
+    error = next((f.exception() for f in futures if f.done() and f.exception() is not None), None)
+    if error is not None:  # the first in the calls' order, as a bug in the environment
+        # its traceback holds this frame: without the frame's ways back to it (futures, error), the cycle would
+        # keep every frame of the traceback, and so the batch's environments, until a full GC
+        futures = pending = None
+        try:
+            raise error
+        finally:
+            error = None
     if pending:
         fn = jobs[next(i for i, f in enumerate(futures) if f in pending)][0]
         raise EnvironmentTimeout(

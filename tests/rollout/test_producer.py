@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from grouprl.rollout import Rollout
-from grouprl.rollout.producer import RolloutProducer
+from grouprl.rollout.producer import RolloutCancelled, RolloutProducer
 
 
 class FakeEngine:
@@ -175,3 +175,35 @@ def test_discard_drops_an_engine_error_of_a_dropped_batch():
     assert producer.discard() == 1
     assert producer.next().prompts == 2
     producer.close()
+
+
+def test_close_stops_a_batch_in_flight_at_its_next_engine_call():
+    """A multi-turn batch generated ahead makes one engine call a turn. close() (the run ends, or a second
+    signal stops it at once) waited for every remaining turn of a batch nobody would train on; now the
+    call running finishes and the next one does not start. The turns started are counted."""
+    engine = FakeEngine()
+    cancelled = threading.Event()
+    guarded = RolloutProducer.guard(engine, cancelled)
+    in_turn, go_on, turns = threading.Event(), threading.Event(), []
+
+    def eight_turns(prompt: int) -> Rollout:
+        for turn in range(8):
+            ro = guarded.generate(prompt)
+            turns.append(turn)
+            if turn == 0:
+                in_turn.set()
+                assert go_on.wait(timeout=120), "the test never let the first turn end"
+        return ro
+
+    producer = RolloutProducer(engine, lambda: 0, eight_turns, max_staleness=1, cancelled=cancelled)
+    producer._submit()
+    assert in_turn.wait(timeout=120)
+    closing = threading.Thread(target=producer.close)
+    closing.start()
+    while not cancelled.is_set():  # close() has asked; the turn running now ends
+        time.sleep(0.01)
+    go_on.set()
+    closing.join(timeout=120)
+    assert not closing.is_alive() and turns == [0]  # the seven other turns never started
+    assert isinstance(producer.pending[0].exception(), RolloutCancelled)
+    assert guarded.decodes_with_policy is False  # the rest is the engine's own

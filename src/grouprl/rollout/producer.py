@@ -27,10 +27,16 @@ How the asynchronous mode works, and why it is built this way:
 
 Departure: on resume the batches that were generated ahead but not trained on are not
 regenerated: the prompt sampler and the sampling seeds had already moved past them.
+
+`close()` stops a batch in flight at its next call into the engine (`RolloutProducer.guard`: a
+multi-turn rollout's next turn), so a run that ends, or is stopped at once by a second signal, does not
+wait for every remaining turn of a batch nobody will train on; a call already running is waited for
+(an engine cannot be interrupted mid-batch).
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -56,14 +62,36 @@ class Produced:
     overlapped: int = 0  # weight updates begun while it was generated (partial rollouts only)
 
 
+class RolloutCancelled(RuntimeError):
+    """A batch generated ahead was stopped between two engine calls: the producer was closed."""
+
+
+class _Guarded:
+    """An engine whose `generate` refuses to start once `cancelled` is set; everything else is the engine's."""
+
+    def __init__(self, engine: GenerationEngine, cancelled: threading.Event):
+        self._engine, self._cancelled = engine, cancelled
+
+    def generate(self, *args: Any, **kwargs: Any) -> Any:
+        if self._cancelled.is_set():
+            raise RolloutCancelled("the rollout producer was closed: the batch generated ahead is dropped")
+        return self._engine.generate(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._engine, name)
+
+
 class RolloutProducer:
     def __init__(self, engine: GenerationEngine, draw: Callable[[], Any],
-                 generate: Callable[[Any], Any], max_staleness: int = 0, partial: bool = False):
+                 generate: Callable[[Any], Any], max_staleness: int = 0, partial: bool = False,
+                 cancelled: threading.Event | None = None):
         """`draw()` gives the next prompts (called in the caller's thread), `generate(prompts)`
-        samples their completions with `engine` (called in the background when max_staleness > 0).
-        `partial`: weight updates do not wait for the batches in flight."""
+        samples their completions with `engine` (called in the background when max_staleness > 0;
+        through `guard(engine)`, so that `close()` stops it between two engine calls: `cancelled` is
+        the event that guard reads). `partial`: weight updates do not wait for the batches in flight."""
         self.engine, self.draw, self.generate, self.depth = engine, draw, generate, max_staleness
         self.partial = partial
+        self.cancelled = cancelled or threading.Event()
         self.version, self.synced = 0, 0  # the engine starts with the weights of version 0; syncs so far
         self.begun = 0  # weight updates begun (synced, or one more while one is being sent)
         self.pending: deque[Future] = deque()
@@ -101,7 +129,16 @@ class RolloutProducer:
                 job.exception()  # waits; an error of a dropped batch is not the trainer's
         return len(jobs)
 
+    @staticmethod
+    def guard(engine: GenerationEngine, cancelled: threading.Event) -> GenerationEngine:
+        """`engine` as the background thread should call it: a `generate` after `cancelled` is set (by
+        `close`) raises RolloutCancelled instead of starting."""
+        return _Guarded(engine, cancelled)  # type: ignore[return-value]
+
     def close(self) -> None:
+        """Stop: batches not begun are dropped, one in flight stops at its next engine call (its error
+        dropped with it), and a call already running is waited for."""
+        self.cancelled.set()
         if self._thread is not None:
             self._thread.shutdown(wait=True, cancel_futures=True)
 

@@ -30,12 +30,11 @@ class Crash(Exception):
     pass
 
 
-def test_resume_reproduces_the_uninterrupted_run(make_cfg, tmp_path):
-    kw = dict(max_steps=5, save_steps=2, beta=0.04, num_iterations=2, warmup_steps=2,
-              lr_scheduler_type="cosine", learning_rate=1e-2)
+def full_then_cut(make_cfg, tmp_path, resume: bool | str = False, **kw):
+    """The configs of an uninterrupted run ("full", trained here) and of the same run ("cut") crashed
+    where it would run step 4, trained with `resume`."""
     full = make_cfg(output_dir=str(tmp_path / "full"), **kw)
     Trainer(full).train()
-
     cut = make_cfg(output_dir=str(tmp_path / "cut"), **kw)
     trainer = Trainer(cut)
     original = trainer.train_step
@@ -47,7 +46,13 @@ def test_resume_reproduces_the_uninterrupted_run(make_cfg, tmp_path):
 
     trainer.train_step = crash_at_step_4
     with pytest.raises(Crash):
-        trainer.train()
+        trainer.train(resume=resume)
+    return full, cut
+
+
+def test_resume_reproduces_the_uninterrupted_run(make_cfg, tmp_path):
+    full, cut = full_then_cut(make_cfg, tmp_path, max_steps=5, save_steps=2, beta=0.04, num_iterations=2,
+                              warmup_steps=2, lr_scheduler_type="cosine", learning_rate=1e-2)
     assert latest_checkpoint(cut.output_dir).name == "step-000002"
     assert [r["step"] for r in read_metrics(cut.output_dir)] == [1, 2, 3]  # step 3 is past the checkpoint
 
@@ -484,21 +489,7 @@ def test_a_rollback_snapshot_of_cuda_weights_is_made_in_host_memory():
 def test_resume_auto_starts_a_run_then_continues_it_then_leaves_it_finished(make_cfg, tmp_path):
     """`--resume auto`, for a job a scheduler requeues with the same command: a new run starts, one cut
     short continues from its checkpoint exactly as the uninterrupted run, and a finished one stays finished."""
-    kw = dict(max_steps=4, save_steps=2, beta=0.04)
-    full = make_cfg(output_dir=str(tmp_path / "full"), **kw)
-    Trainer(full).train()
-    cut = make_cfg(output_dir=str(tmp_path / "cut"), **kw)
-    trainer = Trainer(cut)
-    original = trainer.train_step
-
-    def crash_in_step_4():
-        if trainer.step == 3:
-            raise Crash
-        return original()
-
-    trainer.train_step = crash_in_step_4
-    with pytest.raises(Crash):
-        trainer.train(resume="auto")  # a new run: nothing to resume yet
+    full, cut = full_then_cut(make_cfg, tmp_path, "auto", max_steps=4, save_steps=2, beta=0.04)  # a new run at first
     assert [p.name for p in list_checkpoints(cut.output_dir)] == ["step-000002"]
     summary = Trainer(cut).train(resume="auto")
     assert summary["steps"] == 4

@@ -470,6 +470,89 @@ def test_when_one_environment_raises_the_whole_batch_is_closed_and_let_go(tok):
         ClosingEnv.broken = False
 
 
+class SlowClosingEnv(ClosingEnv):
+    """One call at a time; the first instance's close hangs until the test lets it go."""
+
+    concurrency, release = 1, threading.Event()
+
+    def close(self):
+        if self is GuessEnv.instances[0]:
+            SlowClosingEnv.release.wait(60)
+        super().close()
+
+
+def _wait_for(condition, what: str) -> None:
+    for _ in range(600):  # generous: the background threads only need a moment
+        if condition():
+            return
+        time.sleep(0.1)
+    pytest.fail(f"not within 60 s: {what}")
+
+
+def test_a_close_that_hangs_holds_the_others_back_but_drops_none(tok, caplog):
+    """One environment's close outlives env_timeout_s (one call at a time, so the others queue behind
+    it): the closes not yet started were dropped, with a log line from the step's timeout saying the
+    run stopped. Now the run goes on, says so, and the queued closes run once the hung one returns."""
+    GuessEnv.instances, ClosingEnv.closed, SlowClosingEnv.release = [], [], threading.Event()
+    with caplog.at_level("WARNING", logger="grouprl.rollout.multiturn"):
+        traj = _guess_once(tok, SlowClosingEnv, env_timeout_s=0.5)
+    assert len(traj.stop_reasons) == 4 and ClosingEnv.closed == []
+    assert "SlowClosingEnv.close() did not return within 0.5 s" in caplog.text and "the run goes on" in caplog.text
+    SlowClosingEnv.release.set()
+    _wait_for(lambda: len(ClosingEnv.closed) == 4, "every environment closed")
+    assert sorted(ClosingEnv.closed) == sorted(id(e) for e in GuessEnv.instances)
+
+
+class LateClosingEnv(ClosingEnv):
+    """The first instance's construction outlives env_timeout_s, then finishes."""
+
+    release, built = threading.Event(), []
+
+    def __init__(self):
+        first = not LateClosingEnv.built
+        LateClosingEnv.built.append(1)
+        if first:
+            LateClosingEnv.release.wait(60)
+        super().__init__()
+
+
+def test_an_environment_built_after_its_batch_was_given_up_on_is_closed(tok):
+    """The driver gave up on the batch (and closed what it had) before this construction returned:
+    nothing closed the environment built late."""
+    GuessEnv.instances, ClosingEnv.closed, LateClosingEnv.built = [], [], []
+    LateClosingEnv.release = threading.Event()
+    with pytest.raises(TimeoutError, match="building the environment"):
+        _guess_once(tok, LateClosingEnv, env_timeout_s=0.3)
+    assert len(ClosingEnv.closed) == 3  # the batch's others
+    LateClosingEnv.release.set()
+    _wait_for(lambda: len(ClosingEnv.closed) == 4, "the late environment closed")
+    assert sorted(ClosingEnv.closed) == sorted(id(e) for e in GuessEnv.instances)
+
+
+def test_a_call_that_fails_after_the_wait_gave_up_fails_in_its_own_thread_quietly(monkeypatch):
+    """When one call raised, the wait dropped its list of results to free the batch; a call still running
+    that then raised found the list gone (TypeError in its thread)."""
+    from grouprl.rollout.multiturn import _concurrently
+
+    crashed, later = [], threading.Event()
+    monkeypatch.setattr(threading, "excepthook", lambda args: crashed.append(args.exc_value))
+
+    def now():
+        raise ValueError("a bug in the environment")
+
+    def afterwards():
+        later.wait(60)
+        raise RuntimeError("closed under it")
+
+    with pytest.raises(ValueError, match="a bug in the environment"):
+        _concurrently([(now, ()), (afterwards, ())], timeout_s=0.3)
+    threads = [t for t in threading.enumerate() if t.name == "grouprl-env"]
+    later.set()
+    for t in threads:
+        t.join(60)
+    assert crashed == []
+
+
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="the sandbox needs a POSIX host")
 def test_hostile_python_calls_are_contained_and_the_rollout_continues(tok, tmp_path):
     secret = tmp_path / "secret.txt"

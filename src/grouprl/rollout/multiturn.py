@@ -285,14 +285,25 @@ class MultiTurnDriver:
         data = [{"prompt": prompts[b], **{k: v[b] for k, v in columns.items()}} for b in range(len(prompts))
                 for _ in range(G)]
 
+        lock, given_up = threading.Lock(), []
+
         def build(row: _Row) -> None:  # each environment on its row as it is built, so that none goes unclosed
-            row.env = self.environment()
+            env = self.environment()
+            with lock:
+                if not given_up:
+                    row.env = env
+                    return
+            _close(env)  # built after the batch was given up on (and closed): nobody else will close it
+
+        def give_up(_: list[int]) -> None:
+            with lock:
+                given_up.append(True)
 
         # built concurrently and each within env_timeout_s, as a factory may open a session (an OpenEnv client);
         # then reset, as many at once as the instances say (an OpenEnv factory's say so only once built)
         name = getattr(self.environment, "__qualname__", None) or type(self.environment).__name__
         _concurrently([(build, (row,)) for row in rows], self.env_timeout_s, _concurrency([self.environment]),
-                      what=f"{name}() (building the environment)")
+                      what=f"{name}() (building the environment)", on_give_up=give_up)
         outs = self._on_envs(rows, [(row.env.reset, (), d) for row, d in zip(rows, data)])
         for row, obs, d in zip(rows, outs, data):
             if obs is None:
@@ -315,7 +326,8 @@ class MultiTurnDriver:
         """close() each row's environment that has one, as many at once as they take, within env_timeout_s
         (CLOSE_TIMEOUT_S where it sets no limit): first those whose call was given up on (an OpenEnv
         environment of one call at a time then knows that its thread is stuck, and the others' closes do
-        not queue behind it), then the rest. A close that raises or does not return is logged."""
+        not queue behind it), then the rest. A close that raises or does not return is logged; those
+        still queued behind one that does not return are started as it returns, not dropped."""
         timeout_s = self.env_timeout_s if self.env_timeout_s is not None else CLOSE_TIMEOUT_S
         closable = [r for r in rows if callable(getattr(r.env, "close", None))]
         for envs in ([r.env for r in closable if r.hung], [r.env for r in closable if not r.hung]):
@@ -323,7 +335,12 @@ class MultiTurnDriver:
                 continue
             try:
                 failures = _concurrently([(_close, (e,)) for e in envs], timeout_s, _concurrency(envs),
-                                         what=f"{type(envs[0]).__name__}.close")
+                                         what=f"{type(envs[0]).__name__}.close", start_all=True)
+            except EnvironmentTimeout:
+                logger.warning("%s.close() did not return within %g s (env_timeout_s, or %g s without one) for some of "
+                               "%d environments: they are left to finish in the background, and the run goes on",
+                               type(envs[0]).__name__, timeout_s, CLOSE_TIMEOUT_S, len(envs))
+                continue
             except Exception as e:  # noqa: BLE001 -- the rollout's own outcome (its result or error) comes first
                 logger.warning("closing %d environments: %s", len(envs), e)
                 continue
@@ -397,28 +414,31 @@ def _called(fn: Callable) -> str:
 
 
 def _concurrently(jobs: list[tuple], timeout_s: float | None = None, concurrency: int = 16,
-                  what: str | None = None, on_give_up: Callable[[list[int]], None] | None = None) -> list[Any]:
+                  what: str | None = None, on_give_up: Callable[[list[int]], None] | None = None,
+                  start_all: bool = False) -> list[Any]:
     """Run (fn, args[, kwargs]) jobs in threads, `concurrency` at a time, results in order. Every call is
     waited for; then the first exception in the calls' order propagates (a bug in an environment is the
     user's to see, unlike a tool's failure, which the model is shown), and a call running longer than
     `timeout_s` from its start stops the wait as EnvironmentTimeout, naming the call (or `what`). Daemon
     threads: Python cannot stop a hung call, so it is abandoned, and cannot block the exit; calls not
-    yet started then are not started, and `on_give_up` hears the indices of those running."""
+    yet started then are not started (unless `start_all`: closes, which must all run), and `on_give_up`
+    hears the indices of those running."""
     gate, futures = threading.Semaphore(concurrency), [Future() for _ in jobs]
     started: list[float | None] = [None] * len(jobs)
     stopped = threading.Event()
 
     def run(i: int, fn: Callable, args: tuple, kwargs: dict) -> None:
+        future = futures[i]  # (the caller drops its list once it has an error to raise: a late call needs its own)
         with gate:
-            if stopped.is_set():
+            if stopped.is_set() and not start_all:
                 return
             started[i] = time.monotonic()
             try:
-                futures[i].set_result(_call(fn, args, kwargs))
+                future.set_result(_call(fn, args, kwargs))
             except Exception as e:  # noqa: BLE001 -- handed to the caller's thread
-                futures[i].set_exception(e)
+                future.set_exception(e)
             except BaseException as e:  # SystemExit, KeyboardInterrupt: not the run's own end (exit 3 is an alarm's)
-                futures[i].set_exception(RuntimeError(
+                future.set_exception(RuntimeError(
                     f"{what or _called(fn)} raised {type(e).__name__}{e.args!r}: an environment may "
                     "not end the process; raise an exception for a bug, or end the episode with done=True"))
 

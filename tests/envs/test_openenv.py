@@ -570,3 +570,29 @@ def test_the_config_names_an_openenv_environment_with_its_prefix(tmp_path):
     assert len(CalcEnv.episodes) == 2  # one environment per trajectory
     with pytest.raises(ConfigError, match="tests.envs.test_openenv:NoSuchEnv"):
         resolve_multiturn(cfg("openenv:tests.envs.test_openenv:NoSuchEnv"))
+
+
+def test_an_episode_closed_as_its_last_call_returns_is_not_taken_for_a_hung_one(monkeypatch, caplog):
+    """A step that ends the episode closes it at once. The serial thread handed the step's result over
+    before it marked itself idle, so a close in between found the finished step "running": a false
+    "given up on" warning, and the next call failed with OpenEnvStuck. The hand-over is made slow here
+    (as a preempted thread would make it); the thread is idle before anyone hears the result."""
+    import time
+    from concurrent.futures import Future
+
+    from grouprl.envs import openenv
+
+    class SlowHandOver(Future):
+        def set_result(self, result):
+            super().set_result(result)
+            time.sleep(0.005)
+
+    monkeypatch.setattr(openenv, "Future", SlowHandOver)
+    adapter = OpenEnvAdapter(GuessEnv, instructions="Guess.")
+    with caplog.at_level("WARNING", logger="grouprl.envs.openenv"):
+        for _ in range(20):
+            episode = adapter.environment()
+            episode.reset(target=3)
+            _, done, _ = episode.step({"role": "assistant", "content": "3"})  # right: done, closed at once
+            assert done
+    assert "given up on" not in caplog.text

@@ -345,14 +345,18 @@ class _SerialThread:
             future, env, call, fn, args, kwargs = self._jobs.get()
             with self._lock:
                 self._running = _Job(env, call, time.monotonic())
+            result, error = None, None
             try:
-                future.set_result(fn(*args, **kwargs))
+                result = fn(*args, **kwargs)
             except BaseException as e:  # noqa: BLE001 -- handed to the caller's thread
-                future.set_exception(e)
-            finally:
-                with self._lock:
-                    self._running = self.stuck = None  # a stuck call that returned frees the thread
-                future = fn = args = kwargs = env = None  # nothing of a finished call kept while the queue waits
+                error = e
+            with self._lock:  # done before the caller hears: a close that follows at once must not find it running
+                self._running = self.stuck = None  # a stuck call that returned frees the thread
+            if error is not None:
+                future.set_exception(error)
+            else:
+                future.set_result(result)
+            future = fn = args = kwargs = env = result = error = None  # nothing kept while the queue waits
 
 
 class _Episode:

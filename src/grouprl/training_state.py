@@ -112,12 +112,23 @@ def prepare_output_dir(cfg: TrainConfig, dist: D.DistContext, resume: bool | str
         if dist.is_main and logged.is_file() and logged.stat().st_size:
             for name in ("metrics.jsonl", "samples.jsonl"):
                 if (out / name).is_file():
-                    os.replace(out / name, out / f"{name}.lost")
+                    _keep_aside(out / name, out / f"{name}.lost")
             logger.warning("--resume auto: %s holds no checkpoint (its run stopped before its first save): the run "
                            "starts over; the rows that run logged are kept aside in metrics.jsonl.lost and "
                            "samples.jsonl.lost", cfg.output_dir)
         D.barrier(dist)
     return resume
+
+
+def _keep_aside(path: Path, lost: Path) -> None:
+    """`path`'s rows at the end of `lost` (a requeued job may lose more than one start before its first
+    save: each one's rows are kept), and `path` gone."""
+    if not lost.is_file():
+        os.replace(path, lost)
+        return
+    with open(lost, "a") as f:
+        f.write(path.read_text())
+    path.unlink()
 
 
 def save_training_state(cfg: TrainConfig, dist: D.DistContext, parts: TrainingParts, loop: LoopState,

@@ -522,3 +522,17 @@ def test_resume_auto_starts_over_a_run_that_stopped_before_its_first_save(make_c
     argv = ["train", "run.yaml", "--resume", "auto"]
     assert resume_command(argv) == "grouprl train run.yaml --resume auto"  # what a signal's message prints
     assert resume_command(["train", "run.yaml", "--resume"]) == "grouprl train run.yaml --resume"
+
+
+def test_resume_auto_keeps_the_rows_of_every_start_lost_before_its_first_save(make_cfg):
+    """A requeued job that dies before its first save twice: the second start-over replaced the first's
+    kept rows (metrics.jsonl.lost), which the docs say are kept aside."""
+    from grouprl.training_state import prepare_output_dir
+
+    cfg, ctx = make_cfg(), D.DistContext()
+    out = Path(cfg.output_dir)
+    out.mkdir(parents=True)
+    for attempt in (1, 2):
+        (out / "metrics.jsonl").write_text(f'{{"step": 1, "attempt": {attempt}}}\n')
+        assert prepare_output_dir(cfg, ctx, "auto") is False and not (out / "metrics.jsonl").exists()
+    assert (out / "metrics.jsonl.lost").read_text() == '{"step": 1, "attempt": 1}\n{"step": 1, "attempt": 2}\n'

@@ -32,6 +32,7 @@ defaults are those of the embedded task (`grouprl.tasks.DEFAULT_TASK`); otherwis
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -410,9 +411,9 @@ def _dequantized_folder(folder: str, gguf_file: str) -> str:
         except OSError:  # another vllm-serve of the file finished first (its server may be reading it)
             if not (out / "COMPLETE").is_file():  # not a finished folder: what an older version left
                 shutil.rmtree(out, ignore_errors=True)
-                work.rename(out)
-            else:
-                shutil.rmtree(work, ignore_errors=True)
+                with contextlib.suppress(OSError):  # (another server's, clearing the same leftover, may win)
+                    work.rename(out)
+            shutil.rmtree(work, ignore_errors=True)  # when ours did not go in
     return str(out)
 
 

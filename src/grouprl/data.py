@@ -78,6 +78,8 @@ def load_prompts(source: str | Path | Dataset | DatasetDict | IterableDataset | 
     elif not isinstance(source, str):
         raise DataError(f"{name} is a {type(source).__name__}: give a file path, 'builtin:NAME', a datasets.Dataset "
                         "(or DatasetDict, IterableDataset), a pandas DataFrame or a list of rows (dicts)")
+    elif source.startswith(HUB_PREFIX):
+        ds = hub_dataset(source, name)
     elif source.startswith("builtin:"):
         from grouprl.tasks import builtin_dataset
 
@@ -107,6 +109,42 @@ def load_prompts(source: str | Path | Dataset | DatasetDict | IterableDataset | 
             raise DataError(f"{name}={source!r} could not be read as {path.suffix}: "
                             f"{type(e).__name__}: {e}") from None
     validate_prompts(ds, prompt_column=prompt_column, name=name)
+    return ds
+
+
+HUB_PREFIX = "hf:"
+
+
+def hub_dataset(source: str, name: str) -> Dataset:
+    """`hf:NAME[:CONFIG][@SPLIT]`: `datasets.load_dataset(NAME, CONFIG, split=SPLIT)`: a dataset on the
+    Hugging Face hub (cached, so HF_HUB_OFFLINE=1 reads it once downloaded) or a local folder of data
+    files. Without SPLIT, the split the role means (`_pick_split`: train, or test/validation for
+    eval_data); SPLIT takes datasets' own forms (`train[:1000]`)."""
+    from datasets import load_dataset
+
+    spec, _, split = source.removeprefix(HUB_PREFIX).partition("@")
+    path, _, config = spec.partition(":")
+    if not path:
+        raise DataError(f"{name}={source!r} names no dataset: write hf:NAME, hf:NAME:CONFIG or hf:NAME:CONFIG@SPLIT "
+                        "(e.g. hf:openai/gsm8k:main@train)")
+    try:
+        ds = load_dataset(path, config or None, split=split or None)
+    except Exception as e:  # noqa: BLE001 - datasets raises many kinds; its message is the useful part
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        offline = os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0")
+        where = ("HF_HUB_OFFLINE is set, so only a copy in the cache can be read: load it once online (`hf "
+                 f"download --repo-type dataset {path}`)" if offline else "check the name and the network")
+        raise DataError(f"{name}={source!r}: datasets could not load it ({type(e).__name__}: {first}); {where}; a "
+                        "dataset with several configurations needs one (hf:NAME:CONFIG), and @SPLIT picks a split "
+                        "(train, test, train[:1000])") from None
+    if isinstance(ds, (DatasetDict, IterableDatasetDict)):
+        try:
+            ds = _pick_split(ds, name)
+        except DataError:
+            raise DataError(f"{name}={source!r} has the splits {list(ds)}, and none is the one {name} means: name "
+                            f"one after @, e.g. {source}@{list(ds)[0]}") from None
+    if isinstance(ds, IterableDataset):
+        ds = Dataset.from_list(list(ds))
     return ds
 
 
@@ -194,7 +232,7 @@ def check_data_source(name: str, value: str, *, prompt_column: str = "prompt",
                       reward_funcs: tuple[str, ...] = ()) -> None:
     """A data file must exist; `builtin:` names are checked when loaded. The ConfigError names the
     field, where relative paths start, and what the file must hold (the format, the columns)."""
-    if value.startswith("builtin:") or Path(value).expanduser().exists():
+    if value.startswith(("builtin:", HUB_PREFIX)) or Path(value).expanduser().exists():
         return
     readers = f"the reward functions ({', '.join(reward_funcs)})" if reward_funcs else "your reward functions"
     raise ConfigError(
@@ -306,12 +344,49 @@ class PromptBatch:
         return bool(self.prompts) and not isinstance(self.prompts[0], str)
 
 
+@dataclass(frozen=True)
+class ChatForm:
+    """chat_prompts and system_prompt: string prompts as a user message each, and a system message first
+    in every prompt that has none (applied where prompts load, so that every stage, reward functions and
+    multi-turn drivers included, sees the chat messages the model is shown)."""
+
+    chat: bool = False
+    system: str | None = None
+
+    @classmethod
+    def of(cls, cfg) -> ChatForm:
+        return cls(bool(cfg.chat_prompts), cfg.system_prompt)
+
+    def prompt(self, prompt: Any) -> Any:
+        """One prompt in the run's form."""
+        if isinstance(prompt, str) and (self.chat or self.system is not None):
+            prompt = [{"role": "user", "content": prompt}]
+        if self.system is not None and not (prompt and prompt[0].get("role") == "system"):
+            prompt = [{"role": "system", "content": self.system}, *prompt]
+        return prompt
+
+    def dataset(self, ds: Dataset, prompt_column: str) -> Dataset:
+        """`ds` with its prompt column in the run's form (itself where nothing changes)."""
+        if not self.chat and self.system is None:
+            return ds
+        from datasets.utils import logging as datasets_logging
+
+        shown = datasets_logging.is_progress_bar_enabled()  # a bar for a column's rewrite is noise
+        datasets_logging.disable_progress_bar()
+        try:
+            return ds.map(lambda row: {prompt_column: self.prompt(row[prompt_column])}, keep_in_memory=True)
+        finally:
+            if shown:
+                datasets_logging.enable_progress_bar()
+
+
 class PromptFormatter:
     """Turns prompts into token ids: strings as they are, messages through the chat template."""
 
     def __init__(self, tokenizer, *, max_prompt_length: int | None = None, tools: list[dict] | None = None,
-                 template_kwargs: dict[str, Any] | None = None):
+                 template_kwargs: dict[str, Any] | None = None, chat: ChatForm | None = None):
         self.tokenizer = tokenizer
+        self.chat = chat or ChatForm()  # rows given to `rows` are put in the run's form, as its datasets are
         self.max_prompt_length = max_prompt_length
         self.tools = tools or None  # tool schemas the chat template shows the model
         self.template_kwargs = dict(template_kwargs or {})  # chat_template_kwargs: e.g. enable_thinking
@@ -360,6 +435,7 @@ class PromptFormatter:
         (strings or chat messages), tokenised."""
         if not isinstance(rows, Dataset):
             rows = rows_dataset([r if isinstance(r, dict) else {prompt_column: r} for r in rows])
+        rows = self.chat.dataset(rows, prompt_column)
         check_reserved(rows.column_names, prompt_column, "rows")
         return self.batch(rows, list(range(len(rows))), prompt_column)
 
@@ -377,12 +453,15 @@ def load_datasets(cfg, train_dataset: Dataset | None = None, eval_dataset: Datas
     `train_data`/`eval_data`; without eval data, `eval_fraction` of the train rows is held out;
     `max_eval_samples` caps the eval set. `cfg` is a TrainConfig (read, not imported)."""
     readers = tuple(spec if isinstance(spec, str) else str(spec.get("name")) for spec in cfg.reward_funcs)
-    train = load_prompts(train_dataset if train_dataset is not None else cfg.train_data,
-                         prompt_column=cfg.prompt_column, name="train_data", reward_funcs=readers)
+    chat = ChatForm.of(cfg)
+    train = chat.dataset(load_prompts(train_dataset if train_dataset is not None else cfg.train_data,
+                                      prompt_column=cfg.prompt_column, name="train_data", reward_funcs=readers),
+                         cfg.prompt_column)
     evaluation = None
     if eval_dataset is not None or cfg.eval_data:
-        evaluation = load_prompts(eval_dataset if eval_dataset is not None else cfg.eval_data,
-                                  prompt_column=cfg.prompt_column, name="eval_data", reward_funcs=readers)
+        evaluation = chat.dataset(load_prompts(eval_dataset if eval_dataset is not None else cfg.eval_data,
+                                               prompt_column=cfg.prompt_column, name="eval_data",
+                                               reward_funcs=readers), cfg.prompt_column)
     elif cfg.eval_fraction:
         train, evaluation = split_eval(train, cfg.eval_fraction, cfg.seed)
     if evaluation is not None and cfg.max_eval_samples:

@@ -21,7 +21,7 @@ from datasets import Dataset
 
 from grouprl import distributed as D
 from grouprl.config import TrainConfig
-from grouprl.data import PromptBatch, PromptFormatter, PromptSampler
+from grouprl.data import ChatForm, PromptBatch, PromptFormatter, PromptSampler
 from grouprl.rollout.factory import make_rollouts
 from grouprl.prompt_filter import PromptFilter
 from grouprl.rollout import GenerationEngine, SamplingParams
@@ -77,7 +77,7 @@ def make_producer(cfg: TrainConfig, engine: GenerationEngine, draw: Callable[[],
     multiturn = bool(tools) or environment is not None  # its driver tokenises: a tokenizer of its own
     tok = copy.deepcopy(tokenizer) if multiturn else tokenizer
     formatter = PromptFormatter(tok, max_prompt_length=cfg.max_prompt_length, tools=[t.schema for t in tools.values()],
-                                template_kwargs=cfg.chat_template_kwargs)
+                                template_kwargs=cfg.chat_template_kwargs, chat=ChatForm.of(cfg))
     turns = make_rollouts(cfg, model, tok, formatter, tools, environment)  # single-turn: a SingleTurn
     cancelled = threading.Event()  # set by the producer's close(): no next turn starts
     guarded = RolloutProducer.guard(engine, cancelled)

@@ -48,7 +48,7 @@ from grouprl import distributed as D
 from grouprl.batch import StepBatch
 from grouprl.checkpoint import checkpoint_path
 from grouprl.config import ConfigError, TrainConfig
-from grouprl.data import PromptBatch, PromptFormatter, PromptSampler, load_datasets, load_prompts
+from grouprl.data import ChatForm, PromptBatch, PromptFormatter, PromptSampler, load_datasets, load_prompts
 from grouprl.distillation import load_teacher
 from grouprl.evaluation import BestModel, check_eval_names, run_evaluation
 from grouprl.guard import RunGuard
@@ -153,7 +153,7 @@ class Trainer:
                                           auto_budget=auto_budget, checkpoint_over_budget=over_budget)  # update.py
         schemas = [t.schema for t in self.tools.values()]  # what the chat template shows the model
         self.formatter = PromptFormatter(self.tokenizer, max_prompt_length=cfg.max_prompt_length, tools=schemas,
-                                         template_kwargs=cfg.chat_template_kwargs)
+                                         template_kwargs=cfg.chat_template_kwargs, chat=ChatForm.of(cfg))
         self.engine = make_engine(cfg, self.model, self.tokenizer, self.dist, self.autocast)
         self.turns = make_rollouts(cfg, self.model, self.tokenizer, self.formatter, self.tools, self.environment)
         self.weights_version = 0  # grows with every change of the policy's weights (engine sync)
@@ -447,8 +447,8 @@ class Trainer:
         """The eval_metrics on `dataset` (default: the eval set; what load_prompts reads) from the accuracy reward (the
         first reward function by default): `accuracy`, `mean@k`, `pass@k`, `maj@k`, `reward_mean`, `rewards/NAME`
         (evaluation.py defines each). Under torchrun each rank evaluates every K-th prompt, and the sums are summed."""
-        ds = self.eval_ds if dataset is None else load_prompts(dataset, prompt_column=self.cfg.prompt_column,
-                                                                name="eval_data")  # a file, a DatasetDict, rows
+        ds = self.eval_ds if dataset is None else self.formatter.chat.dataset(load_prompts(  # a file, rows, ...
+            dataset, prompt_column=self.cfg.prompt_column, name="eval_data"), self.cfg.prompt_column)
         return run_evaluation(self, ds, batch_size)
 
     def preflight(self, num_prompts: int = 64, samples_per_prompt: int | None = None) -> dict[str, Any]:

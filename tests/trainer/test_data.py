@@ -247,3 +247,67 @@ def test_a_prompt_ending_with_the_assistant_continues_its_message():
     assert formatter.text(question) == "<user>6*7?</>\n<assistant>"
     prefilled = question + [{"role": "assistant", "content": "<think>"}]
     assert formatter.text(prefilled) == "<user>6*7?</>\n<assistant><think>"
+
+
+def test_a_datasets_dataset_by_name_gives_the_split_its_role_means_or_the_one_named(tmp_path, monkeypatch):
+    """`hf:NAME[:CONFIG][@SPLIT]` (here a local folder of data files, which datasets reads offline as it
+    reads the hub's cache): the train split for train_data, the test split for eval_data, or the split
+    named, in datasets' own forms; a dataset that cannot be loaded is named with the fix."""
+    folder = tmp_path / "qa"
+    folder.mkdir()
+    for split, n in (("train", 5), ("test", 3)):
+        (folder / f"{split}.jsonl").write_text("".join(json.dumps({"question": f"{split} {i}", "answer": str(i)}) + "\n"
+                                                      for i in range(n)))
+    source = f"hf:{folder}"
+    train = load_prompts(source, prompt_column="question")
+    assert train["question"] == [f"train {i}" for i in range(5)]
+    held_out = load_prompts(source, name="eval_data", prompt_column="question")
+    assert held_out["question"] == [f"test {i}" for i in range(3)]
+    assert load_prompts(f"{source}@train[:2]", prompt_column="question")["answer"] == ["0", "1"]
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(DataError, match=r"train_data='hf:no-such-org/no-such-set': datasets could not load it \(.*\); "
+                                        r"HF_HUB_OFFLINE is set, so only a copy in the cache can be read: load it once "
+                                        r"online \(`hf download --repo-type dataset no-such-org/no-such-set`\)"):
+        load_prompts("hf:no-such-org/no-such-set")
+    with pytest.raises(DataError, match="names no dataset: write hf:NAME"):
+        load_prompts("hf:")
+    other = tmp_path / "other" / "data"  # two splits, neither named train or test
+    other.mkdir(parents=True)
+    for split in ("alpha", "beta"):
+        (other / f"{split}-00000-of-00001.jsonl").write_text(json.dumps({"question": split}) + "\n")
+    with pytest.raises(DataError, match=r"has the splits \['alpha', 'beta'\], and none is the one train_data "
+                                        r"means: name one after @, e.g. hf:.*other@alpha"):
+        load_prompts(f"hf:{other.parent}", prompt_column="question")
+
+
+def test_chat_prompts_and_a_system_prompt_put_every_prompt_in_chat_form(make_cfg, tmp_path):
+    """A dataset of string prompts (GSM8K's `question`) for an instruct model: a string went to the model as
+    it is, without the chat template. chat_prompts makes each a user message; system_prompt puts a system
+    message first, in string and chat prompts alike, unless a prompt starts with one of its own."""
+    from grouprl.data import ChatForm, PromptFormatter, load_datasets
+
+    path = tmp_path / "q.jsonl"
+    path.write_text("".join(json.dumps({"question": q, "answer": "1"}) + "\n" for q in ("one?", "two?")))
+    user = [[{"role": "user", "content": q}] for q in ("one?", "two?")]
+    plain = make_cfg(train_data=str(path), prompt_column="question", eval_data=str(path))
+    assert load_datasets(plain)[0]["question"] == ["one?", "two?"]  # as it was
+    train, held_out = load_datasets(make_cfg(**{**plain.to_dict(), "chat_prompts": True}))
+    assert train["question"] == user and held_out["question"] == user
+    system = {"role": "system", "content": "Think, then answer."}
+    train, _ = load_datasets(make_cfg(**{**plain.to_dict(), "system_prompt": "Think, then answer."}))
+    assert train["question"] == [[system, *m] for m in user]
+    own = {"role": "system", "content": "Mine."}
+    chat = ChatForm(system="Think, then answer.")
+    assert chat.prompt([own, *user[0]]) == [own, *user[0]] and chat.prompt(user[1]) == [system, *user[1]]
+
+    class Template:  # what the formatter renders: the messages it is given
+        chat_template = "x"
+
+        def apply_chat_template(self, messages, **kwargs):
+            return repr(messages)
+
+        def __call__(self, text, **kwargs):
+            return {"input_ids": [len(text)]}
+
+    rows = PromptFormatter(Template(), chat=chat).rows(["one?"], "prompt")  # Trainer.prompts: as in training
+    assert rows.prompts == [[system, *user[0]]]

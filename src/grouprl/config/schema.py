@@ -64,8 +64,11 @@ class TrainFields:
 
     # ----------------------------------------------------------------- data
     train_data: str = ""
-    """Training prompts: a .jsonl/.json, .csv or .parquet file, or `builtin:NAME`. Needs a `prompt`
-    column (a string, or a list of chat messages); other columns reach reward functions."""
+    """Training prompts: a .jsonl/.json, .csv or .parquet file, `builtin:NAME`, or a `datasets` dataset,
+    `hf:NAME[:CONFIG][@SPLIT]` (the hub's, or a local folder of data files: hf:openai/gsm8k:main; without
+    @SPLIT, its train split, and for eval_data its test or validation split). Needs a `prompt` column
+    (a string, or a list of chat messages; another name: prompt_column); other columns reach reward
+    functions."""
     eval_data: str | None = None
     """Held-out prompts in the same form; with neither eval_data nor eval_fraction, no evaluation runs."""
     eval_fraction: float = 0.0
@@ -74,6 +77,12 @@ class TrainFields:
     """Evaluate on at most this many eval prompts (at least 1); null: all of them."""
     prompt_column: str = "prompt"
     """Name of the column holding the prompt."""
+    chat_prompts: bool = False
+    """String prompts become one user message each, so they go through the chat template (a string
+    otherwise goes to the model as it is: right for a base model, wrong for an instruct one)."""
+    system_prompt: str | None = None
+    """A system message put first in every prompt, train and eval (string prompts then become chat
+    messages, as with chat_prompts); a prompt that starts with a system message of its own keeps it."""
 
     # -------------------------------------------------------------- rewards
     reward_funcs: list[Any] = field(default_factory=list)

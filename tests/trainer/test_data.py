@@ -271,6 +271,11 @@ def test_a_datasets_dataset_by_name_gives_the_split_its_role_means_or_the_one_na
         load_prompts("hf:no-such-org/no-such-set")
     with pytest.raises(DataError, match="names no dataset: write hf:NAME"):
         load_prompts("hf:")
+    from grouprl.config.io import absolute_paths
+
+    monkeypatch.chdir(tmp_path)  # a run's config.yaml names a local folder from anywhere; hub names stay as they are
+    assert absolute_paths({"train_data": "hf:qa@train[:2]", "eval_data": "hf:openai/gsm8k:main"}) == {
+        "train_data": f"hf:{folder}@train[:2]", "eval_data": "hf:openai/gsm8k:main"}
     other = tmp_path / "other" / "data"  # two splits, neither named train or test
     other.mkdir(parents=True)
     for split in ("alpha", "beta"):

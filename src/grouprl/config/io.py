@@ -104,7 +104,12 @@ def absolute_paths(values: dict[str, Any]) -> dict[str, Any]:
     out = dict(values)
     for k in PATH_FIELDS:
         v = out.get(k)
-        if isinstance(v, str) and v and not v.startswith("builtin:") and Path(v).expanduser().exists():
+        if isinstance(v, str) and v.startswith("hf:"):  # hf:FOLDER[:CONFIG][@SPLIT] of a local dataset folder
+            spec, at, split = v.removeprefix("hf:").partition("@")
+            path, colon, config = spec.partition(":")
+            if path and Path(path).expanduser().exists():
+                out[k] = f"hf:{Path(path).expanduser().resolve()}{colon}{config}{at}{split}"
+        elif isinstance(v, str) and v and not v.startswith("builtin:") and Path(v).expanduser().exists():
             out[k] = str(Path(v).expanduser().resolve())
     return out
 

@@ -293,7 +293,8 @@ class MultiTurnDriver:
                 if not given_up:
                     row.env = env
                     return
-            _close(env)  # built after the batch was given up on (and closed): nobody else will close it
+            if callable(getattr(env, "close", None)):  # built after the batch was given up on (and closed)
+                _close(env)
 
         def give_up(_: list[int]) -> None:
             with lock:
@@ -429,18 +430,21 @@ def _concurrently(jobs: list[tuple], timeout_s: float | None = None, concurrency
 
     def run(i: int, fn: Callable, args: tuple, kwargs: dict) -> None:
         future = futures[i]  # (the caller drops its list once it has an error to raise: a late call needs its own)
-        with gate:
-            if stopped.is_set() and not start_all:
-                return
-            started[i] = time.monotonic()
-            try:
-                future.set_result(_call(fn, args, kwargs))
-            except Exception as e:  # noqa: BLE001 -- handed to the caller's thread
-                future.set_exception(e)
-            except BaseException as e:  # SystemExit, KeyboardInterrupt: not the run's own end (exit 3 is an alarm's)
-                future.set_exception(RuntimeError(
-                    f"{what or _called(fn)} raised {type(e).__name__}{e.args!r}: an environment may "
-                    "not end the process; raise an exception for a bug, or end the episode with done=True"))
+        try:
+            with gate:
+                if stopped.is_set() and not start_all:
+                    return
+                started[i] = time.monotonic()
+                try:
+                    future.set_result(_call(fn, args, kwargs))
+                except Exception as e:  # noqa: BLE001 -- handed to the caller's thread
+                    future.set_exception(e)
+                except BaseException as e:  # SystemExit, KeyboardInterrupt: not the run's end (exit 3 is an alarm's)
+                    future.set_exception(RuntimeError(
+                        f"{what or _called(fn)} raised {type(e).__name__}{e.args!r}: an environment may "
+                        "not end the process; raise an exception for a bug, or end the episode with done=True"))
+        finally:  # an error's traceback keeps this frame: it must not hold the error (a cycle) or the batch
+            future = fn = args = kwargs = None
 
     for i, job in enumerate(jobs):
         threading.Thread(target=run, args=(i, job[0], job[1], job[2] if len(job) > 2 else {}), daemon=True,

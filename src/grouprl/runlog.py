@@ -34,8 +34,8 @@ class RunLogger:
     """Appends one JSON line per step to metrics.jsonl and reports the scalars to the trackers named
     in `report_to` (trackers.py). On resume from step S, lines after S (written by the interrupted
     run after its last checkpoint) are dropped, so the file reads as if the run had never stopped;
-    with `eval_again`, so are step S's eval lines (an eval the killed run logged but never recorded
-    beside the checkpoint, which this run makes again).
+    with `eval_again`, so are step S's lines after its training step's (an eval the killed run logged
+    but never recorded beside the checkpoint, and its alarms: this run makes it again).
 
     A tracker that fails to start is a `TrackerError` (the trackers already started are closed): a
     run never trains untracked by surprise. One that raises mid-run is warned about once and dropped:
@@ -53,7 +53,7 @@ class RunLogger:
         if not enabled:
             return
         self.dir.mkdir(parents=True, exist_ok=True)
-        _truncate_after(self.metrics_path, resume_step, "eval/" if eval_again else None)
+        _truncate_after(self.metrics_path, resume_step, only_first_at_step=eval_again)
         _truncate_after(self.samples_path, resume_step)
         for name in dict.fromkeys(report_to):
             if name != "none":
@@ -201,16 +201,17 @@ class Progress:
             self.close()
 
 
-def _truncate_after(path: Path, step: int, drop_at_step: str | None = None) -> None:
-    """Keep the rows of steps <= `step` (a resumed run writes the later ones again), less those of
-    `step` itself with a key that starts with `drop_at_step` (an eval logged again). A last line
+def _truncate_after(path: Path, step: int, only_first_at_step: bool = False) -> None:
+    """Keep the rows of steps <= `step` (a resumed run writes the later ones again); with
+    `only_first_at_step`, of `step` itself only its first, the training step's (the eval after it and
+    the eval's alarms are logged again). A last line
     that is not JSON was cut off by a kill in mid-append and is dropped with its step; a damaged
     line anywhere else is an error that names it. The kept rows go to a new file that replaces the
     old one whole, so a failed write (a full disk) loses no row already logged."""
     if not path.is_file():
         return
     lines = path.read_text().splitlines()
-    keep = []
+    keep, seen_step = [], False
     for i, line in enumerate(lines):
         if not line:
             continue
@@ -222,8 +223,9 @@ def _truncate_after(path: Path, step: int, drop_at_step: str | None = None) -> N
             raise ValueError(f"{path}: line {i + 1} is not JSON ({e.msg}); the run log is damaged there: "
                              "delete that line to resume") from None
         at = row.get("step", 0)
-        if at < step or at == step and not (drop_at_step and any(k.startswith(drop_at_step) for k in row)):
+        if at < step or at == step and not (only_first_at_step and seen_step):
             keep.append(line)
+        seen_step = seen_step or at == step
     tmp = path.with_name(f".{path.name}.tmp")  # the same folder: the rename stays on one filesystem
     tmp.write_text("".join(line + "\n" for line in keep))
     tmp.replace(path)

@@ -63,3 +63,15 @@ def test_numbers_json_cannot_hold_are_written_null(tmp_path):
     assert json.loads((tmp_path / "summary.json").read_text(), parse_constant=refuse) == {
         "eval_before": {"accuracy": None}}
 
+
+
+def test_an_eval_made_again_on_resume_drops_what_the_killed_run_logged_after_its_step(tmp_path):
+    """Killed after an eval (and its alarms) was logged but before it was recorded beside the checkpoint of
+    step 2: the resumed run evaluates step 2 again, so the eval's row and its alarms' row go, and the
+    step's own row stays; without eval_again, the rows of step 2 all stay."""
+    rows = [{"step": 1, "loss": 0.1}, {"step": 2, "loss": 0.2}, {"step": 2, "eval/accuracy": 0.5},
+            {"step": 2, "alarms": [{"kind": "eval_divergence"}]}, {"step": 3, "loss": 0.3}]
+    for again, kept in ((True, rows[:2]), (False, rows[:4])):
+        write(tmp_path / "metrics.jsonl", [json.dumps(r) for r in rows])
+        RunLogger(tmp_path, resume_step=2, eval_again=again, report_to=())
+        assert [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == kept

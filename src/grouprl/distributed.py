@@ -29,6 +29,7 @@ import contextlib
 import datetime
 import gc
 import inspect
+import logging
 import math
 import os
 from dataclasses import dataclass
@@ -36,6 +37,8 @@ from typing import Any, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
 
 STRATEGIES = ("ddp", "fsdp2")
 _OWNED_GROUP: list[Any] = []  # the default group init_distributed created in this process, if any
@@ -141,16 +144,20 @@ def all_reduce_sums(ctx: DistContext, values: dict[str, float]) -> dict[str, flo
     return dict(zip(keys, t.cpu().tolist()))
 
 
-def least_over_ranks(ctx: DistContext, value: int | None) -> int | None:
+def least_over_ranks(ctx: DistContext, value: int | None, said: str | None = None) -> int | None:
     """The smallest of every rank's `value` (None stays None: every rank passes None or a number). For
     what each rank sizes from its own device, as the automatic token budget from its free memory: every
     rank must cut the batch into the same micro-batches, or DDP averages mismatched passes and FSDP2's
-    collectives hang."""
+    collectives hang. `said`: rank 0 (whose log is the one shown) logs the least under this name where
+    its own value, which it may have logged, is not it."""
     if not ctx.enabled or value is None:
         return value
     t = torch.tensor([value], dtype=torch.int64, device=_comm_device(ctx))
     dist.all_reduce(t, op=dist.ReduceOp.MIN)
-    return int(t.item())
+    least = int(t.item())
+    if said and ctx.is_main and least != value:
+        logger.info("%s: %d on every rank, the least over the ranks (this rank's own: %d)", said, least, value)
+    return least
 
 
 def all_reduce_tensor(ctx: DistContext, x: torch.Tensor) -> torch.Tensor:

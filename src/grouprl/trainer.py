@@ -147,7 +147,8 @@ class Trainer:
         colocated = cfg.vllm_gpu_memory_utilization if cfg.use_vllm and cfg.vllm_mode == "colocate" else 0.0
         auto_budget = D.least_over_ranks(self.dist, token_budget(  # each rank's free memory: one budget for all
             "auto", self.model, self.dist.device, checkpointing == "always", vllm_share=colocated,
-            autocast=self.autocast is not None) if cfg.max_tokens_per_micro_batch == "auto" else None)
+            autocast=self.autocast is not None) if cfg.max_tokens_per_micro_batch == "auto" else None,
+            said="max_tokens_per_micro_batch=auto")
         over_budget = checkpointing == "over_budget"
         self.updater = make_policy_update(cfg, self.model, self.train_model, self.dist, autocast=self.autocast,
                                           auto_budget=auto_budget, checkpoint_over_budget=over_budget)  # update.py

@@ -226,18 +226,28 @@ def rollback(trainer: Trainer) -> dict[str, bool]:
 
 def budgets_and_summaries(cfg: TrainConfig) -> list[tuple[int, dict]]:
     """Each rank's automatic token budget when each rank's device has a different amount of memory free
-    (here: rank r's budget would be 4096 * (r + 1)), and what `train()` (one step) returns on each rank."""
+    (here: rank r's budget would be 4096 * (2 - r), rank 0's the larger), what `train()` (one step) returns
+    on each rank, and what rank 0 logs of the budget taken (its log is the one shown)."""
+    import logging
+
     import grouprl.trainer as trainer_module
 
     rank = D.init_distributed().rank
     own = trainer_module.token_budget
-    trainer_module.token_budget = lambda setting, *a, **k: 4096 * (rank + 1) if setting == "auto" else setting
+    trainer_module.token_budget = lambda setting, *a, **k: 4096 * (2 - rank) if setting == "auto" else setting
+    said: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())  # type: ignore[method-assign]
+    log = logging.getLogger("grouprl.distributed")
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
     try:
         trainer = Trainer(replace(cfg, max_tokens_per_micro_batch="auto"))
     finally:
         trainer_module.token_budget = own
+        log.removeHandler(handler)
     summary = trainer.train()
-    return D.gather_objects(trainer.dist, (trainer.updater.planner.auto_budget, summary))
+    return D.gather_objects(trainer.dist, (trainer.updater.planner.auto_budget, summary, said))
 
 
 def main(model_dir: str, data: str, out_dir: str, strategy: str) -> None:

@@ -55,8 +55,10 @@ def test_update_two_ranks_equals_one_rank(strategy, one_rank, tiny_model_dir, di
     torchrun("-m", "tests.distributed._worker", str(tiny_model_dir), str(digits_data), str(tmp_path), strategy)
     result = torch.load(tmp_path / f"grads-{strategy}.pt", weights_only=False)
     assert result["world_size"] == 2
-    (budget0, summary0), (budget1, summary1) = result["budgets_and_summaries"]
+    (budget0, summary0, said0), (budget1, summary1, said1) = result["budgets_and_summaries"]
     assert budget0 == budget1 == 4096  # the least rank's budget: the same micro-batches on each
+    assert said0 == ["max_tokens_per_micro_batch=auto: 4096 on every rank, the least over the ranks (this rank's "
+                     "own: 8192)"] and said1 == []  # rank 0's log, which alone is shown, says what is used
     assert summary1 == summary0 and "reward_last" in summary0  # rank 0's summary (it reads the metrics), on both
     one_rank_grads = one_rank(update_grads, strategy == "ddp")  # 4 aggs x 3 scales, 2 IS modes
     assert result["grads"].keys() == one_rank_grads.keys() and len(one_rank_grads) == 14

@@ -20,6 +20,7 @@ import torch
 from datasets import Dataset, DatasetDict, IterableDataset, IterableDatasetDict
 
 from grouprl.config import ConfigError
+from grouprl.config.io import HUB_PREFIX, split_hub_source
 
 
 def _read_csv(path: str) -> Dataset:
@@ -112,9 +113,6 @@ def load_prompts(source: str | Path | Dataset | DatasetDict | IterableDataset | 
     return ds
 
 
-HUB_PREFIX = "hf:"
-
-
 def hub_dataset(source: str, name: str) -> Dataset:
     """`hf:NAME[:CONFIG][@SPLIT]`: `datasets.load_dataset(NAME, CONFIG, split=SPLIT)`: a dataset on the
     Hugging Face hub (cached, so HF_HUB_OFFLINE=1 reads it once downloaded) or a local folder of data
@@ -122,8 +120,7 @@ def hub_dataset(source: str, name: str) -> Dataset:
     eval_data); SPLIT takes datasets' own forms (`train[:1000]`)."""
     from datasets import load_dataset
 
-    spec, _, split = source.removeprefix(HUB_PREFIX).partition("@")
-    path, _, config = spec.partition(":")
+    path, config, split = split_hub_source(source)
     if not path:
         raise DataError(f"{name}={source!r} names no dataset: write hf:NAME, hf:NAME:CONFIG or hf:NAME:CONFIG@SPLIT "
                         "(e.g. hf:openai/gsm8k:main@train)")

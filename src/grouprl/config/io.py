@@ -97,6 +97,17 @@ PATH_FIELDS = ("model", "tokenizer", "train_data", "eval_data", "teacher_model")
 """Fields that may name a local file or folder (or a hub id, `builtin:NAME`)."""
 
 
+HUB_PREFIX = "hf:"
+
+
+def split_hub_source(value: str) -> tuple[str, str, str]:
+    """`hf:NAME[:CONFIG][@SPLIT]` (a `datasets` dataset named in train_data/eval_data) as (NAME, CONFIG,
+    SPLIT), each "" where not given."""
+    spec, _, split = value.removeprefix(HUB_PREFIX).partition("@")
+    path, _, config = spec.partition(":")
+    return path, config, split
+
+
 def absolute_paths(values: dict[str, Any]) -> dict[str, Any]:
     """`values` with each of PATH_FIELDS that names an existing local path made absolute: a run's
     config.yaml then means the same files from any folder (`grouprl eval --model RUN/checkpoints/..`
@@ -104,11 +115,11 @@ def absolute_paths(values: dict[str, Any]) -> dict[str, Any]:
     out = dict(values)
     for k in PATH_FIELDS:
         v = out.get(k)
-        if isinstance(v, str) and v.startswith("hf:"):  # hf:FOLDER[:CONFIG][@SPLIT] of a local dataset folder
-            spec, at, split = v.removeprefix("hf:").partition("@")
-            path, colon, config = spec.partition(":")
+        if isinstance(v, str) and v.startswith(HUB_PREFIX):  # hf:FOLDER[:CONFIG][@SPLIT] of a local dataset folder
+            path, config, split = split_hub_source(v)
             if path and Path(path).expanduser().exists():
-                out[k] = f"hf:{Path(path).expanduser().resolve()}{colon}{config}{at}{split}"
+                out[k] = (f"{HUB_PREFIX}{Path(path).expanduser().resolve()}" + (f":{config}" if config else "")
+                          + (f"@{split}" if split else ""))
         elif isinstance(v, str) and v and not v.startswith("builtin:") and Path(v).expanduser().exists():
             out[k] = str(Path(v).expanduser().resolve())
     return out

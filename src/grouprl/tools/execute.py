@@ -162,7 +162,7 @@ async def _run_call(call: ToolCall, tools: dict[str, Tool], timeout_s: float) ->
         return ToolResult(call.name, f"error: {problem}", "error")
     tool = tools[call.name]
     ticket = None if tool.is_async else _Ticket(call.name)
-    if ticket is not None and (held := _abandoned.get(call.name, 0)) >= ABANDONED_LIMIT:
+    if ticket is not None and (held := abandoned_calls(call.name)) >= ABANDONED_LIMIT:
         _warn_once(call.name, held)
         return ToolResult(call.name, f"error: {call.name} is unavailable: {held} of its earlier calls timed out "
                           "and are still running", "error")

@@ -79,10 +79,9 @@ def make_producer(cfg: TrainConfig, engine: GenerationEngine, draw: Callable[[],
     formatter = PromptFormatter(tok, max_prompt_length=cfg.max_prompt_length, tools=[t.schema for t in tools.values()],
                                 template_kwargs=cfg.chat_template_kwargs, chat=ChatForm.of(cfg))
     turns = make_rollouts(cfg, model, tok, formatter, tools, environment)  # single-turn: a SingleTurn
-    cancelled = threading.Event()  # set by the producer's close(): no next turn starts
-    guarded = RolloutProducer.guard(engine, cancelled)
 
-    def generate_ahead(prompts: PromptBatch) -> Trajectories:
-        return turns.generate(guarded, prompts.prompt_ids, cfg.num_generations, sampling, generator,
+    def generate_ahead(prompts: PromptBatch) -> Trajectories:  # after the producer's close(), no next turn starts
+        return turns.generate(producer.guarded, prompts.prompt_ids, cfg.num_generations, sampling, generator,
                               prompts=prompts.prompts, columns=prompts.columns)
-    return RolloutProducer(engine, draw, generate_ahead, ahead, partial=cfg.partial_rollouts, cancelled=cancelled)
+    producer = RolloutProducer(engine, draw, generate_ahead, ahead, partial=cfg.partial_rollouts)
+    return producer

@@ -182,28 +182,26 @@ def test_close_stops_a_batch_in_flight_at_its_next_engine_call():
     signal stops it at once) waited for every remaining turn of a batch nobody would train on; now the
     call running finishes and the next one does not start. The turns started are counted."""
     engine = FakeEngine()
-    cancelled = threading.Event()
-    guarded = RolloutProducer.guard(engine, cancelled)
     in_turn, go_on, turns = threading.Event(), threading.Event(), []
 
     def eight_turns(prompt: int) -> Rollout:
         for turn in range(8):
-            ro = guarded.generate(prompt)
+            ro = producer.guarded.generate(prompt)
             turns.append(turn)
             if turn == 0:
                 in_turn.set()
                 assert go_on.wait(timeout=120), "the test never let the first turn end"
         return ro
 
-    producer = RolloutProducer(engine, lambda: 0, eight_turns, max_staleness=1, cancelled=cancelled)
+    producer = RolloutProducer(engine, lambda: 0, eight_turns, max_staleness=1)
     producer._submit()
     assert in_turn.wait(timeout=120)
     closing = threading.Thread(target=producer.close)
     closing.start()
-    while not cancelled.is_set():  # close() has asked; the turn running now ends
+    while not producer.cancelled.is_set():  # close() has asked; the turn running now ends
         time.sleep(0.01)
     go_on.set()
     closing.join(timeout=120)
     assert not closing.is_alive() and turns == [0]  # the seven other turns never started
     assert isinstance(producer.pending[0].exception(), RolloutCancelled)
-    assert guarded.decodes_with_policy is False  # the rest is the engine's own
+    assert producer.guarded.decodes_with_policy is False  # the rest is the engine's own

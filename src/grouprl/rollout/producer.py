@@ -28,7 +28,7 @@ How the asynchronous mode works, and why it is built this way:
 Departure: on resume the batches that were generated ahead but not trained on are not
 regenerated: the prompt sampler and the sampling seeds had already moved past them.
 
-`close()` stops a batch in flight at its next call into the engine (`RolloutProducer.guard`: a
+`close()` stops a batch in flight at its next call into the engine (`RolloutProducer.guarded`: a
 multi-turn rollout's next turn), so a run that ends, or is stopped at once by a second signal, does not
 wait for every remaining turn of a batch nobody will train on; a call already running is waited for
 (an engine cannot be interrupted mid-batch).
@@ -83,15 +83,15 @@ class _Guarded:
 
 class RolloutProducer:
     def __init__(self, engine: GenerationEngine, draw: Callable[[], Any],
-                 generate: Callable[[Any], Any], max_staleness: int = 0, partial: bool = False,
-                 cancelled: threading.Event | None = None):
+                 generate: Callable[[Any], Any], max_staleness: int = 0, partial: bool = False):
         """`draw()` gives the next prompts (called in the caller's thread), `generate(prompts)`
-        samples their completions with `engine` (called in the background when max_staleness > 0;
-        through `guard(engine)`, so that `close()` stops it between two engine calls: `cancelled` is
-        the event that guard reads). `partial`: weight updates do not wait for the batches in flight."""
+        samples their completions with `engine` (called in the background when max_staleness > 0,
+        where it should call `self.guarded`, the engine that `close()` stops between two calls).
+        `partial`: weight updates do not wait for the batches in flight."""
         self.engine, self.draw, self.generate, self.depth = engine, draw, generate, max_staleness
         self.partial = partial
-        self.cancelled = cancelled or threading.Event()
+        self.cancelled = threading.Event()  # set by close()
+        self.guarded: GenerationEngine = _Guarded(engine, self.cancelled)  # type: ignore[assignment]
         self.version, self.synced = 0, 0  # the engine starts with the weights of version 0; syncs so far
         self.begun = 0  # weight updates begun (synced, or one more while one is being sent)
         self.pending: deque[Future] = deque()
@@ -128,12 +128,6 @@ class RolloutProducer:
             if not job.cancel():
                 job.exception()  # waits; an error of a dropped batch is not the trainer's
         return len(jobs)
-
-    @staticmethod
-    def guard(engine: GenerationEngine, cancelled: threading.Event) -> GenerationEngine:
-        """`engine` as the background thread should call it: a `generate` after `cancelled` is set (by
-        `close`) raises RolloutCancelled instead of starting."""
-        return _Guarded(engine, cancelled)  # type: ignore[return-value]
 
     def close(self) -> None:
         """Stop: batches not begun are dropped, one in flight stops at its next engine call (its error

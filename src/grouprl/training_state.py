@@ -207,12 +207,12 @@ def restore_training_state(cfg: TrainConfig, dist: D.DistContext, parts: Trainin
             else "it is the run's only checkpoint: delete it and start the run again without --resume")) from e
     if parts.value_head is not None:
         parts.value_head.load_state_dict(state["value_head"])
-    if not sharded:  # written sharded (FSDP2 on several processes): by parameter name
-        if state.get("sharded_optimizer"):
-            check_group_layout(parts.optimizer, state["optimizer"])
-        parts.optimizer.load_state_dict(D.optimizer_state_by_index(parts.optimizer, parts.optimized,
-                                                                   state["optimizer"])
-                                        if state.get("sharded_optimizer") else state["optimizer"])
+    if not sharded:
+        saved = state["optimizer"]
+        if state.get("sharded_optimizer"):  # written by FSDP2 on several processes: by parameter name
+            check_group_layout(parts.optimizer, saved)  # before the conversion reads the groups pairwise
+            saved = D.optimizer_state_by_index(parts.optimizer, parts.optimized, saved)
+        parts.optimizer.load_state_dict(saved)
     for group, hyper in zip(parts.optimizer.param_groups, own):
         group.update(hyper)  # changed settings apply, as the warning below says (the load kept the old ones)
     state.update(read_loop_state(ckpt))  # evals made after the save: their results and the guard's record

@@ -122,6 +122,7 @@ from typing import Any
 
 import torch
 
+EVAL_ALARMS = ("eval_divergence",)  # raised by an eval, not by a training step
 HACKING = ("audit_divergence", "eval_divergence", "component_dominance", "template_collapse", "length_hacking")
 COLLAPSE = ("reward_crash", "kl_spike", "entropy_collapse")
 

@@ -12,8 +12,8 @@ from typing import Any, Callable
 
 from tqdm.auto import tqdm
 
+from grouprl.health import EVAL_ALARMS
 from grouprl.trackers import OPENERS, Tracker, TrackerError
-
 logger = logging.getLogger(__name__)
 
 CURVES = (("reward/mean", "reward (train)"), ("eval/accuracy", "eval accuracy (greedy)"),
@@ -35,7 +35,8 @@ class RunLogger:
     in `report_to` (trackers.py). On resume from step S, lines after S (written by the interrupted
     run after its last checkpoint) are dropped, so the file reads as if the run had never stopped;
     with `eval_again`, so are step S's lines after its training step's (an eval the killed run logged
-    but never recorded beside the checkpoint, and its alarms: this run makes it again).
+    but never recorded beside the checkpoint, and its alarms: this run makes it again), and the
+    examples of that eval's alarm in samples.jsonl.
 
     A tracker that fails to start is a `TrackerError` (the trackers already started are closed): a
     run never trains untracked by surprise. One that raises mid-run is warned about once and dropped:
@@ -54,7 +55,8 @@ class RunLogger:
             return
         self.dir.mkdir(parents=True, exist_ok=True)
         _truncate_after(self.metrics_path, resume_step, only_first_at_step=eval_again)
-        _truncate_after(self.samples_path, resume_step)
+        _truncate_after(self.samples_path, resume_step,
+                        drop_at_step=(lambda row: row.get("alarm") in EVAL_ALARMS) if eval_again else None)
         for name in dict.fromkeys(report_to):
             if name != "none":
                 self._start(name, run_name or self.dir.name, config or {}, resume_step)
@@ -201,10 +203,11 @@ class Progress:
             self.close()
 
 
-def _truncate_after(path: Path, step: int, only_first_at_step: bool = False) -> None:
+def _truncate_after(path: Path, step: int, only_first_at_step: bool = False,
+                    drop_at_step: Callable[[dict[str, Any]], bool] | None = None) -> None:
     """Keep the rows of steps <= `step` (a resumed run writes the later ones again); with
     `only_first_at_step`, of `step` itself only its first, the training step's (the eval after it and
-    the eval's alarms are logged again). A last line
+    the eval's alarms are logged again); of `step`, the rows `drop_at_step` picks go too. A last line
     that is not JSON was cut off by a kill in mid-append and is dropped with its step; a damaged
     line anywhere else is an error that names it. The kept rows go to a new file that replaces the
     old one whole, so a failed write (a full disk) loses no row already logged."""
@@ -223,7 +226,8 @@ def _truncate_after(path: Path, step: int, only_first_at_step: bool = False) -> 
             raise ValueError(f"{path}: line {i + 1} is not JSON ({e.msg}); the run log is damaged there: "
                              "delete that line to resume") from None
         at = row.get("step", 0)
-        if at < step or at == step and not (only_first_at_step and seen_step):
+        if at < step or at == step and not (only_first_at_step and seen_step) and not (
+                drop_at_step is not None and drop_at_step(row)):
             keep.append(line)
         seen_step = seen_step or at == step
     tmp = path.with_name(f".{path.name}.tmp")  # the same folder: the rename stays on one filesystem

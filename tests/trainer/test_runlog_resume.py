@@ -75,3 +75,14 @@ def test_an_eval_made_again_on_resume_drops_what_the_killed_run_logged_after_its
         write(tmp_path / "metrics.jsonl", [json.dumps(r) for r in rows])
         RunLogger(tmp_path, resume_step=2, eval_again=again, report_to=())
         assert [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == kept
+
+
+def test_an_eval_made_again_on_resume_drops_its_alarm_examples_from_samples(tmp_path):
+    """samples.jsonl at step 2 holds the step's own completions, a training alarm's examples and the
+    killed eval's alarm examples: the resumed run evaluates step 2 again, so only the last go."""
+    rows = [{"step": 2, "completion": "a"}, {"step": 2, "alarm": "length_hacking", "completion": "b"},
+            {"step": 2, "alarm": "eval_divergence", "completion": "c"}, {"step": 3, "completion": "d"}]
+    for again, kept in ((True, rows[:2]), (False, rows[:3])):
+        write(tmp_path / "samples.jsonl", [json.dumps(r) for r in rows])
+        RunLogger(tmp_path, resume_step=2, eval_again=again, report_to=())
+        assert [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()] == kept

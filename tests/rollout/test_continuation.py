@@ -94,6 +94,30 @@ def test_multiturn_rollouts_continue_from_the_cache_with_the_same_tokens(monkeyp
     assert engine._kept is None  # released when the rollout ends
 
 
+@pytest.mark.parametrize("loop", ["eager", "slot"])
+@pytest.mark.usefixtures("eager_graphs")
+def test_the_last_call_a_block_allows_keeps_no_cache(model_and_tok, loop):
+    """keep_conversations(calls=2): the second call is the last the driver can make (its max_turns),
+    so none of its rows is continued and it keeps no cache; without the bound it keeps its EOS rows'.
+    The tokens are the same either way."""
+    model, tok = model_and_tok
+    kw = {"check_every": 1} if loop == "slot" else {"cuda_graphs": False}
+    engine = HFEngine(model, _stops(tok), tok.pad_token_id, **kw)
+    out = {}
+    for calls in (2, None):
+        gen = torch.Generator().manual_seed(0)
+        with engine.keep_conversations(calls=calls):
+            first = engine.generate(short_prompts(tok), 1, SAMPLED, gen)
+            kept_first = len(engine._kept)
+            follow = [p + first.token_lists()[i] + tok("ok")["input_ids"] for i, p in enumerate(short_prompts(tok))
+                      if not first.truncated[i]]
+            second = engine.generate(follow, 1, SAMPLED, gen)
+            out[calls] = kept_first, len(engine._kept), second.completion_ids, int((~second.truncated).sum())
+    assert out[2][0] == out[None][0] >= 5  # the first call keeps its EOS rows' caches under either
+    assert out[2][1] == 0 and out[None][1] == out[None][3] > 0
+    assert torch.equal(out[2][2], out[None][2])
+
+
 def _alive(refs: dict) -> set:
     """The keys of `refs` (token tuple -> weak references to a kept cache's k and v) still alive."""
     return {key for key, kv in refs.items() if any(r() is not None for r in kv)}

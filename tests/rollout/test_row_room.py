@@ -190,8 +190,8 @@ class AllToMax:
     def __init__(self, engine):
         self.engine = engine
 
-    def keep_conversations(self):
-        return self.engine.keep_conversations()
+    def keep_conversations(self, calls=None):
+        return self.engine.keep_conversations(calls)
 
     def generate(self, prompt_ids, G, params, generator=None):
         return self.engine.generate(prompt_ids, G, SamplingParams(**{**params.__dict__, "row_max_new_tokens": None}),

@@ -18,7 +18,8 @@ What this engine does that `model.generate` does not, and why:
   and prefills only the new tokens (FastDecoder models; the generic path prefills the whole prompt).
   Kept caches live no longer than that: a call drops every kept cache its prompts do not extend
   once it has matched them, and each one it continues from once it has copied it into its own
-  cache, before it decodes.
+  cache, before it decodes. The driver's last allowed turn (`keep_conversations(calls=max_turns)`)
+  keeps none: no call continues it.
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ class HFEngine(GenerationEngine):
     cuda_graphs: bool = True  # on CUDA: replay each decode step, compiled or eager, as a graph (compiled_decode.py)
     decodes_with_policy = True  # the engine runs the training model itself (class attribute)
     _kept: dict | None = field(default=None, init=False, repr=False)  # token tuple -> (k, v), see keep_conversations
+    _calls_left: int | None = field(default=None, init=False, repr=False)  # keep_conversations(calls)
     _choice: CompileChoice = field(init=False, repr=False)
     _probe: list | None = field(default=None, init=False, repr=False)  # auto: a rollout's timed calls
 
@@ -64,17 +66,18 @@ class HFEngine(GenerationEngine):
         self._choice = CompileChoice(self.compile, self.planned_calls)
 
     @contextlib.contextmanager
-    def keep_conversations(self):
+    def keep_conversations(self, calls: int | None = None):
         """Within this block, rows that end with EOS keep their KV cache until the next `generate`:
         that call (num_generations=1) continues each prompt that extends one of them from it, and
         drops the rest before it decodes. The weights must not change inside the block (the kept
-        keys/values are theirs)."""
-        self._kept = {}
+        keys/values are theirs). `calls`: the most calls the block makes (the driver's max_turns);
+        the last one's rows are never continued, so it keeps nothing."""
+        self._kept, self._calls_left = {}, calls
         try:
             with self._probe_rollout():  # auto prices the whole multi-turn rollout, every turn's call
                 yield self
         finally:
-            self._kept = None
+            self._kept = self._calls_left = None
 
     @contextlib.contextmanager
     def _probe_rollout(self):
@@ -110,6 +113,9 @@ class HFEngine(GenerationEngine):
                              "each prompt its own most new tokens, or None for max_new_tokens for every one")
         kept, keeping = self._kept, self._kept is not None  # the previous call's rows (keep_conversations)
         self._kept = {} if keeping else None  # this call's rows replace them
+        if keeping and self._calls_left is not None:  # the block's last call: no later call continues a row
+            self._calls_left -= 1
+            keeping = self._calls_left > 0
         starts = range(0, len(prompt_ids), per_call)
         # the kept caches each part's prompts continue from (a continuation: G = 1): the others go now, and
         # each part empties its list once they are in its cache (_generate), so no copy outlives its use
@@ -143,8 +149,8 @@ class HFEngine(GenerationEngine):
     def _generate(self, prompt_ids: list[list[int]], G: int, params: SamplingParams,
                   generator: torch.Generator | None, keeping: bool = False,
                   prefix: list[tuple[torch.Tensor, torch.Tensor] | None] | None = None) -> Rollout:
-        """One part of a call. `keeping`: inside keep_conversations (rows that end with EOS keep their
-        caches); `prefix` [B]: the kept cache each prompt continues from, or None; the list is emptied
+        """One part of a call. `keeping`: inside keep_conversations, not its last call (rows that end with
+        EOS keep their caches); `prefix` [B]: the kept cache each prompt continues from, or None; the list is emptied
         once they are copied, before decoding (the caller holds no other reference to them)."""
         model, T = self.model, params.max_new_tokens
         was_training = model.training
@@ -162,7 +168,7 @@ class HFEngine(GenerationEngine):
             # the slot loop: the compiled step, or on a device with graphs the eager step replayed as graphs
             slot_loop = (fast and T > 0  # (no token to decode: the eager loop returns [N, 0])
                          and (compiles or (self.cuda_graphs and graphs_available(device))))
-            if keeps and prefix and any(x is not None for x in prefix):
+            if fast and prefix and any(x is not None for x in prefix):  # (the block's last call keeps none)
                 logits = decoder.start_from(ids, mask, T, prefix)  # [N, V]
             else:
                 logits = decoder.start(ids, mask, G, T, zeroed=True) if slot_loop else decoder.start(ids, mask, G, T)

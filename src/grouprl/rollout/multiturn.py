@@ -165,7 +165,8 @@ class MultiTurnDriver:
             self._reset(rows, prompts, columns or {}, G)
             counts["env_seconds"] += time.perf_counter() - t0
         active, first, has_logp = rows, True, None
-        with engine.keep_conversations():  # the built-in engine continues from its KV cache
+        # the built-in engine continues each row from its KV cache; the last allowed turn's rows go no further
+        with engine.keep_conversations(calls=self.limits.max_turns):
             while active:
                 room = [T - len(r.ids) for r in active]
                 p = replace(params, max_new_tokens=max(room), row_max_new_tokens=None if first else tuple(room))

@@ -179,10 +179,11 @@ class GenerationEngine(Protocol):
     def close(self) -> None:
         """Release what the engine holds (an external engine's memory and processes)."""
 
-    def keep_conversations(self) -> ContextManager[None]:
+    def keep_conversations(self, calls: int | None = None) -> ContextManager[None]:
         """Inside this context the multi-turn driver calls `generate` turn after turn on growing
-        conversations: an engine that can continue a row from its own cache (the built-in engine's
-        KV cache) keeps it between calls. By default nothing is kept (vLLM caches prefixes itself)."""
+        conversations, at most `calls` times: an engine that can continue a row from its own cache
+        (the built-in engine's KV cache) keeps it between calls. By default nothing is kept (vLLM
+        caches prefixes itself)."""
         return contextlib.nullcontext()
 
 

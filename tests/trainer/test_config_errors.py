@@ -78,6 +78,7 @@ def _nothing_loads(no_tokenizer_loading):
     ({"async_rollouts": True, "use_vllm": True, "vllm_mode": "server", "vllm_importance_sampling_correction": False},
      "async_rollouts with vllm_importance_sampling_correction=false: stale samples"),
     ({"delta": 1.2, "epsilon_high": 0.28}, r"delta=1.2 must be above 1 \+ epsilon_high = 1.28"),
+    ({"dual_clip": 1.1}, r"dual_clip=1.1 must be above 1 \+ epsilon_high = 1.2: the cap"),
     ({"vllm_mode": "remote"}, "vllm_mode='remote' is not one of: colocate, server"),
     ({"vllm_gpu_memory_utilization": 1.5}, "vllm_gpu_memory_utilization=1.5 must be in (0, 1]"),
     ({"vllm_dtype": "fp8"}, "vllm_dtype='fp8' is not one of: float32, bfloat16, float16, auto"),

@@ -35,6 +35,22 @@ def test_cispos_range_under_the_clip_names_its_preset():
         build_config(None, ["--algorithm", "cispo", "--loss_type", "clip"]).validate()
 
 
+@pytest.mark.parametrize("algorithm, high", [("grpo", 0.1), ("dr_grpo", 0.1), ("gmpo", 0.1), ("dapo", 0.28),
+                                             ("gspo", 4e-4)])
+def test_an_epsilon_of_ones_own_keeps_a_symmetric_presets_range_symmetric(algorithm, high):
+    """TRL's epsilon_high defaults to its epsilon: `--epsilon 0.1` alone gives 0.1 / 0.1 under a preset
+    whose range is symmetric, not 0.1 / 0.2; a clip-higher preset (dapo, gspo) keeps its upper range."""
+    cfg = build_config(None, ["--algorithm", algorithm, "--epsilon", "0.1"]).resolved()
+    assert (cfg.epsilon, cfg.epsilon_high) == (0.1, high)
+
+
+def test_an_epsilon_of_ones_own_under_another_ratio_is_a_range_of_its_own():
+    """grpo's range is symmetric, so `--epsilon 0.4` sets both bounds: under gmpo's log-ratio that is a
+    range the user chose, accepted (the preset's 0.2 / 0.2 alone is refused there, above)."""
+    cfg = build_config(None, ["--loss_type", "gmpo", "--epsilon", "0.4"]).validate()
+    assert (cfg.epsilon, cfg.epsilon_high) == (0.4, 0.4)
+
+
 @pytest.mark.parametrize("args", [
     ["--algorithm", "gspo", "--importance_sampling_level", "token", "--epsilon", "0.2", "--epsilon_high", "0.28"],
     ["--algorithm", "grpo", "--loss_type", "sapo"],  # the gate reads no epsilon

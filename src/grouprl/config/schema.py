@@ -174,7 +174,9 @@ class TrainFields:
     """Lower clip range of the ratio (1 - epsilon); with loss_type gmpo, of the log-ratio (-epsilon)."""
     epsilon_high: float | None = None
     """Upper clip range of the ratio (1 + epsilon_high); DAPO's clip-higher uses 0.28. With loss_type
-    gmpo, of the log-ratio (+epsilon_high; the paper's 0.4)."""
+    gmpo, of the log-ratio (+epsilon_high; the paper's 0.4). Left unset beside an `epsilon` of one's
+    own, it is that epsilon where the preset's range is symmetric (as TRL's), and the preset's own
+    upper range where it is not (dapo, gspo)."""
     beta: float | None = None
     """Weight of the per-token KL penalty to the reference policy; 0 loads no reference model."""
     entropy_coef: float = 0.0
@@ -188,7 +190,7 @@ class TrainFields:
     importance_sampling_level: str | None = None
     """`token` ratios (GRPO) or one `sequence` ratio per completion (GSPO)."""
     dual_clip: float | None = None
-    """Dual-clip constant c > 1: for negative advantages the token loss is capped at -c*A."""
+    """Dual-clip constant c > 1 + epsilon_high: for negative advantages the token loss is capped at -c*A."""
     delta: float | None = None
     """Two-sided cap: the unclipped term uses min(ratio, delta) (INTELLECT-2)."""
     advantage_eps: float = 1e-4

@@ -71,6 +71,8 @@ def resolve_preset(cfg: C) -> C:
         )
     preset = preset_values(cfg.algorithm)
     values = {k: v for k, v in preset.items() if getattr(cfg, k) is None}
+    if cfg.epsilon is not None and cfg.epsilon_high is None and preset["epsilon"] == preset["epsilon_high"]:
+        values["epsilon_high"] = cfg.epsilon  # a symmetric preset's range stays symmetric (TRL: epsilon_high = epsilon)
     out = dataclasses.replace(cfg, **values)
     if out.overlong_cache_len is None:
         out.overlong_cache_len = max(1, out.max_completion_length // 5)  # DAPO: 4,096 of 20,480
@@ -101,10 +103,19 @@ def epsilon_meaning(loss_type: str, ratio_level: str) -> str | None:
     return TOKEN_RATIO if ratio_level == "token" else "the length-normalised ratio of each completion (GSPO)"
 
 
+def own_epsilon(cfg: TrainFields) -> bool:
+    """Whether the config as written sets its clip range itself: both bounds, or `epsilon` where the
+    preset's range is symmetric (epsilon_high then follows it, `resolve_preset`)."""
+    if cfg.epsilon is None:
+        return False
+    preset = PRESETS.get(cfg.algorithm)
+    return cfg.epsilon_high is not None or preset is not None and preset["eps_low"] == preset["eps_high"]
+
+
 def preset_epsilon(cfg: TrainFields) -> str:
     """", from the PRESET preset" when the config left epsilon / epsilon_high for its preset to fill
     (for an error about them: the user did not write them)."""
-    return "" if cfg.epsilon is not None and cfg.epsilon_high is not None else f", from the {cfg.algorithm} preset"
+    return "" if own_epsilon(cfg) else f", from the {cfg.algorithm} preset"
 
 
 def _check_preset_epsilon(given: TrainFields, c: TrainFields) -> None:
@@ -112,7 +123,7 @@ def _check_preset_epsilon(given: TrainFields, c: TrainFields) -> None:
     taken over by a config that changes either (gspo's 3e-4 on token ratios clips half the tokens;
     gmpo's log-space 0.4 as a ratio band), it is a ConfigError that asks for a range of its own.
     `given`: the config as written (None: left to the preset); `c`: resolved."""
-    if given.epsilon is not None and given.epsilon_high is not None:
+    if own_epsilon(given):
         return
     preset = preset_values(c.algorithm)
     was = epsilon_meaning(preset["loss_type"], preset["importance_sampling_level"])
@@ -294,6 +305,10 @@ def validate_config(cfg: C) -> C:
     except ValueError as e:
         raise ConfigError(str(e)) from None
     _check_preset_epsilon(cfg, c)
+    if c.dual_clip is not None and c.dual_clip <= 1 + c.epsilon_high:
+        raise ConfigError(f"dual_clip={c.dual_clip} must be above 1 + epsilon_high = {1 + c.epsilon_high:g}: the "
+                          "cap -dual_clip*A would otherwise stop the gradient of negative-advantage tokens still "
+                          "inside the clip range (3 is usual)")
     if c.delta is not None and c.delta <= 1 + c.epsilon_high:
         raise ConfigError(f"delta={c.delta} must be above 1 + epsilon_high = {1 + c.epsilon_high:g}: the cap "
                           "min(ratio, delta) would otherwise stop the gradient of positive-advantage tokens "

@@ -242,6 +242,7 @@ def _eval(cfg: TrainConfig, *, found_config: str | None = None) -> int:
 
     if not cfg.eval_data and not cfg.eval_fraction:
         raise ConfigError("grouprl eval needs an eval set: set eval_data (or eval_fraction)")
+    from grouprl.data import load_prompts, reward_readers
     from grouprl.distributed import barrier, destroy_distributed, init_distributed
 
     ctx = init_distributed(cfg.ddp_timeout)
@@ -250,10 +251,17 @@ def _eval(cfg: TrainConfig, *, found_config: str | None = None) -> int:
               f"{cfg.output_dir}", flush=True)
     trainer = None
     try:
-        # eval reads no train_data, and logs to no tracker (a run's wandb need not be on the machine that evaluates);
-        # nor does it draw training prompts: a run trained with B=3 is evaluated on 2 ranks all the same
-        trainer = Trainer(replace(cfg, train_data=cfg.eval_data or cfg.train_data, report_to=[],
-                                  prompts_per_step=cfg.prompts_per_step * ctx.world_size))
+        # eval reads no train_data (the eval set, loaded once under its own name, stands in for it), and logs
+        # to no tracker (a run's wandb need not be on the machine that evaluates); nor does it draw training
+        # prompts: a run trained with B=3 is evaluated on 2 ranks all the same. It samples from the policy
+        # alone: no reference copy (beta) and no teacher (distillation), which need not be on that machine
+        given = {}
+        if cfg.eval_data:
+            rows = load_prompts(cfg.eval_data, prompt_column=cfg.prompt_column, name="eval_data",
+                                reward_funcs=reward_readers(cfg))
+            given = {"train_dataset": rows, "eval_dataset": rows}
+        trainer = Trainer(replace(cfg, report_to=[], prompts_per_step=cfg.prompts_per_step * ctx.world_size,
+                                  beta=0.0, teacher_model=None, distill_coef=0.0, distill_reward_coef=1.0), **given)
         result = trainer.evaluate()
         accuracy = accuracy_reward_name(cfg.accuracy_reward, trainer.reward_names)
         barrier(ctx)  # every rank tears the process group down together, as _train does

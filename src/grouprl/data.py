@@ -444,12 +444,17 @@ def completion_objects(texts: list[str], conversational: bool) -> list[Any]:
     return list(texts)
 
 
+def reward_readers(cfg) -> tuple[str, ...]:
+    """The names of a config's reward functions, which read a data set's columns (named when it is missing)."""
+    return tuple(spec if isinstance(spec, str) else str(spec.get("name")) for spec in cfg.reward_funcs)
+
+
 def load_datasets(cfg, train_dataset: Dataset | None = None, eval_dataset: Dataset | None = None
                   ) -> tuple[Dataset, Dataset | None]:
     """The train and eval prompts of a run: in-memory datasets when given, else the config's
     `train_data`/`eval_data`; without eval data, `eval_fraction` of the train rows is held out;
     `max_eval_samples` caps the eval set. `cfg` is a TrainConfig (read, not imported)."""
-    readers = tuple(spec if isinstance(spec, str) else str(spec.get("name")) for spec in cfg.reward_funcs)
+    readers = reward_readers(cfg)
     chat = ChatForm.of(cfg)
     train = chat.dataset(load_prompts(train_dataset if train_dataset is not None else cfg.train_data,
                                       prompt_column=cfg.prompt_column, name="train_data", reward_funcs=readers),

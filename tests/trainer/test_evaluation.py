@@ -261,3 +261,28 @@ def test_every_grouprl_eval_into_a_folder_is_kept_and_train_data_is_not_read(tin
     lines = [json.loads(line) for line in (tmp_path / "ev" / "evals.jsonl").read_text().splitlines()]
     assert [line["num_samples"] for line in lines] == [4, 2] and all("time" in line for line in lines)
     assert json.loads((tmp_path / "ev" / "eval.json").read_text())["num_samples"] == 2
+
+
+def test_grouprl_eval_builds_no_reference_nor_teacher(tiny_model_dir, digits_data, tmp_path, make_cfg, monkeypatch):
+    """A run trained with beta > 0 and a teacher is evaluated from its policy alone: no reference copy is
+    made, and the teacher need not exist on the machine that evaluates (a teacher is often far larger)."""
+    import grouprl.trainer
+
+    made = []
+    real = grouprl.trainer.Reference
+    monkeypatch.setattr(grouprl.trainer, "Reference", lambda *a, **k: made.append(1) or real(*a, **k))
+    cfg = make_cfg(eval_data=str(digits_data), output_dir=str(tmp_path / "ev"), max_completion_length=4, beta=0.04,
+                   algorithm="on_policy_distill", teacher_model=str(tmp_path / "teacher-gone"))
+    path = tmp_path / "run.yaml"
+    cfg.save_yaml(path)
+    assert main(["eval", str(path), "--max_eval_samples", "2"]) == 0
+    assert made == [] and json.loads((tmp_path / "ev" / "eval.json").read_text())["num_samples"] == 2
+
+
+def test_grouprl_eval_names_a_missing_eval_data_as_eval_data(tiny_model_dir, tmp_path, make_cfg, capsys):
+    cfg = make_cfg(eval_data=str(tmp_path / "gone.jsonl"), output_dir=str(tmp_path / "ev"))
+    path = tmp_path / "run.yaml"
+    cfg.save_yaml(path)
+    assert main(["eval", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "eval_data='" in err and "It holds the eval prompts" in err and "train_data" not in err

@@ -142,8 +142,27 @@ def _from_hub(what: str, name: str) -> Iterator[None]:
                           "that holds it") from None
 
 
+class MissingTokenizer(ConfigError):
+    """A local model folder without tokenizer files; `name` is the folder as given."""
+
+    def __init__(self, name: str, fix: str, field: str | None = None):
+        self.name = name
+        super().__init__(f"{f'{field}=' if field else ''}{name!r} holds no tokenizer files "
+                         f"({', '.join(TOKENIZER_FILES[:2])}, ...), only what model.save_pretrained writes: {fix}")
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "vocab.txt", "tokenizer.model",
+                   "spiece.model", "tekken.json")
+
+
 def load_tokenizer(name: str, gguf_file: str | None = None):
-    """The tokenizer of a model folder or hub id, or the one stored in its GGUF file `gguf_file`."""
+    """The tokenizer of a model folder or hub id, or the one stored in its GGUF file `gguf_file`. A
+    local folder without tokenizer files (weights saved with `model.save_pretrained` alone) is an
+    error: transformers would build an empty tokenizer of the config's type from it, one token long."""
+    folder = Path(resolve_model_path(name))
+    if gguf_file is None and folder.is_dir() and not any((folder / f).is_file() for f in TOKENIZER_FILES):
+        raise MissingTokenizer(name, "save the tokenizer beside it (tokenizer.save_pretrained(folder)), or set "
+                                     "tokenizer to the folder or hub id of the one it was trained with")
     with _from_hub("tokenizer", name):
         tok = AutoTokenizer.from_pretrained(resolve_model_path(name), gguf_file=gguf_file)
     if tok.pad_token_id is None:  # e.g. GPT-2, Llama: pad with EOS (padding is always masked out)

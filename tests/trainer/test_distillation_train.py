@@ -3,6 +3,9 @@ core/distillation.py with the teacher's log-probs worked out here by a plain for
 is never trained, a tiny student learns towards a tiny teacher, and every wrong combination fails
 before a model loads with an error that names the fix."""
 
+import re
+import shutil
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -195,6 +198,23 @@ def test_a_teacher_with_another_tokenizer_is_refused_naming_both(make_cfg, other
     assert "has 101 tokens" in msg and f"the policy's ({str(tiny_model_dir)!r})" in msg and "has 100" in msg
     assert "'<think>': id 100 for the teacher, None for the policy" in msg
     assert "pick a teacher of the policy's family" in msg
+
+
+def test_a_model_folder_without_tokenizer_files_is_refused_naming_the_fix(make_cfg, tmp_path, tiny_model_dir):
+    """Weights saved with model.save_pretrained alone: transformers would build an empty tokenizer of the
+    config's type from the folder (one token long) and train on it. As the policy, the folder is refused
+    with the `tokenizer` setting to use, and accepted with it; as the teacher, refused before it loads."""
+    weights = tmp_path / "weights"
+    weights.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(tiny_model_dir / name, weights / name)
+    with pytest.raises(ConfigError, match=rf"^{re.escape(repr(str(weights)))} holds no tokenizer files .* or set "
+                                          "tokenizer to the folder"):
+        Trainer(make_cfg(model=str(weights)))
+    assert len(Trainer(make_cfg(model=str(weights), tokenizer=str(tiny_model_dir))).tokenizer) == 100
+    with pytest.raises(ConfigError, match=rf"^teacher_model={re.escape(repr(str(weights)))} holds no tokenizer "
+                                          "files .* save the tokenizer the teacher was trained with"):
+        Trainer(make_cfg(algorithm="on_policy_distill", teacher_model=str(weights), beta=None))
 
 
 def test_the_command_line_reaches_the_distillation_fields():

@@ -389,6 +389,14 @@ class PromptFormatter:
         self.template_kwargs = dict(template_kwargs or {})  # chat_template_kwargs: e.g. enable_thinking
         self._warned_cut = False  # the first prompt cut to max_prompt_length is logged, the others not
 
+    def checked(self, *datasets: Dataset | None, prompt_column: str = "prompt") -> PromptFormatter:
+        """Itself, once the first prompt of each data set given renders (a chat template for chat messages,
+        chat messages where tools are set): a run learns of a mismatch before its models load."""
+        for ds in datasets:
+            if ds is not None and len(ds):
+                self.text(ds[0][prompt_column])
+        return self
+
     def text(self, prompt: Any) -> str:
         """A string as it is; messages through the chat template, opening the assistant's turn, or, when the
         last message is the assistant's (a prefill such as "<think>"), continuing it, as TRL does."""

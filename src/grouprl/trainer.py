@@ -128,9 +128,12 @@ class Trainer:
         if self.dist.is_main:
             logger.info("matmuls in %s", describe_precision(cfg.bf16, self.dist.device))
 
-        # models
         checkpointing = checkpoint_mode(cfg.gradient_checkpointing, self.dist.device)  # memory.py
         self.tokenizer = load_tokenizer(cfg.tokenizer or cfg.model, None if cfg.tokenizer else cfg.gguf_file)
+        schemas = [t.schema for t in self.tools.values()]  # what the chat template shows the model
+        self.formatter = PromptFormatter(self.tokenizer, max_prompt_length=cfg.max_prompt_length, tools=schemas,
+                                         template_kwargs=cfg.chat_template_kwargs, chat=ChatForm.of(cfg)
+                                         ).checked(self.train_ds, self.eval_ds, prompt_column=cfg.prompt_column)
         self.teacher = load_teacher(cfg, self.tokenizer, self.dist, self.autocast)  # distillation.py; None without one
         self.model = load_policy(cfg.model, gguf_file=cfg.gguf_file, lora_r=cfg.lora_r, lora_alpha=cfg.lora_alpha,
                                  lora_dropout=cfg.lora_dropout, lora_target_modules=cfg.lora_target_modules,
@@ -152,9 +155,6 @@ class Trainer:
         over_budget = checkpointing == "over_budget"
         self.updater = make_policy_update(cfg, self.model, self.train_model, self.dist, autocast=self.autocast,
                                           auto_budget=auto_budget, checkpoint_over_budget=over_budget)  # update.py
-        schemas = [t.schema for t in self.tools.values()]  # what the chat template shows the model
-        self.formatter = PromptFormatter(self.tokenizer, max_prompt_length=cfg.max_prompt_length, tools=schemas,
-                                         template_kwargs=cfg.chat_template_kwargs, chat=ChatForm.of(cfg))
         self.engine = make_engine(cfg, self.model, self.tokenizer, self.dist, self.autocast)
         self.turns = make_rollouts(cfg, self.model, self.tokenizer, self.formatter, self.tools, self.environment)
         self.weights_version = 0  # grows with every change of the policy's weights (engine sync)

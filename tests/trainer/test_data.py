@@ -316,3 +316,14 @@ def test_chat_prompts_and_a_system_prompt_put_every_prompt_in_chat_form(make_cfg
 
     rows = PromptFormatter(Template(), chat=chat).rows(["one?"], "prompt")  # Trainer.prompts: as in training
     assert rows.prompts == [[system, *user[0]]]
+
+
+@pytest.mark.parametrize("overrides", [{"chat_prompts": True}, {"system_prompt": "Think."}])
+def test_chat_prompts_for_a_tokenizer_without_a_chat_template_fail_before_any_model_loads(make_cfg, no_model_loading,
+                                                                                          overrides):
+    """The test's character tokenizer has no chat template: prompts made chat messages cannot be shown to
+    the model, which a run learned at its first step, after the policy (and a teacher) had loaded."""
+    from grouprl.trainer import Trainer
+
+    with pytest.raises(DataError, match="a prompt is a list of chat messages but the tokenizer has no chat template"):
+        Trainer(make_cfg(**overrides))

@@ -184,15 +184,15 @@ def test_environment_through_the_trainer(chat_cfg):
 
 def test_tools_with_plain_string_prompts_are_refused_naming_the_fix(chat_cfg):
     """The model learns of the tools from the chat template, which a string prompt never passes through:
-    the run trained with tools the model was never shown, silently."""
+    the run trained with tools the model was never shown, silently. Refused when the trainer is built,
+    before the policy loads."""
     from grouprl.data import DataError
 
     cfg, rows = chat_cfg()
     strings = [{"prompt": r["prompt"][0]["content"], "answer": r["answer"]} for r in rows]
-    trainer = Trainer(cfg, train_dataset=strings, reward_funcs=[trajectory_reward], tools=[add])
     with pytest.raises(DataError, match=r"a prompt is a plain string \('Add \d and 3.'\) and tools are set: .* give "
                                         r"the prompts as \[\{'role': 'user'"):
-        trainer.train_step()
+        Trainer(cfg, train_dataset=strings, reward_funcs=[trajectory_reward], tools=[add])
 
 
 class BrokenEnv(CountdownEnv):
@@ -256,6 +256,16 @@ def test_bad_multiturn_settings_fail_before_any_model_loads(make_cfg, monkeypatc
         Trainer(make_cfg(**overrides))
 
 
-def test_a_template_without_a_tool_format_asks_for_tool_parser(make_cfg):
+def test_a_template_without_a_tool_format_asks_for_tool_parser(make_cfg, monkeypatch):
+    """The character tokenizer given a chat template that shows no tool-call format."""
+    load = trainer_module.load_tokenizer
+
+    def with_plain_template(*args, **kwargs):
+        tok = load(*args, **kwargs)
+        tok.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+        return tok
+
+    monkeypatch.setattr(trainer_module, "load_tokenizer", with_plain_template)
+    rows = [{"prompt": [{"role": "user", "content": f"Say numbers {i}: "}]} for i in range(4)]
     with pytest.raises(ConfigError, match="tool_parser: one of hermes, llama3, template"):
-        Trainer(make_cfg(tools=["tests.tools.conftest:add"]))  # the character tokenizer has no chat template
+        Trainer(make_cfg(tools=["tests.tools.conftest:add"]), train_dataset=rows)

@@ -128,6 +128,14 @@ def hub_dataset(source: str, name: str) -> Dataset:
         ds = load_dataset(path, config or None, split=split or None)
     except Exception as e:  # noqa: BLE001 - datasets raises many kinds; its message is the useful part
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        if Path(path).expanduser().is_dir():  # read where it is: hub and network advice would not apply
+            splits, unsplit = _split_names(path, config), HUB_PREFIX + path + (f":{config}" if config else "")
+            named = (f"one of its splits {splits} (e.g. {unsplit}@{_example_split(splits, name)})" if splits
+                     else "a split it has")
+            raise DataError(f"{name}={source!r}: datasets could not load it ({type(e).__name__}: {first}); {path} is "
+                            f"a local folder, read where it is: @SPLIT must name {named} or be left out "
+                            f"for the split {name} means, a folder with several configurations needs one "
+                            "(hf:FOLDER:CONFIG), and its data files must be readable") from None
         offline = os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0")
         where = ("HF_HUB_OFFLINE is set, so only a copy in the cache can be read: load it once online (`hf "
                  f"download --repo-type dataset {path}`)" if offline else "check the name and the network")
@@ -138,11 +146,35 @@ def hub_dataset(source: str, name: str) -> Dataset:
         try:
             ds = _pick_split(ds, name)
         except DataError:
+            both = [s for s in _EVAL_SPLITS if s in ds] if name == "eval_data" else []
+            if len(both) > 1:  # the held-out set is the user's call: neither is the evident one
+                raise DataError(f"{name}={source!r} has both a test and a validation split ({list(ds)}), so which one "
+                                f"{name} means is ambiguous: name it after @, {source}@test or {source}@validation"
+                                ) from None
             raise DataError(f"{name}={source!r} has the splits {list(ds)}, and none is the one {name} means: name "
-                            f"one after @, e.g. {source}@{list(ds)[0]}") from None
+                            f"one after @, e.g. {source}@{_example_split(list(ds), name)}") from None
     if isinstance(ds, IterableDataset):
         ds = Dataset.from_list(list(ds))
     return ds
+
+
+def _split_names(path: str, config: str) -> list[str]:
+    """The splits of a local dataset folder, as datasets finds them (from its files' names); [] where it
+    cannot tell (the folder is what failed to load)."""
+    from datasets import get_dataset_split_names
+
+    try:
+        return list(get_dataset_split_names(path, config or None))
+    except Exception:  # noqa: BLE001 - the load's own error is already in the message
+        return []
+
+
+def _example_split(splits: list[str], name: str) -> str:
+    """The split to show in an example for `name`: for eval_data a held-out one, never the train split
+    (its rows are the ones trained on) unless there is no other."""
+    if name != "eval_data":
+        return "train" if "train" in splits else splits[0]
+    return next((s for s in (*_EVAL_SPLITS, *splits) if s in splits and s != "train"), splits[0])
 
 
 def _pick_split(splits: DatasetDict | IterableDatasetDict, name: str) -> Dataset | IterableDataset:

@@ -327,3 +327,25 @@ def test_chat_prompts_for_a_tokenizer_without_a_chat_template_fail_before_any_mo
 
     with pytest.raises(DataError, match="a prompt is a list of chat messages but the tokenizer has no chat template"):
         Trainer(make_cfg(**overrides))
+
+
+def test_an_eval_dataset_by_name_with_a_test_and_a_validation_split_asks_which(tmp_path, monkeypatch):
+    """eval_data: hf:NAME with both held-out splits said "none is the one eval_data means" and suggested
+    @train (its first split), the rows trained on; a local folder's unknown @SPLIT was told to download the
+    folder from the hub (`hf download --repo-type dataset /tmp/...`)."""
+    folder = tmp_path / "qa"
+    folder.mkdir()
+    for split in ("train", "validation", "test"):
+        (folder / f"{split}.jsonl").write_text(json.dumps({"prompt": split}) + "\n")
+    with pytest.raises(DataError, match=r"eval_data='hf:.*qa' has both a test and a validation split \(\['train', "
+                                        r"'validation', 'test'\]\), so which one eval_data means is ambiguous: name "
+                                        r"it after @, hf:.*qa@test or hf:.*qa@validation$"):
+        load_prompts(f"hf:{folder}", name="eval_data")
+    assert load_prompts(f"hf:{folder}@validation", name="eval_data")["prompt"] == ["validation"]
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(DataError, match=r"eval_data='hf:.*qa@bogus': datasets could not load it \(ValueError: Unknown "
+                                        r"split \"bogus\".*\); .*qa is a local folder, read where it is: @SPLIT must "
+                                        r"name one of its splits \['train', 'validation', 'test'\] \(e.g. "
+                                        r"hf:.*qa@test\) or be left out") as err:
+        load_prompts(f"hf:{folder}@bogus", name="eval_data")
+    assert "hf download" not in str(err.value) and "HF_HUB_OFFLINE" not in str(err.value)

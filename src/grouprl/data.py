@@ -109,8 +109,35 @@ def load_prompts(source: str | Path | Dataset | DatasetDict | IterableDataset | 
         except Exception as e:  # noqa: BLE001 - the reader's own error is the useful part
             raise DataError(f"{name}={source!r} could not be read as {path.suffix}: "
                             f"{type(e).__name__}: {e}") from None
+        # named with the file and its rows as the file counts them, as the pre-scan's messages are
+        validate_prompts(ds, prompt_column=prompt_column, name=f"{name}={source!r}", row=_file_rows(path))
+        return ds
     validate_prompts(ds, prompt_column=prompt_column, name=name)
     return ds
+
+
+def _file_rows(path: Path) -> Callable[[int], str]:
+    """How a row of the file at `path` is named in messages, given its index in the dataset read from it:
+    a JSON Lines file's line number (its reader skips blank lines, so the index alone would point at
+    the wrong line), else the row counted from 1, as a reader of the file counts."""
+    suffix = path.suffix.lower()
+    after = " after the header" if suffix == ".csv" else ""
+
+    def counted(i: int) -> str:
+        return f"row {i + 1}{after} (counting from 1)"
+
+    if suffix == ".jsonl":
+        return lambda i: f"line {line}" if (line := _jsonl_line(path, i)) else counted(i)
+    return counted
+
+
+def _jsonl_line(path: Path, index: int) -> int | None:
+    """The line of a JSON Lines file holding the row at `index` of the dataset read from it: its
+    `index + 1`-th line that is not blank (blank as `_jsonl_line_problem` has it). Read only when a row
+    is named, so a file that loads is not read a second time."""
+    with open(path, "rb") as f:
+        rows = (number for number, raw in enumerate(f, start=1) if raw.decode("utf-8", "replace").strip())
+        return next((number for i, number in enumerate(rows) if i == index), None)
 
 
 def hub_dataset(source: str, name: str) -> Dataset:
@@ -273,7 +300,11 @@ def check_data_source(name: str, value: str, *, prompt_column: str = "prompt",
         "the columns of each built-in reward)")
 
 
-def validate_prompts(ds: Dataset, *, prompt_column: str = "prompt", name: str = "train_data") -> None:
+def validate_prompts(ds: Dataset, *, prompt_column: str = "prompt", name: str = "train_data",
+                     row: Callable[[int], str] | None = None) -> None:
+    """A dataset has rows, a prompt column and well-formed prompts of one form. `row` names the row at
+    an index in messages ("line 4" of a file); by default "row i", the index itself (`ds[i]`)."""
+    row = row or (lambda i: f"row {i}")
     if len(ds) == 0:
         raise DataError(f"{name} has no rows: it needs at least one prompt")
     if prompt_column not in ds.column_names:
@@ -284,11 +315,11 @@ def validate_prompts(ds: Dataset, *, prompt_column: str = "prompt", name: str = 
     for i, prompt in enumerate(ds[prompt_column]):
         problem = _prompt_problem(prompt)
         if problem:
-            raise DataError(f"{name} row {i}: {prompt_column!r} {problem}; a prompt is a non-empty "
+            raise DataError(f"{name} {row(i)}: {prompt_column!r} {problem}; a prompt is a non-empty "
                             "string or a list of {'role': ..., 'content': ...} messages")
         first.setdefault(isinstance(prompt, str), i)
     if len(first) > 1:  # a batch's completions are strings or messages as its first prompt is
-        raise DataError(f"{name} mixes prompt forms: row {first[True]} is a string, row {first[False]} chat "
+        raise DataError(f"{name} mixes prompt forms: {row(first[True])} is a string, {row(first[False])} chat "
                         "messages; give every prompt one form (a string s as [{'role': 'user', 'content': s}])")
 
 

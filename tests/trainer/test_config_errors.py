@@ -136,7 +136,7 @@ def test_missing_prompt_column(make_cfg, tmp_path):
 def test_malformed_row_names_the_row(make_cfg, tmp_path):
     path = tmp_path / "bad.jsonl"
     path.write_text(json.dumps({"prompt": "fine"}) + "\n" + json.dumps({"prompt": ""}) + "\n")
-    with pytest.raises(DataError, match="row 1: 'prompt' is an empty string"):
+    with pytest.raises(DataError, match="bad.jsonl' line 2: 'prompt' is an empty string"):
         Trainer(make_cfg(train_data=str(path)))
 
 

@@ -207,7 +207,7 @@ def test_prompts_of_both_forms_are_refused(tmp_path):
     forms (which its reader takes) gave one form or the other depending on which row came first."""
     path = tmp_path / "mixed.jsonl"
     path.write_text('{"prompt": [{"role": "user", "content": "x"}]}\n{"prompt": "a"}\n')
-    with pytest.raises(DataError, match="mixes prompt forms: row 1 is a string, row 0 chat messages"):
+    with pytest.raises(DataError, match="mixes prompt forms: line 2 is a string, line 1 chat messages"):
         load_prompts(str(path))
 
 
@@ -349,3 +349,24 @@ def test_an_eval_dataset_by_name_with_a_test_and_a_validation_split_asks_which(t
                                         r"hf:.*qa@test\) or be left out") as err:
         load_prompts(f"hf:{folder}@bogus", name="eval_data")
     assert "hf download" not in str(err.value) and "HF_HUB_OFFLINE" not in str(err.value)
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".csv", ".parquet"])
+def test_a_malformed_row_of_a_file_is_named_as_the_file_counts_it(tmp_path, suffix):
+    """"row 1" was the 0-based index in the dataset, while the pre-scan's "line N" counts from 1, and the
+    JSON Lines reader skips blank lines: the empty prompt on line 4 below was "row 1"."""
+    path = tmp_path / f"rows{suffix}"
+    rows = [{"prompt": "a"}, {"prompt": None}]
+    if suffix == ".jsonl":
+        path.write_text('\n  \n{"prompt": "a"}\n{"prompt": ""}\n')
+        where = "line 4: 'prompt' is an empty string"
+    elif suffix == ".csv":
+        path.write_text("prompt\na\n\"\"\n")
+        where = r"row 2 after the header \(counting from 1\): 'prompt' is NoneType None"
+    else:
+        Dataset.from_list(rows).to_parquet(str(path))
+        where = r"row 2 \(counting from 1\): 'prompt' is NoneType None"
+    with pytest.raises(DataError, match=f"train_data='{path}' {where}; a prompt is a non-empty string"):
+        load_prompts(str(path))
+    with pytest.raises(DataError, match="train_data row 1: 'prompt' is NoneType None"):  # rows in memory: the index
+        load_prompts(rows)

@@ -91,13 +91,13 @@ def load_prompts(source: str | Path | Dataset | DatasetDict | IterableDataset | 
     else:
         check_data_source(name, source, prompt_column=prompt_column, reward_funcs=reward_funcs)
         path = Path(source).expanduser()
+        if not path.is_file():  # before the file type: a folder's is "" ("unsupported file type ''")
+            raise DataError(f"{name}={source!r} is a folder: name the data file in it")
         reader = _READERS.get(path.suffix.lower())
         if reader is None:
             raise DataError(f"{name}={source!r}: unsupported file type {path.suffix!r}; "
                             f"use one of {', '.join(_READERS)}")
-        if not path.is_file():
-            raise DataError(f"{name}={source!r} is a folder: name the data file in it")
-        if not _has_rows(path):  # the readers' own error is StopIteration or "no data"
+        if not _has_rows(path):  # the readers' own error is StopIteration, "no data" or DatasetGenerationError
             raise DataError(f"{name}={source!r} has no rows: it needs at least one prompt")
         suffix = path.suffix.lower()
         problem = (_text_problem(path, _jsonl_line_problem if suffix == ".jsonl" else None)
@@ -109,6 +109,13 @@ def load_prompts(source: str | Path | Dataset | DatasetDict | IterableDataset | 
         except Exception as e:  # noqa: BLE001 - the reader's own error is the useful part
             raise DataError(f"{name}={source!r} could not be read as {path.suffix}: "
                             f"{type(e).__name__}: {e}") from None
+        if suffix in (".json", ".jsonl") and _pandas_columns(ds):  # else "row 1: 'prompt' is dict {'0': ...}"
+            column = ds.column_names[0]
+            raise DataError(f"{name}={source!r} is one JSON object of columns, each keyed by row number "
+                            f"({{{column!r}: {{'0': ..., '1': ...}}, ...}}), as pandas' DataFrame.to_json() writes "
+                            "by default (orient='columns'): write one object per row, df.to_json(path, "
+                            "orient='records') for .json, or df.to_json(path, orient='records', lines=True) "
+                            "for .jsonl")
         # named with the file and its rows as the file counts them, as the pre-scan's messages are
         validate_prompts(ds, prompt_column=prompt_column, name=f"{name}={source!r}", row=_file_rows(path))
         return ds
@@ -242,9 +249,28 @@ def rows_dataset(rows: list[Any], name: str = "rows") -> Dataset:
         raise DataError(f"{name}: the rows cannot be made into a table: {e}") from None
 
 
+def _pandas_columns(ds: Dataset) -> bool:
+    """A dataset read from a JSON file written by pandas' `DataFrame.to_json()` as it writes by default
+    (orient="columns"): one row, every column a dict keyed by row number ("0", "1", ...; none for no rows)."""
+    if len(ds) != 1:
+        return False
+    row = ds.with_format(None)[0]
+    return all(isinstance(v, dict) and all(isinstance(k, str) and k.isdigit() for k in v)
+               for v in row.values())
+
+
 def _has_rows(path: Path) -> bool:
-    """A JSON Lines file has a line that is not blank; another file is not empty."""
-    if path.suffix.lower() != ".jsonl":
+    """A JSON Lines file has a line that is not blank, a Parquet file a row (its metadata says, without
+    reading the data); another file is not empty."""
+    suffix = path.suffix.lower()
+    if suffix == ".parquet" and path.stat().st_size > 0:
+        import pyarrow.parquet as pq
+
+        try:
+            return pq.read_metadata(path).num_rows > 0
+        except pa.ArrowException:  # not Parquet: the reader's error names it
+            return True
+    if suffix != ".jsonl":
         return path.stat().st_size > 0
     with open(path, encoding="utf-8", errors="replace") as f:
         return any(line.strip() for line in f)

@@ -35,10 +35,10 @@ def test_unsupported_or_unreadable_files_name_the_problem(tmp_path):
     broken.write_text('{"prompt": "ok"}\n{"prompt": \n')
     with pytest.raises(DataError, match=r"rows.jsonl': line 2 is not valid JSON \(Expecting value at column 11\)"):
         load_prompts(str(broken))
-    folder = tmp_path / "rows_dir.jsonl"
-    folder.mkdir()
-    with pytest.raises(DataError, match="is a folder: name the data file in it"):
-        load_prompts(str(folder))
+    for folder in (tmp_path / "rows_dir.jsonl", tmp_path / "rows_dir"):  # without a suffix it was "unsupported
+        folder.mkdir()                                                    # file type ''"
+        with pytest.raises(DataError, match=f"train_data='{folder}' is a folder: name the data file in it"):
+            load_prompts(str(folder))
 
 
 def test_a_missing_file_names_the_field_where_relative_paths_start_and_what_the_file_holds(tmp_path, monkeypatch):
@@ -109,11 +109,15 @@ def test_a_chat_message_with_an_unknown_role_is_refused_at_load_naming_the_row_a
 
 
 @pytest.mark.parametrize("name, text", [("rows.jsonl", ""), ("rows.jsonl", "\n  \n"), ("rows.json", ""),
-                                        ("rows.csv", "")])
+                                        ("rows.csv", ""), ("rows.parquet", None)])
 def test_an_empty_file_has_no_rows(tmp_path, name, text):
-    """Was "could not be read as .jsonl: StopIteration" (or the csv reader's DatasetGenerationError)."""
+    """Was "could not be read as .jsonl: StopIteration" (or the csv reader's DatasetGenerationError, as
+    for a Parquet file with columns and no rows)."""
     path = tmp_path / name
-    path.write_text(text)
+    if name.endswith(".parquet"):
+        Dataset.from_dict({"prompt": []}).to_parquet(str(path))
+    else:
+        path.write_text(text)
     with pytest.raises(DataError, match=f"eval_data='{path}' has no rows: it needs at least one prompt"):
         load_prompts(str(path), name="eval_data")
 
@@ -370,3 +374,23 @@ def test_a_malformed_row_of_a_file_is_named_as_the_file_counts_it(tmp_path, suff
         load_prompts(str(path))
     with pytest.raises(DataError, match="train_data row 1: 'prompt' is NoneType None"):  # rows in memory: the index
         load_prompts(rows)
+
+
+def test_a_json_file_pandas_wrote_by_columns_is_named_with_how_to_write_it_by_rows(tmp_path):
+    """pandas' `df.to_json(path)` writes {"prompt": {"0": "a", "1": "b"}}, which read as one row whose
+    prompt is a dict: "row 0: 'prompt' is dict {'0': 'a', '1': 'b'}"."""
+    import pandas as pd
+
+    frame = pd.DataFrame({"prompt": ["a", "b"], "answer": ["1", "2"]})
+    path = tmp_path / "rows.json"
+    frame.to_json(path)
+    with pytest.raises(DataError, match=rf"train_data='{path}' is one JSON object of columns, each keyed by row "
+                                        r"number .* as pandas' DataFrame.to_json\(\) writes by default "
+                                        r"\(orient='columns'\): write one object per row, df.to_json\(path, "
+                                        r"orient='records'\) for .json, or .*lines=True\) for .jsonl"):
+        load_prompts(str(path))
+    frame.to_json(path, orient="records")
+    assert load_prompts(str(path)).to_list() == frame.to_dict("records")
+    one = tmp_path / "one.jsonl"  # one row with a dict column keyed by numbers is a row
+    one.write_text('{"prompt": "q", "meta": {"0": "x"}}\n')
+    assert load_prompts(str(one))["meta"] == [{"0": "x"}]

@@ -97,9 +97,10 @@ def test_cispo_accepts_epsilon_one_as_no_lower_bound(make_cfg):
 
 def test_gmpo_takes_log_space_bounds_of_any_size(make_cfg):
     """GMPO clips log ρ to [−ε_low, ε_high]: ε = 1.5 is the ratio range [0.22, 4.48], not a negative
-    lower bound, so it passes where the ratio-space clip refuses it."""
+    lower bound, so it passes where the ratio-space clip refuses it (gmpo's range is symmetric: epsilon_high
+    follows)."""
     cfg = make_cfg(algorithm="gmpo", beta=None, epsilon=1.5).validate()
-    assert (cfg.loss_type, cfg.epsilon, cfg.epsilon_high) == ("gmpo", 1.5, 0.4)
+    assert (cfg.loss_type, cfg.epsilon, cfg.epsilon_high) == ("gmpo", 1.5, 1.5)
     with pytest.raises(ConfigError, match="epsilon below 1"):
         make_cfg(algorithm="gspo", epsilon=1.5).validate()
 

@@ -13,8 +13,8 @@ from typing import Any
 
 import yaml
 
-from grouprl.config import (ConfigError, TrainConfig, TrainFields, derived_overlong, did_you_mean, field_types,
-                            list_item_type, load_yaml, value_matches, with_algorithm)
+from grouprl.config import (ConfigError, TrainConfig, TrainFields, derived_overlong, field_types,
+                            list_item_type, load_yaml, unknown_field_hint, value_matches, with_algorithm)
 
 TASK_FIELDS = {"model", "train_data", "eval_data", "reward_funcs"}
 logger = logging.getLogger(__name__)
@@ -118,7 +118,7 @@ def parse_overrides(args: list[str], types: dict[str, Any]) -> dict[str, Any]:
         name, eq, value = arg[2:].partition("=")
         name = name.replace("-", "_")
         if name not in known:
-            raise ConfigError(f"unknown option --{name}{did_you_mean(name, known)}; "
+            raise ConfigError(f"unknown option --{name}{unknown_field_hint(name, known)}; "
                               "`grouprl train --help` lists every field")
         if not eq:
             flag = types[name] is bool and (i + 1 == len(args) or args[i + 1].lower() not in _BOOL_WORDS)

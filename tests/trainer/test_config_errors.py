@@ -521,3 +521,47 @@ def test_the_smallest_and_null_values_of_the_bounded_fields_pass():
                    {"save_total_limit": None, "max_prompt_length": None, "max_eval_samples": None,
                     "num_threads": None, "reward_timeout_s": None}):
         TrainConfig(model="m", train_data="t.jsonl", reward_funcs=["r"], **values).validate()
+
+
+@pytest.mark.parametrize("how", ["cli", "file", "python"])
+def test_trls_names_say_what_to_use_here_not_a_close_spelling(how, tmp_path):
+    """num_train_epochs was answered "did you mean 'num_iterations'?" (PPO's epochs per batch: following
+    it changes the algorithm), per_device_train_batch_size "'generation_batch_size'"; a name of TRL's
+    GRPOConfig gets what the README's "Coming from TRL" table says instead."""
+    if how == "cli":
+        make = lambda: build_config(None, ["--num_train_epochs", "3"])  # noqa: E731
+    elif how == "file":
+        path = tmp_path / "run.yaml"
+        path.write_text("num_train_epochs: 3\n")
+        make = lambda: build_config(str(path), [])  # noqa: E731
+    else:
+        make = lambda: TrainConfig(num_train_epochs=3)  # noqa: E731
+    with pytest.raises(ConfigError) as e:
+        make()
+    assert re.search(r"num_train_epochs'?: TRL's name; here, runs are counted in steps: max_steps", str(e.value))
+    assert "did you mean" not in str(e.value)
+
+
+def test_every_trl_name_is_not_a_field_and_its_advice_names_real_fields():
+    """The table stays true: a name that became a field would never be met, and advice naming a field
+    that is gone would send a user nowhere."""
+    import dataclasses
+
+    from grouprl.config.errors import TRL_NAMES, TRL_VALUES
+    from grouprl.config.schema import TrainFields
+
+    fields = {f.name for f in dataclasses.fields(TrainFields)}
+    assert not set(TRL_NAMES) & fields
+    named = {w for text in [*TRL_NAMES.values(), *TRL_VALUES.values()]
+             for w in re.findall(r"\b[a-z]+(?:_[a-z0-9]+)+\b", text)}
+    assert named - {"dr_grpo"} <= fields, named - fields  # dr_grpo: a preset's name
+
+
+@pytest.mark.parametrize("args, hint", [
+    (["--loss_type", "dr_grpo"], "TRL's loss_type dr_grpo is algorithm: dr_grpo here"),
+    (["--scale_rewards", "false"], "TRL's scale_rewards false is scale_rewards: none here"),
+    (["--scale_rewards", "True"], "TRL's scale_rewards true is scale_rewards: group here"),
+])
+def test_trls_values_say_what_to_write_here(args, hint):
+    with pytest.raises(ConfigError, match=re.escape(hint)):
+        build_config(None, args).validate()

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from . import io
-from .errors import ConfigError, did_you_mean
+from .errors import ConfigError, did_you_mean, unknown_field_hint
 from .fieldtypes import field_types, list_item_type, value_matches
 from .io import RUN_CONFIG_HEADER, changed_settings, load_yaml
 from .schema import TrainFields
@@ -36,7 +36,7 @@ class TrainConfig(TrainFields):
     def __init__(self, *args: Any, **fields: Any) -> None:
         unknown = [k for k in fields if k not in _FIELDS]
         if unknown:  # the dataclass's own TypeError names no field it may mean
-            hints = [f"{k!r}" + did_you_mean(k, _FIELDS) for k in unknown]
+            hints = [f"{k!r}" + unknown_field_hint(k, _FIELDS) for k in unknown]
             raise ConfigError(f"unknown config field(s): {', '.join(hints)}; `grouprl train --help` lists every field")
         super().__init__(*args, **fields)
 
@@ -75,6 +75,7 @@ __all__ = [
     "changed_settings",
     "derived_overlong",
     "did_you_mean",
+    "unknown_field_hint",
     "field_types",
     "list_item_type",
     "load_yaml",

@@ -11,7 +11,7 @@ from typing import Any, TypeVar
 
 import yaml
 
-from .errors import ConfigError, did_you_mean
+from .errors import ConfigError, unknown_field_hint
 from .fieldtypes import field_types, list_item_type, value_matches
 from .schema import TrainFields
 
@@ -67,7 +67,7 @@ def from_dict(cls: type[C], values: dict[str, Any]) -> C:
     known = {f.name for f in dataclasses.fields(cls)}
     unknown = [k for k in values if k not in known]
     if unknown:
-        hints = [f"{k!r}" + did_you_mean(k, known) for k in unknown]
+        hints = [f"{k!r}" + unknown_field_hint(k, known) for k in unknown]
         raise ConfigError(f"unknown config field(s): {', '.join(hints)}; "
                           "`grouprl train --help` lists every field")
     types = field_types()

@@ -23,7 +23,7 @@ from grouprl.core.advantages import SCALES
 from grouprl.core.loss_params import check_loss_settings
 from grouprl.tools import FORMATS
 
-from .errors import ConfigError
+from .errors import TRL_VALUES, ConfigError
 from .fieldtypes import check_type, field_types, value_matches
 from .schema import TrainFields
 
@@ -422,7 +422,8 @@ def _check_choice(name: str, value: str, choices: tuple[str, ...] | Registry) ->
     """``choices`` a tuple, or a core registry: then its names, so that a registered variant is accepted."""
     if value not in choices:
         how = f"; register a new one with @{choices.decorator}(name)" if isinstance(choices, Registry) else ""
-        raise ConfigError(f"{name}={value!r} is not one of: {', '.join(choices)}{how}")
+        trl = TRL_VALUES.get((name, str(value).lower()))
+        raise ConfigError(f"{name}={value!r} is not one of: {', '.join(choices)}{how}" + (f"; {trl}" if trl else ""))
 
 
 def _check_variants(c: TrainFields) -> None:

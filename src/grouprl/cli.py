@@ -41,6 +41,7 @@ import shutil
 import signal
 import sys
 import time
+import traceback
 from dataclasses import replace
 from pathlib import Path
 
@@ -117,6 +118,8 @@ def main(argv: list[str] | None = None) -> int:
               f"then {_again(cfg, resume_command(argv), args.command)}", file=sys.stderr)
         return 1
     except RewardFunctionError as e:
+        if e.__cause__ is not None:  # what the function raised, with its own frames (a worker's as a note)
+            traceback.print_exception(e.__cause__, file=sys.stderr)
         print(f"grouprl {args.command}: error: {e}\nThe run stopped. Fix the reward function (or set reward_fallback "
               f"to score failures with a fixed value), then {_again(cfg, resume_command(argv), args.command)}",
               file=sys.stderr)

@@ -166,6 +166,9 @@ def test_a_stop_for_a_fixable_cause_prints_the_command_that_goes_on(make_cfg, tm
     err = capsys.readouterr().err
     assert f"continue from the latest checkpoint (the checkpoints written are intact):\n  grouprl train {path} " \
            f"--resume" in err
+    # the function's own traceback, its line included: a bare KeyError deep inside a reward names no place
+    assert "Traceback" in err and 'raise KeyError("no gold answer")' in err and err.index("KeyError: 'no gold") < (
+        err.index("grouprl train: error: reward function"))
     calls.clear()
     monkeypatch.setattr("tests.trainer.conftest.digit_fraction", lambda p, c, **k: 1 / 0)
     path = _config(make_cfg, tmp_path, output_dir=str(tmp_path / "r3"))

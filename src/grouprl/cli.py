@@ -438,7 +438,8 @@ def _checkpoint_dtype(model: str) -> str | None:
 
 
 def _summary_text(summary: dict, output_dir: str) -> str:
-    lines = [f"done: {summary['steps']} steps in {summary['train_seconds']:.0f} s of training"]
+    seconds = summary["train_seconds"]
+    lines = [f"done: {summary['steps']} steps in {seconds:.{0 if seconds >= 10 else 1}f} s of training"]
     before, after = summary.get("eval_before"), summary.get("eval_after")
     if before and after:
         gain = 100 * (after["accuracy"] - before["accuracy"])

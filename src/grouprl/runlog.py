@@ -7,6 +7,7 @@ import json
 import logging
 import math
 import re
+import sys
 from pathlib import Path
 from typing import Any, Callable
 
@@ -173,20 +174,28 @@ class RunLogger:
 
 
 class Progress:
-    """A tqdm bar over training steps showing reward and KL. `silent` (ranks other than 0) also
-    drops the text lines."""
+    """A tqdm bar over training steps showing reward and KL, on a terminal. Where the bar is off
+    (`enabled` False: `progress: false`) or would go to a file (a job's log, where its redraws pile up
+    on one line), a line every `every` steps (logging_steps) says the same, and the last step's too.
+    `silent` (ranks other than 0) drops the bar, the lines and the text lines."""
 
-    def __init__(self, total: int, initial: int, enabled: bool, *, silent: bool = False):
-        self.silent = silent
-        self.bar = tqdm(total=total, initial=initial, desc="grpo", disable=not enabled,
+    def __init__(self, total: int, initial: int, enabled: bool, *, silent: bool = False, every: int = 1):
+        self.silent, self.total, self.step, self.every = silent, total, initial, max(1, every)
+        self.lines = not silent and not (enabled and sys.stderr.isatty())  # tqdm draws on stderr
+        self.bar = tqdm(total=total, initial=initial, desc="grpo", disable=not enabled or self.lines,
                         dynamic_ncols=True, unit="step")
 
     def update(self, metrics: dict[str, Any]) -> None:
         post = {"reward": metrics.get("reward/mean"), "kl": metrics.get("kl"),
                 "len": metrics.get("completion/length_mean")}
-        self.bar.set_postfix({k: f"{v:.3g}" for k, v in post.items() if isinstance(v, (int, float))},
-                             refresh=False)
+        shown = {k: f"{v:.3g}" for k, v in post.items() if isinstance(v, (int, float))}
+        self.bar.set_postfix(shown, refresh=False)
         self.bar.update(1)
+        self.step += 1
+        if self.lines and (self.step % self.every == 0 or self.step == self.total):
+            took = metrics.get("time/step")
+            print(f"step {self.step}/{self.total}: " + ", ".join(f"{k} {v}" for k, v in shown.items())
+                  + (f", {took:.3g} s" if isinstance(took, (int, float)) else ""), flush=True)
 
     def write(self, text: str) -> None:
         if not self.silent:

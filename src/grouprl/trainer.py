@@ -204,7 +204,7 @@ class Trainer:
         self.logger = RunLogger(out, resume_step=self.step, eval_again=again,  # its step's eval: logged, not recorded
                                 report_to=tuple(cfg.report_to), enabled=main,
                                 config={**cfg.to_dict(), **run_metadata(self.dist)}, run_name=cfg.run_name)
-        progress = Progress(cfg.max_steps, self.step, cfg.progress and main, silent=not main)
+        progress = Progress(cfg.max_steps, self.step, cfg.progress and main, silent=not main, every=cfg.logging_steps)
         saved = self.step if resume else None  # the step whose checkpoint is on disk
         signum, reason = None, None  # the signal all ranks agreed to stop on; an alarm set to stop the run
         with progress:  # an error closes the bar first, so its message starts on a line of its own

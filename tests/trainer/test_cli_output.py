@@ -157,3 +157,26 @@ def test_under_torchrun_notices_come_from_rank_0_and_other_ranks_warn_with_their
     assert capsys.readouterr().err.splitlines() == [
         "grouprl: generation_compile: auto stays eager", "grouprl: the sandbox is weak here",
         "grouprl (rank 3): the sandbox is weak here"]
+
+
+def test_without_a_live_bar_a_line_every_logging_steps_says_how_the_run_goes(capsys, monkeypatch):
+    """`progress: false`, or output to a file (a job's log: a bar's redraws pile up on one line there):
+    logging_steps said "print every this many steps" and nothing was printed. Now a line every k steps,
+    and the last step's; on a terminal the bar alone; other ranks nothing."""
+    import sys
+
+    from grouprl.runlog import Progress
+
+    def run(enabled, tty=False, silent=False, every=2, initial=0, total=5):
+        monkeypatch.setattr(sys.stderr, "isatty", lambda: tty)
+        with Progress(total, initial, enabled, silent=silent, every=every) as progress:
+            for _ in range(total - initial):
+                progress.update({"reward/mean": 0.5, "kl": 0.01, "completion/length_mean": 12.0, "time/step": 0.25})
+            progress.close()
+        return [line for line in capsys.readouterr().out.splitlines() if line]
+
+    assert run(False) == ["step 2/5: reward 0.5, kl 0.01, len 12, 0.25 s", "step 4/5: reward 0.5, kl 0.01, len 12, "
+                          "0.25 s", "step 5/5: reward 0.5, kl 0.01, len 12, 0.25 s"]
+    assert [line[:8] for line in run(True)] == ["step 2/5", "step 4/5", "step 5/5"]  # a file: lines, no bar
+    assert [line[:8] for line in run(False, initial=3)] == ["step 4/5", "step 5/5"]  # resumed at step 3
+    assert run(True, tty=True) == [] and run(False, silent=True) == []

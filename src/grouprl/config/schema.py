@@ -355,7 +355,8 @@ class TrainFields:
     max_steps: int = 100
     """Training steps (each: one rollout, num_iterations optimizer steps)."""
     logging_steps: int = 1
-    """Print and write TensorBoard every this many steps (metrics.jsonl gets every step)."""
+    """Report to the trackers, log samples and, where no live bar is shown (`progress: false`, or output to
+    a file), print a line every this many steps (metrics.jsonl gets every step)."""
     eval_steps: int = 0
     """Evaluate every this many steps (0: only before and after training)."""
     save_steps: int = 0
@@ -374,7 +375,7 @@ class TrainFields:
     num_threads: int | None = None
     """torch intra-op threads (at least 1); default (null): torch's choice."""
     progress: bool = True
-    """Show a live progress bar."""
+    """Show a live progress bar on a terminal (where the output is a file, a line every logging_steps)."""
     report_to: list[str] = field(default_factory=lambda: ["tensorboard"])
     """Experiment trackers, any of tensorboard (output_dir/tensorboard), trackio, wandb, mlflow; [] or
     [none] for none. Each but tensorboard is an extra: pip install 'grouprl[trackio]' (README,

@@ -8,6 +8,7 @@ import dataclasses
 import inspect
 import logging
 import textwrap
+import typing
 from pathlib import Path
 from typing import Any
 
@@ -130,25 +131,45 @@ def parse_overrides(args: list[str], types: dict[str, Any]) -> dict[str, Any]:
             else:  # `--output_dir` then another option: most likely an unset shell variable
                 raise ConfigError(f"--{name} needs a value: --{name} VALUE (or --{name}=VALUE); "
                                   "`grouprl train --help` says what it takes")
-        out[name] = parse_value(value, types[name])
+        out[name] = parse_value(value, types[name], name)
         i += 1
     return out
 
 
-def parse_value(text: str, tp: Any) -> Any:
-    """One --field value for a field of type `tp`: YAML (`0.04`, `1e-6`, `null`, `[a, b]`), except
-    that a text field keeps the text as typed (`--output_dir 2024` is not a number), and a list field
-    also takes one value or comma-separated values (`--report_to wandb`, `--reward_funcs a,b`)."""
+def parse_value(text: str, tp: Any, name: str = "") -> Any:
+    """One --field value for a field of type `tp` (the field `name`, for errors): YAML (`0.04`, `1e-6`,
+    `null`, `[a, b]`), except that a text field keeps the text as typed (`--output_dir 2024` is not a
+    number), and a list field also takes one value or comma-separated values (`--report_to wandb`,
+    `--reward_funcs a,b`). A list or mapping in brackets that is not valid YAML is a ConfigError."""
     try:
         parsed = load_yaml(text) if text != "" else ""
-    except yaml.YAMLError:
+    except yaml.YAMLError as e:
+        if text.lstrip().startswith(("[", "{")) and _takes_structure(tp):
+            # split on its commas, it failed on a piece of it (`reward_funcs[3]={'full': 'true}]'}`)
+            # and the message blamed that piece, not the YAML
+            raise ConfigError(f"--{name} {text} is not valid YAML: {e}\n{_yaml_fix(str(e))}") from None
         parsed = text
     inner = list_item_type(tp)
     if inner is not None and parsed is not None and not value_matches(parsed, tp) and not isinstance(parsed, list):
         if isinstance(parsed, dict):
             return [parsed]
-        return [parse_value(piece.strip(), inner) for piece in text.split(",")]
+        return [parse_value(piece.strip(), inner, name) for piece in text.split(",")]
     return text if not value_matches(parsed, tp) and value_matches(text, tp) else parsed
+
+
+def _takes_structure(tp: Any) -> bool:
+    """Whether a field of type `tp` takes a list or a mapping: a value of it in brackets is meant as YAML.
+    A text field keeps such a value as typed (`--system_prompt '[INST] ...'`)."""
+    return tp is Any or any(t is Any or typing.get_origin(t) in (list, dict) for t in (tp, *typing.get_args(tp)))
+
+
+def _yaml_fix(error: str) -> str:
+    """The fix for a --field value in brackets that YAML cannot read (`error`, YAML's message)."""
+    if "escape" in error:
+        return ("in YAML, a backslash in double quotes starts an escape, and \"\\d\" is none: single quotes keep "
+                "backslashes as typed ('^\\d+$'), or double them in double quotes (\"^\\\\d+$\")")
+    return ("write the value as YAML, a list [a, b] or a mapping {key: value}, with its brackets closed and any "
+            "text holding ',', ':', '[' or '{' in quotes; in the shell, put the whole value in quotes")
 
 
 def field_docs() -> dict[str, str]:

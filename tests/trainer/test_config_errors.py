@@ -284,6 +284,26 @@ def test_a_list_field_takes_one_value_or_commas_and_micro_batch_size_stops_at_th
     assert (cfg.micro_batch_size, cfg.validate().micro_batch_size) == (128, 15)
 
 
+def test_a_list_in_brackets_that_is_not_yaml_is_named_not_split_on_its_commas(tmp_path, capsys):
+    # split on its commas, it failed on a piece: "reward_funcs[3]={'full': 'true}]'}: name a reward function as"
+    value = '[math_accuracy, {name: regex_match, pattern: "^\\d+$", full: true}]'  # "\d": no escape in YAML
+    assert main(["train", "--model", "m", "--train_data", "t.jsonl", "--reward_funcs", value, "--output_dir",
+                 str(tmp_path / "x")]) == 2
+    err = capsys.readouterr().err
+    assert f"--reward_funcs {value} is not valid YAML: while scanning a double-quoted scalar" in err
+    assert "found unknown escape character 'd'" in err and "reward_funcs[3]" not in err
+    assert "single quotes keep backslashes as typed ('^\\d+$')" in err
+    fixed = build_config(None, ["--model", "m", "--train_data", "t.jsonl", "--reward_funcs",
+                                "[math_accuracy, {name: regex_match, pattern: '^\\d+$', full: true}]"])
+    assert fixed.reward_funcs == ["math_accuracy", {"name": "regex_match", "pattern": "^\\d+$", "full": True}]
+    with pytest.raises(ConfigError, match=r"(?s)--chat_template_kwargs \{a: 1 is not valid YAML: .*brackets closed"):
+        build_config(None, ["--chat_template_kwargs", "{a: 1"])
+    # commas without brackets are still a list, and a text field keeps brackets as typed
+    assert build_config(None, ["--lora_target_modules", "q_proj,v_proj"]).validate().lora_target_modules == [
+        "q_proj", "v_proj"]
+    assert build_config(None, ["--system_prompt", "[INST] a, b: [c"]).system_prompt == "[INST] a, b: [c"
+
+
 def test_a_task_field_alone_says_what_else_a_task_needs(capsys):
     # --eval_data alone left the embedded task for an empty config: "model is empty"
     assert main(["train", "--eval_data", "builtin:arithmetic/eval"]) == 2

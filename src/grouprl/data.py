@@ -19,7 +19,7 @@ import pyarrow as pa
 import torch
 from datasets import Dataset, DatasetDict, IterableDataset, IterableDatasetDict
 
-from grouprl.config import ConfigError
+from grouprl.config import ConfigError, did_you_mean
 from grouprl.config.io import HUB_PREFIX, split_hub_source
 
 
@@ -334,8 +334,13 @@ def validate_prompts(ds: Dataset, *, prompt_column: str = "prompt", name: str = 
     if len(ds) == 0:
         raise DataError(f"{name} has no rows: it needs at least one prompt")
     if prompt_column not in ds.column_names:
-        raise DataError(f"{name} has no {prompt_column!r} column (columns: {ds.column_names}); "
-                        f"rename the prompt column to {prompt_column!r} or set prompt_column")
+        if prompt_column == "prompt":
+            raise DataError(f"{name} has no {prompt_column!r} column (columns: {ds.column_names}); "
+                            f"rename the prompt column to {prompt_column!r} or set prompt_column")
+        # set by the user already: "or set prompt_column" told them to do what they had done
+        raise DataError(f"{name} has no {prompt_column!r} column, which prompt_column names; its columns are "
+                        f"{ds.column_names}{did_you_mean(prompt_column, set(ds.column_names))}: set prompt_column "
+                        f"to the one that holds the prompts, or give the data a {prompt_column!r} column")
     check_reserved(ds.column_names, prompt_column, name)
     first: dict[bool, int] = {}  # string prompt or not -> the first row of that form
     for i, prompt in enumerate(ds[prompt_column]):

@@ -131,6 +131,14 @@ def test_missing_prompt_column(make_cfg, tmp_path):
     path.write_text(json.dumps({"question": "hi"}) + "\n")
     with pytest.raises(DataError, match="no 'prompt' column .* rename the prompt column"):
         Trainer(make_cfg(train_data=str(path)))
+    # prompt_column set, to a column the data lacks: "or set prompt_column" told the user to do what they had done
+    path.write_text(json.dumps({"prompt": "hi", "answer": "1"}) + "\n")
+    with pytest.raises(DataError) as e:
+        Trainer(make_cfg(train_data=str(path), prompt_column="question"))
+    assert ("has no 'question' column, which prompt_column names; its columns are ['prompt', 'answer']: set "
+            "prompt_column to the one that holds the prompts, or give the data a 'question' column") in str(e.value)
+    with pytest.raises(DataError, match=r"its columns are \['prompt', 'answer'\] \(did you mean 'prompt'\?\)"):
+        Trainer(make_cfg(train_data=str(path), prompt_column="promt"))
 
 
 def test_malformed_row_names_the_row(make_cfg, tmp_path):

@@ -324,7 +324,7 @@ def _is_number(word: str) -> bool:
 
 def _preflight(cfg: TrainConfig, num_prompts: int, samples: int | None, strict: float | None) -> int:
     from grouprl.distributed import barrier, destroy_distributed, init_distributed
-    from grouprl.preflight import check_counts, table
+    from grouprl.preflight import check_counts, strict_failure, table
     from grouprl.trainer import Trainer
 
     check_counts(num_prompts, samples, cfg.num_generations)  # before a model loads
@@ -342,16 +342,14 @@ def _preflight(cfg: TrainConfig, num_prompts: int, samples: int | None, strict: 
             trainer.close()
         trainer = None  # see _train
         destroy_distributed()
-    teaching = report["total"]["teaching_share"]
     if ctx.is_main:
         print(table(report))
         out = Path(cfg.output_dir)
         print(f"written to {out / 'preflight.json'} and {out / 'preflight.png'}")
-    if strict is not None and teaching < strict and report["groups_carry_the_signal"]:
+    failure = None if strict is None else strict_failure(report, strict)
+    if failure is not None:
         if ctx.is_main:
-            print(f"grouprl preflight: error: only {teaching:.1%} of groups would teach (rewards not all equal "
-                  f"at G={cfg.num_generations}), below --strict {strict:g}: follow the recommendations above "
-                  "(a larger num_generations, a prompt filter), or lower the threshold", file=sys.stderr)
+            print(f"grouprl preflight: error: {failure}", file=sys.stderr)
         return 1
     return 0
 

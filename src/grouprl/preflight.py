@@ -369,6 +369,32 @@ def recommendations(report: dict[str, Any], temperature: float) -> list[dict[str
     return out
 
 
+def strict_failure(report: dict[str, Any], strict: float) -> str | None:
+    """Why `--strict SHARE` fails the report: fewer than SHARE of groups teach (None when enough do, or
+    when flat groups teach too: PPO, distillation). The recommendations judge the share by their own
+    threshold (LOW_TEACHING), not by SHARE, so a share between the two gets none: the message then says
+    what raises it, with the report's predictions for a larger G, rather than point at advice not given."""
+    G, total, diff = report["num_generations"], report["total"], report["difficulty"]
+    teaching = total["teaching_share"]
+    if teaching >= strict or not report["groups_carry_the_signal"]:
+        return None
+    head = f"only {teaching:.1%} of groups would teach (rewards not all equal at G={G}), below --strict {strict:g}"
+    if report["recommendations"]:
+        return f"{head}: follow the recommendations above, or lower the threshold"
+    larger = {g: 1 - z for g, z in total["predicted_zero_variance_share"].items() if int(g) > G}
+    plug_in = [g for g in larger if report["estimators"][g] == "plug-in"]
+    levers: list[str] = []
+    if larger:
+        shares = ", ".join(f"{t:.0%} at G={g}" for g, t in larger.items())
+        under = f"; at G={', '.join(plug_in)} plug-in estimates, which understate it" if plug_in else ""
+        levers.append(f"a larger num_generations (predicted: {shares}{under})")
+    levers.append(f"prompts the policy solves only sometimes, by a prompt filter or other data "
+                  f"({diff['too_easy']:.0%} are always solved, {diff['too_hard']:.0%} never)")
+    return (f"{head}, and nothing is recommended above (its advice starts below {LOW_TEACHING:.0%} of groups "
+            f"teaching, or at {SKEWED_PROMPTS:.0%} of prompts always solved or {SKEWED_PROMPTS:.0%} never). "
+            f"What raises the share: {'; '.join(levers)}; or lower --strict to a share this task reaches")
+
+
 # ---------------------------------------------------------------------- running and writing
 def run(trainer: PreflightStages, num_prompts: int = 64, samples_per_prompt: int | None = None) -> dict[str, Any]:
     """Sample, summarise, and (rank 0) write preflight.json and preflight.png into output_dir;

@@ -200,6 +200,37 @@ def test_raise_g_is_recommended_when_more_samples_show_it_helps(make_cfg):
     assert report["recommendations"][0]["advice"] == "raise num_generations to 4"
 
 
+def test_strict_failure_names_no_recommendations_when_none_were_given(make_cfg, tmp_path, monkeypatch, capsys):
+    """G = 4, n = 8: two groups per prompt, 5 of 8 teach (62.5 %), above the recommendations' own bar
+    (LOW_TEACHING), no prompt always or never solved: nothing is recommended. --strict 0.9 said "follow the
+    recommendations above (a larger num_generations, a prompt filter)" under "recommendations: none"; it
+    now says what raises the share, with the predictions: at G = 8 (unbiased, n = 8) no prompt's 8
+    samples are all equal, so every group would teach."""
+    acc = [[1., 1., 1., 1., 0., 1., 1., 1.], [0., 0., 0., 0., 1., 0., 0., 0.],
+           [1., 0., 1., 0., 1., 1., 0., 0.], [1., 1., 1., 1., 1., 1., 1., 0.]]
+    report = P.summarize(_samples({"acc": acc}), make_cfg(num_generations=4))
+    assert report["total"]["teaching_share"] == 0.625 and report["recommendations"] == []
+    failure = P.strict_failure(report, 0.9)
+    assert "follow the recommendations" not in failure
+    assert failure.startswith("only 62.5% of groups would teach (rewards not all equal at G=4), below --strict 0.9, "
+                              "and nothing is recommended above (its advice starts below 50% of groups teaching")
+    assert ("What raises the share: a larger num_generations (predicted: 100% at G=8, ") in failure
+    assert "at G=16, 32 plug-in estimates, which understate it)" in failure
+    assert "by a prompt filter or other data (0% are always solved, 0% never); or lower --strict" in failure
+    assert P.strict_failure(report, 0.6) is None
+    # with advice above, it points there; PPO's flat groups teach too: --strict passes
+    advised = {**report, "recommendations": [{"advice": "raise num_generations to 8", "reason": "r"}]}
+    assert P.strict_failure(advised, 0.9).endswith("below --strict 0.9: follow the recommendations above, or lower "
+                                                  "the threshold")
+    assert P.strict_failure({**report, "groups_carry_the_signal": False}, 0.9) is None
+    # the command line prints it, under the report's "recommendations: none"
+    monkeypatch.setattr(Trainer, "preflight", lambda self, *a: report)
+    make_cfg().save_yaml(tmp_path / "run.yaml")
+    assert main(["preflight", str(tmp_path / "run.yaml"), "--strict", "0.9"]) == 1
+    out, err = capsys.readouterr()
+    assert "recommendations: none" in out and f"grouprl preflight: error: {failure}" in err
+
+
 # ---------------------------------------------------------------------- on the tiny policy
 def test_preflight_report_matches_its_samples(make_cfg, tmp_path):
     """The report of a real preflight on the tiny policy agrees with the samples it drew: the

@@ -104,7 +104,8 @@ def main(argv: list[str] | None = None) -> int:
         run = run_of_checkpoint(overrides) if args.command == "eval" and args.config is None else None
         if run is not None:  # `grouprl eval --model RUN/checkpoints/step-N/model`: the run's own config
             args.config, overrides = str(run / "config.yaml"), ["--output_dir", str(run), *overrides]
-        cfg = build_config(args.config, overrides, command=args.command)
+        cfg = build_config(args.config, overrides, command=args.command,
+                           options=PREFLIGHT_OPTIONS if args.command == "preflight" else ())
         if args.command == "train":
             return _train(cfg, resume=args.resume, again=resume_command(argv))
         if args.command == "preflight":
@@ -302,10 +303,12 @@ def _eval_table(result: dict, cfg: TrainConfig, accuracy: str) -> str:
 
 
 STRICT_SHARE = 0.25  # `--strict` alone: the share of groups that must teach
+PREFLIGHT_OPTIONS = ("prompts", "samples", "strict")  # preflight's own flags, besides the config fields
 
 
 def _preflight_options(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
-    """`--prompts N`, `--samples M` and `--strict [SHARE]` out of a preflight command line; the rest is left."""
+    """`--prompts N`, `--samples M` and `--strict [SHARE]` (PREFLIGHT_OPTIONS) out of a preflight command
+    line; the rest is left."""
     parser = argparse.ArgumentParser(prog="grouprl preflight", add_help=False, allow_abbrev=False)
     parser.add_argument("--prompts", type=int, default=64)
     parser.add_argument("--samples", type=int)

@@ -21,11 +21,14 @@ TASK_FIELDS = {"model", "train_data", "eval_data", "reward_funcs"}
 logger = logging.getLogger(__name__)
 
 
-def build_config(config_path: str | None, args: list[str], *, command: str = "train") -> TrainConfig:
+def build_config(config_path: str | None, args: list[str], *, command: str = "train",
+                 options: tuple[str, ...] = ()) -> TrainConfig:
     """`args` (`--field value ...`) over the YAML file `config_path`. With neither a config file nor
     any of TASK_FIELDS on the command line, the embedded task is the base; otherwise TrainConfig's
-    own defaults are. `command` (train, eval, preflight) words the error for a task left incomplete."""
-    overrides = parse_overrides(args, field_types())
+    own defaults are. `command` (train, eval, preflight) words the errors (a task left incomplete, an
+    unknown option); `options`: the command's own flags, already taken out of `args`, suggested for
+    a misspelt one (preflight's `--prompt 8`)."""
+    overrides = parse_overrides(args, field_types(), command=command, options=options)
     base = None
     if config_path is None and not TASK_FIELDS & overrides.keys():
         from grouprl.tasks import DEFAULT_TASK
@@ -89,7 +92,7 @@ def run_of_checkpoint(args: list[str]) -> Path | None:
     not inside a run folder)."""
     from grouprl.checkpoint import checkpoint_dir
 
-    model = parse_overrides(args, field_types()).get("model")
+    model = parse_overrides(args, field_types(), command="eval").get("model")
     if not isinstance(model, str):
         return None
     for folder in Path(model).expanduser().resolve().parents:
@@ -103,10 +106,13 @@ _BOOL_WORDS = {"true", "false", "yes", "no", "on", "off", "y", "n", "1", "0", "n
 # is the next argument (`grouprl train --resume run.yaml`, `--progress run.yaml`)
 
 
-def parse_overrides(args: list[str], types: dict[str, Any]) -> dict[str, Any]:
+def parse_overrides(args: list[str], types: dict[str, Any], *, command: str = "train",
+                    options: tuple[str, ...] = ()) -> dict[str, Any]:
     """`--field value` / `--field=value` pairs for the fields in `types` (name: type), each value read
     by `parse_value`. Dashes in names are accepted for underscores. A bare flag is `true` for a field
-    that takes true/false, and an error naming the missing value for any other."""
+    that takes true/false, and an error naming the missing value for any other. An unknown name is
+    matched against the fields and `options`, the flags of `command` itself, and the error points at
+    `grouprl COMMAND --help`."""
     known = set(types)
     out: dict[str, Any] = {}
     i = 0
@@ -119,8 +125,11 @@ def parse_overrides(args: list[str], types: dict[str, Any]) -> dict[str, Any]:
         name, eq, value = arg[2:].partition("=")
         name = name.replace("-", "_")
         if name not in known:
-            raise ConfigError(f"unknown option --{name}{unknown_field_hint(name, known)}; "
-                              "`grouprl train --help` lists every field")
+            # a misspelt flag of the command's own (preflight's --prompts) is no field: "did you mean
+            # 'chat_prompts'?" misled, and so did `grouprl train --help` for preflight
+            listed = f"{command}'s options and every field" if options else "every field"
+            raise ConfigError(f"unknown option --{name}{unknown_field_hint(name, known | set(options))}; "
+                              f"`grouprl {command} --help` lists {listed}")
         if not eq:
             flag = types[name] is bool and (i + 1 == len(args) or args[i + 1].lower() not in _BOOL_WORDS)
             if i + 1 < len(args) and not args[i + 1].startswith("--") and not flag:
@@ -130,7 +139,7 @@ def parse_overrides(args: list[str], types: dict[str, Any]) -> dict[str, Any]:
                 value = "true"
             else:  # `--output_dir` then another option: most likely an unset shell variable
                 raise ConfigError(f"--{name} needs a value: --{name} VALUE (or --{name}=VALUE); "
-                                  "`grouprl train --help` says what it takes")
+                                  f"`grouprl {command} --help` says what it takes")
         out[name] = parse_value(value, types[name], name)
         i += 1
     return out

@@ -312,6 +312,13 @@ def test_cli_preflight_writes_the_report_and_strict_fails(make_cfg, tmp_path, ca
     assert main(["preflight", str(path), "--samples", "6"]) == 2
     assert "a multiple of num_generations=4" in capsys.readouterr().err
     assert main(["train", str(path), "--prompts", "4"]) == 2  # not a train option
+    # a misspelt flag of preflight's own was matched against the fields alone, and sent to train's help:
+    # "unknown option --prompt (did you mean 'chat_prompts'?); `grouprl train --help` lists every field"
+    capsys.readouterr()
+    for typo, meant in (("--prompt", "prompts"), ("--sample", "samples"), ("--strct", "strict")):
+        assert main(["preflight", str(path), typo, "8"]) == 2
+        assert (f"unknown option {typo} (did you mean {meant!r}?); `grouprl preflight --help` lists preflight's "
+                "options and every field") in capsys.readouterr().err
 
 
 def test_preflight_under_torchrun_rank_0_writes_the_whole_report(make_cfg, tmp_path):

@@ -423,6 +423,7 @@ def test_cli_reports_a_failing_reward_function_and_how_to_continue(tmp_path, tin
     mod = tmp_path / "broken_reward.py"
     mod.write_text("def broken(prompts, completions, **kw):\n    raise KeyError('answer_text')\n")
     monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)  # a terminal: the live bar is drawn
     code = main(["train", "--model", str(tiny_model_dir), "--train_data", str(digits_data),
                  "--reward_funcs", "[broken_reward:broken]", "--num_generations", "2",
                  "--prompts_per_step", "2", "--micro_batch_size", "4", "--max_completion_length", "4",

@@ -53,8 +53,12 @@ def build_config(config_path: str | None, args: list[str], *, command: str = "tr
 def _derived_follow(cfg: TrainConfig, overrides: dict[str, Any]) -> dict[str, Any]:
     """Over a run's config.yaml, fields it holds only because of another one follow that one when it is
     given anew: a new --model drops the old model's gguf_file (a checkpoint's model/ folder holds none),
-    and a new --max_completion_length the window derived from the old one (overlong_cache_len)."""
+    a new --max_completion_length the window derived from the old one (overlong_cache_len), and a new
+    --epsilon alone the upper bound of a symmetric range (a grpo run's 0.2 / 0.2), as over a preset."""
     follow: dict[str, Any] = {}
+    if "epsilon" in overrides and "epsilon_high" not in overrides and cfg.epsilon is not None and (
+            cfg.epsilon_high == cfg.epsilon):
+        follow["epsilon_high"] = overrides["epsilon"]
     if "model" in overrides and "gguf_file" not in overrides and cfg.gguf_file:
         follow["gguf_file"] = None
     if "max_completion_length" in overrides and "overlong_cache_len" not in overrides and derived_overlong(cfg):

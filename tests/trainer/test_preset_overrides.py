@@ -44,6 +44,17 @@ def test_an_epsilon_of_ones_own_keeps_a_symmetric_presets_range_symmetric(algori
     assert (cfg.epsilon, cfg.epsilon_high) == (0.1, high)
 
 
+@pytest.mark.parametrize("algorithm, high", [("grpo", 0.1), ("dapo", 0.28)])
+def test_an_epsilon_over_a_runs_config_keeps_its_symmetric_range_symmetric(tmp_path, algorithm, high):
+    """A run's config.yaml holds its preset's range resolved (grpo: 0.2 / 0.2): `--epsilon 0.1` over it
+    gives 0.1 / 0.1, as over the preset itself, not 0.1 / 0.2; dapo's 0.2 / 0.28 keeps its upper bound."""
+    path = tmp_path / "config.yaml"
+    build_config(None, ["--algorithm", algorithm]).resolved().save_yaml(path)
+    cfg = build_config(str(path), ["--epsilon", "0.1"]).resolved()
+    assert (cfg.epsilon, cfg.epsilon_high) == (0.1, high)
+    assert build_config(str(path), ["--epsilon", "0.1", "--epsilon_high", "0.3"]).epsilon_high == 0.3
+
+
 def test_an_epsilon_of_ones_own_under_another_ratio_is_a_range_of_its_own():
     """grpo's range is symmetric, so `--epsilon 0.4` sets both bounds: under gmpo's log-ratio that is a
     range the user chose, accepted (the preset's 0.2 / 0.2 alone is refused there, above)."""

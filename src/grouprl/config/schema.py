@@ -176,7 +176,7 @@ class TrainFields:
     """Upper clip range of the ratio (1 + epsilon_high); DAPO's clip-higher uses 0.28. With loss_type
     gmpo, of the log-ratio (+epsilon_high; the paper's 0.4). Left unset beside an `epsilon` of one's
     own, it is that epsilon where the preset's range is symmetric (as TRL's), and the preset's own
-    upper range where it is not (dapo, gspo)."""
+    upper range where it is not (dapo, gspo, cispo, top_entropy)."""
     beta: float | None = None
     """Weight of the per-token KL penalty to the reference policy; 0 loads no reference model."""
     entropy_coef: float = 0.0

@@ -96,26 +96,64 @@ def test_multiturn_rollouts_continue_from_the_cache_with_the_same_tokens(monkeyp
 
 @pytest.mark.parametrize("loop", ["eager", "slot"])
 @pytest.mark.usefixtures("eager_graphs")
-def test_the_last_call_a_block_allows_keeps_no_cache(model_and_tok, loop):
+def test_the_last_call_a_block_allows_keeps_no_cache(model_and_tok, loop, monkeypatch):
     """keep_conversations(calls=2): the second call is the last the driver can make (its max_turns),
     so none of its rows is continued and it keeps no cache; without the bound it keeps its EOS rows'.
-    The tokens are the same either way."""
+    Either way the second call continues every row from the first call's caches, with the same tokens."""
     model, tok = model_and_tok
     kw = {"check_every": 1} if loop == "slot" else {"cuda_graphs": False}
     engine = HFEngine(model, _stops(tok), tok.pad_token_id, **kw)
+    continued = []
+    start_from = FastDecoder.start_from
+    monkeypatch.setattr(FastDecoder, "start_from", lambda self, ids, mask, T, prefix: (
+        continued.append(sum(p is not None for p in prefix)), start_from(self, ids, mask, T, prefix))[1])
     out = {}
     for calls in (2, None):
-        gen = torch.Generator().manual_seed(0)
+        gen, continued[:] = torch.Generator().manual_seed(0), []
         with engine.keep_conversations(calls=calls):
             first = engine.generate(short_prompts(tok), 1, SAMPLED, gen)
             kept_first = len(engine._kept)
             follow = [p + first.token_lists()[i] + tok("ok")["input_ids"] for i, p in enumerate(short_prompts(tok))
                       if not first.truncated[i]]
             second = engine.generate(follow, 1, SAMPLED, gen)
-            out[calls] = kept_first, len(engine._kept), second.completion_ids, int((~second.truncated).sum())
+            out[calls] = (kept_first, len(engine._kept), second.completion_ids, int((~second.truncated).sum()),
+                          sum(continued), len(follow))
     assert out[2][0] == out[None][0] >= 5  # the first call keeps its EOS rows' caches under either
     assert out[2][1] == 0 and out[None][1] == out[None][3] > 0
+    assert out[2][4] == out[2][5] and out[None][4] == out[None][5]  # every row of the last call from its cache
     assert torch.equal(out[2][2], out[None][2])
+
+
+class UnboundedKeeping(GenerationEngine):
+    """An engine wrapper written to the protocol before `calls` existed: keep_conversations() alone."""
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def keep_conversations(self):
+        return self.engine.keep_conversations()
+
+    def generate(self, *args, **kwargs):
+        return self.engine.generate(*args, **kwargs)
+
+
+def test_the_driver_bounds_an_engine_that_takes_calls_and_still_runs_one_that_does_not(monkeypatch):
+    tok = AutoTokenizer.from_pretrained(TOOL_POLICY_DIR)
+    model = AutoModelForCausalLM.from_pretrained(TOOL_POLICY_DIR)
+    tools = resolve_tools([mul])
+    engine = HFEngine(model, (tok.eos_token_id,), tok.pad_token_id)
+    driver = MultiTurnDriver(tok, TurnLimits(40, max_turns=3, max_tool_calls=2), tools=tools,
+                             parser=get_tool_parser(tok, tools), eos_token_ids=(tok.eos_token_id,))
+    ids = [tok.apply_chat_template(r["prompt"], tokenize=True, return_dict=False) for r in train_rows()[:2]]
+    bounds = []
+    keep = HFEngine.keep_conversations
+    monkeypatch.setattr(HFEngine, "keep_conversations", lambda self, calls=None: (bounds.append(calls),
+                                                                                 keep(self, calls))[1])
+    params = SamplingParams(40, temperature=1.0)
+    a = driver.generate(engine, ids, 2, params, torch.Generator().manual_seed(0))
+    b = driver.generate(UnboundedKeeping(engine), ids, 2, params, torch.Generator().manual_seed(0))
+    assert bounds == [3, None]  # the driver's max_turns, then none for the engine that takes no bound
+    assert torch.equal(a.rollout.completion_ids, b.rollout.completion_ids)
 
 
 def _alive(refs: dict) -> set:

@@ -166,7 +166,7 @@ class MultiTurnDriver:
             counts["env_seconds"] += time.perf_counter() - t0
         active, first, has_logp = rows, True, None
         # the built-in engine continues each row from its KV cache; the last allowed turn's rows go no further
-        with engine.keep_conversations(calls=self.limits.max_turns):
+        with _keep_conversations(engine, self.limits.max_turns):
             while active:
                 room = [T - len(r.ids) for r in active]
                 p = replace(params, max_new_tokens=max(room), row_max_new_tokens=None if first else tuple(room))
@@ -382,6 +382,17 @@ def _as_messages(observation: Any, where: str) -> list[dict]:
         raise TypeError(f"{where} returned {observation!r}: an observation is a string or a list of "
                         "{'role': ..., 'content': '...'} messages, each content a string (or a template's parts)")
     return list(observation)
+
+
+def _keep_conversations(engine: GenerationEngine, calls: int) -> Any:
+    """`engine.keep_conversations(calls=calls)`, or without the bound for an engine whose method takes
+    none (one written to the protocol before the bound existed)."""
+    try:
+        params = inspect.signature(engine.keep_conversations).parameters.values()
+    except (TypeError, ValueError):  # no signature to read (a builtin): call it as the protocol had it
+        params = ()
+    takes = any(p.name == "calls" or p.kind is p.VAR_KEYWORD for p in params)
+    return engine.keep_conversations(calls=calls) if takes else engine.keep_conversations()
 
 
 def _concurrency(envs: list[Any]) -> int:

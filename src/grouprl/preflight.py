@@ -320,8 +320,9 @@ def expected_sampling_rounds(B: int, teaching: float, max_rounds: int) -> float:
     return rounds
 
 
-def recommendations(report: dict[str, Any], temperature: float) -> list[dict[str, str]]:
-    """Advice with its reason, from the report's numbers (thresholds: the module constants)."""
+def recommendations(report: dict[str, Any], temperature: float) -> list[dict[str, Any]]:
+    """Advice with its reason, from the report's numbers (thresholds: the module constants); advice that
+    would raise the share of groups that teach says so (`raises_teaching_share`, for `--strict`)."""
     out = []
     G, total, diff = report["num_generations"], report["total"], report["difficulty"]
     teaching = total["teaching_share"]
@@ -332,27 +333,28 @@ def recommendations(report: dict[str, Any], temperature: float) -> list[dict[str
         n = report["samples_per_prompt"]
         if better:
             g, share = better[0]
-            out.append({"advice": f"raise num_generations to {g}",
+            out.append({"advice": f"raise num_generations to {g}", "raises_teaching_share": True,
                         "reason": f"only {teaching:.0%} of groups teach at G={G}; about {share:.0%} would at "
                                   f"G={g} ({report['estimators'][str(g)]} estimate)"})
         elif n < max(GROUP_SIZES):
             out.append({"advice": f"run preflight again with --samples {max(GROUP_SIZES) // G * G or G} to see "
-                                  "whether a larger num_generations would help",
+                                  "whether a larger num_generations would help", "raises_teaching_share": True,
                         "reason": f"only {teaching:.0%} of groups teach at G={G}, and beyond {n} samples per "
                                   "prompt the predictions are plug-in estimates, which cannot show a gain"})
     if grouped and (diff["too_easy"] >= SKEWED_PROMPTS or diff["too_hard"] >= SKEWED_PROMPTS):
         out.append({"advice": "filter the prompts (drop those always or never solved, or pick harder/easier data)",
+                    "raises_teaching_share": True,
                     "reason": f"{diff['too_easy']:.0%} of prompts are always passed and {diff['too_hard']:.0%} "
                               f"never (reward {diff['reward']}, {report['samples_per_prompt']} samples each): "
                               "their groups teach nothing"})
     settled = diff["too_easy"] + diff["too_hard"]
     if settled >= 2 * SKEWED_PROMPTS:
         if temperature < 1.0:
-            out.append({"advice": f"raise temperature from {temperature:g} towards 1.0",
+            out.append({"advice": f"raise temperature from {temperature:g} towards 1.0", "raises_teaching_share": True,
                         "reason": f"{settled:.0%} of prompts are always or never passed: more diverse samples "
                                   "give more groups with both passes and failures"})
         elif temperature > 1.0 and diff["too_hard"] > diff["too_easy"]:
-            out.append({"advice": f"lower temperature from {temperature:g} towards 1.0",
+            out.append({"advice": f"lower temperature from {temperature:g} towards 1.0", "raises_teaching_share": True,
                         "reason": f"{diff['too_hard']:.0%} of prompts are never solved: sampling far from "
                                   "the policy's own distribution may be what fails them"})
     lengths = report["lengths"]
@@ -372,15 +374,16 @@ def recommendations(report: dict[str, Any], temperature: float) -> list[dict[str
 def strict_failure(report: dict[str, Any], strict: float) -> str | None:
     """Why `--strict SHARE` fails the report: fewer than SHARE of groups teach (None when enough do, or
     when flat groups teach too: PPO, distillation). The recommendations judge the share by their own
-    threshold (LOW_TEACHING), not by SHARE, so a share between the two gets none: the message then says
-    what raises it, with the report's predictions for a larger G, rather than point at advice not given."""
+    threshold (LOW_TEACHING), not by SHARE, so a share between the two gets none (and other advice, on
+    lengths or weights, raises no share): the message then says what raises it, with the report's
+    predictions for a larger G, rather than point at advice not given."""
     G, total, diff = report["num_generations"], report["total"], report["difficulty"]
     teaching = total["teaching_share"]
     if teaching >= strict or not report["groups_carry_the_signal"]:
         return None
     head = f"only {teaching:.1%} of groups would teach (rewards not all equal at G={G}), below --strict {strict:g}"
-    if report["recommendations"]:
-        return f"{head}: follow the recommendations above, or lower the threshold"
+    if raising := [r["advice"] for r in report["recommendations"] if r.get("raises_teaching_share")]:
+        return f"{head}: follow the recommendations above that raise it ({'; '.join(raising)}), or lower the threshold"
     larger = {g: 1 - z for g, z in total["predicted_zero_variance_share"].items() if int(g) > G}
     plug_in = [g for g in larger if report["estimators"][g] == "plug-in"]
     levers: list[str] = []
@@ -390,7 +393,7 @@ def strict_failure(report: dict[str, Any], strict: float) -> str | None:
         levers.append(f"a larger num_generations (predicted: {shares}{under})")
     levers.append(f"prompts the policy solves only sometimes, by a prompt filter or other data "
                   f"({diff['too_easy']:.0%} are always solved, {diff['too_hard']:.0%} never)")
-    return (f"{head}, and nothing is recommended above (its advice starts below {LOW_TEACHING:.0%} of groups "
+    return (f"{head}, and nothing recommended above raises it (its advice starts below {LOW_TEACHING:.0%} of groups "
             f"teaching, or at {SKEWED_PROMPTS:.0%} of prompts always solved or {SKEWED_PROMPTS:.0%} never). "
             f"What raises the share: {'; '.join(levers)}; or lower --strict to a share this task reaches")
 

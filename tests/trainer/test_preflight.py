@@ -198,6 +198,7 @@ def test_raise_g_is_recommended_when_more_samples_show_it_helps(make_cfg):
     assert report["estimators"] == {"2": "unbiased", "4": "unbiased", "8": "unbiased", "16": "plug-in",
                                     "32": "plug-in"}
     assert report["recommendations"][0]["advice"] == "raise num_generations to 4"
+    assert P.strict_failure(report, 0.9).endswith("that raise it (raise num_generations to 4), or lower the threshold")
 
 
 def test_strict_failure_names_no_recommendations_when_none_were_given(make_cfg, tmp_path, monkeypatch, capsys):
@@ -213,15 +214,20 @@ def test_strict_failure_names_no_recommendations_when_none_were_given(make_cfg, 
     failure = P.strict_failure(report, 0.9)
     assert "follow the recommendations" not in failure
     assert failure.startswith("only 62.5% of groups would teach (rewards not all equal at G=4), below --strict 0.9, "
-                              "and nothing is recommended above (its advice starts below 50% of groups teaching")
+                              "and nothing recommended above raises it (its advice starts below 50% of groups "
+                              "teaching")
     assert ("What raises the share: a larger num_generations (predicted: 100% at G=8, ") in failure
     assert "at G=16, 32 plug-in estimates, which understate it)" in failure
     assert "by a prompt filter or other data (0% are always solved, 0% never); or lower --strict" in failure
     assert P.strict_failure(report, 0.6) is None
-    # with advice above, it points there; PPO's flat groups teach too: --strict passes
-    advised = {**report, "recommendations": [{"advice": "raise num_generations to 8", "reason": "r"}]}
-    assert P.strict_failure(advised, 0.9).endswith("below --strict 0.9: follow the recommendations above, or lower "
-                                                  "the threshold")
+    # with advice above that raises the share, it points there, by name; advice on other things (a longer
+    # max_completion_length) raises no share: the levers are named instead. PPO's flat groups teach too
+    raise_g = {"advice": "raise num_generations to 8", "reason": "r", "raises_teaching_share": True}
+    longer = {"advice": "raise max_completion_length above 256", "reason": "r"}
+    advised = {**report, "recommendations": [longer, raise_g]}
+    assert P.strict_failure(advised, 0.9).endswith("below --strict 0.9: follow the recommendations above that "
+                                                  "raise it (raise num_generations to 8), or lower the threshold")
+    assert P.strict_failure({**report, "recommendations": [longer]}, 0.9) == failure
     assert P.strict_failure({**report, "groups_carry_the_signal": False}, 0.9) is None
     # the command line prints it, under the report's "recommendations: none"
     monkeypatch.setattr(Trainer, "preflight", lambda self, *a: report)

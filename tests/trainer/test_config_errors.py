@@ -594,3 +594,13 @@ def test_every_trl_name_is_not_a_field_and_its_advice_names_real_fields():
 def test_trls_values_say_what_to_write_here(args, hint):
     with pytest.raises(ConfigError, match=re.escape(hint)):
         build_config(None, args).validate()
+
+
+def test_trls_bool_scale_rewards_in_a_file_or_in_python_says_what_to_write_here(tmp_path):
+    """A TRL config writes `scale_rewards: false` as a bool: "has the wrong type: expected str | None" alone."""
+    path = tmp_path / "run.yaml"
+    path.write_text("scale_rewards: false\n")
+    for make in (lambda: build_config(str(path), []), lambda: TrainConfig(scale_rewards=True)):
+        with pytest.raises(ConfigError, match="scale_rewards=(False|True) has the wrong type: TRL's scale_rewards "
+                                              "(false is scale_rewards: none|true is scale_rewards: group) here"):
+            make().validate()

@@ -47,6 +47,8 @@ def check_fields(cfg: TrainFields) -> None:
     types = field_types()
     for f in dataclasses.fields(cfg):
         value = getattr(cfg, f.name)
+        if (trl := TRL_VALUES.get((f.name, str(value).lower()))) and not value_matches(value, types[f.name]):
+            raise ConfigError(f"{f.name}={value!r} has the wrong type: {trl}")  # TRL's `scale_rewards: false`
         check_type(f.name, value, types[f.name])
         many = isinstance(value, (list, dict))
         numbers = value if isinstance(value, list) else list(value.values()) if isinstance(value, dict) else [value]

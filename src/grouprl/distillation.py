@@ -28,7 +28,7 @@ from grouprl import distributed as D
 from grouprl.config import ConfigError, TrainConfig
 from grouprl.core import DISTILL_SIGNALS, distill_advantages, distill_stats
 from grouprl.packing import supports_packing
-from grouprl.policy import MissingTokenizer, check_model_source, load_policy, load_tokenizer
+from grouprl.policy import check_model_source, load_policy, load_tokenizer
 from grouprl.rollout import Rollout
 from grouprl.update import PolicyUpdate
 
@@ -61,12 +61,9 @@ def load_teacher(cfg: TrainConfig, tokenizer: PreTrainedTokenizerBase, dist: D.D
         path, gguf_file = check_model_source(cfg.teacher_model, None, None)
     except ConfigError as e:
         raise ConfigError(f"teacher_model: {e}") from None
-    try:
-        own = load_tokenizer(path, gguf_file)
-    except MissingTokenizer:  # no tokenizer beside its weights: nothing to check the policy's ids against
-        raise MissingTokenizer(cfg.teacher_model, "save the tokenizer the teacher was trained with beside "
-                               "it (tokenizer.save_pretrained(folder)), so that it can be checked against the "
-                               "policy's", field="teacher_model") from None
+    own = load_tokenizer(path, gguf_file, field="teacher_model", fix="save the tokenizer the teacher was trained "
+                         "with beside it (tokenizer.save_pretrained(folder)), so that it can be checked against "
+                         "the policy's")  # no tokenizer beside its weights: nothing to check the policy's ids against
     check_same_tokenizer(own, tokenizer, cfg.teacher_model, cfg.tokenizer or cfg.model)
     model = load_policy(path, gguf_file=gguf_file, dtype=autocast or torch.float32).eval()  # never whole in fp32
     model.requires_grad_(False)

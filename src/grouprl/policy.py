@@ -23,7 +23,7 @@ from safetensors import SafetensorError
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from grouprl import packing
-from grouprl.config import ConfigError
+from grouprl.config import ConfigError, TrainConfig
 from grouprl.core import head_logprobs, token_logprobs, token_logprobs_and_entropy
 from grouprl.lora import adapted_tied_embeddings, adapter_disabled, add_adapter, base_model, is_peft_model
 from grouprl.micro_batches import MicroBatch
@@ -155,14 +155,29 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "voc
                    "spiece.model", "tekken.json")
 
 
-def load_tokenizer(name: str, gguf_file: str | None = None):
+def load_tokenizer(name: str, gguf_file: str | None = None, *, field: str | None = None, fix: str | None = None):
     """The tokenizer of a model folder or hub id, or the one stored in its GGUF file `gguf_file`. A
-    local folder without tokenizer files (weights saved with `model.save_pretrained` alone) is an
-    error: transformers would build an empty tokenizer of the config's type from it, one token long."""
+    local folder without tokenizer files (weights saved with `model.save_pretrained` alone) is a
+    MissingTokenizer naming `field` and `fix`: transformers would build an empty tokenizer of the
+    config's type from it, one token long."""
     folder = Path(resolve_model_path(name))
     if gguf_file is None and folder.is_dir() and not any((folder / f).is_file() for f in TOKENIZER_FILES):
-        raise MissingTokenizer(name, "save the tokenizer beside it (tokenizer.save_pretrained(folder)), or set "
-                                     "tokenizer to the folder or hub id of the one it was trained with")
+        raise MissingTokenizer(name, fix or "save the tokenizer beside it (tokenizer.save_pretrained(folder)), or "
+                                            "set tokenizer to the folder or hub id of the one it was trained with",
+                               field=field)
+    return _load_tokenizer(name, gguf_file)
+
+
+def policy_tokenizer(cfg: TrainConfig):
+    """The run's tokenizer: `tokenizer` where set, else the model's (its GGUF file's), each named as its
+    field when its folder holds no tokenizer files."""
+    if cfg.tokenizer:
+        return load_tokenizer(cfg.tokenizer, field="tokenizer", fix="set tokenizer to a folder that holds them "
+                              "(where tokenizer.save_pretrained wrote) or to a hub id")
+    return load_tokenizer(cfg.model, cfg.gguf_file, field="model")
+
+
+def _load_tokenizer(name: str, gguf_file: str | None):
     with _from_hub("tokenizer", name):
         tok = AutoTokenizer.from_pretrained(resolve_model_path(name), gguf_file=gguf_file)
     if tok.pad_token_id is None:  # e.g. GPT-2, Llama: pad with EOS (padding is always masked out)

@@ -57,7 +57,7 @@ from grouprl.objective import (corrects_sampler, loss_mask, policy_loss_params, 
 from grouprl.optim import make_optimizer
 from grouprl.memory import checkpoint_mode, token_budget
 from grouprl.micro_batches import UpdateBatch
-from grouprl.policy import Reference, check_model_source, load_policy, load_tokenizer
+from grouprl.policy import Reference, check_model_source, load_policy, policy_tokenizer
 from grouprl.precision import describe_precision, resolve_bf16
 from grouprl.preflight import run as run_preflight
 from grouprl.prompt_filter import PromptFilter
@@ -129,7 +129,7 @@ class Trainer:
             logger.info("matmuls in %s", describe_precision(cfg.bf16, self.dist.device))
 
         checkpointing = checkpoint_mode(cfg.gradient_checkpointing, self.dist.device)  # memory.py
-        self.tokenizer = load_tokenizer(cfg.tokenizer or cfg.model, None if cfg.tokenizer else cfg.gguf_file)
+        self.tokenizer = policy_tokenizer(cfg)  # policy.py: `tokenizer`, else the model's
         schemas = [t.schema for t in self.tools.values()]  # what the chat template shows the model
         self.formatter = PromptFormatter(self.tokenizer, max_prompt_length=cfg.max_prompt_length, tools=schemas,
                                          template_kwargs=cfg.chat_template_kwargs, chat=ChatForm.of(cfg)

@@ -208,10 +208,13 @@ def test_a_model_folder_without_tokenizer_files_is_refused_naming_the_fix(make_c
     weights.mkdir()
     for name in ("config.json", "model.safetensors"):
         shutil.copy(tiny_model_dir / name, weights / name)
-    with pytest.raises(ConfigError, match=rf"^{re.escape(repr(str(weights)))} holds no tokenizer files .* or set "
-                                          "tokenizer to the folder"):
+    with pytest.raises(ConfigError, match=rf"^model={re.escape(repr(str(weights)))} holds no tokenizer files .* or "
+                                          "set tokenizer to the folder"):
         Trainer(make_cfg(model=str(weights)))
     assert len(Trainer(make_cfg(model=str(weights), tokenizer=str(tiny_model_dir))).tokenizer) == 100
+    with pytest.raises(ConfigError, match=rf"^tokenizer={re.escape(repr(str(weights)))} holds no tokenizer files .*: "
+                                          "set tokenizer to a folder that holds them"):  # not "set tokenizer" alone
+        Trainer(make_cfg(model=str(tiny_model_dir), tokenizer=str(weights)))
     with pytest.raises(ConfigError, match=rf"^teacher_model={re.escape(repr(str(weights)))} holds no tokenizer "
                                           "files .* save the tokenizer the teacher was trained with"):
         Trainer(make_cfg(algorithm="on_policy_distill", teacher_model=str(weights), beta=None))

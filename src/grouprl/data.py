@@ -91,8 +91,12 @@ def load_prompts(source: str | Path | Dataset | DatasetDict | IterableDataset | 
     else:
         check_data_source(name, source, prompt_column=prompt_column, reward_funcs=reward_funcs)
         path = Path(source).expanduser()
-        if not path.is_file():  # before the file type: a folder's is "" ("unsupported file type ''")
-            raise DataError(f"{name}={source!r} is a folder: name the data file in it")
+        if path.is_dir():  # before the file type: a folder's is "" ("unsupported file type ''")
+            raise DataError(f"{name}={source!r} is a folder: name the data file in it (or, for a folder a "
+                            f"datasets loader reads, hf:{source})")
+        if not path.is_file():  # a pipe (--train_data <(...)) or a device: the readers need a file they can reopen
+            raise DataError(f"{name}={source!r} is not a regular file (a pipe or a device): write the data to a "
+                            ".jsonl, .json, .csv or .parquet file and name it")
         reader = _READERS.get(path.suffix.lower())
         if reader is None:
             raise DataError(f"{name}={source!r}: unsupported file type {path.suffix!r}; "

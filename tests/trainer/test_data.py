@@ -1,6 +1,7 @@
 """Prompt datasets: every file format, the eval split, and the sampler's resumable order."""
 
 import json
+import os
 
 import pytest
 from datasets import Dataset
@@ -39,6 +40,10 @@ def test_unsupported_or_unreadable_files_name_the_problem(tmp_path):
         folder.mkdir()                                                    # file type ''"
         with pytest.raises(DataError, match=f"train_data='{folder}' is a folder: name the data file in it"):
             load_prompts(str(folder))
+    fifo = tmp_path / "rows_pipe.jsonl"  # what the shell's <(...) gives: it was called a folder
+    os.mkfifo(fifo)
+    with pytest.raises(DataError, match=f"train_data='{fifo}' is not a regular file \\(a pipe or a device\\)"):
+        load_prompts(str(fifo))
 
 
 def test_a_missing_file_names_the_field_where_relative_paths_start_and_what_the_file_holds(tmp_path, monkeypatch):

@@ -106,6 +106,8 @@ def main(argv: list[str] | None = None) -> int:
             args.config, overrides = str(run / "config.yaml"), ["--output_dir", str(run), *overrides]
         cfg = build_config(args.config, overrides, command=args.command,
                            options=PREFLIGHT_OPTIONS if args.command == "preflight" else ())
+        if not (cfg.progress and sys.stderr.isatty()):
+            _no_library_bars()
         if args.command == "train":
             return _train(cfg, resume=args.resume, again=resume_command(argv))
         if args.command == "preflight":
@@ -224,6 +226,19 @@ def _train(cfg: TrainConfig, *, resume: bool | str, again: str) -> int:
     if ctx.is_main:
         print(_summary_text(summary, cfg.output_dir))
     return 0
+
+
+def _no_library_bars() -> None:
+    """Where the run shows no live bar (progress false, or output to a file), the libraries' bars go too:
+    transformers' "Loading weights" and "Writing model shards", the hub's downloads, datasets' maps. In a
+    job's log each is a line of carriage returns."""
+    import datasets
+    import huggingface_hub
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()
+    huggingface_hub.utils.disable_progress_bars()
+    datasets.utils.logging.disable_progress_bar()
 
 
 def resume_command(argv: list[str]) -> str:

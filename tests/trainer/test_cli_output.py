@@ -180,3 +180,19 @@ def test_without_a_live_bar_a_line_every_logging_steps_says_how_the_run_goes(cap
     assert [line[:8] for line in run(True)] == ["step 2/5", "step 4/5", "step 5/5"]  # a file: lines, no bar
     assert [line[:8] for line in run(False, initial=3)] == ["step 4/5", "step 5/5"]  # resumed at step 3
     assert run(True, tty=True) == [] and run(False, silent=True) == []
+
+
+def test_without_a_live_bar_the_libraries_draw_none_either(make_cfg, tmp_path, capsys, monkeypatch):
+    """transformers' "Loading weights" and "Writing model shards" bars were a line of carriage returns in a
+    job's log, beside the run's own lines; on a terminal with the bar on they stay."""
+    import sys
+
+    import transformers
+
+    monkeypatch.setattr(transformers.utils.logging, "_tqdm_active", True)  # as in a fresh process
+    path = tmp_path / "run.yaml"
+    make_cfg(max_steps=1, output_dir=str(tmp_path / "run")).save_yaml(path)
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: False)
+    assert main(["train", str(path)]) == 0
+    assert "Loading weights" not in capsys.readouterr().err
+    assert not transformers.utils.logging.is_progress_bar_enabled()

@@ -265,8 +265,14 @@ def _pandas_columns(ds: Dataset) -> bool:
 
 def _has_rows(path: Path) -> bool:
     """A JSON Lines file has a line that is not blank, a Parquet file a row (its metadata says, without
-    reading the data); another file is not empty."""
+    reading the data), a JSON file more than an empty array or object; another file is not empty."""
     suffix = path.suffix.lower()
+    if suffix == ".json" and 0 < path.stat().st_size <= 4096:  # `[]`: the reader says "corresponds to no data"
+        try:
+            value = json.loads(path.read_text(encoding="utf-8", errors="replace"))
+        except ValueError:  # not JSON: the reader's error names it
+            return True
+        return not (isinstance(value, (list, dict)) and not value)
     if suffix == ".parquet" and path.stat().st_size > 0:
         import pyarrow.parquet as pq
 

@@ -114,7 +114,8 @@ def test_a_chat_message_with_an_unknown_role_is_refused_at_load_naming_the_row_a
 
 
 @pytest.mark.parametrize("name, text", [("rows.jsonl", ""), ("rows.jsonl", "\n  \n"), ("rows.json", ""),
-                                        ("rows.csv", ""), ("rows.parquet", None)])
+                                        ("rows.json", "[ ]\n"), ("rows.json", "{}"), ("rows.csv", ""),
+                                        ("rows.parquet", None)])
 def test_an_empty_file_has_no_rows(tmp_path, name, text):
     """Was "could not be read as .jsonl: StopIteration" (or the csv reader's DatasetGenerationError, as
     for a Parquet file with columns and no rows)."""

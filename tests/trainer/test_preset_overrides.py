@@ -55,6 +55,12 @@ def test_an_epsilon_over_a_runs_config_keeps_its_symmetric_range_symmetric(tmp_p
     assert build_config(str(path), ["--epsilon", "0.1", "--epsilon_high", "0.3"]).epsilon_high == 0.3
 
 
+def test_a_bad_epsilon_of_ones_own_beside_a_presets_upper_bound_is_named_as_ones_own():
+    """dapo keeps its 0.28 beside `--epsilon 1.5`: the error said both came "from the dapo preset"."""
+    with pytest.raises(ConfigError, match=r"epsilon=1.5, epsilon_high=0.28, epsilon_high from the dapo preset: "):
+        build_config(None, ["--algorithm", "dapo", "--epsilon", "1.5"]).validate()
+
+
 def test_an_epsilon_of_ones_own_under_another_ratio_is_a_range_of_its_own():
     """grpo's range is symmetric, so `--epsilon 0.4` sets both bounds: under gmpo's log-ratio that is a
     range the user chose, accepted (the preset's 0.2 / 0.2 alone is refused there, above)."""

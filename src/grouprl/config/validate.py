@@ -116,8 +116,10 @@ def own_epsilon(cfg: TrainFields) -> bool:
 
 def preset_epsilon(cfg: TrainFields) -> str:
     """", from the PRESET preset" when the config left epsilon / epsilon_high for its preset to fill
-    (for an error about them: the user did not write them)."""
-    return "" if own_epsilon(cfg) else f", from the {cfg.algorithm} preset"
+    (for an error about them: the user did not write them); ", epsilon_high from ..." when only that."""
+    if own_epsilon(cfg):
+        return ""
+    return f", {'epsilon_high ' if cfg.epsilon is not None else ''}from the {cfg.algorithm} preset"
 
 
 def _check_preset_epsilon(given: TrainFields, c: TrainFields) -> None:

@@ -77,4 +77,4 @@ def no_tokenizer_loading(monkeypatch, no_model_loading):
     """Nor any tokenizer, for errors that need none."""
     import grouprl.trainer
 
-    monkeypatch.setattr(grouprl.trainer, "load_tokenizer", no_model_loading)
+    monkeypatch.setattr(grouprl.trainer, "policy_tokenizer", no_model_loading)

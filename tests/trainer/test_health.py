@@ -377,7 +377,7 @@ def test_run_health_settings_fail_before_any_model_loads(make_cfg, monkeypatch, 
         raise AssertionError("a model was loaded before the error")
 
     monkeypatch.setattr(trainer_module, "load_policy", no_load)
-    monkeypatch.setattr(trainer_module, "load_tokenizer", no_load)
+    monkeypatch.setattr(trainer_module, "policy_tokenizer", no_load)
     with pytest.raises(ConfigError, match=message):
         Trainer(make_cfg(**overrides))
 

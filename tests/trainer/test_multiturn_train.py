@@ -251,21 +251,21 @@ def test_bad_multiturn_settings_fail_before_any_model_loads(make_cfg, monkeypatc
         raise AssertionError("a model was loaded before the error")
 
     monkeypatch.setattr(trainer_module, "load_policy", no_load)
-    monkeypatch.setattr(trainer_module, "load_tokenizer", no_load)
+    monkeypatch.setattr(trainer_module, "policy_tokenizer", no_load)
     with pytest.raises(ConfigError, match=re.escape(message)):
         Trainer(make_cfg(**overrides))
 
 
 def test_a_template_without_a_tool_format_asks_for_tool_parser(make_cfg, monkeypatch):
     """The character tokenizer given a chat template that shows no tool-call format."""
-    load = trainer_module.load_tokenizer
+    load = trainer_module.policy_tokenizer
 
     def with_plain_template(*args, **kwargs):
         tok = load(*args, **kwargs)
         tok.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
         return tok
 
-    monkeypatch.setattr(trainer_module, "load_tokenizer", with_plain_template)
+    monkeypatch.setattr(trainer_module, "policy_tokenizer", with_plain_template)
     rows = [{"prompt": [{"role": "user", "content": f"Say numbers {i}: "}]} for i in range(4)]
     with pytest.raises(ConfigError, match="tool_parser: one of hermes, llama3, template"):
         Trainer(make_cfg(tools=["tests.tools.conftest:add"]), train_dataset=rows)

@@ -72,14 +72,22 @@ class Prefilling(GenerationEngine):
         return self.engine.generate(*args, **kwargs)
 
 
-def test_multiturn_rollouts_continue_from_the_cache_with_the_same_tokens(monkeypatch):
+def tool_rollouts(limits: TurnLimits, prompts: int, max_batch_size: int | None = None):
+    """(tokenizer, the built-in engine, a multi-turn driver with the `mul` tool, the first `prompts`
+    prompts' ids) on the tool policy."""
     tok = AutoTokenizer.from_pretrained(TOOL_POLICY_DIR)
     model = AutoModelForCausalLM.from_pretrained(TOOL_POLICY_DIR)
     tools = resolve_tools([mul])
-    engine = HFEngine(model, (tok.eos_token_id,), tok.pad_token_id, max_batch_size=16)  # 2 calls per turn
-    driver = MultiTurnDriver(tok, TurnLimits(80, max_turns=2, max_tool_calls=1), tools=tools,
-                             parser=get_tool_parser(tok, tools), eos_token_ids=(tok.eos_token_id,))
-    ids = [tok.apply_chat_template(r["prompt"], tokenize=True, return_dict=False) for r in train_rows()[:8]]
+    engine = HFEngine(model, (tok.eos_token_id,), tok.pad_token_id, max_batch_size=max_batch_size)
+    driver = MultiTurnDriver(tok, limits, tools=tools, parser=get_tool_parser(tok, tools),
+                             eos_token_ids=(tok.eos_token_id,))
+    ids = [tok.apply_chat_template(r["prompt"], tokenize=True, return_dict=False) for r in train_rows()[:prompts]]
+    return tok, engine, driver, ids
+
+
+def test_multiturn_rollouts_continue_from_the_cache_with_the_same_tokens(monkeypatch):
+    tok, engine, driver, ids = tool_rollouts(TurnLimits(80, max_turns=2, max_tool_calls=1), 8,
+                                             max_batch_size=16)  # 2 calls per turn
     continued = []
     start_from = FastDecoder.start_from
     monkeypatch.setattr(FastDecoder, "start_from", lambda self, ids, mask, T, prefix: (
@@ -124,27 +132,15 @@ def test_the_last_call_a_block_allows_keeps_no_cache(model_and_tok, loop, monkey
     assert torch.equal(out[2][2], out[None][2])
 
 
-class UnboundedKeeping(GenerationEngine):
+class UnboundedKeeping(Prefilling):
     """An engine wrapper written to the protocol before `calls` existed: keep_conversations() alone."""
-
-    def __init__(self, engine):
-        self.engine = engine
 
     def keep_conversations(self):
         return self.engine.keep_conversations()
 
-    def generate(self, *args, **kwargs):
-        return self.engine.generate(*args, **kwargs)
-
 
 def test_the_driver_bounds_an_engine_that_takes_calls_and_still_runs_one_that_does_not(monkeypatch):
-    tok = AutoTokenizer.from_pretrained(TOOL_POLICY_DIR)
-    model = AutoModelForCausalLM.from_pretrained(TOOL_POLICY_DIR)
-    tools = resolve_tools([mul])
-    engine = HFEngine(model, (tok.eos_token_id,), tok.pad_token_id)
-    driver = MultiTurnDriver(tok, TurnLimits(40, max_turns=3, max_tool_calls=2), tools=tools,
-                             parser=get_tool_parser(tok, tools), eos_token_ids=(tok.eos_token_id,))
-    ids = [tok.apply_chat_template(r["prompt"], tokenize=True, return_dict=False) for r in train_rows()[:2]]
+    _, engine, driver, ids = tool_rollouts(TurnLimits(40, max_turns=3, max_tool_calls=2), 2)
     bounds = []
     keep = HFEngine.keep_conversations
     monkeypatch.setattr(HFEngine, "keep_conversations", lambda self, calls=None: (bounds.append(calls),

@@ -10,11 +10,10 @@ import grouprl.rollout.compiled_decode as cd
 from grouprl.rollout import HFEngine, SamplingParams
 from grouprl.rollout.engine import _HFDecoder
 from grouprl.rollout.llama_decoder import FastDecoder
-from grouprl.rollout.multiturn import MultiTurnDriver, TurnLimits
-from grouprl.tasks.products import mul, train_rows
-from grouprl.tools import get_tool_parser, resolve_tools
+from grouprl.rollout.multiturn import TurnLimits
 from tests.rollout.conftest import short_prompts
 from tests.rollout.test_compiled_decode import RecordedGraphs, _stops
+from tests.rollout.test_continuation import tool_rollouts
 from tests.rollout.test_compiled_decode import compiles  # noqa: F401  (fixture)
 
 T = 40
@@ -202,17 +201,7 @@ def test_the_driver_gets_the_trajectories_of_its_own_cut_from_fewer_decoded_toke
     """Multi-turn rollouts with a tool (later turns with rooms below max_new_tokens): the engine
     stopping rows at their rooms gives the trajectories the driver's cut gave, stop reasons and
     truncation included, feeding fewer tokens."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from grouprl.tasks import TOOL_POLICY_DIR
-
-    tok = AutoTokenizer.from_pretrained(TOOL_POLICY_DIR)
-    model = AutoModelForCausalLM.from_pretrained(TOOL_POLICY_DIR)
-    tools = resolve_tools([mul])
-    engine = HFEngine(model, (tok.eos_token_id,), tok.pad_token_id)
-    driver = MultiTurnDriver(tok, TurnLimits(60, max_turns=3, max_tool_calls=2), tools=tools,
-                             parser=get_tool_parser(tok, tools), eos_token_ids=(tok.eos_token_id,))
-    ids = [tok.apply_chat_template(r["prompt"], tokenize=True, return_dict=False) for r in train_rows()[:8]]
+    _, engine, driver, ids = tool_rollouts(TurnLimits(60, max_turns=3, max_tool_calls=2), 8)
     params = SamplingParams(60, temperature=1.0)
     fed = _fed(monkeypatch)
     a = driver.generate(engine, ids, 4, params, torch.Generator().manual_seed(0))

@@ -168,6 +168,16 @@ def test_template_parser_malformed_json_fails_the_whole_turn():
     assert turn.calls[0].message == "error: could not read this tool call: json parser could not parse region as JSON."
 
 
+def test_template_parser_json_nested_too_deeply_is_a_parse_error():
+    # a degenerate model's 5,000 open brackets: json raises RecursionError, which transformers lets out;
+    # like hermes and llama3, it is the model's parse error, not the rollout's crash
+    tok = build_qwen_tokenizer()
+    tok.response_template = QWEN_RESPONSE_TEMPLATE
+    text = "<tool_call>\n" + "[" * 5000 + "\n</tool_call>"
+    turn = get_tool_parser(tok, TOOLS).parse(text)
+    assert turn.calls == [ParseError("invalid JSON (nested too deeply)", text)]
+
+
 # ---------------------------------------------------------------- which parser
 
 

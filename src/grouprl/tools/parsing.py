@@ -101,6 +101,8 @@ class ToolCallParser:
             message = self.tokenizer.parse_response(text, prefix=prefix, tools=schemas)
         except ValueError as e:  # transformers parses a turn as a whole: one bad call fails it all
             return text.strip(), [ParseError(str(e).splitlines()[0], text)]
+        except RecursionError as e:  # brackets nested past the recursion limit: json raises, transformers lets it out
+            return text.strip(), [ParseError(f"invalid JSON ({_unreadable(e)})", text)]
         calls = message.get("tool_calls", [])
         raw = [(c.get("function", c) if isinstance(c, dict) else c, json.dumps(c)) for c in calls]
         return message.get("content") or "", raw

@@ -103,6 +103,32 @@ def test_hermes_unclosed_call():
                                      '<tool_call>{"name": "add", "arguments": {"a": 1}', HERMES_HINT)]
 
 
+@pytest.mark.parametrize("text", [
+    "Models call tools with <tool_call> tags; I need none. The answer is 42.",
+    "Tools are called with <tool_call> and </tool_call> tags. The answer is 42.",
+])
+def test_hermes_tag_named_in_prose_is_content_not_a_call(text):
+    turn = hermes(text)
+    assert (turn.content, turn.calls) == (text, [])
+
+
+def test_hermes_call_after_a_tag_named_in_prose_or_an_unclosed_call_is_read():
+    call = '<tool_call>{"name": "add", "arguments": {"a": 2}}</tool_call>'
+    turn = hermes(f"I write <tool_call> tags like this:\n{call}")
+    assert (turn.content, turn.calls) == ("I write <tool_call> tags like this:", [ToolCall("add", {"a": 2})])
+    unclosed = '<tool_call>{"name": "add", "arguments": {"a": 1}}\n'
+    turn = hermes(unclosed + call)
+    assert turn.calls == [ParseError("<tool_call> is not closed by </tool_call>", unclosed, HERMES_HINT),
+                          ToolCall("add", {"a": 2})]
+
+
+def test_hermes_call_in_a_code_fence_is_a_parse_error():
+    text = '<tool_call>\n```json\n{"name": "add", "arguments": {"a": 1}}\n```\n</tool_call>'
+    turn = hermes(text)
+    assert turn.content == ""
+    assert [c.reason for c in turn.calls] == ["invalid JSON (Expecting value at line 1 column 1)"]
+
+
 # ---------------------------------------------------------------- llama3: Llama 3.1-3.3 JSON
 
 

@@ -4,7 +4,8 @@ Formats (`FORMATS`; docs/tools.md has examples):
 - "hermes": Qwen2.5, Qwen3 and Hermes write `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`,
   any number of them, anywhere in the turn after its reasoning (up to the last `</think>`, whether the
   turn or the generation prompt opened it: a call only drafted there is not made); the rest of the
-  text is the content.
+  text is the content. A `<tool_call>` not followed by JSON (`{`, `[` or a ``` fence) is the tag
+  named in prose, content like the rest.
 - "llama3": Llama 3.1-3.3 write the whole turn as `{"name": ..., "parameters": {...}}` (several
   separated by ";"), optionally after `<|python_tag|>`; a turn that starts otherwise holds no call.
 - "template": transformers' own response parsing, `tokenizer.parse_response`, driven by the
@@ -32,7 +33,11 @@ _HINTS = {
     "llama3": 'Write a call as the whole message: {"name": <tool name>, "parameters": {<argument>: <value>}}',
     "template": "",
 }
-_HERMES = re.compile(r"<tool_call>(.*?)(</tool_call>|$)", re.DOTALL)
+# a call attempt: <tool_call> followed by JSON-like text (an object, a list a model may write, or either
+# in a ``` fence), up to </tool_call>, else (unclosed) up to the next <tool_call> or the end. A tag
+# followed by anything else is the tag named in prose ("I call tools with <tool_call> tags"): it stays
+# in the content, and a call after it is still read
+_HERMES = re.compile(r"<tool_call>(?=\s*(?:[{\[]|```))(.*?)(</tool_call>|(?=<tool_call>)|$)", re.DOTALL)
 _LLAMA3_START = re.compile(r"\{\s*\"name\"")
 _PYTHON_TAG = "<|python_tag|>"
 _THINK_END = "</think>"  # Qwen3's end of reasoning

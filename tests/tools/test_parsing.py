@@ -221,6 +221,20 @@ def test_parser_from_the_chat_template_text_or_by_name():
         get_tool_parser(tok, TOOLS)
 
 
+def test_xml_calls_in_tool_call_tags_are_not_taken_for_hermes():
+    # Qwen3-Coder, Qwen3.5: hermes would answer every call with a hint teaching JSON the model never saw
+    tok = build_qwen_tokenizer()
+    tok.chat_template = ("{%- if tools %}Reply in the format:\n<tool_call>\n<function=example_function_name>\n"
+                         "<parameter=example_parameter_1>\nvalue_1\n</parameter>\n</function>\n</tool_call>"
+                         "{%- endif %}{% for m in messages %}{{ m.content }}{% endfor %}")
+    with pytest.raises(ValueError, match=r"writes calls as XML \(<tool_call><function=name><parameter=...>, as "
+                                         r"Qwen3-Coder and Qwen3.5 do\), a format no parser here reads.*"
+                                         "tool_parser: one of hermes, llama3, template"):
+        get_tool_parser(tok, TOOLS)
+    tok.response_template = QWEN_RESPONSE_TEMPLATE  # transformers' own parsing, when the tokenizer declares it
+    assert get_tool_parser(tok, TOOLS).format == "template"
+
+
 def test_bad_parser_names():
     tok = build_qwen_tokenizer()
     with pytest.raises(ValueError, match="tool_parser='qwen': use one of hermes, llama3, template "

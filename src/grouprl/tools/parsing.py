@@ -13,9 +13,10 @@ Formats (`FORMATS`; docs/tools.md has examples):
 
 `get_tool_parser(tokenizer, tools, name=None)` picks "template" when the tokenizer has a
 response_template, else the format its chat template text shows, else fails asking for
-`tool_parser:`. A call that cannot be made (bad JSON, no name, arguments not an object, an unknown
-tool, missing or unexpected arguments) becomes a `ParseError` in its place, with a message for the
-model; the other calls of the turn stand.
+`tool_parser:` (as for Qwen3-Coder's and Qwen3.5's XML calls in `<tool_call>`, which no format here
+reads). A call that cannot be made (bad JSON, no name, arguments not an object, an unknown tool,
+missing or unexpected arguments) becomes a `ParseError` in its place, with a message for the model;
+the other calls of the turn stand.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ _HERMES = re.compile(r"<tool_call>(?=\s*(?:[{\[]|```))(.*?)(</tool_call>|(?=<too
 _LLAMA3_START = re.compile(r"\{\s*\"name\"")
 _PYTHON_TAG = "<|python_tag|>"
 _THINK_END = "</think>"  # Qwen3's end of reasoning
+_XML_CALL = "<function="  # Qwen3-Coder's and Qwen3.5's calls: <tool_call>\n<function=add>\n<parameter=a>\n1\n...
 _LLAMA3_TURN_ENDS = ("<|eot_id|>", "<|eom_id|>")
 
 
@@ -191,10 +193,16 @@ def _llama3(text: str) -> tuple[str, list]:
 _SPLITTERS = {"hermes": _hermes, "llama3": _llama3}  # format -> text -> (content, [(object, text) | ParseError])
 
 
+def _template_text(tokenizer: Any) -> str:
+    template = getattr(tokenizer, "chat_template", None) or ""
+    return "\n".join(template.values()) if isinstance(template, dict) else template
+
+
 def detect_format(tokenizer: Any) -> str | None:
     """The fallback format the tokenizer's chat template shows, or None."""
-    template = getattr(tokenizer, "chat_template", None) or ""
-    text = "\n".join(template.values()) if isinstance(template, dict) else template
+    text = _template_text(tokenizer)
+    if _XML_CALL in text:  # Qwen3-Coder, Qwen3.5: <tool_call> around XML, not hermes' JSON: no parser here reads it
+        return None
     if "<tool_call>" in text:
         return "hermes"
     if _PYTHON_TAG in text or ("<|start_header_id|>" in text and '"parameters"' in text):
@@ -210,6 +218,12 @@ def get_tool_parser(tokenizer: Any, tools: dict[str, Tool], name: str | None = N
             name = "template"
         else:
             name = detect_format(tokenizer)
+        if name is None and _XML_CALL in _template_text(tokenizer):
+            raise ValueError("cannot read this tokenizer's model's tool calls: it has no response_template and its "
+                             "chat template writes calls as XML (<tool_call><function=name><parameter=...>, as "
+                             "Qwen3-Coder and Qwen3.5 do), a format no parser here reads (hermes reads JSON in "
+                             "<tool_call>). Give the tokenizer a response_template (transformers >= 5.19) or name "
+                             f"the format with tool_parser: one of {', '.join(FORMATS)}")
         if name is None:
             raise ValueError("cannot tell how this tokenizer's model writes tool calls: it has no response_template "
                              "and its chat template shows neither <tool_call> nor Llama 3's format. Name the format "

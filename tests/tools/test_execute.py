@@ -2,6 +2,7 @@
 answers with an error and never raises; async tools are awaited; the counts add up."""
 
 import asyncio
+import functools
 import threading
 import time
 
@@ -289,6 +290,37 @@ def test_an_async_tool_that_ignores_cancellation_does_not_hold_up_the_batch():
         ("error: stubborn did not finish within 0.5 s", "timeout")]
     assert still_running  # the batch came back before the tool ended
     assert STUBBORN_DONE.wait(30)  # once let go, the abandoned tool ends
+
+
+def logged(func):
+    """A sync decorator: functools.wraps copies an `async def`'s name and docstring, not its being one."""
+
+    @functools.wraps(func)
+    def wrapper(*args, **kwargs):
+        return func(*args, **kwargs)
+
+    return wrapper
+
+
+@logged
+async def decorated_echo(text: str, delay: float) -> dict:
+    """Echo after a delay, behind a sync decorator.
+
+    Args:
+        text: What to echo.
+        delay: Seconds to wait first.
+    """
+    await asyncio.sleep(delay)
+    return {"echo": text}
+
+
+def test_an_async_tool_behind_a_sync_decorator_is_awaited_within_the_timeout():
+    tools = resolve_tools([decorated_echo])
+    assert not tools["decorated_echo"].is_async  # what it returns tells, not what it is
+    batch = execute_calls([[ToolCall("decorated_echo", {"text": "x", "delay": 0})],
+                           [ToolCall("decorated_echo", {"text": "y", "delay": 60})]], tools, timeout_s=0.5)
+    assert [(r.content, r.status) for row in batch.results for r in row] == [
+        ('{"echo": "x"}', "ok"), ("error: decorated_echo did not finish within 0.5 s", "timeout")]
 
 
 def test_results_as_tool_messages():

@@ -2,7 +2,8 @@
 
 Rows run concurrently, each row's calls one after another in the order the model wrote them (a
 later call may rely on an earlier one's effect). A plain function runs in a daemon thread of its
-own, an `async def` tool is awaited on one event loop; at most `max_concurrency` calls run at once.
+own, an `async def` tool is awaited on one event loop (and so is an awaitable a plain function returns:
+an `async def` behind a sync decorator); at most `max_concurrency` calls run at once.
 Every call is bounded by `timeout_s`, and so is making its return value text (json, else str()),
 which runs in the call's thread, or in a thread of its own after an `async def` tool. Nothing a
 tool does raises here: an exception, a timeout, an unknown tool, bad arguments or a return value
@@ -21,6 +22,7 @@ make blocking work a plain function, or await it through `asyncio.to_thread`.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 import logging
 import threading
@@ -167,8 +169,7 @@ async def _run_call(call: ToolCall, tools: dict[str, Tool], timeout_s: float) ->
         return ToolResult(call.name, f"error: {call.name} is unavailable: {held} of its earlier calls timed out "
                           "and are still running", "error")
     start = time.monotonic()
-    pending = _awaited(tool.func, call.arguments) if tool.is_async else _in_daemon_thread(tool.func, call.arguments,
-                                                                                          ticket)
+    pending = _awaited(tool.func, call.arguments) if tool.is_async else _threaded(tool.func, call.arguments, ticket)
     task = asyncio.ensure_future(pending)
     done, _ = await asyncio.wait({task}, timeout=timeout_s)  # not wait_for: a tool's own TimeoutError is an error
     took = time.monotonic() - start
@@ -213,17 +214,40 @@ async def _awaited(func: Callable[..., Any], kwargs: dict) -> str:
         value = await func(**kwargs)
     except (SystemExit, KeyboardInterrupt) as e:  # a task re-raises these out of the event loop, ending the batch
         raise RuntimeError(repr(e)) from None
-    return _shown(value) if isinstance(value, str) else await _in_daemon_thread(lambda: value, {})
+    return _shown(value) if isinstance(value, str) else await _threaded(lambda: value, {})
+
+
+class _Awaitable:
+    """What a plain function returned that must be awaited: an `async def` behind a sync decorator
+    (functools.wraps copies its name, not its being a coroutine function) returns a coroutine."""
+
+    def __init__(self, awaitable: Any):
+        self.awaitable = awaitable
+
+    def close(self) -> None:
+        """A coroutine never to be awaited (its call timed out) is closed, lest it warn "never awaited"."""
+        if inspect.iscoroutine(self.awaitable):
+            self.awaitable.close()
+
+
+async def _threaded(func: Callable[..., Any], kwargs: dict, ticket: _Ticket | None = None) -> str:
+    """`func(**kwargs)` as text, run in a daemon thread; an awaitable it returns is awaited on the loop, like
+    an `async def` tool's call, within the same timeout."""
+    value = await _in_daemon_thread(func, kwargs, ticket)
+    return await _awaited(lambda: value.awaitable, {}) if isinstance(value, _Awaitable) else value
 
 
 def _in_daemon_thread(func: Callable[..., Any], kwargs: dict, ticket: _Ticket | None = None) -> asyncio.Future:
-    """`func(**kwargs)`, made text, in a new daemon thread (so the call's timeout bounds both); the future
-    settles on the calling loop. `ticket` is ended when the thread is."""
+    """`func(**kwargs)`, made text (or an `_Awaitable` to be awaited on the loop), in a new daemon thread (so
+    the call's timeout bounds both); the future settles on the calling loop. `ticket` is ended when the
+    thread is."""
     loop = asyncio.get_running_loop()
     future = loop.create_future()
 
     def settle(value: Any, error: BaseException | None) -> None:
         if future.done():  # a timed-out call's future was cancelled
+            if isinstance(value, _Awaitable):
+                value.close()
             return
         if error is not None:
             future.set_exception(error)
@@ -232,7 +256,8 @@ def _in_daemon_thread(func: Callable[..., Any], kwargs: dict, ticket: _Ticket | 
 
     def target() -> None:
         try:
-            value, error = _shown(func(**kwargs)), None
+            value = func(**kwargs)
+            value, error = _Awaitable(value) if inspect.isawaitable(value) else _shown(value), None
         except BaseException as e:  # even SystemExit: a tool never takes the trainer down
             # a Future refuses StopIteration (it would end a generator), so it travels wrapped like SystemExit
             wrap = not isinstance(e, Exception) or isinstance(e, StopIteration)

@@ -345,15 +345,15 @@ def shout(n: int) -> str:
 
 
 def test_long_results_are_cut_to_their_head_and_tail():
-    """max_output_chars 10: 30 characters become their first and last 5 around a line counting the 20
-    cut; a result that fits, and an error message, are cut the same way or kept whole."""
+    """max_output_chars 40: 100 characters become their first 5 and last 6 around a line of 29 counting
+    the 89 cut, 40 in all; a result that fits, and an error message, are cut the same way or kept whole."""
     tools = resolve_tools([shout, divide])
-    batch = execute_calls([[ToolCall("shout", {"n": 30}), ToolCall("shout", {"n": 10})],
-                           [ToolCall("divide", {"a": 1, "b": 0})]], tools, max_output_chars=10)
+    batch = execute_calls([[ToolCall("shout", {"n": 100}), ToolCall("shout", {"n": 40})],
+                           [ToolCall("divide", {"a": 1, "b": 0})]], tools, max_output_chars=40)
     (long, short), (error,) = batch.results
-    assert long.content == "abcde\n[... 20 characters cut ...]\nzabcd" and long.status == "ok"
-    assert short.content == "abcdefghij"
-    assert error.status == "error" and len(error.content) > 10 and "characters cut" in error.content
+    assert long.content == "abcde\n[... 89 characters cut ...]\nqrstuv" and long.status == "ok"
+    assert short.content == shout(40)
+    assert error.status == "error" and len(error.content) == 40 and "characters cut" in error.content
     assert execute_calls([[ToolCall("shout", {"n": 30})]], tools).results[0][0].content == shout(30)  # None: whole
 
 

@@ -67,10 +67,16 @@ def test_a_lone_surrogate_in_the_code_is_run_not_raised(tools):
 
 
 def test_long_output_keeps_head_and_tail():
-    assert truncate("abcdefghij", 10) == "abcdefghij"
-    assert truncate("abcdefghijklmnopqrstuvwxyz", 10) == "abcde\n[... 16 characters cut ...]\nvwxyz"
-    out = resolve_tools([python_tool(timeout_s=3, max_output_chars=10)])
-    assert run(out, "print('x' * 30 + 'END')") == [("ok", "xxxxx\n[... 23 characters cut ...]\nxxEND")]
+    """The line saying what was cut is paid from the budget: 52 characters cut to 40 keep 11 (5 + 6) around
+    a line of 29; a budget too small for that line keeps the head alone, never more than the limit."""
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    assert truncate(letters, 26) == letters
+    assert truncate(letters * 2, 40) == "abcde\n[... 41 characters cut ...]\nuvwxyz"
+    assert truncate(letters, 10) == "abcdefghij" and truncate(letters, 1) == "a"
+    for n in (8001, 8010, 8020, 10**6):
+        assert len(truncate("x" * n, 8000)) == 8000
+    out = resolve_tools([python_tool(timeout_s=3, max_output_chars=40)])
+    assert run(out, "print('x' * 60 + 'END')") == [("ok", "xxxxx\n[... 52 characters cut ...]\nxxxEND")]
 
 
 def test_hostile_calls_are_contained_and_the_next_call_works(tools, fast_tools, tmp_path):

@@ -77,9 +77,19 @@ def check_call(call: ToolCall, tools: dict[str, Tool]) -> str | None:
 
 
 def truncate(text: str, max_chars: int) -> str:
-    """`text` if it fits, else its head and tail around a line saying how many characters were cut."""
+    """`text` if it fits, else at most `max_chars` characters: its head and tail around a line saying how many
+    characters were cut (the line is paid from the same budget), or only its head when the budget cannot hold
+    that line (the limit is the model's context, which a marker must not outgrow)."""
     if len(text) <= max_chars:
         return text
-    head = max_chars // 2
-    tail = max_chars - head
-    return f"{text[:head]}\n[... {len(text) - max_chars} characters cut ...]\n{text[len(text) - tail:]}"
+    kept = max_chars
+    while kept >= 0 and kept + len(_cut_marker(len(text) - kept)) > max_chars:
+        kept = max_chars - len(_cut_marker(len(text) - kept))  # fewer kept, more cut: a marker a digit longer
+    if kept < 0:
+        return text[:max_chars]
+    head = kept // 2
+    return f"{text[:head]}{_cut_marker(len(text) - kept)}{text[len(text) - (kept - head):]}"
+
+
+def _cut_marker(cut: int) -> str:
+    return f"\n[... {cut} characters cut ...]\n"

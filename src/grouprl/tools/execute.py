@@ -114,7 +114,8 @@ def execute_calls(calls: Sequence[Sequence[ToolCall | ParseError]], tools: dict[
                   timeout_s: float = 30.0, max_concurrency: int = 16, max_output_chars: int | None = None) -> ToolBatch:
     """Run each row's calls (a ParseError passes through as a "parse_error" result); see the module doc.
     `max_output_chars`: each result's content is cut to its head and tail around a line saying how
-    much was cut (a tool's output is context the trajectory's token budget pays for); None: whole.
+    much was cut, at most `max_output_chars` characters with the line (a tool's output is context the
+    trajectory's token budget pays for); None: whole.
 
     The event loop runs in a thread of its own, so this works from any caller, a notebook included.
     """

@@ -251,14 +251,22 @@ def listing() -> list:
     return b"caf\xe9.txt".decode("utf-8", "surrogateescape")
 
 
+def listings() -> dict:
+    """Directory listings: a UTF-8 file name, and one that is not (surrogateescape).
+    """
+    return {"here": ["Zürich −3 °C.txt"], "there": [listing()]}
+
+
 def test_an_error_without_a_message_and_a_name_utf8_cannot_encode_are_still_answers():
-    batch = execute_calls([[ToolCall("speechless", {})], [ToolCall("listing", {})]],
-                          resolve_tools([speechless, listing]))
-    (silent,), (names,) = batch.results
+    batch = execute_calls([[ToolCall("speechless", {})], [ToolCall("listing", {})], [ToolCall("listings", {})]],
+                          resolve_tools([speechless, listing, listings]))
+    (silent,), (names,), (shown,) = batch.results
     assert (silent.content, silent.status) == (
         "error: speechless raised Unspeakable (its message cannot be shown)", "error")
     assert (names.content, names.status) == ("caf?.txt", "ok")  # the tokenizer refuses a lone surrogate
     names.content.encode("utf-8")
+    # JSON shows non-ASCII as itself, not as \u escapes the model would have to decode
+    assert (shown.content, shown.status) == ('{"here": ["Zürich −3 °C.txt"], "there": ["caf?.txt"]}', "ok")
 
 
 LET_GO, STUBBORN_DONE = threading.Event(), threading.Event()  # the stubborn tool's release, and its end

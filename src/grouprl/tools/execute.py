@@ -287,12 +287,13 @@ def _shown(value: Any) -> str:
 
 
 def _as_text(value: Any) -> str:
-    """A tool's return value as the model sees it: a string as is, anything else as JSON (else str());
+    """A tool's return value as the model sees it: a string as is, anything else as JSON (else str()),
+    non-ASCII characters as themselves (not \\u escapes, which cost tokens and hide the text);
     characters UTF-8 cannot encode (lone surrogates, as `os.listdir` gives for a file name that is not
     UTF-8) as "?", since the tokenizer refuses them."""
     if not isinstance(value, str):
         try:
-            value = json.dumps(value)
+            value = json.dumps(value, ensure_ascii=False)
         except (TypeError, ValueError):
             value = str(value)
     return value.encode("utf-8", "replace").decode("utf-8") if not value.isascii() else value

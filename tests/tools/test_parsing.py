@@ -143,6 +143,13 @@ def test_llama3_python_tag_form_several_calls_and_turn_end():
     assert llama3(text).calls == [ToolCall("add", {"a": 1}), ToolCall("web_lookup", {"query": "x"})]
 
 
+def test_llama3_text_after_the_calls_is_content_not_a_call():
+    turn = llama3('{"name": "add", "parameters": {"a": 1}};\nLet me compute that for you.<|eot_id|>')
+    assert (turn.content, turn.calls) == ("Let me compute that for you.", [ToolCall("add", {"a": 1})])
+    turn = llama3('{"name": "add", "parameters": {"a": 1}}\n{"name": ')  # JSON after a call: a call, malformed
+    assert turn.calls[0] == ToolCall("add", {"a": 1}) and isinstance(turn.calls[1], ParseError)
+
+
 def test_llama3_plain_answers_hold_no_call():
     for text in ("The sum is 5.", '{"answer": 5}', 'I would call {"name": "add"} here'):
         turn = llama3(text)

@@ -7,7 +7,8 @@ Formats (`FORMATS`; docs/tools.md has examples):
   text is the content. A `<tool_call>` not followed by JSON (`{`, `[` or a ``` fence) is the tag
   named in prose, content like the rest.
 - "llama3": Llama 3.1-3.3 write the whole turn as `{"name": ..., "parameters": {...}}` (several
-  separated by ";"), optionally after `<|python_tag|>`; a turn that starts otherwise holds no call.
+  separated by ";"), optionally after `<|python_tag|>`; a turn that starts otherwise holds no call,
+  and text after the calls that is not JSON is the content.
 - "template": transformers' own response parsing, `tokenizer.parse_response`, driven by the
   tokenizer's `response_template` (transformers >= 5.19; chosen first whenever the tokenizer has one).
 
@@ -174,6 +175,8 @@ def _llama3(text: str) -> tuple[str, list]:
     raw: list = []
     decoder, pos = json.JSONDecoder(), 0
     while pos < len(body):
+        if raw and body[pos] not in "{[":  # after a call, text that is not JSON is what the model said, not a call
+            return body[pos:], raw
         try:
             obj, end = decoder.raw_decode(body, pos)
         except json.JSONDecodeError as e:

@@ -1,5 +1,7 @@
 """Tools from functions (schema by transformers' get_json_schema) and tools by name (resolve_tool)."""
 
+from typing import Literal, Optional
+
 import pytest
 from transformers.utils import get_json_schema
 
@@ -62,6 +64,34 @@ def test_check_call():
     assert check_call(ToolCall("mul", {}), tools) == "unknown tool 'mul'; the tools are: add"
     assert check_call(ToolCall("add", {"b": 1, "c": 2}), tools) == (
         "bad arguments for add: missing 'a'; unexpected 'c'. It takes (a: integer, b: integer (optional))")
+
+
+def pick(mode: Literal["fast", "slow"], ids: list[int], limit: Optional[float] = None) -> str:
+    """Pick.
+
+    Args:
+        mode: How.
+        ids: Which.
+        limit: At most.
+    """
+    return mode
+
+
+def test_check_call_refuses_values_the_schema_refuses():
+    """Values were passed as the model wrote them: `"2"` to an int, a word outside a Literal, a string for
+    a list all ran. The schema the model is shown now decides, null included for an Optional (which
+    transformers writes as OpenAPI's `nullable`)."""
+    tools = resolve_tools([add, pick])
+    assert check_call(ToolCall("pick", {"mode": "fast", "ids": [1, 2], "limit": None}), tools) is None
+    assert check_call(ToolCall("pick", {"mode": "slow", "ids": [], "limit": 2}), tools) is None
+    assert check_call(ToolCall("add", {"a": "2"}), tools) == (
+        "bad arguments for add: 'a': '2' is not of type 'integer'. It takes (a: integer, b: integer (optional))")
+    assert check_call(ToolCall("pick", {"mode": "now", "ids": "1,2", "limit": "x"}), tools) == (
+        "bad arguments for pick: 'mode': 'now' is not one of ['fast', 'slow']; 'ids': '1,2' is not of type "
+        "'array'; 'limit': 'x' is not of type 'number', 'null'. It takes (mode: string, ids: array, limit: number "
+        "(optional))")
+    assert "'ids': True is not of type 'integer'" in check_call(ToolCall("pick", {"mode": "fast", "ids": [True]}),
+                                                                 tools)
 
 
 def test_resolve_by_function_by_import_path_and_builtin():

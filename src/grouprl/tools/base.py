@@ -59,7 +59,8 @@ class ToolCall:
 
 
 def check_call(call: ToolCall, tools: dict[str, Tool]) -> str | None:
-    """Why `call` cannot be made (unknown tool, missing or unexpected arguments), or None when it can."""
+    """Why `call` cannot be made (unknown tool, missing or unexpected arguments, a value the schema
+    refuses: a type, an enum), or None when it can."""
     tool = tools.get(call.name)
     if tool is None:
         known = ", ".join(sorted(tools)) or "none"
@@ -67,13 +68,57 @@ def check_call(call: ToolCall, tools: dict[str, Tool]) -> str | None:
     properties, required = tool.parameters.get("properties", {}), tool.parameters.get("required", [])
     missing = [p for p in required if p not in call.arguments]
     unexpected = [a for a in call.arguments if a not in properties]
-    if not (missing or unexpected):
-        return None
     problems = ([f"missing {', '.join(map(repr, missing))}"] if missing else []) + (
         [f"unexpected {', '.join(map(repr, unexpected))}"] if unexpected else [])
+    problems = problems or _refused_values(call.arguments, tool.parameters)
+    if not problems:
+        return None
     signature = ", ".join(f"{p}: {spec.get('type', 'any')}" + ("" if p in required else " (optional)")
                           for p, spec in properties.items())
     return f"bad arguments for {call.name}: {'; '.join(problems)}. It takes ({signature})"
+
+
+def _refused_values(arguments: dict[str, Any], parameters: dict) -> list[str]:
+    """What the JSON schema of the parameters refuses in the arguments' values, one line per argument
+    (jsonschema: `"2"` for an integer, a word outside an enum, a string for a list). A schema jsonschema
+    cannot read (a tool's hand-written one) checks nothing here."""
+    from jsonschema import Draft202012Validator
+    from jsonschema.exceptions import SchemaError, UnknownType
+
+    try:
+        errors = list(Draft202012Validator(_with_null(parameters)).iter_errors(arguments))
+    except (SchemaError, UnknownType):
+        return []
+    first: dict[str, str] = {}
+    for e in errors:
+        name = str(e.absolute_path[0]) if e.absolute_path else ""
+        first.setdefault(name, f"{name!r}: {e.message}" if name else e.message)
+    return list(first.values())
+
+
+def _with_null(schema: Any) -> Any:
+    """`schema` with OpenAPI's `"nullable": true` (what transformers' get_json_schema writes for
+    `Optional[...]`) said in JSON Schema's own terms, which have no such keyword: null among the types
+    (and the enum)."""
+    if isinstance(schema, list):
+        return [_with_null(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for key, value in schema.items():
+        if key == "properties" and isinstance(value, dict):
+            out[key] = {name: _with_null(spec) for name, spec in value.items()}
+        elif key in ("items", "prefixItems", "anyOf", "oneOf", "allOf", "additionalProperties"):
+            out[key] = _with_null(value)
+        else:
+            out[key] = value
+    if out.pop("nullable", False) is True:
+        if "type" in out:
+            types = out["type"] if isinstance(out["type"], list) else [out["type"]]
+            out["type"] = [*types, "null"] if "null" not in types else types
+        if "enum" in out and None not in out["enum"]:
+            out["enum"] = [*out["enum"], None]
+    return out
 
 
 def truncate(text: str, max_chars: int) -> str:

@@ -1,5 +1,7 @@
 """Tool calls parsed per chat-template family, malformed calls included, and the choice of parser."""
 
+import json
+
 import pytest
 
 from grouprl.tools import ParseError, ToolCall, ToolCallParser, get_tool_parser, resolve_tools
@@ -105,11 +107,32 @@ def test_hermes_unclosed_call():
 
 @pytest.mark.parametrize("text", [
     "Models call tools with <tool_call> tags; I need none. The answer is 42.",
-    "Tools are called with <tool_call> and </tool_call> tags. The answer is 42.",
+    "Write <tool_call>, then the call. The answer is 42.",
 ])
 def test_hermes_tag_named_in_prose_is_content_not_a_call(text):
+    """An unclosed tag not followed by JSON is the tag named in prose: the answer keeps it, and no parse
+    failure forces another turn."""
     turn = hermes(text)
     assert (turn.content, turn.calls) == (text, [])
+
+
+@pytest.mark.parametrize("body", ["add(a=1)", '<function=add>\n<parameter=a>\n1\n</parameter>\n</function>',
+                                  '"name": "add", "arguments": {"a": 1}'])
+def test_hermes_closed_pair_around_no_json_is_a_malformed_call_the_model_is_told_of(body):
+    """A `<tool_call>...</tool_call>` pair is a call attempt whatever it holds (a Qwen3 model writing
+    Qwen3-Coder's XML calls, a Python call): silently taken as content, the turn ended as an answer."""
+    turn = hermes(f"Sure.\n<tool_call>{body}</tool_call>")
+    assert turn.content == "Sure." and len(turn.calls) == 1 and isinstance(turn.calls[0], ParseError)
+    assert turn.calls[0].reason.startswith("invalid JSON")
+
+
+def test_hermes_tag_inside_a_json_string_is_text_of_the_call():
+    """`print('<tool_call>')` in a python call's code, or a query holding `<tool_call>{`: the body reads
+    as JSON whole, so the inner tag is text, not the start of a second call that left the first unclosed."""
+    for value in ["s = '<tool_call>'\nprint(s)", "what is <tool_call>{ for?"]:
+        call = json.dumps({"name": "web_lookup", "arguments": {"query": value}})
+        turn = hermes(f"<tool_call>{call}</tool_call>")
+        assert turn.calls == [ToolCall("web_lookup", {"query": value})] and turn.content == ""
 
 
 def test_hermes_call_after_a_tag_named_in_prose_or_an_unclosed_call_is_read():

@@ -35,11 +35,11 @@ _HINTS = {
     "llama3": 'Write a call as the whole message: {"name": <tool name>, "parameters": {<argument>: <value>}}',
     "template": "",
 }
-# a call attempt: <tool_call> followed by JSON-like text (an object, a list a model may write, or either
-# in a ``` fence), up to </tool_call>, else (unclosed) up to the next <tool_call> or the end. A tag
-# followed by anything else is the tag named in prose ("I call tools with <tool_call> tags"): it stays
-# in the content, and a call after it is still read
-_HERMES = re.compile(r"<tool_call>(?=\s*(?:[{\[]|```))(.*?)(</tool_call>|(?=<tool_call>)|$)", re.DOTALL)
+_OPEN, _CLOSE = "<tool_call>", "</tool_call>"
+# what follows a tag that opens a call: JSON (an object, a list a model may write, or either in a ``` fence)
+_JSON_NEXT = re.compile(r"\s*(?:[{\[]|```)")
+_BLANKS = re.compile(r"\s*")
+_JSON = json.JSONDecoder()
 _LLAMA3_START = re.compile(r"\{\s*\"name\"")
 _PYTHON_TAG = "<|python_tag|>"
 _THINK_END = "</think>"  # Qwen3's end of reasoning
@@ -151,17 +151,58 @@ def _unreadable(e: BaseException) -> str:
     return "nested too deeply" if isinstance(e, RecursionError) else str(e).split(":")[0]
 
 
+def _hermes_spans(text: str) -> list[tuple[int, int, bool]]:
+    """(start, end, closed) of each call attempt in `text`. A `<tool_call>...</tool_call>` pair is one,
+    whatever it holds (a bad body is the model's malformed call, to be told about), unless a
+    `<tool_call>` inside it opens a call of its own and the body is no JSON (a tag inside a JSON string
+    is text): then the first tag was left unclosed. An unclosed tag is an attempt only when JSON follows
+    it, and runs to the next tag or the end; otherwise it is the tag named in prose ("I call tools with
+    <tool_call> tags"), and stays content."""
+    spans, pos, close = [], 0, None
+    while (start := text.find(_OPEN, pos)) >= 0:
+        body = start + len(_OPEN)
+        if close is None or 0 <= close < body:  # none found after an earlier tag is none after this one either
+            close = text.find(_CLOSE, body)
+        inner = text.find(_OPEN, body, close if close >= 0 else len(text))
+        if close >= 0 and not (inner >= 0 and _JSON_NEXT.match(text, inner + len(_OPEN))
+                               and not _json_between(text, body, close)):
+            spans.append((start, close + len(_CLOSE), True))
+            pos = close + len(_CLOSE)
+        elif _JSON_NEXT.match(text, body):  # unclosed: up to the next tag, or the end
+            end = inner if inner >= 0 else len(text)
+            spans.append((start, end, False))
+            pos = end
+        else:
+            pos = body
+    return spans
+
+
+def _json_between(text: str, start: int, stop: int) -> bool:
+    """Whether text[start:stop] is one JSON value and blanks (read in place: no copy of a long turn)."""
+    i = _BLANKS.match(text, start).end()
+    try:
+        _, end = _JSON.raw_decode(text, i)
+    except (ValueError, RecursionError):
+        return False
+    return end <= stop and not text[end:stop].strip()
+
+
 def _hermes(text: str) -> tuple[str, list]:
     end = text.rfind(_THINK_END)
     reasoning, text = (text[:end + len(_THINK_END)], text[end + len(_THINK_END):]) if end >= 0 else ("", text)
     raw: list = []
-    for m in _HERMES.finditer(text):
-        if not m.group(2):
-            raw.append(ParseError("<tool_call> is not closed by </tool_call>", m.group(0), _HINTS["hermes"]))
+    content, last = [], 0
+    for start, stop, closed in _hermes_spans(text):
+        whole = text[start:stop]
+        content.append(text[last:start])
+        last = stop
+        if not closed:
+            raw.append(ParseError("<tool_call> is not closed by </tool_call>", whole, _HINTS["hermes"]))
             continue
-        obj, why = _decode(m.group(1).strip())
-        raw.append((obj, m.group(0)) if why is None else ParseError(why, m.group(0), _HINTS["hermes"]))
-    return (reasoning + _HERMES.sub("", text)).strip(), raw
+        obj, why = _decode(text[start + len(_OPEN):stop - len(_CLOSE)].strip())
+        raw.append((obj, whole) if why is None else ParseError(why, whole, _HINTS["hermes"]))
+    content.append(text[last:])
+    return (reasoning + "".join(content)).strip(), raw
 
 
 def _llama3(text: str) -> tuple[str, list]:

@@ -4,8 +4,8 @@ Formats (`FORMATS`; docs/tools.md has examples):
 - "hermes": Qwen2.5, Qwen3 and Hermes write `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`,
   any number of them, anywhere in the turn after its reasoning (up to the last `</think>`, whether the
   turn or the generation prompt opened it: a call only drafted there is not made); the rest of the
-  text is the content. A `<tool_call>` not followed by JSON (`{`, `[` or a ``` fence) is the tag
-  named in prose, content like the rest.
+  text is the content. A closed pair is a call attempt whatever it holds; an unclosed `<tool_call>`
+  not followed by JSON (`{`, `[` or a ``` fence) is the tag named in prose, content like the rest.
 - "llama3": Llama 3.1-3.3 write the whole turn as `{"name": ..., "parameters": {...}}` (several
   separated by ";"), optionally after `<|python_tag|>`; a turn that starts otherwise holds no call,
   and text after the calls that is not JSON is the content.

@@ -8,6 +8,7 @@ docstring. Its JSON schema, which the chat template shows the model, is transfor
 from __future__ import annotations
 
 import inspect
+import json
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -70,7 +71,7 @@ def check_call(call: ToolCall, tools: dict[str, Tool]) -> str | None:
     unexpected = [a for a in call.arguments if a not in properties]
     problems = ([f"missing {', '.join(map(repr, missing))}"] if missing else []) + (
         [f"unexpected {', '.join(map(repr, unexpected))}"] if unexpected else [])
-    problems = problems or _refused_values(call.arguments, tool.parameters)
+    problems = problems or _refused_values(call.arguments, tool)
     if not problems:
         return None
     signature = ", ".join(f"{p}: {spec.get('type', 'any')}" + ("" if p in required else " (optional)")
@@ -78,22 +79,54 @@ def check_call(call: ToolCall, tools: dict[str, Tool]) -> str | None:
     return f"bad arguments for {call.name}: {'; '.join(problems)}. It takes ({signature})"
 
 
-def _refused_values(arguments: dict[str, Any], parameters: dict) -> list[str]:
-    """What the JSON schema of the parameters refuses in the arguments' values, one line per argument
-    (jsonschema: `"2"` for an integer, a word outside an enum, a string for a list). A schema jsonschema
-    cannot read (a tool's hand-written one) checks nothing here."""
+def _refused_values(arguments: dict[str, Any], tool: Tool) -> list[str]:
+    """What the JSON schema of the tool's parameters refuses in the arguments' values, one line per
+    argument (jsonschema: `"2"` for an integer, a word outside an enum, a string for a list), with the
+    value in JSON's spelling and shortened. null passes where the function's default is None. A schema
+    jsonschema cannot use (a tool's hand-written one: a bad pattern, a type that is no name) checks
+    nothing here: the call is made as before."""
     from jsonschema import Draft202012Validator
-    from jsonschema.exceptions import SchemaError, UnknownType
 
+    values = {k: v for k, v in arguments.items() if not (v is None and k in _none_defaults(tool.func))}
     try:
-        errors = list(Draft202012Validator(_with_null(parameters)).iter_errors(arguments))
-    except (SchemaError, UnknownType):
+        errors = list(Draft202012Validator(_with_null(tool.parameters)).iter_errors(values))
+    except Exception:  # noqa: BLE001 - anything the schema makes jsonschema raise: no check, not a failed rollout
         return []
     first: dict[str, str] = {}
     for e in errors:
         name = str(e.absolute_path[0]) if e.absolute_path else ""
-        first.setdefault(name, f"{name!r}: {e.message}" if name else e.message)
+        first.setdefault(name, (f"{name!r}: " if name else "") + _refusal(e))
     return list(first.values())
+
+
+def _refusal(e: Any) -> str:
+    """A jsonschema error as the model is told it: the value in JSON's spelling, shortened (a 50,000-
+    character string passed for an integer is not repeated back), and what the schema wanted."""
+    got = _short(e.instance)
+    if e.validator == "type":
+        wanted = e.validator_value if isinstance(e.validator_value, list) else [e.validator_value]
+        return f"{got} is not {' or '.join(map(str, wanted))}"
+    if e.validator == "enum":
+        return f"{got} is not one of {_short([v for v in e.validator_value if v is not None], 200)}"
+    if e.validator in ("anyOf", "oneOf"):
+        return f"{got} matches none of the accepted forms"
+    return f"{got}: {e.message[:200]}"
+
+
+def _short(value: Any, limit: int = 60) -> str:
+    try:
+        text = json.dumps(value, ensure_ascii=False)
+    except (TypeError, ValueError):
+        text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _none_defaults(func: Callable[..., Any]) -> set[str]:
+    """The parameters of `func` whose default is None (`x: int = None`: transformers writes no nullable)."""
+    try:
+        return {p.name for p in inspect.signature(func).parameters.values() if p.default is None}
+    except (TypeError, ValueError):  # no signature to read
+        return set()
 
 
 def _with_null(schema: Any) -> Any:
@@ -116,8 +149,11 @@ def _with_null(schema: Any) -> Any:
         if "type" in out:
             types = out["type"] if isinstance(out["type"], list) else [out["type"]]
             out["type"] = [*types, "null"] if "null" not in types else types
-        if "enum" in out and None not in out["enum"]:
+        if isinstance(out.get("enum"), list) and None not in out["enum"]:
             out["enum"] = [*out["enum"], None]
+        for key in ("anyOf", "oneOf"):  # Optional[Union[...]]: null is one more accepted form
+            if isinstance(out.get(key), list):
+                out[key] = [*out[key], {"type": "null"}]
     return out
 
 

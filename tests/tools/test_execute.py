@@ -3,8 +3,10 @@ answers with an error and never raises; async tools are awaited; the counts add 
 
 import asyncio
 import functools
+import gc
 import threading
 import time
+import warnings
 
 import pytest
 
@@ -329,6 +331,33 @@ def test_an_async_tool_behind_a_sync_decorator_is_awaited_within_the_timeout():
                            [ToolCall("decorated_echo", {"text": "y", "delay": 60})]], tools, timeout_s=0.5)
     assert [(r.content, r.status) for row in batch.results for r in row] == [
         ('{"echo": "x"}', "ok"), ("error: decorated_echo did not finish within 0.5 s", "timeout")]
+
+
+async def _late_result():
+    return "x"
+
+
+def late_coroutine(delay: float) -> str:
+    """Return a coroutine after `delay` seconds.
+
+    Args:
+        delay: seconds
+    """
+    time.sleep(delay)
+    return _late_result()
+
+
+def test_a_coroutine_a_timed_out_tool_returns_after_the_batch_is_closed_without_a_warning():
+    """The batch's loop is closed when the thread comes back with it: nothing will await it, and left
+    unclosed it warned "coroutine ... was never awaited" when collected."""
+    tools = resolve_tools([late_coroutine])
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        batch = execute_calls([[ToolCall("late_coroutine", {"delay": 0.3})]], tools, timeout_s=0.05)
+        time.sleep(0.6)  # the thread ends, after the batch's loop has closed
+        gc.collect()
+    assert batch.results[0][0].status == "timeout"
+    assert not [w for w in seen if "never awaited" in str(w.message)]
 
 
 def test_results_as_tool_messages():

@@ -269,7 +269,8 @@ def _in_daemon_thread(func: Callable[..., Any], kwargs: dict, ticket: _Ticket | 
         try:
             loop.call_soon_threadsafe(settle, value, error)
         except RuntimeError:  # the loop has closed: this call timed out and was abandoned
-            pass
+            if isinstance(value, _Awaitable):
+                value.close()  # never to be awaited: closed, lest it warn "never awaited"
 
     threading.Thread(target=target, daemon=True, name=f"tool-{getattr(func, '__name__', 'func')}").start()
     return future

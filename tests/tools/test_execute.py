@@ -312,25 +312,16 @@ def logged(func):
     return wrapper
 
 
-@logged
-async def decorated_echo(text: str, delay: float) -> dict:
-    """Echo after a delay, behind a sync decorator.
-
-    Args:
-        text: What to echo.
-        delay: Seconds to wait first.
-    """
-    await asyncio.sleep(delay)
-    return {"echo": text}
+decorated_echo = logged(slow_echo)  # named slow_echo, as wraps copies the name
 
 
 def test_an_async_tool_behind_a_sync_decorator_is_awaited_within_the_timeout():
     tools = resolve_tools([decorated_echo])
-    assert not tools["decorated_echo"].is_async  # what it returns tells, not what it is
-    batch = execute_calls([[ToolCall("decorated_echo", {"text": "x", "delay": 0})],
-                           [ToolCall("decorated_echo", {"text": "y", "delay": 60})]], tools, timeout_s=0.5)
+    assert not tools["slow_echo"].is_async  # what it returns tells, not what it is
+    batch = execute_calls([[ToolCall("slow_echo", {"text": "x", "delay": 0})],
+                           [ToolCall("slow_echo", {"text": "y", "delay": 60})]], tools, timeout_s=0.5)
     assert [(r.content, r.status) for row in batch.results for r in row] == [
-        ('{"echo": "x"}', "ok"), ("error: decorated_echo did not finish within 0.5 s", "timeout")]
+        ('{"echo": "x"}', "ok"), ("error: slow_echo did not finish within 0.5 s", "timeout")]
 
 
 async def _late_result():

@@ -127,9 +127,10 @@ def test_hermes_closed_pair_around_no_json_is_a_malformed_call_the_model_is_told
 
 
 def test_hermes_tag_inside_a_json_string_is_text_of_the_call():
-    """`print('<tool_call>')` in a python call's code, or a query holding `<tool_call>{`: the body reads
-    as JSON whole, so the inner tag is text, not the start of a second call that left the first unclosed."""
-    for value in ["s = '<tool_call>'\nprint(s)", "what is <tool_call>{ for?"]:
+    """`print('<tool_call>')` in a python call's code, or a query holding `<tool_call>{` or `</tool_call>`:
+    the call's JSON holds them as text; neither starts a second call nor ends this one."""
+    for value in ["s = '<tool_call>'\nprint(s)", "what is <tool_call>{ for?", "what does </tool_call> close?",
+                  "<tool_call>{}</tool_call> in a string"]:
         call = json.dumps({"name": "web_lookup", "arguments": {"query": value}})
         turn = hermes(f"<tool_call>{call}</tool_call>")
         assert turn.calls == [ToolCall("web_lookup", {"query": value})] and turn.content == ""

@@ -39,6 +39,7 @@ _OPEN, _CLOSE = "<tool_call>", "</tool_call>"
 # what follows a tag that opens a call: JSON (an object, a list a model may write, or either in a ``` fence)
 _JSON_NEXT = re.compile(r"\s*(?:[{\[]|```)")
 _BLANKS = re.compile(r"\s*")
+_JSON_OPENS = re.compile(r"\s*(?:\{\s*[\"}]|\[)")  # how a call's JSON starts: an object's first key, or a list
 _JSON = json.JSONDecoder()
 _LLAMA3_START = re.compile(r"\{\s*\"name\"")
 _PYTHON_TAG = "<|python_tag|>"
@@ -155,7 +156,8 @@ def _hermes_spans(text: str) -> list[tuple[int, int, bool]]:
     """(start, end, closed) of each call attempt in `text`. A `<tool_call>...</tool_call>` pair is one,
     whatever it holds (a bad body is the model's malformed call, to be told about), unless a
     `<tool_call>` inside it opens a call of its own and the body is no JSON (a tag inside a JSON string
-    is text): then the first tag was left unclosed. An unclosed tag is an attempt only when JSON follows
+    is text): then the first tag was left unclosed. A `</tool_call>` inside the call's JSON (a string
+    holding it) does not close it. An unclosed tag is an attempt only when JSON follows
     it, and runs to the next tag or the end; otherwise it is the tag named in prose ("I call tools with
     <tool_call> tags"), and stays content."""
     spans, pos, close = [], 0, None
@@ -163,6 +165,10 @@ def _hermes_spans(text: str) -> list[tuple[int, int, bool]]:
         body = start + len(_OPEN)
         if close is None or 0 <= close < body:  # none found after an earlier tag is none after this one either
             close = text.find(_CLOSE, body)
+        if close >= 0 and (end := _json_end(text, body)) is not None and end > close:
+            after = _BLANKS.match(text, end).end()  # the call's JSON holds "</tool_call>" in a string:
+            if text.startswith(_CLOSE, after):  # its own close comes after it
+                close = after
         inner = text.find(_OPEN, body, close if close >= 0 else len(text))
         if close >= 0 and not (inner >= 0 and _JSON_NEXT.match(text, inner + len(_OPEN))
                                and not _json_between(text, body, close)):
@@ -177,14 +183,21 @@ def _hermes_spans(text: str) -> list[tuple[int, int, bool]]:
     return spans
 
 
-def _json_between(text: str, start: int, stop: int) -> bool:
-    """Whether text[start:stop] is one JSON value and blanks (read in place: no copy of a long turn)."""
-    i = _BLANKS.match(text, start).end()
+def _json_end(text: str, start: int) -> int | None:
+    """Where the JSON value that starts at `start` (after blanks) ends, or None: read in place, with no
+    copy of a long turn."""
+    if not _JSON_OPENS.match(text, start):  # `{<tool_call>...`: no decode (a failed one counts the lines before it)
+        return None
     try:
-        _, end = _JSON.raw_decode(text, i)
+        return _JSON.raw_decode(text, _BLANKS.match(text, start).end())[1]
     except (ValueError, RecursionError):
-        return False
-    return end <= stop and not text[end:stop].strip()
+        return None
+
+
+def _json_between(text: str, start: int, stop: int) -> bool:
+    """Whether text[start:stop] is one JSON value and blanks."""
+    end = _json_end(text, start)
+    return end is not None and end <= stop and not text[end:stop].strip()
 
 
 def _hermes(text: str) -> tuple[str, list]:

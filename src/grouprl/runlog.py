@@ -15,6 +15,7 @@ from tqdm.auto import tqdm
 
 from grouprl.health import EVAL_ALARMS
 from grouprl.trackers import OPENERS, Tracker, TrackerError
+
 logger = logging.getLogger(__name__)
 
 CURVES = (("reward/mean", "reward (train)"), ("eval/accuracy", "eval accuracy (greedy)"),
@@ -55,9 +56,13 @@ class RunLogger:
         if not enabled:
             return
         self.dir.mkdir(parents=True, exist_ok=True)
-        _truncate_after(self.metrics_path, resume_step, only_first_at_step=eval_again)
-        _truncate_after(self.samples_path, resume_step,
-                        drop_at_step=(lambda row: row.get("alarm") in EVAL_ALARMS) if eval_again else None)
+        if eval_again:  # of step S, metrics.jsonl keeps the training step's row (its first), samples.jsonl
+            # all but the eval's alarm examples
+            _truncate_after(self.metrics_path, resume_step, lambda row, earlier: earlier)
+            _truncate_after(self.samples_path, resume_step, lambda row, earlier: row.get("alarm") in EVAL_ALARMS)
+        else:
+            _truncate_after(self.metrics_path, resume_step)
+            _truncate_after(self.samples_path, resume_step)
         for name in dict.fromkeys(report_to):
             if name != "none":
                 self._start(name, run_name or self.dir.name, config or {}, resume_step)
@@ -212,11 +217,10 @@ class Progress:
             self.close()
 
 
-def _truncate_after(path: Path, step: int, only_first_at_step: bool = False,
-                    drop_at_step: Callable[[dict[str, Any]], bool] | None = None) -> None:
-    """Keep the rows of steps <= `step` (a resumed run writes the later ones again); with
-    `only_first_at_step`, of `step` itself only its first, the training step's (the eval after it and
-    the eval's alarms are logged again); of `step`, the rows `drop_at_step` picks go too. A last line
+def _truncate_after(path: Path, step: int, drop_at_step: Callable[[dict[str, Any], bool], bool] | None = None) -> None:
+    """Keep the rows of steps <= `step` (a resumed run writes the later ones again), less the rows of
+    `step` itself that `drop_at_step(row, earlier)` picks (`earlier`: a row of that step came before it;
+    an eval logged again, RunLogger). A last line
     that is not JSON was cut off by a kill in mid-append and is dropped with its step; a damaged
     line anywhere else is an error that names it. The kept rows go to a new file that replaces the
     old one whole, so a failed write (a full disk) loses no row already logged."""
@@ -235,8 +239,7 @@ def _truncate_after(path: Path, step: int, only_first_at_step: bool = False,
             raise ValueError(f"{path}: line {i + 1} is not JSON ({e.msg}); the run log is damaged there: "
                              "delete that line to resume") from None
         at = row.get("step", 0)
-        if at < step or at == step and not (only_first_at_step and seen_step) and not (
-                drop_at_step is not None and drop_at_step(row)):
+        if at < step or at == step and not (drop_at_step is not None and drop_at_step(row, seen_step)):
             keep.append(line)
         seen_step = seen_step or at == step
     tmp = path.with_name(f".{path.name}.tmp")  # the same folder: the rename stays on one filesystem

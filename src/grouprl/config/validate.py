@@ -73,7 +73,7 @@ def resolve_preset(cfg: C) -> C:
         )
     preset = preset_values(cfg.algorithm)
     values = {k: v for k, v in preset.items() if getattr(cfg, k) is None}
-    if cfg.epsilon is not None and cfg.epsilon_high is None and preset["epsilon"] == preset["epsilon_high"]:
+    if cfg.epsilon_high is None and own_epsilon(cfg):
         values["epsilon_high"] = cfg.epsilon  # a symmetric preset's range stays symmetric (TRL: epsilon_high = epsilon)
     out = dataclasses.replace(cfg, **values)
     if out.overlong_cache_len is None:

@@ -143,10 +143,9 @@ def _from_hub(what: str, name: str) -> Iterator[None]:
 
 
 class MissingTokenizer(ConfigError):
-    """A local model folder without tokenizer files; `name` is the folder as given."""
+    """A local model folder without tokenizer files."""
 
     def __init__(self, name: str, fix: str, field: str | None = None):
-        self.name = name
         super().__init__(f"{f'{field}=' if field else ''}{name!r} holds no tokenizer files "
                          f"({', '.join(TOKENIZER_FILES[:2])}, ...), only what model.save_pretrained writes: {fix}")
 
@@ -160,12 +159,19 @@ def load_tokenizer(name: str, gguf_file: str | None = None, *, field: str | None
     local folder without tokenizer files (weights saved with `model.save_pretrained` alone) is a
     MissingTokenizer naming `field` and `fix`: transformers would build an empty tokenizer of the
     config's type from it, one token long."""
-    folder = Path(resolve_model_path(name))
+    path = resolve_model_path(name)
+    folder = Path(path)
     if gguf_file is None and folder.is_dir() and not any((folder / f).is_file() for f in TOKENIZER_FILES):
         raise MissingTokenizer(name, fix or "save the tokenizer beside it (tokenizer.save_pretrained(folder)), or "
                                             "set tokenizer to the folder or hub id of the one it was trained with",
                                field=field)
-    return _load_tokenizer(name, gguf_file)
+    with _from_hub("tokenizer", name):
+        tok = AutoTokenizer.from_pretrained(path, gguf_file=gguf_file)
+    if tok.pad_token_id is None:  # e.g. GPT-2, Llama: pad with EOS (padding is always masked out)
+        if tok.eos_token is None:
+            raise ValueError(f"tokenizer {name!r} has neither a pad nor an EOS token: add one")
+        tok.pad_token = tok.eos_token
+    return tok
 
 
 def policy_tokenizer(cfg: TrainConfig):
@@ -175,16 +181,6 @@ def policy_tokenizer(cfg: TrainConfig):
         return load_tokenizer(cfg.tokenizer, field="tokenizer", fix="set tokenizer to a folder that holds them "
                               "(where tokenizer.save_pretrained wrote) or to a hub id")
     return load_tokenizer(cfg.model, cfg.gguf_file, field="model")
-
-
-def _load_tokenizer(name: str, gguf_file: str | None):
-    with _from_hub("tokenizer", name):
-        tok = AutoTokenizer.from_pretrained(resolve_model_path(name), gguf_file=gguf_file)
-    if tok.pad_token_id is None:  # e.g. GPT-2, Llama: pad with EOS (padding is always masked out)
-        if tok.eos_token is None:
-            raise ValueError(f"tokenizer {name!r} has neither a pad nor an EOS token: add one")
-        tok.pad_token = tok.eos_token
-    return tok
 
 
 def load_policy(name: str, *, gguf_file: str | None = None, lora_r: int = 0, lora_alpha: float = 16.0,

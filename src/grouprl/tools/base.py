@@ -7,6 +7,7 @@ docstring. Its JSON schema, which the chat template shows the model, is transfor
 
 from __future__ import annotations
 
+import functools
 import inspect
 import json
 from dataclasses import dataclass, field
@@ -40,6 +41,14 @@ class Tool:
     @property
     def is_async(self) -> bool:
         return inspect.iscoroutinefunction(self.func)
+
+    @functools.cached_property
+    def argument_check(self) -> tuple[Any, frozenset[str]]:
+        """(a jsonschema validator of the parameters, nullable read as null; the parameters whose default
+        is None), made once per tool for `check_call`."""
+        from jsonschema import Draft202012Validator
+
+        return Draft202012Validator(_with_null(self.parameters)), frozenset(_none_defaults(self.func))
 
     @property
     def parameters(self) -> dict:
@@ -85,11 +94,10 @@ def _refused_values(arguments: dict[str, Any], tool: Tool) -> list[str]:
     value in JSON's spelling and shortened. null passes where the function's default is None. A schema
     jsonschema cannot use (a tool's hand-written one: a bad pattern, a type that is no name) checks
     nothing here: the call is made as before."""
-    from jsonschema import Draft202012Validator
-
-    values = {k: v for k, v in arguments.items() if not (v is None and k in _none_defaults(tool.func))}
+    validator, none_defaults = tool.argument_check
+    values = {k: v for k, v in arguments.items() if not (v is None and k in none_defaults)}
     try:
-        errors = list(Draft202012Validator(_with_null(tool.parameters)).iter_errors(values))
+        errors = list(validator.iter_errors(values))
     except Exception:  # noqa: BLE001 - anything the schema makes jsonschema raise: no check, not a failed rollout
         return []
     first: dict[str, str] = {}

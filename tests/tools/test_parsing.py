@@ -67,6 +67,11 @@ def test_hermes_arguments_as_a_json_string_are_decoded():
     turn = hermes('<tool_call>{"name": "add", "arguments": "{\\"a\\": 1}"}</tool_call>')
     assert turn.calls == [ToolCall("add", {"a": 1})]
 
+# Open brackets past any Python's recursion limit, where json raises RecursionError. 5,000 did on 3.11
+# and 3.12.1, but 3.12.3 and 3.13 parse that deep and then stop at the missing value (a ValueError,
+# "Expecting value": the same ParseError with another reason; seen on a lent GPU machine's 3.12.3).
+DEEP = "[" * 100_000
+
 
 @pytest.mark.parametrize("body, reason", [
     ('{"name": "add", "arguments": {"a": 1,}}', "invalid JSON (Expecting property name enclosed in double quotes at "
@@ -77,9 +82,9 @@ def test_hermes_arguments_as_a_json_string_are_decoded():
     # a degenerate model's output, which json reads as no syntax error: ValueError and RecursionError
     ('{"name": "add", "arguments": {"a": ' + "9" * 5000 + "}}",
      "invalid JSON (Exceeds the limit (4300 digits) for integer string conversion)"),
-    ('{"name": "add", "arguments": {"a": ' + "[" * 5000 + "}}", "invalid JSON (nested too deeply)"),
-    ('{"name": "add", "arguments": "' + "[" * 5000 + '"}', "the arguments of add are not a JSON object"),
-])
+    ('{"name": "add", "arguments": {"a": ' + DEEP + "}}", "invalid JSON (nested too deeply)"),
+    ('{"name": "add", "arguments": "' + DEEP + '"}', "the arguments of add are not a JSON object"),
+], ids=["trailing-comma", "a-list", "no-name", "list-arguments", "too-many-digits", "too-deep", "deep-string"])
 def test_hermes_malformed_call_is_a_parse_error_in_its_place(body, reason):
     text = f'<tool_call>{body}</tool_call><tool_call>{{"name": "add", "arguments": {{"a": 7}}}}</tool_call>'
     turn = hermes(text)
@@ -182,7 +187,7 @@ def test_llama3_plain_answers_hold_no_call():
 
 def test_llama3_calls_json_cannot_read_are_parse_errors():
     for body, why in [("9" * 5000, "Exceeds the limit (4300 digits) for integer string conversion"),
-                      ("[" * 5000, "nested too deeply")]:
+                      (DEEP, "nested too deeply")]:
         turn = llama3('{"name": "add", "parameters": {"a": ' + body + "}}")
         assert [c.reason for c in turn.calls] == [f"invalid JSON ({why})"]
 
@@ -226,11 +231,12 @@ def test_template_parser_malformed_json_fails_the_whole_turn():
 
 
 def test_template_parser_json_nested_too_deeply_is_a_parse_error():
-    # a degenerate model's 5,000 open brackets: json raises RecursionError, which transformers lets out;
+    # a degenerate model's open brackets past the recursion limit: json raises RecursionError, which
+    # transformers lets out;
     # like hermes and llama3, it is the model's parse error, not the rollout's crash
     tok = build_qwen_tokenizer()
     tok.response_template = QWEN_RESPONSE_TEMPLATE
-    text = "<tool_call>\n" + "[" * 5000 + "\n</tool_call>"
+    text = "<tool_call>\n" + DEEP + "\n</tool_call>"
     turn = get_tool_parser(tok, TOOLS).parse(text)
     assert turn.calls == [ParseError("invalid JSON (nested too deeply)", text)]
 

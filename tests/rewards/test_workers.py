@@ -369,6 +369,28 @@ def test_worker_i_is_seeded_seed_plus_i():
     assert first == pytest.approx([random.random() for _ in range(G)])
 
 
+def test_a_workers_calls_draw_from_its_seed_whatever_its_imports_drew():
+    """A module that draws at import (a lent GPU machine's packages did: the test above failed there):
+    the calls still draw seed + i's numbers, and what the import drew is reproducible and not those."""
+    from tests.rewards.draws_at_import import drawn_after_import, table_entry
+
+    runs = []
+    for _ in range(2):
+        workers = RewardWorkers(2, [drawn_after_import, table_entry], seed=3)
+        try:
+            runs.append([score_completions([f], None, PROMPTS[:2 * G], COMPLETIONS[:2 * G], workers=workers,
+                                           group_size=G).total.tolist() for f in (drawn_after_import, table_entry)])
+        finally:
+            workers.close()
+    (draws, table), again = runs[0], runs[1]
+    assert again == [draws, table]  # the same seed, the same draws, at import too
+    random.seed(3)
+    assert draws[:G] == pytest.approx([random.random() for _ in range(G)])
+    random.seed(4)
+    assert draws[G:] == pytest.approx([random.random() for _ in range(G)])
+    assert table[0] not in draws and table[0] != table[G]  # the import's stream is its own, per worker
+
+
 def test_the_trainers_own_functions_run_while_the_workers_run_theirs(pool, tmp_path):
     columns = {"marks": [str(tmp_path)] * 8}
     out = score_completions([waits_for_the_trainer, WaitsForAWorker()], None, PROMPTS[:8], COMPLETIONS[:8],

@@ -131,7 +131,9 @@ class RewardWorkers:
         config entry `funcs[i]` was built from, and the worker builds it from that. `preload`: modules the
         fork server imports once for every worker (the caller's: a script's top level runs again in each
         worker, and what it imports is then already there). `seed`: worker i seeds random, numpy and torch
-        with seed + i. ValueError for a function a worker cannot build, naming it and the fix."""
+        with seed + i once it has built its functions, so its calls draw the same numbers whatever the
+        imports drew (it builds them under a seed derived from seed + i). ValueError for a function a
+        worker cannot build, naming it and the fix."""
         if n < 1:
             raise ValueError(f"reward_workers={n}: give at least 1 worker process, or 0 to score in the trainer")
         self.n, self.seed = n, seed
@@ -404,11 +406,8 @@ def _serve(conn: Connection, seed: int | None) -> None:
     import torch  # combine's import
 
     torch.set_num_threads(1)  # a reward's tensor work must not start a thread per core in each worker
-    if seed is not None:
-        random.seed(seed)
-        torch.manual_seed(seed)
-        if "numpy" in sys.modules:
-            sys.modules["numpy"].random.seed(seed % 2**32)
+    if seed is not None:  # what building the functions draws (a module's import) is reproducible too,
+        _seed_all(_build_seed(seed))  # from a stream of its own, apart from the calls'
     funcs: dict[int, Callable] = {}
     while True:
         try:
@@ -423,6 +422,8 @@ def _serve(conn: Connection, seed: int | None) -> None:
                 except Exception as e:  # noqa: BLE001 -- named to the trainer
                     reply = ("load_error", key, type(e).__name__, str(e))
                     break
+            if seed is not None:  # the one load, before any call: the calls draw from seed itself,
+                _seed_all(seed)  # whatever the imports drew (a lent GPU machine's packages drew at import)
         else:
             _, key, kwargs, timeout_s = message
             try:
@@ -443,6 +444,21 @@ def _serve(conn: Connection, seed: int | None) -> None:
                            f"reward worker ({type(e).__name__}: {e}): return floats or None", ""))
         except (OSError, EOFError):  # the trainer closed the workers during the call: nobody waits for it
             return
+
+
+def _seed_all(seed: int) -> None:
+    import torch
+
+    random.seed(seed)
+    torch.manual_seed(seed)
+    if "numpy" in sys.modules:
+        sys.modules["numpy"].random.seed(seed % 2**32)
+
+
+def _build_seed(seed: int) -> int:
+    """The seed a worker builds its functions under: derived from its own, and unlike seed + i of any
+    other worker (those are consecutive small numbers; this is 32 bits of a hash of it)."""
+    return random.Random(f"grouprl reward worker build {seed}").getrandbits(32)
 
 
 def _drop_the_servers_lifeline() -> None:

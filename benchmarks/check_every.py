@@ -13,8 +13,10 @@ vocabulary (a random-init model draws from a near-flat distribution: a row then 
 side is one `check_every`, in the slot loop (compiled on CPU by default; on CUDA the eager step
 replayed as graphs unless `--compile`), and `eager-loop` is the plain eager loop, which removes a
 row the step it finishes. The sides alternate for `--reps` rounds after one warm-up call each
-(which compiles); each figure is the median whole-call time, with the completions' mean and
-longest lengths (the same on every side: the draws depend on the seed, row and step only).
+(which compiles); each figure is the median whole-call time, with each side's completions' mean
+and longest lengths. The draws depend on the seed, row and step only, so in fp32 the lengths are the
+same on every side; in bf16 on a GPU they were not (an H100, 135M shape: the logits' rounding depends
+on the kernels, which change with the rows a step computes), and each side's lengths say how far.
 
     python benchmarks/check_every.py --model tiny --rows 16 --tokens 128
     python benchmarks/check_every.py --device cuda --model smollm2-135m-shape --smollm2 models/smollm2 --rows 64
@@ -84,6 +86,8 @@ def main() -> None:
             times[name].append(timed(sides[name])[0])
     first = next(iter(lengths.values()))
     same = all(torch.equal(x, first) for x in lengths.values())
+    shape = {name: {"length_mean": round(float(x.float().mean()), 2), "length_max": int(x.max())}
+             for name, x in lengths.items()}
     print(f"{args.model} on {args.device}, {args.rows} rows, prompt {args.prompt}, at most {args.tokens} tokens, "
           f"{len(stops)} stop tokens: length mean {first.float().mean():.1f}, longest {int(first.max())}; "
           f"same lengths on every side: {same}")
@@ -93,9 +97,11 @@ def main() -> None:
               "length_max": int(first.max()), "same_lengths": same, "sides": {}}
     for name, runs in times.items():
         med = statistics.median(runs)
-        result["sides"][name] = {"s": round(med, 4), "runs": [round(x, 4) for x in runs]}
+        result["sides"][name] = {"s": round(med, 4), "runs": [round(x, 4) for x in runs], **shape[name]}
+        mean, longest = shape[name]["length_mean"], shape[name]["length_max"]
+        lengths_note = "" if same else f"  lengths mean {mean:.1f}, longest {longest}"
         print(f"  {name:>10}: {med * 1e3:8.1f} ms a call ({med / base:.2f}x the eager loop)  "
-              f"runs {' '.join(f'{x * 1e3:.1f}' for x in runs)}")
+              f"runs {' '.join(f'{x * 1e3:.1f}' for x in runs)}{lengths_note}")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
 

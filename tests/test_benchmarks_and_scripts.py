@@ -139,6 +139,8 @@ def test_check_every_benchmark_one_round(tmp_path):
     result = json.loads((tmp_path / "e.json").read_text())
     assert set(result["sides"]) == {"every-1", "every-8", "eager-loop"} and result["compile"] is True
     assert 1 <= result["length_mean"] < result["length_max"] <= 24
+    assert {(side["length_mean"], side["length_max"]) for side in result["sides"].values()} == {
+        (result["length_mean"], result["length_max"])}  # each side's, the same here
 
 
 def test_multiturn_benchmark_refuses_graphs_without_cuda():

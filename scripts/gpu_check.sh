@@ -23,20 +23,19 @@
 #   every    how often the slot loop should read its rows' finished flags on CUDA (EVERY_S)
 #   rewards  the reward stage in 4, 8 and 15 worker processes on the machine's 16 cores, 512 completions
 #            with LaTeX answers (benchmarks/reward_workers.py; REWARDS_S, ~60 s)
-# What each took on one H100: setup ~20 s; eager, both models, 56 s; widths ~110 s; bench at 135M,
-# both sides, 150 s (the 1.7B's, sixth session: ~215 s); compiled at 135M 112 s (the compile's try
-# 69 s); the suite, 11 workers beside 4 for tests/test_benchmarks_and_scripts.py, one torch thread
-# each, to its end in 258 s (eleventh session). A lent machine has 15 minutes in all (each start
-# ~40 s included) and 10 a call: put the most wanted first. The next lease (~870 s in all): (1)
-# PARTS="compiled cudnn" DECODE_S=150 CUDNN_S=80 BENCH_S=200, timeout_s 580 (both models' compiled
-# step: whether the counted draw, d079d55, lets it compile, and its ms a token against the graphed
-# eager step, a failed compile printing its traceback; then cuDNN's attention, below), then at
-# once, while the machine is warm (30 s), (2) PARTS="multiturn bench" WORKLOADS=gpu-1.7b-256 MT_S=50
-# BENCH_S=230, timeout_s 290 (multi-turn calls graphed, and the 1.7B step with graphed decoding, never
-# measured). The `every` part (~90 s) does not fit beside them; it goes into the lease after, with
-# `rewards` (PARTS="every rewards", ~150 s), and Qwen3's fast path (PARTS=compiled
-# DECODE_MODELS=qwen3-0.6b-shape, ~150 s). At most
-# 8 files come back from a lent machine's output folder: (1) writes 7, (2) 3.
+# What each took on one H100 (eighteenth session unless named): setup ~20 s; compiled, both models,
+# 250 s (135M 125 s, its first compiled call 122 s; 1.7B 60 s); multiturn ~15 s; bench at 1.7B, both
+# sides, ~170 s (at 135M, eleventh session, 150 s); the suite, 11 workers beside 4 for
+# tests/test_benchmarks_and_scripts.py, one torch thread each, to its end in 257 s; every 75 s;
+# eager, both models, 56 s, and widths ~110 s (tenth and eleventh). A lent machine has 15 minutes in
+# all (each start ~40 s included) and 10 a call: put the most wanted first. Measured so far: the
+# compiled step on both shapes, multi-turn graphed, the 1.7B step graphed, `every`, the suite.
+# The next lease (~870 s in all): (1) PARTS="cudnn compiled" DECODE_MODELS=qwen3-0.6b-shape
+# CUDNN_S=80 BENCH_S=200 DECODE_S=200, timeout_s 560 (cuDNN's attention deprioritized against not,
+# both sides, the caveat on every TRL ratio here; then Qwen3's fast path against the generic path,
+# compiled), then at once, while the machine is warm (30 s), (2) PARTS="rewards tests" TESTS_S=270,
+# timeout_s 380 (the reward stage in worker processes on 16 cores; the suite again after this
+# session's fixes). At most 8 files come back from a lent machine's output folder: (1) writes 5, (2) 5.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-${OUT:-gpu-out}}

@@ -50,7 +50,8 @@ each row that ended with EOS its cache up to that EOS (`keep`): a finished slot 
 end but never before it, so its columns are copied whenever the host looks next before the slot is
 given up (`_compact`), and at the end of the call. Until 2026-11-27 such calls decoded in the plain
 eager loop, which on an H100 decodes the 135M shape at 16-20 ms a token against ~2.6 replayed as
-graphs (measured on single-turn calls; multi-turn ones have not yet run on a GPU).
+graphs; the embedded tool task's multi-turn rollouts took 0.64x the time replayed (an H100, the
+tiny tool policy, the same tokens).
 
 On CUDA the graph runs as Triton kernels, and each step is then replayed as a captured CUDA graph
 (`generation_cuda_graphs`, on by default): a 30-layer step is hundreds of kernels, whose launches
@@ -81,9 +82,11 @@ running sum over the vocabulary was a "split scan" that Inductor could not gener
 sums in blocks on CUDA (sampling.running_sum). On the next H100 run the eager step replayed as
 graphs decoded at 2.5-2.8 ms a token (135M shape, 16 rows, one to nine captures a call, none
 failed), but the compile failed again, lowering searchsorted over the blocked sum ("InductorError:
-NotImplementedError: View", torch 2.11): the draw now counts instead (sampling.COUNTED_DRAWS),
-not yet run on a GPU (benchmarks/decode.py compares eager, compiled, and both replayed as graphs on
-CUDA; scripts/gpu_check.sh runs it).
+NotImplementedError: View", torch 2.11): the draw now counts instead (sampling.COUNTED_DRAWS).
+On the third H100 run the whole step compiled (61 s at the 135M shape, 51 s at the 1.7B) and,
+replayed as graphs, decoded 16 rows at 1.60 and 2.65 ms a token, against 2.87 and 3.88 for the eager
+step replayed and 12.2 and 9.5 launched (benchmarks/decode.py; benchmarks/README.md, "One H100
+(2026-11-27, eighteenth session)").
 
 Where compiling fails (no C++ compiler, an op Inductor does not lower), the first step's error is
 caught: one warning names it, and this and later calls decode with the eager step, replayed as
@@ -239,20 +242,18 @@ def _compile_failed(device: torch.device, err: BaseException) -> None:
 # tiny model (dispatch it no longer pays) and nothing measurable on 50m, whose step is bound by
 # reading its weights. So auto prices a compile at COMPILE_BASE_S + COMPILE_PER_LAYER_S x layers
 # and a step's saving at SAVED_PER_LAYER_STEP_S x layers, at most MAX_SAVED_FRACTION of the eager
-# step's time, both by device type. On CUDA a step is launches more than work: issue 36's H200 run
-# decoded the 135M shape eagerly at 20 ms a token (0.67 ms per layer and step) and the 1.7B at
-# 15.5 ms, whose weights stream in ~0.7 ms (an H100: 21.5 and 17.4 ms); a replayed graph keeps
-# about the kernels' own time, so 0.5 ms per layer and step, at most 80 %: estimates, not measured.
-# Where the probe's calls were themselves replayed as graphs of the eager step ("cuda+graphs", the
-# default on CUDA), compiling saves only what fusing the kernels saves: an eager layer is 25
-# kernels (benchmarks/decode_launches.py counts them), a compiled one ~12, at ~2.5 us each inside
-# a graph, so 35 us per layer and step, at most 50 %: estimates, not measured. The compile is
-# priced as on CPU everywhere: on the H100's 16-core host, lowering the 135M (30 layers) and 1.7B
-# (24) steps took 96 and 71 s before code generation failed, against 135 and 111 s priced here.
+# step's time, both by device type. On CUDA, measured on a lent H100 (eighteenth session, 16 rows,
+# bf16, benchmarks/README.md "One H100 (2026-11-27, eighteenth session)"): the compiled step saved
+# 4.96 ms of 12.19 at the 135M shape (30 layers) and 4.15 of 9.47 at 1.7B (24), 165-173 us per layer
+# and step, 41-44 %, where each step launches its kernels ("cuda"); where the probe's calls replayed
+# the eager step as graphs ("cuda+graphs", the default on CUDA), compiling saves what fusing the
+# kernels saves: 1.27 ms of 2.87 and 1.23 of 3.88, 42 and 51 us per layer and step, 44 and 32 %. The
+# compile is priced as on CPU everywhere: on that machine's 16-core host the first compile took 61 s
+# (135M) and 51 s (1.7B), the 135M's first compiled call 122 s, against 135 and 111 s priced here.
 COMPILE_BASE_S = 15.0
 COMPILE_PER_LAYER_S = 4.0
-SAVED_PER_LAYER_STEP_S = {"cpu": 1e-4, "cuda": 5e-4, "cuda+graphs": 3.5e-5}
-MAX_SAVED_FRACTION = {"cpu": 0.3, "cuda": 0.8, "cuda+graphs": 0.5}
+SAVED_PER_LAYER_STEP_S = {"cpu": 1e-4, "cuda": 1.6e-4, "cuda+graphs": 4.2e-5}
+MAX_SAVED_FRACTION = {"cpu": 0.3, "cuda": 0.45, "cuda+graphs": 0.45}
 PROBE_CALLS = 2  # auto decodes this many calls eagerly, timing them, before it decides
 
 

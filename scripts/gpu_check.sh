@@ -111,7 +111,9 @@ widths() {
 compiled() {
   for m in ${DECODE_MODELS:-smollm2-135m-shape smollm2-1.7b-shape}; do
     generic=""; [ "$m" = qwen3-0.6b-shape ] && generic="--generic"
-    timeout "${DECODE_S:-150}" python3 benchmarks/decode.py --device cuda --models "$m" --rows 16 --prompt 16 \
+    # recompiles logged with their guard: the 135M's first compiled call took 122 s against a 61 s
+    # compile (eighteenth session), the 1.7B's 52 against 51; no recompile shows on CPU at that shape
+    TORCH_LOGS=${TORCH_LOGS:-recompiles} timeout "${DECODE_S:-150}" python3 benchmarks/decode.py --device cuda --models "$m" --rows 16 --prompt 16 \
       --dtypes bf16 --reps 2 --smollm2 "$TOKENIZER" $generic --json "$OUT/decode-$m.json" 2>&1 | tee -a "$OUT/decode.log"
     echo "decode $m exit: ${PIPESTATUS[0]}" | tee -a "$OUT/decode.log"
   done

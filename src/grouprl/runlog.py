@@ -53,19 +53,28 @@ class RunLogger:
         self.trackers: list[Tracker] = []
         self.metrics_path = self.dir / "metrics.jsonl"
         self.samples_path = self.dir / "samples.jsonl"
+        self.tracked_through = 0  # on resume, the last step the interrupted run logged
         if not enabled:
             return
         self.dir.mkdir(parents=True, exist_ok=True)
         if eval_again:  # of step S, metrics.jsonl keeps the training step's row (its first), samples.jsonl
             # all but the eval's alarm examples
-            _truncate_after(self.metrics_path, resume_step, lambda row, earlier: earlier)
+            dropped = _truncate_after(self.metrics_path, resume_step, lambda row, earlier: earlier)
             _truncate_after(self.samples_path, resume_step, lambda row, earlier: row.get("alarm") in EVAL_ALARMS)
         else:
-            _truncate_after(self.metrics_path, resume_step)
+            dropped = _truncate_after(self.metrics_path, resume_step)
             _truncate_after(self.samples_path, resume_step)
+        # the trackers had the dropped rows' steps from the interrupted run: those that keep them are not
+        # sent them again (trackers.py, "A resumed run")
+        self.tracked_through = dropped
         for name in dict.fromkeys(report_to):
             if name != "none":
                 self._start(name, run_name or self.dir.name, config or {}, resume_step)
+        kept = [t.name for t in self.trackers if t.continued and not t.rewinds]
+        if dropped and kept:
+            logger.info("steps %d-%d were reported to %s by the interrupted run: the resumed run computes them "
+                        "again into metrics.jsonl and does not report them twice", resume_step + (not eval_again),
+                        dropped, ", ".join(kept))
 
     def _start(self, name: str, run_name: str, config: dict[str, Any], resume_step: int) -> None:
         """Open a tracker; one that cannot start stops the run before it trains, not untracked."""
@@ -96,8 +105,12 @@ class RunLogger:
         if trackers:
             scalars = {k: float(v) for k, v in row.items() if k != "step" and isinstance(v, (int, float))
                        and not isinstance(v, bool) and math.isfinite(v)}
-            for t in list(self.trackers):
+            for t in self._trackers_for(step):
                 self._guard(t.name, lambda t=t: t.log(step, scalars), f"log step {step}")
+
+    def _trackers_for(self, step: int) -> list[Tracker]:
+        """The trackers a step goes to: on resume, not those that kept the interrupted run's copy of it."""
+        return [t for t in self.trackers if step > self.tracked_through or t.rewinds or not t.continued]
 
     def log_table(self, step: int, key: str, rows: list[dict[str, Any]]) -> None:
         """A table of rows (dicts with the same keys) to the trackers: their table type, or text."""
@@ -105,7 +118,7 @@ class RunLogger:
             return
         columns = list(rows[0])
         data = [[_cell(r.get(c)) for c in columns] for r in rows]
-        for t in list(self.trackers):
+        for t in self._trackers_for(step):
             self._guard(t.name, lambda t=t: t.log_table(step, key, columns, data), f"log the {key} table")
 
     def log_samples(self, step: int, samples: list[dict[str, Any]]) -> None:
@@ -223,11 +236,12 @@ def _truncate_after(path: Path, step: int, drop_at_step: Callable[[dict[str, Any
     an eval logged again, RunLogger). A last line
     that is not JSON was cut off by a kill in mid-append and is dropped with its step; a damaged
     line anywhere else is an error that names it. The kept rows go to a new file that replaces the
-    old one whole, so a failed write (a full disk) loses no row already logged."""
+    old one whole, so a failed write (a full disk) loses no row already logged. Returns the last step
+    of the rows dropped, 0 if none."""
     if not path.is_file():
-        return
+        return 0
     lines = path.read_text().splitlines()
-    keep, seen_step = [], False
+    keep, seen_step, dropped = [], False, 0
     for i, line in enumerate(lines):
         if not line:
             continue
@@ -241,10 +255,13 @@ def _truncate_after(path: Path, step: int, drop_at_step: Callable[[dict[str, Any
         at = row.get("step", 0)
         if at < step or at == step and not (drop_at_step is not None and drop_at_step(row, seen_step)):
             keep.append(line)
+        else:
+            dropped = max(dropped, at)
         seen_step = seen_step or at == step
     tmp = path.with_name(f".{path.name}.tmp")  # the same folder: the rename stays on one filesystem
     tmp.write_text("".join(line + "\n" for line in keep))
     tmp.replace(path)
+    return dropped
 
 
 def _cell(v: Any) -> Any:

@@ -23,7 +23,11 @@ table artifact, a resume, after a finish or a crash, continuing the same run).
 
 Project names: `TRACKIO_PROJECT`, `WANDB_PROJECT`, `MLFLOW_EXPERIMENT_NAME`, default "grouprl";
 the run's name is `run_name` (default: the output folder's name). A resumed run continues the
-same tracker run (wandb's and mlflow's ids are kept in `output_dir`).
+same tracker run (wandb's and mlflow's ids are kept in `output_dir`). Steps the interrupted run
+logged after its last checkpoint are computed again; TensorBoard drops its copies and takes the new
+ones, while trackio, wandb and mlflow keep theirs and are not sent those steps again (wandb refuses a
+step below its last, and mlflow and trackio would show two points a step). A resume replays the same
+batches and draws, so on one machine the values match; metrics.jsonl holds the resumed run's.
 
 A tracker named in `report_to` that cannot start is an error, never a run that trains untracked:
 what can be checked without starting it (`tracker_problems`: the package, mlflow's sqlite store
@@ -122,9 +126,15 @@ def _mlflow_store_problem() -> str | None:
 
 
 class Tracker:
-    """One experiment tracker. Subclasses import their library in `__init__`."""
+    """One experiment tracker. Subclasses import their library in `__init__`. `rewinds`: on resume from
+    step S it drops what the interrupted run logged after S (TensorBoard's purge_step), so the resumed
+    run logs those steps again; the others keep them, and RunLogger does not log them twice where the
+    tracker `continued` the interrupted run's tracker run (a new one, e.g. a tracker added on resume,
+    gets every step)."""
 
     name = ""
+    rewinds = False
+    continued = False
 
     def log(self, step: int, scalars: dict[str, float]) -> None:
         raise NotImplementedError
@@ -138,6 +148,7 @@ class Tracker:
 
 class TensorBoard(Tracker):
     name = "tensorboard"
+    rewinds = True
 
     def __init__(self, out: Path, run_name: str, config: dict[str, Any], resume_step: int):
         from torch.utils.tensorboard import SummaryWriter
@@ -183,6 +194,7 @@ class Trackio(_RunTracker):
         self.table = trackio.Table
         self.run = trackio.init(project=os.environ.get("TRACKIO_PROJECT", "grouprl"), name=run_name, config=config,
                                 resume="allow" if resume_step else "never", embed=False)
+        self.continued = bool(resume_step)  # the project's run of that name, if it has one
 
 
 def _write_id(path: Path, run_id: str) -> None:
@@ -204,6 +216,7 @@ class Wandb(_RunTracker):
         self.table = wandb.Table
         id_file = out / "wandb_run_id"
         run_id = (id_file.read_text().strip() if resume_step and id_file.is_file() else "") or uuid.uuid4().hex[:8]
+        self.continued = bool(resume_step) and id_file.is_file() and id_file.read_text().strip() == run_id
         _write_id(id_file, run_id)
         self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "grouprl"), name=run_name, id=run_id,
                               resume="allow", dir=str(out), config=config)
@@ -244,7 +257,7 @@ class Mlflow(Tracker):
             experiment_id = experiment.experiment_id if experiment else self.client.create_experiment(name)
             run_id = self.client.create_run(experiment_id, run_name=run_name).info.run_id
         _write_id(id_file, run_id)
-        self.run_id = run_id
+        self.run_id, self.continued = run_id, not new
         if new:  # a resume without an id file (it opens a new run) logs them too
             # mlflow takes at most 100 params a batch, and the config has more: split here, not by the client
             params = [Param(_mlflow_key(k), str(v)[:500]) for k, v in config.items()]

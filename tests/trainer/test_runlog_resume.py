@@ -86,3 +86,45 @@ def test_an_eval_made_again_on_resume_drops_its_alarm_examples_from_samples(tmp_
         write(tmp_path / "samples.jsonl", [json.dumps(r) for r in rows])
         RunLogger(tmp_path, resume_step=2, eval_again=again, report_to=())
         assert [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()] == kept
+
+
+def test_a_resumed_run_does_not_report_again_the_steps_a_continued_tracker_kept(tmp_path, monkeypatch, caplog):
+    """The interrupted run logged steps 1-5 and checkpointed at 3. A tracker that continued its run and
+    keeps what it had (wandb, mlflow, trackio) is not sent steps 4-5 again, nor their tables; one that
+    rewinds (TensorBoard's purge_step) and one new to the run (added on resume) get them."""
+    import logging
+
+    from grouprl import trackers
+
+    got: dict[str, list] = {}
+
+    def opener(name, rewinds=False, continued=True):
+        class Fake(trackers.Tracker):
+            def __init__(self, *args):
+                self.name, self.rewinds, self.continued = name, rewinds, continued
+                got[name] = []
+
+            def log(self, step, scalars):
+                got[name].append(step)
+
+            def log_table(self, step, key, columns, rows):
+                got[name].append(f"table {step}")
+
+            def finish(self):
+                pass
+
+        return Fake
+
+    for name, kw in {"kept": {}, "rewinds": {"rewinds": True}, "new": {"continued": False}}.items():
+        monkeypatch.setitem(trackers.OPENERS, name, opener(name, **kw))
+    write(tmp_path / "metrics.jsonl", [json.dumps({"step": s, "loss": 0.1 * s}) for s in range(1, 6)])
+    with caplog.at_level(logging.INFO, logger="grouprl.runlog"):
+        log = RunLogger(tmp_path, resume_step=3, report_to=("kept", "rewinds", "new"))
+    assert "steps 4-5 were reported to kept by the interrupted run" in caplog.text
+    for step in (4, 5, 6):
+        log.log(step, {"loss": 0.1 * step})
+        log.log_table(step, "completions", [{"completion": "x"}])
+    assert got["kept"] == [6, "table 6"]
+    assert got["rewinds"] == got["new"] == [4, "table 4", 5, "table 5", 6, "table 6"]
+    assert [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [
+        1, 2, 3, 4, 5, 6]  # metrics.jsonl holds every step once, the resumed run's

@@ -27,6 +27,7 @@ from grouprl.config import ConfigError, TrainConfig
 from grouprl.core import head_logprobs, token_logprobs, token_logprobs_and_entropy
 from grouprl.lora import adapted_tied_embeddings, adapter_disabled, add_adapter, base_model, is_peft_model
 from grouprl.micro_batches import MicroBatch
+from grouprl.rollout.types import cache_kwarg
 
 logger = logging.getLogger(__name__)
 
@@ -481,11 +482,12 @@ def _shared_prompt_logits(model: torch.nn.Module, mb: MicroBatch, device: torch.
     pm, index = mb.prompt_mask.to(device), mb.prompt_index.to(device)  # [u, P'], [n]
     head = pm[:, :-1]  # left padding: column P'-1 is every prompt's last token
     cache = DynamicCache(config=getattr(model, "module", model).config)
+    by = cache_kwarg(model)  # `cache` from transformers 5.24, `past_key_values` before
     model(input_ids=mb.prompt_ids[:, :-1].to(device), attention_mask=head,
-          position_ids=(head.cumsum(-1) - 1).clamp(min=0), past_key_values=cache, use_cache=True, logits_to_keep=1)
+          position_ids=(head.cumsum(-1) - 1).clamp(min=0), use_cache=True, logits_to_keep=1, **{by: cache})
     cache.batch_select_indices(index)  # [u, ...] -> [n, ...]
     ids = torch.cat([mb.prompt_ids[:, -1:].to(device)[index], mb.completion_ids[:, : T - 1].to(device)], 1)  # [n, T']
     attn = torch.cat([pm[index], mb.completion_mask[:, : T - 1].to(device).long()], 1)  # [n, P'+T'-1]
     pos = (pm.sum(-1) - 1)[index, None] + torch.arange(T, device=device)[None]  # [n, T']
-    return model(input_ids=ids, attention_mask=attn, position_ids=pos, past_key_values=cache,
-                 use_cache=True, logits_to_keep=0 if keep_logits else 1).logits  # [n, T', V]
+    return model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True,
+                 logits_to_keep=0 if keep_logits else 1, **{by: cache}).logits  # [n, T', V]

@@ -109,3 +109,53 @@ def test_start_from_a_cached_prefix_grows_its_cache_too(model_and_tok):
             torch.testing.assert_close(got, want, rtol=0, atol=0)
             got, want = dec.step(tok_t), ref.step(tok_t)
         assert dec.k[0].shape[2] == ids.shape[1] + 8  # 1, 2, 4, 8 new-token columns
+
+
+def test_the_cache_goes_by_the_keyword_the_models_forward_takes(model_and_tok):
+    """transformers 5.24 renamed forward's `past_key_values` to `cache` (the old name warns at every
+    call, and goes in 5.40; seen on a lent GPU machine): the keyword is read from the model class's
+    forward, through a DDP-like `.module` and a PEFT-like base model."""
+    from grouprl.rollout.types import cache_kwarg
+
+    class Old(torch.nn.Module):
+        def forward(self, input_ids=None, past_key_values=None, use_cache=None):
+            pass
+
+    class New(torch.nn.Module):
+        def forward(self, input_ids=None, cache=None, use_cache=None):
+            pass
+
+    class Wrapped(torch.nn.Module):  # a DDP wrapper: the model is `.module`
+        def __init__(self, inner):
+            super().__init__()
+            self.module = inner
+
+    class Peft(torch.nn.Module):  # a PEFT model: its forward takes **kwargs, its base model says
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def get_base_model(self):
+            return self.inner
+
+        def forward(self, *args, **kwargs):
+            pass
+
+    assert [cache_kwarg(m) for m in (Old(), New(), Wrapped(New()), Peft(New()), Wrapped(Peft(Old())))] == [
+        "past_key_values", "cache", "cache", "cache", "past_key_values"]
+    model, tok = model_and_tok  # the installed transformers' own name, with no FutureWarning from a call
+    name = cache_kwarg(model)
+    assert name in ("cache", "past_key_values") and name in __import__("inspect").signature(type(model).forward).parameters
+
+
+def test_the_generic_path_warns_of_no_deprecated_cache_keyword(model_and_tok):
+    """The generic path (transformers' forward with its cache) and the shared-prompt forward pass the
+    cache by the installed transformers' keyword: no FutureWarning (transformers 5.24 and later warned
+    at every token while grouprl passed `past_key_values`)."""
+    import warnings
+
+    model, tok = model_and_tok
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*past_key_values.*", category=FutureWarning)
+        HFEngine(model, (tok.eos_token_id,), tok.pad_token_id, fast=False).generate(
+            short_prompts(tok), 2, SamplingParams(4), torch.Generator().manual_seed(0))

@@ -35,7 +35,7 @@ from transformers import DynamicCache
 from grouprl.rollout.compiled_decode import CompileChoice, CompiledDecodeLoop, graphs_available
 from grouprl.rollout.llama_decoder import FastDecoder
 from grouprl.rollout.sampling import draw_seed, sample_next, uniform_table
-from grouprl.rollout.types import GenerationEngine, Rollout, SamplingParams, left_pad_prompts
+from grouprl.rollout.types import GenerationEngine, Rollout, SamplingParams, cache_kwarg, left_pad_prompts
 
 __all__ = ["HFEngine", "sample_next"]
 
@@ -330,8 +330,8 @@ class _HFDecoder:
     def start(self, ids: torch.Tensor, mask: torch.Tensor, G: int, max_new_tokens: int) -> torch.Tensor:
         pos = (mask.cumsum(-1) - 1).clamp(min=0)  # [B, P]
         with self._ac():
-            out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=self.cache,
-                             use_cache=True, logits_to_keep=1)
+            out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1,
+                             **{cache_kwarg(self.model): self.cache})
         self.cache.batch_repeat_interleave(G)
         self.attn = mask.repeat_interleave(G, dim=0)  # [N, P]
         self.next_pos = pos[:, -1].repeat_interleave(G) + 1  # [N]
@@ -344,7 +344,7 @@ class _HFDecoder:
     def step(self, tok: torch.Tensor) -> torch.Tensor:
         self.attn = torch.cat([self.attn, self.attn.new_ones(self.attn.shape[0], 1)], dim=1)  # [n, P+t+1]
         with self._ac():
-            out = self.model(input_ids=tok[:, None], attention_mask=self.attn,
-                             position_ids=self.next_pos[:, None], past_key_values=self.cache, use_cache=True)
+            out = self.model(input_ids=tok[:, None], attention_mask=self.attn, position_ids=self.next_pos[:, None],
+                             use_cache=True, **{cache_kwarg(self.model): self.cache})
         self.next_pos = self.next_pos + 1
         return out.logits[:, -1].float()  # [n, V]

@@ -234,3 +234,23 @@ def trajectory_metrics(counts: dict[str, float]) -> dict[str, float]:
     out["time/tools"] = counts.get("tool_seconds", 0.0)
     out["time/environment"] = counts.get("env_seconds", 0.0)
     return out
+
+
+_CACHE_KWARG: dict[type, str] = {}
+
+
+def cache_kwarg(model: Any) -> str:
+    """The keyword by which `model`'s forward takes a KV cache: `cache` in transformers 5.24 and later,
+    which deprecate `past_key_values` (a FutureWarning at every call; gone in 5.40), `past_key_values`
+    before. Read from the forward's signature once per model class, through a DDP or FSDP wrapper
+    (`.module`) and a PEFT model (its base model)."""
+    inner = getattr(model, "module", model)
+    if hasattr(inner, "get_base_model"):
+        inner = inner.get_base_model()
+    cls = type(inner)
+    if cls not in _CACHE_KWARG:
+        import inspect
+
+        params = inspect.signature(cls.forward).parameters
+        _CACHE_KWARG[cls] = "cache" if "cache" in params and "past_key_values" not in params else "past_key_values"
+    return _CACHE_KWARG[cls]

@@ -503,6 +503,95 @@ while True:
     assert_normal_program_scores()
 
 
+def test_empty_files_stop_at_the_file_limit():
+    """disk_mb bounds a tmpfs's data, not its files: each empty file is kernel memory (a review's
+    program grew the host's slab by ~1 GiB in 6 s). Creating files fails at launch.MAX_FILES, as on a
+    full disk; the program stops itself at 20,000 where the limit is missing."""
+    prog = """
+n, errno = 0, None
+try:
+    while n < 20_000:
+        open(f"f{n}", "w").close()
+        n += 1
+except OSError as e:
+    errno = e.errno
+print(errno == 28 and n < 5_000)
+"""
+    res = sandboxed(prog, [{"input": "", "output": "True"}], disk_mb=8, **OK)
+    if not REFUSED:
+        assert res.status == "passed", res.detail
+    assert_normal_program_scores()
+
+
+def test_a_killed_caller_takes_its_sandbox_with_it(tmp_path):
+    """A trainer killed (OOM, a preemption's SIGKILL) while a program sleeps: the program's deadline is
+    the caller's, so before the launcher died with its caller its init and the program lived on,
+    reparented to PID 1. The run folder it leaves is removed by the next process's first run."""
+    import signal
+    import subprocess
+    import sys
+
+    import grouprl.sandbox
+
+    src = os.path.dirname(os.path.dirname(os.path.dirname(grouprl.sandbox.__file__)))
+    caller = subprocess.Popen(
+        [sys.executable, "-c", "from grouprl.sandbox import run_code\n"
+         "run_code('import time\\ntime.sleep(300)', [{'input': '', 'output': ''}], timeout_s=120, memory_mb=128)"],
+        env={**os.environ, "PYTHONPATH": src, "TMPDIR": str(tmp_path)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    marker = f"grouprl-sbx-{caller.pid}-".encode()
+
+    def ours() -> list[int]:  # the launcher and the init: the run folder is in their command line
+        pids = []
+        for p in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                with open(f"/proc/{p}/cmdline", "rb") as f:
+                    pids += [int(p)] if marker in f.read() else []
+            except OSError:
+                pass
+        return pids
+
+    try:
+        deadline = time.monotonic() + 30
+        while not ours() and caller.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if REFUSED:
+            assert caller.wait(30) == 1 and b"SandboxUnavailableError" in caller.stderr.read()
+            return
+        assert ours(), caller.stderr.read() if caller.poll() is not None else "no launcher after 30 s"
+        time.sleep(0.5)  # the program started
+        caller.send_signal(signal.SIGKILL)
+        caller.wait(10)
+        deadline = time.monotonic() + 10
+        while ours() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert ours() == []
+    finally:
+        if caller.poll() is None:
+            caller.kill()
+            caller.wait()
+        for pid in ours():
+            os.kill(pid, signal.SIGKILL)
+    (left,) = tmp_path.iterdir()  # the killed caller never cleaned up
+    assert left.name.startswith(f"grouprl-sbx-{caller.pid}-")
+    sweeper = subprocess.run([sys.executable, "-c", "from grouprl.sandbox import run_code\n"
+                              "print(run_code('print(1)', [{'input': '', 'output': '1'}]).status)"],
+                             env={**os.environ, "PYTHONPATH": src, "TMPDIR": str(tmp_path)}, capture_output=True,
+                             text=True, timeout=60)
+    assert sweeper.stdout.strip() == "passed", sweeper.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_run_folder_whose_folders_the_program_locked_is_removed(tmp_path):
+    """In the weak mode the program writes into the run folder itself, and may take the write and search
+    permission from folders it made; the cleanup opens them up first (as its owner: root needs not)."""
+    run = tmp_path / "grouprl-sbx-1-x"
+    (run / "work" / "d" / "e").mkdir(parents=True)
+    (run / "work" / "d" / "e" / "f").write_text("x")
+    for path in (run / "work" / "d" / "e", run / "work" / "d"):
+        path.chmod(0o500)
+    assert sandbox._remove(str(run)) and not run.exists()
+
+
 def test_parallel_runs_leak_no_processes_or_directories(monkeypatch, tmp_path, used_uids):
     monkeypatch.setattr(sandbox.tempfile, "tempdir", str(tmp_path))
     daemon = "import os, time\nif os.fork() == 0:\n    os.setsid()\n    time.sleep(60)\nprint(2 * int(input()))\n"

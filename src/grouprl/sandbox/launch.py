@@ -65,6 +65,11 @@ ETC_FILES = ("/etc/ld.so.cache", "/etc/ld.so.conf", "/etc/ld.so.conf.d", "/etc/l
 DEVICES = ("null", "zero", "full", "random", "urandom")
 SANDBOX_DIR = "/sandbox"  # harness, program and test: read-only
 WORK_DIR = "/tmp/work"  # the program's working directory, on the size-limited tmpfs
+# Files and folders a writable tmpfs of the sandbox holds at most (/tmp, /dev/shm). `size=` bounds their
+# data only: an empty file is kernel memory (inode, name), and with the default count (half of RAM in
+# pages) a program creating empty files grew the host's slab by ~1 GiB in 6 s, past disk_mb and
+# RLIMIT_AS. Past this a create fails with ENOSPC, as on a full disk.
+MAX_FILES = 4096
 
 libc = ctypes.CDLL(None, use_errno=True)
 
@@ -185,7 +190,8 @@ def _build_root(cfg, files, userns):
         os.symlink(f"/proc/self/fd/{i}", f"{root}/dev/{name}")
     os.symlink("/proc/self/fd", root + "/dev/fd")
     os.mkdir(root + "/dev/shm")
-    _mount("tmpfs", root + "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, "size=1m,mode=1777")
+    _mount("tmpfs", root + "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC,
+           f"size=1m,nr_inodes={MAX_FILES},mode=1777")
     os.mkdir(root + "/proc")
     # A fresh /proc shows only this PID namespace. A container that masks parts of its own /proc may
     # refuse the mount to a user namespace; the program then runs without /proc rather than see the host's.
@@ -194,7 +200,8 @@ def _build_root(cfg, files, userns):
     except OSError:
         pass
     os.mkdir(root + "/tmp")
-    _mount("tmpfs", root + "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, f"size={int(cfg['disk_mb'])}m,mode=1777")
+    _mount("tmpfs", root + "/tmp", "tmpfs", MS_NOSUID | MS_NODEV,
+           f"size={int(cfg['disk_mb'])}m,nr_inodes={MAX_FILES},mode=1777")
     os.mkdir(root + WORK_DIR, 0o700)
     if cfg["uid"]:  # we are root; the program will run as the run's uid
         os.chown(root + WORK_DIR, uid, gid)
@@ -367,6 +374,17 @@ def _init(harness):
             _exit_like(status)
 
 
+def _die_with_caller(cfg):
+    """The launcher dies with the process that started it (a trainer killed, or exiting with a tool call
+    still running): without this the launcher, the init and the program lived on, reparented to PID 1
+    (the program's deadline is kept by the caller). Its death takes the init (whose death signal is
+    the launcher's) and so the whole PID namespace. Set after the unshare, which may change our
+    credentials and with them clear the signal; a caller gone before it was set is seen by getppid."""
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != cfg.get("caller_pid", os.getppid()):
+        os._exit(125)
+
+
 def _fail(status_fd, e):
     """Report a setup failure on the private status pipe, never fall through to the caller's code path."""
     try:
@@ -392,6 +410,7 @@ def main(cfg):
         with open(os.path.join(run_dir, name), "rb") as f:
             files[name] = f.read()
     _unshare(userns, cfg["uid"], cfg["gid"])
+    _die_with_caller(cfg)
     _no_shared_memory()
     alive_r, alive_w = os.pipe()  # EOF on alive_r once the launcher is gone
     init = os.fork()

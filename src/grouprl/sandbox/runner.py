@@ -314,8 +314,9 @@ def _run_tests(program, tests, timeout_s, memory_mb, max_output_bytes, disk_mb, 
 def _prepared_run(program, mode):
     """Yield (run_dir, uid): a claimed uid (when root; else 0) and a fresh directory holding the program
     and the harness. Afterwards every process of the uid is killed and the directory removed."""
+    _sweep_once()
     with claim_uid() as uid:
-        run_dir = tempfile.mkdtemp(prefix="grouprl-sbx-")
+        run_dir = tempfile.mkdtemp(prefix=f"{RUN_DIR_PREFIX}{os.getpid()}-")
         try:
             _write(os.path.join(run_dir, "program.py"), program)
             shutil.copyfile(_HARNESS, os.path.join(run_dir, "harness.py"))
@@ -329,7 +330,53 @@ def _prepared_run(program, mode):
         finally:
             if uid:
                 kill_uid(uid)
-            shutil.rmtree(run_dir, ignore_errors=True)
+            _remove(run_dir)
+
+
+RUN_DIR_PREFIX = "grouprl-sbx-"  # then the pid of the process whose runs the folder holds
+_SWEPT: list[bool] = []
+
+
+def _remove(path: str) -> bool:
+    """Remove a run folder, also where the program took its write or search permission from folders it
+    made (rmtree alone cannot empty them, and left the folder). True when it is gone."""
+    for root, dirs, _ in os.walk(path):  # top-down: each folder is opened up before it is entered
+        for d in dirs:
+            try:
+                os.chmod(os.path.join(root, d), 0o700, follow_symlinks=False)
+            except OSError:
+                pass
+    shutil.rmtree(path, ignore_errors=True)
+    if os.path.lexists(path):
+        logger.warning("sandbox: could not remove %s; delete it by hand", path)
+        return False
+    return True
+
+
+def _sweep_once() -> None:
+    """Once per process: remove run folders of our uid left in the temp folder by a process that is gone
+    (killed before its cleanup ran)."""
+    if _SWEPT:
+        return
+    _SWEPT.append(True)
+    tmp = tempfile.gettempdir()
+    try:
+        names = os.listdir(tmp)
+    except OSError:
+        return
+    for name in names:
+        pid = name[len(RUN_DIR_PREFIX):].split("-", 1)[0]
+        if not name.startswith(RUN_DIR_PREFIX) or not pid.isdigit():
+            continue
+        path = os.path.join(tmp, name)
+        try:
+            if os.lstat(path).st_uid != os.getuid():
+                continue
+            os.kill(int(pid), 0)  # alive (or another process has its pid now): left alone
+        except ProcessLookupError:
+            _remove(path)
+        except OSError:
+            continue
 
 
 def _write(path, text, mode=0o444):
@@ -374,6 +421,7 @@ def _launch(test, run_dir, uid, timeout_s, memory_mb, max_output_bytes, disk_mb,
         "mode": mode, "python": python, "run_dir": run_dir, "has_test": is_assert,
         "uid": uid, "gid": uid, "cpu_s": _cpu_s(timeout_s), "as_bytes": memory_mb << 20,
         "fsize_bytes": disk_mb << 20, "disk_mb": disk_mb, "nproc": NPROC, "nofile": NOFILE,
+        "caller_pid": os.getpid(),
     }
     nonce_r, nonce_w = os.pipe()
     os.write(nonce_w, nonce)

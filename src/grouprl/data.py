@@ -398,22 +398,26 @@ def split_eval(ds: Dataset, fraction: float, seed: int) -> tuple[Dataset, Datase
 
 class PromptSampler:
     """Draws prompt indices epoch by epoch, each epoch a fresh seeded permutation. Its state is
-    (epoch, position), saved in checkpoints so a resumed run sees the same prompts."""
+    (epoch, position, the epoch's seed), saved in checkpoints so a resumed run sees the same prompts.
+    A run resumed with another `seed` finishes the epoch it is in with the permutation it began (a
+    new one from the old position repeated some prompts of the epoch and skipped as many); the
+    epochs after it follow the new seed."""
 
     def __init__(self, num_rows: int, seed: int):
         self.num_rows, self.seed = num_rows, seed
         self.epoch, self.pos = 0, 0
+        self._epoch_seed = seed  # the seed of the epoch's permutation
         self._perm = self._permutation(0)
 
     def _permutation(self, epoch: int) -> list[int]:
-        g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+        g = torch.Generator().manual_seed(self._epoch_seed * 1_000_003 + epoch)
         return torch.randperm(self.num_rows, generator=g).tolist()
 
     def next(self, k: int) -> list[int]:
         out: list[int] = []
         while len(out) < k:
             if self.pos == self.num_rows:
-                self.epoch, self.pos = self.epoch + 1, 0
+                self.epoch, self.pos, self._epoch_seed = self.epoch + 1, 0, self.seed
                 self._perm = self._permutation(self.epoch)
             take = min(k - len(out), self.num_rows - self.pos)
             out += self._perm[self.pos:self.pos + take]
@@ -421,13 +425,14 @@ class PromptSampler:
         return out
 
     def state_dict(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "pos": self.pos, "num_rows": self.num_rows, "seed": self.seed}
+        return {"epoch": self.epoch, "pos": self.pos, "num_rows": self.num_rows, "seed": self._epoch_seed}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         if state["num_rows"] != self.num_rows:
             raise DataError(f"the checkpoint was made with {state['num_rows']} training rows, the "
                             f"data now has {self.num_rows}: resume with the same train_data")
         self.epoch, self.pos = state["epoch"], state["pos"]
+        self._epoch_seed = state.get("seed", self.seed)  # the epoch goes on as it began (class docstring)
         self._perm = self._permutation(self.epoch)
 
 

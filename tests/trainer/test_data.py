@@ -80,6 +80,23 @@ def test_sampler_covers_each_epoch_and_resumes_mid_epoch():
         PromptSampler(11, seed=3).load_state_dict(state)
 
 
+
+def test_a_run_resumed_with_another_seed_finishes_the_epoch_it_began():
+    """seed 0 -> 1 on resume, mid-epoch: the epoch goes on with its permutation (a new permutation from
+    the old position drew 47 distinct prompts of 64 in a review's run), the next epochs follow seed 1,
+    and a second resume in the same epoch goes on the same way."""
+    a = PromptSampler(64, seed=0)
+    first = a.next(32)
+    b = PromptSampler(64, seed=1)
+    b.load_state_dict(a.state_dict())
+    rest = b.next(16)
+    c = PromptSampler(64, seed=1)
+    c.load_state_dict(b.state_dict())  # resumed again, still in epoch 0
+    rest += c.next(16)
+    assert sorted(first + rest) == list(range(64))
+    assert c.next(64) == PromptSampler(64, seed=1)._permutation(1)  # epoch 1: seed 1's
+
+
 @pytest.mark.parametrize("fmt", [None, "torch", "columns"])
 def test_prompt_batch_reads_the_drawn_rows_as_python_objects_whatever_the_format(fmt):
     """The drawn rows in the drawn order (a row drawn twice comes twice), every column as Python

@@ -21,6 +21,9 @@ that one is 3 steps old). They cost three times the trainable parameters each (w
 two moments): 1.6 GB for a 135 M model in fp32, a few MB for a LoRA adapter. Departure: they are not
 in the checkpoint (it would triple in size), so a resumed run's first rollback target is the state
 it resumed from, and from a rollback after a resume on, the run differs from an uninterrupted one.
+That state may already hold the collapse (resumed from a checkpoint written just after it): where a
+resumed run stops after rollbacks that all went back there, it says so and names the older
+checkpoints kept (the uninterrupted run would have gone back further).
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from typing import Any
 import torch
 
 from grouprl.batch import StepBatch
-from grouprl.checkpoint import memory_snapshot, restore_snapshot
+from grouprl.checkpoint import checkpoint_dir, list_checkpoints, memory_snapshot, restore_snapshot
 from grouprl.config import ConfigError, TrainConfig
 from grouprl.health import Alarm, HealthMonitor, HealthThresholds
 from grouprl.optim import scale_learning_rate
@@ -63,6 +66,8 @@ class RunGuard:
         self.alarms: list[Alarm] = []  # raised by the latest step (or eval), not yet responded to
         self.rollbacks = 0
         self.snapshots: list[tuple[int, dict[str, Any]]] = []  # (step, memory_snapshot)
+        self.targets: list[int] = []  # the steps this process's rollbacks went back to
+        self.resumed = False  # the run resumed from a checkpoint (load_state_dict)
 
     # ------------------------------------------------------------------ alarms
     def check(self, step: int, batch: StepBatch, metrics: dict[str, float]) -> dict[str, float]:
@@ -110,9 +115,29 @@ class RunGuard:
             return Response(stop=f"collapse alarm {collapse[0]} (on_collapse: stop)")
         if collapse and cfg.on_collapse == "rollback":
             if self.rollbacks >= cfg.max_rollbacks:
-                return Response(stop=f"collapse alarm {collapse[0]} after max_rollbacks={cfg.max_rollbacks} rollbacks")
+                reason = f"collapse alarm {collapse[0]} after max_rollbacks={cfg.max_rollbacks} rollbacks"
+                if advice := self._resume_point_advice():
+                    self._say(advice, progress)
+                    reason += f" (each back to step {self.snapshots[0][0]}, where this run resumed)"
+                return Response(stop=reason)
             return Response(rollback=True)
         return Response()
+
+    def _resume_point_advice(self) -> str:
+        """Where every rollback of a resumed run went back to the state it resumed from (the only target
+        a resume has until its next snapshot: module docstring), that state may be past the collapse
+        (a review's run resumed one step after it and spent its rollbacks there): say so, and name the
+        older checkpoints a rerun can go back to."""
+        if not (self.resumed and self.snapshots and self.targets and set(self.targets) == {self.snapshots[0][0]}):
+            return ""
+        at = self.snapshots[0][0]
+        older = [p.name for p in list_checkpoints(self.cfg.output_dir) if int(p.name.split("-")[-1]) < at]
+        where = (f"the kept checkpoints before it: {', '.join(older)}; move the later ones out of "
+                 f"{checkpoint_dir(self.cfg.output_dir)} and resume with a lower learning_rate" if older else
+                 "no earlier checkpoint is kept (save_total_limit); start over with a lower learning_rate")
+        return (f"every rollback went back to step {at}, the checkpoint this run resumed from, which may already "
+                f"hold the collapse (rollback snapshots are not saved in checkpoints), and a resume goes back there "
+                f"too. To go back further: {where}")
 
     def rolled_back(self, step: int, metrics: dict[str, Any], progress: Progress | None) -> None:
         """Say that the trainer carried out a rollback (`metrics` holds what `restore` returned)."""
@@ -147,6 +172,7 @@ class RunGuard:
         self.snapshots = [sn for sn in self.snapshots if sn[0] <= to_step]
         scale_learning_rate(optimizer, scheduler, self.cfg.rollback_lr_factor)
         self.rollbacks += 1
+        self.targets.append(to_step)
         if self.monitor is not None:
             self.monitor.reset_after_rollback(to_step)
         return {"rollback/to_step": to_step, "rollback/count": self.rollbacks, "lr": scheduler.get_last_lr()[0]}
@@ -156,6 +182,7 @@ class RunGuard:
         return {"monitor": None if self.monitor is None else self.monitor.state_dict(), "rollbacks": self.rollbacks}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.resumed = True
         self.rollbacks = state.get("rollbacks", 0)
         if self.monitor is not None and state.get("monitor"):
             self.monitor.load_state_dict(state["monitor"])

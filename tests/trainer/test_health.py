@@ -447,6 +447,65 @@ def test_a_learning_rate_far_too_high_is_rolled_back(make_cfg):
     assert trainer.guard.rollbacks == len(rolled) <= 2
 
 
+def test_rollbacks_spent_on_the_resume_point_say_where_to_go_back_to(make_cfg, capsys):
+    """lr 3.0 wrecks the policy at step 1; killed before step 2 and resumed from the step-1 checkpoint,
+    the run's only rollback target is that wrecked state (the uninterrupted run goes back to step 0 and
+    recovers): it spends its rollbacks there and stops, and the reason says that every rollback went
+    to the resume point and that no earlier checkpoint is kept (a review's run stopped saying only
+    "after max_rollbacks=2 rollbacks")."""
+    cfg = make_cfg(learning_rate=3.0, beta=0.04, max_steps=6, on_collapse="rollback", rollback_lr_factor=0.001,
+                   max_rollbacks=2, save_steps=1)
+
+    class Crash(Exception):
+        pass
+
+    trainer = Trainer(cfg)
+    original = trainer.train_step
+
+    def crash_before_step_2():
+        if trainer.step == 1:
+            raise Crash
+        return original()
+
+    trainer.train_step = crash_before_step_2
+    with pytest.raises(Crash):
+        trainer.train()
+    capsys.readouterr()
+    with pytest.raises(TrainingStopped) as stop:
+        Trainer(cfg).train(resume=True)
+    said = "".join(capsys.readouterr())  # the guard says it where it says its alarms
+    rows = read_metrics(cfg.output_dir)
+    assert [r["rollback/to_step"] for r in rows if "rollback/count" in r] == [1, 1]
+    assert "after max_rollbacks=2 rollbacks (each back to step 1, where this run resumed)" in stop.value.reason
+    assert ("every rollback went back to step 1, the checkpoint this run resumed from, which may already hold the "
+            "collapse") in said
+    assert "no earlier checkpoint is kept (save_total_limit); start over with a lower learning_rate" in said
+
+
+def test_the_resume_point_advice_names_the_older_checkpoints_kept(tmp_path):
+    """The same stop where checkpoints before the resume point are kept: they are named, with what to do;
+    and no advice where a rollback went elsewhere, or the run did not resume."""
+    cfg = TrainConfig(model="m", train_data="d", reward_funcs=["f"], on_collapse="rollback", output_dir=str(tmp_path))
+    for step in (2, 4, 6):
+        (tmp_path / "checkpoints" / f"step-{step:06d}").mkdir(parents=True)
+        (tmp_path / "checkpoints" / f"step-{step:06d}" / "COMPLETE").touch()
+    guard = RunGuard(cfg, ["f"], [], is_main=True)
+    model = torch.nn.Linear(1, 1, bias=False)
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    guard.load_state_dict({"rollbacks": 0})
+    guard.snapshot(6, model, opt)
+    guard.targets = [6, 6]
+    assert guard._resume_point_advice().endswith(
+        f"the kept checkpoints before it: step-000002, step-000004; move the later ones out of "
+        f"{tmp_path / 'checkpoints'} and resume with a lower learning_rate")
+    guard.targets = [6, 3]
+    assert guard._resume_point_advice() == ""
+    fresh = RunGuard(cfg, ["f"], [], is_main=True)
+    fresh.snapshot(6, model, opt)
+    fresh.targets = [6]
+    assert fresh._resume_point_advice() == ""
+
+
 def test_reward_functions_are_watched_under_the_names_they_are_scored_under(make_cfg, digits_data):
     """A functools.partial (no __name__) and one function listed twice, health on, an eval before and after:
     each is named as the scores are keyed (its type's name; `_2` on a repeat), and the monitor reads each

@@ -145,7 +145,8 @@ def test_the_cache_goes_by_the_keyword_the_models_forward_takes(model_and_tok):
         "past_key_values", "cache", "cache", "cache", "past_key_values"]
     model, tok = model_and_tok  # the installed transformers' own name, with no FutureWarning from a call
     name = cache_kwarg(model)
-    assert name in ("cache", "past_key_values") and name in __import__("inspect").signature(type(model).forward).parameters
+    assert name in ("cache", "past_key_values")
+    assert name in __import__("inspect").signature(type(model).forward).parameters
 
 
 def test_the_generic_path_warns_of_no_deprecated_cache_keyword(model_and_tok):

@@ -4,7 +4,8 @@ Layout of `output_dir/checkpoints/step-000010/`:
   model/              `save_pretrained` model + tokenizer, loadable by transformers (with LoRA:
                       the adapter merged into the base), usable as `model` for a new run
   trainable.safetensors  the trainable weights exactly as trained (LoRA: the adapter)
-  ref.safetensors     the reference weights, only in DeepSeekMath's iterative mode
+  ref.safetensors     the reference weights, only in DeepSeekMath's iterative mode (state.pt's
+                      `ref_written` says so: a checkpoint that lacks it is damaged)
   state.pt            optimizer, scheduler, RNG states, data position, step, eval results
   COMPLETE            written last; a folder without it is never read
   loop.pt             only after an eval that followed the save (eval_after; one made up on
@@ -100,7 +101,7 @@ def save_checkpoint(output_dir: str | Path, step: int, *, model: torch.nn.Module
         save_file({k: v.contiguous() for k, v in ref_state.items() if k in names}, tmp / "ref.safetensors")
     elif ref_model is not None:
         save_model(ref_model, str(tmp / "ref.safetensors"))  # handles tied embeddings
-    torch.save(state, tmp / "state.pt")
+    torch.save({**state, "ref_written": ref_model is not None}, tmp / "state.pt")  # read_checkpoint requires it
     _fsync_tree(tmp)
     (tmp / "COMPLETE").write_text(f"{step}\n")
     aside = None
@@ -187,15 +188,18 @@ def check_fits(path: str | Path, weights: dict[str, torch.Tensor], model: torch.
 
 def read_checkpoint(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor] | None,
                                                 dict[str, Any]]:
-    """The trainable weights, the reference weights (or None) and the trainer state, as stored."""
+    """The trainable weights, the reference weights (or None) and the trainer state, as stored. A
+    checkpoint written with a reference (state.pt's `ref_written`) is damaged without its file; one
+    written before that record (2026-11-27) is read with its reference where the file is there."""
     path = Path(path)
     if not (path / "COMPLETE").is_file():
         raise FileNotFoundError(f"{path} is not a complete checkpoint")
-    ref = _read(path / "ref.safetensors", load_file) if (path / "ref.safetensors").is_file() else None
-    return (_read(path / "trainable.safetensors", load_file), ref,
-            _read(path / "state.pt", lambda p: torch.load(p, weights_only=False, map_location="cpu")))
+    state = _read(path / "state.pt", lambda p: torch.load(p, weights_only=False, map_location="cpu"))
     # (map_location: a GPU run's optimizer state is saved on its device; read on the CPU, it resumes on a
     # machine without that GPU, and K ranks do not each load it onto cuda:0. load_state_dict moves it.)
+    ref_file = path / "ref.safetensors"
+    ref = _read(ref_file, load_file) if state.get("ref_written", ref_file.is_file()) else None
+    return _read(path / "trainable.safetensors", load_file), ref, state
 
 
 def write_loop_state(path: Path, fields: dict[str, Any]) -> None:

@@ -307,6 +307,27 @@ def test_a_damaged_latest_checkpoint_is_an_error_naming_it_and_the_fix(make_cfg,
         Trainer(make_cfg(max_steps=3, save_steps=1, save_total_limit=save_total_limit)).train(resume=True)
 
 
+def test_a_checkpoint_written_with_a_reference_is_damaged_without_it(make_cfg):
+    """ref_update_steps 1: the reference is the policy of the last step, in ref.safetensors. Deleted from
+    the newest checkpoint, the resume took the starting model as the reference, silently (with
+    ref_update_steps 2 and learning_rate 3e-2, a KL of 1.13 at step 3 where the uninterrupted run had 0.0):
+    it is an error naming the file. A checkpoint written before state.pt recorded the reference is read
+    as before: its reference where the file is there, none where it is not."""
+    from grouprl.checkpoint import read_checkpoint
+
+    kw = dict(max_steps=2, save_steps=1, beta=0.04, ref_update_steps=1)
+    Trainer(make_cfg(**kw)).train()
+    newest = latest_checkpoint(make_cfg().output_dir)
+    (newest / "ref.safetensors").unlink()
+    with pytest.raises(ConfigError, match=r"step-000002 is damaged: ref.safetensors cannot be read .*; delete that "
+                                          r"folder to resume from the previous complete checkpoint, .*step-000001$"):
+        Trainer(make_cfg(**{**kw, "max_steps": 3})).train(resume=True)
+    state = torch.load(newest / "state.pt", weights_only=False)
+    del state["ref_written"]  # as written before the record
+    torch.save(state, newest / "state.pt")
+    assert read_checkpoint(newest)[1] is None
+
+
 @pytest.mark.parametrize("change, says", [
     (dict(lora_r=8), r"other shapes \(.*lora_A.* \(4, \d+\) -> \(8, \d+\)"),
     (dict(lora_target_modules=["q_proj", "v_proj"]), r"no weights for 4 trainable parameter\(s\) \(.*v_proj"),

@@ -15,8 +15,9 @@ Layout of `output_dir/checkpoints/step-000010/`:
 A rename within one filesystem is atomic, so a run killed at any moment leaves either the new
 checkpoint complete or no trace of it beside the previous one. A checkpoint replaced by a new one of
 its step is first moved aside (`.old-step-N-PID`), so a complete one of that step exists at every
-instant; `recover_interrupted_saves`, at the start of a run, puts back what a kill left aside and
-deletes the temporary folders of saves that never finished.
+instant; one that save_total_limit deletes is first renamed (`.del-step-N-PID`), so no checkpoint is
+ever half deleted. `recover_interrupted_saves`, at the start of a run, puts back what a kill left
+aside and deletes the temporary folders of saves that never finished and the deletions it cut short.
 """
 
 from __future__ import annotations
@@ -38,7 +39,8 @@ from safetensors.torch import load_file, load_model, save_file, save_model
 from grouprl.lora import base_model, is_peft_model, merged_named_weights
 
 _NAME = re.compile(r"^step-(\d+)$")
-_LEFTOVER = re.compile(r"^\.(tmp|old)-step-(\d+)-\d+$")  # a save's temporary folder; a checkpoint moved aside
+# a save's temporary folder; a checkpoint moved aside to be replaced; one save_total_limit is deleting
+_LEFTOVER = re.compile(r"^\.(tmp|old|del)-step-(\d+)-\d+$")
 
 
 class CheckpointMismatch(ValueError):
@@ -117,14 +119,20 @@ def save_checkpoint(output_dir: str | Path, step: int, *, model: torch.nn.Module
     if keep:
         for old in list_checkpoints(output_dir)[:-keep]:
             if protect is None or old.resolve() != Path(protect).resolve():
-                shutil.rmtree(old, ignore_errors=True)
+                # renamed first: a kill midway through the deletion leaves a leftover that recovery deletes, never
+                # a step-N folder that has lost some files but kept COMPLETE (rmtree's order is the directory's)
+                gone = root / f".del-{old.name}-{os.getpid()}"
+                os.replace(old, gone)
+                _fsync_dir(root)
+                shutil.rmtree(gone, ignore_errors=True)
     return final
 
 
 def recover_interrupted_saves(output_dir: str | Path) -> None:
     """Undo what a save killed midway left in checkpoints/ (rank 0, at the start of a run, before any
     checkpoint is read): a checkpoint moved aside to be replaced goes back into place if its
-    replacement never arrived, else it is deleted; temporary folders of unfinished saves are deleted."""
+    replacement never arrived, else it is deleted; temporary folders of unfinished saves, and
+    checkpoints whose deletion (save_total_limit) was cut short, are deleted."""
     root = checkpoint_dir(output_dir)
     if not root.is_dir():
         return

@@ -219,6 +219,34 @@ def test_save_total_limit_keeps_the_newest(make_cfg):
     assert [p.name for p in list_checkpoints(cfg.output_dir)] == ["step-000003", "step-000004"]
 
 
+def test_a_kill_while_save_total_limit_deletes_a_checkpoint_leaves_no_checkpoint_half_deleted(make_cfg,
+                                                                                                 monkeypatch):
+    """save_total_limit 1: step 2's save deletes step 1's checkpoint, and the process dies once the deletion has
+    removed state.pt. rmtree removes files in the directory's order, which on ext4 listed COMPLETE last (a real
+    SIGKILL left step-000001 holding COMPLETE alone, taken for a complete checkpoint and named as the one to
+    resume from). No folder that lost a file is taken for a checkpoint, and recovery deletes what is left."""
+    import shutil
+
+    from grouprl.checkpoint import recover_interrupted_saves
+
+    real_rmtree = shutil.rmtree
+
+    def killed_after_state_pt(path, *args, **kwargs):
+        if (Path(path) / "state.pt").is_file():  # a checkpoint's folder: COMPLETE left for last
+            (Path(path) / "state.pt").unlink()
+            raise Crash
+        return real_rmtree(path, *args, **kwargs)
+
+    cfg = make_cfg(max_steps=2, save_steps=1, save_total_limit=1)
+    monkeypatch.setattr(shutil, "rmtree", killed_after_state_pt)
+    with pytest.raises(Crash):
+        Trainer(cfg).train()
+    monkeypatch.setattr(shutil, "rmtree", real_rmtree)
+    assert [p.name for p in list_checkpoints(cfg.output_dir)] == ["step-000002"]
+    recover_interrupted_saves(cfg.output_dir)
+    assert sorted(p.name for p in (Path(cfg.output_dir) / "checkpoints").iterdir()) == ["step-000002"]
+
+
 def test_a_step_is_saved_once_when_the_best_model_and_save_steps_fall_on_it(make_cfg, monkeypatch):
     """Eval and save_steps every 2 steps of 4: step 2's eval is the first, so the best so far, and its
     checkpoint is the one save_steps asks for; step 4 is the final save. Steps written: 2, 4 (not 2, 2, 4)."""

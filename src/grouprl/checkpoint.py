@@ -92,20 +92,11 @@ def save_checkpoint(output_dir: str | Path, step: int, *, model: torch.nn.Module
     tmp = root / f".tmp-step-{step:06d}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
-    save_model_folder(model, tmp / "model", model_state)
-    tokenizer.save_pretrained(tmp / "model")
-    trainable = trainable_state(model)
-    if model_state is not None:
-        trainable = {k: model_state[k].contiguous() for k in trainable}
-    save_file(trainable, tmp / "trainable.safetensors")
-    if ref_state is not None:
-        names = {n for n, _ in ref_model.named_parameters()} | {n for n, _ in ref_model.named_buffers()}
-        save_file({k: v.contiguous() for k, v in ref_state.items() if k in names}, tmp / "ref.safetensors")
-    elif ref_model is not None:
-        save_model(ref_model, str(tmp / "ref.safetensors"))  # handles tied embeddings
-    torch.save({**state, "ref_written": ref_model is not None}, tmp / "state.pt")  # read_checkpoint requires it
-    _fsync_tree(tmp)
-    (tmp / "COMPLETE").write_text(f"{step}\n")
+    try:
+        _write_files(tmp, step, model, tokenizer, state, ref_model, model_state, ref_state)
+    except BaseException:  # a full disk, a second signal: the partial checkpoint does not stay on the disk
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     aside = None
     if final.exists():
         # the same step from an earlier attempt: moved aside, not deleted, until the new one is in place, so
@@ -126,6 +117,27 @@ def save_checkpoint(output_dir: str | Path, step: int, *, model: torch.nn.Module
                 _fsync_dir(root)
                 shutil.rmtree(gone, ignore_errors=True)
     return final
+
+
+def _write_files(tmp: Path, step: int, model: torch.nn.Module, tokenizer, state: dict[str, Any],
+                 ref_model: torch.nn.Module | None, model_state: dict[str, torch.Tensor] | None,
+                 ref_state: dict[str, torch.Tensor] | None) -> None:
+    """A checkpoint's files into its temporary folder `tmp`, on disk, COMPLETE last (save_checkpoint)."""
+    save_model_folder(model, tmp / "model", model_state)
+    tokenizer.save_pretrained(tmp / "model")
+    trainable = trainable_state(model)
+    if model_state is not None:
+        trainable = {k: model_state[k].contiguous() for k in trainable}
+    save_file(trainable, tmp / "trainable.safetensors")
+    if ref_state is not None:
+        names = {n for n, _ in ref_model.named_parameters()} | {n for n, _ in ref_model.named_buffers()}
+        save_file({k: v.contiguous() for k, v in ref_state.items() if k in names}, tmp / "ref.safetensors")
+    elif ref_model is not None:
+        save_model(ref_model, str(tmp / "ref.safetensors"))  # handles tied embeddings
+    with open(tmp / "state.pt", "wb") as f:  # a Python file: see write_loop_state
+        torch.save({**state, "ref_written": ref_model is not None}, f)  # read_checkpoint requires the reference
+    _fsync_tree(tmp)
+    (tmp / "COMPLETE").write_text(f"{step}\n")
 
 
 def recover_interrupted_saves(output_dir: str | Path) -> None:
@@ -215,9 +227,16 @@ def write_loop_state(path: Path, fields: dict[str, Any]) -> None:
     evaluated after writing the checkpoint `path` (its weights unchanged) records the eval without
     writing the weights and optimizer state again."""
     tmp = path / f".loop.pt.tmp-{os.getpid()}"
-    torch.save(fields, tmp)
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
+    try:
+        # written through a Python file: on a full disk torch's error then carries the OSError (ENOSPC) that
+        # says so, as its __context__ (torch's own file writer reports no errno)
+        with open(tmp, "wb") as f:
+            torch.save(fields, f)
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException:  # recover_interrupted_saves does not look inside checkpoints
+        tmp.unlink(missing_ok=True)
+        raise
     os.replace(tmp, path / "loop.pt")
     _fsync_dir(path)
 

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import json
 import logging
 import os
@@ -156,6 +157,22 @@ def _again(cfg: TrainConfig | None, resume: str, command: str) -> str:
     return "run the same command again: the run wrote no checkpoint."
 
 
+def disk_full(error: BaseException) -> BaseException | None:
+    """The error that says a write found no space (ENOSPC, or EDQUOT: a quota) in `error`'s chain, or
+    None: an OSError; or safetensors' error, which quotes the OS's ("(os error 28)"). torch's file
+    writer reports no errno: written through a Python file, its error carries that file's OSError
+    (checkpoint.write_loop_state)."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
+            return error
+        if any(f"(os error {n})" in str(error) for n in (errno.ENOSPC, errno.EDQUOT)):
+            return error
+        error = error.__cause__ or error.__context__
+    return None
+
+
 def _first_line(error: BaseException) -> str:
     return str(error).strip().splitlines()[0][:300] if str(error).strip() else type(error).__name__
 
@@ -204,6 +221,12 @@ def _train(cfg: TrainConfig, *, resume: bool | str, again: str) -> int:
         # wrote the summary was seen to hang the other at exit (once in three full test runs)
         barrier(ctx)
     except Exception as e:
+        if (full := disk_full(e)) is not None:  # the save's partial folder is gone (checkpoint.save_checkpoint)
+            rank = f" (rank {ctx.rank})" if ctx.world_size > 1 else ""
+            print(f"grouprl train: error{rank}: the disk is full: free space on the disk of output_dir="
+                  f"{str(cfg.output_dir)!r} (checkpoints, logs), or on the one the error names\nThe error: "
+                  f"{_first_line(full)}\nThe run stopped; {_again(cfg, again, 'train')}", file=sys.stderr)
+            return 1
         if not is_out_of_memory(e):
             raise
         budget = trainer.updater.planner.budget(cfg) if trainer is not None else None

@@ -247,6 +247,16 @@ def test_a_kill_while_save_total_limit_deletes_a_checkpoint_leaves_no_checkpoint
     assert sorted(p.name for p in (Path(cfg.output_dir) / "checkpoints").iterdir()) == ["step-000002"]
 
 
+def test_a_loop_state_that_cannot_be_written_leaves_no_temporary_file(tmp_path):
+    """write_loop_state writes loop.pt beside a checkpoint through a temporary file, which recovery does not
+    look for inside checkpoints: a write that fails (a full disk; here an object pickle refuses) removes it."""
+    from grouprl.checkpoint import write_loop_state
+
+    with pytest.raises(Exception, match="lambda"):
+        write_loop_state(tmp_path, {"evals": {}, "guard": lambda: None})
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_step_is_saved_once_when_the_best_model_and_save_steps_fall_on_it(make_cfg, monkeypatch):
     """Eval and save_steps every 2 steps of 4: step 2's eval is the first, so the best so far, and its
     checkpoint is the one save_steps asks for; step 4 is the final save. Steps written: 2, 4 (not 2, 2, 4)."""

@@ -3,6 +3,7 @@
 now; what it wrote stays, and --resume continues from it; other errors pass through unchanged. A
 tracker that cannot start is one line; a reward that raises prints the command that goes on."""
 
+import errno
 import json
 import re
 from pathlib import Path
@@ -134,6 +135,59 @@ def test_out_of_memory_in_grouprl_eval_speaks_of_its_batches(make_cfg, digits_da
     err = capsys.readouterr().err
     assert "grouprl eval: error: out of memory while generating for the eval. To fit:" in err
     assert "generation decodes 128 rows together (generation_batch_size: null, all 128 of an eval batch" in err
+
+
+def test_a_full_disk_while_saving_says_so_leaves_no_partial_checkpoint_and_resume_finishes(
+        make_cfg, tmp_path, monkeypatch, capsys):
+    """4 steps, a checkpoint every 2; the disk fills while step 4's state.pt is written. Before, a raw
+    OSError traceback, no resume command, and .tmp-step-000004-PID left on the full disk. Now: the disk
+    is full, where, the command that continues the run; only step 2's checkpoint in checkpoints/."""
+    import grouprl.checkpoint
+
+    path = _config(make_cfg, tmp_path, max_steps=4, save_steps=2)
+    real, saves = grouprl.checkpoint.torch.save, []
+
+    def full_disk(obj, f, *args, **kwargs):
+        if str(getattr(f, "name", f)).endswith("state.pt"):
+            saves.append(1)
+            if len(saves) == 2:
+                raise OSError(errno.ENOSPC, "No space left on device")
+        return real(obj, f, *args, **kwargs)
+
+    monkeypatch.setattr(grouprl.checkpoint.torch, "save", full_disk)
+    assert main(["train", str(path)]) == 1
+    err = capsys.readouterr().err
+    run = Path(make_cfg().output_dir)
+    assert f"grouprl train: error: the disk is full: free space on the disk of output_dir={str(run)!r}" in err
+    assert "The error: [Errno 28] No space left on device" in err and "Traceback" not in err
+    assert f"(the checkpoints written are intact):\n  grouprl train {path} --resume" in err
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-000002"]
+
+    monkeypatch.setattr(grouprl.checkpoint.torch, "save", real)
+    assert main(["train", str(path), "--resume"]) == 0
+    assert json.loads((run / "summary.json").read_text())["steps"] == 4
+
+
+def test_disk_full_knows_each_writers_report_of_it():
+    """Measured on a full 2 MiB tmpfs: Python's own writes raise OSError 28; safetensors' (the model and
+    the trainable weights) a SafetensorError quoting it; torch.save to a Python file a RuntimeError whose
+    __context__ is the file's OSError (to a path, torch's writer names no errno)."""
+    from safetensors import SafetensorError
+
+    from grouprl.cli import disk_full
+
+    assert disk_full(OSError(errno.ENOSPC, "No space left on device")) is not None
+    assert disk_full(OSError(errno.EDQUOT, "Disk quota exceeded")) is not None
+    assert disk_full(SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)"))
+    try:
+        try:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        except OSError:
+            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+    except RuntimeError as e:
+        assert isinstance(disk_full(e), OSError)
+    assert disk_full(OSError(errno.EACCES, "Permission denied")) is None
+    assert disk_full(RuntimeError("shape mismatch")) is None
 
 
 def test_a_stop_for_a_fixable_cause_prints_the_command_that_goes_on(make_cfg, tmp_path, monkeypatch, capsys):

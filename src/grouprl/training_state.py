@@ -215,7 +215,12 @@ def restore_training_state(cfg: TrainConfig, dist: D.DistContext, parts: Trainin
         parts.optimizer.load_state_dict(saved)
     for group, hyper in zip(parts.optimizer.param_groups, own):
         group.update(hyper)  # changed settings apply, as the warning below says (the load kept the old ones)
-    state.update(read_loop_state(ckpt))  # evals made after the save: their results and the guard's record
+    try:
+        state.update(read_loop_state(ckpt))  # evals made after the save: their results and the guard's record
+    except DamagedCheckpoint as e:  # not the folder's advice: the weights and optimizer state are whole
+        raise ConfigError(f"--resume: {e}; delete that file to resume from the checkpoint as it was saved: it "
+                          "holds only what the evals made after the save changed (their results, the best "
+                          "checkpoint's record, the run guard's), and the resumed run makes those evals again") from e
     step = state["step"]
     parts.sampler.load_state_dict(state["sampler"])
     parts.scheduler.load_state_dict(state["scheduler"])

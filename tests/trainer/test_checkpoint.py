@@ -366,6 +366,25 @@ def test_a_checkpoint_written_with_a_reference_is_damaged_without_it(make_cfg):
     assert read_checkpoint(newest)[1] is None
 
 
+def test_a_damaged_loop_state_is_an_error_whose_advice_resumes_with_the_eval_made_again(make_cfg):
+    """loop.pt records the eval_after of a finished run (made after its last checkpoint). Cut in half, the
+    resume raised DamagedCheckpoint from outside the handler that gives advice (a traceback from grouprl train).
+    Now an error naming it; deleting it, as the advice says, resumes: eval_after is made again."""
+    cfg = make_cfg(max_steps=2, eval_fraction=0.1, max_eval_samples=4)
+    summary = Trainer(cfg).train()
+    rows = _strip_timing(read_metrics(cfg.output_dir))
+    loop = latest_checkpoint(cfg.output_dir) / "loop.pt"
+    loop.write_bytes(loop.read_bytes()[: loop.stat().st_size // 2])
+    with pytest.raises(ConfigError, match=r"step-000002 is damaged: loop.pt cannot be read .*; delete that file to "
+                                          r"resume from the checkpoint as it was saved"):
+        Trainer(cfg).train(resume=True)
+    loop.unlink()
+    again = Trainer(cfg).train(resume=True)
+    assert again["steps"] == 2 and again["eval_after"]["accuracy"] == summary["eval_after"]["accuracy"]
+    assert _strip_timing(read_metrics(cfg.output_dir)) == rows  # step 2's eval row replaced, not doubled
+    assert loop.is_file()
+
+
 @pytest.mark.parametrize("change, says", [
     (dict(lora_r=8), r"other shapes \(.*lora_A.* \(4, \d+\) -> \(8, \d+\)"),
     (dict(lora_target_modules=["q_proj", "v_proj"]), r"no weights for 4 trainable parameter\(s\) \(.*v_proj"),

@@ -204,7 +204,9 @@ def restore_training_state(cfg: TrainConfig, dist: D.DistContext, parts: Trainin
         earlier = list_checkpoints(cfg.output_dir)[:-1]
         raise ConfigError(f"--resume: {e}; " + (
             f"delete that folder to resume from the previous complete checkpoint, {earlier[-1]}" if earlier
-            else "it is the run's only checkpoint: delete it and start the run again without --resume")) from e
+            # a plain new run refuses the folder for its metrics.jsonl (prepare_output_dir); --resume auto starts over
+            else "it is the run's only checkpoint: delete that folder and start the run over with --resume auto (from "
+                 "Python: train(resume=\"auto\")), which keeps the rows it logged aside in metrics.jsonl.lost")) from e
     if parts.value_head is not None:
         parts.value_head.load_state_dict(state["value_head"])
     if not sharded:

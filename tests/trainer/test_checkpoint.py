@@ -330,19 +330,31 @@ def test_a_finished_run_trained_further_is_finished_only_once_evaluated_at_its_n
     assert [r["step"] for r in read_metrics(make_cfg().output_dir) if "eval/accuracy" in r] == [0, 2, 3]
 
 
-@pytest.mark.parametrize("damaged, save_total_limit, fix", [
-    ("state.pt", None, r"delete that folder to resume from the previous complete checkpoint, .*step-000001$"),
-    ("trainable.safetensors", 1, "it is the run's only checkpoint: delete it and start the run again without"),
+@pytest.mark.parametrize("damaged, save_total_limit, fix, then", [
+    ("state.pt", None, r"delete that folder to resume from the previous complete checkpoint, .*step-000001$", True),
+    ("trainable.safetensors", 1, r"it is the run's only checkpoint: delete that folder and start the run over "
+                                 r"with --resume auto \(from Python: train\(resume=\"auto\"\)\), which keeps the "
+                                 r"rows", "auto"),
 ])
-def test_a_damaged_latest_checkpoint_is_an_error_naming_it_and_the_fix(make_cfg, damaged, save_total_limit, fix):
+def test_a_damaged_latest_checkpoint_is_an_error_naming_it_and_the_fix(make_cfg, damaged, save_total_limit, fix,
+                                                                        then):
     """A file of the newest checkpoint cut in half after it was written (a copy that stopped, a full disk under a
-    sync): resume names the folder, the file, and what to do; it never falls back to an older one by itself."""
+    sync): resume names the folder, the file, and what to do; it never falls back to an older one by itself. The
+    advice works when followed (`then`: the resume it names). For the only checkpoint it used to say to start
+    again without --resume, which a new run refuses: the folder holds the run's metrics.jsonl."""
+    import shutil
+
     cfg = make_cfg(max_steps=2, save_steps=1, save_total_limit=save_total_limit)
     Trainer(cfg).train()
     path = latest_checkpoint(cfg.output_dir) / damaged
     path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    more = make_cfg(max_steps=3, save_steps=1, save_total_limit=save_total_limit)
     with pytest.raises(ConfigError, match=rf"step-000002 is damaged: {damaged} cannot be read .*; {fix}"):
-        Trainer(make_cfg(max_steps=3, save_steps=1, save_total_limit=save_total_limit)).train(resume=True)
+        Trainer(more).train(resume=True)
+    shutil.rmtree(path.parent)
+    assert Trainer(more).train(resume=then)["steps"] == 3
+    assert [r["step"] for r in read_metrics(cfg.output_dir) if "reward/mean" in r] == [1, 2, 3]
+    assert (Path(cfg.output_dir) / "metrics.jsonl.lost").is_file() == (then == "auto")  # the first start's rows
 
 
 def test_a_checkpoint_written_with_a_reference_is_damaged_without_it(make_cfg):

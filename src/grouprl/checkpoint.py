@@ -3,6 +3,8 @@
 Layout of `output_dir/checkpoints/step-000010/`:
   model/              `save_pretrained` model + tokenizer, loadable by transformers (with LoRA:
                       the adapter merged into the base), usable as `model` for a new run
+  adapter/            with LoRA only: the adapter in PEFT's format (adapter_config.json, a few MB) and the
+                      tokenizer, for PeftModel.from_pretrained(base model, it) or vLLM's LoRA
   trainable.safetensors  the trainable weights exactly as trained (LoRA: the adapter)
   ref.safetensors     the reference weights, only in DeepSeekMath's iterative mode (state.pt's
                       `ref_written` says so: a checkpoint that lacks it is damaged)
@@ -125,6 +127,9 @@ def _write_files(tmp: Path, step: int, model: torch.nn.Module, tokenizer, state:
     """A checkpoint's files into its temporary folder `tmp`, on disk, COMPLETE last (save_checkpoint)."""
     save_model_folder(model, tmp / "model", model_state)
     tokenizer.save_pretrained(tmp / "model")
+    if is_peft_model(model):  # the adapter alone in PEFT's format: PeftModel.from_pretrained(base, it), vLLM's LoRA
+        model.save_pretrained(tmp / "adapter", state_dict=model_state, safe_serialization=True)
+        tokenizer.save_pretrained(tmp / "adapter")
     trainable = trainable_state(model)
     if model_state is not None:
         trainable = {k: model_state[k].contiguous() for k in trainable}

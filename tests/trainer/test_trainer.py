@@ -3,6 +3,7 @@ micro-batched update equals the full-batch update, and runs leave what they prom
 
 import math
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -137,6 +138,14 @@ def test_lora_trains_only_the_adapter_and_exports_a_loadable_model(make_cfg):
         want = trainer.model(input_ids=ids).logits
         got = exported.to(device)(input_ids=ids).logits
     assert torch.allclose(want, got, atol=1e-5)
+    # the adapter alone, in PEFT's format, over the base model it was trained on (a review found none saved)
+    from peft import PeftModel
+
+    adapter = f"{cfg.output_dir}/checkpoints/step-000002/adapter"
+    assert (Path(adapter) / "adapter_config.json").is_file() and (Path(adapter) / "tokenizer_config.json").is_file()
+    peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(cfg.model), adapter).to(device)
+    with torch.no_grad():
+        assert torch.allclose(want, peft(input_ids=ids).logits, atol=1e-5)
 
 
 def test_lora_on_a_tied_lm_head_is_refused_before_training(make_cfg):

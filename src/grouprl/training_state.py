@@ -159,6 +159,21 @@ def save_training_state(cfg: TrainConfig, dist: D.DistContext, parts: TrainingPa
     return path
 
 
+def _refuse_a_changed_adapter(cfg: TrainConfig, changed: dict[str, tuple[Any, Any]], ckpt: Path) -> None:
+    """With LoRA the policy is the frozen base model plus the adapter's B·A scaled by lora_alpha / lora_r:
+    another lora_alpha or base model on resume makes a model the checkpoint never held (a review's run
+    resumed with lora_alpha 16 -> 64 only warned, and its logits moved by 0.85 from the saved model's).
+    lora_r and the target modules change the adapter's shapes and names, which check_fits refuses."""
+    moved = {k: changed[k] for k in ("lora_alpha", "model") if k in changed}
+    if not cfg.lora_r or not moved:
+        return
+    was = ", ".join(f"{k} {a!r}" for k, (a, _) in moved.items())
+    raise ConfigError(f"--resume: {', '.join(f'{k} {a!r} -> {b!r}' for k, (a, b) in moved.items())} would change "
+                      f"the policy the checkpoint holds (the adapter's learned update is scaled by lora_alpha / "
+                      f"lora_r over the frozen base model): resume with the run's {was}, or start a new run from "
+                      f"the checkpoint's merged model (--model {ckpt / 'model'}) with an adapter of its own")
+
+
 def restore_training_state(cfg: TrainConfig, dist: D.DistContext, parts: TrainingParts,
                            evaluates: bool = False) -> LoopState:
     """The newest complete checkpoint in output_dir back into `parts`; where the loop stood, and whether
@@ -237,6 +252,7 @@ def restore_training_state(cfg: TrainConfig, dist: D.DistContext, parts: Trainin
     restore_rng_states(by_rank, dist.rank, dist.world_size, parts.generator,
                        fresh_seed=cfg.seed + dist.rank + 1_000_003 * step)
     changed = changed_settings(Path(cfg.output_dir) / "config.yaml", cfg)
+    _refuse_a_changed_adapter(cfg, changed, ckpt)
     factors = _rate_changes(cfg, state, changed, parts)
     if any(f != 1 for f in factors):  # the restored schedule (and a rollback's cut), at the new rates
         scale_learning_rate(parts.optimizer, parts.scheduler, factors)

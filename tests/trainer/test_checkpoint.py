@@ -412,6 +412,28 @@ def test_resuming_with_another_lora_shape_names_what_differs(make_cfg, change, s
         Trainer(replace(cfg, max_steps=2, **change)).train(resume=True)
 
 
+def test_resuming_a_lora_run_with_another_alpha_or_base_model_is_refused(make_cfg, tmp_path):
+    """The adapter's B·A is scaled by lora_alpha / r over the frozen base: another alpha or base model on
+    resume would train a model the checkpoint never held (a review's run only warned, and its logits
+    moved by 0.85). Refused, naming the run's values and the way to start anew from the merged model;
+    the same change without LoRA (full weights in the checkpoint) goes on."""
+    from grouprl.tasks.testing import save_tiny_model
+
+    cfg = make_cfg(lora_r=4, lora_alpha=8, max_steps=1)
+    Trainer(cfg).train()
+    with pytest.raises(ConfigError, match=r"--resume: lora_alpha 8(\.0)? -> 64(\.0)? would change the policy the "
+                                          r"checkpoint holds .* resume with the run's lora_alpha 8(\.0)?, or start a "
+                                          r"new run from the checkpoint's merged model \(--model .*/model\)"):
+        Trainer(replace(cfg, max_steps=2, lora_alpha=64)).train(resume=True)
+    other = tmp_path / "other-base"
+    save_tiny_model(other, "tiny", seed=1)
+    with pytest.raises(ConfigError, match=r"--resume: model .* -> .*other-base.* would change the policy"):
+        Trainer(replace(cfg, max_steps=2, model=str(other))).train(resume=True)
+    full = make_cfg(max_steps=1, output_dir=str(tmp_path / "full"))
+    Trainer(full).train()
+    Trainer(replace(full, max_steps=2, lora_alpha=64)).train(resume=True)  # no LoRA: alpha does nothing
+
+
 def test_a_folder_of_a_run_that_stopped_before_its_first_save_is_not_overwritten(make_cfg, no_model_loading,
                                                                                    tmp_path, capsys):
     """A run killed before its first checkpoint left its metrics: a new run in that folder would overwrite

@@ -18,6 +18,60 @@ from grouprl.trackers import OPENERS, Tracker, TrackerError
 
 logger = logging.getLogger(__name__)
 
+LOCK_FILE = ".grouprl.lock"
+_LOCKS: dict[str, int] = {}  # output_dir (resolved) -> the open lock file this process holds
+
+
+class OutputDirInUse(RuntimeError):
+    """Another process runs in the output_dir (lock_output_dir)."""
+
+
+def lock_output_dir(output_dir: str | Path) -> None:
+    """Hold output_dir for this process until the run's RunLogger closes (or the process ends): a second
+    run there (a job submitted twice, a requeued one while the first still runs) would delete the
+    first's unfinished checkpoint as a killed save's leftovers, and both would append to metrics.jsonl.
+    An flock on output_dir/.grouprl.lock, which the kernel drops with the process; it works on local
+    disks and on NFS (as a POSIX lock); where the filesystem has no locks, a warning and no lock. Raises
+    OutputDirInUse naming the other process. Rank 0 calls it; a process that holds the folder may call
+    it again (a notebook's next run)."""
+    import fcntl
+    import os
+    import socket
+    import time
+
+    out = Path(output_dir)
+    key = str(out.resolve())
+    if key in _LOCKS:
+        return
+    out.mkdir(parents=True, exist_ok=True)
+    fd = os.open(out / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.read(fd, 512).decode("utf-8", "replace").strip() or "a process that wrote nothing"
+        os.close(fd)
+        raise OutputDirInUse(f"output_dir={str(output_dir)!r} is in use by another run ({holder}): two runs in one "
+                             "folder would delete each other's checkpoints and mix their logs. Wait for it to end "
+                             "(or stop it), or give this run another output_dir") from None
+    except OSError as e:  # no locks on this filesystem (ENOLCK, EOPNOTSUPP)
+        os.close(fd)
+        logger.warning("output_dir=%r cannot be locked (%s): nothing stops a second run from using it at the same "
+                       "time", str(output_dir), e)
+        return
+    os.ftruncate(fd, 0)
+    os.write(fd, f"pid {os.getpid()} on host {socket.gethostname()}, since "
+                 f"{time.strftime('%Y-%m-%d %H:%M:%S')}\n".encode())
+    _LOCKS[key] = fd
+
+
+def unlock_output_dir(output_dir: str | Path) -> None:
+    """Let go of output_dir (lock_output_dir), if this process holds it."""
+    import os
+
+    fd = _LOCKS.pop(str(Path(output_dir).resolve()), None)
+    if fd is not None:
+        os.close(fd)  # closing the only descriptor drops the flock
+
 CURVES = (("reward/mean", "reward (train)"), ("eval/accuracy", "eval accuracy (greedy)"),
           ("kl", "KL to reference"), ("completion/length_mean", "completion length"))
 
@@ -186,6 +240,7 @@ class RunLogger:
         self.close()
 
     def close(self) -> None:
+        unlock_output_dir(self.dir)  # the run is over: another may have the folder
         for t in list(self.trackers):
             self._guard(t.name, t.finish, "finish")
         self.trackers = []

@@ -29,6 +29,7 @@ from grouprl.checkpoint import (CheckpointMismatch, DamagedCheckpoint, check_fit
                                 write_loop_state)
 from grouprl.config import RUN_CONFIG_HEADER, ConfigError, TrainConfig, changed_settings
 from grouprl.optim import check_group_layout, scale_learning_rate, value_learning_rate
+from grouprl.runlog import OutputDirInUse, lock_output_dir
 from grouprl.value import optimized_modules
 
 logger = logging.getLogger(__name__)
@@ -86,9 +87,15 @@ def prepare_output_dir(cfg: TrainConfig, dist: D.DistContext, resume: bool | str
     if resume not in (True, False, "auto"):
         raise ConfigError(f"resume={resume!r}: pass True (continue the run in output_dir), False (a new run) or "
                           "'auto' (continue it if it has a checkpoint, else start it)")
+    in_use = None
     if dist.is_main:
-        recover_interrupted_saves(cfg.output_dir)
-    D.barrier(dist)
+        try:  # before anything in the folder is touched: another run's unfinished save is no leftover
+            lock_output_dir(out)
+            recover_interrupted_saves(cfg.output_dir)
+        except OutputDirInUse as e:
+            in_use = str(e)
+    if in_use := D.broadcast_object(dist, in_use):  # every rank raises it, none waits (and a barrier)
+        raise ConfigError(in_use)
     over = resume == "auto" and latest_checkpoint(cfg.output_dir) is None  # started (again) from its first step
     resume = not over if resume == "auto" else bool(resume)
     if not resume and latest_checkpoint(cfg.output_dir) is not None:

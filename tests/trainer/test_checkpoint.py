@@ -648,3 +648,35 @@ def test_resume_auto_keeps_the_rows_of_every_start_lost_before_its_first_save(ma
         (out / "metrics.jsonl").write_text(f'{{"step": 1, "attempt": {attempt}}}\n')
         assert prepare_output_dir(cfg, ctx, "auto") is False and not (out / "metrics.jsonl").exists()
     assert (out / "metrics.jsonl.lost").read_text() == '{"step": 1, "attempt": 1}\n{"step": 1, "attempt": 2}\n'
+
+
+def test_a_second_run_in_an_output_dir_in_use_is_refused_and_touches_nothing(make_cfg, tmp_path):
+    """A job submitted twice (or requeued while the first still runs) on one output_dir: the second run
+    would delete the first's unfinished save as a killed save's leftover and append to its metrics. It is
+    refused naming the first's process, before it touches anything; once that process ends (the kernel
+    drops its lock) the run starts, and when the run ends another process can have the folder."""
+    import subprocess
+    import sys
+
+    cfg = make_cfg(max_steps=1)
+    out = Path(cfg.output_dir)
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time\nfrom grouprl.runlog import lock_output_dir\n"
+                               f"lock_output_dir({str(out)!r})\nprint('held', flush=True)\ntime.sleep(120)"],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        unfinished = out / "checkpoints" / ".tmp-step-000002-1"  # the other run's save in progress
+        unfinished.mkdir(parents=True)
+        with pytest.raises(ConfigError, match=rf"output_dir=.* is in use by another run \(pid {holder.pid} on host "
+                                              r".*\): two runs in one folder would delete each other's checkpoints"):
+            Trainer(cfg).train()
+        assert unfinished.is_dir() and not (out / "metrics.jsonl").exists()
+    finally:
+        holder.kill()
+        holder.wait()
+    Trainer(cfg).train()
+    assert not unfinished.exists() and (out / "checkpoints" / "step-000001").is_dir()
+    after = subprocess.run([sys.executable, "-c", f"from grouprl.runlog import lock_output_dir\n"
+                            f"lock_output_dir({str(out)!r})\nprint('held')"],
+                           capture_output=True, text=True, timeout=60)
+    assert after.stdout.strip() == "held", after.stderr

@@ -51,6 +51,17 @@ def test_peft_models_and_lora_layers_are_recognised():
     assert not is_lora_layer(base_model(peft).lm_head)
 
 
+def test_a_model_that_loaded_an_adapter_itself_is_not_a_peft_model(tmp_path):
+    """transformers' own adapter support gives the model a `peft_config`, but no `disable_adapter`."""
+    peft = _lora()
+    peft.save_pretrained(tmp_path)
+    plain, _ = build_tiny_model()
+    plain.load_adapter(str(tmp_path))
+    assert hasattr(plain, "peft_config") and not is_peft_model(plain)
+    with adapter_disabled(plain):
+        pass
+
+
 def test_add_adapter_starts_as_the_base_model():
     """B = 0 at initialisation: the wrapped model computes exactly what the model did."""
     plain, _ = build_tiny_model()

@@ -9,7 +9,9 @@ internals the project relies on (`base_layer`, `get_delta_weight`, `merged`, `di
   `merged_named_weights`;
 - a checkpoint's `model/` folder is `merged_named_weights` (copied to host memory one weight at a time)
   saved with the base model's `save_pretrained`; `merged_copy` (PEFT's own merge) is the tests' reference;
-- with LoRA the reference policy is the base model with the adapter disabled (`adapter_disabled`).
+- with LoRA the reference policy is the base model with the adapter disabled (`adapter_disabled`);
+- a model folder that holds a PEFT adapter is loaded as its base with that adapter merged in
+  (`with_adapter_merged`), so the run starts from plain weights.
 
 Merged weights are always built out of place: merging into W and unmerging afterwards would leave
 rounding drift in the frozen base weights, which are the reference policy.
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+from pathlib import Path
 from typing import Iterator
 
 import torch
@@ -48,8 +51,21 @@ def adapted_tied_embeddings(model: torch.nn.Module) -> list[str]:
 
 
 def is_peft_model(model: torch.nn.Module) -> bool:
-    """A PEFT-wrapped model (it carries a `peft_config`)."""
-    return hasattr(model, "peft_config")
+    """A PEFT-wrapped model (a `PeftModel`, also once FSDP2 has sharded it). A transformers model that
+    loaded an adapter itself (`load_adapter`, or `from_pretrained` of a folder with adapter_config.json)
+    carries a `peft_config` too, but has no `disable_adapter` or `get_base_model`: it is not one."""
+    from peft import PeftModel
+
+    return isinstance(model, PeftModel)
+
+
+def with_adapter_merged(model: torch.nn.Module, folder: str | Path) -> torch.nn.Module:
+    """`model` with the PEFT adapter saved in `folder` merged into its weights, by PEFT's own recipe
+    (`PeftModel.from_pretrained(model, folder).merge_and_unload()`): a plain transformers model that
+    computes base + adapter, every weight trainable again, as a loaded model's are."""
+    from peft import PeftModel
+
+    return PeftModel.from_pretrained(model, str(folder)).merge_and_unload().requires_grad_(True)
 
 
 def base_model(model: torch.nn.Module) -> torch.nn.Module:

@@ -13,8 +13,10 @@ import contextlib
 import copy
 import errno
 import importlib.util
+import json
 import logging
 import os
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -25,7 +27,14 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 from grouprl import packing
 from grouprl.config import ConfigError, TrainConfig
 from grouprl.core import head_logprobs, token_logprobs, token_logprobs_and_entropy
-from grouprl.lora import adapted_tied_embeddings, adapter_disabled, add_adapter, base_model, is_peft_model
+from grouprl.lora import (
+    adapted_tied_embeddings,
+    adapter_disabled,
+    add_adapter,
+    base_model,
+    is_peft_model,
+    with_adapter_merged,
+)
 from grouprl.micro_batches import MicroBatch
 from grouprl.rollout.types import cache_kwarg
 
@@ -91,6 +100,9 @@ def _check_gguf(model: str, gguf_file: str | None, tokenizer: str | None) -> tup
         if found and not (path / "config.json").is_file():
             raise ConfigError(f"model={model!r} holds no config.json but GGUF file(s) {', '.join(found)}: "
                               f"name the one to train with gguf_file: {found[0]} (or model: {path / found[0]})")
+        if path.is_dir() and (path / ADAPTER_CONFIG).is_file():  # a PEFT adapter, merged by load_policy
+            _check_adapter_base(model, path)
+            return model, None
         if path.is_dir() and not (path / "config.json").is_file():  # a checkpoint or run folder, not its model
             inner = [p for p in (path / "model", *sorted(path.glob("checkpoints/step-*/model"))[-1:])
                      if (p / "config.json").is_file()]
@@ -124,6 +136,40 @@ def _check_gguf(model: str, gguf_file: str | None, tokenizer: str | None) -> tup
             raise ConfigError(f"{str(file)!r} is not a GGUF file (it does not start with the GGUF magic "
                               "bytes): point model/gguf_file at a llama.cpp .gguf file")
     return str(folder), gguf_file
+
+
+ADAPTER_CONFIG = "adapter_config.json"
+
+
+def adapter_base(folder: str | Path) -> str | None:
+    """For a PEFT adapter folder (adapter_config.json, no config.json) the base model it names
+    (`base_model_name_or_path`, "" when none); None for any other path."""
+    folder = Path(folder)
+    if not (folder / ADAPTER_CONFIG).is_file() or (folder / "config.json").is_file():
+        return None
+    try:
+        return json.loads((folder / ADAPTER_CONFIG).read_text()).get("base_model_name_or_path") or ""
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"model={str(folder)!r}: its {ADAPTER_CONFIG} cannot be read ({e}): copy the adapter "
+                          "folder again") from None
+
+
+def _check_adapter_base(model: str, path: Path) -> None:
+    """A PEFT adapter folder: `load_policy` loads the base model it names and merges the adapter into it;
+    a folder that holds a model too (config.json) is its own base."""
+    base = adapter_base(path)
+    if base == "":
+        raise ConfigError(f"model={model!r} is a PEFT adapter folder whose {ADAPTER_CONFIG} names no base "
+                          "model: set base_model_name_or_path there to the base model's folder or hub id")
+    if base is None:
+        return
+    try:
+        _check_exists("model", base)
+    except ConfigError as e:
+        raise ConfigError(f"model={model!r} is a PEFT adapter folder for the base model {base!r} "
+                          f"(base_model_name_or_path in its {ADAPTER_CONFIG}), which cannot be loaded: {e}; "
+                          f"or set base_model_name_or_path in {path / ADAPTER_CONFIG} to where the base "
+                          "model is") from None
 
 
 @contextlib.contextmanager
@@ -181,6 +227,11 @@ def policy_tokenizer(cfg: TrainConfig):
     if cfg.tokenizer:
         return load_tokenizer(cfg.tokenizer, field="tokenizer", fix="set tokenizer to a folder that holds them "
                               "(where tokenizer.save_pretrained wrote) or to a hub id")
+    folder = Path(resolve_model_path(cfg.model))
+    base = adapter_base(folder) if cfg.gguf_file is None else None
+    if base and not any((folder / f).is_file() for f in TOKENIZER_FILES):
+        raise ConfigError(f"model={cfg.model!r} is a PEFT adapter folder without tokenizer files: set tokenizer "
+                          f"to its base model's (tokenizer: {base}), or save the tokenizer beside the adapter")
     return load_tokenizer(cfg.model, cfg.gguf_file, field="model")
 
 
@@ -193,14 +244,21 @@ def load_policy(name: str, *, gguf_file: str | None = None, lora_r: int = 0, lor
     `gguf_file`, the model is that GGUF file in the folder (or hub repo) `name`, dequantized.
     `dtype`: another storage dtype for a model that is never trained (a distillation teacher in
     bf16), so that it is never whole in fp32."""
+    path = resolve_model_path(name)
     try:
-        with _from_hub("model", name):
-            model = AutoModelForCausalLM.from_pretrained(resolve_model_path(name), dtype=dtype,
-                                                         **_gguf_kwargs(gguf_file))
+        with _from_hub("model", name), _base_folder(path, gguf_file) as base:
+            model = AutoModelForCausalLM.from_pretrained(base, dtype=dtype, **_gguf_kwargs(gguf_file))
     except SafetensorError as e:
         raise ConfigError(f"model={name!r}: its weights cannot be read ({e}): a file is damaged or incomplete (a "
                           "copy cut short, a full disk); copy the model again, or use an earlier checkpoint's "
                           "model/") from None
+    if base != path:
+        model = with_adapter_merged(model, path)
+        logger.info("model=%r holds a PEFT adapter: it is merged into its base model's weights, which are the "
+                    "policy's starting weights%s", name, " (lora_r adds a new adapter over them)" if lora_r else "")
+    elif hasattr(model, "peft_config"):  # transformers loaded an adapter by itself, unmerged, its base frozen
+        raise ConfigError(f"model={name!r} is a PEFT adapter: download it (hf download {name}) and set model to "
+                          "the folder it is in, whose adapter grouprl merges into its base model")
     model.config.use_cache = False
     packing.enable(model)  # padding-free passes (packing.py); other uses are unchanged
     if gradient_checkpointing is True:  # "auto" checkpoints pass by pass (activation_checkpointing)
@@ -221,6 +279,25 @@ def load_policy(name: str, *, gguf_file: str | None = None, lora_r: int = 0, lor
                            "set disable_dropout: false to keep it", lora_dropout)
         switch_off_dropout(model)
     return model
+
+
+@contextlib.contextmanager
+def _base_folder(path: str, gguf_file: str | None) -> Iterator[str]:
+    """What `from_pretrained` reads for the model at `path`: `path` itself, unless it is a folder that holds a
+    PEFT adapter (adapter_config.json), whose base is then the model it names (base_model_name_or_path) or,
+    when the folder holds a model too (config.json), a temporary folder of links to the folder's files but
+    the adapter's (transformers would load and freeze the adapter by itself, unmerged)."""
+    folder = Path(path)
+    if gguf_file is not None or not (folder / ADAPTER_CONFIG).is_file():
+        yield path
+    elif not (folder / "config.json").is_file():
+        yield resolve_model_path(adapter_base(folder))
+    else:
+        with tempfile.TemporaryDirectory(prefix="grouprl-base-model-") as links:
+            for file in folder.iterdir():
+                if not file.name.startswith("adapter_"):  # adapter_config.json, adapter_model.safetensors
+                    (Path(links) / file.name).symlink_to(file.resolve())
+            yield links
 
 
 def _gguf_kwargs(gguf_file: str | None) -> dict:

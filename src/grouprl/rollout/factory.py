@@ -15,7 +15,7 @@ import torch
 from grouprl import distributed as D
 from grouprl.checkpoint import save_model_folder
 from grouprl.config import ConfigError, TrainConfig
-from grouprl.policy import resolve_model_path
+from grouprl.policy import ADAPTER_CONFIG, resolve_model_path
 from grouprl.rollout import GenerationEngine, HFEngine
 from grouprl.rollout.multiturn import MultiTurnDriver, TurnLimits, resolve_environment
 from grouprl.rollout.types import SingleTurn
@@ -71,10 +71,12 @@ def colocated_lora_rank(cfg: TrainConfig) -> int:
 
 def vllm_start_folder(cfg: TrainConfig, model: torch.nn.Module, rank: int) -> str:
     """The folder a colocated vLLM engine starts from: the model's own, or for a GGUF model (which
-    vLLM would read with its own, different dequantizer, if at all) the policy's dequantized
-    weights written once as a plain safetensors folder under output_dir/vllm_start/."""
-    if not cfg.gguf_file:
-        return resolve_model_path(cfg.model)
+    vLLM would read with its own, different dequantizer, if at all) or a folder holding a PEFT adapter
+    (which vLLM would leave out) the policy's weights written once as a plain safetensors folder under
+    output_dir/vllm_start/: dequantized, or with the adapter merged in as `load_policy` merged it."""
+    folder = resolve_model_path(cfg.model)
+    if not cfg.gguf_file and not (Path(folder) / ADAPTER_CONFIG).is_file():
+        return folder
     folder = Path(cfg.output_dir) / "vllm_start" / f"rank-{rank}"
     save_model_folder(model, folder)  # as a checkpoint's model/ (LoRA merged)
     return str(folder)

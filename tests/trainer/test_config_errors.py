@@ -49,6 +49,9 @@ def _nothing_loads(no_tokenizer_loading):
     ({"lora_r": 8, "ref_update_steps": 2}, "ref_update_steps with LoRA is not supported"),
     ({"lora_r": 4, "lora_dropout": 1.5}, "lora_dropout=1.5 must be in [0, 1"),
     ({"lora_r": 4, "lora_target_modules": []}, "lora_target_modules is empty"),
+    ({"lora_r": 4, "lora_target_modules": ["all-linear", "lm_head"]},
+     "lora_target_modules=['all-linear', 'lm_head']: all-linear takes every linear module but the LM head; give it "
+     "alone, or name the modules without it"),
     ({"reward_funcs": [1]}, "reward_funcs[0]=1: name a reward function as `math_accuracy`"),
     ({"audit_funcs": [None]}, "audit_funcs[0]=None: name a reward function"),
     ({"temperature": 1e-40}, "temperature=1e-40 must be at least 1e-06"),
@@ -116,6 +119,12 @@ def test_a_vllm_setting_the_run_will_not_read_is_said_once(make_cfg, caplog, ove
         cfg.validate()
         cfg.validate()  # where the trainer starts, again
     assert caplog.text.count(message) == 1
+
+
+@pytest.mark.parametrize("spelling", ["ALL-LINEAR", "all_linear", " All_Linear ", ["all-linear"]])
+def test_all_linear_is_read_in_any_case_and_with_an_underscore(make_cfg, spelling):
+    """PEFT knows `all-linear` only: another spelling was split into a module name that matched nothing."""
+    assert make_cfg(lora_r=4, lora_target_modules=spelling).validate().lora_target_modules == "all-linear"
 
 
 def test_a_vllm_runs_config_evaluates_without_vllm(make_cfg, tmp_path):

@@ -58,9 +58,10 @@ class TrainFields:
     lora_dropout: float = 0.0
     """Dropout on the LoRA branch."""
     lora_target_modules: str | list[str] = "all-linear"
-    """Modules that get LoRA adapters: `all-linear` or a list of module names (one name, or names with
-    commas, `q_proj,v_proj`, is a list too; not lm_head or the embedding of a model that ties them:
-    refused, since no merged model could hold the result)."""
+    """Modules that get LoRA adapters: `all-linear` (any case, or all_linear) or a list of module names
+    (one name, or names with commas, `q_proj,v_proj`, is a list too), each naming at least one linear
+    layer (a name that matches none is refused, with the model's names); not lm_head or the embedding
+    of a model that ties them: refused, since no merged model could hold the result."""
 
     # ----------------------------------------------------------------- data
     train_data: str = ""

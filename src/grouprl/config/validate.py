@@ -180,6 +180,12 @@ def validate_config(cfg: C) -> C:
         raise ConfigError(f"bf16={c.bf16!r} is not one of: auto, true, false")
     if isinstance(c.gradient_checkpointing, str) and c.gradient_checkpointing != "auto":
         raise ConfigError(f"gradient_checkpointing={c.gradient_checkpointing!r} is not one of: auto, true, false")
+    targets = [c.lora_target_modules] if isinstance(c.lora_target_modules, str) else c.lora_target_modules
+    if any(isinstance(t, str) and t.strip().lower().replace("_", "-") == "all-linear" for t in targets):
+        if len(targets) > 1:
+            raise ConfigError(f"lora_target_modules={c.lora_target_modules!r}: all-linear takes every linear "
+                              "module but the LM head; give it alone, or name the modules without it")
+        c.lora_target_modules = "all-linear"  # PEFT knows this spelling only
     if isinstance(c.lora_target_modules, str) and c.lora_target_modules != "all-linear":
         # one name, or names with commas (as a list field takes them on the command line); PEFT would read a
         # string as a pattern for the whole module path, which "q_proj" never matches, after the model loaded

@@ -38,6 +38,29 @@ def add_adapter(model: torch.nn.Module, *, r: int, alpha: float, dropout: float,
                                             target_modules=target_modules, task_type="CAUSAL_LM"))
 
 
+def linear_module_names(model: torch.nn.Module) -> list[str]:
+    """The short names (the last part of each path) of `model`'s linear layers, each once, in the model's
+    order: the names `lora_target_modules` can give (`all-linear` takes them all but the LM head)."""
+    from transformers.pytorch_utils import Conv1D  # GPT-2's linear layers
+
+    return list(dict.fromkeys(name.rpartition(".")[2] for name, m in base_model(model).named_modules()
+                              if isinstance(m, (torch.nn.Linear, Conv1D)) and ".lora_" not in name
+                              and not name.endswith(".base_layer")))
+
+
+def named_by(target: str, module_name: str) -> bool:
+    """Whether an entry of a list of target modules names the module at `module_name` (PEFT's rule: the whole
+    path, or its last parts after a dot)."""
+    return module_name == target or module_name.endswith(f".{target}")
+
+
+def unmatched_targets(model: torch.nn.Module, targets: list[str]) -> list[str]:
+    """The entries of `targets` that name none of a PEFT model's LoRA layers: PEFT adapts what the others
+    name, and says nothing of them unless none names a module."""
+    adapted = [name for name, m in base_model(model).named_modules() if is_lora_layer(m)]
+    return [t for t in targets if not any(named_by(t, name) for name in adapted)]
+
+
 def adapted_tied_embeddings(model: torch.nn.Module) -> list[str]:
     """The adapted modules among an LM head and input embedding that share one weight (tied
     embeddings), by name; [] when they are untied or neither is adapted. An adapter there changes

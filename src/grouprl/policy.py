@@ -33,6 +33,9 @@ from grouprl.lora import (
     add_adapter,
     base_model,
     is_peft_model,
+    linear_module_names,
+    named_by,
+    unmatched_targets,
     with_adapter_merged,
 )
 from grouprl.micro_batches import MicroBatch
@@ -264,8 +267,14 @@ def load_policy(name: str, *, gguf_file: str | None = None, lora_r: int = 0, lor
     if gradient_checkpointing is True:  # "auto" checkpoints pass by pass (activation_checkpointing)
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if lora_r:
-        model = add_adapter(model, r=lora_r, alpha=lora_alpha, dropout=lora_dropout,
-                            target_modules=lora_target_modules)
+        linear = linear_module_names(model)
+        try:
+            model = add_adapter(model, r=lora_r, alpha=lora_alpha, dropout=lora_dropout,
+                                target_modules=lora_target_modules)
+        except ValueError as e:  # PEFT's: no entry names a module, or one names a module LoRA cannot adapt
+            raise ConfigError(_target_modules_error(model, lora_target_modules, linear, e)) from None
+        if isinstance(lora_target_modules, list) and unmatched_targets(model, lora_target_modules):
+            raise ConfigError(_target_modules_error(model, lora_target_modules, linear))  # PEFT adapted the others
         if tied := adapted_tied_embeddings(model):
             raise ConfigError(f"lora_target_modules={lora_target_modules!r} puts LoRA on {' and '.join(tied)}, "
                               f"and model={name!r} ties its LM head to its input embedding (tie_word_embeddings=True): "
@@ -298,6 +307,28 @@ def _base_folder(path: str, gguf_file: str | None) -> Iterator[str]:
                 if not file.name.startswith("adapter_"):  # adapter_config.json, adapter_model.safetensors
                     (Path(links) / file.name).symlink_to(file.resolve())
             yield links
+
+
+def _target_modules_error(model: torch.nn.Module, targets: str | list[str], linear: list[str],
+                          error: ValueError | None = None) -> str:
+    """What is wrong with `targets` in `model` (wrapped by PEFT, or not when PEFT refused them with `error`):
+    entries that name no module, or modules other than linear layers (PEFT's own message lists a whole
+    module); `linear`: the names that can be given."""
+    problems = []
+    for target in [targets] if isinstance(targets, str) else targets:
+        kinds = sorted({type(m).__name__ for path, m in model.named_modules() if named_by(target, path)})
+        if not kinds:
+            problems.append(f"{target!r} names no module of the model")
+        elif not {"Linear", "Conv1D"} & set(kinds):
+            problems.append(f"{target!r} names {' and '.join(kinds)}, not a linear layer")
+    if problems:
+        reason = "; ".join(problems)
+    elif error is None:
+        reason = f"PEFT put no LoRA layer on {', '.join(map(repr, unmatched_targets(model, targets)))}"
+    else:
+        reason = f"PEFT cannot add LoRA there ({str(error).strip().splitlines()[0]})"
+    return (f"lora_target_modules={targets!r}: {reason}. LoRA adapts linear layers, and this model's are "
+            f"{', '.join(linear)}: name some of them (q_proj,v_proj), or use all-linear")
 
 
 def _gguf_kwargs(gguf_file: str | None) -> dict:

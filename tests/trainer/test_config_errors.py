@@ -127,6 +127,24 @@ def test_all_linear_is_read_in_any_case_and_with_an_underscore(make_cfg, spellin
     assert make_cfg(lora_r=4, lora_target_modules=spelling).validate().lora_target_modules == "all-linear"
 
 
+def test_lora_settings_without_lora_r_are_said_once(make_cfg, caplog):
+    """lora_r=0 trains every weight: a run given lora_alpha or target modules without it trained them all,
+    silently."""
+    import grouprl.config.validate as validate
+
+    validate._warned.clear()
+    with caplog.at_level("WARNING", logger="grouprl.config.validate"):
+        make_cfg(lora_alpha=32.0, lora_target_modules="q_proj,v_proj").validate().validate()
+        make_cfg(lora_alpha=-1.0).validate()
+        make_cfg(lora_alpha=16.0, lora_dropout=0.0, lora_target_modules="all-linear").validate()  # the defaults
+        make_cfg(lora_r=4, lora_alpha=32.0).validate()
+    assert caplog.messages == [
+        "lora_alpha=32.0, lora_target_modules=['q_proj', 'v_proj'] have no effect with lora_r=0, which trains every "
+        "weight: set lora_r (the adapter's rank, e.g. 16) to train a LoRA adapter",
+        "lora_alpha=-1.0 has no effect with lora_r=0, which trains every weight: set lora_r (the adapter's rank, "
+        "e.g. 16) to train a LoRA adapter"]
+
+
 def test_a_vllm_runs_config_evaluates_without_vllm(make_cfg, tmp_path):
     """The case the refusal broke: a vLLM run's resolved config.yaml, with --use_vllm false."""
     cfg = make_cfg(use_vllm=True, vllm_gpu_memory_utilization=0.5, vllm_enable_sleep_mode=True)

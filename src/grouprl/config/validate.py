@@ -198,6 +198,10 @@ def validate_config(cfg: C) -> C:
                               "lora_r)")
         if not c.lora_target_modules:
             raise ConfigError("lora_target_modules is empty: name the modules (q_proj,v_proj) or all-linear")
+    elif given := _changed(c, ("lora_alpha", "lora_dropout", "lora_target_modules")):
+        values = ", ".join(f"{name}={getattr(c, name)!r}" for name in given)
+        _warn_once(f"{values} {'has' if len(given) == 1 else 'have'} no effect with lora_r=0, which trains every "
+                   "weight: set lora_r (the adapter's rank, e.g. 16) to train a LoRA adapter")
     if not c.model:
         raise ConfigError("model is empty: pass a model folder, e.g. --model path/to/model "
                           "(or builtin:default_policy)")

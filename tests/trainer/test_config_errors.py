@@ -598,6 +598,17 @@ def test_trls_names_say_what_to_use_here_not_a_close_spelling(how, tmp_path):
     assert "did you mean" not in str(e.value)
 
 
+@pytest.mark.parametrize("name, hint", [
+    ("lora_modules_to_save", "no modules trained whole beside the adapter"),  # was: did you mean lora_target_modules
+    ("use_dora", "no DoRA: plain LoRA (lora_r, lora_alpha)"),
+    ("use_rslora", "no rsLoRA: the update is scaled by lora_alpha / lora_r; for rsLoRA's alpha / sqrt(r), set "
+                   "lora_alpha to alpha·sqrt(lora_r)"),
+])
+def test_trls_lora_names_say_what_grouprl_has_instead(name, hint):
+    with pytest.raises(ConfigError, match=re.escape(f"--{name}: TRL's name; here, {hint}")):
+        build_config(None, [f"--{name}", "x"])
+
+
 def test_every_trl_name_is_not_a_field_and_its_advice_names_real_fields():
     """The table stays true: a name that became a field would never be met, and advice naming a field
     that is gone would send a user nowhere."""

@@ -43,6 +43,15 @@ TRL_NAMES = {
     "model_name_or_path": "model",
     "use_peft": "LoRA is on when lora_r > 0 (with lora_alpha, lora_dropout, lora_target_modules)",
     "warmup_ratio": "warmup_steps (a count of steps)",
+    "lora_modules_to_save": "no modules trained whole beside the adapter: with LoRA only the adapter trains; to "
+                            "train the embedding or the LM head too, train every weight (lora_r: 0)",
+    "use_dora": "no DoRA: plain LoRA (lora_r, lora_alpha), whose merged weights W + s·BA the checkpoint's model/ "
+                "and vLLM get",
+    "use_rslora": "no rsLoRA: the update is scaled by lora_alpha / lora_r; for rsLoRA's alpha / sqrt(r), set "
+                  "lora_alpha to alpha·sqrt(lora_r) (alpha 16 at rank 64: lora_alpha 128)",
+    "lora_target_parameters": "no LoRA on parameters that are not linear layers: lora_target_modules names the "
+                              "linear layers to adapt",
+    "lora_task_type": "not needed: the adapter is always a causal LM's",
 }
 
 # values of TRL's that name something else here: (field, value as text) -> what to write

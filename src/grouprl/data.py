@@ -516,8 +516,17 @@ class PromptFormatter:
                                 "prompts as [{'role': 'user', 'content': '...'}]")
             return prompt
         if not getattr(self.tokenizer, "chat_template", None):
-            raise DataError("a prompt is a list of chat messages but the tokenizer has no chat "
-                            "template: give prompts as plain strings, or use a tokenizer with one")
+            name = getattr(self.tokenizer, "name_or_path", None)
+            tokenizer = f"the tokenizer {name!r}" if name else "the tokenizer"
+            made = [field for field, on in (("chat_prompts", self.chat.chat), ("system_prompt", self.chat.system
+                                                                                is not None)) if on]
+            if made:  # the run made the messages: the prompts themselves may be plain strings
+                fields = " and ".join(made)
+                raise DataError(f"{fields} {'make' if len(made) > 1 else 'makes'} chat messages of the prompts, and "
+                                f"{tokenizer} has no chat template to render them: leave {fields} unset to give the "
+                                "model the prompts as they are, or set tokenizer to one with a chat template")
+            raise DataError(f"a prompt is a list of chat messages but {tokenizer} has no chat template: give "
+                            "prompts as plain strings, or set tokenizer to one with a chat template")
         prefill = bool(prompt) and prompt[-1].get("role") == "assistant"
         return self.tokenizer.apply_chat_template(prompt, tools=self.tools, add_generation_prompt=not prefill,
                                                   continue_final_message=prefill, tokenize=False,

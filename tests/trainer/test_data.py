@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 
 import pytest
 from datasets import Dataset
@@ -345,15 +346,38 @@ def test_chat_prompts_and_a_system_prompt_put_every_prompt_in_chat_form(make_cfg
     assert rows.prompts == [[system, *user[0]]]
 
 
-@pytest.mark.parametrize("overrides", [{"chat_prompts": True}, {"system_prompt": "Think."}])
+@pytest.mark.parametrize("overrides, fields", [({"chat_prompts": True}, "chat_prompts makes"),
+                                               ({"system_prompt": "Think."}, "system_prompt makes"),
+                                               ({"chat_prompts": True, "system_prompt": "Think."},
+                                                "chat_prompts and system_prompt make")])
 def test_chat_prompts_for_a_tokenizer_without_a_chat_template_fail_before_any_model_loads(make_cfg, no_model_loading,
-                                                                                          overrides):
+                                                                                          overrides, fields):
     """The test's character tokenizer has no chat template: prompts made chat messages cannot be shown to
-    the model, which a run learned at its first step, after the policy (and a teacher) had loaded."""
+    the model, which a run learned at its first step, after the policy (and a teacher) had loaded. The
+    prompts are plain strings: the fields that made them messages are named (the error said to give plain
+    strings)."""
     from grouprl.trainer import Trainer
 
-    with pytest.raises(DataError, match="a prompt is a list of chat messages but the tokenizer has no chat template"):
-        Trainer(make_cfg(**overrides))
+    cfg = make_cfg(**overrides)
+    setting = fields.rpartition(" ")[0]
+    with pytest.raises(DataError, match=re.escape(
+            f"{fields} chat messages of the prompts, and the tokenizer '{cfg.model}' has no chat template to render "
+            f"them: leave {setting} unset to give the model the prompts as they are, or set tokenizer to one with "
+            "a chat template")):
+        Trainer(cfg)
+
+
+def test_chat_message_prompts_for_a_tokenizer_without_a_chat_template_name_the_tokenizer(make_cfg, no_model_loading,
+                                                                                         tmp_path):
+    from grouprl.trainer import Trainer
+
+    data = tmp_path / "chat.jsonl"
+    data.write_text(json.dumps({"prompt": [{"role": "user", "content": "1+1?"}]}) + "\n")
+    cfg = make_cfg(train_data=str(data))
+    with pytest.raises(DataError, match=re.escape(f"a prompt is a list of chat messages but the tokenizer "
+                                                  f"'{cfg.model}' has no chat template: give prompts as plain "
+                                                  "strings, or set tokenizer to one with a chat template")):
+        Trainer(cfg)
 
 
 def test_an_eval_dataset_by_name_with_a_test_and_a_validation_split_asks_which(tmp_path, monkeypatch):

@@ -19,7 +19,9 @@ from grouprl.trackers import OPENERS, Tracker, TrackerError
 logger = logging.getLogger(__name__)
 
 LOCK_FILE = ".grouprl.lock"
-_LOCKS: dict[str, int] = {}  # output_dir (resolved) -> the open lock file this process holds
+# the lock files this process holds, by (device, inode): a folder renamed or moved while held (a run that
+# crashed, then resumed from its new place in the same process) is still ours
+_LOCKS: dict[tuple[int, int], int] = {}
 
 
 class OutputDirInUse(RuntimeError):
@@ -40,11 +42,13 @@ def lock_output_dir(output_dir: str | Path) -> None:
     import time
 
     out = Path(output_dir)
-    key = str(out.resolve())
-    if key in _LOCKS:
-        return
     out.mkdir(parents=True, exist_ok=True)
     fd = os.open(out / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    st = os.fstat(fd)
+    key = (st.st_dev, st.st_ino)
+    if key in _LOCKS:  # ours already
+        os.close(fd)
+        return
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -68,7 +72,11 @@ def unlock_output_dir(output_dir: str | Path) -> None:
     """Let go of output_dir (lock_output_dir), if this process holds it."""
     import os
 
-    fd = _LOCKS.pop(str(Path(output_dir).resolve()), None)
+    try:
+        st = os.stat(Path(output_dir) / LOCK_FILE)
+    except OSError:
+        return
+    fd = _LOCKS.pop((st.st_dev, st.st_ino), None)
     if fd is not None:
         os.close(fd)  # closing the only descriptor drops the flock
 

@@ -64,7 +64,7 @@ def test_the_last_line_of_a_run_lists_what_its_folder_holds(make_cfg, tmp_path, 
     cfg.save_yaml(path)
     assert main(["train", str(path)]) == 0
     last = capsys.readouterr().out.strip().splitlines()[-1]
-    held = sorted(p.name + "/" * p.is_dir() for p in Path(cfg.output_dir).iterdir())
+    held = sorted(p.name + "/" * p.is_dir() for p in Path(cfg.output_dir).iterdir() if not p.name.startswith("."))
     assert last.startswith(f"written to {cfg.output_dir}: ")
     named = last.removeprefix(f"written to {cfg.output_dir}: ").split(", ")
     assert sorted(named) == held

@@ -37,6 +37,7 @@ import errno
 import json
 import logging
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -141,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
         signum = getattr(e, "signum", signal.SIGINT)
         hint = (f"; checkpoints written before are intact, and this continues from the latest:\n  "
                 f"{resume_command(argv)}" if cfg is not None and latest_checkpoint(cfg.output_dir) is not None
-                else "; the run wrote no checkpoint: run the same command again to start over")
+                else f"; {_start_over(cfg, resume_command(argv))}")
         print(f"grouprl {args.command}: stopped at once by {signum.name}, without a checkpoint"
               f"{hint if args.command == 'train' else ''}", file=sys.stderr)
         return exit_code(signum)
@@ -154,7 +155,18 @@ def _again(cfg: TrainConfig | None, resume: str, command: str) -> str:
         return "run the same command again."
     if cfg is not None and latest_checkpoint(cfg.output_dir) is not None:
         return f"continue from the latest checkpoint (the checkpoints written are intact):\n  {resume}"
-    return "run the same command again: the run wrote no checkpoint."
+    return _start_over(cfg, resume) + "."
+
+
+def _start_over(cfg: TrainConfig | None, resume: str) -> str:
+    """How to start again a run that wrote no checkpoint: the same command, unless it logged steps, whose
+    metrics.jsonl makes a new run refuse the folder; then with --resume auto, which starts it over and
+    keeps those rows aside (prepare_output_dir)."""
+    if cfg is None or not (Path(cfg.output_dir) / "metrics.jsonl").is_file():
+        return "the run wrote no checkpoint: run the same command again to start over"
+    over = resume if re.search(r"--resume(=| )auto\b", resume) else f"{resume} auto"
+    return (f"the run wrote no checkpoint, and it logged steps, kept aside in metrics.jsonl.lost when it starts "
+            f"over with:\n  {over}")
 
 
 def disk_full(error: BaseException) -> BaseException | None:

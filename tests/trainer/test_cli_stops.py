@@ -227,7 +227,20 @@ def test_a_stop_for_a_fixable_cause_prints_the_command_that_goes_on(make_cfg, tm
     monkeypatch.setattr("tests.trainer.conftest.digit_fraction", lambda p, c, **k: 1 / 0)
     path = _config(make_cfg, tmp_path, output_dir=str(tmp_path / "r3"))
     assert main(["train", str(path)]) == 1
-    assert "run the same command again: the run wrote no checkpoint." in capsys.readouterr().err
+    assert "the run wrote no checkpoint: run the same command again to start over." in capsys.readouterr().err
+    # steps logged before the failure, no checkpoint: the same command would be refused for its metrics.jsonl,
+    # so the advice is --resume auto, which starts over (a review followed the old advice into a refusal)
+    calls.clear()
+    monkeypatch.setattr("tests.trainer.conftest.digit_fraction", raises_at_step_3)
+    path = _config(make_cfg, tmp_path, max_steps=4, save_steps=10, output_dir=str(tmp_path / "r4"))
+    assert main(["train", str(path)]) == 1
+    err = capsys.readouterr().err
+    assert (f"the run wrote no checkpoint, and it logged steps, kept aside in metrics.jsonl.lost when it starts over "
+            f"with:\n  grouprl train {path} --resume auto.") in err
+    monkeypatch.setattr("tests.trainer.conftest.digit_fraction",
+                        lambda prompts, completions, **k: [0.5] * len(completions))
+    assert main(["train", str(path), "--resume", "auto"]) == 0
+    assert (tmp_path / "r4" / "metrics.jsonl.lost").is_file()
 
 
 def test_version_and_a_missing_gguf_file(capsys, make_cfg, tmp_path):

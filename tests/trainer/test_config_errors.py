@@ -458,7 +458,7 @@ def test_cli_reports_a_failing_reward_function_and_how_to_continue(tmp_path, tin
     err = capsys.readouterr().err
     assert code == 1
     assert "broken" in err and "answer_text" in err
-    assert "run the same command again: the run wrote no checkpoint" in err and "--resume" not in err  # none yet
+    assert "the run wrote no checkpoint: run the same command again" in err and "--resume" not in err  # none yet
     # the progress bar (on stderr too) is closed first: the error starts a line of its own
     assert "grpo:" in err and any(line.startswith("grouprl train: error: reward function") for line in err.splitlines())
 

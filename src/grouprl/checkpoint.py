@@ -149,11 +149,15 @@ def recover_interrupted_saves(output_dir: str | Path) -> None:
     """Undo what a save killed midway left in checkpoints/ (rank 0, at the start of a run, before any
     checkpoint is read): a checkpoint moved aside to be replaced goes back into place if its
     replacement never arrived, else it is deleted; temporary folders of unfinished saves, and
-    checkpoints whose deletion (save_total_limit) was cut short, are deleted."""
+    checkpoints whose deletion (save_total_limit) was cut short, are deleted, and so are the temporary
+    files of a loop.pt write that a kill cut short inside a checkpoint."""
     root = checkpoint_dir(output_dir)
     if not root.is_dir():
         return
     for path in sorted(root.iterdir()):
+        if _NAME.match(path.name):  # a loop.pt write killed midway (write_loop_state) left its temporary file
+            for tmp in path.glob(".loop.pt.tmp-*"):
+                tmp.unlink(missing_ok=True)
         if not (m := _LEFTOVER.match(path.name)):
             continue
         final = checkpoint_path(output_dir, int(m.group(2)))

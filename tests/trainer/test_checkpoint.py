@@ -248,13 +248,19 @@ def test_a_kill_while_save_total_limit_deletes_a_checkpoint_leaves_no_checkpoint
 
 
 def test_a_loop_state_that_cannot_be_written_leaves_no_temporary_file(tmp_path):
-    """write_loop_state writes loop.pt beside a checkpoint through a temporary file, which recovery does not
-    look for inside checkpoints: a write that fails (a full disk; here an object pickle refuses) removes it."""
-    from grouprl.checkpoint import write_loop_state
+    """write_loop_state writes loop.pt beside a checkpoint through a temporary file: a write that fails (a full
+    disk; here an object pickle refuses) removes it, and one a kill cut short is removed by recovery."""
+    from grouprl.checkpoint import recover_interrupted_saves, write_loop_state
 
     with pytest.raises(Exception, match="lambda"):
         write_loop_state(tmp_path, {"evals": {}, "guard": lambda: None})
     assert list(tmp_path.iterdir()) == []
+    ckpt = tmp_path / "run" / "checkpoints" / "step-000003"
+    ckpt.mkdir(parents=True)
+    (ckpt / "COMPLETE").write_text("3\n")
+    (ckpt / ".loop.pt.tmp-12345").write_bytes(b"cut short")  # a kill inside write_loop_state
+    recover_interrupted_saves(tmp_path / "run")
+    assert [p.name for p in ckpt.iterdir()] == ["COMPLETE"]
 
 
 def test_a_step_is_saved_once_when_the_best_model_and_save_steps_fall_on_it(make_cfg, monkeypatch):

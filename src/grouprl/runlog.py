@@ -19,6 +19,10 @@ from grouprl.trackers import OPENERS, Tracker, TrackerError
 logger = logging.getLogger(__name__)
 
 LOCK_FILE = ".grouprl.lock"
+# How long a run waits for output_dir held by another process before it refuses: on NFS a lock of a node
+# that died is released only when the server's lease runs out (NFSv4: 90 s by default), and a requeued job
+# may start on another node before that
+LOCK_WAIT_S = 120.0
 # the lock files this process holds, by (device, inode): a folder renamed or moved while held (a run that
 # crashed, then resumed from its new place in the same process) is still ours
 _LOCKS: dict[tuple[int, int], int] = {}
@@ -33,8 +37,9 @@ def lock_output_dir(output_dir: str | Path) -> None:
     run there (a job submitted twice, a requeued one while the first still runs) would delete the
     first's unfinished checkpoint as a killed save's leftovers, and both would append to metrics.jsonl.
     An flock on output_dir/.grouprl.lock, which the kernel drops with the process; it works on local
-    disks and on NFS (as a POSIX lock); where the filesystem has no locks, a warning and no lock. Raises
-    OutputDirInUse naming the other process. Rank 0 calls it; a process that holds the folder may call
+    disks and on NFS (as a POSIX lock); where the filesystem has no locks, a warning and no lock. A
+    folder held by another process is waited for up to LOCK_WAIT_S, then OutputDirInUse names that
+    process. Rank 0 calls it; a process that holds the folder may call
     it again (a notebook's next run)."""
     import fcntl
     import os
@@ -49,10 +54,21 @@ def lock_output_dir(output_dir: str | Path) -> None:
     if key in _LOCKS:  # ours already
         os.close(fd)
         return
+    deadline = time.monotonic() + LOCK_WAIT_S
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    raise
+                if deadline - time.monotonic() >= LOCK_WAIT_S - 2:  # said once, at the first refusal
+                    logger.warning("output_dir=%r is held by another run (%s): waiting up to %.0f s for it to end",
+                                   str(output_dir), _holder(fd), LOCK_WAIT_S)
+                time.sleep(2.0)
     except BlockingIOError:
-        holder = os.read(fd, 512).decode("utf-8", "replace").strip() or "a process that wrote nothing"
+        holder = _holder(fd)
         os.close(fd)
         raise OutputDirInUse(f"output_dir={str(output_dir)!r} is in use by another run ({holder}): two runs in one "
                              "folder would delete each other's checkpoints and mix their logs. Wait for it to end "
@@ -66,6 +82,13 @@ def lock_output_dir(output_dir: str | Path) -> None:
     os.write(fd, f"pid {os.getpid()} on host {socket.gethostname()}, since "
                  f"{time.strftime('%Y-%m-%d %H:%M:%S')}\n".encode())
     _LOCKS[key] = fd
+
+
+def _holder(fd: int) -> str:
+    import os
+
+    os.lseek(fd, 0, os.SEEK_SET)
+    return os.read(fd, 512).decode("utf-8", "replace").strip() or "a process that wrote nothing"
 
 
 def unlock_output_dir(output_dir: str | Path) -> None:

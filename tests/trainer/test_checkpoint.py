@@ -656,7 +656,7 @@ def test_resume_auto_keeps_the_rows_of_every_start_lost_before_its_first_save(ma
     assert (out / "metrics.jsonl.lost").read_text() == '{"step": 1, "attempt": 1}\n{"step": 1, "attempt": 2}\n'
 
 
-def test_a_second_run_in_an_output_dir_in_use_is_refused_and_touches_nothing(make_cfg, tmp_path):
+def test_a_second_run_in_an_output_dir_in_use_is_refused_and_touches_nothing(make_cfg, tmp_path, monkeypatch):
     """A job submitted twice (or requeued while the first still runs) on one output_dir: the second run
     would delete the first's unfinished save as a killed save's leftover and append to its metrics. It is
     refused naming the first's process, before it touches anything; once that process ends (the kernel
@@ -664,6 +664,9 @@ def test_a_second_run_in_an_output_dir_in_use_is_refused_and_touches_nothing(mak
     import subprocess
     import sys
 
+    from grouprl import runlog
+
+    monkeypatch.setattr(runlog, "LOCK_WAIT_S", 3.0)  # a run waits this long for the folder (NFS leases), then refuses
     cfg = make_cfg(max_steps=1)
     out = Path(cfg.output_dir)
     holder = subprocess.Popen([sys.executable, "-c", "import sys, time\nfrom grouprl.runlog import lock_output_dir\n"
@@ -686,3 +689,28 @@ def test_a_second_run_in_an_output_dir_in_use_is_refused_and_touches_nothing(mak
                             f"lock_output_dir({str(out)!r})\nprint('held')"],
                            capture_output=True, text=True, timeout=60)
     assert after.stdout.strip() == "held", after.stderr
+
+
+def test_a_run_waits_for_an_output_dir_whose_holder_ends_soon(tmp_path, monkeypatch, caplog):
+    """On NFS the lock of a node that died lasts until the server's lease runs out, and a requeued job may
+    start before that: a held folder is waited for (LOCK_WAIT_S), saying so once, and taken when freed."""
+    import logging
+    import subprocess
+    import sys
+
+    from grouprl import runlog
+
+    monkeypatch.setattr(runlog, "LOCK_WAIT_S", 60.0)
+    holder = subprocess.Popen([sys.executable, "-c", "import time\nfrom grouprl.runlog import lock_output_dir\n"
+                               f"lock_output_dir({str(tmp_path)!r})\nprint('held', flush=True)\ntime.sleep(3)"],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with caplog.at_level(logging.WARNING, logger="grouprl.runlog"):
+            runlog.lock_output_dir(tmp_path)  # refused first (the warning), then taken once the holder ended
+        assert caplog.text.count(f"is held by another run (pid {holder.pid} on host") == 1
+        assert "waiting up to 60 s" in caplog.text and holder.wait(10) == 0
+    finally:
+        holder.kill()
+        holder.wait()
+        runlog.unlock_output_dir(tmp_path)

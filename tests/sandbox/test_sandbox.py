@@ -538,7 +538,7 @@ def test_a_killed_caller_takes_its_sandbox_with_it(tmp_path):
         [sys.executable, "-c", "from grouprl.sandbox import run_code\n"
          "run_code('import time\\ntime.sleep(300)', [{'input': '', 'output': ''}], timeout_s=120, memory_mb=128)"],
         env={**os.environ, "PYTHONPATH": src, "TMPDIR": str(tmp_path)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    marker = f"grouprl-sbx-{caller.pid}-".encode()
+    marker = f"grouprl-sbx-{sandbox._where()}-{caller.pid}-".encode()
 
     def ours() -> list[int]:  # the launcher and the init: the run folder is in their command line
         pids = []
@@ -572,7 +572,7 @@ def test_a_killed_caller_takes_its_sandbox_with_it(tmp_path):
         for pid in ours():
             os.kill(pid, signal.SIGKILL)
     (left,) = tmp_path.iterdir()  # the killed caller never cleaned up
-    assert left.name.startswith(f"grouprl-sbx-{caller.pid}-")
+    assert left.name.startswith(f"grouprl-sbx-{sandbox._where()}-{caller.pid}-")
     sweeper = subprocess.run([sys.executable, "-c", "from grouprl.sandbox import run_code\n"
                               "print(run_code('print(1)', [{'input': '', 'output': '1'}]).status)"],
                              env={**os.environ, "PYTHONPATH": src, "TMPDIR": str(tmp_path)}, capture_output=True,
@@ -589,7 +589,26 @@ def test_a_run_folder_whose_folders_the_program_locked_is_removed(tmp_path):
     (run / "work" / "d" / "e" / "f").write_text("x")
     for path in (run / "work" / "d" / "e", run / "work" / "d"):
         path.chmod(0o500)
+    outside = tmp_path / "outside"
+    (outside / "kept").mkdir(parents=True)
+    (run / "work" / "lnk").symlink_to(outside)  # a link to a folder: removed, not followed (it raised before)
     assert sandbox._remove(str(run)) and not run.exists()
+    assert (outside / "kept").is_dir()
+
+
+def test_the_sweep_removes_only_leftovers_of_gone_processes_of_this_host_and_pid_namespace(tmp_path, monkeypatch):
+    """A folder's pid means a process only on its host and in its PID namespace (a container sharing /tmp, a
+    TMPDIR on storage several nodes share): those made elsewhere are left alone, like those of live processes."""
+    monkeypatch.setattr(sandbox.tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setattr(sandbox, "_SWEPT", [])
+    gone = next(p for p in range(4_000_000, 4_100_000) if not os.path.exists(f"/proc/{p}"))
+    here = sandbox._where()
+    names = {"ours, gone": f"grouprl-sbx-{here}-{gone}-a", "ours, alive": f"grouprl-sbx-{here}-{os.getpid()}-b",
+             "elsewhere": f"grouprl-sbx-{'0' * 8 if here != '0' * 8 else '1' * 8}-{gone}-c"}
+    for name in names.values():
+        (tmp_path / name).mkdir()
+    sandbox._sweep_once()
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([names["ours, alive"], names["elsewhere"]])
 
 
 def test_parallel_runs_leak_no_processes_or_directories(monkeypatch, tmp_path, used_uids):

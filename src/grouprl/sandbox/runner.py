@@ -316,7 +316,7 @@ def _prepared_run(program, mode):
     and the harness. Afterwards every process of the uid is killed and the directory removed."""
     _sweep_once()
     with claim_uid() as uid:
-        run_dir = tempfile.mkdtemp(prefix=f"{RUN_DIR_PREFIX}{os.getpid()}-")
+        run_dir = tempfile.mkdtemp(prefix=f"{RUN_DIR_PREFIX}{_where()}-{os.getpid()}-")
         try:
             _write(os.path.join(run_dir, "program.py"), program)
             shutil.copyfile(_HARNESS, os.path.join(run_dir, "harness.py"))
@@ -333,7 +333,7 @@ def _prepared_run(program, mode):
             _remove(run_dir)
 
 
-RUN_DIR_PREFIX = "grouprl-sbx-"  # then the pid of the process whose runs the folder holds
+RUN_DIR_PREFIX = "grouprl-sbx-"  # then _where() and the pid of the process whose runs the folder holds
 _SWEPT: list[bool] = []
 
 
@@ -342,10 +342,11 @@ def _remove(path: str) -> bool:
     made (rmtree alone cannot empty them, and left the folder). True when it is gone."""
     for root, dirs, _ in os.walk(path):  # top-down: each folder is opened up before it is entered
         for d in dirs:
-            try:
-                os.chmod(os.path.join(root, d), 0o700, follow_symlinks=False)
-            except OSError:
-                pass
+            if not os.path.islink(os.path.join(root, d)):  # a link the program made: not followed, removed as is
+                try:
+                    os.chmod(os.path.join(root, d), 0o700)
+                except OSError:
+                    pass
     shutil.rmtree(path, ignore_errors=True)
     if os.path.lexists(path):
         logger.warning("sandbox: could not remove %s; delete it by hand", path)
@@ -364,9 +365,10 @@ def _sweep_once() -> None:
         names = os.listdir(tmp)
     except OSError:
         return
+    ours = f"{RUN_DIR_PREFIX}{_where()}-"
     for name in names:
-        pid = name[len(RUN_DIR_PREFIX):].split("-", 1)[0]
-        if not name.startswith(RUN_DIR_PREFIX) or not pid.isdigit():
+        pid = name[len(ours):].split("-", 1)[0]
+        if not name.startswith(ours) or not pid.isdigit():  # another host's or PID namespace's, or not a run's
             continue
         path = os.path.join(tmp, name)
         try:
@@ -374,9 +376,25 @@ def _sweep_once() -> None:
                 continue
             os.kill(int(pid), 0)  # alive (or another process has its pid now): left alone
         except ProcessLookupError:
-            _remove(path)
+            try:
+                _remove(path)
+            except Exception as e:  # noqa: BLE001 -- a leftover never fails a run
+                logger.warning("sandbox: could not remove %s (%s); delete it by hand", path, e)
         except OSError:
             continue
+
+
+def _where() -> str:
+    """This host and PID namespace, as 8 hex digits: a pid names a process only there (a container with the
+    host's /tmp, a TMPDIR on storage that several nodes share), so the sweep reads only folders made here."""
+    import hashlib
+    import socket
+
+    try:
+        ns = os.readlink("/proc/self/ns/pid")
+    except OSError:
+        ns = ""
+    return hashlib.sha256(f"{socket.gethostname()} {ns}".encode()).hexdigest()[:8]
 
 
 def _write(path, text, mode=0o444):

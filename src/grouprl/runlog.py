@@ -47,8 +47,13 @@ def lock_output_dir(output_dir: str | Path) -> None:
     import time
 
     out = Path(output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    fd = os.open(out / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        fd = os.open(out / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as e:  # a folder we may not write: the run's own writes will say so, on every rank
+        logger.warning("output_dir=%r cannot be locked (%s): nothing stops a second run from using it at the same "
+                       "time", str(output_dir), e)
+        return
     st = os.fstat(fd)
     key = (st.st_dev, st.st_ino)
     if key in _LOCKS:  # ours already
@@ -269,6 +274,15 @@ class RunLogger:
         self.write_json("summary.json", summary)
         self.plot_curves()
         self.close()
+
+    def __enter__(self) -> RunLogger:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
+        """A run that raised lets go of output_dir (a notebook's kernel would hold it for good); its
+        trackers stay open, as the process's end or the next run's resume finds them."""
+        if exc_type is not None and self.enabled:
+            unlock_output_dir(self.dir)
 
     def close(self) -> None:
         unlock_output_dir(self.dir)  # the run is over: another may have the folder

@@ -207,7 +207,7 @@ class Trainer:
         progress = Progress(cfg.max_steps, self.step, cfg.progress and main, silent=not main, every=cfg.logging_steps)
         saved = self.step if resume else None  # the step whose checkpoint is on disk
         signum, reason = None, None  # the signal all ranks agreed to stop on; an alarm set to stop the run
-        with progress:  # an error closes the bar first, so its message starts on a line of its own
+        with self.logger, progress:  # an error closes the bar first (its message starts a line) and frees output_dir
             with StopSignals() as stop:  # looked for (one tiny all-reduce) after each step, and after its eval/save
                 if self.step == 0 and "eval_before" not in self.evals and self.eval_ds is not None:  # not resumed
                     self.evals["eval_before"] = self._log_eval(0, progress)

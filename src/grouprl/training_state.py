@@ -29,7 +29,7 @@ from grouprl.checkpoint import (CheckpointMismatch, DamagedCheckpoint, check_fit
                                 write_loop_state)
 from grouprl.config import RUN_CONFIG_HEADER, ConfigError, TrainConfig, changed_settings
 from grouprl.optim import check_group_layout, scale_learning_rate, value_learning_rate
-from grouprl.runlog import OutputDirInUse, lock_output_dir
+from grouprl.runlog import OutputDirInUse, lock_output_dir, unlock_output_dir
 from grouprl.value import optimized_modules
 
 logger = logging.getLogger(__name__)
@@ -96,6 +96,16 @@ def prepare_output_dir(cfg: TrainConfig, dist: D.DistContext, resume: bool | str
             in_use = str(e)
     if in_use := D.broadcast_object(dist, in_use):  # every rank raises it, none waits (and a barrier)
         raise ConfigError(in_use)
+    try:
+        return _checked_output_dir(cfg, dist, resume)
+    except BaseException:
+        unlock_output_dir(out)  # the run does not start: another may have the folder (a no-op off rank 0)
+        raise
+
+
+def _checked_output_dir(cfg: TrainConfig, dist: D.DistContext, resume: bool | str) -> bool:
+    """prepare_output_dir's checks, and --resume auto's start over, once the folder is this run's."""
+    out = Path(cfg.output_dir)
     over = resume == "auto" and latest_checkpoint(cfg.output_dir) is None  # started (again) from its first step
     resume = not over if resume == "auto" else bool(resume)
     if not resume and latest_checkpoint(cfg.output_dir) is not None:
@@ -185,7 +195,17 @@ def restore_training_state(cfg: TrainConfig, dist: D.DistContext, parts: Trainin
                            evaluates: bool = False) -> LoopState:
     """The newest complete checkpoint in output_dir back into `parts`; where the loop stood, and whether
     the run is over (`evaluates`: it has an eval set, so it ends evaluated; a warning then says so).
-    Settings changed since the run last started are logged; a new learning_rate scales the restored schedule."""
+    Settings changed since the run last started are logged; a new learning_rate scales the restored schedule.
+    A resume that fails lets go of output_dir (prepare_output_dir took it)."""
+    try:
+        return _restored(cfg, dist, parts, evaluates)
+    except BaseException:
+        unlock_output_dir(cfg.output_dir)
+        raise
+
+
+def _restored(cfg: TrainConfig, dist: D.DistContext, parts: TrainingParts, evaluates: bool) -> LoopState:
+    """restore_training_state's work."""
     ckpt = latest_checkpoint(cfg.output_dir)
     if ckpt is None:
         raise ConfigError(f"--resume: output_dir={cfg.output_dir!r} holds no complete "

@@ -714,3 +714,30 @@ def test_a_run_waits_for_an_output_dir_whose_holder_ends_soon(tmp_path, monkeypa
         holder.kill()
         holder.wait()
         runlog.unlock_output_dir(tmp_path)
+
+
+def test_a_run_that_fails_lets_go_of_its_output_dir(make_cfg, monkeypatch):
+    """In a notebook the process outlives a run that raised: its folder is let go (a review's crashed run kept
+    it from every other process until the kernel restarted), whether the run failed while training or its
+    resume was refused."""
+    import subprocess
+    import sys
+
+    def other_process_can_lock(out) -> bool:
+        code = ("import sys\nfrom grouprl import runlog\nrunlog.LOCK_WAIT_S = 0\n"
+                f"try:\n    runlog.lock_output_dir({str(out)!r})\nexcept runlog.OutputDirInUse:\n    sys.exit(3)")
+        return subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0
+
+    cfg = make_cfg(max_steps=3, save_steps=1, lora_r=4)
+    trainer = Trainer(cfg)
+    original = trainer.train_step
+    monkeypatch.setattr(trainer, "train_step", lambda: 1 / 0 if trainer.step == 2 else original())
+    with pytest.raises(ZeroDivisionError):
+        trainer.train()
+    assert other_process_can_lock(cfg.output_dir)
+    with pytest.raises(ConfigError, match="lora_alpha"):
+        Trainer(replace(cfg, lora_alpha=64)).train(resume=True)  # refused while resuming
+    assert other_process_can_lock(cfg.output_dir)
+    with pytest.raises(ConfigError, match="already holds a run with checkpoints"):
+        Trainer(cfg).train()  # refused before it starts
+    assert other_process_can_lock(cfg.output_dir)

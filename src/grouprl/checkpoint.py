@@ -4,7 +4,9 @@ Layout of `output_dir/checkpoints/step-000010/`:
   model/              `save_pretrained` model + tokenizer, loadable by transformers (with LoRA:
                       the adapter merged into the base), usable as `model` for a new run
   adapter/            with LoRA only: the adapter in PEFT's format (adapter_config.json, a few MB) and the
-                      tokenizer, for PeftModel.from_pretrained(base model, it) or vLLM's LoRA
+                      tokenizer, for PeftModel.from_pretrained(base model, it) or vLLM's LoRA; left out when
+                      the run's model folder held an adapter of its own, merged at load (no base on disk
+                      is the start it was trained over: use model/)
   trainable.safetensors  the trainable weights exactly as trained (LoRA: the adapter)
   ref.safetensors     the reference weights, only in DeepSeekMath's iterative mode (state.pt's
                       `ref_written` says so: a checkpoint that lacks it is damaged)
@@ -127,7 +129,9 @@ def _write_files(tmp: Path, step: int, model: torch.nn.Module, tokenizer, state:
     """A checkpoint's files into its temporary folder `tmp`, on disk, COMPLETE last (save_checkpoint)."""
     save_model_folder(model, tmp / "model", model_state)
     tokenizer.save_pretrained(tmp / "model")
-    if is_peft_model(model):  # the adapter alone in PEFT's format: PeftModel.from_pretrained(base, it), vLLM's LoRA
+    # the adapter alone in PEFT's format: PeftModel.from_pretrained(base, it), vLLM's LoRA; not over a policy that
+    # started from a folder's adapter merged into its base (policy.load_policy): no base on disk is that start
+    if is_peft_model(model) and not hasattr(base_model(model), "grouprl_merged_adapter"):
         model.save_pretrained(tmp / "adapter", state_dict=model_state, safe_serialization=True)
         tokenizer.save_pretrained(tmp / "adapter")
     trainable = trainable_state(model)

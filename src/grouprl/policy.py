@@ -257,6 +257,7 @@ def load_policy(name: str, *, gguf_file: str | None = None, lora_r: int = 0, lor
                           "model/") from None
     if base != path:
         model = with_adapter_merged(model, path)
+        model.grouprl_merged_adapter = path  # no base on disk matches a later adapter (checkpoint.py: no adapter/)
         logger.info("model=%r holds a PEFT adapter: it is merged into its base model's weights, which are the "
                     "policy's starting weights%s", name, " (lora_r adds a new adapter over them)" if lora_r else "")
     elif hasattr(model, "peft_config"):  # transformers loaded an adapter by itself, unmerged, its base frozen

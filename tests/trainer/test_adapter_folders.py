@@ -80,6 +80,21 @@ def test_a_run_from_a_folder_with_model_and_adapter_trains_every_weight(make_cfg
     assert any(not torch.equal(p, before[n]) for n, p in trainer.model.named_parameters())
 
 
+@pytest.mark.parametrize("folder", ["adapter", "both"])
+def test_a_lora_run_over_an_adapter_folder_saves_no_adapter_that_names_a_wrong_base(make_cfg, adapter_dirs, folder):
+    """Its new adapter was trained over base + the folder's adapter, which no folder on disk holds: an
+    adapter/ would name the folder's base (missing the first adapter) or a deleted temporary folder (a
+    review's finding). The checkpoint's model/, merged, is the trained policy."""
+    cfg = make_cfg(model=str(adapter_dirs[folder]), max_steps=1, lora_r=4)
+    trainer = Trainer(cfg)
+    trainer.train()
+    ckpt = Path(cfg.output_dir) / "checkpoints" / "step-000001"
+    assert not (ckpt / "adapter").exists()
+    with torch.no_grad():
+        want = trainer.model(input_ids=IDS.to(trainer.dist.device)).logits.cpu()
+    assert torch.allclose(_logits(AutoModelForCausalLM.from_pretrained(ckpt / "model")), want, atol=1e-5)
+
+
 def test_vllm_starts_from_the_merged_weights_of_an_adapter_folder(make_cfg, adapter_dirs, base_plus_adapter):
     """vLLM reads config.json and the model's weights and would leave the adapter out."""
     cfg = make_cfg(model=str(adapter_dirs["both"]))

@@ -19,6 +19,7 @@ from grouprl.trackers import OPENERS, Tracker, TrackerError
 logger = logging.getLogger(__name__)
 
 LOCK_FILE = ".grouprl.lock"
+TRACKED = ".grouprl.tracked"  # the last step sent to the trackers (RunLogger)
 # How long a run waits for output_dir held by another process before it refuses: on NFS a lock of a node
 # that died is released only when the server's lease runs out (NFSv4: 90 s by default), and a requeued job
 # may start on another node before that
@@ -155,7 +156,11 @@ class RunLogger:
             dropped = _truncate_after(self.metrics_path, resume_step)
             _truncate_after(self.samples_path, resume_step)
         # the trackers had the dropped rows' steps from the interrupted run: those that keep them are not
-        # sent them again (trackers.py, "A resumed run")
+        # sent them again (trackers.py, "A resumed run"); TRACKED holds the last step sent, which an earlier
+        # resume's truncation may have dropped from metrics.jsonl (killed twice in a row)
+        self.tracked_path = self.dir / TRACKED
+        sent = _read_step(self.tracked_path) if resume_step else 0
+        dropped = max(dropped, sent if sent > resume_step else 0)
         self.tracked_through = dropped
         for name in dict.fromkeys(report_to):
             if name != "none":
@@ -197,6 +202,8 @@ class RunLogger:
                        and not isinstance(v, bool) and math.isfinite(v)}
             for t in self._trackers_for(step):
                 self._guard(t.name, lambda t=t: t.log(step, scalars), f"log step {step}")
+            if self.trackers and step > self.tracked_through:
+                self.tracked_path.write_text(f"{step}\n")  # the last step the trackers have (__init__)
 
     def _trackers_for(self, step: int) -> list[Tracker]:
         """The trackers a step goes to: on resume, not those that kept the interrupted run's copy of it."""
@@ -328,6 +335,13 @@ class Progress:
     def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
         if exc_type is not None:  # the error's message must not land on the bar's line
             self.close()
+
+
+def _read_step(path: Path) -> int:
+    try:
+        return int(path.read_text().strip() or 0)
+    except (OSError, ValueError):  # none yet, or a write a kill cut short
+        return 0
 
 
 def _truncate_after(path: Path, step: int, drop_at_step: Callable[[dict[str, Any], bool], bool] | None = None) -> None:

@@ -128,3 +128,35 @@ def test_a_resumed_run_does_not_report_again_the_steps_a_continued_tracker_kept(
     assert got["rewinds"] == got["new"] == [4, "table 4", 5, "table 5", 6, "table 6"]
     assert [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [
         1, 2, 3, 4, 5, 6]  # metrics.jsonl holds every step once, the resumed run's
+
+
+def test_killed_twice_in_a_row_the_trackers_still_get_each_step_once(tmp_path, monkeypatch):
+    """Steps 1-7 reported, checkpoint at 5; the first resume reports step 6 and is killed; the second finds
+    step 6 alone past the checkpoint in metrics.jsonl, but the tracker has 7 too (a review's run sent it
+    twice): the last step sent is kept beside the run, and step 7 is not sent again."""
+    from grouprl import trackers
+
+    got: list[int] = []
+
+    class Kept(trackers.Tracker):
+        name, continued = "kept", True
+
+        def __init__(self, *args):
+            pass
+
+        def log(self, step, scalars):
+            got.append(step)
+
+        def finish(self):
+            pass
+
+    monkeypatch.setitem(trackers.OPENERS, "kept", Kept)
+    log = RunLogger(tmp_path, report_to=("kept",))
+    for step in range(1, 8):
+        log.log(step, {"loss": 0.1 * step})
+    log = RunLogger(tmp_path, resume_step=5, report_to=("kept",))  # first resume: logs step 6, then killed
+    log.log(6, {"loss": 0.6})
+    log = RunLogger(tmp_path, resume_step=5, report_to=("kept",))  # second resume
+    for step in (6, 7, 8):
+        log.log(step, {"loss": 0.1 * step})
+    assert got == [1, 2, 3, 4, 5, 6, 7, 8]

@@ -411,7 +411,7 @@ def vllm_serve(argv: list[str]) -> int:
     """Run vLLM's OpenAI server with grouprl's weight-update extension. This process becomes the
     server (exec): a signal to it stops the server. Flags it does not know go to vLLM (`--dtype`,
     `--data-parallel-size`, `--enforce-eager`, ...)."""
-    from grouprl.policy import check_model_source, resolve_model_path
+    from grouprl.policy import ADAPTER_CONFIG, check_model_source, resolve_model_path
     from grouprl.rollout.vllm_server import serve_command
 
     parser = argparse.ArgumentParser(prog="grouprl vllm-serve", description=vllm_serve.__doc__)
@@ -437,6 +437,8 @@ def vllm_serve(argv: list[str]) -> int:
         return 2
     if gguf_file is not None:  # vLLM reads no GGUF: the weights the trainer dequantizes, as a plain folder
         model = _dequantized_folder(model, gguf_file)
+    elif (Path(model) / ADAPTER_CONFIG).is_file():  # vLLM would leave the adapter out: the trainer's merged start
+        model = _dequantized_folder(model, None)
     if not any(f == "--dtype" or f.startswith("--dtype=") for f in extra) and _checkpoint_dtype(model) == "float32":
         print("grouprl vllm-serve: the checkpoint is float32 and vLLM samples it in its default dtype (bfloat16 or "
               "float16), while the trainer computes in float32 unless it autocasts to bf16: pass --dtype float32 to "
@@ -448,25 +450,31 @@ def vllm_serve(argv: list[str]) -> int:
     os.execve(cmd[0], cmd, env)
 
 
-def _dequantized_folder(folder: str, gguf_file: str) -> str:
+def _dequantized_folder(folder: str, gguf_file: str | None) -> str:
     """A GGUF model as vLLM can serve it: dequantized by transformers, as the trainer loads it (so the
     server starts from the trainer's weights), with its tokenizer, written once as a safetensors
-    folder in the temporary directory, found again by the file's path, size and time."""
+    folder in the temporary directory, found again by the file's path, size and time. With no
+    `gguf_file`, a folder holding a PEFT adapter, which vLLM would leave out: the trainer's start, its
+    base with the adapter merged (policy.load_policy), found again by its adapter_config.json."""
     import hashlib
     import tempfile
 
     from grouprl.checkpoint import save_model_folder
-    from grouprl.policy import load_policy, load_tokenizer
+    from grouprl.config import TrainConfig
+    from grouprl.policy import ADAPTER_CONFIG, load_policy, policy_tokenizer
 
-    file = Path(folder, gguf_file).resolve()
+    file = Path(folder, gguf_file or ADAPTER_CONFIG).resolve()
     stat = file.stat()
     key = hashlib.sha256(f"{file}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
-    out = Path(tempfile.gettempdir()) / f"grouprl-vllm-serve-{file.stem}-{key}"
+    name = file.stem if gguf_file else file.parent.name
+    out = Path(tempfile.gettempdir()) / f"grouprl-vllm-serve-{name}-{key}"
     if not (out / "COMPLETE").is_file():
-        print(f"grouprl vllm-serve: vLLM reads no GGUF file: dequantizing {file} to {out} (once)", file=sys.stderr)
+        what = "vLLM reads no GGUF file: dequantizing" if gguf_file else "vLLM would leave the adapter out: merging"
+        print(f"grouprl vllm-serve: {what} {file.parent if gguf_file is None else file} to {out} (once)",
+              file=sys.stderr)
         work = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
         save_model_folder(load_policy(folder, gguf_file=gguf_file), work)
-        load_tokenizer(folder, gguf_file=gguf_file).save_pretrained(work)
+        policy_tokenizer(TrainConfig(model=folder, gguf_file=gguf_file)).save_pretrained(work)
         (work / "COMPLETE").write_text("1\n")
         try:
             work.rename(out)  # renamed into place only complete: a folder there is never replaced

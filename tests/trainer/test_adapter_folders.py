@@ -130,3 +130,22 @@ def test_an_adapter_transformers_loaded_by_itself_is_refused(adapter_dirs, monke
     with pytest.raises(ConfigError, match=f"model='{adapter_dirs['both']}' is a PEFT adapter: download it "
                                           r"\(hf download .*\) and set model to the folder it is in"):
         load_policy(str(adapter_dirs["both"]))
+
+
+@pytest.mark.parametrize("folder", ["adapter", "both"])
+def test_vllm_serve_of_an_adapter_folder_serves_the_merged_start(adapter_dirs, base_plus_adapter, folder, tmp_path,
+                                                                 monkeypatch):
+    """`grouprl vllm-serve <adapter folder>` handed vLLM the raw folder, which it would read without the
+    adapter (a review's suspicion): it serves the trainer's start, the base with the adapter merged, written
+    once as a plain folder with the tokenizer."""
+    from grouprl import cli
+
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    served = []
+    monkeypatch.setattr("grouprl.rollout.vllm_server.serve_command",
+                        lambda model, **kw: served.append(model) or (["true"], {}))
+    monkeypatch.setattr(cli.os, "execve", lambda *a: None)
+    cli.vllm_serve([str(adapter_dirs[folder])])
+    (model,) = served
+    assert Path(model).parent == tmp_path and (Path(model) / "tokenizer_config.json").is_file()
+    assert torch.equal(_logits(AutoModelForCausalLM.from_pretrained(model)), base_plus_adapter)

@@ -266,7 +266,7 @@ def load_policy(name: str, *, gguf_file: str | None = None, lora_r: int = 0, lor
     model.config.use_cache = False
     packing.enable(model)  # padding-free passes (packing.py); other uses are unchanged
     if gradient_checkpointing is True:  # "auto" checkpoints pass by pass (activation_checkpointing)
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        checkpointing(model, True)
     if lora_r:
         linear = linear_module_names(model)
         try:
@@ -399,26 +399,42 @@ def activation_checkpointing(model: torch.nn.Module, enabled: bool = True):
     without transformers' own PEFT integration: the hook is removed on leaving the block unless the
     model had one before, or every pass would add one more."""
     base = base_model(getattr(model, "module", model))
-    if not enabled or base.is_gradient_checkpointing:
+    if not enabled or is_checkpointing(base):
         yield
         return
     hooked = hasattr(base, "_require_grads_hook")  # transformers sets it with the hook and deletes it with it
-    base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    checkpointing(base, True)
     try:
         yield
     finally:
-        base.gradient_checkpointing_disable()
+        checkpointing(base, False)
         if not hooked and hasattr(base, "_require_grads_hook"):
             base.disable_input_require_grads()
+
+
+def checkpointing(model: torch.nn.Module, on: bool) -> None:
+    """transformers' activation checkpointing of `model` (non-reentrant) on or off, by the names
+    transformers 5.24 gives it (`activation_checkpointing_*`; the `gradient_checkpointing_*` ones warn
+    at every call there, and go in v6), or the old ones before."""
+    new = hasattr(model, "activation_checkpointing_enable")
+    if on and new:
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    elif on:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        (model.activation_checkpointing_disable if new else model.gradient_checkpointing_disable)()
+
+
+def is_checkpointing(model: torch.nn.Module) -> bool:
+    name = ("is_activation_checkpointing" if hasattr(model, "is_activation_checkpointing")
+            else "is_gradient_checkpointing")
+    return bool(getattr(model, name, False))
 
 
 def can_share_prompts(model: torch.nn.Module) -> bool:
     """The shared-prompt forward feeds the prompts' KV cache into a second forward pass: not
     possible when gradient checkpointing turns the cache off."""
-    model = getattr(model, "module", model)
-    name = ("is_activation_checkpointing" if hasattr(model, "is_activation_checkpointing")
-            else "is_gradient_checkpointing")
-    return not getattr(model, name, False)
+    return not is_checkpointing(getattr(model, "module", model))
 
 
 # The [n, T', V] logits are made whole only below this many elements (256 MB in fp32); above it

@@ -86,6 +86,7 @@ def test_auto_checkpointing_applies_to_the_passes_over_the_budget_only(make_cfg)
     it was; after the step the model is back to not checkpointing (generation needs its cache).
     On CUDA `auto` checkpoints every pass, whatever the budget (the test below)."""
     from grouprl.lora import base_model
+    from grouprl.policy import is_checkpointing
 
     grads, seen = [], []
     for budget, mode in ((10_000, "auto"), (12, "auto"), (12, False)):
@@ -95,13 +96,13 @@ def test_auto_checkpointing_applies_to_the_passes_over_the_budget_only(make_cfg)
         base = base_model(trainer.model)
         calls: list[bool] = []
         layer = base.model.layers[0]
-        layer.register_forward_pre_hook(lambda *_: calls.append(base.is_gradient_checkpointing)
+        layer.register_forward_pre_hook(lambda *_: calls.append(is_checkpointing(base))
                                         if torch.is_grad_enabled() else None)
         step = trainer.optimizer.step  # the accumulated gradient, as the optimizer gets it
         trainer.optimizer.step = lambda step=step, trainer=trainer: grads.append(
             torch.cat([p.grad.flatten() for p in trainer.model.parameters()])) or step()
         trainer.train_step()
-        assert not base.is_gradient_checkpointing
+        assert not is_checkpointing(base)
         seen.append(set(calls))
     assert seen == [{False}, {True}, {False}]
     assert (grads[1] - grads[2]).norm() <= 1e-5 * grads[2].norm() and grads[2].norm() > 0
@@ -122,13 +123,14 @@ def test_on_cuda_auto_checkpoints_every_pass(make_cfg, monkeypatch):
     is loaded checkpointing (every pass, any budget), and a pass over the budget needs nothing more."""
     from grouprl import memory, trainer as trainer_module
     from grouprl.lora import base_model
+    from grouprl.policy import is_checkpointing
 
     monkeypatch.setattr(trainer_module, "checkpoint_mode", lambda setting, device: memory.checkpoint_mode(
         setting, torch.device("cuda")))
     trainer = Trainer(make_cfg(max_tokens_per_micro_batch=10_000, micro_batch_size=16))
     base = base_model(trainer.model)
     calls: list[bool] = []
-    base.model.layers[0].register_forward_pre_hook(lambda *_: calls.append(base.is_gradient_checkpointing)
+    base.model.layers[0].register_forward_pre_hook(lambda *_: calls.append(is_checkpointing(base))
                                                    if torch.is_grad_enabled() else None)
     trainer.train_step()
     assert set(calls) == {True} and not trainer.updater.checkpoint_over_budget
@@ -202,3 +204,36 @@ def test_a_padding_pass_adds_nothing_whatever_the_other_ranks_rows_hold(make_cfg
         metrics = trainer.update(batch, trainer.advantages(batch))
         assert metrics["skipped_nonfinite"] == 0
     assert len(grads) == 2 and all(torch.equal(a, b) for a, b in zip(*grads))
+
+
+def test_checkpointing_goes_by_the_names_the_installed_transformers_gives_it():
+    """transformers 5.24 renamed gradient_checkpointing_* to activation_checkpointing_* (the old names warn
+    at every call, and go in v6; seen on a lent GPU machine): the new names where a model has them."""
+    from grouprl.policy import checkpointing, is_checkpointing
+
+    calls = []
+
+    class Old:
+        is_gradient_checkpointing = True
+
+        def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs):
+            calls.append(("old on", gradient_checkpointing_kwargs))
+
+        def gradient_checkpointing_disable(self):
+            calls.append(("old off",))
+
+    class New(Old):
+        is_activation_checkpointing = False
+
+        def activation_checkpointing_enable(self, activation_checkpointing_kwargs):
+            calls.append(("new on", activation_checkpointing_kwargs))
+
+        def activation_checkpointing_disable(self):
+            calls.append(("new off",))
+
+    for model in (Old(), New()):
+        checkpointing(model, True)
+        checkpointing(model, False)
+    assert calls == [("old on", {"use_reentrant": False}), ("old off",), ("new on", {"use_reentrant": False}),
+                     ("new off",)]
+    assert is_checkpointing(Old()) and not is_checkpointing(New())

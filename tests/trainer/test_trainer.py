@@ -403,7 +403,7 @@ def test_checkpointing_pass_by_pass_leaves_no_hook_behind(tiny_model_dir, lora_r
     """`gradient_checkpointing: auto` checkpoints pass by pass: each pass hooks the embedding
     (transformers' enable_input_require_grads), and leaving it takes the hook away again."""
     from grouprl.lora import base_model
-    from grouprl.policy import activation_checkpointing, load_policy
+    from grouprl.policy import activation_checkpointing, is_checkpointing, load_policy
 
     model = load_policy(str(tiny_model_dir), lora_r=lora_r)
     embedding = model.get_input_embeddings()
@@ -411,7 +411,7 @@ def test_checkpointing_pass_by_pass_leaves_no_hook_behind(tiny_model_dir, lora_r
     counts = []
     for _ in range(3):
         with activation_checkpointing(model):
-            assert base_model(model).is_gradient_checkpointing
+            assert is_checkpointing(base_model(model))
             model(input_ids=ids).logits.sum().backward()
         counts.append(len(embedding._forward_hooks))
     assert counts == [0, 0, 0]

@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 from grouprl import packing
 from grouprl.lora import adapter_disabled
 from grouprl.micro_batches import MicroBatch, packed_tokens, plan_micro_batches
-from grouprl.policy import checkpointing, completion_logprobs
+from grouprl.policy import checkpointing as set_checkpointing, completion_logprobs
 from grouprl.tasks.testing import build_tiny_architecture, with_random_lora
 from tests.trainer.test_head_logprobs_path import CHUNKED, WHOLE, assert_same
 from tests.trainer.test_micro_batches import rollout_of
@@ -340,7 +340,7 @@ def test_the_probe_inside_a_checkpointed_layer_leaves_the_recomputation_alone(mo
     r = ragged_rollout([3, 9, 5], G=4, seed=1)
     padded = run(llama, r, packed=False)
     ckpt = copy.deepcopy(llama)
-    checkpointing(ckpt, True)
+    set_checkpointing(ckpt, True)
     assert_same(run(ckpt, r, packed=True), padded, atol=1e-5, grad_rtol=1e-5)
     assert probes == [1] and list(packing._PROBED.values()) == [True]
 
@@ -412,7 +412,7 @@ def test_a_varlen_kernel_that_fails_warns_once_and_the_rows_run_per_sequence(mon
     exc_info, an error reporter): its frames then keep the whole failed call stack alive."""
     if checkpointing:
         llama = copy.deepcopy(llama)
-        checkpointing(llama, True)
+        set_checkpointing(llama, True)
     if checkpointing and checkpointing.startswith("torch 2.11's"):
         for module in llama.modules():
             if hasattr(module, "_gradient_checkpointing_func"):
@@ -476,7 +476,7 @@ def test_gradient_checkpointing_runs_packed_with_shared_prompts(llama, attention
     r = ragged_rollout([5, 2], G=3, seed=5)
     padded = run(llama, r, packed=False, share=False)
     ckpt = copy.deepcopy(llama)
-    checkpointing(ckpt, True)
+    set_checkpointing(ckpt, True)
     assert_same(run(ckpt, r, packed=True), padded, atol=1e-5, grad_rtol=1e-5)
 
 

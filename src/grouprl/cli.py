@@ -435,10 +435,8 @@ def vllm_serve(argv: list[str]) -> int:
     except (ConfigError, ValueError) as e:
         print(f"grouprl vllm-serve: error: {e}", file=sys.stderr)
         return 2
-    if gguf_file is not None:  # vLLM reads no GGUF: the weights the trainer dequantizes, as a plain folder
-        model = _dequantized_folder(model, gguf_file)
-    elif (Path(model) / ADAPTER_CONFIG).is_file():  # vLLM would leave the adapter out: the trainer's merged start
-        model = _dequantized_folder(model, None)
+    if gguf_file is not None or (Path(model) / ADAPTER_CONFIG).is_file():  # vLLM reads no GGUF, and leaves an
+        model = _plain_model_folder(model, gguf_file)  # adapter out: the trainer's start, as a plain folder
     if not any(f == "--dtype" or f.startswith("--dtype=") for f in extra) and _checkpoint_dtype(model) == "float32":
         print("grouprl vllm-serve: the checkpoint is float32 and vLLM samples it in its default dtype (bfloat16 or "
               "float16), while the trainer computes in float32 unless it autocasts to bf16: pass --dtype float32 to "
@@ -450,12 +448,12 @@ def vllm_serve(argv: list[str]) -> int:
     os.execve(cmd[0], cmd, env)
 
 
-def _dequantized_folder(folder: str, gguf_file: str | None) -> str:
-    """A GGUF model as vLLM can serve it: dequantized by transformers, as the trainer loads it (so the
-    server starts from the trainer's weights), with its tokenizer, written once as a safetensors
-    folder in the temporary directory, found again by the file's path, size and time. With no
-    `gguf_file`, a folder holding a PEFT adapter, which vLLM would leave out: the trainer's start, its
-    base with the adapter merged (policy.load_policy), found again by its adapter_config.json."""
+def _plain_model_folder(folder: str, gguf_file: str | None) -> str:
+    """The trainer's start as vLLM can serve it, with its tokenizer, written once as a safetensors folder
+    in the temporary directory: a GGUF model dequantized by transformers, as the trainer loads it (found
+    again by the file's path, size and time); with no `gguf_file`, a folder holding a PEFT adapter, which
+    vLLM would leave out, as its base with the adapter merged (policy.load_policy; found again by its
+    adapter_config.json)."""
     import hashlib
     import tempfile
 

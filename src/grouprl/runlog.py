@@ -3,11 +3,15 @@ summary.json, curves.png, and the live progress bar."""
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import math
+import os
 import re
+import socket
 import sys
+import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -42,65 +46,53 @@ def lock_output_dir(output_dir: str | Path) -> None:
     folder held by another process is waited for up to LOCK_WAIT_S, then OutputDirInUse names that
     process. Rank 0 calls it; a process that holds the folder may call
     it again (a notebook's next run)."""
-    import fcntl
-    import os
-    import socket
-    import time
-
     out = Path(output_dir)
     try:
         out.mkdir(parents=True, exist_ok=True)
         fd = os.open(out / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
-    except OSError as e:  # a folder we may not write: the run's own writes will say so, on every rank
-        logger.warning("output_dir=%r cannot be locked (%s): nothing stops a second run from using it at the same "
-                       "time", str(output_dir), e)
-        return
-    st = os.fstat(fd)
-    key = (st.st_dev, st.st_ino)
-    if key in _LOCKS:  # ours already
-        os.close(fd)
-        return
-    deadline = time.monotonic() + LOCK_WAIT_S
-    try:
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() >= deadline:
-                    raise
-                if deadline - time.monotonic() >= LOCK_WAIT_S - 2:  # said once, at the first refusal
-                    logger.warning("output_dir=%r is held by another run (%s): waiting up to %.0f s for it to end",
-                                   str(output_dir), _holder(fd), LOCK_WAIT_S)
-                time.sleep(2.0)
-    except BlockingIOError:
-        holder = _holder(fd)
-        os.close(fd)
-        raise OutputDirInUse(f"output_dir={str(output_dir)!r} is in use by another run ({holder}): two runs in one "
-                             "folder would delete each other's checkpoints and mix their logs. Wait for it to end "
-                             "(or stop it), or give this run another output_dir") from None
-    except OSError as e:  # no locks on this filesystem (ENOLCK, EOPNOTSUPP)
-        os.close(fd)
+        st = os.fstat(fd)
+        if (st.st_dev, st.st_ino) in _LOCKS:  # ours already
+            os.close(fd)
+            return
+        deadline, said = time.monotonic() + LOCK_WAIT_S, False
+        while not _try_flock(fd):
+            if time.monotonic() >= deadline:
+                holder = _holder(fd)
+                os.close(fd)
+                raise OutputDirInUse(f"output_dir={str(output_dir)!r} is in use by another run ({holder}): two runs "
+                                     "in one folder would delete each other's checkpoints and mix their logs. Wait "
+                                     "for it to end (or stop it), or give this run another output_dir")
+            if not said:
+                logger.warning("output_dir=%r is held by another run (%s): waiting up to %.0f s for it to end",
+                               str(output_dir), _holder(fd), LOCK_WAIT_S)
+                said = True
+            time.sleep(2.0)
+    except OSError as e:  # a folder we may not write, a filesystem without locks (ENOLCK, EOPNOTSUPP): the
+        # run's own writes will say what is wrong, on every rank
         logger.warning("output_dir=%r cannot be locked (%s): nothing stops a second run from using it at the same "
                        "time", str(output_dir), e)
         return
     os.ftruncate(fd, 0)
     os.write(fd, f"pid {os.getpid()} on host {socket.gethostname()}, since "
                  f"{time.strftime('%Y-%m-%d %H:%M:%S')}\n".encode())
-    _LOCKS[key] = fd
+    _LOCKS[(st.st_dev, st.st_ino)] = fd
+
+
+def _try_flock(fd: int) -> bool:
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:  # held by another process
+        return False
 
 
 def _holder(fd: int) -> str:
-    import os
-
     os.lseek(fd, 0, os.SEEK_SET)
     return os.read(fd, 512).decode("utf-8", "replace").strip() or "a process that wrote nothing"
 
 
 def unlock_output_dir(output_dir: str | Path) -> None:
     """Let go of output_dir (lock_output_dir), if this process holds it."""
-    import os
-
     try:
         st = os.stat(Path(output_dir) / LOCK_FILE)
     except OSError:

@@ -299,10 +299,10 @@ def test_two_vllm_serves_of_one_gguf_file_started_together_keep_the_first_folder
         real_save(model, path)
         calls.append(path)
         if len(calls) == 1:  # meanwhile the other server's dequantizing finished and was renamed into place
-            first.append(cli._dequantized_folder(str(gguf_dir), "tiny-q4_1.gguf"))
+            first.append(cli._plain_model_folder(str(gguf_dir), "tiny-q4_1.gguf"))
             (Path(first[0]) / "served-by-the-first").write_text("1\n")
 
     monkeypatch.setattr(checkpoint, "save_model_folder", save_while_the_other_finishes)
-    second = cli._dequantized_folder(str(gguf_dir), "tiny-q4_1.gguf")
+    second = cli._plain_model_folder(str(gguf_dir), "tiny-q4_1.gguf")
     assert second == first[0] and (Path(second) / "served-by-the-first").is_file()
     assert sorted(p.name for p in tmp_path.iterdir()) == [Path(second).name]  # the second's work folder is gone
